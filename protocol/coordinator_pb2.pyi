@@ -1,0 +1,250 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PeerPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PEER_PHASE_UNSPECIFIED: _ClassVar[PeerPhase]
+    PEER_PHASE_JOINING: _ClassVar[PeerPhase]
+    PEER_PHASE_TRAINING: _ClassVar[PeerPhase]
+    PEER_PHASE_AVERAGING: _ClassVar[PeerPhase]
+    PEER_PHASE_LEAVING: _ClassVar[PeerPhase]
+
+class ClaimStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLAIM_STATUS_UNSPECIFIED: _ClassVar[ClaimStatus]
+    CLAIM_STATUS_PENDING: _ClassVar[ClaimStatus]
+    CLAIM_STATUS_GRANTED: _ClassVar[ClaimStatus]
+    CLAIM_STATUS_DENIED: _ClassVar[ClaimStatus]
+PEER_PHASE_UNSPECIFIED: PeerPhase
+PEER_PHASE_JOINING: PeerPhase
+PEER_PHASE_TRAINING: PeerPhase
+PEER_PHASE_AVERAGING: PeerPhase
+PEER_PHASE_LEAVING: PeerPhase
+CLAIM_STATUS_UNSPECIFIED: ClaimStatus
+CLAIM_STATUS_PENDING: ClaimStatus
+CLAIM_STATUS_GRANTED: ClaimStatus
+CLAIM_STATUS_DENIED: ClaimStatus
+
+class SignedEnvelope(_message.Message):
+    __slots__ = ("kind", "body", "signer", "nonce", "timestamp", "signature")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    body: bytes
+    signer: bytes
+    nonce: bytes
+    timestamp: float
+    signature: bytes
+    def __init__(self, kind: _Optional[str] = ..., body: _Optional[bytes] = ..., signer: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., timestamp: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class AccessTokenBody(_message.Message):
+    __slots__ = ("run_digest", "peer_public_key", "issued_at", "expires_at", "token_id", "libp2p_peer_id")
+    RUN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PEER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    run_digest: str
+    peer_public_key: bytes
+    issued_at: float
+    expires_at: float
+    token_id: bytes
+    libp2p_peer_id: str
+    def __init__(self, run_digest: _Optional[str] = ..., peer_public_key: _Optional[bytes] = ..., issued_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., token_id: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ...) -> None: ...
+
+class Hardware(_message.Message):
+    __slots__ = ("device", "accelerator_count", "accelerator_name", "accelerator_memory_gib", "cpu_count", "ram_gib")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_MEMORY_GIB_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RAM_GIB_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    accelerator_count: int
+    accelerator_name: str
+    accelerator_memory_gib: float
+    cpu_count: int
+    ram_gib: float
+    def __init__(self, device: _Optional[str] = ..., accelerator_count: _Optional[int] = ..., accelerator_name: _Optional[str] = ..., accelerator_memory_gib: _Optional[float] = ..., cpu_count: _Optional[int] = ..., ram_gib: _Optional[float] = ...) -> None: ...
+
+class JoinBody(_message.Message):
+    __slots__ = ("libp2p_peer_id", "software_version", "spec_digest", "hardware", "maddrs", "reachable", "account_endorsement")
+    LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    MADDRS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_ENDORSEMENT_FIELD_NUMBER: _ClassVar[int]
+    libp2p_peer_id: str
+    software_version: str
+    spec_digest: str
+    hardware: Hardware
+    maddrs: _containers.RepeatedScalarFieldContainer[str]
+    reachable: bool
+    account_endorsement: SignedEnvelope
+    def __init__(self, libp2p_peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., maddrs: _Optional[_Iterable[str]] = ..., reachable: _Optional[bool] = ..., account_endorsement: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: SignedEnvelope
+    def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s")
+    SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    spec_toml: str
+    spec_digest: str
+    access_token: bytes
+    bootstrap_maddrs: _containers.RepeatedScalarFieldContainer[str]
+    current_round: int
+    current_state_digest: str
+    coordinator_public_key: bytes
+    server_time: float
+    heartbeat_interval_s: float
+    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatBody(_message.Message):
+    __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    phase: PeerPhase
+    samples_per_second: float
+    samples_total: int
+    loss: float
+    state_digest: str
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[PeerPhase, str]] = ..., samples_per_second: _Optional[float] = ..., samples_total: _Optional[int] = ..., loss: _Optional[float] = ..., state_digest: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: SignedEnvelope
+    def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("server_time", "heartbeat_interval_s", "admitted", "message")
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    server_time: float
+    heartbeat_interval_s: float
+    admitted: bool
+    message: str
+    def __init__(self, server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("public_key", "libp2p_peer_id", "weight")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    libp2p_peer_id: str
+    weight: float
+    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class RoundReportBody(_message.Message):
+    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    samples: int
+    loss: float
+    group: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    state_digest: str
+    compute_s: float
+    wait_s: float
+    bytes_sent: int
+    bytes_received: int
+    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class RoundReportRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: SignedEnvelope
+    def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+
+class RoundReportResponse(_message.Message):
+    __slots__ = ("status", "reason")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    status: ClaimStatus
+    reason: str
+    def __init__(self, status: _Optional[_Union[ClaimStatus, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    libp2p_peer_id: str
+    state: str
+    samples_per_second: float
+    reachable: bool
+    software_version: str
+    last_seen: float
+    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers")
+    RUN_NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PEERS_ONLINE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_TIME_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    run_name: str
+    spec_digest: str
+    current_round: int
+    current_state_digest: str
+    peers_online: int
+    samples_per_second: float
+    rounds_per_hour: float
+    last_round_time: float
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,314 @@
+"""RunSpec: the definition of a training run, from TOML, typed and validated.
+
+Every party of a run (coordinator, peers) must agree on it: ``RunSpec.digest()`` is a
+SHA-256 over a canonical JSON form of the validated spec, so formatting, comments, key
+order and spelled-out defaults do not change it, while any value that affects training or
+averaging does. The ``[admission]`` table is excluded: who may join is the coordinator's
+policy and may change while the run goes on without making it another run.
+
+Parsing is strict: unknown keys are errors (with a did-you-mean), types are not coerced
+("10" is not 10), and every problem is reported on one line naming the field and, where it
+can be found, the line of the file. Run ``swarmtrain spec check FILE`` to check a file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from protocol.errors import IdentityError, SpecError
+from protocol.identity import PublicKey
+
+SPEC_VERSION = 1
+_FACTORY_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+PositiveInt = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
+
+
+class RunSection(_Section):
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    """Short run name: lowercase letters, digits, '.', '_' or '-', at most 64 characters."""
+    description: str = ""
+    """Free text shown on the dashboard."""
+
+
+class ModelSection(_Section):
+    d_model: Annotated[int, Field(ge=8, le=16384)] = 128
+    """Width of the byte-level GPT (embedding size)."""
+    n_layers: Annotated[int, Field(ge=1, le=256)] = 2
+    """Number of transformer blocks."""
+    n_heads: Annotated[int, Field(ge=1, le=256)] = 4
+    """Attention heads; must divide d_model."""
+    context: Annotated[int, Field(ge=8, le=65536)] = 128
+    """Context length in bytes (tokens)."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Dropout probability during inner steps."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSection:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        return self
+
+
+class TaskSection(_Section):
+    kind: Literal["bytegpt", "import"] = "bytegpt"
+    """'bytegpt' (built-in byte-level GPT) or 'import' (a user factory, see `factory`)."""
+    factory: Annotated[str, Field(pattern=_FACTORY_RE)] | None = None
+    """For kind = 'import': 'package.module:function' returning the task."""
+    model: ModelSection = ModelSection()
+    """Size of the built-in model (ignored by import tasks, which size themselves)."""
+    options: dict[str, str | int | float | bool] = {}
+    """Keyword arguments passed to an import task's factory."""
+
+    @model_validator(mode="after")
+    def _factory_matches_kind(self) -> TaskSection:
+        if self.kind == "import" and self.factory is None:
+            raise ValueError("kind = 'import' needs factory = 'package.module:function'")
+        if self.kind != "import" and self.factory is not None:
+            raise ValueError(f"factory is only used with kind = 'import' (kind is {self.kind!r})")
+        return self
+
+
+class DataSection(_Section):
+    source: Literal["stdlib", "dir"] = "stdlib"
+    """'stdlib': the Python standard library's own source files (on every machine, no
+    download); 'dir': the text files under `path`."""
+    path: str | None = None
+    """Directory of text files, for source = 'dir'."""
+    seed: int = 0
+    """Base seed of the shuffling; each peer derives its own shard from it."""
+    validation_fraction: Annotated[float, Field(ge=0, lt=0.5)] = 0.02
+    """Fraction of files held out to measure validation loss."""
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> DataSection:
+        if self.source == "dir" and not self.path:
+            raise ValueError("source = 'dir' needs path = '/directory/of/text'")
+        if self.source != "dir" and self.path is not None:
+            raise ValueError(f"path is only used with source = 'dir' (source is {self.source!r})")
+        return self
+
+
+class InnerSection(_Section):
+    optimizer: Literal["adamw"] = "adamw"
+    """Inner (local) optimizer."""
+    lr: PositiveFloat = 3e-4
+    """Inner learning rate."""
+    weight_decay: NonNegFloat = 0.1
+    """AdamW decoupled weight decay."""
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.95]
+    """AdamW (beta1, beta2)."""
+    batch_size: Annotated[int, Field(ge=1, le=65536)] = 16
+    """Sequences per inner step (per peer)."""
+    grad_clip: PositiveFloat | None = 1.0
+    """Clip the gradient's global norm to this value; omit to disable."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear warm-up of the inner learning rate, in inner steps."""
+
+
+class RoundsSection(_Section):
+    inner_steps: PositiveInt | None = 50
+    """H: inner steps per round. A round ends at H steps or at time_budget_s, whichever first."""
+    time_budget_s: PositiveFloat | None = None
+    """Wall-clock budget of a round's inner phase, in seconds (lets slow peers fit)."""
+    max_rounds: PositiveInt | None = None
+    """Stop the run after this many rounds; omit to run until stopped."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> RoundsSection:
+        if self.inner_steps is None and self.time_budget_s is None:
+            raise ValueError("a round needs inner_steps and/or time_budget_s")
+        return self
+
+
+class OuterSection(_Section):
+    optimizer: Literal["sgd"] = "sgd"
+    """Outer optimizer applied to the averaged pseudo-gradient."""
+    lr: PositiveFloat = 0.7
+    """Outer learning rate (DiLoCo: 0.7)."""
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    """Outer momentum (DiLoCo: 0.9)."""
+    nesterov: bool = True
+    """Nesterov momentum (DiLoCo: true)."""
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OuterSection:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov = true needs momentum > 0")
+        return self
+
+
+class AveragingSection(_Section):
+    compression: Literal["none", "fp16", "int8", "4bit"] = "fp16"
+    """Codec for pseudo-gradients on the wire."""
+    error_feedback: bool = True
+    """Carry each lossy codec's rounding error into the next round."""
+    min_group_size: Annotated[int, Field(ge=1, le=4096)] = 2
+    """Fewest peers for an averaging round; below it the round is retried or skipped."""
+    target_group_size: Annotated[int, Field(ge=1, le=4096)] = 16
+    """Largest averaging group."""
+    matchmaking_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 15.0
+    """Initial time to form a group, in seconds (adapted to measured rounds, within bounds)."""
+    allreduce_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """Initial time for one all-reduce, in seconds (adapted to measured transfers)."""
+    overlap: bool = True
+    """Average round r in the background while round r+1 computes (one-round delay)."""
+
+    @model_validator(mode="after")
+    def _group_sizes(self) -> AveragingSection:
+        if self.min_group_size > self.target_group_size:
+            raise ValueError(
+                f"min_group_size ({self.min_group_size}) exceeds target_group_size ({self.target_group_size})"
+            )
+        return self
+
+
+class AdmissionSection(_Section):
+    mode: Literal["open", "allowlist"] = "open"
+    """'open': anyone may join; 'allowlist': only the account keys listed (editable live)."""
+    allowlist: list[str] = []
+    """Public ids ('ed25519:...') of accounts admitted in allowlist mode."""
+    token_ttl_s: Annotated[float, Field(ge=60, le=30 * 86400)] = 3600.0
+    """Lifetime of an access token, in seconds; peers renew before expiry."""
+
+    @field_validator("allowlist")
+    @classmethod
+    def _ids_parse(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                PublicKey.from_id(entry)
+            except IdentityError as exc:
+                raise ValueError(str(exc)) from exc
+        if len(set(value)) != len(value):
+            raise ValueError("allowlist lists an id twice")
+        return value
+
+    @model_validator(mode="after")
+    def _list_needs_mode(self) -> AdmissionSection:
+        if self.mode == "open" and self.allowlist:
+            raise ValueError("allowlist is set but mode = 'open' ignores it; set mode = 'allowlist'")
+        return self
+
+
+class CreditsSection(_Section):
+    max_samples_per_second: PositiveFloat = 10_000.0
+    """Plausibility cap per peer: claims above it are granted only up to it."""
+
+
+class RunSpec(_Section):
+    """A run's definition. Build with ``parse_spec`` / ``load_spec``."""
+
+    spec_version: Literal[1] = SPEC_VERSION
+    """Version of this format."""
+    run: RunSection
+    task: TaskSection = TaskSection()
+    data: DataSection = DataSection()
+    inner: InnerSection = InnerSection()
+    rounds: RoundsSection = RoundsSection()
+    outer: OuterSection = OuterSection()
+    averaging: AveragingSection = AveragingSection()
+    admission: AdmissionSection = AdmissionSection()
+    credits: CreditsSection = CreditsSection()
+
+    def canonical_json(self) -> bytes:
+        """Canonical form of everything the digest covers (all but ``admission``)."""
+        data = self.model_dump(mode="json", exclude={"admission"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+    def digest(self) -> str:
+        """``sha256:<hex>`` identifying the run."""
+        return "sha256:" + hashlib.sha256(self.canonical_json()).hexdigest()
+
+
+def load_spec(path: Path | str) -> RunSpec:
+    """Read and validate a spec file; raises ``SpecError`` listing every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise SpecError(str(path), ["no such file"]) from exc
+    except IsADirectoryError as exc:
+        raise SpecError(str(path), ["is a directory, not a spec file"]) from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), [f"not UTF-8 text (byte {exc.start})"]) from exc
+    except OSError as exc:
+        raise SpecError(str(path), [f"cannot read ({exc.strerror})"]) from exc
+    return parse_spec(text, source=str(path))
+
+
+def parse_spec(text: str, *, source: str = "<spec>") -> RunSpec:
+    """Validate TOML text as a spec; raises ``SpecError`` listing every problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(source, [f"TOML syntax error: {exc}"]) from exc
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(source, [_describe(err, text) for err in exc.errors()]) from exc
+
+
+def _describe(err: Any, text: str) -> str:
+    loc = tuple(str(part) for part in err["loc"])
+    field = ".".join(loc) or "(top level)"
+    line = _find_line(text, loc)
+    where = f"line {line}: " if line else ""
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{where}{field}: unknown key{_suggest(loc)}"
+    if kind == "missing":
+        return f"{where}{field}: required key is missing"
+    message = err["msg"].removeprefix("Value error, ")
+    got = "" if kind.startswith("value_error") else f" (got {err.get('input')!r})"
+    return f"{where}{field}: {message}{got}"
+
+
+def _suggest(loc: tuple[str, ...]) -> str:
+    model: type[BaseModel] = RunSpec
+    for part in loc[:-1]:
+        annotation = model.model_fields.get(part)
+        inner = getattr(annotation, "annotation", None) if annotation else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return ""
+        model = inner
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_HEADER_RE = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\s\"-]+?)\s*\]\s*(#.*)?$")
+_KEY_RE = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*=")
+
+
+def _find_line(text: str, loc: tuple[str, ...]) -> int | None:
+    """Best-effort 1-based line of ``loc`` (table headers + bare keys); None if not found."""
+    table: tuple[str, ...] = ()
+    header_line: int | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER_RE.match(line)
+        if header:
+            table = tuple(p.strip().strip('"') for p in header.group(1).split("."))
+            if table == loc:
+                header_line = number
+            continue
+        key = _KEY_RE.match(line)
+        if key and table + (key.group(1),) == loc[: len(table) + 1] and len(loc) > len(table):
+            return number
+    if header_line is not None:
+        return header_line
+    if len(loc) > 1:
+        return _find_line(text, loc[:-1])
+    return None

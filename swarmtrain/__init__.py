@@ -1,0 +1,7 @@
+"""swarmtrain: decentralized peer-to-peer volunteer training.
+
+This package is the launcher only (the ``swarmtrain`` command); the work lives in
+``protocol`` (the wire), ``peer`` (the training node) and ``coordinator`` (the service).
+"""
+
+__version__ = "0.1.0"

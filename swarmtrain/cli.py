@@ -1,0 +1,74 @@
+"""The ``swarmtrain`` command: parses arguments (before any heavy import) and dispatches.
+
+Every failure a user can cause ends with exit status != 0 and one line per problem on
+stderr, ``swarmtrain <command>: error: ...``; never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from protocol.errors import SpecError, SwarmtrainError
+from swarmtrain import __version__
+from swarmtrain.commands import doctor, keygen, pending, spec
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error on one line and points at --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="swarmtrain",
+        description="Train one model together with GPU peers across the internet.",
+        epilog="Run `swarmtrain COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"swarmtrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+    pending.add_parser(commands, "peer", "run a training peer (join a run through a coordinator or peers)")
+    pending.add_parser(commands, "coordinator", "run a coordinator: admission, health, credits, dashboard")
+    pending.add_parser(commands, "status", "show a run's swarm health from its coordinator")
+    pending.add_parser(commands, "demo", "a coordinator and 3 local CPU peers train a tiny model")
+    keygen.add_parser(commands)
+    spec.add_parser(commands)
+    doctor.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    prog = f"swarmtrain {args.command}"
+    try:
+        return int(args.run(args))
+    except SpecError as exc:
+        for problem in exc.problems:
+            print(f"{prog}: error: {exc.source}: {problem}", file=sys.stderr)
+        return EXIT_ERROR
+    except SwarmtrainError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # hivemind configures its own loggers from this variable when first imported.
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", logging.getLevelName(max(level, logging.INFO)))

@@ -1,0 +1,106 @@
+"""The ``swarmtrain`` command as a user types it (the installed console script)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXE = shutil.which("swarmtrain", path=str(Path(sys.executable).parent)) or "swarmtrain"
+
+
+def sw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [EXE, *args], capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, **(env or {})}
+    )
+
+
+def no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+
+
+def test_help_lists_the_role_commands() -> None:
+    proc = sw("--help")
+    assert proc.returncode == 0
+    for command in ["peer", "coordinator", "status", "demo", "keygen", "spec", "doctor"]:
+        assert f"    {command}" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["peer", "coordinator", "status", "demo", "keygen", "spec", "doctor"])
+def test_every_command_has_help(command: str) -> None:
+    proc = sw(command, "--help")
+    assert proc.returncode == 0 and "usage: swarmtrain" in proc.stdout
+
+
+def test_keygen_writes_a_private_key_and_prints_the_id(tmp_path: Path) -> None:
+    key = tmp_path / "me.key"
+    proc = sw("keygen", "--out", str(key))
+    assert proc.returncode == 0, proc.stderr
+    public_id = proc.stdout.splitlines()[0]
+    assert public_id.startswith("ed25519:")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    again = sw("keygen", "--out", str(key))
+    assert again.returncode == 1 and "already exists" in again.stderr
+    no_traceback(again)
+
+
+def test_keygen_default_location(tmp_path: Path) -> None:
+    proc = sw("keygen", env={"SWARMTRAIN_HOME": str(tmp_path)})
+    assert proc.returncode == 0 and (tmp_path / "identity.key").exists()
+
+
+def test_spec_check_prints_the_digest() -> None:
+    proc = sw("spec", "check", "examples/demo.toml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("examples/demo.toml: ok sha256:")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('[run]\nname = "x"\n[rounds]\ninner_steps = "ten"\n', "line 4: rounds.inner_steps: Input should be a valid integer"),
+        ('[run]\nname = "x"\n[rounds]\ninner_stepz = 5\n', "line 4: rounds.inner_stepz: unknown key"),
+        ('[run]\nname = "x"\n[rounds\n', "TOML syntax error"),
+    ],
+    ids=["wrong-type", "unknown-key", "broken-toml"],
+)
+def test_spec_check_bad_input_is_one_clear_line(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    proc = sw("spec", "check", str(path))
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and str(path) in lines[0], proc.stderr
+    no_traceback(proc)
+
+
+def test_spec_check_missing_file() -> None:
+    proc = sw("spec", "check", "does/not/exist.toml")
+    assert proc.returncode == 1 and "does/not/exist.toml: no such file" in proc.stderr
+    no_traceback(proc)
+
+
+def test_bad_flag_is_one_line() -> None:
+    proc = sw("keygen", "--bogus")
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--bogus" in proc.stderr
+
+
+def test_unsafe_key_file_is_refused_by_doctor(tmp_path: Path) -> None:
+    key = tmp_path / "me.key"
+    assert sw("keygen", "--out", str(key)).returncode == 0
+    key.chmod(0o644)
+    proc = sw("doctor", "--skip-network", "--key", str(key))
+    assert proc.returncode == 1 and "chmod 600" in proc.stdout
+    no_traceback(proc)
+
+
+def test_commands_not_yet_built_say_so() -> None:
+    proc = sw("coordinator", "--spec", "examples/demo.toml")
+    assert proc.returncode == 2 and "not available in this build yet" in proc.stderr
