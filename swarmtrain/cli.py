@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(args.verbose)
     prog = f"swarmtrain {args.command}"
     try:

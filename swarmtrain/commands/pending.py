@@ -11,8 +11,7 @@ _ISSUES = {"peer": 3, "coordinator": 4, "status": 4, "demo": 4}
 
 def add_parser(commands: Any, name: str, help_text: str) -> None:
     parser = commands.add_parser(name, help=help_text, description=help_text)
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, accepts_any_arguments=True)
 
 
 def run(args: argparse.Namespace) -> int:
