@@ -42,6 +42,10 @@ class MalformedMessageError(VerificationError):
     """Bytes that do not decode to a well-formed message."""
 
 
+class MalformedTensorError(VerificationError):
+    """Bytes that do not decode to a well-formed, finite tensor under the named codec."""
+
+
 class BadSignatureError(VerificationError):
     """The signature does not match the content and the claimed signer."""
 

@@ -104,8 +104,8 @@ class DataSection(_Section):
 
 
 class InnerSection(_Section):
-    optimizer: Literal["adamw"] = "adamw"
-    """Inner (local) optimizer."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Inner (local) optimizer: 'adamw', or plain 'sgd' (no momentum; betas unused)."""
     lr: PositiveFloat = 3e-4
     """Inner learning rate."""
     weight_decay: NonNegFloat = 0.1
@@ -114,25 +114,27 @@ class InnerSection(_Section):
     """AdamW (beta1, beta2)."""
     batch_size: Annotated[int, Field(ge=1, le=65536)] = 16
     """Sequences per inner step (per peer)."""
-    grad_clip: PositiveFloat | None = 1.0
-    """Clip the gradient's global norm to this value; omit to disable."""
+    grad_clip: NonNegFloat = 1.0
+    """Clip the gradient's global norm to this value; 0 disables clipping."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
     """Linear warm-up of the inner learning rate, in inner steps."""
 
 
 class RoundsSection(_Section):
-    inner_steps: PositiveInt | None = 50
-    """H: inner steps per round. A round ends at H steps or at time_budget_s, whichever first."""
+    inner_steps: PositiveInt | None = None
+    """H: inner steps per round (50 if neither this nor time_budget_s is set). A round ends at
+    H steps or at time_budget_s, whichever comes first."""
     time_budget_s: PositiveFloat | None = None
     """Wall-clock budget of a round's inner phase, in seconds (lets slow peers fit)."""
     max_rounds: PositiveInt | None = None
     """Stop the run after this many rounds; omit to run until stopped."""
 
-    @model_validator(mode="after")
-    def _bounded(self) -> RoundsSection:
-        if self.inner_steps is None and self.time_budget_s is None:
-            raise ValueError("a round needs inner_steps and/or time_budget_s")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _default_bound(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "inner_steps" not in data and "time_budget_s" not in data:
+            return {**data, "inner_steps": 50}
+        return data
 
 
 class OuterSection(_Section):

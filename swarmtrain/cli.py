@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__
+from peer import cli as peer_cli
 from swarmtrain.commands import doctor, keygen, pending, spec
 
 EXIT_ERROR = 1
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
-    pending.add_parser(commands, "peer", "run a training peer (join a run through a coordinator or peers)")
+    peer_cli.add_parser(commands)
     pending.add_parser(commands, "coordinator", "run a coordinator: admission, health, credits, dashboard")
     pending.add_parser(commands, "status", "show a run's swarm health from its coordinator")
     pending.add_parser(commands, "demo", "a coordinator and 3 local CPU peers train a tiny model")

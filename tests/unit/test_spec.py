@@ -123,6 +123,9 @@ def test_rounds_need_a_bound() -> None:
     assert found
     spec = parse_spec(MINIMAL + "[rounds]\ntime_budget_s = 30.0\ninner_steps = 5\n")
     assert spec.rounds.time_budget_s == 30.0
+    budget_only = parse_spec(MINIMAL + "[rounds]\ntime_budget_s = 30.0\n")
+    assert budget_only.rounds.inner_steps is None
+    assert parse_spec(MINIMAL + "[rounds]\nmax_rounds = 3\n").rounds.inner_steps == 50
 
 
 def test_allowlist_in_open_mode_is_an_error() -> None:

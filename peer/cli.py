@@ -1,0 +1,132 @@
+"""``swarmtrain peer``: run a training peer.
+
+Standalone (no coordinator): ``swarmtrain peer --spec run.toml`` starts a swarm and prints
+its multiaddrs; others join with ``--initial-peers MADDR``. Heavy imports (torch, hivemind)
+happen only after the arguments parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "peer",
+        help="run a training peer (join a run through a coordinator or peers)",
+        description="Run a training peer. Without --initial-peers it starts a new swarm and prints "
+        "the multiaddrs others join with.",
+    )
+    parser.add_argument("--spec", type=Path, help="run spec (TOML)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="join through a coordinator (issue #4)")
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of running peers")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
+    parser.add_argument("--key", type=Path, default=None, help="identity key file (created if absent)")
+    parser.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per round here")
+    parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
+    parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    overlap = parser.add_mutually_exclusive_group()
+    overlap.add_argument("--overlap", dest="overlap", action="store_true", default=None, help="force overlap on")
+    overlap.add_argument("--no-overlap", dest="overlap", action="store_false", help="force overlap off")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.coordinator:
+        raise ConfigError("--coordinator is not available in this build yet (issue #4); use --spec and --initial-peers")
+    if args.spec is None:
+        raise ConfigError("--spec FILE is required (or --coordinator HOST:PORT)")
+    if args.max_rounds is not None and args.max_rounds < 1:
+        raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    from protocol.identity import default_key_path, load_or_create
+    from protocol.spec import load_spec
+
+    spec = load_spec(args.spec)
+    identity, created = load_or_create(args.key or default_key_path())
+    shard_seed = args.shard_seed if args.shard_seed is not None else int.from_bytes(identity.public_key.raw[:4], "big")
+
+    import torch
+
+    from peer.swarm import Swarm
+    from peer.task import build_task
+    from peer.trainer import Trainer, TrainerOptions
+    from protocol.compression import get_codec
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    task = build_task(spec, shard_seed=shard_seed, device=device)
+    numel = sum(p.numel() for p in task.model.parameters())
+    ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
+    swarm = Swarm(
+        spec,
+        numel,
+        get_codec(spec.averaging.compression),
+        initial_peers=list(args.initial_peers),
+        host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
+        client_mode=args.client_mode,
+    )
+    try:
+        _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
+        options = TrainerOptions(public_id=identity.public_key.id, max_rounds=args.max_rounds, device=device, overlap=args.overlap)
+        _install_signal_handlers(options.stop)
+        trainer = Trainer(spec, task, swarm, options, on_round=_reporter(args.metrics_file))
+        trainer.run()
+    finally:
+        swarm.shutdown()
+    print("peer stopped cleanly", flush=True)
+    return 0
+
+
+def _announce(run_name: str, public_id: str, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str) -> None:
+    mode = "client mode (no inbound connections: --client-mode)" if args.client_mode else "reachable (accepts inbound connections)"
+    print(f"peer {public_id}{' (new identity)' if created else ''} joining run {run_name!r}", flush=True)
+    print(f"model: {numel:,} parameters on {device}; {mode}", flush=True)
+    for maddr in swarm.visible_maddrs:
+        print(f"listening: {maddr}", flush=True)
+    if not args.initial_peers:
+        print("started a new swarm; others join with --initial-peers " + " ".join(swarm.visible_maddrs), flush=True)
+
+
+def _reporter(metrics_file: Path | None) -> Any:
+    def report(metrics: dict[str, Any]) -> None:
+        line = (
+            f"round {metrics['round']:>4} | loss {metrics['loss']:.4f} | "
+            f"{metrics['samples'] / max(metrics['wall_s'], 1e-9):8.1f} samples/s | group {metrics['group_size']} | "
+            f"sent {metrics['bytes_sent'] / 1e6:.2f} MB | wait {metrics['wait_s']:.2f} s"
+            + ("" if metrics["averaged"] else " | averaging failed")
+            + ("" if metrics["in_sync"] else " | OUT OF SYNC")
+        )
+        print(line, flush=True)
+        if metrics_file is not None:
+            metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            with metrics_file.open("a") as out:
+                out.write(json.dumps(metrics, sort_keys=True) + "\n")
+
+    return report
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():
+            print("second interrupt: exiting now", file=sys.stderr, flush=True)
+            raise SystemExit(130)
+        print("finishing the current round, then leaving (interrupt again to exit now)", file=sys.stderr, flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)

@@ -1,0 +1,140 @@
+"""The peer's side of the swarm: its DHT node and its averager, one round at a time.
+
+``Swarm.start_round`` puts this peer's (already error-compensated) pseudo-gradient into the
+averager's shared vector and starts matchmaking + all-reduce in the averager's process;
+``PendingRound.result`` waits for it. Each member gathers to the group its public id, round,
+samples and pre-round state digest, so after a round every peer knows who averaged with
+whom, with what weight, and whether it started from the same state as the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.averaging.control import StepControl
+
+from protocol.averaging import ExactAverager
+from protocol.compression import Codec
+from protocol.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+# A peer whose own pseudo-gradient was refused still takes part (so that it receives the
+# average) but with a weight this small its zeros do not move the result measurably.
+NEGLIGIBLE_WEIGHT = 1e-12
+
+
+@dataclass
+class RoundResult:
+    """What a completed averaging round gives the trainer."""
+
+    averaged: torch.Tensor
+    group_size: int
+    members: list[dict[str, Any]]
+    bytes_sent: int
+    bytes_received: int
+    wait_s: float
+    refused_senders: dict[str, str] = field(default_factory=dict)
+
+    def majority_digest(self) -> str | None:
+        """The pre-round digest most members started from (None if nobody said)."""
+        counts: dict[str, int] = {}
+        for member in self.members:
+            digest = member.get("digest")
+            if isinstance(digest, str):
+                counts[digest] = counts.get(digest, 0) + 1
+        return max(counts, key=lambda d: (counts[d], d)) if counts else None
+
+
+@dataclass
+class PendingRound:
+    control: StepControl
+    averager: ExactAverager
+    started: float
+
+    def done(self) -> bool:
+        return self.control.done()
+
+    def result(self) -> RoundResult | None:
+        """Block until the round ends; None if it failed (no group, timeout, missing parts)."""
+        try:
+            outcome = self.control.result()
+        except Exception as exc:  # noqa: BLE001 - hivemind raises many kinds; the round just failed
+            logger.warning("averaging round failed: %s", exc)
+            return None
+        if not outcome:
+            return None
+        waited = time.monotonic() - self.started
+        with self.averager.get_tensors() as tensors:
+            averaged = tensors[0].clone()
+        stats = outcome.get("stats", {})
+        members = [data for data in outcome.get("gathered", {}).values() if isinstance(data, dict)]
+        return RoundResult(
+            averaged=averaged,
+            group_size=len(outcome.get("gathered", {})),
+            members=members,
+            bytes_sent=int(stats.get("bytes_sent", 0)),
+            bytes_received=int(stats.get("bytes_received", 0)),
+            wait_s=waited,
+            refused_senders=dict(stats.get("refused_senders", {})),
+        )
+
+
+class Swarm:
+    """DHT node + averager for one run."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        numel: int,
+        codec: Codec,
+        *,
+        initial_peers: list[str],
+        host_maddrs: list[str],
+        client_mode: bool = False,
+        dht_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.dht = DHT(
+            initial_peers=initial_peers,
+            host_maddrs=host_maddrs,
+            client_mode=client_mode,
+            start=True,
+            **(dht_kwargs or {}),
+        )
+        averaging = spec.averaging
+        self.averager = ExactAverager(
+            numel,
+            self.dht,
+            codec=codec,
+            prefix="st" + spec.digest().removeprefix("sha256:")[:16],
+            start=True,
+            min_group_size=averaging.min_group_size,
+            target_group_size=averaging.target_group_size,
+            min_matchmaking_time=averaging.matchmaking_timeout_s / 3,
+            request_timeout=max(1.0, averaging.matchmaking_timeout_s / 10),
+            allreduce_timeout=averaging.allreduce_timeout_s,
+            next_chunk_timeout=averaging.allreduce_timeout_s / 3,
+            client_mode=client_mode,
+        )
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any]) -> PendingRound:
+        """Start averaging ``vector`` (flat float32) with whoever is looking now."""
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(vector)
+        timeout = self.spec.averaging.matchmaking_timeout_s + self.spec.averaging.allreduce_timeout_s
+        control = self.averager.step(gather=gather, weight=max(weight, NEGLIGIBLE_WEIGHT), timeout=timeout, wait=False)
+        return PendingRound(control=control, averager=self.averager, started=time.monotonic())
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+        self.dht.shutdown()

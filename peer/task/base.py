@@ -1,0 +1,46 @@
+"""The ``Task`` contract shared by the built-in byte-level GPT and user (import) tasks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(inputs, targets), CPU tensors; ``loss_fn`` moves them to the model's device."""
+
+
+@dataclass
+class Task:
+    """A model + data + loss, chosen by the spec."""
+
+    model: torch.nn.Module
+    """The replica to train, already on the requested device, initialised identically on
+    every peer of the run (same parameters, bit for bit)."""
+    batches: Iterator[Batch]
+    """Infinite iterator of (inputs, targets) for this peer's shard, CPU tensors."""
+    loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor]
+    """Scalar mean loss of a batch; moves the batch to the model's device itself."""
+    samples_per_batch: int
+    """Samples (sequences) in each batch of ``batches``; the weight of a peer's work."""
+    flops_per_sample: float
+    """Training FLOPs (forward + backward) per sample, for credits and utilisation."""
+    eval_batches: Callable[[], Iterator[Batch]] | None = None
+    """Fresh iterator over the same fixed held-out batches at each call; None if no
+    validation data."""
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` (via SHA-256): the same on every machine and Python,
+    unlike ``hash()``, and unrelated for different parts (unlike ``seed + i``)."""
+    text = "swarmtrain/seed/" + "/".join(repr(p) for p in parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") & (2**63 - 1)
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed``, independent of the global RNG."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return gen

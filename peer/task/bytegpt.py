@@ -1,0 +1,141 @@
+"""ByteGPT: a GPT over raw bytes (vocabulary 256), sized by the spec's ``[task.model]``.
+
+Token + learned position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
+self-attention through ``scaled_dot_product_attention(is_causal=True)``, 4x GELU MLP),
+a final LayerNorm and an *untied* output head: untied keeps every parameter a distinct
+tensor (simple flattening, state dicts and FSDP) and costs only 256 x d_model parameters.
+
+``init_weights(seed)`` gives the same bytes on every machine (see ``portable_normal_``),
+so all replicas of a run start bit-identical without downloading anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peer.task.base import generator
+from protocol.spec import ModelSection
+
+VOCAB_SIZE = 256
+INIT_STD = 0.02
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ByteGPT(nn.Module):
+    """(batch, time) int64 bytes -> (batch, time, 256) logits; time <= cfg.context."""
+
+    def __init__(self, cfg: ModelSection) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.context, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        assert t <= self.cfg.context, f"sequence of {t} exceeds context {self.cfg.context}"
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation, a pure function of ``seed`` (never the global RNG):
+        weights ~ N(0, 0.02²), residual output projections scaled by 1/sqrt(2·n_layers),
+        biases 0, LayerNorm scale 1. Modules are visited in registration order."""
+        gen = generator(seed)
+        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                std = resid_std if name.endswith(".proj") else INIT_STD
+                portable_normal_(module.weight, std, gen)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+
+
+@torch.no_grad()
+def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill ``tensor`` with ~N(0, std²) values that are the same bytes on every machine.
+
+    torch's CPU ``normal_`` runs a vectorised Box-Muller whose log/cos differ between
+    AVX2 and other CPUs (e.g. ARM hosts), which would make replicas differ. Here: the
+    Irwin-Hall sum of 4 uniforms (integers x 2^-24, exact in float64), centred and scaled,
+    using only correctly rounded +, -, x: a bell curve truncated at ±2·sqrt(3)·std.
+    """
+    u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32).to(torch.float64)
+    total = ((u[0] + u[1]) + u[2]) + u[3]  # exact: every partial sum fits in 53 bits
+    values = (total - 2.0) * (std * math.sqrt(3.0))  # Var(sum of 4 U(0,1)) = 1/3
+    tensor.copy_(values.to(torch.float32))
+
+
+def count_params(cfg: ModelSection) -> int:
+    """Parameters of ``ByteGPT(cfg)``, computed without building it."""
+    d = cfg.d_model
+    block = 2 * (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return VOCAB_SIZE * d + cfg.context * d + cfg.n_layers * block + 2 * d + d * VOCAB_SIZE
+
+
+def flops_per_sample(cfg: ModelSection) -> float:
+    """Training FLOPs of one sequence of ``cfg.context`` bytes: 6·N per token for the
+    weights plus 12·n_layers·d_model·context per token for attention (PaLM, appendix B)."""
+    t = cfg.context
+    return float(6 * count_params(cfg) * t + 12 * cfg.n_layers * cfg.d_model * t * t)
+
+
+def build_model(cfg: ModelSection, *, seed: int, device: str = "cpu") -> ByteGPT:
+    """A ByteGPT initialised from ``seed`` on CPU (so init is device-independent), then moved."""
+    model = ByteGPT(cfg)
+    model.init_weights(seed)
+    return model.to(device)

@@ -1,0 +1,216 @@
+"""The peer's training loop: DiLoCo inner phase, swarm averaging, outer step.
+
+Per round r (see DESIGN.md, "Algorithm"):
+1. inner phase: from the round's start point, up to H optimizer steps (or the time budget)
+   on this peer's shard; AdamW/SGD, gradient clipping, bf16 autocast on CUDA;
+2. pseudo-gradient Δ = start − θ_local, refused (zeros, negligible weight) if not finite;
+   error feedback adds the codec's residual from the last round;
+3. averaging in the background (hivemind matchmaking + exact all-reduce), weighted by
+   samples; with ``overlap`` the next round's inner phase runs meanwhile and the result is
+   applied between two inner steps (one-round delay), otherwise the peer waits;
+4. outer step on the averaged Δ̄ (Nesterov SGD), identical bytes in every member, then
+   θ_local ← θ_g + (progress made since the round was launched).
+
+A failed round (no group, timeout, a missing part) changes no global state: its Δ folds
+into the next round and the codec residual is restored. A peer that finds it started a
+round from another state than its group's majority is flagged out of sync.
+
+Keys of each round's metrics: round, group_size, samples, loss, state_digest, bytes_sent,
+bytes_received, compute_s, wait_s, wall_s, in_sync, averaged (false for a failed round).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peer.state import GlobalState, flatten, load_flat, outer_step
+from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
+from peer.task import Task
+from protocol.compression import ErrorFeedback, get_codec
+from protocol.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    pending: PendingRound
+    launch_point: torch.Tensor
+    residual_before: torch.Tensor
+    samples: int
+    loss: float
+    compute_s: float
+    pre_digest: str
+    launched_at: float
+
+
+@dataclass
+class TrainerOptions:
+    """Knobs of one peer that are not part of the run spec."""
+
+    public_id: str = ""
+    """This peer's public id, shared with its groups."""
+    max_rounds: int | None = None
+    """Stop after this many completed rounds (default: the spec's rounds.max_rounds)."""
+    device: str = "cpu"
+    """Torch device of the inner phase."""
+    overlap: bool | None = None
+    """Override the spec's averaging.overlap."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set to finish the current round cleanly and return."""
+
+
+class Trainer:
+    """Runs rounds until ``max_rounds`` or ``options.stop``; ``on_round`` gets each round's metrics."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        task: Task,
+        swarm: Swarm,
+        options: TrainerOptions,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.spec, self.task, self.swarm, self.options = spec, task, swarm, options
+        self.on_round = on_round or (lambda metrics: None)
+        self.model = task.model.to(options.device)
+        self.state = GlobalState.from_model(self.model)
+        self.start_point = self.state.params.clone()
+        self.codec = get_codec(spec.averaging.compression)
+        self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if spec.averaging.error_feedback else None
+        self.optimizer = _inner_optimizer(spec, self.model)
+        self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
+        self.in_sync = True
+        self.inner_steps_done = 0
+        self.history: list[dict[str, Any]] = []
+
+    def run(self) -> list[dict[str, Any]]:
+        limit = self.options.max_rounds or self.spec.rounds.max_rounds
+        in_flight: _InFlight | None = None
+        while not self.options.stop.is_set() and (limit is None or len(self.history) < limit):
+            started = time.monotonic()
+            samples, loss, in_flight = self._inner_phase(in_flight)
+            compute_s = time.monotonic() - started
+            if in_flight is not None:
+                self._finish(in_flight)
+            in_flight = self._launch(samples, loss, compute_s)
+            if not self.overlap:
+                self._finish(in_flight)
+                in_flight = None
+        if in_flight is not None:
+            self._finish(in_flight)
+        return self.history
+
+    def _inner_phase(self, in_flight: _InFlight | None) -> tuple[int, float, _InFlight | None]:
+        rounds = self.spec.rounds
+        deadline = time.monotonic() + rounds.time_budget_s if rounds.time_budget_s else math.inf
+        steps = rounds.inner_steps or 1 << 62
+        samples, loss_sum, done = 0, 0.0, 0
+        self.model.train()
+        while done < steps and time.monotonic() < deadline and not self.options.stop.is_set():
+            loss_sum += self._inner_step()
+            samples += self.task.samples_per_batch
+            done += 1
+            if in_flight is not None and in_flight.pending.done():
+                self._finish(in_flight)
+                in_flight = None
+        return samples, loss_sum / max(done, 1), in_flight
+
+    def _inner_step(self) -> float:
+        inputs, targets = (t.to(self.options.device) for t in next(self.task.batches))
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.options.device.startswith("cuda")
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = self.task.loss_fn(self.model, (inputs, targets))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.spec.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.inner.grad_clip)
+        _set_lr(self.optimizer, self.spec, self.inner_steps_done)
+        self.optimizer.step()
+        self.inner_steps_done += 1
+        return float(loss.detach())
+
+    def _launch(self, samples: int, loss: float, compute_s: float) -> _InFlight:
+        local = flatten(self.model)
+        delta = torch.sub(self.start_point, local)
+        weight = float(samples)
+        if not bool(torch.isfinite(delta).all()) or samples == 0:
+            logger.warning("refusing this peer's own pseudo-gradient (non-finite values or no samples)")
+            delta.zero_()
+            weight = NEGLIGIBLE_WEIGHT
+        residual_before = self.feedback.residual.clone() if self.feedback else torch.empty(0)
+        vector = self.feedback.compensate(delta) if self.feedback else delta
+        if self.feedback:
+            self.feedback.update(vector, self.codec.decode(self.codec.encode(vector), vector.numel()))
+        pre_digest = self.state.digest()
+        gather = {"id": self.options.public_id, "round": self.state.round, "samples": samples, "digest": pre_digest}
+        pending = self.swarm.start_round(vector, weight=weight, gather=gather)
+        return _InFlight(pending, local, residual_before, samples, loss, compute_s, pre_digest, time.monotonic())
+
+    def _finish(self, flight: _InFlight) -> None:
+        wait_started = time.monotonic()
+        result = flight.pending.result()
+        wait_s = time.monotonic() - wait_started
+        self._apply(flight, result)
+        metrics = {
+            "round": self.state.round,
+            "group_size": result.group_size if result else 1,
+            "samples": flight.samples,
+            "loss": flight.loss,
+            "state_digest": self.state.digest(),
+            "bytes_sent": result.bytes_sent if result else 0,
+            "bytes_received": result.bytes_received if result else 0,
+            "compute_s": round(flight.compute_s, 4),
+            "wait_s": round(wait_s, 4),
+            "wall_s": round(flight.compute_s + (time.monotonic() - flight.launched_at), 4),
+            "in_sync": self.in_sync,
+            "averaged": result is not None,
+            "members": result.members if result else [],
+            "params": self.state.params.numel(),
+        }
+        self.history.append(metrics)
+        self.on_round(metrics)
+
+    @torch.no_grad()
+    def _apply(self, flight: _InFlight, result: RoundResult | None) -> None:
+        if result is None:
+            if self.feedback:
+                self.feedback.load_residual(flight.residual_before)
+        else:
+            majority = result.majority_digest()
+            if majority is not None and majority != flight.pre_digest:
+                self.in_sync = False
+                logger.warning("this peer started round %d from another state than its group", self.state.round)
+            outer_step(self.state, result.averaged, self.spec.outer)
+            progress = torch.sub(flatten(self.model), flight.launch_point)
+            load_flat(self.model, torch.add(self.state.params, progress))
+        self.start_point = self.state.params.clone()
+
+
+def _inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    inner = spec.inner
+    if inner.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=inner.lr, betas=(inner.betas[0], inner.betas[1]), weight_decay=inner.weight_decay
+    )
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, step: int) -> None:
+    warmup = spec.inner.warmup_steps
+    scale = min(1.0, (step + 1) / warmup) if warmup else 1.0
+    for group in optimizer.param_groups:
+        group["lr"] = spec.inner.lr * scale

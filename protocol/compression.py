@@ -1,0 +1,406 @@
+"""Codecs for pseudo-gradient vectors on the wire, and error feedback for lossy ones.
+
+Every codec maps a 1-D float32 CPU tensor to bytes and back. In the swarm all-reduce the
+*reducer* of a part encodes the averaged values once and every peer decodes the very same
+bytes, so replicas agree bit for bit only if ``decode`` is a pure function of the bytes.
+
+Codecs (``get_codec(name)``):
+
+``none``  raw IEEE float32, little-endian; 4 bytes per value; lossless.
+``fp16``  IEEE half, little-endian; 2 bytes per value. Values are clamped to ±65504 (the
+          largest finite half) before the cast, so a large value *saturates* instead of
+          becoming Inf; finite input never decodes to a non-finite value.
+``int8``  blockwise absmax, 64 values per block. Layout: ``ceil(n/64)`` float32 little-endian
+          scales (``absmax/127``, 0 for an all-zero block), then ``n`` int8 codes
+          ``q = round(x/scale)`` clamped to [-127, 127]. Code -128 is invalid.
+``4bit``  blockwise absmax, 64 values per block, symmetric levels -7..7. Layout:
+          ``ceil(n/64)`` float32 little-endian scales (``absmax/7``), then ``ceil(n/2)``
+          bytes of nibbles holding ``q + 8`` (1..15), low nibble first; when ``n`` is odd the
+          final high nibble is the pad code 8 (zero). Code 0 is invalid, as is any other pad.
+
+Quantized values round half to even (``torch.round``). Within a block of absmax ``a`` the
+error is at most ``scale/2`` (``a/254`` for int8, ``a/14`` for 4bit), up to float32
+rounding of the division; blocks whose absmax is subnormal may decode to zero. A scale whose
+largest level would overflow float32 is nudged down by one ulp, so finite input always
+decodes to finite values.
+
+Block alignment: blocks are independent, so encoding a vector equals encoding its slices cut
+at multiples of ``block`` and concatenating their scales and their codes (``block`` is even,
+so 4-bit nibbles never straddle a cut).
+
+Why decode is deterministic: it only reads fixed-width little-endian fields, converts each
+integer code exactly to float32 and multiplies it by its block's float32 scale — one
+correctly rounded IEEE multiplication per value, no reduction, no fused multiply-add, no
+dependence on thread count or summation order. (A process that enabled
+``torch.set_flush_denormal(True)`` would flush subnormal products; swarmtrain never does.)
+Decode rejects, with ``MalformedTensorError``, bytes of the wrong length, negative/NaN/Inf
+scales, out-of-range codes and any payload that would decode to a non-finite value.
+
+``ErrorFeedback`` (EF-SGD) carries what a lossy codec dropped in one round into the next:
+``sent = delta + residual``; ``residual = sent - decoded(sent)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+
+import numpy as np
+import torch
+
+from protocol.errors import MalformedTensorError
+
+logger = logging.getLogger(__name__)
+
+FP16_MAX = 65504.0
+"""Largest finite IEEE half; fp16 encoding saturates at ±FP16_MAX."""
+
+_SCALE_BYTES = 4
+
+
+def _check_input(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """Return ``x`` as a contiguous, detached 1-D float32 CPU tensor, or raise ``ValueError``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{codec} codec: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"{codec} codec: expected dtype float32, got {x.dtype}")
+    if x.ndim != 1:
+        raise ValueError(f"{codec} codec: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"{codec} codec: expected a CPU tensor, got device {x.device}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{codec} codec: input contains NaN or Inf")
+    return x.detach().contiguous()
+
+
+def _check_numel(numel: int, codec: str) -> None:
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"{codec} codec: numel must be a non-negative int, got {numel!r}")
+
+
+def _as_bytes(data: bytes, codec: str) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MalformedTensorError(f"{codec} codec: expected bytes, got {type(data).__name__}")
+    return bytes(data) if isinstance(data, memoryview) else data
+
+
+def _read(data: bytes, dtype: str, offset: int, count: int) -> torch.Tensor:
+    """Copy ``count`` values of numpy ``dtype`` at byte ``offset`` into a new native tensor."""
+    array = np.frombuffer(data, dtype=np.dtype(dtype), count=count, offset=offset)
+    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+
+
+def _write(t: torch.Tensor, dtype: str) -> bytes:
+    """Bytes of ``t`` in numpy ``dtype`` (explicit byte order)."""
+    return t.numpy().astype(np.dtype(dtype), copy=False).tobytes()
+
+
+def _require_finite(t: torch.Tensor, codec: str) -> torch.Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise MalformedTensorError(f"{codec} codec: payload decodes to NaN or Inf")
+    return t
+
+
+class Codec(abc.ABC):
+    """A wire format for 1-D float32 vectors.
+
+    ``block``: values per block; encoding a vector equals concatenating the encodings of its
+    slices cut at multiples of ``block``. ``lossy``: whether decode(encode(x)) may differ
+    from x.
+    """
+
+    name: str
+    block: int
+    lossy: bool
+
+    @abc.abstractmethod
+    def bytes_per_value(self) -> float:
+        """Nominal wire bytes per value, excluding per-block scales."""
+
+    @abc.abstractmethod
+    def encoded_size(self, numel: int) -> int:
+        """Exact length of ``encode`` output for ``numel`` values (scales and padding included)."""
+
+    @abc.abstractmethod
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Encode a finite 1-D float32 CPU tensor; ``ValueError`` for any other input."""
+
+    @abc.abstractmethod
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """Decode into a new 1-D float32 tensor; ``MalformedTensorError`` for bad bytes."""
+
+    def _check_length(self, data: bytes, numel: int) -> bytes:
+        _check_numel(numel, self.name)
+        raw = _as_bytes(data, self.name)
+        expected = self.encoded_size(numel)
+        if len(raw) != expected:
+            raise MalformedTensorError(
+                f"{self.name} codec: {len(raw)} bytes for {numel} values, expected {expected}"
+            )
+        return raw
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NoneCodec(Codec):
+    """Raw float32, little-endian; lossless."""
+
+    name = "none"
+    block = 1
+    lossy = False
+
+    def bytes_per_value(self) -> float:
+        return 4.0
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel, self.name)
+        return 4 * numel
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        return _write(_check_input(x, self.name), "<f4")
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        raw = self._check_length(data, numel)
+        return _require_finite(_read(raw, "<f4", 0, numel), self.name)
+
+
+class Fp16Codec(Codec):
+    """IEEE half, little-endian; saturates at ±65504 instead of overflowing to Inf."""
+
+    name = "fp16"
+    block = 1
+    lossy = True
+
+    def bytes_per_value(self) -> float:
+        return 2.0
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel, self.name)
+        return 2 * numel
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        x = _check_input(x, self.name)
+        return _write(x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        raw = self._check_length(data, numel)
+        half = _require_finite(_read(raw, "<f2", 0, numel), self.name)
+        return half.to(torch.float32)
+
+
+class _BlockAbsmaxCodec(Codec):
+    """Blockwise absmax quantization to symmetric integer levels ``-levels..levels``.
+
+    Subclasses define how the integer codes are packed after the float32 scales.
+    """
+
+    block = 64
+    lossy = True
+    levels: int
+
+    def _n_blocks(self, numel: int) -> int:
+        return -(-numel // self.block)
+
+    @abc.abstractmethod
+    def _codes_size(self, numel: int) -> int:
+        """Bytes of packed codes for ``numel`` values."""
+
+    @abc.abstractmethod
+    def _pack(self, q: torch.Tensor) -> bytes:
+        """Pack integer-valued float32 codes in ``[-levels, levels]``."""
+
+    @abc.abstractmethod
+    def _unpack(self, raw: bytes, offset: int, numel: int) -> torch.Tensor:
+        """Unpack and range-check codes; return them as an exact float32 tensor."""
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel, self.name)
+        return _SCALE_BYTES * self._n_blocks(numel) + self._codes_size(numel)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` zero-padded to whole blocks, shape ``(n_blocks, block)``."""
+        pad = self._n_blocks(x.numel()) * self.block - x.numel()
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad)))
+        return x.view(-1, self.block)
+
+    def _scales(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``absmax/levels`` per block, nudged down where ``levels*scale`` would overflow."""
+        scales = blocks.abs().amax(dim=1) / self.levels
+        for _ in range(4):
+            overflow = ~torch.isfinite(scales * self.levels)
+            if not bool(overflow.any()):
+                return scales
+            nudged = torch.nextafter(scales, torch.zeros_like(scales))
+            scales = torch.where(overflow, nudged, scales)
+        raise AssertionError("scale overflow guard did not converge")
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        x = _check_input(x, self.name)
+        blocks = self._blocks(x)
+        scales = self._scales(blocks)
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+        q = torch.round(blocks / divisor).clamp_(-self.levels, self.levels)
+        return _write(scales, "<f4") + self._pack(q.view(-1)[: x.numel()])
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        raw = self._check_length(data, numel)
+        n_blocks = self._n_blocks(numel)
+        scales = _read(raw, "<f4", 0, n_blocks)
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise MalformedTensorError(f"{self.name} codec: negative, NaN or Inf block scale")
+        q = self._unpack(raw, _SCALE_BYTES * n_blocks, numel)
+        pad = n_blocks * self.block - numel
+        if pad:
+            q = torch.cat((q, q.new_zeros(pad)))
+        values = (q.view(n_blocks, self.block) * scales.unsqueeze(1)).view(-1)[:numel]
+        return _require_finite(values, self.name)
+
+
+class Int8Codec(_BlockAbsmaxCodec):
+    """Blockwise absmax int8: scale ``absmax/127``, codes in [-127, 127]."""
+
+    name = "int8"
+    levels = 127
+
+    def bytes_per_value(self) -> float:
+        return 1.0
+
+    def _codes_size(self, numel: int) -> int:
+        return numel
+
+    def _pack(self, q: torch.Tensor) -> bytes:
+        return q.to(torch.int8).numpy().tobytes()
+
+    def _unpack(self, raw: bytes, offset: int, numel: int) -> torch.Tensor:
+        codes = _read(raw, "i1", offset, numel)
+        if bool((codes == -128).any()):
+            raise MalformedTensorError(f"{self.name} codec: out-of-range code -128")
+        return codes.to(torch.float32)
+
+
+class FourBitCodec(_BlockAbsmaxCodec):
+    """Blockwise absmax 4-bit: scale ``absmax/7``, nibbles ``q + 8`` in 1..15, low first."""
+
+    name = "4bit"
+    levels = 7
+    _ZERO = 8
+
+    def bytes_per_value(self) -> float:
+        return 0.5
+
+    def _codes_size(self, numel: int) -> int:
+        return -(-numel // 2)
+
+    def _pack(self, q: torch.Tensor) -> bytes:
+        nibbles = (q + self._ZERO).to(torch.uint8)
+        if nibbles.numel() % 2:
+            nibbles = torch.cat((nibbles, nibbles.new_full((1,), self._ZERO)))
+        pairs = nibbles.view(-1, 2)
+        return (pairs[:, 0] | (pairs[:, 1] << 4)).numpy().tobytes()
+
+    def _unpack(self, raw: bytes, offset: int, numel: int) -> torch.Tensor:
+        packed = _read(raw, "u1", offset, self._codes_size(numel))
+        nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=1).view(-1)
+        if numel % 2 and int(nibbles[-1]) != self._ZERO:
+            raise MalformedTensorError(f"{self.name} codec: pad nibble is not the zero code 8")
+        nibbles = nibbles[:numel]
+        if bool((nibbles == 0).any()):
+            raise MalformedTensorError(f"{self.name} codec: out-of-range code 0")
+        return nibbles.to(torch.float32) - self._ZERO
+
+
+_CODECS: dict[str, type[Codec]] = {
+    c.name: c for c in (NoneCodec, Fp16Codec, Int8Codec, FourBitCodec)
+}
+CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
+
+
+def get_codec(name: str) -> Codec:
+    """The codec called ``name``; ``ValueError`` naming the valid names otherwise."""
+    try:
+        return _CODECS[name]()
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}"
+        ) from None
+
+
+class ErrorFeedback:
+    """Residual of a lossy codec carried into the next round (EF-SGD).
+
+    Each round sends ``x = delta + residual`` and keeps ``residual = x - decode(encode(x))``,
+    so the running sum of what was decoded trails the running sum of ``delta`` by exactly
+    the current residual (at most half a quantization step per value). For a non-lossy codec
+    no residual is kept and ``compensate`` returns ``delta`` itself.
+    """
+
+    def __init__(self, codec: Codec, numel: int) -> None:
+        _check_numel(numel, codec.name)
+        self.codec = codec
+        self.numel = numel
+        self._residual = torch.zeros(numel if codec.lossy else 0, dtype=torch.float32)
+
+    def _check(self, t: torch.Tensor, what: str) -> None:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise ValueError(f"error feedback: {what} must be a float32 tensor")
+        if tuple(t.shape) != (self.numel,):
+            raise ValueError(
+                f"error feedback: {what} has shape {tuple(t.shape)}, expected ({self.numel},)"
+            )
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """A copy of the current residual, shape ``(numel,)`` (zeros for a non-lossy codec)."""
+        if not self.codec.lossy:
+            return torch.zeros(self.numel, dtype=torch.float32)
+        return self._residual.clone()
+
+    def load_residual(self, t: torch.Tensor) -> None:
+        """Restore a residual saved from ``residual``; ``ValueError`` if it does not fit."""
+        self._check(t, "residual")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError("error feedback: residual contains NaN or Inf")
+        if not self.codec.lossy:
+            if bool(t.any()):
+                raise ValueError(f"error feedback: codec {self.codec.name} keeps no residual")
+            return
+        self._residual = t.detach().to("cpu", copy=True).contiguous()
+        logger.debug("loaded %s error-feedback residual of %d values", self.codec.name, self.numel)
+
+    def compensate(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta + residual`` as a new tensor; ``delta`` itself for a non-lossy codec."""
+        self._check(delta, "delta")
+        if not self.codec.lossy:
+            return delta
+        return delta + self._residual
+
+    def update(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Keep ``sent - decoded`` as the residual (nothing for a non-lossy codec)."""
+        self._check(sent, "sent")
+        self._check(decoded, "decoded")
+        if not self.codec.lossy:
+            return
+        residual = sent.detach() - decoded.detach()
+        if not bool(torch.isfinite(residual).all()):
+            raise ValueError("error feedback: residual overflowed float32")
+        self._residual = residual
+
+    def encode_with_feedback(self, delta: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """Encode ``compensate(delta)``, update the residual; return (bytes, decoded values)."""
+        x = self.compensate(delta)
+        data = self.codec.encode(x)
+        decoded = self.codec.decode(data, self.numel)
+        self.update(x, decoded)
+        return data, decoded
+
+    def reset(self) -> None:
+        """Forget the residual (e.g. after a re-sync)."""
+        self._residual = torch.zeros_like(self._residual)
+
+
+def wire_ratio(codec: Codec, numel: int) -> float:
+    """Encoded bytes over raw float32 bytes for ``numel`` values (``nan`` for 0 values)."""
+    return codec.encoded_size(numel) / (4 * numel) if numel else math.nan
