@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import math
 
 import numpy as np
 import torch
@@ -57,6 +56,14 @@ FP16_MAX = 65504.0
 """Largest finite IEEE half; fp16 encoding saturates at ±FP16_MAX."""
 
 _SCALE_BYTES = 4
+_CHUNK = 1 << 20
+"""Values processed at a time; a multiple of every block (and even), so chunking is exact."""
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value is finite; a cheap sum first (NaN/Inf always propagate into it),
+    the element-wise test only when the sum is not finite (which may also be an overflow)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _check_input(x: torch.Tensor, codec: str) -> torch.Tensor:
@@ -69,7 +76,7 @@ def _check_input(x: torch.Tensor, codec: str) -> torch.Tensor:
         raise ValueError(f"{codec} codec: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if x.device.type != "cpu":
         raise ValueError(f"{codec} codec: expected a CPU tensor, got device {x.device}")
-    if not bool(torch.isfinite(x).all()):
+    if not _all_finite(x):
         raise ValueError(f"{codec} codec: input contains NaN or Inf")
     return x.detach().contiguous()
 
@@ -97,7 +104,7 @@ def _write(t: torch.Tensor, dtype: str) -> bytes:
 
 
 def _require_finite(t: torch.Tensor, codec: str) -> torch.Tensor:
-    if not bool(torch.isfinite(t).all()):
+    if not _all_finite(t):
         raise MalformedTensorError(f"{codec} codec: payload decodes to NaN or Inf")
     return t
 
@@ -182,7 +189,10 @@ class Fp16Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> bytes:
         x = _check_input(x, self.name)
-        return _write(x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
+        return b"".join(
+            _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
+            for i in range(0, x.numel(), _CHUNK)
+        )
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         raw = self._check_length(data, numel)
@@ -228,7 +238,8 @@ class _BlockAbsmaxCodec(Codec):
 
     def _scales(self, blocks: torch.Tensor) -> torch.Tensor:
         """``absmax/levels`` per block, nudged down where ``levels*scale`` would overflow."""
-        scales = blocks.abs().amax(dim=1) / self.levels
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg())
+        scales = absmax / self.levels
         for _ in range(4):
             overflow = ~torch.isfinite(scales * self.levels)
             if not bool(overflow.any()):
@@ -237,26 +248,48 @@ class _BlockAbsmaxCodec(Codec):
             scales = torch.where(overflow, nudged, scales)
         raise AssertionError("scale overflow guard did not converge")
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        x = _check_input(x, self.name)
+    def _encode_chunk(self, x: torch.Tensor) -> tuple[bytes, bytes]:
+        """(scales, packed codes) of a slice that starts on a block boundary."""
         blocks = self._blocks(x)
         scales = self._scales(blocks)
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-        q = torch.round(blocks / divisor).clamp_(-self.levels, self.levels)
-        return _write(scales, "<f4") + self._pack(q.view(-1)[: x.numel()])
+        q = (blocks / divisor).round_().clamp_(-self.levels, self.levels)
+        return _write(scales, "<f4"), self._pack(q.view(-1)[: x.numel()])
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        x = _check_input(x, self.name)
+        parts = [self._encode_chunk(x[i : i + _CHUNK]) for i in range(0, x.numel(), _CHUNK)]
+        return b"".join([p[0] for p in parts] + [p[1] for p in parts])
+
+    def _read_scales(self, raw: bytes, numel: int) -> torch.Tensor:
+        scales = _read(raw, "<f4", 0, self._n_blocks(numel))
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise MalformedTensorError(f"{self.name} codec: negative, NaN or Inf block scale")
+        return scales
+
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = q * scale of its block``: one IEEE float32 multiplication per value."""
+        whole = q.numel() // self.block * self.block
+        rows = whole // self.block
+        torch.mul(
+            q[:whole].view(rows, self.block),
+            scales[:rows].unsqueeze(1),
+            out=out[:whole].view(rows, self.block),
+        )
+        if whole < q.numel():
+            torch.mul(q[whole:], scales[rows], out=out[whole:])
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         raw = self._check_length(data, numel)
-        n_blocks = self._n_blocks(numel)
-        scales = _read(raw, "<f4", 0, n_blocks)
-        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
-            raise MalformedTensorError(f"{self.name} codec: negative, NaN or Inf block scale")
-        q = self._unpack(raw, _SCALE_BYTES * n_blocks, numel)
-        pad = n_blocks * self.block - numel
-        if pad:
-            q = torch.cat((q, q.new_zeros(pad)))
-        values = (q.view(n_blocks, self.block) * scales.unsqueeze(1)).view(-1)[:numel]
-        return _require_finite(values, self.name)
+        scales = self._read_scales(raw, numel)
+        codes_at = _SCALE_BYTES * scales.numel()
+        out = torch.empty(numel, dtype=torch.float32)
+        for i in range(0, numel, _CHUNK):
+            count = min(_CHUNK, numel - i)
+            q = self._unpack(raw, codes_at + self._codes_size(i), count)
+            first = i // self.block
+            self._dequantize(q, scales[first : first + self._n_blocks(count)], out[i : i + count])
+        return _require_finite(out, self.name)
 
 
 class Int8Codec(_BlockAbsmaxCodec):
@@ -333,8 +366,9 @@ class ErrorFeedback:
 
     Each round sends ``x = delta + residual`` and keeps ``residual = x - decode(encode(x))``,
     so the running sum of what was decoded trails the running sum of ``delta`` by exactly
-    the current residual (at most half a quantization step per value). For a non-lossy codec
-    no residual is kept and ``compensate`` returns ``delta`` itself.
+    the current residual (at most half a quantization step per value; with fp16, whatever
+    saturated beyond ±65504 also stays in the residual). For a non-lossy codec no residual
+    is kept and ``compensate`` returns ``delta`` itself.
     """
 
     def __init__(self, codec: Codec, numel: int) -> None:
@@ -384,7 +418,7 @@ class ErrorFeedback:
         if not self.codec.lossy:
             return
         residual = sent.detach() - decoded.detach()
-        if not bool(torch.isfinite(residual).all()):
+        if not _all_finite(residual):
             raise ValueError("error feedback: residual overflowed float32")
         self._residual = residual
 
@@ -400,7 +434,3 @@ class ErrorFeedback:
         """Forget the residual (e.g. after a re-sync)."""
         self._residual = torch.zeros_like(self._residual)
 
-
-def wire_ratio(codec: Codec, numel: int) -> float:
-    """Encoded bytes over raw float32 bytes for ``numel`` values (``nan`` for 0 values)."""
-    return codec.encoded_size(numel) / (4 * numel) if numel else math.nan

@@ -22,15 +22,16 @@ from protocol.spec import ModelSection
 
 VOCAB_SIZE = 256
 INIT_STD = 0.02
+Device = torch.device | str | None
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, device: Device = None) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, device=device)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, device=device)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,10 +43,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, device: Device = None) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, device=device)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, device=device)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,12 +54,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelSection) -> None:
+    def __init__(self, cfg: ModelSection, device: Device = None) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.ln1 = nn.LayerNorm(cfg.d_model, device=device)
+        self.attn = CausalSelfAttention(cfg, device)
+        self.ln2 = nn.LayerNorm(cfg.d_model, device=device)
+        self.mlp = MLP(cfg, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -66,17 +67,20 @@ class Block(nn.Module):
 
 
 class ByteGPT(nn.Module):
-    """(batch, time) int64 bytes -> (batch, time, 256) logits; time <= cfg.context."""
+    """(batch, time) int64 bytes -> (batch, time, 256) logits; time <= cfg.context.
 
-    def __init__(self, cfg: ModelSection) -> None:
+    Built with torch's default init; call ``init_weights`` (or use ``build_model``).
+    ``device="meta"`` builds it without memory, e.g. to count parameters."""
+
+    def __init__(self, cfg: ModelSection, device: Device = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(VOCAB_SIZE, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.context, cfg.d_model)
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, cfg.d_model, device=device)
+        self.pos_emb = nn.Embedding(cfg.context, cfg.d_model, device=device)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False)
+        self.blocks = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, device=device)
+        self.head = nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False, device=device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -90,19 +94,25 @@ class ByteGPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """GPT-2 initialisation, a pure function of ``seed`` (never the global RNG):
-        weights ~ N(0, 0.02²), residual output projections scaled by 1/sqrt(2·n_layers),
-        biases 0, LayerNorm scale 1. Modules are visited in registration order."""
+        weights ~N(0, 0.02²) (see ``portable_normal_``), residual output projections
+        scaled by 1/sqrt(2·n_layers), biases 0, LayerNorm scale 1. Every parameter is
+        set (the model may come from ``to_empty``); modules go in registration order."""
         gen = generator(seed)
         resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        done = 0
         for name, module in self.named_modules():
             if isinstance(module, nn.LayerNorm):
                 module.weight.fill_(1.0)
                 module.bias.zero_()
+                done += 2
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 std = resid_std if name.endswith(".proj") else INIT_STD
                 portable_normal_(module.weight, std, gen)
+                done += 1
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+                    done += 1
+        assert done == len(list(self.parameters())), "a parameter was left uninitialised"
 
 
 @torch.no_grad()
@@ -111,13 +121,13 @@ def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> 
 
     torch's CPU ``normal_`` runs a vectorised Box-Muller whose log/cos differ between
     AVX2 and other CPUs (e.g. ARM hosts), which would make replicas differ. Here: the
-    Irwin-Hall sum of 4 uniforms (integers x 2^-24, exact in float64), centred and scaled,
-    using only correctly rounded +, -, x: a bell curve truncated at ±2·sqrt(3)·std.
+    Irwin-Hall sum of 4 uniforms (``rand`` is integers x 2^-24: exact everywhere),
+    centred and scaled with separate element-wise +, -, x ops, each correctly rounded
+    whatever the SIMD width: a bell curve truncated at ±2·sqrt(3)·std.
     """
-    u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32).to(torch.float64)
-    total = ((u[0] + u[1]) + u[2]) + u[3]  # exact: every partial sum fits in 53 bits
-    values = (total - 2.0) * (std * math.sqrt(3.0))  # Var(sum of 4 U(0,1)) = 1/3
-    tensor.copy_(values.to(torch.float32))
+    u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32)
+    total = ((u[0] + u[1]) + u[2]) + u[3]
+    tensor.copy_((total - 2.0) * (std * math.sqrt(3.0)))  # Var(sum of 4 U(0,1)) = 1/3
 
 
 def count_params(cfg: ModelSection) -> int:
@@ -135,7 +145,11 @@ def flops_per_sample(cfg: ModelSection) -> float:
 
 
 def build_model(cfg: ModelSection, *, seed: int, device: str = "cpu") -> ByteGPT:
-    """A ByteGPT initialised from ``seed`` on CPU (so init is device-independent), then moved."""
-    model = ByteGPT(cfg)
+    """A ByteGPT initialised from ``seed`` alone on CPU (so the bytes do not depend on the
+    device or the global RNG, which is left untouched), then moved to ``device``."""
+    # torch's default init draws from the global RNG: restore it afterwards. (Building on
+    # the meta device instead would cost ~1 s on first use: nn.Embedding there imports dynamo.)
+    with torch.random.fork_rng(devices=[]):
+        model = ByteGPT(cfg)
     model.init_weights(seed)
     return model.to(device)

@@ -31,7 +31,8 @@ def build_task(
     also splits the training files (this peer keeps files ``shard_index::num_shards``,
     built-in task only). Raises ConfigError for a bad corpus or factory."""
     if spec.task.kind == "bytegpt":
-        return _build_bytegpt(spec, shard_seed=shard_seed, device=device, num_shards=num_shards, shard_index=shard_index)
+        shards = {"num_shards": num_shards, "shard_index": shard_index}
+        return _build_bytegpt(spec, shard_seed=shard_seed, device=device, **shards)
     if num_shards != 1:
         raise ConfigError(f"num_shards = {num_shards}: import tasks shard their data by shard_seed only")
     return _build_import(spec, shard_seed=shard_seed, device=device)
