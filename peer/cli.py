@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
-        options = TrainerOptions(public_id=identity.public_key.id, max_rounds=args.max_rounds, device=device, overlap=args.overlap)
+        options = TrainerOptions(identity=identity, max_rounds=args.max_rounds, device=device, overlap=args.overlap)
         _install_signal_handlers(options.stop)
         trainer = Trainer(spec, task, swarm, options, on_round=_reporter(args.metrics_file))
         trainer.run()

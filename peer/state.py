@@ -11,13 +11,12 @@ computing it from the same bytes gets the same bytes.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from protocol.spec import OuterSection
+from protocol.statesync import state_digest
 
 
 @dataclass
@@ -35,13 +34,7 @@ class GlobalState:
 
     def digest(self) -> str:
         """``sha256:<hex>`` of (round, params bytes, momentum bytes)."""
-        h = hashlib.sha256()
-        h.update(b"swarmtrain/global-state/v1")
-        h.update(struct.pack(">q", self.round))
-        for tensor in (self.params, self.momentum):
-            h.update(struct.pack(">q", tensor.numel()))
-            h.update(tensor.contiguous().numpy().tobytes())
-        return "sha256:" + h.hexdigest()
+        return state_digest(self.round, self.params, self.momentum)
 
     def clone(self) -> GlobalState:
         return GlobalState(self.params.clone(), self.momentum.clone(), self.round)

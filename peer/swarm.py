@@ -18,9 +18,13 @@ import torch
 from hivemind import DHT
 from hivemind.averaging.control import StepControl
 
+from hivemind.utils.timed_storage import get_dht_time
+
 from protocol.averaging import ExactAverager
 from protocol.compression import Codec
+from protocol.identity import Identity, PublicKey
 from protocol.spec import RunSpec
+from protocol.statesync import RECORD_TTL_S, accepted_state, collect_records, make_digest_record
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +138,27 @@ class Swarm:
         timeout = self.spec.averaging.matchmaking_timeout_s + self.spec.averaging.allreduce_timeout_s
         control = self.averager.step(gather=gather, weight=max(weight, NEGLIGIBLE_WEIGHT), timeout=timeout, wait=False)
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
+
+    @property
+    def digest_key(self) -> str:
+        return self.averager.prefix + ".digests"
+
+    def publish_digest(self, identity: Identity, *, round_: int, digest: str) -> None:
+        """Sign and store this peer's post-round digest in the DHT (does not block)."""
+        now = get_dht_time()
+        record = make_digest_record(identity, round_=round_, digest=digest, now=now)
+        self.dht.store(
+            self.digest_key, record, now + RECORD_TTL_S, subkey=identity.public_key.id, return_future=True
+        )
+
+    def accepted_state(self, *, exclude: PublicKey | None = None) -> tuple[int, set[str]] | None:
+        """The latest round and the digest most peers (but ``exclude``) published for it;
+        None if nobody did."""
+        found = self.dht.get(self.digest_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return None
+        records = [r for r in collect_records(found.value, now=get_dht_time()) if r.signer != exclude]
+        return accepted_state(records)
 
     def shutdown(self) -> None:
         self.averager.shutdown()

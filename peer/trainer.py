@@ -36,6 +36,8 @@ from peer.state import GlobalState, flatten, load_flat, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
 from peer.task import Task
 from protocol.compression import ErrorFeedback, get_codec
+from protocol.errors import VerificationError
+from protocol.identity import Identity
 from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -57,8 +59,8 @@ class _InFlight:
 class TrainerOptions:
     """Knobs of one peer that are not part of the run spec."""
 
-    public_id: str = ""
-    """This peer's public id, shared with its groups."""
+    identity: Identity | None = None
+    """This peer's key: signs its digest records (a fresh one if not given)."""
     max_rounds: int | None = None
     """Stop after this many completed rounds (default: the spec's rounds.max_rounds)."""
     device: str = "cpu"
@@ -92,9 +94,13 @@ class Trainer:
         self.in_sync = True
         self.inner_steps_done = 0
         self.history: list[dict[str, Any]] = []
+        self.identity = options.identity or Identity.generate()
+        self._snapshot = (self.state.round, self.state.params, self.state.momentum, self.state.digest())
+        swarm.averager.state_provider = lambda: self._snapshot
 
     def run(self) -> list[dict[str, Any]]:
         limit = self.options.max_rounds or self.spec.rounds.max_rounds
+        self.catch_up()
         in_flight: _InFlight | None = None
         while not self.options.stop.is_set() and (limit is None or len(self.history) < limit):
             started = time.monotonic()
@@ -156,7 +162,8 @@ class Trainer:
         if self.feedback:
             self.feedback.update(vector, self.codec.decode(self.codec.encode(vector), vector.numel()))
         pre_digest = self.state.digest()
-        gather = {"id": self.options.public_id, "round": self.state.round, "samples": samples, "digest": pre_digest}
+        gather = {"id": self.identity.public_key.id, "round": self.state.round, "samples": samples, "digest": pre_digest}
+        logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         pending = self.swarm.start_round(vector, weight=weight, gather=gather)
         return _InFlight(pending, local, residual_before, samples, loss, compute_s, pre_digest, time.monotonic())
 
@@ -197,7 +204,52 @@ class Trainer:
             outer_step(self.state, result.averaged, self.spec.outer)
             progress = torch.sub(flatten(self.model), flight.launch_point)
             load_flat(self.model, torch.add(self.state.params, progress))
+            self._publish()
         self.start_point = self.state.params.clone()
+        if not self.in_sync:
+            self.catch_up()
+
+    def _publish(self) -> None:
+        digest = self.state.digest()
+        self._snapshot = (self.state.round, self.state.params, self.state.momentum, digest)
+        self.swarm.publish_digest(self.identity, round_=self.state.round, digest=digest)
+
+    def catch_up(self) -> bool:
+        """Adopt the swarm's latest state if ours is not it: download it from a peer, verified
+        against the digest most *other* peers published. True if we hold the swarm's state."""
+        averaging = self.spec.averaging
+        deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
+        while not self.options.stop.is_set():
+            accepted = self.swarm.accepted_state(exclude=self.identity.public_key)
+            if accepted is not None and self.state.digest() in accepted[1]:
+                self.in_sync = True
+                self._publish()
+                return True
+            if accepted is not None and accepted[0] >= self.state.round:
+                downloaded = self.swarm.averager.load_verified_state(accepted[1], timeout=averaging.allreduce_timeout_s)
+                if downloaded is not None:
+                    self._adopt(*downloaded, accepted=accepted[1])
+                    return True
+            elif self.in_sync:
+                self._publish()  # nobody has anything newer than we do
+                return True
+            if time.monotonic() > deadline:
+                logger.warning("could not get the swarm's latest state; training on out of sync")
+                return False
+            time.sleep(1.0)
+        return False
+
+    @torch.no_grad()
+    def _adopt(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, *, accepted: set[str]) -> None:
+        state = GlobalState(params.clone(), momentum.clone(), round_)
+        if state.digest() not in accepted:  # the averager checked; check again where it is used
+            raise VerificationError("downloaded state does not match the swarm's digest")
+        self.state = state
+        load_flat(self.model, state.params)
+        self.start_point = state.params.clone()
+        self.in_sync = True
+        logger.info("adopted the swarm's state of round %d (%s), digest verified", round_, state.digest()[:19])
+        self._publish()
 
 
 def _inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimizer:

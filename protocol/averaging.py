@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +36,14 @@ from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
 
 from protocol.compression import Codec
 from protocol.errors import MalformedTensorError
+from protocol.statesync import state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +201,9 @@ class RoundFailedError(AllreduceException):
     """This peer did not receive every averaged part; its vector was left untouched."""
 
 
+StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
+
+
 class ExactAverager(DecentralizedAverager):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
 
@@ -205,7 +213,10 @@ class ExactAverager(DecentralizedAverager):
 
     def __init__(self, numel: int, dht: Any, *, codec: Codec, prefix: str, **kwargs: Any) -> None:
         self.codec_compression = CodecCompression(codec)
+        self.numel = numel
         self._stats: dict[bytes, dict[str, Any]] = {}
+        self.state_provider: StateProvider | None = None
+        """Set in the host process: returns the (round, params, momentum, digest) to serve."""
         super().__init__(
             [torch.zeros(numel, dtype=torch.float32)],
             dht,
@@ -254,3 +265,64 @@ class ExactAverager(DecentralizedAverager):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         stats = self._stats.pop(group_info.group_id, {})
         return {"gathered": {str(k): v for k, v in gathered.items()}, "stats": stats}
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        """Runs in the host process when a peer downloads our state: (metadata, tensors, infos)."""
+        if self.state_provider is None:
+            return {}, [], None
+        round_, params, momentum, digest = self.state_provider()
+        return {"round": round_, "digest": digest}, [params, momentum], None
+
+    def load_verified_state(self, accept: set[str], timeout: float) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """Download (round, params, momentum) from the first peer whose state digest is in
+        ``accept``; peers serving anything else are refused with a logged reason. None if none did."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_load_verified_state", [], dict(accept=sorted(accept), timeout=timeout, future=future)))
+        return future.result(timeout=timeout * 4 + 10)
+
+    async def _load_verified_state(self, accept: list[str], timeout: float, future: MPFuture) -> None:
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            candidates = list(found.value.keys()) if found is not None and isinstance(found.value, dict) else []
+            random.shuffle(candidates)
+            for raw_peer in candidates:
+                try:
+                    peer = PeerID(raw_peer)
+                except Exception:  # noqa: BLE001 - a malformed DHT subkey
+                    continue
+                if peer == self.peer_id:
+                    continue
+                try:
+                    state = await asyncio.wait_for(self._download_state_from(peer, set(accept)), timeout)
+                except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
+                    logger.warning("refused state from %s: %s", peer, exc)
+                    continue
+                future.set_result(state)
+                return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state_from(self, peer: PeerID, accept: set[str]) -> tuple[int, torch.Tensor, torch.Tensor]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts = None, [], []
+        async for message in stream:
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("round"), int):
+            raise MalformedTensorError("no state metadata")
+        if len(tensors) != 2 or any(t.dtype != torch.float32 or t.shape != (self.numel,) for t in tensors):
+            raise MalformedTensorError(f"state is not two float32 vectors of {self.numel} values")
+        params, momentum = tensors
+        digest = state_digest(metadata["round"], params, momentum)
+        if digest not in accept:
+            raise MalformedTensorError(f"state digest {digest[:19]}... of round {metadata['round']} is not the swarm's")
+        return metadata["round"], params, momentum

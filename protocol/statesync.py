@@ -1,0 +1,100 @@
+"""Global-state digests, their signed DHT records, and verified state download.
+
+The digest of a peer's global state (round, θ_g, outer momentum) is the SHA-256 of a
+length-prefixed encoding of the round and the exact tensor bytes. After every round each
+peer publishes it in the DHT as a ``SignedMessage`` (kind ``DIGEST_KIND``) under the run's
+digest key, one subkey per peer. A newcomer (or a peer that fell out of sync) accepts a
+downloaded state only if its recomputed digest is the one most peers published for the
+latest round; a tampered or stale state is refused and the next peer is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from protocol.errors import MalformedMessageError, VerificationError
+from protocol.identity import Identity, PublicKey
+from protocol.messages import MessageVerifier, SignedMessage, sign_message
+
+logger = logging.getLogger(__name__)
+
+DIGEST_KIND = "swarmtrain.state-digest.v1"
+RECORD_TTL_S = 600.0
+
+
+def state_digest(round_: int, params: torch.Tensor, momentum: torch.Tensor) -> str:
+    """``sha256:<hex>`` of (round, params bytes, momentum bytes); float32 CPU tensors."""
+    h = hashlib.sha256()
+    h.update(b"swarmtrain/global-state/v1")
+    h.update(struct.pack(">q", round_))
+    for tensor in (params, momentum):
+        if tensor.dtype != torch.float32:
+            raise ValueError(f"state tensors are float32, got {tensor.dtype}")
+        h.update(struct.pack(">q", tensor.numel()))
+        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass(frozen=True)
+class DigestRecord:
+    """A peer's signed statement of its global-state digest after a round."""
+
+    signer: PublicKey
+    round: int
+    digest: str
+
+
+def make_digest_record(identity: Identity, *, round_: int, digest: str, now: float) -> bytes:
+    body = json.dumps({"round": round_, "digest": digest}, sort_keys=True).encode()
+    return sign_message(identity, DIGEST_KIND, body, now=now).to_bytes()
+
+
+def parse_digest_record(data: Any, *, now: float, max_age_s: float = RECORD_TTL_S) -> DigestRecord:
+    """Verify one DHT value; raises ``VerificationError`` naming the problem."""
+    if not isinstance(data, bytes):
+        raise MalformedMessageError(f"digest record is {type(data).__name__}, not bytes")
+    message = SignedMessage.from_bytes(data)
+    MessageVerifier(max_age_s=max_age_s).verify(message, now=now, kind=DIGEST_KIND, check_replay=False)
+    try:
+        body = json.loads(message.body)
+        round_, digest = body["round"], body["digest"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MalformedMessageError("digest record body is not {round, digest}") from exc
+    if not isinstance(round_, int) or round_ < 0 or not isinstance(digest, str) or not digest.startswith("sha256:"):
+        raise MalformedMessageError("digest record has a bad round or digest")
+    return DigestRecord(message.signer, round_, digest)
+
+
+def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]:
+    """Valid records from a DHT dictionary value (subkey → value); invalid ones are logged and dropped."""
+    records = []
+    for subkey, value in values.items():
+        raw = getattr(value, "value", value)
+        try:
+            record = parse_digest_record(raw, now=now)
+        except VerificationError as exc:
+            logger.info("ignored digest record %r: %s", subkey, exc)
+            continue
+        if subkey != record.signer.id:
+            logger.info("ignored digest record filed under %r but signed by %s", subkey, record.signer.id)
+            continue
+        records.append(record)
+    return records
+
+
+def accepted_state(records: list[DigestRecord]) -> tuple[int, set[str]] | None:
+    """(latest round, the digest(s) most of its signers published); None if no records."""
+    if not records:
+        return None
+    latest = max(r.round for r in records)
+    votes = Counter(r.digest for r in records if r.round == latest)
+    top = max(votes.values())
+    return latest, {digest for digest, count in votes.items() if count == top}

@@ -1,0 +1,83 @@
+"""Late join: a newcomer downloads the swarm's state from peers and verifies its digest;
+a peer serving tampered state is refused."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from peer.swarm import Swarm
+from peer.task import build_task
+from peer.trainer import Trainer, TrainerOptions
+from protocol.compression import get_codec
+from protocol.spec import parse_spec
+
+SPEC = """
+[run]
+name = "sync"
+[task.model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 16
+[inner]
+batch_size = 4
+[rounds]
+inner_steps = 2
+[averaging]
+compression = "int8"
+overlap = false
+min_group_size = 2
+target_group_size = 2
+matchmaking_timeout_s = 6.0
+allreduce_timeout_s = 20.0
+"""
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def test_newcomer_downloads_verified_state_and_refuses_tampered() -> None:
+    spec = parse_spec(SPEC)
+    codec = get_codec(spec.averaging.compression)
+    numel = sum(p.numel() for p in build_task(spec, shard_seed=0).model.parameters())
+    swarms = [Swarm(spec, numel, codec, initial_peers=[], host_maddrs=LOOPBACK)]
+    maddrs = swarms[0].visible_maddrs
+    swarms.append(Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK))
+    try:
+        trainers = [
+            Trainer(spec, build_task(spec, shard_seed=i), swarm, TrainerOptions(max_rounds=3))
+            for i, swarm in enumerate(swarms)
+        ]
+        threads = [threading.Thread(target=t.run) for t in trainers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=180)
+        assert not any(t.is_alive() for t in threads)
+        a, b = trainers
+        assert a.state.digest() == b.state.digest() and a.state.round == 3
+
+        # a liar serves tampered parameters under the honest metadata; honest peers stop serving
+        liar = Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK)
+        swarms.append(liar)
+        tampered = a.state.params.clone()
+        tampered[0] += 1e-3
+        liar.averager.state_provider = lambda: (3, tampered, a.state.momentum, a.state.digest())
+        for swarm in swarms[:2]:
+            swarm.averager.allow_state_sharing = False
+
+        newcomer_swarm = Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK)
+        swarms.append(newcomer_swarm)
+        accepted = newcomer_swarm.accepted_state()
+        assert accepted == (3, {a.state.digest()})
+        assert newcomer_swarm.averager.load_verified_state(accepted[1], timeout=10) is None
+
+        swarms[0].averager.allow_state_sharing = True
+        newcomer = Trainer(spec, build_task(spec, shard_seed=9), newcomer_swarm, TrainerOptions(max_rounds=1))
+        assert newcomer.state.round == 0
+        assert newcomer.catch_up()
+        assert newcomer.state.round == 3 and newcomer.state.digest() == a.state.digest()
+        assert torch.equal(newcomer.state.params, a.state.params)
+    finally:
+        for swarm in swarms:
+            swarm.shutdown()
