@@ -28,6 +28,9 @@ def add_parser(commands: Any) -> None:
         description="Run a training peer. Without --initial-peers it starts a new swarm and prints "
         "the multiaddrs others join with.",
     )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output (-vv: debug)"
+    )
     parser.add_argument("--spec", type=Path, help="run spec (TOML)")
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="join through a coordinator (issue #4)")
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of running peers")

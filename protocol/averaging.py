@@ -296,7 +296,7 @@ class ExactAverager(DecentralizedAverager):
                 try:
                     state = await asyncio.wait_for(self._download_state_from(peer, set(accept)), timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
-                    logger.warning("refused state from %s: %s", peer, exc)
+                    logger.warning("refused state from %s: %s", peer, str(exc) or type(exc).__name__)
                     continue
                 future.set_result(state)
                 return
