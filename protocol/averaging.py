@@ -211,6 +211,8 @@ class ExactAverager(DecentralizedAverager):
     average of the group's decoded contributions, identical in every member.
     """
 
+    runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
+
     def __init__(self, numel: int, dht: Any, *, codec: Codec, prefix: str, **kwargs: Any) -> None:
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
@@ -232,7 +234,7 @@ class ExactAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.pop("compression", None)
         kwargs.pop("part_size_bytes", None)
-        runner = ExactAllReduceRunner(
+        runner = self.runner_class(
             codec=self.codec_compression,
             p2p=self._p2p,
             servicer_type=type(self),

@@ -1,0 +1,111 @@
+"""Bad tensors from another peer (NaN/Inf, wrong size, bad weight) never reach the result:
+the sender is excluded with a logged reason and honest peers still agree bit for bit."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from hivemind import DHT
+from hivemind.proto import runtime_pb2
+
+from protocol.averaging import CodecCompression, ExactAllReduceRunner, ExactAverager
+from protocol.compression import get_codec
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+NUMEL = 5000
+
+
+class NaNCompression(CodecCompression):
+    def compress(self, tensor, info, allow_inplace=False):  # type: ignore[no-untyped-def]
+        poisoned = tensor.detach().reshape(-1).clone()
+        poisoned[::7] = float("nan")
+        return runtime_pb2.Tensor(
+            buffer=poisoned.numpy().tobytes(), size=list(tensor.shape), dtype=self.dtype_tag
+        )
+
+
+class ShortCompression(CodecCompression):
+    def compress(self, tensor, info, allow_inplace=False):  # type: ignore[no-untyped-def]
+        flat = tensor.detach().reshape(-1)[:-1].contiguous()
+        return runtime_pb2.Tensor(buffer=self.codec.encode(flat), size=[flat.numel()], dtype=self.dtype_tag)
+
+
+def weight_liar(weight: float) -> type[ExactAverager]:
+    """An averager whose messages claim ``weight`` (hivemind's own step() would refuse it)."""
+
+    class LyingRunner(ExactAllReduceRunner):
+        async def _generate_input_for_peer(self, peer_index):  # type: ignore[no-untyped-def]
+            async for message in super()._generate_input_for_peer(peer_index):
+                message.weight = weight
+                yield message
+
+    # hivemind names RPC handlers after the class: the liar must look like an ExactAverager
+    return type("ExactAverager", (ExactAverager,), {"runner_class": LyingRunner})
+
+
+def run_group(bad: type[CodecCompression] | None, bad_weight: float = 1.0) -> list[torch.Tensor | None]:
+    codec = get_codec("none")
+    first = DHT(start=True, host_maddrs=LOOPBACK)
+    dhts = [first] + [DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs()) for _ in range(2)]
+    averagers = []
+    try:
+        for i, dht in enumerate(dhts):
+            malicious = i == 2
+            averager_class = weight_liar(bad_weight) if malicious and bad_weight != 1.0 else ExactAverager
+            averager = averager_class(
+                NUMEL, dht, codec=codec, prefix="badtensors", start=False, min_group_size=3, target_group_size=3,
+                min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=15.0, next_chunk_timeout=5.0,
+                client_mode=malicious,  # the attacker only sends; honest peers reduce
+            )
+            if malicious and bad is not None:
+                averager.codec_compression = bad(codec)  # before the averager process starts
+            averager.run_in_background(await_ready=True)
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(torch.full((NUMEL,), float(i + 1)))
+            averagers.append(averager)
+        results: list[torch.Tensor | None] = [None] * 3
+
+        def step(i: int) -> None:
+            try:
+                outcome = averagers[i].step(weight=1.0, timeout=30, allow_retries=False)
+            except Exception:  # noqa: BLE001 - a failed step leaves the vector untouched
+                outcome = None
+            if outcome:
+                with averagers[i].get_tensors() as tensors:
+                    results[i] = tensors[0].clone()
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+        return results
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_honest_group_averages_exactly() -> None:
+    results = run_group(None)
+    assert all(r is not None for r in results[:2])
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3
+
+
+@pytest.mark.parametrize(
+    ("bad", "weight"),
+    [(NaNCompression, 1.0), (ShortCompression, 1.0), (None, math.inf), (None, -1.0), (None, math.nan)],
+    ids=["nan-values", "wrong-size", "inf-weight", "negative-weight", "nan-weight"],
+)
+def test_bad_contribution_is_excluded(bad: type[CodecCompression] | None, weight: float) -> None:
+    results = run_group(bad, bad_weight=weight)
+    honest = [r for r in results[:2] if r is not None]
+    for result in honest:
+        assert bool(torch.isfinite(result).all())
+        assert torch.equal(result, torch.full((NUMEL,), 1.5))  # (1 + 2) / 2: the attacker is left out
+    assert len(honest) == 2

@@ -1,0 +1,127 @@
+"""Trainer logic around the swarm: own bad pseudo-gradients, failed rounds, the outer step.
+The swarm here is an in-memory recorder; real swarms are in tests/integration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peer.state import GlobalState, flatten, outer_step
+from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
+from peer.task import build_task
+from peer.trainer import Trainer, TrainerOptions
+from protocol.spec import parse_spec
+
+SPEC = """
+[run]
+name = "unit"
+[task.model]
+d_model = 16
+n_layers = 1
+n_heads = 2
+context = 8
+[inner]
+batch_size = 2
+[rounds]
+inner_steps = 2
+[averaging]
+compression = "int8"
+overlap = false
+"""
+
+
+@dataclass
+class _Pending:
+    result_value: RoundResult | None
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> RoundResult | None:
+        return self.result_value
+
+
+@dataclass
+class RecordingSwarm:
+    """Records what the trainer hands to the swarm; every round 'fails' unless told otherwise."""
+
+    launched: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    next_result: RoundResult | None = None
+
+    def __post_init__(self) -> None:
+        self.averager = type("A", (), {"state_provider": None})()
+
+    def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any]) -> _Pending:
+        self.launched.append((vector.clone(), weight))
+        return _Pending(self.next_result)
+
+    def accepted_state(self, **kwargs: Any) -> None:
+        return None
+
+    def publish_digest(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def make_trainer() -> tuple[Trainer, RecordingSwarm]:
+    spec = parse_spec(SPEC)
+    swarm = RecordingSwarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    return trainer, swarm
+
+
+def test_own_non_finite_pseudo_gradient_is_refused() -> None:
+    trainer, swarm = make_trainer()
+    before = trainer.state.clone()
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("nan")
+    flight = trainer._launch(samples=4, loss=1.0, compute_s=0.1)
+    vector, weight = swarm.launched[0]
+    assert weight == NEGLIGIBLE_WEIGHT and bool((vector == 0).all())
+    trainer._finish(flight)  # the round fails: nothing changes
+    assert trainer.state.digest() == before.digest()
+
+
+def test_failed_round_keeps_progress_for_the_next_round() -> None:
+    trainer, swarm = make_trainer()
+    trainer.run()
+    assert trainer.history[0]["averaged"] is False
+    assert torch.equal(trainer.start_point, trainer.state.params)
+    assert not torch.equal(flatten(trainer.model), trainer.state.params)  # local progress kept
+    assert trainer.state.round == 0
+
+
+def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
+    trainer, swarm = make_trainer()
+    averaged = torch.full_like(trainer.state.params, 1e-3)
+    swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
+    expected = trainer.state.clone()
+    outer_step(expected, averaged, trainer.spec.outer)
+    trainer.run()
+    assert trainer.state.digest() == expected.digest()
+    assert torch.equal(flatten(trainer.model), trainer.state.params)
+
+
+def test_outer_step_matches_torch_nesterov_sgd() -> None:
+    spec = parse_spec(SPEC)
+    params = torch.randn(1000)
+    state = GlobalState(params.clone(), torch.zeros(1000), 0)
+    reference = torch.nn.Parameter(params.clone())
+    sgd = torch.optim.SGD([reference], lr=spec.outer.lr, momentum=spec.outer.momentum, nesterov=True)
+    for _ in range(3):
+        delta = torch.randn(1000)
+        outer_step(state, delta, spec.outer)
+        reference.grad = delta.clone()
+        sgd.step()
+    assert torch.allclose(state.params, reference.detach(), atol=1e-6) and state.round == 3
+
+
+def test_outer_step_is_bitwise_reproducible() -> None:
+    spec = parse_spec(SPEC)
+    delta = torch.randn(4097)
+    a = GlobalState(torch.randn(4097, generator=torch.Generator().manual_seed(0)), torch.zeros(4097), 5)
+    b = a.clone()
+    outer_step(a, delta, spec.outer)
+    outer_step(b, delta.clone(), spec.outer)
+    assert a.digest() == b.digest()
