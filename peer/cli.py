@@ -39,6 +39,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
     parser.add_argument("--key", type=Path, default=None, help="identity key file (created if absent)")
     parser.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per round here")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here; resume from them")
+    parser.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints (default: 1)")
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--spec FILE is required (or --coordinator HOST:PORT)")
     if args.max_rounds is not None and args.max_rounds < 1:
         raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+    if args.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     from protocol.identity import default_key_path, load_or_create
@@ -85,7 +89,14 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
-        options = TrainerOptions(identity=identity, max_rounds=args.max_rounds, device=device, overlap=args.overlap)
+        options = TrainerOptions(
+            identity=identity,
+            max_rounds=args.max_rounds,
+            device=device,
+            overlap=args.overlap,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+        )
         _install_signal_handlers(options.stop)
         trainer = Trainer(spec, task, swarm, options, on_round=_reporter(args.metrics_file))
         trainer.run()

@@ -28,10 +28,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from peer.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, load_flat, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
 from peer.task import Task
@@ -62,11 +64,16 @@ class TrainerOptions:
     identity: Identity | None = None
     """This peer's key: signs its digest records (a fresh one if not given)."""
     max_rounds: int | None = None
-    """Stop after this many completed rounds (default: the spec's rounds.max_rounds)."""
+    """Stop after this many rounds in this process (the run itself ends at the spec's
+    rounds.max_rounds global rounds)."""
     device: str = "cpu"
     """Torch device of the inner phase."""
     overlap: bool | None = None
     """Override the spec's averaging.overlap."""
+    checkpoint_dir: Path | None = None
+    """Save a checkpoint here after every ``checkpoint_every`` rounds and resume from it."""
+    checkpoint_every: int = 1
+    """Rounds between checkpoints."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set to finish the current round cleanly and return."""
 
@@ -95,14 +102,47 @@ class Trainer:
         self.inner_steps_done = 0
         self.history: list[dict[str, Any]] = []
         self.identity = options.identity or Identity.generate()
+        self.checkpointer = (
+            Checkpointer(options.checkpoint_dir, spec_digest=spec.digest()) if options.checkpoint_dir else None
+        )
+        if self.checkpointer is not None:
+            self._restore()
         self._snapshot = (self.state.round, self.state.params, self.state.momentum, self.state.digest())
         swarm.averager.state_provider = lambda: self._snapshot
 
+    def _restore(self) -> None:
+        assert self.checkpointer is not None
+        record = self.checkpointer.latest()
+        if record is None:
+            return
+        self.state = GlobalState(record["params"], record["momentum"], record["round"])
+        self.model.load_state_dict(record["model"])
+        self.optimizer.load_state_dict(record["inner_optimizer"])
+        if self.feedback is not None and record.get("residual") is not None:
+            self.feedback.load_residual(record["residual"])
+        self.inner_steps_done = int(record["inner_steps_done"])
+        self.start_point = self.state.params.clone()
+        logger.info("resumed from the checkpoint of round %d (%s)", self.state.round, self.state.digest()[:19])
+
+    def save_checkpoint(self) -> None:
+        if self.checkpointer is None:
+            return
+        self.checkpointer.save(
+            {
+                "round": self.state.round,
+                "params": self.state.params,
+                "momentum": self.state.momentum,
+                "model": self.model.state_dict(),
+                "inner_optimizer": self.optimizer.state_dict(),
+                "residual": self.feedback.residual if self.feedback is not None else None,
+                "inner_steps_done": self.inner_steps_done,
+            }
+        )
+
     def run(self) -> list[dict[str, Any]]:
-        limit = self.options.max_rounds or self.spec.rounds.max_rounds
         self.catch_up()
         in_flight: _InFlight | None = None
-        while not self.options.stop.is_set() and (limit is None or len(self.history) < limit):
+        while not self.options.stop.is_set() and not self._finished():
             started = time.monotonic()
             samples, loss, in_flight = self._inner_phase(in_flight)
             compute_s = time.monotonic() - started
@@ -115,6 +155,10 @@ class Trainer:
         if in_flight is not None:
             self._finish(in_flight)
         return self.history
+
+    def _finished(self) -> bool:
+        local, run = self.options.max_rounds, self.spec.rounds.max_rounds
+        return (local is not None and len(self.history) >= local) or (run is not None and self.state.round >= run)
 
     def _inner_phase(self, in_flight: _InFlight | None) -> tuple[int, float, _InFlight | None]:
         rounds = self.spec.rounds
@@ -189,6 +233,8 @@ class Trainer:
             "params": self.state.params.numel(),
         }
         self.history.append(metrics)
+        if result is not None and self.state.round % self.options.checkpoint_every == 0:
+            self.save_checkpoint()
         self.on_round(metrics)
 
     @torch.no_grad()

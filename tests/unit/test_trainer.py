@@ -125,3 +125,35 @@ def test_outer_step_is_bitwise_reproducible() -> None:
     outer_step(a, delta, spec.outer)
     outer_step(b, delta.clone(), spec.outer)
     assert a.digest() == b.digest()
+
+
+def test_checkpoint_resume_restores_everything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = parse_spec(SPEC)
+    swarm = RecordingSwarm()
+    options = TrainerOptions(max_rounds=2, checkpoint_dir=tmp_path)
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options)  # type: ignore[arg-type]
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], 1, 1, 0.0)
+    trainer.run()
+    assert trainer.state.round == 2 and len(list(tmp_path.glob("round-*.pt"))) == 2
+
+    resumed = Trainer(spec, build_task(spec, shard_seed=1), RecordingSwarm(), TrainerOptions(checkpoint_dir=tmp_path))  # type: ignore[arg-type]
+    assert resumed.state.digest() == trainer.state.digest()
+    assert resumed.inner_steps_done == trainer.inner_steps_done
+    assert torch.equal(flatten(resumed.model), flatten(trainer.model))
+    assert torch.equal(resumed.feedback.residual, trainer.feedback.residual)  # type: ignore[union-attr]
+
+
+def test_corrupted_or_foreign_checkpoints_are_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from peer.checkpoint import Checkpointer
+
+    good = Checkpointer(tmp_path, spec_digest="sha256:run")
+    params, momentum = torch.ones(10), torch.zeros(10)
+    good.save({"round": 1, "params": params, "momentum": momentum})
+    newest = good.save({"round": 2, "params": params * 2, "momentum": momentum})
+    record = torch.load(newest, weights_only=True)
+    record["params"][0] = 99.0  # edited after the fact
+    torch.save(record, newest)
+    assert good.latest()["round"] == 1  # type: ignore[index]
+    newest.write_bytes(b"torn")
+    assert good.latest()["round"] == 1  # type: ignore[index]
+    assert Checkpointer(tmp_path, spec_digest="sha256:other").latest() is None
