@@ -142,7 +142,7 @@ class Trainer:
     def run(self) -> list[dict[str, Any]]:
         self.catch_up()
         in_flight: _InFlight | None = None
-        while not self.options.stop.is_set() and not self._finished():
+        while not self.options.stop.is_set() and not self._finished(in_flight):
             started = time.monotonic()
             samples, loss, in_flight = self._inner_phase(in_flight)
             compute_s = time.monotonic() - started
@@ -156,9 +156,12 @@ class Trainer:
             self._finish(in_flight)
         return self.history
 
-    def _finished(self) -> bool:
+    def _finished(self, in_flight: _InFlight | None) -> bool:
         local, run = self.options.max_rounds, self.spec.rounds.max_rounds
-        return (local is not None and len(self.history) >= local) or (run is not None and self.state.round >= run)
+        pending = 1 if in_flight is not None else 0
+        return (local is not None and len(self.history) + pending >= local) or (
+            run is not None and self.state.round + pending >= run
+        )
 
     def _inner_phase(self, in_flight: _InFlight | None) -> tuple[int, float, _InFlight | None]:
         rounds = self.spec.rounds

@@ -26,7 +26,7 @@ batch_size = 8
 inner_steps = 6
 [averaging]
 compression = "{codec}"
-overlap = false
+overlap = {overlap}
 min_group_size = 3
 target_group_size = 3
 matchmaking_timeout_s = 6.0
@@ -36,9 +36,9 @@ allreduce_timeout_s = 30.0
 MAX_RATIO = {"fp16": 0.55, "int8": 0.30, "4bit": 0.16}
 
 
-def run_swarm(tmp_path: Path, codec: str) -> list[list[dict]]:
+def run_swarm(tmp_path: Path, codec: str, overlap: bool = False) -> list[list[dict]]:
     spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC.format(codec=codec))
+    spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower()))
     peers: list[PeerProcess] = []
 
     def start(i: int, initial: list[str]) -> PeerProcess:
@@ -62,9 +62,12 @@ def run_swarm(tmp_path: Path, codec: str) -> list[list[dict]]:
     return [[json.loads(line) for line in (tmp_path / f"m{i}.jsonl").read_text().splitlines()] for i in range(3)]
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8", "4bit"])
-def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str) -> None:
-    histories = run_swarm(tmp_path, codec)
+@pytest.mark.parametrize(
+    ("codec", "overlap"), [("fp16", False), ("int8", False), ("4bit", False), ("int8", True)],
+    ids=["fp16", "int8", "4bit", "int8-overlap"],
+)
+def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str, overlap: bool) -> None:
+    histories = run_swarm(tmp_path, codec, overlap)
     assert all(len(h) == ROUNDS for h in histories)
     full_rounds = 0
     for rows in zip(*histories):
