@@ -37,12 +37,10 @@ test-integration: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
-# Until the training demo lands (issues #3, #4), this runs what exists: the environment
-# check (including a real loopback DHT) and the demo spec's validation.
+# 3 local CPU peers train the embedded demo spec, then a summary (the coordinator and its
+# dashboard join with issue #4).
 demo: $(STAMP)
-	$(VENV)/bin/swarmtrain doctor
-	$(VENV)/bin/swarmtrain spec check examples/demo.toml
-	@echo "the training demo (coordinator + 3 CPU peers) is not built yet: see issues #3 and #4"
+	$(VENV)/bin/swarmtrain demo
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

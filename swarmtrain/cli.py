@@ -16,7 +16,7 @@ from typing import NoReturn
 from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__
 from peer import cli as peer_cli
-from swarmtrain.commands import doctor, keygen, pending, spec
+from swarmtrain.commands import demo, doctor, keygen, pending, spec
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer_cli.add_parser(commands)
     pending.add_parser(commands, "coordinator", "run a coordinator: admission, health, credits, dashboard")
     pending.add_parser(commands, "status", "show a run's swarm health from its coordinator")
-    pending.add_parser(commands, "demo", "a coordinator and 3 local CPU peers train a tiny model")
+    demo.add_parser(commands)
     keygen.add_parser(commands)
     spec.add_parser(commands)
     doctor.add_parser(commands)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-_ISSUES = {"coordinator": 4, "status": 4, "demo": 4}
+_ISSUES = {"coordinator": 4, "status": 4}
 
 
 def add_parser(commands: Any, name: str, help_text: str) -> None:

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from tests.integration.swarm_procs import PeerProcess
+from swarmtrain.localswarm import LocalPeer
 
 ROUNDS = 14
 LATE_ROUNDS = 3
@@ -51,12 +51,12 @@ def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[n
 def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC)
-    peers: dict[int, PeerProcess] = {}
+    peers: dict[int, LocalPeer] = {}
 
-    def start(i: int, initial: list[str], rounds: int = ROUNDS) -> PeerProcess:
+    def start(i: int, initial: list[str], rounds: int = ROUNDS) -> LocalPeer:
         args = ["-v", "--spec", str(spec), "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                "--metrics-file", str(tmp_path / f"m{i}.jsonl"), "--max-rounds", str(rounds), "--shard-seed", str(i)]
-        peers[i] = PeerProcess(args + (["--initial-peers", *initial] if initial else []), tmp_path, f"peer{i}")
+                "--max-rounds", str(rounds), "--shard-seed", str(i)]
+        peers[i] = LocalPeer(args + (["--initial-peers", *initial] if initial else []), tmp_path, f"peer{i}")
         return peers[i]
 
     try:
@@ -65,10 +65,10 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
         start(2, [maddr])
         victim = peers[2]
         # kill peer 2 once it has finished a round and launched the next averaging
-        wait_for(lambda: len(rows(tmp_path / "m2.jsonl")) >= 2, 180, "peer 2 to finish 2 rounds")
+        wait_for(lambda: len(rows(tmp_path / "peer2.jsonl")) >= 2, 180, "peer 2 to finish 2 rounds")
         wait_for(lambda: any("averaging round 2:" in line for line in victim.lines), 60, "peer 2 to start averaging")
         victim.kill()
-        killed_after = len(rows(tmp_path / "m0.jsonl"))
+        killed_after = len(rows(tmp_path / "peer0.jsonl"))
         late = start(3, [maddr], rounds=LATE_ROUNDS)
         for i in (3, 0, 1):
             assert peers[i].wait(timeout=300) == 0, "\n".join(peers[i].lines[-30:])
@@ -76,7 +76,7 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
         for peer in peers.values():
             peer.kill()
 
-    survivors = [rows(tmp_path / f"m{i}.jsonl") for i in (0, 1)]
+    survivors = [rows(tmp_path / f"peer{i}.jsonl") for i in (0, 1)]
     assert all(len(h) == ROUNDS for h in survivors)
     # the round in flight when peer 2 died ends within one averaging timeout
     for history in survivors:
@@ -90,7 +90,7 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
     assert all(h[-1]["loss"] < h[killed_after - 1]["loss"] for h in both)
     # the late joiner adopted the verified state and then agrees with the survivors
     assert any("adopted the swarm's state of round" in line for line in late.lines), "\n".join(late.lines[-30:])
-    late_rows = rows(tmp_path / "m3.jsonl")
+    late_rows = rows(tmp_path / "peer3.jsonl")
     assert len(late_rows) == LATE_ROUNDS
     # it may have adopted a state one round behind (the swarm moves on while it downloads);
     # then it re-syncs; by its last round it holds the survivors' state

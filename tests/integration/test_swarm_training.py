@@ -3,12 +3,11 @@ and lossy codecs send a fraction of the fp32 bytes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.integration.swarm_procs import PeerProcess
+from swarmtrain.localswarm import start_peers
 
 ROUNDS = 4
 SPEC = """
@@ -39,27 +38,14 @@ MAX_RATIO = {"fp16": 0.55, "int8": 0.30, "4bit": 0.16}
 def run_swarm(tmp_path: Path, codec: str, overlap: bool = False) -> list[list[dict]]:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower()))
-    peers: list[PeerProcess] = []
-
-    def start(i: int, initial: list[str]) -> PeerProcess:
-        args = ["--spec", str(spec), "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                "--metrics-file", str(tmp_path / f"m{i}.jsonl"), "--max-rounds", str(ROUNDS), "--shard-seed", str(i)]
-        if initial:
-            args += ["--initial-peers", *initial]
-        peer = PeerProcess(args, tmp_path, f"peer{i}")
-        peers.append(peer)
-        return peer
-
+    peers = start_peers(spec, 3, tmp_path, extra=["--max-rounds", str(ROUNDS)])
     try:
-        maddr = start(0, []).wait_for_maddr()
-        start(1, [maddr])
-        start(2, [maddr])
         for peer in peers:
             assert peer.wait(timeout=300) == 0, "\n".join(peer.lines)
     finally:
         for peer in peers:
             peer.kill()
-    return [[json.loads(line) for line in (tmp_path / f"m{i}.jsonl").read_text().splitlines()] for i in range(3)]
+    return [peer.rounds() for peer in peers]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,141 @@
+"""``swarmtrain demo``: three local CPU peers train the demo model together, then a summary.
+
+Starts 3 `swarmtrain peer` processes on loopback with the embedded demo spec
+(``swarmtrain/demo.toml``, also at ``examples/demo.toml``), shows the swarm's progress,
+and prints rounds, loss first → last, whether every round's digests agreed, and samples
+and bytes per peer. Leaves no process behind, on success, failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import SwarmtrainError
+
+PEERS = 3
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="3 local CPU peers train a tiny model together, then a summary",
+        description="Run a local swarm of 3 CPU peers on the embedded demo spec and summarise it.",
+    )
+    parser.add_argument("--spec", type=Path, default=None, help="run spec (default: the embedded demo spec)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds to train (default: the spec's max_rounds)")
+    parser.add_argument("--summary-json", type=Path, default=None, help="also write the summary here as JSON")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep keys, logs and metrics here")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from protocol.spec import load_spec
+    from swarmtrain.localswarm import start_peers
+
+    spec_path = args.spec or Path(str(resources.files("swarmtrain") / "demo.toml"))
+    spec = load_spec(spec_path)
+    rounds = args.rounds or spec.rounds.max_rounds or 10
+    if rounds < 1:
+        raise SwarmtrainError(f"--rounds must be >= 1, got {rounds}")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarmtrain-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"demo: {PEERS} peers on this machine train {spec.run.name!r} for {rounds} rounds (logs in {workdir})")
+    print("demo: the coordinator and its dashboard join the demo with issue #4", flush=True)
+    peers = start_peers(spec_path, PEERS, workdir, extra=["--max-rounds", str(rounds)])
+    try:
+        _show_progress(peers, rounds)
+        codes = [peer.wait(timeout=120) for peer in peers]
+    except KeyboardInterrupt:
+        print("\ndemo: interrupted; stopping the peers", file=sys.stderr)
+        for peer in peers:
+            peer.stop(grace_s=15)
+        return 130
+    finally:
+        for peer in peers:
+            peer.kill()
+    summary = summarize([peer.rounds() for peer in peers], codes)
+    _print_summary(summary)
+    if args.summary_json:
+        args.summary_json.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return 0 if summary["ok"] else 1
+
+
+def _show_progress(peers: list[Any], rounds: int) -> None:
+    shown = 0
+    while any(peer.proc.poll() is None for peer in peers):
+        latest = [peer.rounds()[-1] for peer in peers if peer.rounds()]
+        done = min((r["round"] for r in latest), default=0) if len(latest) == len(peers) else 0
+        if done > shown:
+            shown = done
+            rows = [row for peer in peers for row in peer.rounds() if row["round"] == done]
+            loss = sum(r["loss"] for r in rows) / max(len(rows), 1)
+            agree = len({r["state_digest"] for r in rows}) == 1
+            bar = "#" * (20 * done // rounds)
+            print(
+                f"[{bar:<20}] round {done}/{rounds} | loss {loss:.3f} | group {rows[0]['group_size']} | "
+                f"digests {'agree' if agree else 'DIFFER'}",
+                flush=True,
+            )
+        time.sleep(0.2)
+
+
+def summarize(histories: list[list[dict[str, Any]]], exit_codes: list[int]) -> dict[str, Any]:
+    """The demo's outcome from each peer's metrics rows (compared by global round number:
+    a peer that failed a round and re-synced skips that number)."""
+    by_round: dict[int, set[str]] = {}
+    for history in histories:
+        for row in history:
+            if row["averaged"]:
+                by_round.setdefault(row["round"], set()).add(row["state_digest"])
+    agreeing = sum(1 for digests in by_round.values() if len(digests) == 1)
+    first = [h[0]["loss"] for h in histories if h]
+    last = [h[-1]["loss"] for h in histories if h]
+    loss_first = sum(first) / len(first) if first else float("nan")
+    loss_last = sum(last) / len(last) if last else float("nan")
+    peers = [
+        {
+            "peer": i,
+            "rounds": len(h),
+            "samples": sum(r["samples"] for r in h),
+            "bytes_sent": sum(r["bytes_sent"] for r in h),
+            "final_round": h[-1]["round"] if h else 0,
+            "exit_code": code,
+        }
+        for i, (h, code) in enumerate(zip(histories, exit_codes))
+    ]
+    rounds = len(by_round)
+    ok = rounds > 0 and all(c == 0 for c in exit_codes) and loss_last < loss_first and agreeing == rounds
+    return {
+        "rounds": rounds,
+        "loss_first": loss_first,
+        "loss_last": loss_last,
+        "rounds_with_identical_digests": agreeing,
+        "digests_agree": agreeing == rounds,
+        "final_digest": histories[0][-1]["state_digest"] if histories and histories[0] else None,
+        "peers": peers,
+        "ok": ok,
+    }
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print("\ndemo summary")
+    print(f"  rounds:          {summary['rounds']}")
+    print(f"  loss:            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
+    print(
+        f"  digests agree:   {'yes' if summary['digests_agree'] else 'NO'} "
+        f"({summary['rounds_with_identical_digests']}/{summary['rounds']} rounds bit-identical)"
+    )
+    for peer in summary["peers"]:
+        print(
+            f"  peer {peer['peer']}: {peer['rounds']} rounds, {peer['samples']} samples, "
+            f"{peer['bytes_sent'] / 1e6:.2f} MB sent, exit {peer['exit_code']}"
+        )
+    print("  credits:         granted by the coordinator (issue #4)")
+    print(f"demo {'succeeded' if summary['ok'] else 'FAILED'}")

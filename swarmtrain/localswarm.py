@@ -1,0 +1,118 @@
+"""Local `swarmtrain peer` processes on loopback: start, watch, reap (by pid, never by name).
+
+Used by ``swarmtrain demo``, the integration tests and the local benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MADDR_RE = re.compile(r"^listening: (/ip4/127\.0\.0\.1/\S+)$")
+
+
+def swarmtrain_executable() -> list[str]:
+    """The command that runs ``swarmtrain`` in this environment."""
+    exe = shutil.which("swarmtrain", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "swarmtrain"]
+
+
+class LocalPeer:
+    """One `swarmtrain peer` child whose combined output is kept (and logged to a file)."""
+
+    def __init__(self, args: list[str], workdir: Path, name: str, *, threads: int = 1) -> None:
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        self.metrics_file = workdir / f"{name}.jsonl"
+        self.lines: list[str] = []
+        # one torch thread per peer: several peers share this machine's cores
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen(
+            [*swarmtrain_executable(), "peer", *args, "--metrics-file", str(self.metrics_file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.log.open("w") as out:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                out.write(line)
+                out.flush()
+
+    def wait_for_maddr(self, deadline_s: float = 120.0) -> str:
+        """The loopback multiaddr the peer printed; raises if it exits or stays silent."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = MADDR_RE.match(line)
+                if match:
+                    return match.group(1)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} printed no loopback multiaddr:\n" + "\n".join(self.lines[-20:]))
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """Rows of its metrics file so far."""
+        if not self.metrics_file.exists():
+            return []
+        rows = []
+        for line in self.metrics_file.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break  # a line being written
+        return rows
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM (graceful leave), then SIGKILL after ``grace_s``; always reaps."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reader.join(timeout=10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def start_peers(spec: Path, count: int, workdir: Path, extra: list[str] | None = None) -> list[LocalPeer]:
+    """Start ``count`` peers of ``spec`` on loopback, the first one bootstrapping the others."""
+    peers: list[LocalPeer] = []
+    try:
+        for i in range(count):
+            args = ["--spec", str(spec), "--host", "127.0.0.1", "--key", str(workdir / f"peer{i}.key")]
+            args += ["--shard-seed", str(i), *(extra or [])]
+            if peers:
+                args += ["--initial-peers", peers[0].wait_for_maddr()]
+            peers.append(LocalPeer(args, workdir, f"peer{i}"))
+        peers[0].wait_for_maddr()
+    except BaseException:
+        for peer in peers:
+            peer.kill()
+        raise
+    return peers

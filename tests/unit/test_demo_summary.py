@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from swarmtrain.commands.demo import summarize
+
+
+def row(round_: int, digest: str, loss: float, averaged: bool = True) -> dict:
+    return {"round": round_, "state_digest": digest, "loss": loss, "averaged": averaged, "samples": 8, "bytes_sent": 10}
+
+
+def test_rounds_are_compared_by_number_and_a_resynced_peer_is_fine() -> None:
+    histories = [
+        [row(1, "a", 5.0), row(2, "b", 4.0), row(3, "c", 3.0)],
+        [row(1, "a", 5.0), row(3, "c", 3.1)],  # failed round 2, then re-synced
+    ]
+    summary = summarize(histories, [0, 0])
+    assert summary["ok"] and summary["rounds"] == 3 and summary["digests_agree"]
+
+
+def test_disagreeing_digests_or_a_failed_peer_fail_the_demo() -> None:
+    assert not summarize([[row(1, "a", 5.0)], [row(1, "b", 4.0)]], [0, 0])["ok"]
+    assert not summarize([[row(1, "a", 5.0), row(2, "b", 4.0)]], [1])["ok"]
+    assert not summarize([[row(1, "a", 4.0), row(2, "b", 5.0)]], [0])["ok"]  # loss went up
