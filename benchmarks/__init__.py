@@ -1,0 +1,1 @@
+"""Benchmarks (not part of `make test`): run with `python -m benchmarks.<name>`."""
