@@ -44,6 +44,10 @@ class RoundResult:
     bytes_received: int
     wait_s: float
     refused_senders: dict[str, str] = field(default_factory=dict)
+    allreduce_s: float = 0.0
+    """Duration of the all-reduce itself (the rest of wait_s was matchmaking)."""
+    round_s: float = 0.0
+    """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
 
     def majority_digest(self) -> str | None:
         """The pre-round digest most members started from (None if nobody said)."""
@@ -73,7 +77,7 @@ class PendingRound:
             return None
         if not outcome:
             return None
-        waited = time.monotonic() - self.started
+        waited = time.monotonic() - self.started  # since launch
         with self.averager.get_tensors() as tensors:
             averaged = tensors[0].clone()
         stats = outcome.get("stats", {})
@@ -86,6 +90,8 @@ class PendingRound:
             bytes_received=int(stats.get("bytes_received", 0)),
             wait_s=waited,
             refused_senders=dict(stats.get("refused_senders", {})),
+            allreduce_s=float(stats.get("allreduce_s", 0.0)),
+            round_s=waited,
         )
 
 
@@ -131,11 +137,13 @@ class Swarm:
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any]) -> PendingRound:
-        """Start averaging ``vector`` (flat float32) with whoever is looking now."""
+    def start_round(
+        self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float | None = None
+    ) -> PendingRound:
+        """Start averaging ``vector`` (flat float32) with whoever is looking within ``timeout`` s."""
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(vector)
-        timeout = self.spec.averaging.matchmaking_timeout_s + self.spec.averaging.allreduce_timeout_s
+        timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         control = self.averager.step(gather=gather, weight=max(weight, NEGLIGIBLE_WEIGHT), timeout=timeout, wait=False)
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
 
@@ -159,6 +167,9 @@ class Swarm:
             return None
         records = [r for r in collect_records(found.value, now=get_dht_time()) if r.signer != exclude]
         return accepted_state(records)
+
+    def set_allreduce_timeout(self, timeout_s: float) -> None:
+        self.averager.set_allreduce_timeout(timeout_s)
 
     def shutdown(self) -> None:
         self.averager.shutdown()

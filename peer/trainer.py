@@ -36,6 +36,7 @@ import torch
 from peer.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, load_flat, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
+from peer.timeouts import AdaptiveTimeouts
 from peer.task import Task
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
@@ -102,6 +103,7 @@ class Trainer:
         self.inner_steps_done = 0
         self.history: list[dict[str, Any]] = []
         self.identity = options.identity or Identity.generate()
+        self.timeouts = AdaptiveTimeouts(spec.averaging.matchmaking_timeout_s, spec.averaging.allreduce_timeout_s)
         self.checkpointer = (
             Checkpointer(options.checkpoint_dir, spec_digest=spec.digest()) if options.checkpoint_dir else None
         )
@@ -211,7 +213,7 @@ class Trainer:
         pre_digest = self.state.digest()
         gather = {"id": self.identity.public_key.id, "round": self.state.round, "samples": samples, "digest": pre_digest}
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
-        pending = self.swarm.start_round(vector, weight=weight, gather=gather)
+        pending = self.swarm.start_round(vector, weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
         return _InFlight(pending, local, residual_before, samples, loss, compute_s, pre_digest, time.monotonic())
 
     def _finish(self, flight: _InFlight) -> None:
@@ -234,14 +236,27 @@ class Trainer:
             "averaged": result is not None,
             "members": result.members if result else [],
             "params": self.state.params.numel(),
+            "allreduce_s": round(result.allreduce_s, 4) if result else 0.0,
+            "matchmaking_timeout_s": round(self.timeouts.matchmaking_s, 2),
+            "allreduce_timeout_s": round(self.timeouts.allreduce_s, 2),
         }
         self.history.append(metrics)
         if result is not None and self.state.round % self.options.checkpoint_every == 0:
             self.save_checkpoint()
         self.on_round(metrics)
 
+    def _adapt_timeouts(self, result: RoundResult | None) -> None:
+        before = self.timeouts.allreduce_s
+        if result is None:
+            self.timeouts.failed()
+        else:
+            self.timeouts.observe(matchmaking_s=result.round_s - result.allreduce_s, allreduce_s=result.allreduce_s)
+        if abs(self.timeouts.allreduce_s - before) > 0.1 * before:
+            self.swarm.set_allreduce_timeout(self.timeouts.allreduce_s)
+
     @torch.no_grad()
     def _apply(self, flight: _InFlight, result: RoundResult | None) -> None:
+        self._adapt_timeouts(result)
         if result is None:
             if self.feedback:
                 self.feedback.load_residual(flight.residual_before)

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -231,6 +232,7 @@ class ExactAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
+        started = time.monotonic()
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.pop("compression", None)
         kwargs.pop("part_size_bytes", None)
@@ -259,6 +261,7 @@ class ExactAverager(DecentralizedAverager):
             "bytes_sent": runner.bytes_sent,
             "bytes_received": runner.bytes_received,
             "refused_senders": {str(k): v for k, v in runner.refused_senders.items()},
+            "allreduce_s": time.monotonic() - started,
             "peer_ids": [str(p) for p in group_info.peer_ids],
         }
 
@@ -267,6 +270,15 @@ class ExactAverager(DecentralizedAverager):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         stats = self._stats.pop(group_info.group_id, {})
         return {"gathered": {str(k): v for k, v in gathered.items()}, "stats": stats}
+
+    def set_allreduce_timeout(self, timeout_s: float) -> None:
+        """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""
+        self._outer_pipe.send(("_set_allreduce_timeout", [], dict(timeout_s=float(timeout_s))))
+
+    async def _set_allreduce_timeout(self, timeout_s: float) -> None:
+        self._allreduce_timeout = timeout_s
+        self.allreduce_kwargs["sender_timeout"] = timeout_s / 3
+        self.allreduce_kwargs["reducer_timeout"] = 2 * timeout_s / 3
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         """Runs in the host process when a peer downloads our state: (metadata, tensors, infos)."""

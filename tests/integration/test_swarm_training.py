@@ -55,20 +55,22 @@ def run_swarm(tmp_path: Path, codec: str, overlap: bool = False) -> list[list[di
 def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str, overlap: bool) -> None:
     histories = run_swarm(tmp_path, codec, overlap)
     assert all(len(h) == ROUNDS for h in histories)
-    full_rounds = 0
-    for rows in zip(*histories):
-        averaged = [r for r in rows if r["averaged"] and r["group_size"] == 3]
-        if len(averaged) == 3:
-            full_rounds += 1
-            assert len({r["state_digest"] for r in averaged}) == 1, rows
-            assert len({r["round"] for r in averaged}) == 1
-    assert full_rounds >= ROUNDS - 1
+    # compare by global round number: a peer whose first matchmaking timed out (the others
+    # were still starting) folds that round into the next, so its rows shift by one
+    by_round: dict[int, list[dict]] = {}
+    for history in histories:
+        for row in history:
+            if row["averaged"]:
+                by_round.setdefault(row["round"], []).append(row)
+    for round_, rows in by_round.items():
+        assert len({r["state_digest"] for r in rows}) == 1, (round_, rows)
+    full = {r: rows for r, rows in by_round.items() if len(rows) == 3 and all(x["group_size"] == 3 for x in rows)}
+    assert len(full) >= ROUNDS - 1, sorted(by_round)
     for history in histories:
         assert history[-1]["loss"] < history[0]["loss"]
-    for rows in zip(*histories):
-        if all(r["averaged"] and r["group_size"] == 3 for r in rows):
-            # butterfly all-reduce moves 2(n-1)/n of the vector per peer; summed over the group
-            # that is independent of how evenly the parts were spread
-            fp32_bytes = 3 * 2 * (3 - 1) / 3 * rows[0]["params"] * 4
-            sent = sum(r["bytes_sent"] for r in rows)
-            assert 0 < sent <= MAX_RATIO[codec] * fp32_bytes, (codec, sent / fp32_bytes)
+    for rows in full.values():
+        # butterfly all-reduce moves 2(n-1)/n of the vector per peer; summed over the group
+        # that is independent of how evenly the parts were spread
+        fp32_bytes = 3 * 2 * (3 - 1) / 3 * rows[0]["params"] * 4
+        sent = sum(r["bytes_sent"] for r in rows)
+        assert 0 < sent <= MAX_RATIO[codec] * fp32_bytes, (codec, sent / fp32_bytes)

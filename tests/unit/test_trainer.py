@@ -53,7 +53,7 @@ class RecordingSwarm:
     def __post_init__(self) -> None:
         self.averager = type("A", (), {"state_provider": None})()
 
-    def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any]) -> _Pending:
+    def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
         self.launched.append((vector.clone(), weight))
         return _Pending(self.next_result)
 
@@ -62,6 +62,9 @@ class RecordingSwarm:
 
     def publish_digest(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def set_allreduce_timeout(self, timeout_s: float) -> None:
+        self.allreduce_timeout = timeout_s
 
 
 def make_trainer() -> tuple[Trainer, RecordingSwarm]:

@@ -1,0 +1,63 @@
+"""Averaging deadlines that follow what the swarm measurably takes, within bounds.
+
+The spec's ``matchmaking_timeout_s`` and ``allreduce_timeout_s`` are the starting values.
+After each successful round the peer records how long it waited for a group (launch to
+all-reduce start, which includes waiting for slower peers to finish their inner phase)
+and how long the all-reduce itself took; deadlines become ``factor`` times the moving
+average plus a small margin, clamped to [spec / 4, spec × 4] (never below 2 s; the
+matchmaking deadline never below spec / 2, since hivemind waits spec / 3 for a group to fill). A failed
+round widens both by half, so a deadline that proved too tight recovers quickly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_TIMEOUT_S = 2.0
+
+
+@dataclass
+class AdaptiveTimeouts:
+    base_matchmaking_s: float
+    base_allreduce_s: float
+    factor: float = 3.0
+    """Deadline = factor × moving average (+ margin)."""
+    alpha: float = 0.3
+    """Weight of the newest measurement in the moving average."""
+    margin_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._matchmaking_s = self.base_matchmaking_s
+        self._allreduce_s = self.base_allreduce_s
+        self._seen_matchmaking: float | None = None
+        self._seen_allreduce: float | None = None
+
+    @property
+    def matchmaking_s(self) -> float:
+        return self._matchmaking_s
+
+    @property
+    def allreduce_s(self) -> float:
+        return self._allreduce_s
+
+    def observe(self, *, matchmaking_s: float, allreduce_s: float) -> None:
+        """Record a successful round's durations (seconds)."""
+        self._seen_matchmaking = _ema(self._seen_matchmaking, max(matchmaking_s, 0.0), self.alpha)
+        self._seen_allreduce = _ema(self._seen_allreduce, max(allreduce_s, 0.0), self.alpha)
+        self._matchmaking_s = self._clamp(
+            self.factor * self._seen_matchmaking + self.margin_s, self.base_matchmaking_s, floor=0.5
+        )
+        self._allreduce_s = self._clamp(self.factor * self._seen_allreduce + self.margin_s, self.base_allreduce_s)
+
+    def failed(self) -> None:
+        """A round failed (no group, timeout): widen both deadlines."""
+        self._matchmaking_s = self._clamp(self._matchmaking_s * 1.5, self.base_matchmaking_s, floor=0.5)
+        self._allreduce_s = self._clamp(self._allreduce_s * 1.5, self.base_allreduce_s)
+
+    @staticmethod
+    def _clamp(value: float, base: float, floor: float = 0.25) -> float:
+        return min(max(value, base * floor, MIN_TIMEOUT_S), base * 4)
+
+
+def _ema(previous: float | None, value: float, alpha: float) -> float:
+    return value if previous is None else (1 - alpha) * previous + alpha * value

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from peer.timeouts import MIN_TIMEOUT_S, AdaptiveTimeouts
+
+
+def test_deadlines_follow_measurements_within_bounds() -> None:
+    t = AdaptiveTimeouts(base_matchmaking_s=20.0, base_allreduce_s=60.0)
+    assert (t.matchmaking_s, t.allreduce_s) == (20.0, 60.0)
+    for _ in range(20):
+        t.observe(matchmaking_s=2.0, allreduce_s=4.0)
+    assert t.matchmaking_s == 10.0 and t.allreduce_s == 15.0  # spec / 2 and spec / 4 are the floors
+    for _ in range(20):
+        t.observe(matchmaking_s=1000.0, allreduce_s=1000.0)
+    assert (t.matchmaking_s, t.allreduce_s) == (80.0, 240.0)  # 4 x spec is the ceiling
+
+
+def test_failures_widen_and_the_floor_holds() -> None:
+    t = AdaptiveTimeouts(base_matchmaking_s=4.0, base_allreduce_s=4.0)
+    for _ in range(10):
+        t.observe(matchmaking_s=0.0, allreduce_s=0.0)
+    assert t.allreduce_s == MIN_TIMEOUT_S
+    t.failed()
+    assert t.allreduce_s == MIN_TIMEOUT_S * 1.5
+    for _ in range(10):
+        t.failed()
+    assert t.allreduce_s == 16.0 and t.matchmaking_s == 16.0
