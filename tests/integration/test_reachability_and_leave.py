@@ -1,0 +1,85 @@
+"""A peer that accepts no inbound connections (client mode) still trains and contributes;
+SIGINT/SIGTERM make a peer leave cleanly with exit status 0."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from swarmtrain.localswarm import LocalPeer
+
+SPEC = """
+[run]
+name = "reach"
+[task.model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 32
+[inner]
+batch_size = 4
+[rounds]
+inner_steps = 3
+[averaging]
+compression = "fp16"
+overlap = false
+min_group_size = {min_group}
+target_group_size = 4
+matchmaking_timeout_s = 6.0
+allreduce_timeout_s = 20.0
+"""
+
+
+def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start(tmp_path: Path, i: int, spec: Path, extra: list[str]) -> LocalPeer:
+    args = ["--spec", str(spec), "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"), "--shard-seed", str(i)]
+    return LocalPeer(args + extra, tmp_path, f"peer{i}")
+
+
+def test_client_mode_peer_contributes(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(min_group=3))
+    peers = [start(tmp_path, 0, spec, ["--max-rounds", "3"])]
+    try:
+        maddr = peers[0].wait_for_maddr()
+        peers.append(start(tmp_path, 1, spec, ["--max-rounds", "3", "--initial-peers", maddr]))
+        peers.append(start(tmp_path, 2, spec, ["--max-rounds", "3", "--client-mode", "--initial-peers", maddr]))
+        for peer in peers:
+            assert peer.wait(timeout=240) == 0, "\n".join(peer.lines[-20:])
+    finally:
+        for peer in peers:
+            peer.kill()
+    assert any("client mode" in line for line in peers[2].lines)
+    client_rows = [r for r in peers[2].rounds() if r["averaged"]]
+    assert client_rows and all(r["group_size"] == 3 for r in client_rows)
+    assert all(r["bytes_sent"] > 0 for r in client_rows)  # it sent its pseudo-gradient
+    reachable = {(r["round"], r["state_digest"]) for r in peers[0].rounds() if r["averaged"]}
+    assert all((r["round"], r["state_digest"]) in reachable for r in client_rows)
+
+
+def test_sigint_and_sigterm_leave_cleanly(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(min_group=2))
+    peers = [start(tmp_path, 0, spec, ["--max-rounds", "500"])]
+    try:
+        maddr = peers[0].wait_for_maddr()
+        peers.append(start(tmp_path, 1, spec, ["--max-rounds", "500", "--initial-peers", maddr]))
+        wait_for(lambda: all(len(p.rounds()) >= 2 for p in peers), 180, "two rounds on each peer")
+        peers[1].proc.send_signal(signal.SIGINT)
+        assert peers[1].wait(timeout=60) == 0, "\n".join(peers[1].lines[-20:])
+        peers[0].proc.send_signal(signal.SIGTERM)
+        assert peers[0].wait(timeout=90) == 0, "\n".join(peers[0].lines[-20:])
+    finally:
+        for peer in peers:
+            peer.kill()
+    for peer in peers:
+        assert any("peer stopped cleanly" in line for line in peer.lines)
