@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from peer.task.base import generator
+from protocol.modelsize import VOCAB_SIZE, count_params, flops_per_sample  # noqa: F401 - re-exported
 from protocol.spec import ModelSection
 
-VOCAB_SIZE = 256
 INIT_STD = 0.02
 Device = torch.device | str | None
 
@@ -128,20 +128,6 @@ def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> 
     u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32)
     total = ((u[0] + u[1]) + u[2]) + u[3]
     tensor.copy_((total - 2.0) * (std * math.sqrt(3.0)))  # Var(sum of 4 U(0,1)) = 1/3
-
-
-def count_params(cfg: ModelSection) -> int:
-    """Parameters of ``ByteGPT(cfg)``, computed without building it."""
-    d = cfg.d_model
-    block = 2 * (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    return VOCAB_SIZE * d + cfg.context * d + cfg.n_layers * block + 2 * d + d * VOCAB_SIZE
-
-
-def flops_per_sample(cfg: ModelSection) -> float:
-    """Training FLOPs of one sequence of ``cfg.context`` bytes: 6·N per token for the
-    weights plus 12·n_layers·d_model·context per token for attention (PaLM, appendix B)."""
-    t = cfg.context
-    return float(6 * count_params(cfg) * t + 12 * cfg.n_layers * cfg.d_model * t * t)
 
 
 def build_model(cfg: ModelSection, *, seed: int, device: str = "cpu") -> ByteGPT:
