@@ -51,10 +51,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.coordinator:
-        raise ConfigError("--coordinator is not available in this build yet (issue #4); use --spec and --initial-peers")
-    if args.spec is None:
-        raise ConfigError("--spec FILE is required (or --coordinator HOST:PORT)")
+    if args.spec is None and not args.coordinator:
+        raise ConfigError("--spec FILE or --coordinator HOST:PORT is required")
     if args.max_rounds is not None and args.max_rounds < 1:
         raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
     if args.checkpoint_every < 1:
@@ -64,8 +62,22 @@ def run(args: argparse.Namespace) -> int:
     from protocol.identity import default_key_path, load_or_create
     from protocol.spec import load_spec
 
-    spec = load_spec(args.spec)
     identity, created = load_or_create(args.key or default_key_path())
+    client = join_info = None
+    if args.coordinator:
+        from peer.coordinator_client import CoordinatorClient
+        from protocol.spec import parse_spec
+        from swarmtrain import __version__
+
+        client = CoordinatorClient(args.coordinator, identity, software_version=__version__)
+        local_digest = load_spec(args.spec).digest() if args.spec else ""
+        join_info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
+        spec = parse_spec(join_info.spec_toml, source=f"spec from {args.coordinator}")
+        if spec.digest() != join_info.spec_digest:
+            raise ConfigError(f"the coordinator's spec does not match the digest it announced ({join_info.spec_digest})")
+        args.initial_peers = list(join_info.bootstrap_maddrs) + list(args.initial_peers)
+    else:
+        spec = load_spec(args.spec)
     shard_seed = args.shard_seed if args.shard_seed is not None else int.from_bytes(identity.public_key.raw[:4], "big")
 
     import torch
@@ -87,8 +99,18 @@ def run(args: argparse.Namespace) -> int:
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,
     )
+    link = None
     try:
         _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
+        if client is not None and join_info is not None:
+            from peer.coordinator_client import CoordinatorLink
+
+            rejoin = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs,
+                      "reachable": not args.client_mode, "spec_digest": join_info.spec_digest}
+            client.join(**rejoin)
+            link = CoordinatorLink(client, interval_s=join_info.heartbeat_interval_s, rejoin=rejoin)
+            link.start()
+            print(f"joined through coordinator {args.coordinator}", flush=True)
         options = TrainerOptions(
             identity=identity,
             max_rounds=args.max_rounds,
@@ -98,9 +120,18 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
         )
         _install_signal_handlers(options.stop)
-        trainer = Trainer(spec, task, swarm, options, on_round=_reporter(args.metrics_file))
+        report = _reporter(args.metrics_file)
+
+        def on_round(metrics: dict[str, Any]) -> None:
+            report(metrics)
+            if link is not None:
+                link.report(metrics)
+
+        trainer = Trainer(spec, task, swarm, options, on_round=on_round)
         trainer.run()
     finally:
+        if link is not None:
+            link.stop()
         swarm.shutdown()
     print("peer stopped cleanly", flush=True)
     return 0

@@ -80,3 +80,11 @@ class TokenWrongRunError(TokenError):
 
 class TokenWrongPeerError(TokenError):
     """The token was issued to another peer key."""
+
+
+class AdmissionError(SwarmtrainError):
+    """The coordinator refuses to admit (or keep) a peer: banned, not on the allowlist, wrong run."""
+
+
+class WrongRunError(AdmissionError):
+    """The peer runs another spec than the coordinator's run."""

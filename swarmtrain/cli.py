@@ -16,7 +16,8 @@ from typing import NoReturn
 from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__
 from peer import cli as peer_cli
-from swarmtrain.commands import demo, doctor, keygen, pending, spec
+from coordinator import cli as coordinator_cli
+from swarmtrain.commands import demo, doctor, keygen, spec, status
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -40,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
     peer_cli.add_parser(commands)
-    pending.add_parser(commands, "coordinator", "run a coordinator: admission, health, credits, dashboard")
-    pending.add_parser(commands, "status", "show a run's swarm health from its coordinator")
+    coordinator_cli.add_parser(commands)
+    status.add_parser(commands)
     demo.add_parser(commands)
     keygen.add_parser(commands)
     spec.add_parser(commands)

@@ -101,6 +101,16 @@ def test_unsafe_key_file_is_refused_by_doctor(tmp_path: Path) -> None:
     no_traceback(proc)
 
 
-def test_commands_not_yet_built_say_so() -> None:
-    proc = sw("coordinator", "--spec", "examples/demo.toml")
-    assert proc.returncode == 2 and "not available in this build yet" in proc.stderr
+def test_status_of_an_unreachable_coordinator_is_one_clear_line() -> None:
+    proc = sw("status", "--coordinator", "127.0.0.1:1", "--timeout", "2")
+    assert proc.returncode == 1 and "coordinator 127.0.0.1:1: UNAVAILABLE" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    no_traceback(proc)
+
+
+def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run]\nname = 'x'\n[outer]\nlr = 'fast'\n")
+    proc = sw("coordinator", "--spec", str(bad), "--state-dir", str(tmp_path / "state"))
+    assert proc.returncode == 1 and "outer.lr" in proc.stderr
+    no_traceback(proc)

@@ -1,0 +1,58 @@
+"""``swarmtrain coordinator --spec FILE``: run a coordinator until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from protocol.errors import ConfigError
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "coordinator",
+        help="run a coordinator: admission, health, credits (dashboard: issue #4)",
+        description="Run a coordinator for the run in --spec: a DHT bootstrap peer and the gRPC API.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output")
+    parser.add_argument("--spec", type=Path, required=True, help="run spec (TOML)")
+    parser.add_argument("--state-dir", type=Path, default=Path("coordinator-state"), help="keys and SQLite database")
+    parser.add_argument("--db", default=None, metavar="URL", help="SQLAlchemy database URL (default: SQLite in --state-dir)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--grpc-port", type=int, default=7500, help="gRPC API port (0: any free port)")
+    parser.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free port)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("grpc_port", "dht_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(args, name)}")
+    from protocol.spec import load_spec
+
+    load_spec(args.spec)  # fail with the spec's own errors before starting anything
+    from coordinator.server import CoordinatorServer, ServerConfig
+
+    server = CoordinatorServer(
+        ServerConfig(
+            spec_path=args.spec, state_dir=args.state_dir, db_url=args.db, host=args.host,
+            grpc_port=args.grpc_port, dht_port=args.dht_port,
+        )
+    )
+    server.start()
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    print(f"coordinator of run {server.core.spec.run.name!r} ({server.core.digest})", flush=True)
+    print(f"grpc: {host}:{server.grpc_port}", flush=True)
+    for maddr in server.maddrs:
+        print(f"dht: {maddr}", flush=True)
+    print(f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    print("coordinator stopped", flush=True)
+    return 0

@@ -1,0 +1,251 @@
+"""The coordinator's logic, transport-free: admission, heartbeats, round reports, ticks.
+
+The gRPC servicer (``coordinator.servicer``) is a thin adapter over ``Coordinator``; time is
+passed in, so all of this runs in tests without sockets. State lives in three places:
+``Store`` (everything that must survive a crash: run, allowlist, bans, peers, claims,
+credits, rounds, swarm samples), ``HealthTracker`` (per-peer liveness, rebuilt from
+heartbeats after a restart) and ``RoundLedger`` (undecided claims, re-loaded from the store
+on start). The coordinator is never on the critical path of a training step: peers train
+and average without it and re-send reports when it is back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+
+from coordinator.admission import admit, parse_body
+from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
+from coordinator.health import HealthConfig, HealthTracker
+from coordinator.store import Store
+from protocol import coordinator_pb2 as pb
+from protocol import kinds
+from protocol.errors import AdmissionError, MalformedMessageError
+from protocol.identity import Identity, PublicKey
+from protocol.messages import MessageVerifier, SignedMessage
+from protocol.modelsize import flops_per_sample
+from protocol.spec import RunSpec
+from protocol.tokens import issue_token
+
+logger = logging.getLogger(__name__)
+
+_PHASES = {
+    pb.PEER_PHASE_JOINING: "joining",
+    pb.PEER_PHASE_TRAINING: "training",
+    pb.PEER_PHASE_AVERAGING: "averaging",
+    pb.PEER_PHASE_LEAVING: "leaving",
+}
+
+
+class Coordinator:
+    """Admits peers, tracks them, verifies their claims, keeps the ledger."""
+
+    def __init__(
+        self,
+        *,
+        spec: RunSpec,
+        spec_toml: str,
+        identity: Identity,
+        store: Store,
+        bootstrap_maddrs: list[str],
+        health: HealthConfig | None = None,
+    ) -> None:
+        self.spec, self.spec_toml, self.identity, self.store = spec, spec_toml, identity, store
+        self.digest = spec.digest()
+        self.bootstrap_maddrs = list(bootstrap_maddrs)
+        self.health = HealthTracker(health or HealthConfig())
+        self.ledger = RoundLedger(max_samples_per_second=spec.credits.max_samples_per_second)
+        self.verifier = MessageVerifier()
+        # import tasks size themselves in the peer; until they declare it, they earn samples only
+        self.flops_per_sample = flops_per_sample(spec.task.model) if spec.task.kind == "bytegpt" else 0.0
+        store.set_run(spec_digest=self.digest, spec_toml=spec_toml, name=spec.run.name)
+        for allowed in spec.admission.allowlist:
+            store.allow(allowed)
+        self._accounts: dict[str, str] = {}
+        self._reload_pending()
+
+    def _reload_pending(self) -> None:
+        # restart the finalization clock: peers re-send their reports when we are back
+        restarted = time.time()
+        for row in self.store.pending_claims():
+            self.ledger.add(dataclasses.replace(_claim_from_row(row), received_at=restarted))
+
+    # --- RPCs -------------------------------------------------------------------------------
+
+    def join(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.JoinResponse:
+        admitted = admit(
+            envelope,
+            verifier=self.verifier,
+            now=now,
+            run_digest=self.digest,
+            mode=self.spec.admission.mode,
+            allowlist=self.store.allowlist(),
+            banned=set(self.store.banned()),
+        )
+        body = admitted.body
+        key = admitted.peer.id
+        self.store.upsert_peer(
+            key=key,
+            account_key=admitted.account.id,
+            libp2p_peer_id=body.libp2p_peer_id,
+            software_version=body.software_version,
+            hardware_json=json.dumps(_hardware(body.hardware), sort_keys=True),
+            reachable=body.reachable,
+            now=now,
+        )
+        self._accounts[key] = admitted.account.id
+        self.health.join(
+            key, libp2p_peer_id=body.libp2p_peer_id, software_version=body.software_version,
+            reachable=body.reachable, now=now,
+        )
+        token = issue_token(
+            self.identity, run_digest=self.digest, peer_key=admitted.peer, now=now,
+            ttl_s=self.spec.admission.token_ttl_s, libp2p_peer_id=body.libp2p_peer_id,
+        )
+        latest = self.store.rounds(limit=1)
+        logger.info("admitted %s (account %s)", key, admitted.account.id)
+        return pb.JoinResponse(
+            spec_toml=self.spec_toml,
+            spec_digest=self.digest,
+            access_token=token.to_bytes(),
+            bootstrap_maddrs=self.bootstrap_maddrs,
+            current_round=latest[0]["round"] if latest else 0,
+            current_state_digest=latest[0]["state_digest"] if latest else "",
+            coordinator_public_key=self.identity.public_key.raw,
+            server_time=now,
+            heartbeat_interval_s=self.health.config.heartbeat_interval_s,
+        )
+
+    def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
+        peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now)
+        interval = self.health.config.heartbeat_interval_s
+        if not self._admitted(peer):
+            return pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=False,
+                                        message="not admitted (coordinator restarted, or banned): join again")
+        self.health.heartbeat(
+            peer.id, now=now, round=body.round, phase=_PHASES.get(body.phase, "training"),
+            samples_per_second=body.samples_per_second, samples_total=body.samples_total,
+            loss=body.loss if math.isfinite(body.loss) else None,
+        )
+        return pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
+
+    def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
+        peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now)
+        if not self._admitted(peer):
+            raise AdmissionError(f"{peer.id} is not admitted: join again before reporting")
+        group = []
+        for member in body.group:
+            try:
+                member_key = PublicKey(bytes(member.public_key)).id
+            except Exception as exc:  # noqa: BLE001 - a malformed key from a remote peer
+                raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
+            group.append(GroupMemberView(key=member_key, weight=member.weight))
+        duration = max(body.compute_s + body.wait_s, 1e-3)
+        claim = RoundClaim(
+            key=peer.id, round=body.round, samples=body.samples, group=tuple(group),
+            state_digest=body.state_digest, duration_s=duration, received_at=now,
+        )
+        if self.store.claims(key=peer.id, round=body.round, limit=1):
+            return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
+        self.ledger.add(claim)  # validates; raises ValueError for malformed claims
+        recorded = self.store.record_claim(
+            key=peer.id, round=body.round, samples=body.samples,
+            group_json=json.dumps([[m.key, m.weight] for m in group]), state_digest=body.state_digest,
+            duration_s=duration, received_at=now,
+        )
+        reason = "pending: waiting for the other group members' reports" if recorded else "already reported"
+        return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
+
+    def status(self, *, now: float) -> pb.StatusResponse:
+        summary = self.health.summary(now)
+        rounds = self.store.rounds(limit=50)
+        latest = rounds[0] if rounds else None
+        return pb.StatusResponse(
+            run_name=self.spec.run.name,
+            spec_digest=self.digest,
+            current_round=latest["round"] if latest else 0,
+            current_state_digest=latest["state_digest"] if latest else "",
+            peers_online=summary.peers_online,
+            samples_per_second=summary.samples_per_second,
+            rounds_per_hour=_rounds_per_hour(rounds),
+            last_round_time=latest["finalized_at"] if latest else 0.0,
+            peers=[
+                pb.PeerStatus(
+                    public_key=PublicKey.from_id(p.key).raw, libp2p_peer_id=p.libp2p_peer_id, state=p.state.value,
+                    samples_per_second=p.samples_per_second, reachable=p.reachable,
+                    software_version=p.software_version, last_seen=p.last_seen,
+                )
+                for p in self.health.peers()
+            ],
+        )
+
+    # --- time -------------------------------------------------------------------------------
+
+    def tick(self, *, now: float) -> None:
+        """Advance health, decide complete rounds, persist decisions and swarm figures."""
+        self.health.tick(now)
+        decisions = self.ledger.tick(now)
+        by_round: dict[int, list] = {}
+        for decision in decisions:
+            granted = decision.status == ClaimStatus.GRANTED
+            self.store.decide_claim(
+                key=decision.key, round=decision.round, status="granted" if granted else "denied",
+                granted_samples=decision.granted_samples,
+                flops=decision.granted_samples * self.flops_per_sample, reason=decision.reason, now=now,
+            )
+            by_round.setdefault(decision.round, []).append(decision)
+        for round_, round_decisions in by_round.items():
+            self._record_round(round_, round_decisions, now)
+        summary = self.health.summary(now)
+        self.store.record_sample(now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second)
+
+    def _record_round(self, round_: int, decisions: list, now: float) -> None:
+        claims = self.store.claims(round=round_, limit=10_000)
+        digests = [c["state_digest"] for c in claims]
+        if not digests:
+            return
+        majority = max(set(digests), key=digests.count)
+        self.store.record_round(
+            round=round_, state_digest=majority, finalized_at=now, group_size=len(claims), mean_loss=None,
+            samples=sum(d.granted_samples for d in decisions),
+        )
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _verified(self, envelope: pb.SignedEnvelope, kind: str, body_type: type, now: float):  # type: ignore[no-untyped-def]
+        message = SignedMessage.from_proto(envelope)
+        self.verifier.verify(message, now=now, kind=kind)
+        return message.signer, parse_body(body_type, message.body, kind)
+
+    def _admitted(self, peer: PublicKey) -> bool:
+        return peer.id not in self.store.banned() and self.health.get(peer.id) is not None
+
+    def ban(self, key: str, reason: str, *, now: float) -> None:
+        """Ban a peer at once: its heartbeats and reports are refused from now on."""
+        self.store.ban(key, reason, now)
+        self.health.remove(key)
+
+
+def _claim_from_row(row: dict) -> RoundClaim:
+    group = tuple(GroupMemberView(key=k, weight=w) for k, w in json.loads(row["group_json"]))
+    return RoundClaim(
+        key=row["key"], round=row["round"], samples=row["samples"], group=group,
+        state_digest=row["state_digest"], duration_s=row["duration_s"], received_at=row["received_at"],
+    )
+
+
+def _hardware(hw: pb.Hardware) -> dict:
+    return {
+        "device": hw.device, "accelerator_count": hw.accelerator_count, "accelerator_name": hw.accelerator_name,
+        "accelerator_memory_gib": hw.accelerator_memory_gib, "cpu_count": hw.cpu_count, "ram_gib": hw.ram_gib,
+    }
+
+
+def _rounds_per_hour(rounds: list[dict]) -> float:
+    if len(rounds) < 2:
+        return 0.0
+    span = rounds[0]["finalized_at"] - rounds[-1]["finalized_at"]
+    return 3600.0 * (len(rounds) - 1) / span if span > 0 else 0.0

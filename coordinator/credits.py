@@ -1,0 +1,242 @@
+"""Credits: verify what peers claim about their rounds, never trusting a peer about itself.
+
+Pure and clock-free: ``RoundLedger.add`` collects claims, ``RoundLedger.tick(now)`` decides
+them. Every decision carries a reason a person can read. Claims come from remote peers, so
+malformed ones are rejected with a ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupMemberView:
+    """One member of the reporter's averaging group, as the reporter saw it."""
+
+    key: str
+    """The member's public id."""
+    weight: float
+    """Samples that member contributed to the group's average."""
+
+
+@dataclass(frozen=True)
+class RoundClaim:
+    """What one peer says about one round: its samples and its averaging group."""
+
+    key: str
+    round: int
+    samples: int
+    """Samples the reporter says it processed this round."""
+    group: tuple[GroupMemberView, ...]
+    """The reporter's averaging group, the reporter included."""
+    state_digest: str
+    """Digest of the global parameters the reporter holds after the round."""
+    duration_s: float
+    """The reporter's wall time for the round, seconds, > 0."""
+    received_at: float
+    """When the coordinator received the claim (coordinator clock, seconds)."""
+
+    def weight_for(self, key: str) -> float | None:
+        """The weight this claim's group lists for ``key``, or None if it is not listed."""
+        return next((m.weight for m in self.group if m.key == key), None)
+
+
+class ClaimStatus(str, Enum):
+    PENDING = "pending"
+    GRANTED = "granted"
+    DENIED = "denied"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict on one claim; ``granted_samples`` is 0 unless GRANTED."""
+
+    key: str
+    round: int
+    status: ClaimStatus
+    granted_samples: int
+    reason: str
+
+
+@dataclass
+class _Round:
+    claims: dict[str, RoundClaim] = field(default_factory=dict)
+    decided: set[str] = field(default_factory=set)
+    first_received: float = math.inf
+
+    def pending(self) -> list[str]:
+        return sorted(k for k in self.claims if k not in self.decided)
+
+    def complete(self) -> bool:
+        named = {m.key for c in self.claims.values() for m in c.group}
+        return named <= self.claims.keys()
+
+
+class RoundLedger:
+    """Collects round claims and decides each exactly once.
+
+    A round is decided by ``tick(now)`` once it is complete (every member named in any of
+    its claims' groups has reported) or ``finalize_after_s`` after its first claim was
+    received, with whatever claims are there. A claim arriving after its round was decided
+    is decided on the next tick against all of the round's claims. Decided rounds are kept
+    ``retain_s`` after their first claim, then forgotten; claims for a forgotten round (or
+    any older one) are rejected.
+
+    Rules for a claim ``c`` of round ``r`` (checked in this order):
+    1. ``c``'s group lists only ``c`` itself: DENIED, "averaged with nobody".
+    2. The group's digest is the digest reported by a strict majority of the round's claims
+       whose group lists ``c.key`` (``c`` included). No strict majority: DENIED. ``c``'s
+       digest differs from it: DENIED, "digest differs from the group's".
+    3. Attesters are the other reporters of round ``r`` whose group lists ``c.key`` (with a
+       weight) and whose own digest is the group's (a member out of consensus is no witness).
+       No attester: DENIED, "no other group member attests it".
+    4. granted = min(c.samples, floor(median of the attested weights),
+       floor(max_samples_per_second * c.duration_s)); the reason names each bound that bound.
+       granted == 0: DENIED, "nothing to grant".
+    Decisions are returned sorted by (round, key).
+    """
+
+    def __init__(
+        self, *, max_samples_per_second: float, finalize_after_s: float = 60.0, retain_s: float | None = None
+    ) -> None:
+        if not (math.isfinite(max_samples_per_second) and max_samples_per_second > 0):
+            raise ValueError(f"max_samples_per_second must be a positive number, got {max_samples_per_second!r}")
+        if not (math.isfinite(finalize_after_s) and finalize_after_s >= 0):
+            raise ValueError(f"finalize_after_s must be a number >= 0, got {finalize_after_s!r}")
+        self.max_samples_per_second = float(max_samples_per_second)
+        self.finalize_after_s = float(finalize_after_s)
+        self.retain_s = 10 * self.finalize_after_s if retain_s is None else float(retain_s)
+        self._rounds: dict[int, _Round] = {}
+        self._closed_through = -1
+
+    def add(self, claim: RoundClaim) -> None:
+        """Queue a claim; ``ValueError`` naming what is wrong if it is malformed, repeats a
+        (key, round) already claimed, or is for a round already forgotten."""
+        _check_claim(claim)
+        if claim.round <= self._closed_through:
+            raise ValueError(f"round {claim.round} is closed: rounds up to {self._closed_through} are settled")
+        entry = self._rounds.setdefault(claim.round, _Round())
+        if claim.key in entry.claims:
+            raise ValueError(f"a second claim by {claim.key} for round {claim.round}")
+        entry.claims[claim.key] = claim
+        entry.first_received = min(entry.first_received, claim.received_at)
+
+    def pending(self) -> int:
+        """How many claims are waiting for a decision."""
+        return sum(len(r.pending()) for r in self._rounds.values())
+
+    def tick(self, now: float) -> list[Decision]:
+        """Decide every due claim (see the class docstring); each claim is returned once."""
+        decisions: list[Decision] = []
+        for number in sorted(self._rounds):
+            entry = self._rounds[number]
+            pending = entry.pending()
+            if pending and (entry.complete() or now - entry.first_received >= self.finalize_after_s):
+                for key in pending:
+                    decisions.append(decide(entry.claims[key], entry.claims, self.max_samples_per_second))
+                    entry.decided.add(key)
+        self._forget(now)
+        for d in decisions:
+            logger.info("round %d, %s: %s (%s)", d.round, d.key, d.status.value, d.reason)
+        return decisions
+
+    def _forget(self, now: float) -> None:
+        for number in sorted(self._rounds):
+            entry = self._rounds[number]
+            if not entry.pending() and now - entry.first_received >= self.retain_s:
+                del self._rounds[number]
+                self._closed_through = max(self._closed_through, number)
+
+
+def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_second: float) -> Decision:
+    """Decide ``claim`` against all claims of its round (keyed by reporter); see ``RoundLedger``."""
+    if len(claim.group) == 1:
+        return _denied(claim, "averaged with nobody: its group lists only itself")
+    views = [c for c in claims.values() if c.weight_for(claim.key) is not None]
+    votes = Counter(c.state_digest for c in views)
+    digest, count = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
+    if 2 * count <= len(views):
+        return _denied(claim, f"no majority digest among the {len(views)} reports of its group")
+    if claim.state_digest != digest:
+        return _denied(claim, f"digest differs from the group's ({count} of {len(views)} reports agree on {digest})")
+    weights = {c.key: c.weight_for(claim.key) for c in views if c.key != claim.key and c.state_digest == digest}
+    attested = sorted(w for w in weights.values() if w is not None)
+    others = len(claim.group) - 1
+    if not attested:
+        return _denied(claim, f"no other group member attests it (its group lists {others} others)")
+    return _grant(claim, attested, others, max_samples_per_second)
+
+
+def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float) -> Decision:
+    """Grant the least of the claim, the attested median and the throughput cap."""
+    median = math.floor(statistics.median(attested))
+    cap = math.floor(max_sps * claim.duration_s)
+    granted = min(claim.samples, median, cap)
+    witnesses = f"by {len(attested)} of {others} group members"
+    parts = [f"claimed {claim.samples}"] if granted < claim.samples else []
+    if median == granted < claim.samples:
+        parts.append(f"attested {median} (median) {witnesses}")
+    else:
+        parts.append(f"attested {witnesses}")
+    if cap == granted < claim.samples:
+        parts.append(f"throughput cap {cap} ({max_sps:g} samples/s over {claim.duration_s:g} s)")
+    parts.append("digest matches the group's")
+    if granted <= 0:
+        return _denied(claim, "nothing to grant: " + ", ".join(parts))
+    reason = f"granted {granted} samples: " + ", ".join(parts)
+    return Decision(claim.key, claim.round, ClaimStatus.GRANTED, granted, reason)
+
+
+def _denied(claim: RoundClaim, reason: str) -> Decision:
+    return Decision(claim.key, claim.round, ClaimStatus.DENIED, 0, reason)
+
+
+def _check_claim(claim: RoundClaim) -> None:
+    """Raise ``ValueError`` naming the first malformed field of ``claim``."""
+    if not isinstance(claim, RoundClaim):
+        raise ValueError(f"expected a RoundClaim, got {type(claim).__name__}")
+    if not isinstance(claim.key, str) or not claim.key:
+        raise ValueError(f"claim key must be a non-empty string, got {claim.key!r}")
+    if not _is_int(claim.round) or claim.round < 0:
+        raise ValueError(f"claim round must be a non-negative integer, got {claim.round!r}")
+    if not _is_int(claim.samples) or claim.samples < 0:
+        raise ValueError(f"claim samples must be a non-negative integer, got {claim.samples!r}")
+    if not isinstance(claim.state_digest, str) or not claim.state_digest:
+        raise ValueError(f"claim state_digest must be a non-empty string, got {claim.state_digest!r}")
+    if not _is_number(claim.duration_s) or not math.isfinite(claim.duration_s) or claim.duration_s <= 0:
+        raise ValueError(f"claim duration_s must be finite and > 0, got {claim.duration_s!r}")
+    if not _is_number(claim.received_at) or not math.isfinite(claim.received_at):
+        raise ValueError(f"claim received_at must be finite, got {claim.received_at!r}")
+    _check_group(claim)
+
+
+def _check_group(claim: RoundClaim) -> None:
+    if not isinstance(claim.group, tuple) or not claim.group:
+        raise ValueError("claim group must be a non-empty tuple of GroupMemberView")
+    seen: set[str] = set()
+    for member in claim.group:
+        if not isinstance(member, GroupMemberView) or not isinstance(member.key, str) or not member.key:
+            raise ValueError(f"claim group member must be a GroupMemberView with a key, got {member!r}")
+        if not _is_number(member.weight) or not math.isfinite(member.weight) or member.weight < 0:
+            raise ValueError(f"claim group weight for {member.key} must be finite and >= 0, got {member.weight!r}")
+        if member.key in seen:
+            raise ValueError(f"claim group lists {member.key} twice")
+        seen.add(member.key)
+    if claim.key not in seen:
+        raise ValueError(f"claim group does not list the reporter {claim.key} itself")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,269 @@
+"""Per-peer health: a pure state machine driven by joins, heartbeats and ``tick(now)``.
+
+No I/O and no clock: every method that depends on time takes ``now`` (seconds, the
+coordinator's clock). Heartbeat figures come from remote peers, so they are validated here
+and rejected with a ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from protocol.errors import SwarmtrainError
+
+logger = logging.getLogger(__name__)
+
+
+class PeerState(str, Enum):
+    """Where a peer stands, as the coordinator sees it."""
+
+    JOINING = "joining"
+    TRAINING = "training"
+    AVERAGING = "averaging"
+    STRAGGLING = "straggling"
+    UNREACHABLE = "unreachable"
+    OFFLINE = "offline"
+
+
+PHASES: dict[str, PeerState] = {
+    "joining": PeerState.JOINING,
+    "training": PeerState.TRAINING,
+    "averaging": PeerState.AVERAGING,
+    "leaving": PeerState.OFFLINE,
+}
+"""Phases a heartbeat may report, and the state each one maps to."""
+
+_SILENT = (PeerState.UNREACHABLE, PeerState.OFFLINE)
+_WORKING = ("training", "averaging")
+
+
+class UnknownPeerError(SwarmtrainError, ValueError):
+    """A heartbeat for a key that never joined (or was removed)."""
+
+
+@dataclass
+class PeerHealth:
+    """One peer's record. ``key`` is its public id (``ed25519:...``)."""
+
+    key: str
+    libp2p_peer_id: str
+    software_version: str
+    reachable: bool
+    """Whether the peer said it can accept inbound connections (no NAT); not liveness."""
+    joined_at: float
+    last_seen: float
+    """Latest time a join or heartbeat was received; never moves backwards."""
+    state: PeerState
+    round: int = 0
+    samples_per_second: float = 0.0
+    samples_total: int = 0
+    loss: float | None = None
+    phase: str = "joining"
+    """The phase the peer last reported (one of ``PHASES``)."""
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Timing of liveness decisions."""
+
+    heartbeat_interval_s: float = 5.0
+    """How often peers are asked to heartbeat, in seconds."""
+    unreachable_after: float = 3.0
+    """Silence longer than this many intervals makes a peer UNREACHABLE."""
+    offline_after: float = 12.0
+    """Silence longer than this many intervals makes a peer OFFLINE."""
+    straggle_rounds: int = 2
+    """A working peer more than this many rounds behind the swarm is STRAGGLING."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.heartbeat_interval_s) and self.heartbeat_interval_s > 0):
+            raise ValueError(f"heartbeat_interval_s must be a positive number, got {self.heartbeat_interval_s!r}")
+        if not (math.isfinite(self.unreachable_after) and self.unreachable_after > 0):
+            raise ValueError(f"unreachable_after must be a positive number, got {self.unreachable_after!r}")
+        if not (math.isfinite(self.offline_after) and self.offline_after >= self.unreachable_after):
+            raise ValueError(f"offline_after must be >= unreachable_after, got {self.offline_after!r}")
+        if self.straggle_rounds < 0:
+            raise ValueError(f"straggle_rounds must be >= 0, got {self.straggle_rounds!r}")
+
+    @property
+    def unreachable_s(self) -> float:
+        return self.unreachable_after * self.heartbeat_interval_s
+
+    @property
+    def offline_s(self) -> float:
+        return self.offline_after * self.heartbeat_interval_s
+
+
+@dataclass(frozen=True)
+class SwarmSummary:
+    """Swarm-wide figures at one instant."""
+
+    peers_online: int
+    """Peers neither OFFLINE nor UNREACHABLE (nor silent past the unreachable limit)."""
+    samples_per_second: float
+    """Sum of the online peers' reported throughput."""
+    swarm_round: int
+    """Highest round reported by a peer that is not OFFLINE; 0 when there is none."""
+
+
+Transition = tuple[str, PeerState, PeerState]
+
+
+class HealthTracker:
+    """Tracks every admitted peer's liveness and progress.
+
+    States: JOINING, TRAINING, AVERAGING, STRAGGLING, UNREACHABLE, OFFLINE.
+
+    Transitions (``interval`` = ``heartbeat_interval_s``, ``silence`` = now - last_seen):
+    - ``join`` (new key, or any state of a known key) -> JOINING; the record starts afresh.
+    - ``heartbeat`` with phase ``joining``/``training``/``averaging`` -> JOINING/TRAINING/
+      AVERAGING, from any state (a heartbeat revives an UNREACHABLE or OFFLINE peer), except
+      that a training/averaging peer still behind the swarm goes to (or stays) STRAGGLING.
+    - ``heartbeat`` with phase ``leaving`` -> OFFLINE at once.
+    - ``tick``: any state but OFFLINE with silence > ``offline_after * interval`` -> OFFLINE;
+      JOINING/TRAINING/AVERAGING/STRAGGLING with silence > ``unreachable_after * interval``
+      -> UNREACHABLE.
+    - ``tick``: TRAINING/AVERAGING whose round < swarm_round - ``straggle_rounds`` ->
+      STRAGGLING; STRAGGLING that caught up -> the phase of its last heartbeat.
+      ``swarm_round`` = max round over peers not OFFLINE. JOINING peers never straggle.
+    - ``remove`` (a ban) forgets the peer; its heartbeats then raise ``UnknownPeerError``.
+    """
+
+    def __init__(self, config: HealthConfig) -> None:
+        self.config = config
+        self._peers: dict[str, PeerHealth] = {}
+
+    def join(
+        self, key: str, *, libp2p_peer_id: str, software_version: str, reachable: bool, now: float
+    ) -> PeerHealth:
+        """Record a (re-)join: the peer starts over in JOINING."""
+        _check_time(now)
+        peer = PeerHealth(
+            key=key, libp2p_peer_id=libp2p_peer_id, software_version=software_version,
+            reachable=bool(reachable), joined_at=now, last_seen=now, state=PeerState.JOINING,
+        )
+        old = self._peers.get(key)
+        if old is not None:
+            peer.last_seen = max(now, old.last_seen)
+        self._peers[key] = peer
+        logger.info("peer %s joined (%s)", key, "re-join" if old is not None else "new")
+        return peer
+
+    def heartbeat(
+        self,
+        key: str,
+        *,
+        now: float,
+        round: int,
+        phase: str,
+        samples_per_second: float,
+        samples_total: int,
+        loss: float | None,
+    ) -> PeerHealth:
+        """Apply a heartbeat's figures and phase; ``UnknownPeerError`` for an unknown key,
+        ``ValueError`` naming the field for a malformed value (nothing is changed then)."""
+        _check_time(now)
+        _check_heartbeat(round, phase, samples_per_second, samples_total, loss)
+        peer = self._peers.get(key)
+        if peer is None:
+            raise UnknownPeerError(f"heartbeat from unknown peer {key!r}: join first")
+        peer.last_seen = max(peer.last_seen, now)
+        peer.round, peer.phase, peer.loss = int(round), phase, loss
+        peer.samples_per_second, peer.samples_total = float(samples_per_second), int(samples_total)
+        self._set(peer, self._target_state(peer, self._swarm_round()))
+        return peer
+
+    def tick(self, now: float) -> list[Transition]:
+        """Apply time-based transitions and straggler checks; return (key, old, new) for each."""
+        _check_time(now)
+        changes: list[Transition] = []
+        for peer in self._sorted():
+            silence = now - peer.last_seen
+            if peer.state != PeerState.OFFLINE and silence > self.config.offline_s:
+                changes.append(self._set(peer, PeerState.OFFLINE))
+            elif peer.state not in _SILENT and silence > self.config.unreachable_s:
+                changes.append(self._set(peer, PeerState.UNREACHABLE))
+        swarm_round = self._swarm_round()
+        for peer in self._sorted():
+            if peer.state not in _SILENT:
+                changes.append(self._set(peer, self._target_state(peer, swarm_round)))
+        return [c for c in changes if c[1] != c[2]]
+
+    def remove(self, key: str) -> None:
+        """Forget a peer (e.g. banned); a no-op for an unknown key."""
+        if self._peers.pop(key, None) is not None:
+            logger.info("peer %s removed", key)
+
+    def peers(self) -> list[PeerHealth]:
+        """Every known peer, sorted by key."""
+        return self._sorted()
+
+    def get(self, key: str) -> PeerHealth | None:
+        return self._peers.get(key)
+
+    def summary(self, now: float) -> SwarmSummary:
+        """Figures as of ``now``; a peer silent past the unreachable limit counts as not
+        online even before the next ``tick`` records it. Changes nothing."""
+        _check_time(now)
+        online = [
+            p for p in self._peers.values()
+            if p.state not in _SILENT and now - p.last_seen <= self.config.unreachable_s
+        ]
+        return SwarmSummary(
+            peers_online=len(online),
+            samples_per_second=sum(p.samples_per_second for p in online),
+            swarm_round=self._swarm_round(),
+        )
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _sorted(self) -> list[PeerHealth]:
+        return [self._peers[k] for k in sorted(self._peers)]
+
+    def _swarm_round(self) -> int:
+        return max((p.round for p in self._peers.values() if p.state != PeerState.OFFLINE), default=0)
+
+    def _target_state(self, peer: PeerHealth, swarm_round: int) -> PeerState:
+        """The state a live peer should be in, given its last phase and the swarm's round."""
+        if peer.phase in _WORKING and peer.round < swarm_round - self.config.straggle_rounds:
+            return PeerState.STRAGGLING
+        return PHASES[peer.phase]
+
+    def _set(self, peer: PeerHealth, state: PeerState) -> Transition:
+        old = peer.state
+        if old != state:
+            peer.state = state
+            logger.info("peer %s: %s -> %s", peer.key, old.value, state.value)
+        return (peer.key, old, state)
+
+
+def _check_time(now: float) -> None:
+    if not isinstance(now, (int, float)) or isinstance(now, bool) or not math.isfinite(now):
+        raise ValueError(f"now must be a finite number of seconds, got {now!r}")
+
+
+def _check_heartbeat(
+    round: int, phase: str, samples_per_second: float, samples_total: int, loss: float | None
+) -> None:
+    """Raise ``ValueError`` naming the first malformed field of a heartbeat."""
+    if not _is_int(round) or round < 0:
+        raise ValueError(f"heartbeat round must be a non-negative integer, got {round!r}")
+    if not isinstance(phase, str) or phase not in PHASES:
+        raise ValueError(f"heartbeat phase must be one of {sorted(PHASES)}, got {phase!r}")
+    if not _is_number(samples_per_second) or not math.isfinite(samples_per_second) or samples_per_second < 0:
+        raise ValueError(f"heartbeat samples_per_second must be finite and >= 0, got {samples_per_second!r}")
+    if not _is_int(samples_total) or samples_total < 0:
+        raise ValueError(f"heartbeat samples_total must be a non-negative integer, got {samples_total!r}")
+    if loss is not None and (not _is_number(loss) or not math.isfinite(loss)):
+        raise ValueError(f"heartbeat loss must be finite or absent, got {loss!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

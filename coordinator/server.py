@@ -1,0 +1,101 @@
+"""The coordinator process: a stable DHT bootstrap peer, the gRPC API, a ticker.
+
+``CoordinatorServer.start`` brings up, in order: the store (SQLite WAL under the state
+directory unless a URL is given), the coordinator's identity (``coordinator.key``) and a
+hivemind DHT node with a persistent libp2p identity (``p2p.key``, so its multiaddr stays
+the same across restarts and peers reconnect by themselves), then the gRPC server and a
+thread that calls ``Coordinator.tick`` every second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from coordinator.core import Coordinator
+from coordinator.servicer import CoordinatorServicer
+from coordinator.store import Store, sqlite_url
+from protocol import coordinator_pb2_grpc as pb_grpc
+from protocol.identity import load_or_create
+from protocol.spec import parse_spec
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 1.0
+
+
+@dataclass
+class ServerConfig:
+    spec_path: Path
+    """Run spec (TOML)."""
+    state_dir: Path
+    """Keys and the default SQLite database live here."""
+    db_url: str | None = None
+    """SQLAlchemy URL; default: SQLite under state_dir."""
+    host: str = "0.0.0.0"
+    """Address to listen on."""
+    grpc_port: int = 0
+    """gRPC port (0: any free port)."""
+    dht_port: int = 0
+    """DHT (libp2p) port (0: any free port)."""
+
+
+class CoordinatorServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.stopped = threading.Event()
+        self.grpc_port = 0
+        self.dht = None
+
+    def start(self) -> None:
+        from hivemind import DHT
+
+        config = self.config
+        spec_toml = Path(config.spec_path).read_text(encoding="utf-8")
+        spec = parse_spec(spec_toml, source=str(config.spec_path))
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        identity, _ = load_or_create(config.state_dir / "coordinator.key")
+        self.store = Store(config.db_url or sqlite_url(config.state_dir))
+        self.dht = DHT(
+            start=True,
+            host_maddrs=[f"/ip4/{config.host}/tcp/{config.dht_port}"],
+            identity_path=str(config.state_dir / "p2p.key"),
+        )
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.core = Coordinator(
+            spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs
+        )
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        servicer = CoordinatorServicer(self.core)
+        self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
+        self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
+        self.server.start()
+        self.ticker = threading.Thread(target=self._tick_forever, daemon=True)
+        self.ticker.start()
+
+    def _tick_forever(self) -> None:
+        while not self.stopped.wait(TICK_S):
+            try:
+                with self.server_lock():
+                    self.core.tick(now=time.time())
+            except Exception:  # noqa: BLE001 - one bad tick must not stop the service
+                logger.exception("coordinator tick failed")
+
+    def server_lock(self) -> threading.Lock:
+        return self.servicer_lock
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.server.stop(grace=2).wait()
+        if self.dht is not None:
+            self.dht.shutdown()
+        self.store.close()

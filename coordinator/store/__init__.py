@@ -1,0 +1,11 @@
+"""The coordinator's persistence: SQLAlchemy 2, SQLite by default, any SQLAlchemy URL.
+
+``Store`` (in ``store.py``) is the API the coordinator uses; ``schema.py`` holds the
+tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
+"""
+
+from coordinator.store.engine import sqlite_url
+from coordinator.store.schema import SCHEMA_VERSION
+from coordinator.store.store import Store
+
+__all__ = ["SCHEMA_VERSION", "Store", "sqlite_url"]

@@ -1,0 +1,333 @@
+"""``Store``: everything the coordinator must not lose, behind one small typed API."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from coordinator.store.engine import open_engine
+from coordinator.store.schema import (
+    DENIED,
+    GRANTED,
+    PENDING,
+    Allowed,
+    Ban,
+    Base,
+    Claim,
+    Credit,
+    Peer,
+    RoundRecord,
+    Run,
+    SwarmSample,
+)
+
+logger = logging.getLogger(__name__)
+
+_RUN_ID = 1
+_CLAIM_FIELDS = (
+    "key", "round", "samples", "group_json", "state_digest", "duration_s", "received_at",
+    "status", "granted_samples", "flops", "reason", "decided_at",
+)
+_PEER_FIELDS = (
+    "key", "account_key", "libp2p_peer_id", "software_version", "hardware_json", "reachable",
+    "first_seen", "last_seen",
+)
+_ROUND_FIELDS = ("round", "state_digest", "finalized_at", "group_size", "mean_loss", "samples")
+_SAMPLE_FIELDS = ("at", "peers_online", "samples_per_second")
+
+
+class Store:
+    """The coordinator's database (SQLite by default, any SQLAlchemy URL).
+
+    Tables: ``schema_version`` (version, applied_at), ``run`` (one row: spec_digest,
+    spec_toml, name), ``allowlist`` (account_key), ``bans`` (peer_key, reason, banned_at),
+    ``peers`` (key, account_key, libp2p_peer_id, software_version, hardware_json, reachable,
+    first_seen, last_seen), ``claims`` (key, round unique together; samples, group_json,
+    state_digest, duration_s, received_at, status pending|granted|denied, granted_samples,
+    flops, reason, decided_at), ``credits`` (the append-only ledger: one row per granted
+    claim, unique by claim and by (key, round)), ``rounds`` (round, state_digest,
+    finalized_at, group_size, mean_loss, samples) and ``swarm_samples`` (at, peers_online,
+    samples_per_second).
+
+    Commits: every write method is one transaction, committed before it returns;
+    ``decide_claim`` updates the claim and appends its credit in the same transaction, so
+    the ledger never holds a credit without its granted claim or the reverse. Reads see
+    every earlier committed write.
+
+    Crash safety: a write that returned is durable. On SQLite every connection runs with
+    ``journal_mode=WAL``, ``synchronous=FULL`` (fsync at each commit) and
+    ``foreign_keys=ON``; a ``kill -9`` or power loss mid-write rolls that write back
+    whole and loses nothing committed. Writes are serialized by a lock inside this object
+    (one coordinator process owns the database); reads run concurrently.
+    """
+
+    def __init__(self, url: str) -> None:
+        """Open ``url``, creating missing tables; ``ConfigError`` if it cannot be used."""
+        self.engine = open_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_lock = threading.RLock()
+
+    def close(self) -> None:
+        """Release every connection; committed data is already on disk."""
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        with self._write_lock, self._sessions.begin() as session:
+            yield session
+
+    def _read(self) -> Session:
+        return self._sessions()
+
+    # --- run --------------------------------------------------------------------------------
+
+    def set_run(self, *, spec_digest: str, spec_toml: str, name: str) -> None:
+        """Record the run this coordinator serves, replacing any earlier one (logged)."""
+        with self._write() as s:
+            run = s.get(Run, _RUN_ID)
+            if run is None:
+                s.add(Run(id=_RUN_ID, spec_digest=spec_digest, spec_toml=spec_toml, name=name))
+                return
+            if run.spec_digest != spec_digest:
+                logger.warning("database held run %s (%s); now serving %s (%s)",
+                               run.name, run.spec_digest, name, spec_digest)
+            run.spec_digest, run.spec_toml, run.name = spec_digest, spec_toml, name
+
+    def run(self) -> dict[str, Any] | None:
+        """``{"spec_digest", "spec_toml", "name"}`` of the recorded run, or None."""
+        with self._read() as s:
+            run = s.get(Run, _RUN_ID)
+            return None if run is None else _as_dict(run, ("spec_digest", "spec_toml", "name"))
+
+    # --- admission --------------------------------------------------------------------------
+
+    def allow(self, account_key: str) -> None:
+        """Put an account on the allowlist; allowing it again is a no-op."""
+        with self._write() as s:
+            if s.get(Allowed, account_key) is None:
+                s.add(Allowed(account_key=account_key))
+
+    def disallow(self, account_key: str) -> None:
+        """Take an account off the allowlist; a no-op if it is not on it."""
+        with self._write() as s:
+            s.execute(delete(Allowed).where(Allowed.account_key == account_key))
+
+    def allowlist(self) -> set[str]:
+        """Every allowed account key."""
+        with self._read() as s:
+            return set(s.scalars(select(Allowed.account_key)))
+
+    def ban(self, peer_key: str, reason: str, now: float) -> None:
+        """Ban a peer key; banning it again replaces the reason and time."""
+        with self._write() as s:
+            ban = s.get(Ban, peer_key)
+            if ban is None:
+                s.add(Ban(peer_key=peer_key, reason=reason, banned_at=now))
+            else:
+                ban.reason, ban.banned_at = reason, now
+        logger.info("banned %s: %s", peer_key, reason)
+
+    def unban(self, peer_key: str) -> None:
+        """Lift a ban; a no-op if the key is not banned."""
+        with self._write() as s:
+            s.execute(delete(Ban).where(Ban.peer_key == peer_key))
+
+    def banned(self) -> dict[str, str]:
+        """``{peer_key: reason}`` for every banned peer."""
+        with self._read() as s:
+            return {b.peer_key: b.reason for b in s.scalars(select(Ban))}
+
+    # --- peers ------------------------------------------------------------------------------
+
+    def upsert_peer(
+        self, *, key: str, account_key: str | None, libp2p_peer_id: str, software_version: str,
+        hardware_json: str, reachable: bool, now: float,
+    ) -> None:
+        """Insert or update a peer; ``first_seen`` keeps its first value, ``last_seen`` = now."""
+        fields = dict(
+            account_key=account_key, libp2p_peer_id=libp2p_peer_id, software_version=software_version,
+            hardware_json=hardware_json, reachable=int(reachable), last_seen=now,
+        )
+        with self._write() as s:
+            peer = s.get(Peer, key)
+            if peer is None:
+                s.add(Peer(key=key, first_seen=now, **fields))
+            else:
+                for name, value in fields.items():
+                    setattr(peer, name, value)
+
+    def peers(self) -> list[dict[str, Any]]:
+        """Every peer ever seen, by key; keys as in ``upsert_peer`` plus ``first_seen``/``last_seen``."""
+        with self._read() as s:
+            rows = [_as_dict(p, _PEER_FIELDS) for p in s.scalars(select(Peer).order_by(Peer.key))]
+        for row in rows:
+            row["reachable"] = bool(row["reachable"])
+        return rows
+
+    # --- claims and credits (the ledger) ----------------------------------------------------
+
+    def record_claim(
+        self, *, key: str, round: int, samples: int, group_json: str, state_digest: str,
+        duration_s: float, received_at: float,
+    ) -> bool:
+        """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
+        claim = Claim(
+            key=key, round=round, samples=samples, group_json=group_json, state_digest=state_digest,
+            duration_s=duration_s, received_at=received_at, status=PENDING, granted_samples=0,
+            flops=0.0, reason="",
+        )
+        try:
+            with self._write() as s:
+                if _find_claim(s, key, round) is not None:
+                    return False
+                s.add(claim)
+        except IntegrityError:
+            # Another writer (another process) won the race for the unique (key, round).
+            if self._has_claim(key, round):
+                return False
+            raise
+        return True
+
+    def _has_claim(self, key: str, round: int) -> bool:
+        with self._read() as s:
+            return _find_claim(s, key, round) is not None
+
+    def decide_claim(
+        self, *, key: str, round: int, status: str, granted_samples: int, flops: float, reason: str,
+        now: float,
+    ) -> None:
+        """Decide a pending claim and, if granted, append its credit: one transaction.
+
+        Deciding an already decided claim is a no-op (the first decision stands). Raises
+        ``ValueError`` for a status other than granted/denied, negative amounts or a claim
+        that was never recorded.
+        """
+        if status not in (GRANTED, DENIED):
+            raise ValueError(f"claim status must be {GRANTED!r} or {DENIED!r}, not {status!r}")
+        if granted_samples < 0 or flops < 0:
+            raise ValueError(f"granted_samples and flops must be >= 0, got {granted_samples} and {flops}")
+        with self._write() as s:
+            claim = _find_claim(s, key, round)
+            if claim is None:
+                raise ValueError(f"no claim recorded for peer {key} round {round}")
+            if claim.status != PENDING:
+                logger.debug("claim %s round %d already %s; ignoring %s", key, round, claim.status, status)
+                return
+            claim.status, claim.granted_samples, claim.flops = status, granted_samples, flops
+            claim.reason, claim.decided_at = reason, now
+            if status == GRANTED:
+                s.add(Credit(claim_id=claim.id, key=key, round=round, samples=granted_samples,
+                             flops=flops, granted_at=now))
+
+    def pending_claims(self) -> list[dict[str, Any]]:
+        """Every undecided claim, oldest first (what the ledger reloads after a restart)."""
+        with self._read() as s:
+            query = select(Claim).where(Claim.status == PENDING).order_by(Claim.id)
+            return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
+
+    def claims(
+        self, *, key: str | None = None, round: int | None = None, limit: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Claims, newest recorded first, optionally of one peer and/or one round."""
+        query = select(Claim).order_by(Claim.id.desc()).limit(limit)
+        if key is not None:
+            query = query.where(Claim.key == key)
+        if round is not None:
+            query = query.where(Claim.round == round)
+        with self._read() as s:
+            return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
+
+    def credits_by_peer(self) -> dict[str, dict[str, Any]]:
+        """``{peer_key: {"samples": int, "flops": float}}`` over every granted claim."""
+        query = select(Credit.key, func.sum(Credit.samples), func.sum(Credit.flops)).group_by(Credit.key)
+        with self._read() as s:
+            return {k: {"samples": int(n), "flops": float(f)} for k, n, f in s.execute(query)}
+
+    def credits_by_account(self) -> dict[str, dict[str, Any]]:
+        """``{account_key: {"samples", "flops", "peers"}}``; a peer with no account counts as its own."""
+        return {row.pop("account_key"): row for row in self._account_totals(limit=None)}
+
+    def leaderboard(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Accounts by flops (then samples) descending: ``account_key, samples, flops, peers``."""
+        return self._account_totals(limit=limit)
+
+    def _account_totals(self, limit: int | None) -> list[dict[str, Any]]:
+        account = func.coalesce(Peer.account_key, Credit.key).label("account_key")
+        flops, samples = func.sum(Credit.flops), func.sum(Credit.samples)
+        query = (
+            select(account, samples, flops, func.count(func.distinct(Credit.key)))
+            .select_from(Credit)
+            .outerjoin(Peer, Peer.key == Credit.key)
+            .group_by(account)
+            .order_by(flops.desc(), samples.desc(), account)
+            .limit(limit)
+        )
+        with self._read() as s:
+            return [
+                {"account_key": a, "samples": int(n), "flops": float(f), "peers": int(p)}
+                for a, n, f, p in s.execute(query)
+            ]
+
+    # --- rounds and swarm history -----------------------------------------------------------
+
+    def record_round(
+        self, *, round: int, state_digest: str, finalized_at: float, group_size: int,
+        mean_loss: float | None, samples: int,
+    ) -> None:
+        """Insert or replace the record of a finalized round."""
+        fields = dict(state_digest=state_digest, finalized_at=finalized_at, group_size=group_size,
+                      mean_loss=mean_loss, samples=samples)
+        with self._write() as s:
+            record = s.get(RoundRecord, round)
+            if record is None:
+                s.add(RoundRecord(round=round, **fields))
+            else:
+                for name, value in fields.items():
+                    setattr(record, name, value)
+
+    def rounds(self, limit: int = 500) -> list[dict[str, Any]]:
+        """The latest ``limit`` rounds, highest round first."""
+        query = select(RoundRecord).order_by(RoundRecord.round.desc()).limit(limit)
+        with self._read() as s:
+            return [_as_dict(r, _ROUND_FIELDS) for r in s.scalars(query)]
+
+    def record_sample(self, *, now: float, peers_online: int, samples_per_second: float) -> None:
+        """Append one point of the swarm time series (``at`` = now)."""
+        with self._write() as s:
+            s.add(SwarmSample(at=now, peers_online=peers_online, samples_per_second=samples_per_second))
+
+    def samples(self, since: float) -> list[dict[str, Any]]:
+        """Points with ``at >= since``, oldest first: ``at, peers_online, samples_per_second``."""
+        query = select(SwarmSample).where(SwarmSample.at >= since).order_by(SwarmSample.at, SwarmSample.id)
+        with self._read() as s:
+            return [_as_dict(p, _SAMPLE_FIELDS) for p in s.scalars(query)]
+
+    def prune_samples(self, before: float) -> int:
+        """Delete points with ``at < before``; returns how many were deleted."""
+        with self._write() as s:
+            result = s.execute(delete(SwarmSample).where(SwarmSample.at < before))
+        deleted = int(getattr(result, "rowcount", 0) or 0)
+        logger.debug("pruned %d swarm samples before %s", deleted, before)
+        return deleted
+
+
+def _find_claim(session: Session, key: str, round: int) -> Claim | None:
+    return session.scalars(select(Claim).where(Claim.key == key, Claim.round == round)).one_or_none()
+
+
+def _as_dict(obj: Base, fields: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in fields}

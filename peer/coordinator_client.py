@@ -1,0 +1,183 @@
+"""The peer's side of the coordinator API: join, heartbeats and round reports.
+
+Every request is signed with the peer's key. ``CoordinatorLink`` runs in a background thread:
+heartbeats every interval, round reports queued and re-sent until the coordinator takes
+them (it may be down: the peer trains on regardless), and a new join when the coordinator
+says the peer is no longer admitted (after a restart). Nothing here blocks training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protocol import coordinator_pb2 as pb
+from protocol import coordinator_pb2_grpc as pb_grpc
+from protocol import kinds
+from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
+from protocol.identity import Identity, PublicKey
+from protocol.messages import sign_message
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0
+
+
+class RejectedError(SwarmtrainError):
+    """The coordinator refused this particular request as invalid (it will not take it later either)."""
+
+
+_FATAL = {
+    grpc.StatusCode.PERMISSION_DENIED: AdmissionError,
+    grpc.StatusCode.FAILED_PRECONDITION: WrongRunError,
+    grpc.StatusCode.INVALID_ARGUMENT: RejectedError,
+    grpc.StatusCode.UNAUTHENTICATED: RejectedError,
+}
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    spec_toml: str
+    spec_digest: str
+    access_token: bytes
+    bootstrap_maddrs: list[str]
+    coordinator_key: PublicKey
+    heartbeat_interval_s: float
+    current_round: int
+
+
+class CoordinatorClient:
+    """Signed, timed calls to one coordinator."""
+
+    def __init__(self, address: str, identity: Identity, *, software_version: str) -> None:
+        if ":" not in address:
+            raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
+        self.address, self.identity, self.software_version = address, identity, software_version
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def join(self, *, libp2p_peer_id: str = "", maddrs: list[str] | None = None, reachable: bool = True,
+             spec_digest: str = "") -> JoinInfo:
+        body = pb.JoinBody(
+            libp2p_peer_id=libp2p_peer_id, software_version=self.software_version, spec_digest=spec_digest,
+            hardware=_hardware(), maddrs=maddrs or [], reachable=reachable,
+        )
+        response = self._call(self.stub.Join, pb.JoinRequest(signed=self._sign(kinds.JOIN, body)))
+        return JoinInfo(
+            spec_toml=response.spec_toml, spec_digest=response.spec_digest, access_token=response.access_token,
+            bootstrap_maddrs=list(response.bootstrap_maddrs),
+            coordinator_key=PublicKey(bytes(response.coordinator_public_key)),
+            heartbeat_interval_s=response.heartbeat_interval_s or 5.0, current_round=response.current_round,
+        )
+
+    def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
+        return self._call(self.stub.Heartbeat, pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body)))
+
+    def report_round(self, body: pb.RoundReportBody) -> pb.RoundReportResponse:
+        return self._call(self.stub.ReportRound, pb.RoundReportRequest(signed=self._sign(kinds.ROUND_REPORT, body)))
+
+    def _sign(self, kind: str, body: Any) -> pb.SignedEnvelope:
+        return sign_message(self.identity, kind, body.SerializeToString(), now=time.time()).to_proto()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            error = _FATAL.get(exc.code(), SwarmtrainError)
+            raise error(f"coordinator {self.address}: {exc.details() or exc.code().name}") from exc
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class CoordinatorLink(threading.Thread):
+    """Heartbeats and queued round reports in the background; re-joins when told to."""
+
+    def __init__(self, client: CoordinatorClient, *, interval_s: float, rejoin: dict[str, Any]) -> None:
+        super().__init__(daemon=True, name="coordinator-link")
+        self.client, self.interval_s, self.rejoin = client, interval_s, rejoin
+        self.reports: queue.Queue[pb.RoundReportBody] = queue.Queue()
+        self.status = pb.HeartbeatBody(phase=pb.PEER_PHASE_JOINING)
+        self.stopping = threading.Event()
+        self.connected = False
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Queue a round report from a trainer metrics row; update the heartbeat figures."""
+        self.status = pb.HeartbeatBody(
+            round=metrics["round"], phase=pb.PEER_PHASE_TRAINING,
+            samples_per_second=metrics["samples"] / max(metrics["wall_s"], 1e-9),
+            samples_total=self.status.samples_total + metrics["samples"], loss=metrics["loss"],
+            state_digest=metrics["state_digest"],
+        )
+        if not metrics.get("averaged"):
+            return
+        group = [
+            pb.GroupMember(public_key=PublicKey.from_id(m["id"]).raw, weight=float(m.get("samples", 0)))
+            for m in metrics.get("members", []) if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+        ]
+        self.reports.put(pb.RoundReportBody(
+            round=metrics["round"], samples=metrics["samples"], loss=metrics["loss"], group=group,
+            state_digest=metrics["state_digest"], compute_s=metrics["compute_s"], wait_s=metrics["wait_s"],
+            bytes_sent=metrics["bytes_sent"], bytes_received=metrics["bytes_received"],
+        ))
+
+    def run(self) -> None:
+        while not self.stopping.wait(0 if not self.connected else self.interval_s):
+            try:
+                response = self.client.heartbeat(self.status)
+                if not response.admitted:
+                    logger.info("coordinator: %s", response.message)
+                    self.client.join(**self.rejoin)
+                self.connected = True
+                self._flush_reports()
+            except (AdmissionError, WrongRunError) as exc:
+                logger.error("the coordinator refused this peer: %s", exc)
+                self.connected = True
+            except SwarmtrainError as exc:
+                self.connected = True  # wait a whole interval before retrying
+                logger.warning("coordinator unreachable (training goes on): %s", exc)
+
+    def _flush_reports(self) -> None:
+        while True:
+            try:
+                body = self.reports.queue[0]
+            except IndexError:
+                return
+            try:
+                self.client.report_round(body)  # raises if unreachable: kept for the next try
+            except RejectedError as exc:
+                logger.warning("coordinator refused the report of round %d: %s", body.round, exc)
+            self.reports.get_nowait()
+
+    def stop(self) -> None:
+        self.status = pb.HeartbeatBody(round=self.status.round, phase=pb.PEER_PHASE_LEAVING)
+        try:
+            self._flush_reports()
+            self.client.heartbeat(self.status)
+        except SwarmtrainError as exc:
+            logger.info("could not tell the coordinator we leave: %s", exc)
+        self.stopping.set()
+
+
+def _hardware() -> pb.Hardware:
+    import torch
+
+    hw = pb.Hardware(device="cpu", cpu_count=os.cpu_count() or 0)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        hw.device, hw.accelerator_count = "cuda", torch.cuda.device_count()
+        hw.accelerator_name, hw.accelerator_memory_gib = props.name, props.total_memory / 2**30
+    try:
+        hw.ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        pass
+    logger.debug("hardware on %s: %s", platform.node(), hw)
+    return hw

@@ -1,0 +1,6 @@
+"""Kinds of signed messages (domain separation: a message of one kind never verifies as another)."""
+
+JOIN = "swarmtrain.join.v1"
+HEARTBEAT = "swarmtrain.heartbeat.v1"
+ROUND_REPORT = "swarmtrain.round-report.v1"
+ACCOUNT_ENDORSEMENT = "swarmtrain.account-endorsement.v1"

@@ -1,0 +1,135 @@
+"""A real coordinator process and real peers: join, heartbeats, rounds finalized, credits
+granted; a peer outside the allowlist is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from coordinator.store import Store, sqlite_url
+from protocol.identity import Identity
+from swarmtrain.localswarm import LocalPeer, swarmtrain_executable
+
+SPEC = """
+[run]
+name = "coord"
+[task.model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 32
+[inner]
+batch_size = 4
+[rounds]
+inner_steps = 3
+[averaging]
+compression = "int8"
+overlap = false
+min_group_size = 3
+target_group_size = 4
+matchmaking_timeout_s = 6.0
+allreduce_timeout_s = 20.0
+[admission]
+mode = "{mode}"
+{allowlist}
+"""
+
+
+class CoordinatorProcess:
+    def __init__(self, spec: Path, state_dir: Path) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [*swarmtrain_executable(), "coordinator", "--spec", str(spec), "--state-dir", str(state_dir),
+             "--host", "127.0.0.1", "--grpc-port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def address(self, deadline_s: float = 90) -> str:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.match(r"^grpc: (\S+)$", line)
+                if match:
+                    return match.group(1)
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            time.sleep(0.1)
+        raise AssertionError("coordinator printed no address:\n" + "\n".join(self.lines))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def status(address: str) -> dict:
+    proc = subprocess.run([*swarmtrain_executable(), "status", "--coordinator", address, "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_peers_join_train_and_earn_verified_credits(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(mode="open", allowlist=""))
+    coordinator = CoordinatorProcess(spec, tmp_path / "state")
+    peers: list[LocalPeer] = []
+    try:
+        address = coordinator.address()
+        for i in range(3):
+            args = ["--coordinator", address, "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
+                    "--shard-seed", str(i), "--max-rounds", "4"]
+            peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
+        wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "3 peers online")
+        for peer in peers:
+            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-20:])
+        store = Store(sqlite_url(tmp_path / "state"))
+        wait_for(lambda: len(store.credits_by_peer()) == 3 and not store.pending_claims(), 120, "credits granted")
+        credits = store.credits_by_peer()
+        trained = {p.name: sum(r["samples"] for r in p.rounds() if r["averaged"]) for p in peers}
+        assert all(c["samples"] > 0 and c["flops"] > 0 for c in credits.values())
+        assert sum(c["samples"] for c in credits.values()) <= sum(trained.values())
+        assert store.rounds()
+        final = status(address)
+        assert final["current_round"] >= 1 and final["run_name"] == "coord"
+        store.close()
+    finally:
+        for peer in peers:
+            peer.kill()
+        coordinator.kill()
+
+
+def test_peer_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
+    listed = Identity.generate()
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(mode="allowlist", allowlist=f'allowlist = ["{listed.public_key.id}"]'))
+    coordinator = CoordinatorProcess(spec, tmp_path / "state")
+    try:
+        address = coordinator.address()
+        proc = subprocess.run(
+            [*swarmtrain_executable(), "peer", "--coordinator", address, "--key", str(tmp_path / "stranger")],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 1
+        assert "not on this run's allowlist" in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    finally:
+        coordinator.kill()

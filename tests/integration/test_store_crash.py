@@ -1,0 +1,102 @@
+"""``kill -9`` of a process writing the ledger loses no committed grant and leaves a sound
+SQLite file: every grant the child printed (after its commit returned) is there on reopen."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from coordinator.store import Store, sqlite_url
+
+pytestmark = pytest.mark.integration
+
+SAMPLES = 7
+KILL_AFTER = 50
+DEADLINE_S = 60.0
+
+CHILD = """
+import sys
+from coordinator.store import Store
+
+store = Store(sys.argv[1])
+n = 0
+while True:
+    n += 1
+    store.record_claim(key="p1", round=n, samples=%(samples)d, group_json="[]", state_digest="d",
+                       duration_s=1.0, received_at=float(n))
+    store.decide_claim(key="p1", round=n, status="granted", granted_samples=%(samples)d,
+                       flops=2.0, reason="ok", now=float(n))
+    print(f"granted {n}", flush=True)
+""" % {"samples": SAMPLES}
+
+
+def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _last_grant(lines: list[str]) -> int:
+    numbers = [int(m.group(1)) for m in (re.fullmatch(r"granted (\d+)\n?", line) for line in lines) if m]
+    return max(numbers, default=0)
+
+
+def test_sigkill_loses_no_committed_grant(tmp_path: Path, repo_root: Path, python: str) -> None:
+    url = sqlite_url(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    child = subprocess.Popen(
+        [python, "-c", CHILD, url], cwd=repo_root, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while _last_grant(seen) < KILL_AFTER:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"child printed only {seen[-5:]} before the deadline"
+            try:
+                line = lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            assert line is not None, f"child exited early (rc {child.poll()}): {''.join(seen[-20:])}"
+            seen.append(line)
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)
+    reader.join(timeout=30)
+    while not lines.empty():  # lines printed before the kill that the loop had not read yet
+        line = lines.get_nowait()
+        if line is not None:
+            seen.append(line)
+    printed = _last_grant(seen)
+    assert printed >= KILL_AFTER
+
+    with Store(url) as store:
+        credited = store.credits_by_peer()["p1"]["samples"]
+        granted_rounds = {c["round"] for c in store.claims(key="p1", limit=100_000) if c["status"] == "granted"}
+    assert credited >= printed * SAMPLES
+    assert set(range(1, printed + 1)) <= granted_rounds
+    assert credited == len(granted_rounds) * SAMPLES  # no credit without its granted claim
+
+    db = sqlite3.connect(tmp_path / "coordinator.db")
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        assert db.execute("PRAGMA foreign_key_check").fetchall() == []
+    finally:
+        db.close()

@@ -1,0 +1,241 @@
+"""RoundLedger: claims are granted only for attested, plausible work; each decided once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.credits import ClaimStatus, Decision, GroupMemberView, RoundClaim, RoundLedger
+
+GOOD = "sha256:good"
+
+
+def _claim(key: str, group: dict[str, float], *, samples: int | None = None, round: int = 1,
+           digest: str = GOOD, duration_s: float = 10.0, received_at: float = 0.0) -> RoundClaim:
+    members = tuple(GroupMemberView(key=k, weight=w) for k, w in group.items())
+    return RoundClaim(key=key, round=round, samples=group.get(key, 0) if samples is None else samples,  # type: ignore[arg-type]
+                      group=members, state_digest=digest, duration_s=duration_s, received_at=received_at)
+
+
+def _ledger(max_sps: float = 1000.0, finalize_after_s: float = 60.0) -> RoundLedger:
+    return RoundLedger(max_samples_per_second=max_sps, finalize_after_s=finalize_after_s)
+
+
+def _by_key(decisions: list[Decision]) -> dict[str, Decision]:
+    return {d.key: d for d in decisions}
+
+
+HONEST = {"a": 100, "b": 160, "c": 120}
+
+
+def test_honest_group_of_three_all_granted() -> None:
+    ledger = _ledger()
+    for key in HONEST:
+        ledger.add(_claim(key, HONEST))
+    decisions = ledger.tick(1.0)
+    assert [d.key for d in decisions] == ["a", "b", "c"]
+    assert all(d.status == ClaimStatus.GRANTED and d.round == 1 for d in decisions)
+    assert [d.granted_samples for d in decisions] == [100, 160, 120]
+    assert _by_key(decisions)["b"].reason == (
+        "granted 160 samples: attested by 2 of 2 group members, digest matches the group's")
+
+
+def test_round_waits_until_complete() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("a", HONEST))
+    ledger.add(_claim("b", HONEST))
+    assert ledger.tick(30.0) == []
+    assert ledger.pending() == 2
+    ledger.add(_claim("c", HONEST, received_at=30.0))
+    assert len(ledger.tick(31.0)) == 3
+    assert ledger.pending() == 0
+
+
+def test_over_reporter_granted_only_the_attested_median() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("a", HONEST))
+    ledger.add(_claim("b", HONEST | {"b": 1000}, samples=1000))  # b inflates itself
+    ledger.add(_claim("c", HONEST))
+    b = _by_key(ledger.tick(1.0))["b"]
+    assert (b.status, b.granted_samples) == (ClaimStatus.GRANTED, 160)
+    assert b.reason.startswith("granted 160 samples: claimed 1000, attested 160 (median) by 2 of 2 group members")
+
+
+def test_median_of_attested_weights_is_rounded_down() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("a", {"a": 10, "b": 1000, "c": 10}))
+    ledger.add(_claim("b", {"a": 10, "b": 101, "c": 10}, samples=1000))
+    ledger.add(_claim("c", {"a": 10, "b": 100.5, "c": 10}))
+    assert _by_key(ledger.tick(1.0))["b"].granted_samples == 550  # median(101, 1000) = 550.5
+
+
+def test_peer_with_different_digest_denied() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("a", HONEST))
+    ledger.add(_claim("b", HONEST))
+    ledger.add(_claim("c", HONEST, digest="sha256:forged"))
+    decisions = _by_key(ledger.tick(1.0))
+    c = decisions["c"]
+    assert (c.status, c.granted_samples) == (ClaimStatus.DENIED, 0)
+    assert c.reason.startswith("digest differs from the group's")
+    # c is out of consensus, so it is no witness: a and b are attested by one member each
+    assert decisions["a"].status == ClaimStatus.GRANTED
+    assert "attested by 1 of 2 group members" in decisions["a"].reason
+
+
+def test_no_majority_digest_denies_everyone() -> None:
+    group = {"a": 100, "b": 100}
+    ledger = _ledger()
+    ledger.add(_claim("a", group, digest="sha256:one"))
+    ledger.add(_claim("b", group, digest="sha256:two"))
+    decisions = ledger.tick(1.0)
+    assert [d.status for d in decisions] == [ClaimStatus.DENIED, ClaimStatus.DENIED]
+    assert all("no majority digest" in d.reason for d in decisions)
+
+
+def test_peer_nobody_attests_denied() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("a", {"a": 100, "b": 100}))
+    ledger.add(_claim("b", {"a": 100, "b": 100}))
+    ledger.add(_claim("x", {"x": 500, "a": 100}, samples=500))  # a and b never saw x
+    decisions = _by_key(ledger.tick(1.0))
+    assert decisions["x"].status == ClaimStatus.DENIED
+    assert decisions["x"].reason.startswith("no other group member attests it")
+    assert decisions["a"].status == decisions["b"].status == ClaimStatus.GRANTED
+
+
+def test_peer_alone_denied() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("solo", {"solo": 300}))
+    (decision,) = ledger.tick(1.0)
+    assert (decision.status, decision.granted_samples) == (ClaimStatus.DENIED, 0)
+    assert decision.reason.startswith("averaged with nobody")
+
+
+def test_throughput_cap_binds() -> None:
+    ledger = _ledger(max_sps=10.0)
+    for key in HONEST:
+        ledger.add(_claim(key, HONEST, duration_s=12.5))  # cap: floor(10 * 12.5) = 125
+    decisions = _by_key(ledger.tick(1.0))
+    assert [decisions[k].granted_samples for k in "abc"] == [100, 125, 120]
+    assert decisions["b"].reason == (
+        "granted 125 samples: claimed 160, attested by 2 of 2 group members, "
+        "throughput cap 125 (10 samples/s over 12.5 s), digest matches the group's")
+
+
+def test_both_caps_named_when_they_tie() -> None:
+    ledger = _ledger(max_sps=16.0)  # cap: floor(16 * 10) = 160, the attested median too
+    for key in HONEST:
+        ledger.add(_claim(key, HONEST, samples=500 if key == "b" else None))
+    b = _by_key(ledger.tick(1.0))["b"]
+    assert b.granted_samples == 160
+    assert "attested 160 (median)" in b.reason and "throughput cap 160" in b.reason
+
+
+def test_incomplete_round_decided_after_finalize_after_s() -> None:
+    ledger = _ledger(finalize_after_s=60.0)
+    ledger.add(_claim("a", HONEST, received_at=100.0))
+    ledger.add(_claim("b", HONEST, received_at=130.0))  # c never reports
+    assert ledger.tick(159.9) == []
+    decisions = ledger.tick(160.0)
+    assert [(d.key, d.status, d.granted_samples) for d in decisions] == [
+        ("a", ClaimStatus.GRANTED, 100), ("b", ClaimStatus.GRANTED, 160)]
+    assert "attested by 1 of 2 group members" in decisions[0].reason
+
+
+def test_late_claim_for_a_decided_round_is_decided_against_its_claims() -> None:
+    ledger = _ledger(finalize_after_s=60.0)
+    ledger.add(_claim("a", HONEST, received_at=0.0))
+    ledger.add(_claim("b", HONEST, received_at=0.0))
+    assert len(ledger.tick(60.0)) == 2
+    ledger.add(_claim("c", HONEST, received_at=65.0))
+    (late,) = ledger.tick(66.0)
+    assert (late.key, late.status, late.granted_samples) == ("c", ClaimStatus.GRANTED, 120)
+    assert ledger.tick(67.0) == []
+
+
+def test_duplicate_claim_rejected_even_after_decision() -> None:
+    ledger = _ledger()
+    for key in HONEST:
+        ledger.add(_claim(key, HONEST))
+    with pytest.raises(ValueError, match="second claim by a for round 1"):
+        ledger.add(_claim("a", HONEST, samples=5))
+    ledger.tick(1.0)
+    with pytest.raises(ValueError, match="second claim by a for round 1"):
+        ledger.add(_claim("a", HONEST))
+    ledger.add(_claim("a", HONEST, round=2))  # another round is fine
+
+
+def test_forgotten_rounds_are_closed() -> None:
+    ledger = RoundLedger(max_samples_per_second=1000.0, finalize_after_s=10.0, retain_s=100.0)
+    for key in HONEST:
+        ledger.add(_claim(key, HONEST, round=3))
+    ledger.tick(1.0)
+    ledger.tick(100.0)
+    with pytest.raises(ValueError, match="round 3 is closed"):
+        ledger.add(_claim("a", HONEST, round=3))
+    with pytest.raises(ValueError, match="round 2 is closed"):
+        ledger.add(_claim("a", HONEST, round=2))
+    ledger.add(_claim("a", HONEST, round=4))
+
+
+def test_each_claim_decided_once_across_repeated_ticks() -> None:
+    ledger = _ledger(finalize_after_s=60.0)
+    ledger.add(_claim("a", HONEST, round=1))
+    ledger.add(_claim("a", HONEST, round=2, received_at=50.0))
+    seen: list[tuple[str, int]] = []
+    for now in [0.0, 59.0, 60.0, 61.0, 109.0, 110.0, 200.0, 200.0]:
+        if now == 61.0:
+            for key in ("b", "c"):
+                ledger.add(_claim(key, HONEST, round=2, received_at=now))
+        seen += [(d.key, d.round) for d in ledger.tick(now)]
+    assert sorted(seen) == [("a", 1), ("a", 2), ("b", 2), ("c", 2)]
+    assert len(set(seen)) == len(seen)
+
+
+def test_decisions_sorted_by_round_then_key() -> None:
+    ledger = _ledger()
+    for round in (2, 1):
+        for key in ("c", "a", "b"):
+            ledger.add(_claim(key, HONEST, round=round))
+    assert [(d.round, d.key) for d in ledger.tick(1.0)] == [
+        (1, "a"), (1, "b"), (1, "c"), (2, "a"), (2, "b"), (2, "c")]
+
+
+def test_zero_attested_is_denied() -> None:
+    ledger = _ledger()
+    ledger.add(_claim("a", {"a": 100, "b": 0}))
+    ledger.add(_claim("b", {"a": 100, "b": 50}, samples=50))
+    decisions = _by_key(ledger.tick(1.0))
+    assert decisions["b"].status == ClaimStatus.DENIED
+    assert decisions["b"].reason.startswith("nothing to grant")
+    assert decisions["a"].granted_samples == 100
+
+
+@pytest.mark.parametrize(("field", "claim"), [
+    ("samples", _claim("a", HONEST, samples=-1)),
+    ("round", _claim("a", HONEST, round=-1)),
+    ("duration_s", _claim("a", HONEST, duration_s=0.0)),
+    ("duration_s", _claim("a", HONEST, duration_s=math.inf)),
+    ("received_at", _claim("a", HONEST, received_at=math.nan)),
+    ("weight", _claim("a", HONEST | {"b": math.nan})),
+    ("weight", _claim("a", HONEST | {"b": -3.0})),
+    ("state_digest", _claim("a", HONEST, digest="")),
+    ("reporter", _claim("z", HONEST, samples=5)),
+    ("twice", RoundClaim(key="a", round=1, samples=1, state_digest=GOOD, duration_s=1.0, received_at=0.0,
+                         group=(GroupMemberView("a", 1.0), GroupMemberView("b", 1.0), GroupMemberView("b", 2.0)))),
+    ("group", RoundClaim(key="a", round=1, samples=1, group=(), state_digest=GOOD, duration_s=1.0, received_at=0.0)),
+])
+def test_malformed_claims_rejected(field: str, claim: RoundClaim) -> None:
+    ledger = _ledger()
+    with pytest.raises(ValueError, match=field):
+        ledger.add(claim)
+    assert ledger.pending() == 0
+
+
+def test_ledger_config_validated() -> None:
+    with pytest.raises(ValueError, match="max_samples_per_second"):
+        RoundLedger(max_samples_per_second=0.0)
+    with pytest.raises(ValueError, match="finalize_after_s"):
+        RoundLedger(max_samples_per_second=1.0, finalize_after_s=math.nan)

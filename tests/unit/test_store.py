@@ -1,0 +1,323 @@
+"""The coordinator's Store against a real database: SQLite in tmp_path, and PostgreSQL when
+SWARMTRAIN_TEST_POSTGRES_URL names one (each test starts from an empty schema there)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text, update
+
+from coordinator.store import SCHEMA_VERSION, Store, sqlite_url
+from coordinator.store.schema import Base, SchemaVersion
+from protocol.errors import ConfigError
+
+POSTGRES_ENV = "SWARMTRAIN_TEST_POSTGRES_URL"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of an empty database of each kind."""
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path)
+        return
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        pytest.skip(f"set {POSTGRES_ENV} to run against PostgreSQL")
+    engine = create_engine(url)
+    try:
+        Base.metadata.drop_all(engine)
+    finally:
+        engine.dispose()
+    yield url
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    opened = Store(store_url)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def _claim(store: Store, key: str, round: int, samples: int = 100, received_at: float = 10.0) -> bool:
+    return store.record_claim(
+        key=key, round=round, samples=samples, group_json='[["a", 1.0]]', state_digest=f"d{round}",
+        duration_s=2.5, received_at=received_at,
+    )
+
+
+def _grant(store: Store, key: str, round: int, samples: int, flops: float, now: float = 20.0) -> None:
+    store.decide_claim(key=key, round=round, status="granted", granted_samples=samples, flops=flops,
+                       reason="attested by group", now=now)
+
+
+def _peer(store: Store, key: str, account: str | None, now: float = 1.0, reachable: bool = True) -> None:
+    store.upsert_peer(key=key, account_key=account, libp2p_peer_id=f"Qm{key}", software_version="0.1",
+                      hardware_json='{"gpus": 1}', reachable=reachable, now=now)
+
+
+def test_sqlite_url_points_into_state_dir(tmp_path: Path) -> None:
+    assert sqlite_url(tmp_path) == f"sqlite:///{tmp_path.resolve()}/coordinator.db"
+
+
+def test_run_is_recorded_and_replaced(store: Store) -> None:
+    assert store.run() is None
+    store.set_run(spec_digest="aa", spec_toml="[run]\nname='x'\n", name="x")
+    store.set_run(spec_digest="bb", spec_toml="[run]\nname='y'\n", name="y")
+    assert store.run() == {"spec_digest": "bb", "spec_toml": "[run]\nname='y'\n", "name": "y"}
+
+
+def test_allowlist_is_idempotent(store: Store) -> None:
+    store.allow("acct1")
+    store.allow("acct1")
+    store.allow("acct2")
+    store.disallow("acct2")
+    store.disallow("never-allowed")
+    assert store.allowlist() == {"acct1"}
+
+
+def test_ban_unban_and_reban_replaces_reason(store: Store) -> None:
+    store.ban("p1", "digest mismatch", 5.0)
+    store.ban("p2", "spam", 6.0)
+    store.ban("p1", "implausible throughput", 7.0)
+    store.unban("p2")
+    store.unban("not-banned")
+    assert store.banned() == {"p1": "implausible throughput"}
+
+
+def test_upsert_peer_keeps_first_seen(store: Store) -> None:
+    _peer(store, "p1", "acct", now=1.0, reachable=True)
+    _peer(store, "p1", "acct2", now=9.0, reachable=False)
+    _peer(store, "p0", None, now=3.0)
+    peers = store.peers()
+    assert [p["key"] for p in peers] == ["p0", "p1"]
+    assert peers[1] == {
+        "key": "p1", "account_key": "acct2", "libp2p_peer_id": "Qmp1", "software_version": "0.1",
+        "hardware_json": '{"gpus": 1}', "reachable": False, "first_seen": 1.0, "last_seen": 9.0,
+    }
+    assert peers[0]["account_key"] is None and peers[0]["reachable"] is True
+
+
+def test_duplicate_claim_returns_false_and_keeps_the_first(store: Store) -> None:
+    assert _claim(store, "p1", 3, samples=100) is True
+    assert _claim(store, "p1", 3, samples=999) is False
+    assert _claim(store, "p2", 3) is True
+    assert _claim(store, "p1", 4) is True
+    [claim] = store.claims(key="p1", round=3)
+    assert claim["samples"] == 100 and claim["status"] == "pending"
+    assert len(store.pending_claims()) == 3
+
+
+def test_concurrent_duplicate_claims_record_once(store: Store) -> None:
+    results: list[bool] = []
+    lock = threading.Lock()
+
+    def report() -> None:
+        for round in range(20):
+            ok = _claim(store, "p1", round)
+            with lock:
+                results.append(ok)
+
+    threads = [threading.Thread(target=report) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sum(results) == 20 and len(results) == 80
+    assert len(store.claims(key="p1")) == 20
+
+
+def test_grant_updates_claim_and_appends_credit(store: Store) -> None:
+    _claim(store, "p1", 1, samples=100, received_at=10.0)
+    _grant(store, "p1", 1, 80, 1.5e12, now=20.0)
+    [claim] = store.claims()
+    assert claim == {
+        "key": "p1", "round": 1, "samples": 100, "group_json": '[["a", 1.0]]', "state_digest": "d1",
+        "duration_s": 2.5, "received_at": 10.0, "status": "granted", "granted_samples": 80,
+        "flops": 1.5e12, "reason": "attested by group", "decided_at": 20.0,
+    }
+    assert store.pending_claims() == []
+    assert store.credits_by_peer() == {"p1": {"samples": 80, "flops": 1.5e12}}
+
+
+def test_denial_grants_nothing(store: Store) -> None:
+    _claim(store, "p1", 1)
+    store.decide_claim(key="p1", round=1, status="denied", granted_samples=0, flops=0.0,
+                       reason="digest disagrees with the group", now=30.0)
+    [claim] = store.claims()
+    assert claim["status"] == "denied" and claim["reason"] == "digest disagrees with the group"
+    assert store.credits_by_peer() == {} and store.leaderboard() == []
+
+
+def test_decide_is_idempotent(store: Store) -> None:
+    _claim(store, "p1", 1)
+    _grant(store, "p1", 1, 100, 2.0)
+    _grant(store, "p1", 1, 100, 2.0)
+    store.decide_claim(key="p1", round=1, status="denied", granted_samples=0, flops=0.0, reason="late", now=99.0)
+    [claim] = store.claims()
+    assert claim["status"] == "granted" and claim["decided_at"] == 20.0
+    assert store.credits_by_peer() == {"p1": {"samples": 100, "flops": 2.0}}
+
+
+@pytest.mark.parametrize(
+    ("status", "samples", "flops", "message"),
+    [("maybe", 1, 1.0, "status"), ("granted", -1, 1.0, ">= 0"), ("granted", 1, -1.0, ">= 0")],
+)
+def test_decide_rejects_bad_input(store: Store, status: str, samples: int, flops: float, message: str) -> None:
+    _claim(store, "p1", 1)
+    with pytest.raises(ValueError, match=message):
+        store.decide_claim(key="p1", round=1, status=status, granted_samples=samples, flops=flops, reason="", now=1.0)
+    assert store.claims()[0]["status"] == "pending"
+
+
+def test_decide_unknown_claim_raises(store: Store) -> None:
+    with pytest.raises(ValueError, match="no claim recorded for peer p9 round 4"):
+        _grant(store, "p9", 4, 1, 1.0)
+
+
+def test_claims_newest_first_filtered_and_limited(store: Store) -> None:
+    for round in range(5):
+        _claim(store, "p1", round)
+        _claim(store, "p2", round)
+    assert [(c["key"], c["round"]) for c in store.claims(limit=3)] == [("p2", 4), ("p1", 4), ("p2", 3)]
+    assert [c["round"] for c in store.claims(key="p1")] == [4, 3, 2, 1, 0]
+    assert {c["key"] for c in store.claims(round=2)} == {"p1", "p2"}
+    assert [(c["key"], c["round"]) for c in store.pending_claims()][:2] == [("p1", 0), ("p2", 0)]
+
+
+def test_credits_by_account_joins_through_peers(store: Store) -> None:
+    _peer(store, "p1", "alice")
+    _peer(store, "p2", "alice")
+    _peer(store, "p3", None)
+    for key, samples, flops in [("p1", 10, 1.0), ("p2", 20, 2.0), ("p3", 5, 9.0), ("ghost", 1, 0.5)]:
+        _claim(store, key, 1)
+        _grant(store, key, 1, samples, flops)
+    _claim(store, "p1", 2)
+    _grant(store, "p1", 2, 30, 3.0)
+    assert store.credits_by_peer() == {
+        "p1": {"samples": 40, "flops": 4.0}, "p2": {"samples": 20, "flops": 2.0},
+        "p3": {"samples": 5, "flops": 9.0}, "ghost": {"samples": 1, "flops": 0.5},
+    }
+    assert store.credits_by_account() == {
+        "alice": {"samples": 60, "flops": 6.0, "peers": 2},
+        "p3": {"samples": 5, "flops": 9.0, "peers": 1},
+        "ghost": {"samples": 1, "flops": 0.5, "peers": 1},
+    }
+
+
+def test_leaderboard_by_flops_per_account(store: Store) -> None:
+    _peer(store, "p1", "alice")
+    _peer(store, "p2", "bob")
+    _peer(store, "p3", "alice")
+    for round, (key, flops) in enumerate([("p1", 1.0), ("p2", 5.0), ("p3", 3.0), ("p4", 0.5)]):
+        _claim(store, key, round)
+        _grant(store, key, round, 10, flops)
+    board = store.leaderboard()
+    assert [(r["account_key"], r["flops"], r["samples"], r["peers"]) for r in board] == [
+        ("bob", 5.0, 10, 1), ("alice", 4.0, 20, 2), ("p4", 0.5, 10, 1),
+    ]
+    assert [r["account_key"] for r in store.leaderboard(limit=1)] == ["bob"]
+
+
+def test_rounds_upsert_and_order(store: Store) -> None:
+    store.record_round(round=1, state_digest="a", finalized_at=1.0, group_size=2, mean_loss=None, samples=10)
+    store.record_round(round=2, state_digest="b", finalized_at=2.0, group_size=3, mean_loss=2.5, samples=30)
+    store.record_round(round=1, state_digest="c", finalized_at=3.0, group_size=4, mean_loss=1.5, samples=40)
+    assert store.rounds() == [
+        {"round": 2, "state_digest": "b", "finalized_at": 2.0, "group_size": 3, "mean_loss": 2.5, "samples": 30},
+        {"round": 1, "state_digest": "c", "finalized_at": 3.0, "group_size": 4, "mean_loss": 1.5, "samples": 40},
+    ]
+    assert [r["round"] for r in store.rounds(limit=1)] == [2]
+
+
+def test_samples_since_and_prune(store: Store) -> None:
+    for t in range(10):
+        store.record_sample(now=float(t), peers_online=t, samples_per_second=t * 1.5)
+    assert [s["at"] for s in store.samples(since=7.0)] == [7.0, 8.0, 9.0]
+    assert store.samples(since=9.0) == [{"at": 9.0, "peers_online": 9, "samples_per_second": 13.5}]
+    assert store.prune_samples(before=5.0) == 5
+    assert store.prune_samples(before=5.0) == 0
+    assert [s["at"] for s in store.samples(since=0.0)] == [5.0, 6.0, 7.0, 8.0, 9.0]
+
+
+def test_reopen_keeps_everything(store_url: str) -> None:
+    with Store(store_url) as first:
+        first.set_run(spec_digest="dd", spec_toml="t", name="n")
+        first.allow("alice")
+        first.ban("p9", "bad", 1.0)
+        _peer(first, "p1", "alice")
+        _claim(first, "p1", 1)
+        _grant(first, "p1", 1, 10, 1.0)
+        _claim(first, "p1", 2)
+        first.record_round(round=1, state_digest="s", finalized_at=2.0, group_size=1, mean_loss=0.5, samples=10)
+        first.record_sample(now=3.0, peers_online=1, samples_per_second=2.0)
+        before = _snapshot(first)
+    with Store(store_url) as second:
+        assert _snapshot(second) == before
+        assert second.pending_claims()[0]["round"] == 2
+        assert _claim(second, "p1", 1) is False
+
+
+def _snapshot(store: Store) -> dict[str, object]:
+    return {
+        "run": store.run(), "allow": store.allowlist(), "banned": store.banned(), "peers": store.peers(),
+        "claims": store.claims(), "pending": store.pending_claims(), "by_peer": store.credits_by_peer(),
+        "by_account": store.credits_by_account(), "board": store.leaderboard(), "rounds": store.rounds(),
+        "samples": store.samples(since=0.0),
+    }
+
+
+def test_schema_version_recorded_and_foreign_version_refused(store_url: str) -> None:
+    Store(store_url).close()
+    engine = create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            assert list(conn.execute(text("SELECT version FROM schema_version"))) == [(SCHEMA_VERSION,)]
+            conn.execute(update(SchemaVersion).values(version=SCHEMA_VERSION + 1))
+    finally:
+        engine.dispose()
+    with pytest.raises(ConfigError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        Store(store_url)
+
+
+def test_sqlite_connections_are_durable(tmp_path: Path) -> None:
+    with Store(sqlite_url(tmp_path)) as store, store.engine.connect() as conn:
+        pragmas = {name: conn.execute(text(f"PRAGMA {name}")).scalar() for name in
+                   ("journal_mode", "synchronous", "foreign_keys")}
+    assert pragmas == {"journal_mode": "wal", "synchronous": 2, "foreign_keys": 1}
+
+
+def test_in_memory_sqlite_is_shared_across_threads() -> None:
+    with Store("sqlite://") as store:
+        thread = threading.Thread(target=store.allow, args=("alice",))
+        thread.start()
+        thread.join(timeout=10)
+        assert store.allowlist() == {"alice"}
+
+
+@pytest.mark.parametrize(
+    ("make_url", "message"),
+    [
+        (lambda d: "definitely not a url", "not a SQLAlchemy URL"),
+        (lambda d: "nosuchdb://host/x", "unsupported dialect"),
+        (lambda d: "postgresql+nosuchdriver://u@127.0.0.1/x", "unsupported dialect"),
+        (lambda d: f"sqlite:///{d}/missing/dir/coordinator.db", "does not exist"),
+        (lambda d: f"sqlite:///{d}", "is a directory"),
+        (lambda d: f"sqlite:///{_garbage(d)}", "cannot open it"),
+    ],
+    ids=["garbage", "dialect", "driver", "missing-dir", "directory", "not-a-database"],
+)
+def test_unusable_url_is_a_config_error(tmp_path: Path, make_url, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=message):
+        Store(make_url(tmp_path))
+
+
+def _garbage(directory: Path) -> Path:
+    path = directory / "coordinator.db"
+    path.write_bytes(b"this is not a SQLite database file, just some bytes " * 40)
+    return path
