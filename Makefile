@@ -25,8 +25,16 @@ $(STAMP): pyproject.toml | $(PY)
 
 venv: $(STAMP)
 
+# The suite runs against SQLite and, where PostgreSQL can be started here (root installs
+# Debian's package), against a throwaway PostgreSQL server too.
+PG_DIR := $(CURDIR)/.pgtest
+PG_PORT ?= 55432
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
+		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \
+	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q tests; code=$$?; \
+	.ci/postgres.sh stop $(PG_DIR); exit $$code
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -4,11 +4,15 @@ granted; a peer outside the allowlist is refused with a clear error."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
 import time
 from pathlib import Path
+
+import pytest
+import sqlalchemy
 
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity
@@ -39,12 +43,31 @@ mode = "{mode}"
 """
 
 
+POSTGRES_URL = os.environ.get("SWARMTRAIN_TEST_POSTGRES_URL", "")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The coordinator's database: SQLite under its state dir, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path / "state")
+    if not POSTGRES_URL:
+        pytest.skip("set SWARMTRAIN_TEST_POSTGRES_URL to run against PostgreSQL (make test does)")
+    engine = sqlalchemy.create_engine(POSTGRES_URL)
+    meta = sqlalchemy.MetaData()
+    meta.reflect(engine)
+    meta.drop_all(engine)
+    engine.dispose()
+    return POSTGRES_URL
+
+
 class CoordinatorProcess:
-    def __init__(self, spec: Path, state_dir: Path) -> None:
+    def __init__(self, spec: Path, state_dir: Path, db_url: str | None = None) -> None:
         self.lines: list[str] = []
+        (state_dir).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [*swarmtrain_executable(), "coordinator", "--spec", str(spec), "--state-dir", str(state_dir),
-             "--host", "127.0.0.1", "--grpc-port", "0"],
+             "--host", "127.0.0.1", "--grpc-port", "0", *(["--db", db_url] if db_url else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
@@ -87,10 +110,10 @@ def status(address: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_peers_join_train_and_earn_verified_credits(tmp_path: Path) -> None:
+def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str) -> None:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="open", allowlist=""))
-    coordinator = CoordinatorProcess(spec, tmp_path / "state")
+    coordinator = CoordinatorProcess(spec, tmp_path / "state", db_url)
     peers: list[LocalPeer] = []
     try:
         address = coordinator.address()
@@ -101,7 +124,7 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path) -> None:
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "3 peers online")
         for peer in peers:
             assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-20:])
-        store = Store(sqlite_url(tmp_path / "state"))
+        store = Store(db_url)
         wait_for(lambda: len(store.credits_by_peer()) == 3 and not store.pending_claims(), 120, "credits granted")
         credits = store.credits_by_peer()
         trained = {p.name: sum(r["samples"] for r in p.rounds() if r["averaged"]) for p in peers}
