@@ -62,12 +62,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 class CoordinatorProcess:
-    def __init__(self, spec: Path, state_dir: Path, db_url: str | None = None) -> None:
+    def __init__(self, spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> None:
         self.lines: list[str] = []
         (state_dir).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [*swarmtrain_executable(), "coordinator", "--spec", str(spec), "--state-dir", str(state_dir),
-             "--host", "127.0.0.1", "--grpc-port", "0", *(["--db", db_url] if db_url else [])],
+             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), *(["--db", db_url] if db_url else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
