@@ -14,7 +14,7 @@ from protocol.errors import ConfigError
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "coordinator",
-        help="run a coordinator: admission, health, credits (dashboard: issue #4)",
+        help="run a coordinator: admission, health, credits, dashboard",
         description="Run a coordinator for the run in --spec: a DHT bootstrap peer and the gRPC API.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output")
@@ -24,11 +24,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--grpc-port", type=int, default=7500, help="gRPC API port (0: any free port)")
     parser.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free port)")
+    parser.add_argument("--http-port", type=int, default=8080, help="dashboard, JSON API, /metrics (0: any free port)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("grpc_port", "dht_port"):
+    for name in ("grpc_port", "dht_port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(args, name)}")
     from protocol.spec import load_spec
@@ -39,13 +40,14 @@ def run(args: argparse.Namespace) -> int:
     server = CoordinatorServer(
         ServerConfig(
             spec_path=args.spec, state_dir=args.state_dir, db_url=args.db, host=args.host,
-            grpc_port=args.grpc_port, dht_port=args.dht_port,
+            grpc_port=args.grpc_port, dht_port=args.dht_port, http_port=args.http_port,
         )
     )
     server.start()
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     print(f"coordinator of run {server.core.spec.run.name!r} ({server.core.digest})", flush=True)
     print(f"grpc: {host}:{server.grpc_port}", flush=True)
+    print(f"http: http://{host}:{server.http_port}/  (dashboard; /api/v1/status, /metrics)", flush=True)
     for maddr in server.maddrs:
         print(f"dht: {maddr}", flush=True)
     print(f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port}", flush=True)

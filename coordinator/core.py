@@ -65,6 +65,7 @@ class Coordinator:
         for allowed in spec.admission.allowlist:
             store.allow(allowed)
         self._accounts: dict[str, str] = {}
+        self._losses: dict[int, list[float]] = {}
         self._reload_pending()
 
     def _reload_pending(self) -> None:
@@ -156,6 +157,8 @@ class Coordinator:
             group_json=json.dumps([[m.key, m.weight] for m in group]), state_digest=body.state_digest,
             duration_s=duration, received_at=now,
         )
+        if recorded and math.isfinite(body.loss):
+            self._losses.setdefault(body.round, []).append(body.loss)
         reason = "pending: waiting for the other group members' reports" if recorded else "already reported"
         return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
 
@@ -208,8 +211,10 @@ class Coordinator:
         if not digests:
             return
         majority = max(set(digests), key=digests.count)
+        losses = self._losses.pop(round_, [])
         self.store.record_round(
-            round=round_, state_digest=majority, finalized_at=now, group_size=len(claims), mean_loss=None,
+            round=round_, state_digest=majority, finalized_at=now, group_size=len(claims),
+            mean_loss=sum(losses) / len(losses) if losses else None,
             samples=sum(d.granted_samples for d in decisions),
         )
 

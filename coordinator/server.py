@@ -44,6 +44,8 @@ class ServerConfig:
     """gRPC port (0: any free port)."""
     dht_port: int = 0
     """DHT (libp2p) port (0: any free port)."""
+    http_port: int = 0
+    """Dashboard, JSON API and /metrics port (0: any free port)."""
 
 
 class CoordinatorServer:
@@ -81,6 +83,23 @@ class CoordinatorServer:
         self.server.start()
         self.ticker = threading.Thread(target=self._tick_forever, daemon=True)
         self.ticker.start()
+        self._start_http(servicer.lock)
+
+    def _start_http(self, lock: threading.Lock) -> None:
+        import socket
+
+        import uvicorn
+
+        from coordinator.http.app import create_app
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.http_port))
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.core, lock), log_level="warning", lifespan="off")
+        self.http = uvicorn.Server(config)
+        self.http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.http_thread.start()
 
     def _tick_forever(self) -> None:
         while not self.stopped.wait(TICK_S):
@@ -95,6 +114,8 @@ class CoordinatorServer:
 
     def stop(self) -> None:
         self.stopped.set()
+        self.http.should_exit = True
+        self.http_thread.join(timeout=10)
         self.server.stop(grace=2).wait()
         if self.dht is not None:
             self.dht.shutdown()

@@ -42,6 +42,8 @@ class LocalPeer:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            # its own process group: hivemind's DHT/averager children and p2pd die with it
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -95,9 +97,18 @@ class LocalPeer:
         self._reader.join(timeout=10)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        """SIGKILL the peer and every process of the group it leads (ours, by pgid)."""
+        kill_group(self.proc)
+
+
+def kill_group(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """SIGKILL the process group led by ``proc`` (started with start_new_session) and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=30)
 
 
 def start_peers(spec: Path, count: int, workdir: Path, extra: list[str] | None = None) -> list[LocalPeer]:

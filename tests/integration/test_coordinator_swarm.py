@@ -11,12 +11,16 @@ import threading
 import time
 from pathlib import Path
 
+import urllib.error
+import urllib.request
+
 import pytest
 import sqlalchemy
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity
-from swarmtrain.localswarm import LocalPeer, swarmtrain_executable
+from swarmtrain.localswarm import LocalPeer, kill_group, swarmtrain_executable
 
 SPEC = """
 [run]
@@ -67,8 +71,8 @@ class CoordinatorProcess:
         (state_dir).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [*swarmtrain_executable(), "coordinator", "--spec", str(spec), "--state-dir", str(state_dir),
-             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), *(["--db", db_url] if db_url else [])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", "0", *(["--db", db_url] if db_url else [])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -88,10 +92,18 @@ class CoordinatorProcess:
             time.sleep(0.1)
         raise AssertionError("coordinator printed no address:\n" + "\n".join(self.lines))
 
+    def http(self, deadline_s: float = 90) -> str:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.match(r"^http: (http://\S+/)", line)
+                if match:
+                    return match.group(1)
+            time.sleep(0.1)
+        raise AssertionError("coordinator printed no http address:\n" + "\n".join(self.lines))
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        kill_group(self.proc)  # the coordinator, its DHT process and p2pd
 
 
 def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -133,6 +145,7 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         assert store.rounds()
         final = status(address)
         assert final["current_round"] >= 1 and final["run_name"] == "coord"
+        check_http(coordinator.http(), peers=3)
         store.close()
     finally:
         for peer in peers:
@@ -156,3 +169,31 @@ def test_peer_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     finally:
         coordinator.kill()
+
+
+def get(url: str) -> tuple[int, str, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback only
+        return response.status, response.headers.get("content-type", ""), response.read().decode()
+
+
+def check_http(base: str, *, peers: int) -> None:
+    code, _, body = get(base + "healthz")
+    assert code == 200 and json.loads(body)["ok"]
+    status_json = json.loads(get(base + "api/v1/status")[2])
+    assert status_json["run_name"] == "coord" and status_json["current_round"] >= 1
+    assert len(json.loads(get(base + "api/v1/peers")[2])) == peers
+    rounds = json.loads(get(base + "api/v1/rounds")[2])
+    assert rounds and any(r["mean_loss"] is not None for r in rounds)
+    credits = json.loads(get(base + "api/v1/credits")[2])
+    assert credits["leaderboard"] and all(c["flops"] > 0 for c in credits["leaderboard"])
+    assert "/api/v1/status" in json.loads(get(base + "openapi.json")[2])["paths"]
+    _, content_type, metrics = get(base + "metrics")
+    assert content_type.startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    assert {"swarmtrain_peers_online", "swarmtrain_round", "swarmtrain_credited_samples"} <= set(families)
+    _, content_type, page = get(base)
+    assert content_type.startswith("text/html") and "loss-chart" in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # no assets from elsewhere (CDNs)
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        get(base + "api/v1/rounds?limit=-5")
+    assert bad.value.code == 422

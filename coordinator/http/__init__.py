@@ -1,0 +1,1 @@
+"""The coordinator's HTTP side: JSON API, Prometheus metrics, dashboard page."""

@@ -1,0 +1,89 @@
+"""FastAPI app over a running ``Coordinator``: ``/api/v1/*`` JSON (OpenAPI at
+``/openapi.json``), ``/metrics`` (Prometheus text), ``/healthz`` and the dashboard ``/``.
+
+Handlers only read; they take the same lock as the gRPC servicer and the ticker, so they
+see a consistent core. Nothing here is served from a CDN.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import HTMLResponse, PlainTextResponse
+
+from coordinator.core import Coordinator
+from coordinator.http.metrics import render_metrics
+from protocol.identity import PublicKey
+
+
+def create_app(core: Coordinator, lock: threading.Lock, clock: Callable[[], float] = time.time) -> FastAPI:
+    app = FastAPI(title="swarmtrain coordinator", version="1", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"ok": True, "run": core.spec.run.name}
+
+    @app.get("/api/v1/status")
+    def status() -> dict[str, Any]:
+        with lock:
+            now = clock()
+            summary = core.health.summary(now)
+            rounds = core.store.rounds(limit=1)
+        return {
+            "run_name": core.spec.run.name,
+            "spec_digest": core.digest,
+            "current_round": rounds[0]["round"] if rounds else 0,
+            "current_state_digest": rounds[0]["state_digest"] if rounds else "",
+            "peers_online": summary.peers_online,
+            "samples_per_second": summary.samples_per_second,
+            "server_time": now,
+        }
+
+    @app.get("/api/v1/peers")
+    def peers() -> list[dict[str, Any]]:
+        with lock:
+            health = {p.key: p for p in core.health.peers()}
+            stored = core.store.peers()
+        out = []
+        for row in stored:
+            h = health.get(row["key"])
+            out.append({
+                "key": row["key"], "account": row.get("account_key"), "libp2p_peer_id": row["libp2p_peer_id"],
+                "software_version": row["software_version"], "reachable": row["reachable"],
+                "state": h.state.value if h else "offline", "round": h.round if h else None,
+                "samples_per_second": h.samples_per_second if h else 0.0, "last_seen": row["last_seen"],
+            })
+        return out
+
+    @app.get("/api/v1/rounds")
+    def rounds(limit: int = Query(200, ge=1, le=5000)) -> list[dict[str, Any]]:
+        with lock:
+            return core.store.rounds(limit=limit)
+
+    @app.get("/api/v1/credits")
+    def credits(limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
+        with lock:
+            return {"leaderboard": core.store.leaderboard(limit=limit), "by_peer": core.store.credits_by_peer()}
+
+    @app.get("/api/v1/history")
+    def history(seconds: float = Query(3600.0, gt=0, le=30 * 86400)) -> list[dict[str, Any]]:
+        with lock:
+            return core.store.samples(since=clock() - seconds)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        with lock:
+            text = render_metrics(core, now=clock())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard() -> HTMLResponse:
+        return HTMLResponse((resources.files("coordinator.http") / "dashboard.html").read_text(encoding="utf-8"))
+
+    _ = PublicKey  # keys are printed as public ids throughout
+    return app
