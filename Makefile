@@ -31,6 +31,7 @@ PG_DIR := $(CURDIR)/.pgtest
 PG_PORT ?= 55432
 
 test: $(STAMP)
+	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"
 	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
 		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \
 	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q tests; code=$$?; \

@@ -56,7 +56,8 @@ def create_app(core: Coordinator, lock: threading.Lock, clock: Callable[[], floa
                 "key": row["key"], "account": row.get("account_key"), "libp2p_peer_id": row["libp2p_peer_id"],
                 "software_version": row["software_version"], "reachable": row["reachable"],
                 "state": h.state.value if h else "offline", "round": h.round if h else None,
-                "samples_per_second": h.samples_per_second if h else 0.0, "last_seen": row["last_seen"],
+                "samples_per_second": h.samples_per_second if h else 0.0,
+                "last_seen": h.last_seen if h else row["last_seen"],
             })
         return out
 
