@@ -108,6 +108,7 @@ class CoordinatorLink(threading.Thread):
         self.status = pb.HeartbeatBody(phase=pb.PEER_PHASE_JOINING)
         self.stopping = threading.Event()
         self.connected = False
+        self._flush_lock = threading.Lock()
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Queue a round report from a trainer metrics row; update the heartbeat figures."""
@@ -146,25 +147,28 @@ class CoordinatorLink(threading.Thread):
                 logger.warning("coordinator unreachable (training goes on): %s", exc)
 
     def _flush_reports(self) -> None:
-        while True:
-            try:
-                body = self.reports.queue[0]
-            except IndexError:
-                return
-            try:
-                self.client.report_round(body)  # raises if unreachable: kept for the next try
-            except RejectedError as exc:
-                logger.warning("coordinator refused the report of round %d: %s", body.round, exc)
-            self.reports.get_nowait()
+        with self._flush_lock:
+            while True:
+                try:
+                    body = self.reports.queue[0]
+                except IndexError:
+                    return
+                try:
+                    self.client.report_round(body)  # raises if unreachable: kept for the next try
+                except RejectedError as exc:
+                    logger.warning("coordinator refused the report of round %d: %s", body.round, exc)
+                self.reports.get_nowait()
 
     def stop(self) -> None:
+        """Send what is queued and say we leave (best effort, bounded by the RPC timeouts)."""
+        self.stopping.set()
+        self.join(timeout=2 * RPC_TIMEOUT_S)
         self.status = pb.HeartbeatBody(round=self.status.round, phase=pb.PEER_PHASE_LEAVING)
         try:
             self._flush_reports()
             self.client.heartbeat(self.status)
         except SwarmtrainError as exc:
             logger.info("could not tell the coordinator we leave: %s", exc)
-        self.stopping.set()
 
 
 def _hardware() -> pb.Hardware:

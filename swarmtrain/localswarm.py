@@ -111,14 +111,18 @@ def kill_group(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
         proc.wait(timeout=30)
 
 
-def start_peers(spec: Path, count: int, workdir: Path, extra: list[str] | None = None) -> list[LocalPeer]:
-    """Start ``count`` peers of ``spec`` on loopback, the first one bootstrapping the others."""
+def start_peers(
+    spec: Path, count: int, workdir: Path, extra: list[str] | None = None, *, coordinator: str | None = None
+) -> list[LocalPeer]:
+    """Start ``count`` peers of ``spec`` on loopback: through ``coordinator`` (HOST:PORT) when
+    given, else the first one bootstrapping the others."""
     peers: list[LocalPeer] = []
     try:
         for i in range(count):
-            args = ["--spec", str(spec), "--host", "127.0.0.1", "--key", str(workdir / f"peer{i}.key")]
+            source = ["--coordinator", coordinator] if coordinator else ["--spec", str(spec)]
+            args = [*source, "--host", "127.0.0.1", "--key", str(workdir / f"peer{i}.key")]
             args += ["--shard-seed", str(i), *(extra or [])]
-            if peers:
+            if peers and not coordinator:
                 args += ["--initial-peers", peers[0].wait_for_maddr()]
             peers.append(LocalPeer(args, workdir, f"peer{i}"))
         peers[0].wait_for_maddr()
@@ -127,3 +131,62 @@ def start_peers(spec: Path, count: int, workdir: Path, extra: list[str] | None =
             peer.kill()
         raise
     return peers
+
+
+class LocalCoordinator:
+    """A `swarmtrain coordinator` child on loopback (its own process group)."""
+
+    def __init__(self, spec: Path, state_dir: Path, *, db_url: str | None = None, grpc_port: int = 0,
+                 http_port: int = 0) -> None:
+        self.lines: list[str] = []
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.log = state_dir / "coordinator.log"
+        args = ["coordinator", "--spec", str(spec), "--state-dir", str(state_dir), "--host", "127.0.0.1",
+                "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+        self.proc = subprocess.Popen(
+            [*swarmtrain_executable(), *args, *(["--db", db_url] if db_url else [])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.log.open("w") as out:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                out.write(line)
+                out.flush()
+
+    def _printed(self, pattern: str, deadline_s: float) -> str:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.match(pattern, line)
+                if match:
+                    return match.group(1)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError("the coordinator did not start:\n" + "\n".join(self.lines[-20:]))
+
+    def address(self, deadline_s: float = 120.0) -> str:
+        """HOST:PORT of its gRPC API."""
+        return self._printed(r"^grpc: (\S+)$", deadline_s)
+
+    def http(self, deadline_s: float = 120.0) -> str:
+        """Base URL of its dashboard and JSON API (ends with /)."""
+        return self._printed(r"^http: (http://\S+/)", deadline_s)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        kill_group(self.proc)

@@ -1,9 +1,10 @@
-"""``swarmtrain demo``: three local CPU peers train the demo model together, then a summary.
+"""``swarmtrain demo``: a coordinator and three local CPU peers train the demo model, then a summary.
 
-Starts 3 `swarmtrain peer` processes on loopback with the embedded demo spec
+Starts a `swarmtrain coordinator` (SQLite) and 3 `swarmtrain peer --coordinator` processes on
+loopback with the embedded demo spec
 (``swarmtrain/demo.toml``, also at ``examples/demo.toml``), shows the swarm's progress,
 and prints rounds, loss first → last, whether every round's digests agreed, and samples
-and bytes per peer. Leaves no process behind, on success, failure or Ctrl-C.
+and bytes and verified credits per peer. Leaves no process behind, on success, failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PEERS = 3
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "demo",
-        help="3 local CPU peers train a tiny model together, then a summary",
+        help="a coordinator and 3 local CPU peers train a tiny model, then a summary",
         description="Run a local swarm of 3 CPU peers on the embedded demo spec and summarise it.",
     )
     parser.add_argument("--spec", type=Path, default=None, help="run spec (default: the embedded demo spec)")
@@ -37,7 +38,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from protocol.spec import load_spec
-    from swarmtrain.localswarm import start_peers
+    from swarmtrain.localswarm import LocalCoordinator, start_peers
 
     spec_path = args.spec or Path(str(resources.files("swarmtrain") / "demo.toml"))
     spec = load_spec(spec_path)
@@ -46,25 +47,49 @@ def run(args: argparse.Namespace) -> int:
         raise SwarmtrainError(f"--rounds must be >= 1, got {rounds}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarmtrain-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"demo: {PEERS} peers on this machine train {spec.run.name!r} for {rounds} rounds (logs in {workdir})")
-    print("demo: the coordinator and its dashboard join the demo with issue #4", flush=True)
-    peers = start_peers(spec_path, PEERS, workdir, extra=["--max-rounds", str(rounds)])
+    print(f"demo: a coordinator and {PEERS} peers on this machine train {spec.run.name!r} for {rounds} rounds")
+    print(f"demo: logs, keys and the coordinator's SQLite database in {workdir}", flush=True)
+    coordinator = LocalCoordinator(spec_path, workdir / "coordinator")
+    peers: list[Any] = []
     try:
+        address = coordinator.address()
+        print(f"demo: dashboard at {coordinator.http()} while it runs", flush=True)
+        peers = start_peers(spec_path, PEERS, workdir, extra=["--max-rounds", str(rounds)], coordinator=address)
         _show_progress(peers, rounds)
         codes = [peer.wait(timeout=120) for peer in peers]
+        credits = _credits(workdir, [peer.name for peer in peers])
     except KeyboardInterrupt:
-        print("\ndemo: interrupted; stopping the peers", file=sys.stderr)
+        print("\ndemo: interrupted; stopping the peers and the coordinator", file=sys.stderr)
         for peer in peers:
             peer.stop(grace_s=15)
         return 130
     finally:
         for peer in peers:
             peer.kill()
+        coordinator.stop()
     summary = summarize([peer.rounds() for peer in peers], codes)
+    for row in summary["peers"]:
+        row["credited_samples"], row["credited_flops"] = credits.get(row["peer"], (0, 0.0))
     _print_summary(summary)
     if args.summary_json:
         args.summary_json.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 0 if summary["ok"] else 1
+
+
+def _credits(workdir: Path, names: list[str], deadline_s: float = 90.0) -> dict[int, tuple[int, float]]:
+    """Credits per peer index once the coordinator decided every claim (or the deadline)."""
+    from coordinator.store import Store, sqlite_url
+    from protocol.identity import Identity
+
+    keys = {Identity.load(workdir / f"{name}.key").public_key.id: i for i, name in enumerate(names)}
+    store = Store(sqlite_url(workdir / "coordinator"))
+    try:
+        deadline = time.monotonic() + deadline_s
+        while store.pending_claims() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return {keys[k]: (c["samples"], c["flops"]) for k, c in store.credits_by_peer().items() if k in keys}
+    finally:
+        store.close()
 
 
 def _show_progress(peers: list[Any], rounds: int) -> None:
@@ -135,7 +160,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     for peer in summary["peers"]:
         print(
             f"  peer {peer['peer']}: {peer['rounds']} rounds, {peer['samples']} samples, "
-            f"{peer['bytes_sent'] / 1e6:.2f} MB sent, exit {peer['exit_code']}"
+            f"{peer['bytes_sent'] / 1e6:.2f} MB sent, credited {peer.get('credited_samples', 0)} samples "
+            f"({peer.get('credited_flops', 0.0):.2e} FLOPs), exit {peer['exit_code']}"
         )
-    print("  credits:         granted by the coordinator (issue #4)")
     print(f"demo {'succeeded' if summary['ok'] else 'FAILED'}")

@@ -1,4 +1,5 @@
-"""`swarmtrain demo` as a user runs it: trains, summarises, exits 0, leaves nothing behind."""
+"""`swarmtrain demo` as a user runs it: a coordinator and 3 peers train, the summary shows
+verified credits per peer, it exits 0 and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -36,4 +37,6 @@ def test_demo_trains_summarises_and_cleans_up(tmp_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     assert summary["ok"] and summary["digests_agree"] and summary["rounds"] >= 3
     assert summary["loss_last"] < summary["loss_first"]
+    assert all(p["credited_samples"] > 0 and p["credited_flops"] > 0 for p in summary["peers"]), summary
+    assert "dashboard at http://127.0.0.1:" in proc.stdout
     assert processes_mentioning(str(workdir)) == []

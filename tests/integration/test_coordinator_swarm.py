@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity
-from swarmtrain.localswarm import LocalPeer, kill_group, swarmtrain_executable
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable
 
 SPEC = """
 [run]
@@ -65,45 +64,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return POSTGRES_URL
 
 
-class CoordinatorProcess:
-    def __init__(self, spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> None:
-        self.lines: list[str] = []
-        (state_dir).mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [*swarmtrain_executable(), "coordinator", "--spec", str(spec), "--state-dir", str(state_dir),
-             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--http-port", "0", *(["--db", db_url] if db_url else [])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def address(self, deadline_s: float = 90) -> str:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.match(r"^grpc: (\S+)$", line)
-                if match:
-                    return match.group(1)
-            assert self.proc.poll() is None, "\n".join(self.lines)
-            time.sleep(0.1)
-        raise AssertionError("coordinator printed no address:\n" + "\n".join(self.lines))
-
-    def http(self, deadline_s: float = 90) -> str:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.match(r"^http: (http://\S+/)", line)
-                if match:
-                    return match.group(1)
-            time.sleep(0.1)
-        raise AssertionError("coordinator printed no http address:\n" + "\n".join(self.lines))
-
-    def kill(self) -> None:
-        kill_group(self.proc)  # the coordinator, its DHT process and p2pd
+def CoordinatorProcess(spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> LocalCoordinator:
+    return LocalCoordinator(spec, state_dir, db_url=db_url, grpc_port=grpc_port)
 
 
 def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
