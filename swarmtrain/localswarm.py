@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +27,28 @@ def swarmtrain_executable() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "swarmtrain"]
 
 
-class LocalPeer:
-    """One `swarmtrain peer` child whose combined output is kept (and logged to a file)."""
+def wait_until(predicate: Callable[[], bool], deadline_s: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; ``TimeoutError`` naming ``what`` after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {deadline_s:.0f} s waiting for {what}")
 
-    def __init__(self, args: list[str], workdir: Path, name: str, *, threads: int = 1) -> None:
-        self.name = name
-        self.log = workdir / f"{name}.log"
-        self.metrics_file = workdir / f"{name}.jsonl"
+
+class _Child:
+    """A `swarmtrain` child in its own process group, its output kept and logged to a file."""
+
+    def __init__(self, argv: list[str], log: Path, name: str, env: dict[str, str]) -> None:
+        self.name, self.log = name, log
         self.lines: list[str] = []
-        # one torch thread per peer: several peers share this machine's cores
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
         self.proc = subprocess.Popen(
-            [*swarmtrain_executable(), "peer", *args, "--metrics-file", str(self.metrics_file)],
+            [*swarmtrain_executable(), *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             # its own process group: hivemind's DHT/averager children and p2pd die with it
             start_new_session=True,
         )
@@ -56,18 +63,37 @@ class LocalPeer:
                 out.write(line)
                 out.flush()
 
-    def wait_for_maddr(self, deadline_s: float = 120.0) -> str:
-        """The loopback multiaddr the peer printed; raises if it exits or stays silent."""
+    def printed(self, pattern: str, deadline_s: float) -> str:
+        """Group 1 of the first output line matching ``pattern``; raises if it exits or stays silent."""
+        regex = re.compile(pattern)
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             for line in list(self.lines):
-                match = MADDR_RE.match(line)
+                match = regex.match(line)
                 if match:
                     return match.group(1)
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} printed no loopback multiaddr:\n" + "\n".join(self.lines[-20:]))
+        raise RuntimeError(f"{self.name} printed no line like {pattern!r}:\n" + "\n".join(self.lines[-20:]))
+
+    def kill(self) -> None:
+        """SIGKILL the child and every process of the group it leads (ours, by pgid)."""
+        kill_group(self.proc)
+
+
+class LocalPeer(_Child):
+    """One `swarmtrain peer` child."""
+
+    def __init__(self, args: list[str], workdir: Path, name: str, *, threads: int = 1) -> None:
+        self.metrics_file = workdir / f"{name}.jsonl"
+        # one torch thread per peer: several peers share this machine's cores
+        argv = ["peer", *args, "--metrics-file", str(self.metrics_file)]
+        super().__init__(argv, workdir / f"{name}.log", name, {"OMP_NUM_THREADS": str(threads)})
+
+    def wait_for_maddr(self, deadline_s: float = 120.0) -> str:
+        """The loopback multiaddr the peer printed."""
+        return self.printed(MADDR_RE.pattern, deadline_s)
 
     def rounds(self) -> list[dict[str, Any]]:
         """Rows of its metrics file so far."""
@@ -96,9 +122,6 @@ class LocalPeer:
                 self.kill()
         self._reader.join(timeout=10)
 
-    def kill(self) -> None:
-        """SIGKILL the peer and every process of the group it leads (ours, by pgid)."""
-        kill_group(self.proc)
 
 
 def kill_group(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
@@ -133,51 +156,23 @@ def start_peers(
     return peers
 
 
-class LocalCoordinator:
-    """A `swarmtrain coordinator` child on loopback (its own process group)."""
+class LocalCoordinator(_Child):
+    """A `swarmtrain coordinator` child on loopback."""
 
     def __init__(self, spec: Path, state_dir: Path, *, db_url: str | None = None, grpc_port: int = 0,
                  http_port: int = 0) -> None:
-        self.lines: list[str] = []
         state_dir.mkdir(parents=True, exist_ok=True)
-        self.log = state_dir / "coordinator.log"
-        args = ["coordinator", "--spec", str(spec), "--state-dir", str(state_dir), "--host", "127.0.0.1",
-                "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
-        self.proc = subprocess.Popen(
-            [*swarmtrain_executable(), *args, *(["--db", db_url] if db_url else [])],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        with self.log.open("w") as out:
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip("\n"))
-                out.write(line)
-                out.flush()
-
-    def _printed(self, pattern: str, deadline_s: float) -> str:
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.match(pattern, line)
-                if match:
-                    return match.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError("the coordinator did not start:\n" + "\n".join(self.lines[-20:]))
+        argv = ["coordinator", "--spec", str(spec), "--state-dir", str(state_dir), "--host", "127.0.0.1",
+                "--grpc-port", str(grpc_port), "--http-port", str(http_port), *(["--db", db_url] if db_url else [])]
+        super().__init__(argv, state_dir / "coordinator.log", "coordinator", {})
 
     def address(self, deadline_s: float = 120.0) -> str:
         """HOST:PORT of its gRPC API."""
-        return self._printed(r"^grpc: (\S+)$", deadline_s)
+        return self.printed(r"^grpc: (\S+)$", deadline_s)
 
     def http(self, deadline_s: float = 120.0) -> str:
         """Base URL of its dashboard and JSON API (ends with /)."""
-        return self._printed(r"^http: (http://\S+/)", deadline_s)
+        return self.printed(r"^http: (http://\S+/)", deadline_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self.proc.poll() is None:
@@ -187,6 +182,3 @@ class LocalCoordinator:
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
-
-    def kill(self) -> None:
-        kill_group(self.proc)

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import urllib.error
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_until as wait_for
 
 SPEC = """
 [run]
@@ -66,15 +65,6 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def CoordinatorProcess(spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> LocalCoordinator:
     return LocalCoordinator(spec, state_dir, db_url=db_url, grpc_port=grpc_port)
-
-
-def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def status(address: str) -> dict:

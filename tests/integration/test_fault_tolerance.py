@@ -4,10 +4,9 @@ downloads the swarm's state, verifies it, and trains in sync."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalPeer
+from swarmtrain.localswarm import LocalPeer, wait_until as wait_for
 
 ROUNDS = 500  # survivors run until the test stops them (SIGTERM: graceful leave)
 LATE_ROUNDS = 3
@@ -37,15 +36,6 @@ allreduce_timeout_s = {ALLREDUCE_S}
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:

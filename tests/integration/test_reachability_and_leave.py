@@ -4,10 +4,9 @@ SIGINT/SIGTERM make a peer leave cleanly with exit status 0."""
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalPeer
+from swarmtrain.localswarm import LocalPeer, wait_until as wait_for
 
 SPEC = """
 [run]
@@ -29,15 +28,6 @@ target_group_size = 4
 matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 20.0
 """
-
-
-def wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def start(tmp_path: Path, i: int, spec: Path, extra: list[str]) -> LocalPeer:
