@@ -112,13 +112,19 @@ def _show_progress(peers: list[Any], rounds: int) -> None:
 
 
 def summarize(histories: list[list[dict[str, Any]]], exit_codes: list[int]) -> dict[str, Any]:
-    """The demo's outcome from each peer's metrics rows (compared by global round number:
-    a peer that failed a round and re-synced skips that number)."""
+    """The demo's outcome from each peer's metrics rows, compared by global round number.
+
+    A peer that failed a round and re-synced skips that number; a row whose peer found
+    itself out of sync with its group (``in_sync`` false: it started that round from another
+    state, and re-syncs from a peer if one is still there) is counted apart, not compared."""
     by_round: dict[int, set[str]] = {}
+    out_of_sync = 0
     for history in histories:
         for row in history:
-            if row["averaged"]:
+            if row["averaged"] and row.get("in_sync", True):
                 by_round.setdefault(row["round"], set()).add(row["state_digest"])
+            elif row["averaged"]:
+                out_of_sync += 1
     agreeing = sum(1 for digests in by_round.values() if len(digests) == 1)
     first = [h[0]["loss"] for h in histories if h]
     last = [h[-1]["loss"] for h in histories if h]
@@ -143,6 +149,7 @@ def summarize(histories: list[list[dict[str, Any]]], exit_codes: list[int]) -> d
         "loss_last": loss_last,
         "rounds_with_identical_digests": agreeing,
         "digests_agree": agreeing == rounds,
+        "out_of_sync_rows": out_of_sync,
         "final_digest": histories[0][-1]["state_digest"] if histories and histories[0] else None,
         "peers": peers,
         "ok": ok,
@@ -157,6 +164,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"  digests agree:   {'yes' if summary['digests_agree'] else 'NO'} "
         f"({summary['rounds_with_identical_digests']}/{summary['rounds']} rounds bit-identical)"
     )
+    if summary["out_of_sync_rows"]:
+        print(f"  out of sync:     {summary['out_of_sync_rows']} peer-round(s) flagged by the peer itself (it re-syncs)")
     for peer in summary["peers"]:
         print(
             f"  peer {peer['peer']}: {peer['rounds']} rounds, {peer['samples']} samples, "

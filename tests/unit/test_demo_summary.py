@@ -3,8 +3,9 @@ from __future__ import annotations
 from swarmtrain.commands.demo import summarize
 
 
-def row(round_: int, digest: str, loss: float, averaged: bool = True) -> dict:
-    return {"round": round_, "state_digest": digest, "loss": loss, "averaged": averaged, "samples": 8, "bytes_sent": 10}
+def row(round_: int, digest: str, loss: float, averaged: bool = True, in_sync: bool = True) -> dict:
+    return {"round": round_, "state_digest": digest, "loss": loss, "averaged": averaged, "in_sync": in_sync,
+            "samples": 8, "bytes_sent": 10}
 
 
 def test_rounds_are_compared_by_number_and_a_resynced_peer_is_fine() -> None:
@@ -20,3 +21,12 @@ def test_disagreeing_digests_or_a_failed_peer_fail_the_demo() -> None:
     assert not summarize([[row(1, "a", 5.0)], [row(1, "b", 4.0)]], [0, 0])["ok"]
     assert not summarize([[row(1, "a", 5.0), row(2, "b", 4.0)]], [1])["ok"]
     assert not summarize([[row(1, "a", 4.0), row(2, "b", 5.0)]], [0])["ok"]  # loss went up
+
+
+def test_a_row_its_peer_flagged_out_of_sync_is_counted_apart() -> None:
+    histories = [
+        [row(1, "a", 5.0), row(2, "b", 4.0)],
+        [row(1, "a", 5.0), row(2, "x", 4.1, in_sync=False)],
+    ]
+    summary = summarize(histories, [0, 0])
+    assert summary["ok"] and summary["out_of_sync_rows"] == 1
