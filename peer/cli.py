@@ -41,6 +41,10 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per round here")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here; resume from them")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints (default: 1)")
+    parser.add_argument(
+        "--wait-for-group", type=float, default=60.0, metavar="SECONDS",
+        help="before the first round, wait up to this long for the spec's min_group_size peers (default: 60)",
+    )
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -55,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--spec FILE or --coordinator HOST:PORT is required")
     if args.max_rounds is not None and args.max_rounds < 1:
         raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+    if not 0 <= args.wait_for_group < 86400:
+        raise ConfigError(f"--wait-for-group must be between 0 and 86400 seconds, got {args.wait_for_group}")
     if args.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             overlap=args.overlap,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            wait_for_group_s=args.wait_for_group,
         )
         _install_signal_handlers(options.stop)
         report = _reporter(args.metrics_file)

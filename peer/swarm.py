@@ -24,7 +24,15 @@ from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
 from protocol.spec import RunSpec
-from protocol.statesync import RECORD_TTL_S, accepted_state, collect_records, make_digest_record
+from protocol.statesync import (
+    RECORD_TTL_S,
+    DigestRecord,
+    accepted_states,
+    collect_records,
+    digest_key,
+    make_digest_record,
+    run_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +130,7 @@ class Swarm:
             numel,
             self.dht,
             codec=codec,
-            prefix="st" + spec.digest().removeprefix("sha256:")[:16],
+            prefix=run_prefix(spec.digest()),
             start=True,
             min_group_size=averaging.min_group_size,
             target_group_size=averaging.target_group_size,
@@ -149,7 +157,7 @@ class Swarm:
 
     @property
     def digest_key(self) -> str:
-        return self.averager.prefix + ".digests"
+        return digest_key(self.averager.prefix)
 
     def publish_digest(self, identity: Identity, *, round_: int, digest: str) -> None:
         """Sign and store this peer's post-round digest in the DHT (does not block)."""
@@ -159,14 +167,27 @@ class Swarm:
             self.digest_key, record, now + RECORD_TTL_S, subkey=identity.public_key.id, return_future=True
         )
 
+    def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
+        """Valid digest records in the DHT, but ``exclude``'s."""
+        found = self.dht.get(self.digest_key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [r for r in collect_records(found.value, now=get_dht_time()) if r.signer != exclude]
+
     def accepted_state(self, *, exclude: PublicKey | None = None) -> tuple[int, set[str]] | None:
         """The latest round and the digest most peers (but ``exclude``) published for it;
         None if nobody did."""
-        found = self.dht.get(self.digest_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return None
-        records = [r for r in collect_records(found.value, now=get_dht_time()) if r.signer != exclude]
-        return accepted_state(records)
+        states = accepted_states(self.records(exclude=exclude))
+        return states[0] if states else None
+
+    def fallback_states(self, *, exclude: PublicKey | None = None, after_round: int = -1) -> list[tuple[int, set[str]]]:
+        """Each round's majority digest(s) later than ``after_round``, newest first: what a peer
+        may adopt when nobody serves the latest state any more (an archived checkpoint, say)."""
+        return [(r, d) for r, d in accepted_states(self.records(exclude=exclude)) if r > after_round]
+
+    def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]:
+        """Ids of the training peers (but ``exclude``) whose latest digest record is of ``round_``."""
+        return {r.signer.id for r in self.records(exclude=exclude) if r.round == round_ and not r.archive}
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.averager.set_allreduce_timeout(timeout_s)

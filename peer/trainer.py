@@ -75,6 +75,10 @@ class TrainerOptions:
     """Save a checkpoint here after every ``checkpoint_every`` rounds and resume from it."""
     checkpoint_every: int = 1
     """Rounds between checkpoints."""
+    wait_for_group_s: float = 60.0
+    """Before the first round, wait up to this long for ``min_group_size`` peers (this one
+    included) to be in the swarm, so that a swarm starting together averages from round 0
+    instead of each peer training its first round alone. 0 disables."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set to finish the current round cleanly and return."""
 
@@ -143,6 +147,7 @@ class Trainer:
 
     def run(self) -> list[dict[str, Any]]:
         self.catch_up()
+        self.wait_for_group()
         in_flight: _InFlight | None = None
         while not self.options.stop.is_set() and not self._finished(in_flight):
             started = time.monotonic()
@@ -278,6 +283,25 @@ class Trainer:
         self._snapshot = (self.state.round, self.state.params, self.state.momentum, digest)
         self.swarm.publish_digest(self.identity, round_=self.state.round, digest=digest)
 
+    def wait_for_group(self) -> bool:
+        """Wait (up to ``options.wait_for_group_s``) until ``min_group_size`` peers, this one
+        included, published a digest for this peer's round. True if they did."""
+        needed = self.spec.averaging.min_group_size
+        deadline = time.monotonic() + self.options.wait_for_group_s
+        seen = -1
+        while not self.options.stop.is_set():
+            others = self.swarm.peers_at(self.state.round, exclude=self.identity.public_key)
+            if len(others) + 1 >= needed:
+                return True
+            if len(others) != seen:
+                seen = len(others)
+                logger.info("waiting for the group: %d of %d peers in the swarm", seen + 1, needed)
+            if time.monotonic() >= deadline:
+                logger.warning("starting with %d of %d peers; the first rounds may train alone", seen + 1, needed)
+                return False
+            self.options.stop.wait(0.5)
+        return False
+
     def catch_up(self) -> bool:
         """Adopt the swarm's latest state if ours is not it: download it from a peer, verified
         against the digest most *other* peers published. True if we hold the swarm's state."""
@@ -290,9 +314,14 @@ class Trainer:
                 self._publish()
                 return True
             if accepted is not None and accepted[0] >= self.state.round:
-                downloaded = self.swarm.averager.load_verified_state(accepted[1], timeout=averaging.allreduce_timeout_s)
+                timeout = averaging.allreduce_timeout_s
+                downloaded = self.swarm.averager.load_verified_state(accepted[1], timeout=timeout)
                 if downloaded is not None:
                     self._adopt(*downloaded, accepted=accepted[1])
+                    return True
+                # nobody serves the latest state: take the newest one somebody still serves
+                # (the coordinator's archive, or a peer a round behind), if newer than ours
+                if self._adopt_fallback(accepted[0], timeout):
                     return True
             elif self.in_sync:
                 self._publish()  # nobody has anything newer than we do
@@ -301,6 +330,18 @@ class Trainer:
                 logger.warning("could not get the swarm's latest state; training on out of sync")
                 return False
             time.sleep(1.0)
+        return False
+
+    def _adopt_fallback(self, latest: int, timeout: float) -> bool:
+        older = self.swarm.fallback_states(exclude=self.identity.public_key, after_round=self.state.round)
+        for round_, digests in older:
+            if round_ == latest:
+                continue  # just tried
+            downloaded = self.swarm.averager.load_verified_state(digests, timeout=timeout)
+            if downloaded is not None:
+                logger.warning("nobody serves round %d's state; took round %d's", latest, round_)
+                self._adopt(*downloaded, accepted=digests)
+                return True
         return False
 
     @torch.no_grad()

@@ -202,6 +202,9 @@ class RoundFailedError(AllreduceException):
     """This peer did not receive every averaged part; its vector was left untouched."""
 
 
+STATE_OVERHEAD_BYTES = 1 << 16
+"""Slack over the raw tensor bytes a served state may take (serialization headers)."""
+
 StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
 
 
@@ -322,9 +325,17 @@ class ExactAverager(DecentralizedAverager):
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, parts = None, [], []
+        limit, received = 2 * self.numel * 4 + STATE_OVERHEAD_BYTES, 0
         async for message in stream:
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
+                # the claim comes first: refuse a state we would not accept before its tensors
+                claimed = metadata.get("digest") if isinstance(metadata, dict) else None
+                if claimed not in accept:
+                    raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
+            received += len(message.tensor_part.buffer)
+            if received > limit:
+                raise MalformedTensorError(f"state larger than {limit} bytes")
             if message.tensor_part.dtype and parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                 parts = []

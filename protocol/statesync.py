@@ -50,10 +50,26 @@ class DigestRecord:
     signer: PublicKey
     round: int
     digest: str
+    archive: bool = False
+    """Published by a checkpoint archive (the coordinator), not by a training peer."""
 
 
-def make_digest_record(identity: Identity, *, round_: int, digest: str, now: float) -> bytes:
-    body = json.dumps({"round": round_, "digest": digest}, sort_keys=True).encode()
+def run_prefix(spec_digest: str) -> str:
+    """The averager's DHT prefix of the run with this spec digest (peers and the archive
+    must agree on it; hivemind derives matchmaking and state-sharing keys from it)."""
+    return "st" + spec_digest.removeprefix("sha256:")[:16]
+
+
+def digest_key(prefix: str) -> str:
+    """DHT key under which the peers of the run with averager ``prefix`` publish digests."""
+    return prefix + ".digests"
+
+
+def make_digest_record(identity: Identity, *, round_: int, digest: str, now: float, archive: bool = False) -> bytes:
+    fields: dict[str, Any] = {"round": round_, "digest": digest}
+    if archive:
+        fields["archive"] = True
+    body = json.dumps(fields, sort_keys=True).encode()
     return sign_message(identity, DIGEST_KIND, body, now=now).to_bytes()
 
 
@@ -65,12 +81,14 @@ def parse_digest_record(data: Any, *, now: float, max_age_s: float = RECORD_TTL_
     MessageVerifier(max_age_s=max_age_s).verify(message, now=now, kind=DIGEST_KIND, check_replay=False)
     try:
         body = json.loads(message.body)
-        round_, digest = body["round"], body["digest"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MalformedMessageError("digest record body is not {round, digest}") from exc
-    if not isinstance(round_, int) or round_ < 0 or not isinstance(digest, str) or not digest.startswith("sha256:"):
+        round_, digest, archive = body["round"], body["digest"], body.get("archive", False)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise MalformedMessageError("digest record body is not {round, digest[, archive]}") from exc
+    if type(round_) is not int or round_ < 0 or not isinstance(digest, str) or not digest.startswith("sha256:"):
         raise MalformedMessageError("digest record has a bad round or digest")
-    return DigestRecord(message.signer, round_, digest)
+    if not isinstance(archive, bool):
+        raise MalformedMessageError("digest record has a non-boolean archive flag")
+    return DigestRecord(message.signer, round_, digest, archive)
 
 
 def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]:
@@ -92,9 +110,20 @@ def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]
 
 def accepted_state(records: list[DigestRecord]) -> tuple[int, set[str]] | None:
     """(latest round, the digest(s) most of its signers published); None if no records."""
-    if not records:
-        return None
-    latest = max(r.round for r in records)
-    votes = Counter(r.digest for r in records if r.round == latest)
-    top = max(votes.values())
-    return latest, {digest for digest, count in votes.items() if count == top}
+    states = accepted_states(records)
+    return states[0] if states else None
+
+
+def accepted_states(records: list[DigestRecord]) -> list[tuple[int, set[str]]]:
+    """For every round someone published: (round, the digest(s) most of its signers
+    published), latest round first. Older entries are what a newcomer falls back to when
+    nobody serves the latest state any more (e.g. the coordinator's archived checkpoint)."""
+    by_round: dict[int, Counter[str]] = {}
+    for record in records:
+        by_round.setdefault(record.round, Counter())[record.digest] += 1
+    states = []
+    for round_ in sorted(by_round, reverse=True):
+        votes = by_round[round_]
+        top = max(votes.values())
+        states.append((round_, {digest for digest, count in votes.items() if count == top}))
+    return states

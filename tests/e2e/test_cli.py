@@ -114,3 +114,20 @@ def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
     proc = sw("coordinator", "--spec", str(bad), "--state-dir", str(tmp_path / "state"))
     assert proc.returncode == 1 and "outer.lr" in proc.stderr
     no_traceback(proc)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--wait-for-group", "-1"], "--wait-for-group must be between 0 and 86400"),
+        (["--wait-for-group", "nan"], "--wait-for-group must be between 0 and 86400"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+    ],
+    ids=["negative-wait", "nan-wait", "zero-checkpoint-every"],
+)
+def test_peer_bad_flags_are_one_clear_line(tmp_path: Path, flags: list[str], needle: str) -> None:
+    proc = sw("peer", "--spec", "examples/demo.toml", "--key", str(tmp_path / "k.key"), *flags)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "k.key").exists()  # refused before anything was written
+    no_traceback(proc)

@@ -49,6 +49,8 @@ class RecordingSwarm:
 
     launched: list[tuple[torch.Tensor, float]] = field(default_factory=list)
     next_result: RoundResult | None = None
+    others: set[str] = field(default_factory=lambda: {"ed25519:other"})
+    """Peers the DHT shows at the trainer's round."""
 
     def __post_init__(self) -> None:
         self.averager = type("A", (), {"state_provider": None})()
@@ -62,6 +64,9 @@ class RecordingSwarm:
 
     def publish_digest(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def peers_at(self, round_: int, **kwargs: Any) -> set[str]:
+        return set(self.others)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.allreduce_timeout = timeout_s
@@ -160,3 +165,17 @@ def test_corrupted_or_foreign_checkpoints_are_skipped(tmp_path) -> None:  # type
     newest.write_bytes(b"torn")
     assert good.latest()["round"] == 1  # type: ignore[index]
     assert Checkpointer(tmp_path, spec_digest="sha256:other").latest() is None
+
+
+def test_first_round_waits_for_the_group_then_gives_up_at_its_deadline() -> None:
+    spec = parse_spec(SPEC.replace("[averaging]", "[averaging]\nmin_group_size = 3"))
+    swarm = RecordingSwarm(others={"ed25519:a"})
+    options = TrainerOptions(max_rounds=1, wait_for_group_s=0.3)
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options)  # type: ignore[arg-type]
+    assert trainer.wait_for_group() is False  # 2 of 3 until the deadline
+    swarm.others.add("ed25519:b")
+    options.wait_for_group_s = 3600.0
+    assert trainer.wait_for_group() is True  # at once: 3 of 3
+    swarm.others.clear()
+    options.stop.set()
+    assert trainer.wait_for_group() is False  # a stop request ends the wait

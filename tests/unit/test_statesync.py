@@ -1,0 +1,109 @@
+"""State digests, their signed DHT records, and which state a newcomer accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from protocol.errors import VerificationError
+from protocol.identity import Identity
+from protocol.messages import sign_message
+from protocol.statesync import (
+    DIGEST_KIND,
+    DigestRecord,
+    accepted_state,
+    accepted_states,
+    collect_records,
+    make_digest_record,
+    parse_digest_record,
+    run_prefix,
+    state_digest,
+)
+
+NOW = 1_800_000_000.0
+
+
+def test_digest_covers_round_and_every_byte() -> None:
+    params, momentum = torch.arange(10, dtype=torch.float32), torch.zeros(10)
+    base = state_digest(3, params, momentum)
+    assert base == state_digest(3, params.clone(), momentum.clone())
+    assert base != state_digest(4, params, momentum)
+    nudged = params.clone()
+    nudged[7] = torch.nextafter(nudged[7], torch.tensor(100.0))
+    assert base != state_digest(3, nudged, momentum)
+    assert base != state_digest(3, momentum, params)  # order matters
+    with pytest.raises(ValueError, match="float32"):
+        state_digest(3, params.double(), momentum)
+
+
+def test_record_round_trip_and_archive_flag() -> None:
+    me = Identity.generate()
+    record = parse_digest_record(make_digest_record(me, round_=5, digest="sha256:ab", now=NOW), now=NOW)
+    assert record == DigestRecord(me.public_key, 5, "sha256:ab", archive=False)
+    archived = make_digest_record(me, round_=5, digest="sha256:ab", now=NOW, archive=True)
+    assert parse_digest_record(archived, now=NOW).archive is True
+
+
+def _signed(body: object, identity: Identity, kind: str = DIGEST_KIND, now: float = NOW) -> bytes:
+    return sign_message(identity, kind, json.dumps(body).encode(), now=now).to_bytes()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"round": True, "digest": "sha256:ab"},
+        {"round": -1, "digest": "sha256:ab"},
+        {"round": 1.0, "digest": "sha256:ab"},
+        {"round": 1, "digest": "md5:ab"},
+        {"round": 1},
+        {"round": 1, "digest": "sha256:ab", "archive": "yes"},
+        [1, "sha256:ab"],
+    ],
+    ids=["bool-round", "negative-round", "float-round", "bad-digest", "no-digest", "string-archive", "list"],
+)
+def test_malformed_record_bodies_are_refused(body: object) -> None:
+    with pytest.raises(VerificationError):
+        parse_digest_record(_signed(body, Identity.generate()), now=NOW)
+
+
+def test_wrong_kind_stale_and_non_bytes_records_are_refused() -> None:
+    me = Identity.generate()
+    with pytest.raises(VerificationError):
+        parse_digest_record(_signed({"round": 1, "digest": "sha256:ab"}, me, kind="other"), now=NOW)
+    with pytest.raises(VerificationError):
+        parse_digest_record(make_digest_record(me, round_=1, digest="sha256:ab", now=NOW - 10_000), now=NOW)
+    with pytest.raises(VerificationError):
+        parse_digest_record("not bytes", now=NOW)
+
+
+def test_collect_drops_invalid_and_misfiled_records() -> None:
+    a, b = Identity.generate(), Identity.generate()
+    values = {
+        a.public_key.id: make_digest_record(a, round_=2, digest="sha256:aa", now=NOW),
+        "ed25519:someone-else": make_digest_record(b, round_=9, digest="sha256:bb", now=NOW),  # filed under another id
+        b.public_key.id: b"garbage",
+    }
+    assert [r.signer for r in collect_records(values, now=NOW)] == [a.public_key]
+
+
+def test_accepted_states_majority_per_round_latest_first() -> None:
+    keys = [Identity.generate().public_key for _ in range(5)]
+    records = [
+        DigestRecord(keys[0], 4, "sha256:x"),
+        DigestRecord(keys[1], 4, "sha256:x"),
+        DigestRecord(keys[2], 4, "sha256:y"),
+        DigestRecord(keys[3], 2, "sha256:old", archive=True),
+        DigestRecord(keys[4], 3, "sha256:p"),
+    ]
+    assert accepted_states(records) == [(4, {"sha256:x"}), (3, {"sha256:p"}), (2, {"sha256:old"})]
+    assert accepted_state(records) == (4, {"sha256:x"})
+    tie = [DigestRecord(keys[0], 1, "sha256:a"), DigestRecord(keys[1], 1, "sha256:b")]
+    assert accepted_state(tie) == (1, {"sha256:a", "sha256:b"})
+    assert accepted_state([]) is None and accepted_states([]) == []
+
+
+def test_run_prefix_depends_on_the_spec_digest_only() -> None:
+    assert run_prefix("sha256:0123456789abcdef0123") == "st0123456789abcdef"
+    assert run_prefix("sha256:0123456789abcdef0123") != run_prefix("sha256:fedcba9876543210")
