@@ -25,6 +25,10 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--grpc-port", type=int, default=7500, help="gRPC API port (0: any free port)")
     parser.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=8080, help="dashboard, JSON API, /metrics (0: any free port)")
+    parser.add_argument("--archive-every", type=int, default=10, metavar="K",
+                        help="fetch, verify and keep the swarm's state every K rounds (0: no archive; default: 10)")
+    parser.add_argument("--archive-keep", type=int, default=3, metavar="N",
+                        help="archived checkpoints kept on disk (default: 3)")
     parser.set_defaults(run=run)
 
 
@@ -32,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("grpc_port", "dht_port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(args, name)}")
+    if args.archive_every < 0:
+        raise ConfigError(f"--archive-every must be >= 0, got {args.archive_every}")
+    if args.archive_keep < 1:
+        raise ConfigError(f"--archive-keep must be >= 1, got {args.archive_keep}")
     from protocol.spec import load_spec
 
     load_spec(args.spec)  # fail with the spec's own errors before starting anything
@@ -41,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         ServerConfig(
             spec_path=args.spec, state_dir=args.state_dir, db_url=args.db, host=args.host,
             grpc_port=args.grpc_port, dht_port=args.dht_port, http_port=args.http_port,
+            archive_every=args.archive_every, archive_keep=args.archive_keep,
         )
     )
     server.start()
@@ -50,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"http: http://{host}:{server.http_port}/  (dashboard; /api/v1/status, /metrics)", flush=True)
     for maddr in server.maddrs:
         print(f"dht: {maddr}", flush=True)
+    archive = server.archive_off or f"every {args.archive_every} rounds, last {args.archive_keep} kept in {args.state_dir / 'archive'}"
+    print(f"archive: {archive}", flush=True)
     print(f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -15,15 +15,20 @@ import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from coordinator.archive import CheckpointArchive
+from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import Store, sqlite_url
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.identity import load_or_create
-from protocol.spec import parse_spec
+from protocol.modelsize import count_params
+from protocol.spec import RunSpec, parse_spec
+from protocol.statesync import run_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,10 @@ class ServerConfig:
     """DHT (libp2p) port (0: any free port)."""
     http_port: int = 0
     """Dashboard, JSON API and /metrics port (0: any free port)."""
+    archive_every: int = 10
+    """Archive the swarm's state every this many rounds (0: no archive)."""
+    archive_keep: int = 3
+    """Archived checkpoints kept on disk."""
 
 
 class CoordinatorServer:
@@ -54,6 +63,8 @@ class CoordinatorServer:
         self.stopped = threading.Event()
         self.grpc_port = 0
         self.dht = None
+        self.archiver: Archiver | None = None
+        self.archive_off = ""
 
     def start(self) -> None:
         from hivemind import DHT
@@ -63,16 +74,26 @@ class CoordinatorServer:
         spec = parse_spec(spec_toml, source=str(config.spec_path))
         config.state_dir.mkdir(parents=True, exist_ok=True)
         identity, _ = load_or_create(config.state_dir / "coordinator.key")
-        self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.dht = DHT(
             start=True,
             host_maddrs=[f"/ip4/{config.host}/tcp/{config.dht_port}"],
             identity_path=str(config.state_dir / "p2p.key"),
         )
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        averager = self._archive_averager(spec)  # forks its process: before the database and gRPC
+        self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.core = Coordinator(
             spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs
         )
+        self.archiver = None
+        if averager is not None:
+            self.archiver = Archiver(
+                averager=averager, dht=self.dht, identity=identity,
+                archive=CheckpointArchive(config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep),
+                every=config.archive_every, finalized=lambda: self.store.rounds(limit=1000),
+                fetch_timeout_s=spec.averaging.allreduce_timeout_s,
+            )
+            self.archiver.start()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         servicer = CoordinatorServicer(self.core)
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
@@ -85,6 +106,23 @@ class CoordinatorServer:
         self.ticker.start()
         self._start_http(servicer.lock)
 
+    def _archive_averager(self, spec: RunSpec) -> Any:
+        """The run's averager for state download/serving, or None when the archive is off."""
+        if self.config.archive_every == 0:
+            self.archive_off = "off (--archive-every 0)"
+            return None
+        if spec.task.kind != "bytegpt":
+            self.archive_off = "off (the coordinator knows the size of built-in tasks only)"
+            return None
+        from protocol.averaging import ExactAverager
+        from protocol.compression import get_codec
+
+        self.archive_off = ""
+        return ExactAverager(
+            count_params(spec.task.model), self.dht, codec=get_codec("none"), prefix=run_prefix(spec.digest()),
+            start=True, client_mode=False,
+        )
+
     def _start_http(self, lock: threading.Lock) -> None:
         import socket
 
@@ -96,7 +134,7 @@ class CoordinatorServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.http_port))
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.core, lock), log_level="warning", lifespan="off")
+        config = uvicorn.Config(create_app(self.core, lock, archiver=self.archiver), log_level="warning", lifespan="off")
         self.http = uvicorn.Server(config)
         self.http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, daemon=True)
         self.http_thread.start()
@@ -117,6 +155,8 @@ class CoordinatorServer:
         self.http.should_exit = True
         self.http_thread.join(timeout=10)
         self.server.stop(grace=2).wait()
+        if self.archiver is not None:
+            self.archiver.stop()
         if self.dht is not None:
             self.dht.shutdown()
         self.store.close()

@@ -290,14 +290,19 @@ class ExactAverager(DecentralizedAverager):
         round_, params, momentum, digest = self.state_provider()
         return {"round": round_, "digest": digest}, [params, momentum], None
 
-    def load_verified_state(self, accept: set[str], timeout: float) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    def load_verified_state(
+        self, accept: set[str] | None, timeout: float
+    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Download (round, params, momentum) from the first peer whose state digest is in
-        ``accept``; peers serving anything else are refused with a logged reason. None if none did."""
+        ``accept``; peers serving anything else are refused with a logged reason. None if none did.
+        ``accept=None`` takes any state whose bytes match the digest its server claims (the
+        caller verifies that digest itself, later)."""
         future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_load_verified_state", [], dict(accept=sorted(accept), timeout=timeout, future=future)))
+        wanted = None if accept is None else sorted(accept)
+        self._outer_pipe.send(("_load_verified_state", [], dict(accept=wanted, timeout=timeout, future=future)))
         return future.result(timeout=timeout * 4 + 10)
 
-    async def _load_verified_state(self, accept: list[str], timeout: float, future: MPFuture) -> None:
+    async def _load_verified_state(self, accept: list[str] | None, timeout: float, future: MPFuture) -> None:
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             found = await self.dht.get(key, latest=True, return_future=True)
@@ -311,7 +316,8 @@ class ExactAverager(DecentralizedAverager):
                 if peer == self.peer_id:
                     continue
                 try:
-                    state = await asyncio.wait_for(self._download_state_from(peer, set(accept)), timeout)
+                    wanted = None if accept is None else set(accept)
+                    state = await asyncio.wait_for(self._download_state_from(peer, wanted), timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.warning("refused state from %s: %s", peer, str(exc) or type(exc).__name__)
                     continue
@@ -321,7 +327,9 @@ class ExactAverager(DecentralizedAverager):
             if not future.done():
                 future.set_result(None)
 
-    async def _download_state_from(self, peer: PeerID, accept: set[str]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    async def _download_state_from(
+        self, peer: PeerID, accept: set[str] | None
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, parts = None, [], []
@@ -331,7 +339,7 @@ class ExactAverager(DecentralizedAverager):
                 metadata = self.serializer.loads(message.metadata)
                 # the claim comes first: refuse a state we would not accept before its tensors
                 claimed = metadata.get("digest") if isinstance(metadata, dict) else None
-                if claimed not in accept:
+                if not isinstance(claimed, str) or (accept is not None and claimed not in accept):
                     raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
             received += len(message.tensor_part.buffer)
             if received > limit:
@@ -348,6 +356,6 @@ class ExactAverager(DecentralizedAverager):
             raise MalformedTensorError(f"state is not two float32 vectors of {self.numel} values")
         params, momentum = tensors
         digest = state_digest(metadata["round"], params, momentum)
-        if digest not in accept:
+        if digest not in (accept if accept is not None else {metadata.get("digest")}):
             raise MalformedTensorError(f"state digest {digest[:19]}... of round {metadata['round']} is not the swarm's")
         return metadata["round"], params, momentum

@@ -7,6 +7,7 @@ see a consistent core. Nothing here is served from a CDN.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -16,12 +17,15 @@ from typing import Any
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, PlainTextResponse
 
+from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
 from protocol.identity import PublicKey
 
 
-def create_app(core: Coordinator, lock: threading.Lock, clock: Callable[[], float] = time.time) -> FastAPI:
+def create_app(
+    core: Coordinator, lock: threading.Lock, clock: Callable[[], float] = time.time, *, archiver: Archiver | None = None
+) -> FastAPI:
     app = FastAPI(title="swarmtrain coordinator", version="1", docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
@@ -34,6 +38,8 @@ def create_app(core: Coordinator, lock: threading.Lock, clock: Callable[[], floa
             now = clock()
             summary = core.health.summary(now)
             rounds = core.store.rounds(limit=1)
+        kept = archiver.checkpoints() if archiver is not None else []
+        latest_checkpoint = kept[0] if kept else None
         return {
             "run_name": core.spec.run.name,
             "spec_digest": core.digest,
@@ -41,7 +47,18 @@ def create_app(core: Coordinator, lock: threading.Lock, clock: Callable[[], floa
             "current_state_digest": rounds[0]["state_digest"] if rounds else "",
             "peers_online": summary.peers_online,
             "samples_per_second": summary.samples_per_second,
+            "last_checkpoint_round": latest_checkpoint.round if latest_checkpoint else None,
             "server_time": now,
+        }
+
+    @app.get("/api/v1/checkpoints")
+    def checkpoints() -> dict[str, Any]:
+        """The coordinator's archive: kept checkpoints, newest first."""
+        if archiver is None:
+            return {"enabled": False, "every_rounds": 0, "checkpoints": [], "last_error": ""}
+        return {
+            "enabled": True, "every_rounds": archiver.every,
+            "checkpoints": [dataclasses.asdict(c) for c in archiver.checkpoints()], "last_error": archiver.last_error,
         }
 
     @app.get("/api/v1/peers")

@@ -179,3 +179,32 @@ def test_first_round_waits_for_the_group_then_gives_up_at_its_deadline() -> None
     swarm.others.clear()
     options.stop.set()
     assert trainer.wait_for_group() is False  # a stop request ends the wait
+
+
+def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
+    spec = parse_spec(SPEC)
+    task = build_task(spec, shard_seed=1)
+    served = GlobalState.from_model(task.model)
+    served = GlobalState(served.params + 0.5, served.momentum, 3)
+
+    class Averager:
+        state_provider = None
+        asked: list[set[str]] = []
+
+        def load_verified_state(self, accept: set[str], timeout: float) -> Any:
+            self.asked.append(set(accept))
+            return (3, served.params, served.momentum) if served.digest() in accept else None
+
+    class Swarm(RecordingSwarm):
+        def accepted_state(self, **kwargs: Any) -> tuple[int, set[str]]:
+            return 5, {"sha256:round5"}  # nobody serves it any more
+
+        def fallback_states(self, **kwargs: Any) -> list[tuple[int, set[str]]]:
+            return [(5, {"sha256:round5"}), (4, {"sha256:round4"}), (3, {served.digest()})]
+
+    swarm = Swarm()
+    swarm.averager = Averager()
+    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    assert trainer.catch_up()
+    assert trainer.state.round == 3 and trainer.state.digest() == served.digest()
+    assert Averager.asked == [{"sha256:round5"}, {"sha256:round4"}, {served.digest()}]  # newest first

@@ -1,0 +1,196 @@
+"""The coordinator's archive service: fetch the swarm's state every K rounds, keep it, serve it.
+
+A thread polls every few seconds. When the swarm is ``every`` rounds past the last archived
+round (by the coordinator's finalized rounds and the peers' signed digest records), it
+downloads the current global state from a peer through an ``ExactAverager`` of the run
+(bytes checked against the digest the peer claims). Peers serve only their latest state,
+often of a round not yet confirmed, so the state is held until its round is: it is kept
+only if its digest is the one the coordinator finalized from the group's reports for that
+round (or, for peers that do not report, the one at least two peers published and most
+did); otherwise, or if the round is never confirmed, it is dropped. The state is written to the ``CheckpointArchive`` and served to newcomers:
+the averager shares it like a peer does, and the coordinator publishes a signed digest
+record for it marked ``archive`` (re-signed before it expires), so a newcomer that finds no
+peer serving the latest state falls back to it (``Trainer.catch_up``).
+
+The archive averager never takes part in matchmaking; it only serves and downloads state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
+from hivemind.utils.timed_storage import get_dht_time
+
+from protocol.identity import Identity
+from protocol.statesync import (
+    RECORD_TTL_S,
+    DigestRecord,
+    collect_records,
+    digest_key,
+    make_digest_record,
+    state_digest,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 2.0
+MAX_BACKOFF_S = 60.0
+REPUBLISH_S = RECORD_TTL_S / 4
+
+
+class Archiver:
+    """Runs beside the coordinator; ``finalized`` returns the finalized rounds (newest first)."""
+
+    def __init__(
+        self,
+        *,
+        averager: Any,
+        dht: Any,
+        identity: Identity,
+        archive: CheckpointArchive,
+        every: int,
+        finalized: Callable[[], list[dict[str, Any]]],
+        fetch_timeout_s: float,
+    ) -> None:
+        self.averager, self.dht, self.identity, self.archive = averager, dht, identity, archive
+        self.every, self.finalized, self.fetch_timeout_s = every, finalized, fetch_timeout_s
+        self.key = digest_key(averager.prefix)
+        self.serving: LoadedState | None = None
+        self.last_error = ""
+        self._published_at = -float("inf")
+        self._candidate: LoadedState | None = None
+        self._candidate_since = 0.0
+        self.confirm_timeout_s = max(120.0, 4 * fetch_timeout_s)
+        """How long a fetched state waits for its round to be confirmed."""
+        self._next_fetch_at = 0.0
+        self._backoff_s = POLL_S
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="archiver", daemon=True)
+        averager.allow_state_sharing = False
+        averager.state_provider = self._provide
+
+    def start(self) -> None:
+        loaded = self.archive.load_latest()
+        if loaded is not None:
+            self._serve(loaded)
+            self._publish(get_dht_time(), wait=True)  # before any peer can join and look for state
+            logger.info("archive: serving round %d (%s) from disk", loaded.round, loaded.state_digest[:19])
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.fetch_timeout_s * 4 + 15)
+        self.averager.shutdown()
+
+    def checkpoints(self) -> list[ArchivedState]:
+        return self.archive.list()
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll(now=get_dht_time())
+            except Exception:  # noqa: BLE001 - one bad pass must not end the archive
+                logger.exception("archive pass failed")
+
+    def poll(self, *, now: float) -> ArchivedState | None:
+        """One pass: re-publish our record when due; fetch a state when due; keep a fetched
+        state once the swarm's agreement on its round confirms its digest."""
+        if self.serving is not None and now - self._published_at >= REPUBLISH_S:
+            self._publish(now)
+        last = self.serving.round if self.serving is not None else 0
+        if self._candidate is not None:
+            return self._confirm(now)
+        if now < self._next_fetch_at or self._swarm_round(after=last) < last + self.every:
+            return None
+        # peers serve only their latest state, which may be a round newer than anything the
+        # swarm has confirmed yet: take it now, keep it once its round is confirmed
+        fetched = self.averager.load_verified_state(None, timeout=self.fetch_timeout_s)
+        if fetched is None or fetched[0] <= last:
+            self._backoff_s = min(MAX_BACKOFF_S, self._backoff_s * 2)
+            self._next_fetch_at = now + self._backoff_s
+            self.last_error = f"no peer served a state newer than round {last}"
+            logger.info("archive: %s; next try in %.0f s", self.last_error, self._backoff_s)
+            return None
+        self._backoff_s = POLL_S
+        round_, params, momentum = fetched
+        self._candidate = LoadedState(round_, params, momentum, state_digest(round_, params, momentum))
+        self._candidate_since = now
+        return self._confirm(now)
+
+    def _confirm(self, now: float) -> ArchivedState | None:
+        candidate = self._candidate
+        assert candidate is not None
+        agreed = self._agreed_digest(candidate.round)
+        if agreed is None:
+            if now - self._candidate_since > self.confirm_timeout_s:
+                self.last_error = f"round {candidate.round} was never confirmed; dropped the state fetched for it"
+                logger.warning("archive: %s", self.last_error)
+                self._candidate = None
+            return None
+        self._candidate = None
+        if agreed != candidate.state_digest:
+            self.last_error = f"a peer served round {candidate.round} as {candidate.state_digest[:19]}..., not the swarm's"
+            logger.warning("archive: %s", self.last_error)
+            return None
+        entry = self.archive.save(candidate.round, candidate.params, candidate.momentum, now=now)
+        self._serve(candidate)
+        self._publish(now)
+        self.last_error = ""
+        logger.info("archive: kept round %d (%s, %d bytes)", entry.round, entry.state_digest[:19], entry.size_bytes)
+        return entry
+
+    def _agreed_digest(self, round_: int) -> str | None:
+        """The digest the swarm agreed on for ``round_``: the one the coordinator finalized from
+        the group's reports, else the one at least two peers published (and most did)."""
+        for row in self.finalized():
+            if row["round"] == round_:
+                return str(row["state_digest"])
+        records = [r for r in self._records() if r.round == round_]
+        votes = Counter(r.digest for r in records)
+        if votes:
+            (digest, count), *rest = votes.most_common(2)
+            if count >= 2 and (not rest or rest[0][1] < count):
+                return digest
+        return None
+
+    def _swarm_round(self, *, after: int) -> int:
+        """The newest round the swarm reached, by finalized rounds and the peers' records."""
+        finalized = [row["round"] for row in self.finalized()[:1]]
+        published = [r.round for r in self._records()]
+        return max([after, *finalized, *published])
+
+    def _records(self) -> list[DigestRecord]:
+        found = self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [r for r in collect_records(found.value, now=get_dht_time()) if not r.archive]
+
+    def _serve(self, state: LoadedState) -> None:
+        self.serving = state
+        self.averager.allow_state_sharing = True
+
+    def _provide(self) -> tuple[int, Any, Any, str]:
+        state = self.serving
+        if state is None:
+            raise RuntimeError("the archive has no state yet")
+        return state.round, state.params, state.momentum, state.state_digest
+
+    def _publish(self, now: float, *, wait: bool = False) -> None:
+        state = self.serving
+        if state is None:
+            return
+        record = make_digest_record(self.identity, round_=state.round, digest=state.state_digest, now=now, archive=True)
+        future = self.dht.store(
+            self.key, record, now + RECORD_TTL_S, subkey=self.identity.public_key.id, return_future=True
+        )
+        if wait:
+            future.result(timeout=30)
+        self._published_at = now

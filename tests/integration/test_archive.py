@@ -1,0 +1,109 @@
+"""The coordinator's archive with a real coordinator process and real peers: it fetches the
+swarm's state every K rounds, verifies it against the finalized digests, keeps the last
+few on disk, and serves them to a newcomer when no peer can (peers gone; coordinator
+restarted)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+from coordinator.archive import CheckpointArchive
+from protocol.spec import load_spec
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_until
+
+SPEC = """
+[run]
+name = "archive"
+[task.model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 32
+[inner]
+batch_size = 4
+[rounds]
+inner_steps = 3
+[averaging]
+compression = "int8"
+overlap = false
+min_group_size = 2
+target_group_size = 2
+matchmaking_timeout_s = 6.0
+allreduce_timeout_s = 20.0
+"""
+EVERY, KEEP = 2, 2
+ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((sha256:[0-9a-f]+)")
+
+
+def get(base: str, path: str) -> dict:
+    with urllib.request.urlopen(base + path, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def newcomer(address: str, workdir: Path, name: str) -> tuple[LocalPeer, int, dict]:
+    """A peer that joins, catches up, trains one (lonely) round and leaves."""
+    peer = LocalPeer(["--coordinator", address, "--host", "127.0.0.1", "--key", str(workdir / f"{name}.key"),
+                      "--max-rounds", "1", "--wait-for-group", "0", "-v"], workdir, name)
+    try:
+        assert peer.wait(timeout=180) == 0, "\n".join(peer.lines[-30:])
+    finally:
+        peer.kill()
+    adopted = [m for m in map(ADOPTED.search, peer.lines) if m]
+    assert adopted, "\n".join(peer.lines[-30:])
+    rows = peer.rounds()
+    return peer, int(adopted[-1].group(1)), rows[0]
+
+
+def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC)
+    state = tmp_path / "state"
+    extra = ["--archive-every", str(EVERY), "--archive-keep", str(KEEP)]
+    coordinator = LocalCoordinator(spec, state, extra=extra)
+    peers: list[LocalPeer] = []
+    try:
+        base = coordinator.http()
+        peers = start_peers(spec, 2, tmp_path, extra=["--max-rounds", "40"], coordinator=coordinator.address())
+
+        def archived_twice() -> bool:
+            kept = get(base, "api/v1/checkpoints")["checkpoints"]
+            return len(kept) >= 2 and kept[0]["round"] >= kept[1]["round"] + EVERY
+
+        wait_until(archived_twice, 240, "two archived checkpoints")
+        for peer in peers:
+            peer.stop()
+            assert peer.proc.returncode == 0, "\n".join(peer.lines[-20:])
+
+        listing = get(base, "api/v1/checkpoints")
+        assert listing["enabled"] and listing["every_rounds"] == EVERY
+        kept = listing["checkpoints"]
+        assert 1 <= len(kept) <= KEEP and [c["round"] for c in kept] == sorted((c["round"] for c in kept), reverse=True)
+        # what is on disk is what is listed, and it verifies
+        files = sorted(p.name for p in (state / "archive").glob("round-*.pt"))
+        assert files == sorted(c["file"] for c in kept)
+        latest = CheckpointArchive(state / "archive", spec_digest=load_spec(spec).digest(), keep=KEEP).load_latest()
+        assert latest is not None and (latest.round, latest.state_digest) == (kept[0]["round"], kept[0]["state_digest"])
+        # an archived state is one the swarm agreed on: its digest is the finalized one (once that round is)
+        wait_until(lambda: any(r["round"] == latest.round for r in get(base, "api/v1/rounds")), 60, "finalization")
+        finalized = {r["round"]: r["state_digest"] for r in get(base, "api/v1/rounds")}
+        assert finalized[latest.round] == latest.state_digest
+        assert get(base, "api/v1/status")["last_checkpoint_round"] == latest.round
+
+        # no peer left to serve the latest state: a newcomer falls back to the archive
+        _, round_, row = newcomer(coordinator.address(), tmp_path, "late1")
+        assert round_ == latest.round
+        assert row["round"] == latest.round and not row["averaged"]  # alone: its round failed, state kept
+
+        # the coordinator restarts: it serves the archive from disk at once
+        coordinator.stop()
+        coordinator = LocalCoordinator(spec, state, extra=extra)
+        _, round_, row = newcomer(coordinator.address(), tmp_path, "late2")
+        assert round_ == latest.round
+    finally:
+        for peer in peers:
+            peer.kill()
+        coordinator.kill()
+
