@@ -29,6 +29,9 @@ def add_parser(commands: Any) -> None:
                         help="fetch, verify and keep the swarm's state every K rounds (0: no archive; default: 10)")
     parser.add_argument("--archive-keep", type=int, default=3, metavar="N",
                         help="archived checkpoints kept on disk (default: 3)")
+    parser.add_argument("--operator", action="append", default=[], metavar="ID",
+                        help="public id of a key that may run `swarmtrain admin` (repeatable; "
+                             "the coordinator's own key always may)")
     parser.set_defaults(run=run)
 
 
@@ -40,7 +43,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--archive-every must be >= 0, got {args.archive_every}")
     if args.archive_keep < 1:
         raise ConfigError(f"--archive-keep must be >= 1, got {args.archive_keep}")
+    from protocol.identity import PublicKey
     from protocol.spec import load_spec
+
+    for operator in args.operator:
+        try:
+            PublicKey.from_id(operator)
+        except Exception as exc:  # noqa: BLE001 - any malformed id
+            raise ConfigError(f"--operator {operator!r} is not a public id ({exc})") from exc
 
     load_spec(args.spec)  # fail with the spec's own errors before starting anything
     from coordinator.server import CoordinatorServer, ServerConfig
@@ -49,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         ServerConfig(
             spec_path=args.spec, state_dir=args.state_dir, db_url=args.db, host=args.host,
             grpc_port=args.grpc_port, dht_port=args.dht_port, http_port=args.http_port,
-            archive_every=args.archive_every, archive_keep=args.archive_keep,
+            archive_every=args.archive_every, archive_keep=args.archive_keep, operators=tuple(args.operator),
         )
     )
     server.start()

@@ -52,6 +52,7 @@ class Coordinator:
         store: Store,
         bootstrap_maddrs: list[str],
         health: HealthConfig | None = None,
+        operators: tuple[str, ...] = (),
     ) -> None:
         self.spec, self.spec_toml, self.identity, self.store = spec, spec_toml, identity, store
         self.digest = spec.digest()
@@ -61,9 +62,17 @@ class Coordinator:
         self.verifier = MessageVerifier()
         # import tasks size themselves in the peer; until they declare it, they earn samples only
         self.flops_per_sample = flops_per_sample(spec.task.model) if spec.task.kind == "bytegpt" else 0.0
+        first_start = store.run() is None
         store.set_run(spec_digest=self.digest, spec_toml=spec_toml, name=spec.run.name)
-        for allowed in spec.admission.allowlist:
-            store.allow(allowed)
+        if first_start:  # afterwards the live allowlist (``swarmtrain admin``) is the truth
+            for allowed in spec.admission.allowlist:
+                store.allow(allowed)
+        else:
+            missing = set(spec.admission.allowlist) - store.allowlist()
+            for key in sorted(missing):
+                logger.warning("%s is in the spec's allowlist but was removed live; `swarmtrain admin allow` "
+                               "puts it back", key)
+        self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
         self._losses: dict[int, list[float]] = {}
         self._reload_pending()
@@ -226,12 +235,65 @@ class Coordinator:
         return message.signer, parse_body(body_type, message.body, kind)
 
     def _admitted(self, peer: PublicKey) -> bool:
-        return peer.id not in self.store.banned() and self.health.get(peer.id) is not None
+        banned = self.store.banned()
+        account = self._accounts.get(peer.id, peer.id)
+        if peer.id in banned or account in banned:
+            return False
+        if self.spec.admission.mode == "allowlist" and account not in self.store.allowlist():
+            return False
+        return self.health.get(peer.id) is not None
 
     def ban(self, key: str, reason: str, *, now: float) -> None:
-        """Ban a peer at once: its heartbeats and reports are refused from now on."""
+        """Ban a peer or an account at once: its heartbeats and reports are refused from now on."""
         self.store.ban(key, reason, now)
-        self.health.remove(key)
+        self._drop_peers_of(key)
+
+    def admin(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.AdminResponse:
+        """An operator's signed allowlist or ban change (or a listing); effective at once."""
+        signer, body = self._verified(envelope, kinds.ADMIN, pb.AdminBody, now)
+        if signer.id not in self.operators:
+            raise AdmissionError(f"{signer.id} is not an operator of this coordinator")
+        action = body.action
+        if action != pb.ADMIN_ACTION_LIST:
+            try:
+                PublicKey.from_id(body.key)
+            except Exception as exc:  # noqa: BLE001 - any malformed id
+                raise MalformedMessageError(f"admin: {body.key!r} is not a public id ({exc})") from exc
+        if action == pb.ADMIN_ACTION_ALLOW:
+            self.store.allow(body.key)
+            message = f"allowed account {body.key}"
+        elif action == pb.ADMIN_ACTION_DISALLOW:
+            self.store.disallow(body.key)
+            dropped = self._drop_peers_of(body.key) if self.spec.admission.mode == "allowlist" else 0
+            message = f"removed account {body.key} from the allowlist; {dropped} peer(s) dropped"
+        elif action == pb.ADMIN_ACTION_BAN:
+            reason = body.reason.strip() or "banned by an operator"
+            self.store.ban(body.key, reason, now)
+            message = f"banned {body.key} ({reason}); {self._drop_peers_of(body.key)} peer(s) dropped"
+        elif action == pb.ADMIN_ACTION_UNBAN:
+            self.store.unban(body.key)
+            message = f"lifted the ban on {body.key}"
+        elif action == pb.ADMIN_ACTION_LIST:
+            message = ""
+        else:
+            raise MalformedMessageError(f"admin: unknown action {action}")
+        if message:
+            logger.warning("operator %s: %s", signer.id, message)
+        return pb.AdminResponse(
+            message=message, admission_mode=self.spec.admission.mode, allowlist=sorted(self.store.allowlist()),
+            bans=[pb.BanEntry(key=b["key"], reason=b["reason"], banned_at=b["banned_at"]) for b in self.store.bans()],
+        )
+
+    def _drop_peers_of(self, key: str) -> int:
+        """Forget the peers that are ``key`` or earn for account ``key``; they must join again."""
+        keys = {row["key"] for row in self.store.peers() if key in (row["key"], row.get("account_key"))}
+        keys |= {peer for peer, account in self._accounts.items() if key in (peer, account)}
+        dropped = 0
+        for peer in keys:
+            if self.health.get(peer) is not None:
+                dropped += 1
+            self.health.remove(peer)
+        return dropped
 
 
 def _claim_from_row(row: dict) -> RoundClaim:

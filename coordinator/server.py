@@ -55,6 +55,8 @@ class ServerConfig:
     """Archive the swarm's state every this many rounds (0: no archive)."""
     archive_keep: int = 3
     """Archived checkpoints kept on disk."""
+    operators: tuple[str, ...] = ()
+    """Public ids besides the coordinator's own key that may send admin requests."""
 
 
 class CoordinatorServer:
@@ -83,7 +85,8 @@ class CoordinatorServer:
         averager = self._archive_averager(spec)  # forks its process: before the database and gRPC
         self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.core = Coordinator(
-            spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs
+            spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs,
+            operators=config.operators,
         )
         self.archiver = None
         if averager is not None:

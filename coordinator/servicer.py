@@ -43,6 +43,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return self._call(context, lambda now: self.core.status(now=now))
 
+    def Admin(self, request: pb.AdminRequest, context: grpc.ServicerContext) -> pb.AdminResponse:
+        return self._call(context, lambda now: self.core.admin(request.signed, now=now))
+
     def _call(self, context: grpc.ServicerContext, handler: Callable[[float], T]) -> T:
         try:
             with self.lock:

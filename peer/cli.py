@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import ConfigError
+from protocol.errors import AdmissionError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         client_mode=args.client_mode,
     )
     link = None
+    stop = threading.Event()
     try:
         _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
         if client is not None and join_info is not None:
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
             rejoin = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs,
                       "reachable": not args.client_mode, "spec_digest": join_info.spec_digest}
             client.join(**rejoin)
-            link = CoordinatorLink(client, interval_s=join_info.heartbeat_interval_s, rejoin=rejoin)
+            link = CoordinatorLink(client, interval_s=join_info.heartbeat_interval_s, rejoin=rejoin,
+                                   on_refused=lambda reason: stop.set())
             link.start()
             print(f"joined through coordinator {args.coordinator}", flush=True)
         options = TrainerOptions(
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             wait_for_group_s=args.wait_for_group,
+            stop=stop,
         )
         _install_signal_handlers(options.stop)
         report = _reporter(args.metrics_file)
@@ -136,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
         trainer = Trainer(spec, task, swarm, options, on_round=on_round)
         trainer.run()
+        if link is not None and link.refused:
+            raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
     finally:
         if link is not None:
             link.stop()

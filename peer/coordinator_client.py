@@ -14,6 +14,7 @@ import platform
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,9 +102,15 @@ class CoordinatorClient:
 class CoordinatorLink(threading.Thread):
     """Heartbeats and queued round reports in the background; re-joins when told to."""
 
-    def __init__(self, client: CoordinatorClient, *, interval_s: float, rejoin: dict[str, Any]) -> None:
+    def __init__(
+        self, client: CoordinatorClient, *, interval_s: float, rejoin: dict[str, Any],
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(daemon=True, name="coordinator-link")
         self.client, self.interval_s, self.rejoin = client, interval_s, rejoin
+        self.on_refused = on_refused or (lambda reason: None)
+        """Called once the coordinator refuses this peer (banned, or off the allowlist)."""
+        self.refused = ""
         self.reports: queue.Queue[pb.RoundReportBody] = queue.Queue()
         self.status = pb.HeartbeatBody(phase=pb.PEER_PHASE_JOINING)
         self.stopping = threading.Event()
@@ -142,6 +149,9 @@ class CoordinatorLink(threading.Thread):
             except (AdmissionError, WrongRunError) as exc:
                 logger.error("the coordinator refused this peer: %s", exc)
                 self.connected = True
+                if not self.refused:
+                    self.refused = str(exc)
+                    self.on_refused(self.refused)
             except SwarmtrainError as exc:
                 self.connected = True  # wait a whole interval before retrying
                 logger.warning("coordinator unreachable (training goes on): %s", exc)

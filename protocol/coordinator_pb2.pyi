@@ -21,6 +21,15 @@ class ClaimStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CLAIM_STATUS_PENDING: _ClassVar[ClaimStatus]
     CLAIM_STATUS_GRANTED: _ClassVar[ClaimStatus]
     CLAIM_STATUS_DENIED: _ClassVar[ClaimStatus]
+
+class AdminAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADMIN_ACTION_UNSPECIFIED: _ClassVar[AdminAction]
+    ADMIN_ACTION_LIST: _ClassVar[AdminAction]
+    ADMIN_ACTION_ALLOW: _ClassVar[AdminAction]
+    ADMIN_ACTION_DISALLOW: _ClassVar[AdminAction]
+    ADMIN_ACTION_BAN: _ClassVar[AdminAction]
+    ADMIN_ACTION_UNBAN: _ClassVar[AdminAction]
 PEER_PHASE_UNSPECIFIED: PeerPhase
 PEER_PHASE_JOINING: PeerPhase
 PEER_PHASE_TRAINING: PeerPhase
@@ -30,6 +39,12 @@ CLAIM_STATUS_UNSPECIFIED: ClaimStatus
 CLAIM_STATUS_PENDING: ClaimStatus
 CLAIM_STATUS_GRANTED: ClaimStatus
 CLAIM_STATUS_DENIED: ClaimStatus
+ADMIN_ACTION_UNSPECIFIED: AdminAction
+ADMIN_ACTION_LIST: AdminAction
+ADMIN_ACTION_ALLOW: AdminAction
+ADMIN_ACTION_DISALLOW: AdminAction
+ADMIN_ACTION_BAN: AdminAction
+ADMIN_ACTION_UNBAN: AdminAction
 
 class SignedEnvelope(_message.Message):
     __slots__ = ("kind", "body", "signer", "nonce", "timestamp", "signature")
@@ -248,3 +263,41 @@ class StatusResponse(_message.Message):
     last_round_time: float
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ...) -> None: ...
+
+class AdminBody(_message.Message):
+    __slots__ = ("action", "key", "reason")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: AdminAction
+    key: str
+    reason: str
+    def __init__(self, action: _Optional[_Union[AdminAction, str]] = ..., key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AdminRequest(_message.Message):
+    __slots__ = ("signed",)
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    signed: SignedEnvelope
+    def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+
+class BanEntry(_message.Message):
+    __slots__ = ("key", "reason", "banned_at")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BANNED_AT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    reason: str
+    banned_at: float
+    def __init__(self, key: _Optional[str] = ..., reason: _Optional[str] = ..., banned_at: _Optional[float] = ...) -> None: ...
+
+class AdminResponse(_message.Message):
+    __slots__ = ("message", "admission_mode", "allowlist", "bans")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_MODE_FIELD_NUMBER: _ClassVar[int]
+    ALLOWLIST_FIELD_NUMBER: _ClassVar[int]
+    BANS_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    admission_mode: str
+    allowlist: _containers.RepeatedScalarFieldContainer[str]
+    bans: _containers.RepeatedCompositeFieldContainer[BanEntry]
+    def __init__(self, message: _Optional[str] = ..., admission_mode: _Optional[str] = ..., allowlist: _Optional[_Iterable[str]] = ..., bans: _Optional[_Iterable[_Union[BanEntry, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class CoordinatorStub:
                 request_serializer=protocol_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protocol_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Admin = channel.unary_unary(
+                '/swarmtrain.v1.Coordinator/Admin',
+                request_serializer=protocol_dot_coordinator__pb2.AdminRequest.SerializeToString,
+                response_deserializer=protocol_dot_coordinator__pb2.AdminResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -83,6 +88,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protocol_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=protocol_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'Admin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admin,
+                    request_deserializer=protocol_dot_coordinator__pb2.AdminRequest.FromString,
+                    response_serializer=protocol_dot_coordinator__pb2.AdminResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Coordinator:
             '/swarmtrain.v1.Coordinator/GetStatus',
             protocol_dot_coordinator__pb2.StatusRequest.SerializeToString,
             protocol_dot_coordinator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.v1.Coordinator/Admin',
+            protocol_dot_coordinator__pb2.AdminRequest.SerializeToString,
+            protocol_dot_coordinator__pb2.AdminResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__
 from peer import cli as peer_cli
 from coordinator import cli as coordinator_cli
-from swarmtrain.commands import demo, doctor, keygen, spec, status
+from swarmtrain.commands import admin, demo, doctor, keygen, spec, status
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer_cli.add_parser(commands)
     coordinator_cli.add_parser(commands)
     status.add_parser(commands)
+    admin.add_parser(commands)
     demo.add_parser(commands)
     keygen.add_parser(commands)
     spec.add_parser(commands)

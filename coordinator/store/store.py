@@ -146,6 +146,12 @@ class Store:
         with self._write() as s:
             s.execute(delete(Ban).where(Ban.peer_key == peer_key))
 
+    def bans(self) -> list[dict[str, Any]]:
+        """Every ban (``key, reason, banned_at``), oldest first."""
+        with self._read() as s:
+            return [{"key": b.peer_key, "reason": b.reason, "banned_at": b.banned_at}
+                    for b in s.scalars(select(Ban).order_by(Ban.banned_at, Ban.peer_key))]
+
     def banned(self) -> dict[str, str]:
         """``{peer_key: reason}`` for every banned peer."""
         with self._read() as s:
@@ -252,10 +258,11 @@ class Store:
             return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
 
     def credits_by_peer(self) -> dict[str, dict[str, Any]]:
-        """``{peer_key: {"samples": int, "flops": float}}`` over every granted claim."""
-        query = select(Credit.key, func.sum(Credit.samples), func.sum(Credit.flops)).group_by(Credit.key)
+        """``{peer_key: {"samples": int, "flops": float, "rounds": int}}`` over every granted claim."""
+        query = select(Credit.key, func.sum(Credit.samples), func.sum(Credit.flops), func.count(Credit.id))
         with self._read() as s:
-            return {k: {"samples": int(n), "flops": float(f)} for k, n, f in s.execute(query)}
+            return {k: {"samples": int(n), "flops": float(f), "rounds": int(r)}
+                    for k, n, f, r in s.execute(query.group_by(Credit.key))}
 
     def credits_by_account(self) -> dict[str, dict[str, Any]]:
         """``{account_key: {"samples", "flops", "peers"}}``; a peer with no account counts as its own."""

@@ -105,21 +105,54 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         coordinator.kill()
 
 
-def test_peer_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
+def admin(address: str, key_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*swarmtrain_executable(), "admin", *args, "--coordinator", address,
+                           "--key-file", str(key_file)], capture_output=True, text=True, timeout=60)
+
+
+def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_path: Path) -> None:
     listed = Identity.generate()
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="allowlist", allowlist=f'allowlist = ["{listed.public_key.id}"]'))
     coordinator = CoordinatorProcess(spec, tmp_path / "state")
+    operator_key = tmp_path / "state" / "coordinator.key"
+    stranger_key = tmp_path / "stranger.key"
+    stranger = None
     try:
         address = coordinator.address()
         proc = subprocess.run(
-            [*swarmtrain_executable(), "peer", "--coordinator", address, "--key", str(tmp_path / "stranger")],
+            [*swarmtrain_executable(), "peer", "--coordinator", address, "--key", str(stranger_key)],
             capture_output=True, text=True, timeout=120,
         )
         assert proc.returncode == 1
         assert "not on this run's allowlist" in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        stranger_id = Identity.load(stranger_key).public_key.id
+
+        # only an operator may edit; a peer's own key is not one
+        refused = admin(address, stranger_key, "allow", stranger_id)
+        assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr and "not an operator" in refused.stderr
+        allowed = admin(address, operator_key, "allow", stranger_id)
+        assert allowed.returncode == 0 and f"allowed account {stranger_id}" in allowed.stdout, allowed.stderr
+        listing = json.loads(admin(address, operator_key, "list", "--json").stdout)
+        assert set(listing["allowlist"]) == {listed.public_key.id, stranger_id} and listing["bans"] == []
+
+        # now it joins and trains; a ban drops it at once: it stops with the reason
+        stranger = LocalPeer(["--coordinator", address, "--host", "127.0.0.1", "--key", str(stranger_key),
+                              "--wait-for-group", "0"], tmp_path, "stranger")
+        stranger.printed(r"^(joined through coordinator)", 120)
+        banned = admin(address, operator_key, "ban", stranger_id, "--reason", "testing bans")
+        assert banned.returncode == 0 and "1 peer(s) dropped" in banned.stdout, banned.stdout + banned.stderr
+        assert stranger.wait(timeout=120) == 1
+        assert any("is banned from this run" in line for line in stranger.lines), "\n".join(stranger.lines[-10:])
+        listing = json.loads(admin(address, operator_key, "list", "--json").stdout)
+        assert [b["key"] for b in listing["bans"]] == [stranger_id] and listing["bans"][0]["reason"] == "testing bans"
+        # a bad id is refused before anything is sent
+        bad = admin(address, operator_key, "ban", "ed25519:nope")
+        assert bad.returncode == 1 and "is not a public id" in bad.stderr and "Traceback" not in bad.stderr
     finally:
+        if stranger is not None:
+            stranger.kill()
         coordinator.kill()
 
 

@@ -142,7 +142,7 @@ def test_grant_updates_claim_and_appends_credit(store: Store) -> None:
         "flops": 1.5e12, "reason": "attested by group", "decided_at": 20.0,
     }
     assert store.pending_claims() == []
-    assert store.credits_by_peer() == {"p1": {"samples": 80, "flops": 1.5e12}}
+    assert store.credits_by_peer() == {"p1": {"samples": 80, "flops": 1.5e12, "rounds": 1}}
 
 
 def test_denial_grants_nothing(store: Store) -> None:
@@ -161,7 +161,7 @@ def test_decide_is_idempotent(store: Store) -> None:
     store.decide_claim(key="p1", round=1, status="denied", granted_samples=0, flops=0.0, reason="late", now=99.0)
     [claim] = store.claims()
     assert claim["status"] == "granted" and claim["decided_at"] == 20.0
-    assert store.credits_by_peer() == {"p1": {"samples": 100, "flops": 2.0}}
+    assert store.credits_by_peer() == {"p1": {"samples": 100, "flops": 2.0, "rounds": 1}}
 
 
 @pytest.mark.parametrize(
@@ -200,8 +200,8 @@ def test_credits_by_account_joins_through_peers(store: Store) -> None:
     _claim(store, "p1", 2)
     _grant(store, "p1", 2, 30, 3.0)
     assert store.credits_by_peer() == {
-        "p1": {"samples": 40, "flops": 4.0}, "p2": {"samples": 20, "flops": 2.0},
-        "p3": {"samples": 5, "flops": 9.0}, "ghost": {"samples": 1, "flops": 0.5},
+        "p1": {"samples": 40, "flops": 4.0, "rounds": 2}, "p2": {"samples": 20, "flops": 2.0, "rounds": 1},
+        "p3": {"samples": 5, "flops": 9.0, "rounds": 1}, "ghost": {"samples": 1, "flops": 0.5, "rounds": 1},
     }
     assert store.credits_by_account() == {
         "alice": {"samples": 60, "flops": 6.0, "peers": 2},
