@@ -4,7 +4,6 @@ granted; a peer outside the allowlist is refused with a clear error."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -13,10 +12,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-import sqlalchemy
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.store import Store, sqlite_url
+from coordinator.store import Store
 from protocol.identity import Identity
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_until as wait_for
 
@@ -43,24 +41,6 @@ allreduce_timeout_s = 20.0
 mode = "{mode}"
 {allowlist}
 """
-
-
-POSTGRES_URL = os.environ.get("SWARMTRAIN_TEST_POSTGRES_URL", "")
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The coordinator's database: SQLite under its state dir, or a fresh PostgreSQL schema."""
-    if request.param == "sqlite":
-        return sqlite_url(tmp_path / "state")
-    if not POSTGRES_URL:
-        pytest.skip("set SWARMTRAIN_TEST_POSTGRES_URL to run against PostgreSQL (make test does)")
-    engine = sqlalchemy.create_engine(POSTGRES_URL)
-    meta = sqlalchemy.MetaData()
-    meta.reflect(engine)
-    meta.drop_all(engine)
-    engine.dispose()
-    return POSTGRES_URL
 
 
 def CoordinatorProcess(spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> LocalCoordinator:
@@ -110,11 +90,11 @@ def admin(address: str, key_file: Path, *args: str) -> subprocess.CompletedProce
                            "--key-file", str(key_file)], capture_output=True, text=True, timeout=60)
 
 
-def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_path: Path) -> None:
+def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_path: Path, db_url: str) -> None:
     listed = Identity.generate()
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="allowlist", allowlist=f'allowlist = ["{listed.public_key.id}"]'))
-    coordinator = CoordinatorProcess(spec, tmp_path / "state")
+    coordinator = CoordinatorProcess(spec, tmp_path / "state", db_url)
     operator_key = tmp_path / "state" / "coordinator.key"
     stranger_key = tmp_path / "stranger.key"
     stranger = None
