@@ -66,7 +66,7 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
     peers: list[LocalPeer] = []
     try:
         base = coordinator.http()
-        peers = start_peers(spec, 2, tmp_path, extra=["--max-rounds", "40"], coordinator=coordinator.address())
+        peers = start_peers(spec, 2, tmp_path, extra=["--max-rounds", "100000"], coordinator=coordinator.address())
 
         def archived_twice() -> bool:
             kept = get(base, "api/v1/checkpoints")["checkpoints"]

@@ -1,0 +1,89 @@
+"""The figures of the WAN benchmark, from the peers' metrics rows (pure; unit-tested).
+
+Per configuration: compute utilization (compute time / wall time, per peer, then the mean),
+swarm samples/s, bytes sent per peer per round and per sample, the all-reduce time against
+the link bound 2·(n−1)/n·S/B (S: the vector's size on the wire under the codec, B: the
+link rate), and the loss after the last round (every configuration processes the same
+samples per round, so equal rounds are equal samples).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 64, "4bit": 0.5 + 4.0 / 64}
+"""Bytes per value each codec puts on the wire (blockwise codecs: one fp32 scale per 64 values)."""
+
+
+def link_bound_s(*, peers: int, params: int, codec: str, link_bps: float) -> float:
+    """Seconds a bandwidth-optimal all-reduce of the vector needs over links of ``link_bps``."""
+    if peers < 2:
+        return 0.0
+    size_bytes = params * WIRE_BYTES_PER_VALUE[codec]
+    return 2 * (peers - 1) / peers * size_bytes * 8 / link_bps
+
+
+@dataclass(frozen=True)
+class Figures:
+    name: str
+    rounds: int
+    utilization: float
+    samples_per_s: float
+    bytes_per_peer_round: float
+    bytes_per_sample: float
+    allreduce_s: float
+    link_bound_s: float
+    link_efficiency: float
+    final_loss: float
+    wall_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, link_bps: float,
+            skip_first: int = 1) -> Figures:
+    """Figures of one run from each peer's rows (the first ``skip_first`` rounds are start-up)."""
+    rows_by_peer = [h[skip_first:] or h for h in histories]
+    if not any(rows_by_peer):
+        raise ValueError(f"{name}: no rounds recorded")
+    peers = len(histories)
+    utilization = statistics.mean(
+        sum(r["compute_s"] for r in rows) / max(sum(r["wall_s"] for r in rows), 1e-9) for rows in rows_by_peer if rows
+    )
+    wall = max(sum(r["wall_s"] for r in rows) for rows in rows_by_peer)
+    samples = sum(r["samples"] for rows in rows_by_peer for r in rows)
+    averaged = [r for rows in rows_by_peer for r in rows if r.get("averaged")]
+    sent = statistics.mean(r["bytes_sent"] for r in averaged) if averaged else 0.0
+    per_sample = sum(r["bytes_sent"] for r in averaged) / max(sum(r["samples"] for r in averaged), 1)
+    allreduce = statistics.median(r["allreduce_s"] for r in averaged) if averaged else float("nan")
+    params = histories[0][0]["params"]
+    bound = link_bound_s(peers=peers, params=params, codec=codec, link_bps=link_bps)
+    final_loss = statistics.mean(h[-1]["loss"] for h in histories if h)
+    return Figures(
+        name=name, rounds=min(len(h) for h in histories), utilization=utilization,
+        samples_per_s=samples / max(wall, 1e-9), bytes_per_peer_round=sent, bytes_per_sample=per_sample,
+        allreduce_s=allreduce, link_bound_s=bound,
+        link_efficiency=bound / allreduce if averaged and allreduce > 0 else float("nan"),
+        final_loss=final_loss, wall_s=wall,
+    )
+
+
+def markdown_table(results: list[Figures], *, reference: str | None = None) -> str:
+    """One row per configuration; loss relative to ``reference`` (e.g. fp32 averaging)."""
+    ref = next((r for r in results if r.name == reference), None)
+    lines = [
+        "| configuration | utilization | swarm samples/s | MB sent / peer / round | bytes / sample "
+        "| all-reduce s | link bound s | % of link bound | final loss | vs fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        versus = f"{100 * (r.final_loss / ref.final_loss - 1):+.2f}%" if ref else "-"
+        lines.append(
+            f"| {r.name} | {100 * r.utilization:.1f}% | {r.samples_per_s:.1f} | {r.bytes_per_peer_round / 1e6:.2f} "
+            f"| {r.bytes_per_sample:.0f} | {r.allreduce_s:.2f} | {r.link_bound_s:.2f} "
+            f"| {100 * r.link_efficiency:.0f}% | {r.final_loss:.4f} | {versus} |"
+        )
+    return "\n".join(lines)
