@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv test test-unit test-integration test-e2e demo proto clean
+.PHONY: all venv test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -50,6 +50,12 @@ test-e2e: $(STAMP)
 # dashboard join with issue #4).
 demo: $(STAMP)
 	$(VENV)/bin/swarmtrain demo
+
+# The WAN benchmark (issue #5; not part of `make test`): needs root for network namespaces.
+# Results (Markdown, JSON, PNG plots) go to benchmarks/results/. BENCH_ARGS="--peers 4 --link 20mbit"
+bench: $(STAMP)
+	$(PIP) install -e ".[bench]"
+	$(PY) -m benchmarks.wan $(BENCH_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         verbose=False,
     )
     params = sum(p.numel() for p in task.model.parameters())
+    _barrier(dht, f"baseline-{args.mode}-barrier", args.peers)  # start together, like swarmtrain's group wait
     opt.load_state_from_peers()
     with args.metrics_file.open("w") as out:
         for round_ in range(args.rounds):
@@ -86,6 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     opt.shutdown()
     dht.shutdown()
     return 0
+
+
+def _barrier(dht: object, key: str, peers: int, deadline_s: float = 300.0) -> None:
+    """Wait until ``peers`` processes announced themselves under ``key`` in the DHT."""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    me = str(dht.peer_id)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        dht.store(key, subkey=me, value=True, expiration_time=get_dht_time() + deadline_s)  # type: ignore[attr-defined]
+        found = dht.get(key, latest=True)  # type: ignore[attr-defined]
+        if found is not None and isinstance(found.value, dict) and len(found.value) >= peers:
+            return
+        time.sleep(1.0)
+    raise SystemExit(f"only some of {peers} baseline peers showed up within {deadline_s:.0f} s")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,17 @@ same data, same links.
 
     sudo .venv/bin/python -m benchmarks.wan --peers 4 --link 20mbit [--rounds 6]
 
-Configurations: swarmtrain with fp32, fp16, int8 and 4-bit averaging (overlap on), and fp32
-and int8 with overlap off. For each: compute utilization, swarm samples/s, bytes sent per
-peer per round and per sample, all-reduce time vs. the link bound 2·(n−1)/n·S/B, and the
-loss after the last round (``benchmarks.wan_figures``). Writes ``wan-<date>.md`` and
-``.json`` under ``--out`` (default ``benchmarks/results``). Needs root (namespaces); says so
-and exits 2 otherwise. Tears down its namespaces and processes on any exit.
-
-Not yet here (issue #5): the hivemind.Optimizer baselines, late-joiner time to ready, and
-the PNG plots.
+Configurations: two hivemind.Optimizer baselines (``benchmarks.baseline_hivemind``:
+synchronous data parallel, and ``use_local_updates=True`` averaging every H steps), then
+swarmtrain with fp32, fp16, int8 and 4-bit averaging (overlap on), and fp32 and int8 with
+overlap off. For each: compute utilization, swarm samples/s, bytes each peer put on its
+link (kernel counters of the simulated link) per round and per sample, all-reduce time vs.
+the link bound 2·(n−1)/n·S/B, and the loss after the last round; equal rounds are equal
+samples (``benchmarks.wan_figures``). Then a late joiner's time to ready against the time
+the state (θ_g + momentum, 8 bytes a parameter) takes over its link. Writes
+``wan-<date>.md``/``.json`` and, with matplotlib (``pip install .[bench]``), PNG plots
+under ``--out`` (default ``benchmarks/results``). Needs root (namespaces); says so and
+exits 2 otherwise. Tears down its namespaces and processes on any exit.
 """
 
 from __future__ import annotations
@@ -59,15 +61,19 @@ target_group_size = {peers}
 matchmaking_timeout_s = 15.0
 allreduce_timeout_s = 120.0
 """
-CONFIGS = [  # name, codec, overlap
-    ("fp32", "none", True), ("fp16", "fp16", True), ("int8", "int8", True), ("4bit", "4bit", True),
-    ("fp32 no-overlap", "none", False), ("int8 no-overlap", "int8", False),
+CONFIGS = [  # name, kind, codec, overlap
+    ("hivemind sync DP", "sync", "none", False), ("hivemind local-SGD", "local", "none", False),
+    ("fp32", "swarmtrain", "none", True), ("fp16", "swarmtrain", "fp16", True),
+    ("int8", "swarmtrain", "int8", True), ("4bit", "swarmtrain", "4bit", True),
+    ("fp32 no-overlap", "swarmtrain", "none", False), ("int8 no-overlap", "swarmtrain", "int8", False),
 ]
 
 
 class _Peer:
     def __init__(self, sim: WanSim, host: str, argv: list[str], log: Path) -> None:
         self.lines: list[str] = []
+        self.times: list[float] = []
+        self.started = time.monotonic()
         self.proc = sim.run(host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         self._log = log
@@ -78,6 +84,7 @@ class _Peer:
         assert self.proc.stdout is not None
         with self._log.open("w") as out:
             for line in self.proc.stdout:
+                self.times.append(time.monotonic())
                 self.lines.append(line.rstrip("\n"))
                 out.write(line)
 
@@ -93,18 +100,38 @@ class _Peer:
         raise RuntimeError(f"the first peer printed no multiaddr; see {self._log}")
 
 
-def run_config(name: str, codec: str, overlap: bool, args: argparse.Namespace, workdir: Path) -> Figures:
+def _write_spec(workdir: Path, name: str, codec: str, overlap: bool, args: argparse.Namespace) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(name=name.replace(" ", "-"), d_model=args.d_model, layers=args.layers,
                                 steps=args.steps, codec=codec, overlap=str(overlap).lower(), peers=args.peers))
+    return spec
+
+
+def _argv(kind: str, spec: Path, host: str, ip: str, i: int, args: argparse.Namespace, workdir: Path,
+          rounds: int) -> list[str]:
+    metrics = ["--metrics-file", str(workdir / f"{host}.jsonl")]
+    if kind == "swarmtrain":
+        return [*swarmtrain_executable(), "peer", "--spec", str(spec), "--host", ip, "--device", "cpu",
+                "--key", str(workdir / f"{host}.key"), "--shard-seed", str(i), "--max-rounds", str(rounds), *metrics]
+    return [sys.executable, "-m", "benchmarks.baseline_hivemind", "--spec", str(spec), "--mode", kind,
+            "--peers", str(args.peers), "--host", ip, "--shard-seed", str(i), "--rounds", str(rounds), *metrics]
+
+
+def _link_bytes(sim: WanSim, host: str) -> int:
+    """Bytes ``host`` has sent: what its link's bridge end has received."""
+    return int(Path(f"/sys/class/net/{sim.names.bridge_if[host]}/statistics/rx_bytes").read_text())
+
+
+def run_config(name: str, kind: str, codec: str, overlap: bool, args: argparse.Namespace,
+               workdir: Path) -> tuple[Figures, list[list[dict[str, Any]]]]:
+    spec = _write_spec(workdir, name, codec, overlap, args)
     hosts = [f"p{i}" for i in range(args.peers)]
     with WanSim(hosts, rate=args.link) as sim:
+        before = {host: _link_bytes(sim, host) for host in hosts}
         peers: list[_Peer] = []
         for i, host in enumerate(hosts):
-            argv = [*swarmtrain_executable(), "peer", "--spec", str(spec), "--host", sim.ip(host),
-                    "--key", str(workdir / f"{host}.key"), "--shard-seed", str(i), "--max-rounds", str(args.rounds),
-                    "--metrics-file", str(workdir / f"{host}.jsonl"), "--device", "cpu"]
+            argv = _argv(kind, spec, host, sim.ip(host), i, args, workdir, args.rounds)
             if peers:
                 argv += ["--initial-peers", peers[0].maddr(sim.ip(hosts[0]))]
             peers.append(_Peer(sim, host, argv, workdir / f"{host}.log"))
@@ -113,8 +140,83 @@ def run_config(name: str, codec: str, overlap: bool, args: argparse.Namespace, w
             left = max(1.0, deadline - time.monotonic())
             if peer.proc.wait(timeout=left) != 0:
                 raise RuntimeError(f"{name}: peer {host} failed; see {workdir / (host + '.log')}")
+        sent = [_link_bytes(sim, host) - before[host] for host in hosts]
     histories = [_rows(workdir / f"{host}.jsonl") for host in hosts]
-    return figures(name, histories, codec=codec, link_bps=float(parse_rate(args.link)))
+    result = figures(name, histories, codec=codec, link_bps=float(parse_rate(args.link)), link_bytes=sent)
+    return result, histories
+
+
+ADOPTED = re.compile(r"adopted the swarm's state of round")
+
+
+def late_joiner(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """Start a peer once the swarm has trained a round; seconds until it holds the swarm's
+    verified state, from its start and from its first DHT contact, vs. the state's transfer time."""
+    spec = _write_spec(workdir, "late-join", "int8", True, args)
+    hosts = [f"p{i}" for i in range(args.peers)] + ["late"]
+    with WanSim(hosts, rate=args.link) as sim:
+        peers: list[_Peer] = []
+        for i, host in enumerate(hosts[:-1]):
+            argv = _argv("swarmtrain", spec, host, sim.ip(host), i, args, workdir, 10_000)
+            if peers:
+                argv += ["--initial-peers", peers[0].maddr(sim.ip(hosts[0]))]
+            peers.append(_Peer(sim, host, argv, workdir / f"{host}.log"))
+        first = workdir / "p0.jsonl"
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline and not (first.exists() and first.read_text().strip()):
+            time.sleep(0.5)
+        argv = _argv("swarmtrain", spec, "late", sim.ip("late"), 99, args, workdir, 1)
+        argv += ["--initial-peers", peers[0].maddr(sim.ip(hosts[0])), "--wait-for-group", "0", "-v"]
+        late = _Peer(sim, "late", argv, workdir / "late.log")
+        while time.monotonic() < deadline and not any(ADOPTED.search(line) for line in late.lines):
+            if late.proc.poll() is not None:
+                raise RuntimeError(f"the late joiner exited; see {workdir / 'late.log'}")
+            time.sleep(0.2)
+        index = next(i for i, line in enumerate(late.lines) if ADOPTED.search(line))
+        listening = next(i for i, line in enumerate(late.lines) if line.startswith("listening: "))
+        params = _rows(first)[0]["params"]
+        return {
+            "ready_s": late.times[index] - late.started,
+            "ready_after_dht_s": late.times[index] - late.times[listening],
+            "state_bytes": 8 * params,
+            "transfer_bound_s": 8 * params * 8 / parse_rate(args.link),
+        }
+
+
+def plots(results: list[tuple[Figures, list[list[dict[str, Any]]]]], out: Path, stamp: str) -> list[Path]:
+    """Loss vs. wall time and utilization bars as PNG; none without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install .[bench]): no plots", flush=True)
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for result, histories in results:
+        rows, wall = histories[0], 0.0
+        xs, ys = [], []
+        for row in rows:
+            wall += row["wall_s"]
+            xs.append(wall)
+            ys.append(row["loss"])
+        ax.plot(xs, ys, marker=".", label=result.name)
+    ax.set_xlabel("wall time of peer 0 (s)")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8)
+    loss_png = out / f"wan-{stamp}-loss.png"
+    fig.tight_layout()
+    fig.savefig(loss_png, dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r.name for r, _ in results]
+    ax.barh(names, [100 * r.utilization for r, _ in results])
+    ax.set_xlabel("compute utilization (%)")
+    ax.set_xlim(0, 100)
+    util_png = out / f"wan-{stamp}-utilization.png"
+    fig.tight_layout()
+    fig.savefig(util_png, dpi=110)
+    return [loss_png, util_png]
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -140,28 +242,43 @@ def main(argv: list[str] | None = None) -> int:
         parse_rate(args.link)
     except ValueError as exc:
         parser.error(str(exc))
-    results: list[Figures] = []
+    try:
+        WanSim(["check"], rate=args.link)  # refuses early (not root, no ip/tc) before any work
+    except NotRootError as exc:
+        print(f"benchmarks.wan: error: {exc}", file=sys.stderr)
+        return 2
+    runs: list[tuple[Figures, list[list[dict[str, Any]]]]] = []
+    late: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="swarmtrain-wan-") as tmp:
-        for name, codec, overlap in CONFIGS:
+        for name, kind, codec, overlap in CONFIGS:
             if args.only and name not in args.only:
                 continue
             print(f"running {name} ({args.peers} peers, {args.link} links)...", flush=True)
-            try:
-                results.append(run_config(name, codec, overlap, args, Path(tmp) / name.replace(" ", "-")))
-            except NotRootError as exc:
-                print(f"benchmarks.wan: error: {exc}", file=sys.stderr)
-                return 2
-            print(f"  {results[-1]}", flush=True)
+            runs.append(run_config(name, kind, codec, overlap, args, Path(tmp) / name.replace(" ", "-")))
+            print(f"  {runs[-1][0]}", flush=True)
+        if not args.only or "late-join" in args.only:
+            print("running late-join...", flush=True)
+            late = late_joiner(args, Path(tmp) / "late-join")
+            print(f"  {late}", flush=True)
+    results = [r for r, _ in runs]
     table = markdown_table(results, reference="fp32")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    header = (f"swarmtrain WAN benchmark, {stamp}, {platform.node()} ({os.cpu_count()} CPUs), "
-              f"`python -m benchmarks.wan {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    header = (f"swarmtrain WAN benchmark, {stamp}, {platform.node()} ({os.cpu_count()} CPUs, CPU peers, "
+              f"OMP_NUM_THREADS=1), `python -m benchmarks.wan {command}`".replace("wan ` ", "wan`"))
+    late_text = ""
+    if late:
+        late_text = (f"\n\nLate joiner: ready {late['ready_s']:.1f} s after start ({late['ready_after_dht_s']:.1f} s "
+                     f"after its DHT node was up); its state is {late['state_bytes'] / 1e6:.1f} MB, "
+                     f"{late['transfer_bound_s']:.1f} s at {args.link}.")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"wan-{stamp}.md").write_text(header + "\n\n" + table + "\n")
+    pngs = plots(runs, args.out, stamp) if runs else []
+    (args.out / f"wan-{stamp}.md").write_text(header + "\n\n" + table + late_text + "\n")
     (args.out / f"wan-{stamp}.json").write_text(json.dumps(
-        {"date": stamp, "peers": args.peers, "link": args.link, "results": [r.as_dict() for r in results]}, indent=1))
+        {"date": stamp, "command": command, "peers": args.peers, "link": args.link, "late_joiner": late,
+         "results": [r.as_dict() for r in results], "plots": [p.name for p in pngs]}, indent=1))
     print(header)
-    print(table)
+    print(table + late_text)
     return 0
 
 

@@ -44,8 +44,10 @@ class Figures:
 
 
 def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, link_bps: float,
-            skip_first: int = 1) -> Figures:
-    """Figures of one run from each peer's rows (the first ``skip_first`` rounds are start-up)."""
+            skip_first: int = 1, link_bytes: list[int] | None = None) -> Figures:
+    """Figures of one run from each peer's rows (the first ``skip_first`` rounds are start-up).
+    ``link_bytes``: bytes each peer put on its link over the whole run (measured on the
+    simulated link); when given, the byte figures come from it instead of the rows."""
     rows_by_peer = [h[skip_first:] or h for h in histories]
     if not any(rows_by_peer):
         raise ValueError(f"{name}: no rounds recorded")
@@ -58,7 +60,12 @@ def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, lin
     averaged = [r for rows in rows_by_peer for r in rows if r.get("averaged")]
     sent = statistics.mean(r["bytes_sent"] for r in averaged) if averaged else 0.0
     per_sample = sum(r["bytes_sent"] for r in averaged) / max(sum(r["samples"] for r in averaged), 1)
-    allreduce = statistics.median(r["allreduce_s"] for r in averaged) if averaged else float("nan")
+    if link_bytes is not None:
+        rounds_run = [len(h) for h in histories]
+        sent = statistics.mean(b / max(n, 1) for b, n in zip(link_bytes, rounds_run))
+        per_sample = sum(link_bytes) / max(sum(r["samples"] for h in histories for r in h), 1)
+    timed = [r["allreduce_s"] for r in averaged if r.get("allreduce_s")]
+    allreduce = statistics.median(timed) if timed else float("nan")
     params = histories[0][0]["params"]
     bound = link_bound_s(peers=peers, params=params, codec=codec, link_bps=link_bps)
     final_loss = statistics.mean(h[-1]["loss"] for h in histories if h)
@@ -66,7 +73,7 @@ def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, lin
         name=name, rounds=min(len(h) for h in histories), utilization=utilization,
         samples_per_s=samples / max(wall, 1e-9), bytes_per_peer_round=sent, bytes_per_sample=per_sample,
         allreduce_s=allreduce, link_bound_s=bound,
-        link_efficiency=bound / allreduce if averaged and allreduce > 0 else float("nan"),
+        link_efficiency=bound / allreduce if timed else float("nan"),
         final_loss=final_loss, wall_s=wall,
     )
 
@@ -74,6 +81,9 @@ def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, lin
 def markdown_table(results: list[Figures], *, reference: str | None = None) -> str:
     """One row per configuration; loss relative to ``reference`` (e.g. fp32 averaging)."""
     ref = next((r for r in results if r.name == reference), None)
+    def num(value: float, fmt: str) -> str:
+        return "-" if value != value else format(value, fmt)  # NaN: not measured
+
     lines = [
         "| configuration | utilization | swarm samples/s | MB sent / peer / round | bytes / sample "
         "| all-reduce s | link bound s | % of link bound | final loss | vs fp32 |",
@@ -83,7 +93,7 @@ def markdown_table(results: list[Figures], *, reference: str | None = None) -> s
         versus = f"{100 * (r.final_loss / ref.final_loss - 1):+.2f}%" if ref else "-"
         lines.append(
             f"| {r.name} | {100 * r.utilization:.1f}% | {r.samples_per_s:.1f} | {r.bytes_per_peer_round / 1e6:.2f} "
-            f"| {r.bytes_per_sample:.0f} | {r.allreduce_s:.2f} | {r.link_bound_s:.2f} "
-            f"| {100 * r.link_efficiency:.0f}% | {r.final_loss:.4f} | {versus} |"
+            f"| {r.bytes_per_sample:.0f} | {num(r.allreduce_s, '.2f')} | {r.link_bound_s:.2f} "
+            f"| {num(100 * r.link_efficiency, '.0f')}% | {r.final_loss:.4f} | {versus} |"
         )
     return "\n".join(lines)

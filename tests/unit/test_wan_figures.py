@@ -42,3 +42,11 @@ def test_no_rounds_is_an_error_and_no_averaging_has_no_efficiency() -> None:
         figures("x", [[], []], codec="none", link_bps=1e6)
     lonely = [dict(row(0, compute=1, wall=2, sent=0, allreduce=0, loss=3), averaged=False)] * 3
     assert math.isnan(figures("x", [lonely], codec="none", link_bps=1e6).link_efficiency)
+
+
+def test_bytes_measured_on_the_link_replace_the_rows() -> None:
+    peer = [dict(row(i, compute=1.0, wall=2.0, sent=0, allreduce=0.0, loss=3.0)) for i in range(4)]
+    result = figures("hivemind", [peer, peer], codec="none", link_bps=20e6, link_bytes=[8_000_000, 4_000_000])
+    assert result.bytes_per_peer_round == pytest.approx((2e6 + 1e6) / 2)
+    assert result.bytes_per_sample == pytest.approx(12e6 / (2 * 4 * 80))
+    assert math.isnan(result.allreduce_s) and "| - |" in markdown_table([result])
