@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,7 @@ class _Peer:
 def _write_spec(workdir: Path, name: str, codec: str, overlap: bool, args: argparse.Namespace) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
-    spec.write_text(SPEC.format(name=name.replace(" ", "-"), d_model=args.d_model, layers=args.layers,
+    spec.write_text(SPEC.format(name=re.sub(r"[^a-z0-9._-]", "-", name.lower()), d_model=args.d_model, layers=args.layers,
                                 steps=args.steps, codec=codec, overlap=str(overlap).lower(), peers=args.peers))
     return spec
 
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs: list[tuple[Figures, list[list[dict[str, Any]]]]] = []
     late: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-wan-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="swarmtrain-wan-")
+    try:
         for name, kind, codec, overlap in CONFIGS:
             if args.only and name not in args.only:
                 continue
@@ -260,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             print("running late-join...", flush=True)
             late = late_joiner(args, Path(tmp) / "late-join")
             print(f"  {late}", flush=True)
+    except BaseException:
+        print(f"logs of the failed run kept in {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
     results = [r for r, _ in runs]
     table = markdown_table(results, reference="fp32")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
