@@ -30,6 +30,8 @@ class Figures:
     name: str
     rounds: int
     utilization: float
+    """Mean over peers of compute time / wall time."""
+    utilization_per_peer: tuple[float, ...]
     samples_per_s: float
     bytes_per_peer_round: float
     bytes_per_sample: float
@@ -52,9 +54,10 @@ def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, lin
     if not any(rows_by_peer):
         raise ValueError(f"{name}: no rounds recorded")
     peers = len(histories)
-    utilization = statistics.mean(
+    per_peer = tuple(
         sum(r["compute_s"] for r in rows) / max(sum(r["wall_s"] for r in rows), 1e-9) for rows in rows_by_peer if rows
     )
+    utilization = statistics.mean(per_peer)
     wall = max(sum(r["wall_s"] for r in rows) for rows in rows_by_peer)
     samples = sum(r["samples"] for rows in rows_by_peer for r in rows)
     averaged = [r for rows in rows_by_peer for r in rows if r.get("averaged")]
@@ -70,7 +73,7 @@ def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, lin
     bound = link_bound_s(peers=peers, params=params, codec=codec, link_bps=link_bps)
     final_loss = statistics.mean(h[-1]["loss"] for h in histories if h)
     return Figures(
-        name=name, rounds=min(len(h) for h in histories), utilization=utilization,
+        name=name, rounds=min(len(h) for h in histories), utilization=utilization, utilization_per_peer=per_peer,
         samples_per_s=samples / max(wall, 1e-9), bytes_per_peer_round=sent, bytes_per_sample=per_sample,
         allreduce_s=allreduce, link_bound_s=bound,
         link_efficiency=bound / allreduce if timed else float("nan"),
@@ -85,14 +88,14 @@ def markdown_table(results: list[Figures], *, reference: str | None = None) -> s
         return "-" if value != value else format(value, fmt)  # NaN: not measured
 
     lines = [
-        "| configuration | utilization | swarm samples/s | MB sent / peer / round | bytes / sample "
+        "| configuration | utilization (min peer) | swarm samples/s | MB sent / peer / round | bytes / sample "
         "| all-reduce s | link bound s | % of link bound | final loss | vs fp32 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         versus = f"{100 * (r.final_loss / ref.final_loss - 1):+.2f}%" if ref else "-"
         lines.append(
-            f"| {r.name} | {100 * r.utilization:.1f}% | {r.samples_per_s:.1f} | {r.bytes_per_peer_round / 1e6:.2f} "
+            f"| {r.name} | {100 * r.utilization:.1f}% ({100 * min(r.utilization_per_peer):.1f}%) | {r.samples_per_s:.1f} | {r.bytes_per_peer_round / 1e6:.2f} "
             f"| {r.bytes_per_sample:.0f} | {num(r.allreduce_s, '.2f')} | {r.link_bound_s:.2f} "
             f"| {num(100 * r.link_efficiency, '.0f')}% | {r.final_loss:.4f} | {versus} |"
         )

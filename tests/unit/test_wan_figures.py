@@ -34,7 +34,8 @@ def test_figures_skip_start_up_and_compare_with_the_bound() -> None:
     assert result.link_efficiency == pytest.approx(result.link_bound_s / 3.0)
     assert result.final_loss == pytest.approx(3.6)
     table = markdown_table([result], reference="fp32")
-    assert "| fp32 | 80.0% |" in table and "+0.00%" in table
+    assert result.utilization_per_peer == pytest.approx((0.8, 0.8))
+    assert "| fp32 | 80.0% (80.0%) |" in table and "+0.00%" in table
 
 
 def test_no_rounds_is_an_error_and_no_averaging_has_no_efficiency() -> None:
