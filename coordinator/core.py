@@ -20,7 +20,7 @@ import time
 from coordinator.admission import admit, parse_body
 from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.health import HealthConfig, HealthTracker
-from coordinator.store import Store
+from coordinator.store import Decision, Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import AdmissionError, MalformedMessageError
@@ -200,32 +200,22 @@ class Coordinator:
         """Advance health, decide complete rounds, persist decisions and swarm figures."""
         self.health.tick(now)
         decisions = self.ledger.tick(now)
-        by_round: dict[int, list] = {}
+        by_round: dict[int, list[Decision]] = {}
         for decision in decisions:
             granted = decision.status == ClaimStatus.GRANTED
-            self.store.decide_claim(
-                key=decision.key, round=decision.round, status="granted" if granted else "denied",
+            by_round.setdefault(decision.round, []).append(Decision(
+                key=decision.key, status="granted" if granted else "denied",
                 granted_samples=decision.granted_samples,
-                flops=decision.granted_samples * self.flops_per_sample, reason=decision.reason, now=now,
+                flops=decision.granted_samples * self.flops_per_sample, reason=decision.reason,
+            ))
+        for round_, round_decisions in sorted(by_round.items()):
+            losses = self._losses.pop(round_, [])
+            self.store.finalize_round(
+                round=round_, decisions=round_decisions, now=now,
+                mean_loss=sum(losses) / len(losses) if losses else None,
             )
-            by_round.setdefault(decision.round, []).append(decision)
-        for round_, round_decisions in by_round.items():
-            self._record_round(round_, round_decisions, now)
         summary = self.health.summary(now)
         self.store.record_sample(now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second)
-
-    def _record_round(self, round_: int, decisions: list, now: float) -> None:
-        claims = self.store.claims(round=round_, limit=10_000)
-        digests = [c["state_digest"] for c in claims]
-        if not digests:
-            return
-        majority = max(set(digests), key=digests.count)
-        losses = self._losses.pop(round_, [])
-        self.store.record_round(
-            round=round_, state_digest=majority, finalized_at=now, group_size=len(claims),
-            mean_loss=sum(losses) / len(losses) if losses else None,
-            samples=sum(d.granted_samples for d in decisions),
-        )
 
     # --- helpers ----------------------------------------------------------------------------
 

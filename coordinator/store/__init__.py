@@ -6,6 +6,6 @@ tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError`
 
 from coordinator.store.engine import sqlite_url
 from coordinator.store.schema import SCHEMA_VERSION
-from coordinator.store.store import Store
+from coordinator.store.store import Decision, Store
 
-__all__ = ["SCHEMA_VERSION", "Store", "sqlite_url"]
+__all__ = ["SCHEMA_VERSION", "Decision", "Store", "sqlite_url"]

@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, select
@@ -222,22 +223,37 @@ class Store:
         ``ValueError`` for a status other than granted/denied, negative amounts or a claim
         that was never recorded.
         """
-        if status not in (GRANTED, DENIED):
-            raise ValueError(f"claim status must be {GRANTED!r} or {DENIED!r}, not {status!r}")
-        if granted_samples < 0 or flops < 0:
-            raise ValueError(f"granted_samples and flops must be >= 0, got {granted_samples} and {flops}")
+        decision = Decision(key=key, status=status, granted_samples=granted_samples, flops=flops, reason=reason)
         with self._write() as s:
-            claim = _find_claim(s, key, round)
-            if claim is None:
-                raise ValueError(f"no claim recorded for peer {key} round {round}")
-            if claim.status != PENDING:
-                logger.debug("claim %s round %d already %s; ignoring %s", key, round, claim.status, status)
+            _decide(s, round, decision, now)
+
+    def finalize_round(
+        self, *, round: int, decisions: list[Decision], mean_loss: float | None, now: float
+    ) -> None:
+        """Decide ``decisions`` (claims of ``round``) and write the round's record: one transaction.
+
+        The record is computed from every claim of the round, those decided earlier included:
+        the majority state digest, the number of claims (group size) and the sum of granted
+        samples. ``mean_loss`` None keeps a loss recorded earlier. A crash leaves either all of
+        it or none of it. Raises ``ValueError`` like ``decide_claim``; nothing is written then.
+        """
+        with self._write() as s:
+            for decision in decisions:
+                _decide(s, round, decision, now)
+            claims = list(s.scalars(select(Claim).where(Claim.round == round)))
+            if not claims:
                 return
-            claim.status, claim.granted_samples, claim.flops = status, granted_samples, flops
-            claim.reason, claim.decided_at = reason, now
-            if status == GRANTED:
-                s.add(Credit(claim_id=claim.id, key=key, round=round, samples=granted_samples,
-                             flops=flops, granted_at=now))
+            digests = sorted(c.state_digest for c in claims)
+            majority = max(digests, key=digests.count)
+            record = s.get(RoundRecord, round)
+            if record is None:
+                record = RoundRecord(round=round)
+                s.add(record)
+            elif mean_loss is None:
+                mean_loss = record.mean_loss
+            record.state_digest, record.finalized_at, record.group_size = majority, now, len(claims)
+            record.mean_loss = mean_loss
+            record.samples = sum(c.granted_samples or 0 for c in claims if c.status == GRANTED)
 
     def pending_claims(self) -> list[dict[str, Any]]:
         """Every undecided claim, oldest first (what the ledger reloads after a restart)."""
@@ -330,6 +346,37 @@ class Store:
         deleted = int(getattr(result, "rowcount", 0) or 0)
         logger.debug("pruned %d swarm samples before %s", deleted, before)
         return deleted
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The ledger's verdict on one peer's claim for a round."""
+
+    key: str
+    status: str
+    granted_samples: int
+    flops: float
+    reason: str
+
+
+def _decide(session: Session, round: int, decision: Decision, now: float) -> None:
+    if decision.status not in (GRANTED, DENIED):
+        raise ValueError(f"claim status must be {GRANTED!r} or {DENIED!r}, not {decision.status!r}")
+    if decision.granted_samples < 0 or decision.flops < 0:
+        raise ValueError(
+            f"granted_samples and flops must be >= 0, got {decision.granted_samples} and {decision.flops}"
+        )
+    claim = _find_claim(session, decision.key, round)
+    if claim is None:
+        raise ValueError(f"no claim recorded for peer {decision.key} round {round}")
+    if claim.status != PENDING:
+        logger.debug("claim %s round %d already %s; ignoring %s", decision.key, round, claim.status, decision.status)
+        return
+    claim.status, claim.granted_samples, claim.flops = decision.status, decision.granted_samples, decision.flops
+    claim.reason, claim.decided_at = decision.reason, now
+    if decision.status == GRANTED:
+        session.add(Credit(claim_id=claim.id, key=decision.key, round=round, samples=decision.granted_samples,
+                           flops=decision.flops, granted_at=now))
 
 
 def _find_claim(session: Session, key: str, round: int) -> Claim | None:

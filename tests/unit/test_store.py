@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text, update
 
-from coordinator.store import SCHEMA_VERSION, Store, sqlite_url
+from coordinator.store import SCHEMA_VERSION, Decision, Store, sqlite_url
 from coordinator.store.schema import Base, SchemaVersion
 from protocol.errors import ConfigError
 
@@ -233,6 +233,39 @@ def test_rounds_upsert_and_order(store: Store) -> None:
         {"round": 1, "state_digest": "c", "finalized_at": 3.0, "group_size": 4, "mean_loss": 1.5, "samples": 40},
     ]
     assert [r["round"] for r in store.rounds(limit=1)] == [2]
+
+
+def test_finalize_round_decides_and_records_together(store: Store) -> None:
+    for key in ("p1", "p2", "p3"):
+        _claim(store, key, 7)
+    store.finalize_round(round=7, now=30.0, mean_loss=2.0, decisions=[
+        Decision(key="p1", status="granted", granted_samples=100, flops=1.0, reason="attested"),
+        Decision(key="p2", status="denied", granted_samples=0, flops=0.0, reason="not attested"),
+    ])
+    assert store.rounds() == [
+        {"round": 7, "state_digest": "d7", "finalized_at": 30.0, "group_size": 3, "mean_loss": 2.0, "samples": 100},
+    ]
+    # a later decision for the same round adds to the record and keeps the loss
+    store.finalize_round(round=7, now=40.0, mean_loss=None, decisions=[
+        Decision(key="p3", status="granted", granted_samples=60, flops=0.6, reason="attested"),
+    ])
+    assert store.rounds()[0]["samples"] == 160
+    assert store.rounds()[0]["mean_loss"] == 2.0
+    assert store.credits_by_peer() == {"p1": {"samples": 100, "flops": 1.0, "rounds": 1},
+                                       "p3": {"samples": 60, "flops": 0.6, "rounds": 1}}
+
+
+def test_finalize_round_with_a_bad_decision_writes_nothing(store: Store) -> None:
+    _claim(store, "p1", 3)
+    _claim(store, "p2", 3)
+    with pytest.raises(ValueError, match="no claim recorded"):
+        store.finalize_round(round=3, now=5.0, mean_loss=1.0, decisions=[
+            Decision(key="p1", status="granted", granted_samples=10, flops=1.0, reason="ok"),
+            Decision(key="ghost", status="granted", granted_samples=10, flops=1.0, reason="ok"),
+        ])
+    assert store.rounds() == []
+    assert store.credits_by_peer() == {}
+    assert [c["status"] for c in store.claims(round=3)] == ["pending", "pending"]
 
 
 def test_samples_since_and_prune(store: Store) -> None:
