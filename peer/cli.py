@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    # from here on a signal means "leave cleanly": a SIGTERM while torch imports or the DHT
+    # starts must not kill the process with its hivemind children running
+    stop = threading.Event()
+    _install_signal_handlers(stop)
     from protocol.identity import default_key_path, load_or_create
     from protocol.spec import load_spec
 
@@ -105,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,
     )
+    _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
-    stop = threading.Event()
     try:
         _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
         if client is not None and join_info is not None:
@@ -129,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
             wait_for_group_s=args.wait_for_group,
             stop=stop,
         )
-        _install_signal_handlers(options.stop)
         report = _reporter(args.metrics_file)
 
         def on_round(metrics: dict[str, Any]) -> None:
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             link.stop()
         swarm.shutdown()
     print("peer stopped cleanly", flush=True)
+    _hold_late_signals()
     return 0
 
 
@@ -177,12 +182,31 @@ def _reporter(metrics_file: Path | None) -> Any:
     return report
 
 
+def _hold_late_signals() -> None:
+    """Everything is shut down: a SIGINT/SIGTERM arriving now (while the interpreter exits and
+    has already put the default handlers back) stays pending instead of turning exit status 0
+    into death by signal."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _install_signal_handlers(stop: threading.Event) -> None:
+    """First SIGINT/SIGTERM: leave after the current round; second: exit at once (130).
+
+    Processes forked from this one (hivemind's DHT and averager) inherit the handler; there a
+    signal does what it would have done without it, so ``terminate()`` still ends them.
+    Call again after starting hivemind: its averager sets SIGINT to ignored in this process.
+    """
+    owner = os.getpid()
+
     def handle(signum: int, frame: object) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if stop.is_set():
             print("second interrupt: exiting now", file=sys.stderr, flush=True)
             raise SystemExit(130)
-        print("finishing the current round, then leaving (interrupt again to exit now)", file=sys.stderr, flush=True)
+        print("leaving after the current round (interrupt again to exit now)", file=sys.stderr, flush=True)
         stop.set()
 
     signal.signal(signal.SIGINT, handle)

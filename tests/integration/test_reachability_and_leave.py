@@ -1,9 +1,13 @@
 """A peer that accepts no inbound connections (client mode) still trains and contributes;
-SIGINT/SIGTERM make a peer leave cleanly with exit status 0."""
+SIGINT/SIGTERM make a peer leave cleanly with exit status 0, whenever they arrive."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from swarmtrain.localswarm import LocalPeer, wait_until as wait_for
@@ -73,3 +77,44 @@ def test_sigint_and_sigterm_leave_cleanly(tmp_path: Path) -> None:
             peer.kill()
     for peer in peers:
         assert any("peer stopped cleanly" in line for line in peer.lines)
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_while_starting_leaves_cleanly(tmp_path: Path) -> None:
+    """SIGTERM as soon as the peer has written its new key file (torch not imported yet, no DHT
+    yet): exit 0 and no hivemind child left behind in its process group."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(min_group=2))
+    peer = start(tmp_path, 0, spec, ["--max-rounds", "5"])
+    try:
+        wait_for(lambda: (tmp_path / "k0").exists() or peer.proc.poll() is not None, 60, "the key file")
+        peer.proc.send_signal(signal.SIGTERM)
+        assert peer.wait(timeout=120) == 0, "\n".join(peer.lines[-20:])
+        wait_for(lambda: _group_gone(peer.proc.pid), 30, "the peer's children to exit")
+    finally:
+        peer.kill()
+    assert any("peer stopped cleanly" in line for line in peer.lines)
+    assert peer.rounds() == []
+
+
+def test_a_signal_after_shutdown_does_not_change_the_exit_status() -> None:
+    """Once the peer has shut down, a late SIGTERM (the interpreter has put the default handler
+    back by then) must not turn exit status 0 into death by signal."""
+    code = (
+        "import os, signal\n"
+        "from peer.cli import _hold_late_signals\n"
+        "_hold_late_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    )
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert time.monotonic() - started < 60
