@@ -18,6 +18,7 @@ from swarmtrain import __version__
 from peer import cli as peer_cli
 from coordinator import cli as coordinator_cli
 from swarmtrain.commands import admin, demo, doctor, keygen, spec, status
+from swarmtrain.lifetime import tie_children_to_this_process
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(args.verbose)
+    tie_children_to_this_process()
     prog = f"swarmtrain {args.command}"
     try:
         return int(args.run(args))

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalPeer, wait_until as wait_for
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until as wait_for
 
 SPEC = """
 [run]
@@ -118,3 +118,23 @@ def test_a_signal_after_shutdown_does_not_change_the_exit_status() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     assert time.monotonic() - started < 60
+
+
+def test_sigkill_takes_the_hivemind_children_along(tmp_path: Path) -> None:
+    """`kill -9` of a peer or a coordinator (the OOM killer, say) leaves none of the processes it
+    forked (hivemind's DHT and averager, their p2pd) running."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(min_group=2))
+    peer = start(tmp_path, 0, spec, ["--max-rounds", "500"])
+    coordinator = LocalCoordinator(spec, tmp_path / "coordinator")
+    try:
+        peer.wait_for_maddr()
+        coordinator.address()
+        for child in (peer, coordinator):
+            assert not _group_gone(child.proc.pid)
+            os.kill(child.proc.pid, signal.SIGKILL)
+            child.proc.wait(timeout=30)
+            wait_for(lambda: _group_gone(child.proc.pid), 30, f"the {child.name}'s children to exit")
+    finally:
+        peer.kill()
+        coordinator.kill()
