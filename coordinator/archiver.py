@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,8 @@ from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
 from hivemind.utils.timed_storage import get_dht_time
 
 from protocol.identity import Identity
+from protocol.membership import members_key
+from protocol.tokens import issue_token
 from protocol.statesync import (
     RECORD_TTL_S,
     DigestRecord,
@@ -56,8 +59,12 @@ class Archiver:
         every: int,
         finalized: Callable[[], list[dict[str, Any]]],
         fetch_timeout_s: float,
+        run_digest: str,
+        token_ttl_s: float,
     ) -> None:
         self.averager, self.dht, self.identity, self.archive = averager, dht, identity, archive
+        self.run_digest, self.token_ttl_s = run_digest, token_ttl_s
+        self._token_renew_at = -float("inf")
         self.every, self.finalized, self.fetch_timeout_s = every, finalized, fetch_timeout_s
         self.key = digest_key(averager.prefix)
         self.serving: LoadedState | None = None
@@ -75,6 +82,7 @@ class Archiver:
         averager.state_provider = self._provide
 
     def start(self) -> None:
+        self._publish_membership(wait=True)  # peers download from and serve to admitted peers only
         loaded = self.archive.load_latest()
         if loaded is not None:
             self._serve(loaded)
@@ -103,6 +111,8 @@ class Archiver:
     def poll(self, *, now: float) -> ArchivedState | None:
         """One pass: re-publish our record when due; fetch a state when due; keep a fetched
         state once the swarm's agreement on its round confirms its digest."""
+        if time.time() >= self._token_renew_at:
+            self._publish_membership()
         if self.serving is not None and now - self._published_at >= REPUBLISH_S:
             self._publish(now)
         last = self.serving.round if self.serving is not None else 0
@@ -182,6 +192,17 @@ class Archiver:
         if state is None:
             raise RuntimeError("the archive has no state yet")
         return state.round, state.params, state.momentum, state.state_digest
+
+    def _publish_membership(self, *, wait: bool = False) -> None:
+        """Admit our own averager like a peer: a token for its libp2p peer id, in the DHT."""
+        now, peer_id = time.time(), str(self.dht.peer_id)
+        token = issue_token(self.identity, run_digest=self.run_digest, peer_key=self.identity.public_key, now=now,
+                            ttl_s=self.token_ttl_s, libp2p_peer_id=peer_id)
+        future = self.dht.store(members_key(self.averager.prefix), token.to_bytes(), token.expires_at,
+                                subkey=peer_id, return_future=True)
+        if wait:
+            future.result(timeout=30)
+        self._token_renew_at = now + self.token_ttl_s / 2
 
     def _publish(self, now: float, *, wait: bool = False) -> None:
         state = self.serving

@@ -25,7 +25,7 @@ from coordinator.core import Coordinator
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import Store, sqlite_url
 from protocol import coordinator_pb2_grpc as pb_grpc
-from protocol.identity import load_or_create
+from protocol.identity import Identity, load_or_create
 from protocol.modelsize import count_params
 from protocol.spec import RunSpec, parse_spec
 from protocol.statesync import run_prefix
@@ -82,7 +82,7 @@ class CoordinatorServer:
             identity_path=str(config.state_dir / "p2p.key"),
         )
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        averager = self._archive_averager(spec)  # forks its process: before the database and gRPC
+        averager = self._archive_averager(spec, identity)  # forks its process: before the database and gRPC
         self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.core = Coordinator(
             spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs,
@@ -95,6 +95,7 @@ class CoordinatorServer:
                 archive=CheckpointArchive(config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep),
                 every=config.archive_every, finalized=lambda: self.store.rounds(limit=1000),
                 fetch_timeout_s=spec.averaging.allreduce_timeout_s,
+                run_digest=spec.digest(), token_ttl_s=spec.admission.token_ttl_s,
             )
             self.archiver.start()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -109,7 +110,7 @@ class CoordinatorServer:
         self.ticker.start()
         self._start_http(servicer.lock)
 
-    def _archive_averager(self, spec: RunSpec) -> Any:
+    def _archive_averager(self, spec: RunSpec, identity: Identity) -> Any:
         """The run's averager for state download/serving, or None when the archive is off."""
         if self.config.archive_every == 0:
             self.archive_off = "off (--archive-every 0)"
@@ -119,11 +120,14 @@ class CoordinatorServer:
             return None
         from protocol.averaging import ExactAverager
         from protocol.compression import get_codec
+        from protocol.membership import MemberGate, members_key
 
         self.archive_off = ""
+        prefix = run_prefix(spec.digest())
+        gate = MemberGate(coordinator_key=identity.public_key, run_digest=spec.digest(), key=members_key(prefix))
         return ExactAverager(
-            count_params(spec.task.model), self.dht, codec=get_codec("none"), prefix=run_prefix(spec.digest()),
-            start=True, client_mode=False,
+            count_params(spec.task.model), self.dht, codec=get_codec("none"), prefix=prefix,
+            start=True, client_mode=False, gate=gate,
         )
 
     def _start_http(self, lock: threading.Lock) -> None:

@@ -102,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
     task = build_task(spec, shard_seed=shard_seed, device=device)
     numel = sum(p.numel() for p in task.model.parameters())
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
+    gate = None
+    if join_info is not None:
+        from protocol.membership import MemberGate, members_key
+        from protocol.statesync import run_prefix
+
+        # authorized averaging: only peers holding this coordinator's tokens average with us
+        gate = MemberGate(coordinator_key=join_info.coordinator_key, run_digest=join_info.spec_digest,
+                          key=members_key(run_prefix(join_info.spec_digest)))
     swarm = Swarm(
         spec,
         numel,
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         initial_peers=list(args.initial_peers),
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,
+        gate=gate,
     )
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
@@ -119,9 +128,11 @@ def run(args: argparse.Namespace) -> int:
 
             rejoin = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs,
                       "reachable": not args.client_mode, "spec_digest": join_info.spec_digest}
-            client.join(**rejoin)
+            admitted = client.join(**rejoin)
+            swarm.publish_membership(admitted.access_token)
             link = CoordinatorLink(client, interval_s=join_info.heartbeat_interval_s, rejoin=rejoin,
-                                   on_refused=lambda reason: stop.set())
+                                   on_refused=lambda reason: stop.set(), token=admitted.access_token,
+                                   on_token=swarm.publish_membership)
             link.start()
             print(f"joined through coordinator {args.coordinator}", flush=True)
         options = TrainerOptions(

@@ -26,6 +26,7 @@ from protocol import kinds
 from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import sign_message
+from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,16 @@ class CoordinatorLink(threading.Thread):
 
     def __init__(
         self, client: CoordinatorClient, *, interval_s: float, rejoin: dict[str, Any],
-        on_refused: Callable[[str], None] | None = None,
+        on_refused: Callable[[str], None] | None = None, token: bytes = b"",
+        on_token: Callable[[bytes], None] | None = None,
     ) -> None:
         super().__init__(daemon=True, name="coordinator-link")
         self.client, self.interval_s, self.rejoin = client, interval_s, rejoin
         self.on_refused = on_refused or (lambda reason: None)
         """Called once the coordinator refuses this peer (banned, or off the allowlist)."""
+        self.on_token = on_token or (lambda token: None)
+        """Called with each new access token (re-joins; renewal at half its lifetime)."""
+        self._renew_at = _renewal_time(token) if token else float("inf")
         self.refused = ""
         self.reports: queue.Queue[pb.RoundReportBody] = queue.Queue()
         self.status = pb.HeartbeatBody(phase=pb.PEER_PHASE_JOINING)
@@ -143,7 +148,10 @@ class CoordinatorLink(threading.Thread):
                 response = self.client.heartbeat(self.status)
                 if not response.admitted:
                     logger.info("coordinator: %s", response.message)
-                    self.client.join(**self.rejoin)
+                    self._rejoin()
+                elif time.time() >= self._renew_at:
+                    logger.info("renewing the access token")
+                    self._rejoin()
                 self.connected = True
                 self._flush_reports()
             except (AdmissionError, WrongRunError) as exc:
@@ -155,6 +163,14 @@ class CoordinatorLink(threading.Thread):
             except SwarmtrainError as exc:
                 self.connected = True  # wait a whole interval before retrying
                 logger.warning("coordinator unreachable (training goes on): %s", exc)
+
+    def _rejoin(self) -> None:
+        info = self.client.join(**self.rejoin)
+        self._renew_at = _renewal_time(info.access_token)
+        try:
+            self.on_token(info.access_token)
+        except Exception:  # noqa: BLE001 - the link must go on heartbeating
+            logger.exception("could not publish the new access token")
 
     def _flush_reports(self) -> None:
         with self._flush_lock:
@@ -179,6 +195,12 @@ class CoordinatorLink(threading.Thread):
             self.client.heartbeat(self.status)
         except SwarmtrainError as exc:
             logger.info("could not tell the coordinator we leave: %s", exc)
+
+
+def _renewal_time(token: bytes) -> float:
+    """When to ask for a new token: half-way through this one's validity."""
+    decoded = decode_token(token)
+    return decoded.issued_at + (decoded.expires_at - decoded.issued_at) / 2
 
 
 def _hardware() -> pb.Hardware:

@@ -23,7 +23,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
+from protocol.membership import MemberGate, members_key
 from protocol.spec import RunSpec
+from protocol.tokens import decode_token
 from protocol.statesync import (
     RECORD_TTL_S,
     DigestRecord,
@@ -116,8 +118,10 @@ class Swarm:
         host_maddrs: list[str],
         client_mode: bool = False,
         dht_kwargs: dict[str, Any] | None = None,
+        gate: MemberGate | None = None,
     ) -> None:
         self.spec = spec
+        self.gate = gate
         self.dht = DHT(
             initial_peers=initial_peers,
             host_maddrs=host_maddrs,
@@ -139,6 +143,7 @@ class Swarm:
             allreduce_timeout=averaging.allreduce_timeout_s,
             next_chunk_timeout=averaging.allreduce_timeout_s / 3,
             client_mode=client_mode,
+            gate=gate,
         )
 
     @property
@@ -188,6 +193,15 @@ class Swarm:
     def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]:
         """Ids of the training peers (but ``exclude``) whose latest digest record is of ``round_``."""
         return {r.signer.id for r in self.records(exclude=exclude) if r.round == round_ and not r.archive}
+
+    def publish_membership(self, token: bytes) -> None:
+        """Publish this peer's access token (bound to its libp2p peer id) so that the run's
+        other peers let it average with them; until the token expires (does not block)."""
+        decoded = decode_token(token)
+        if decoded.libp2p_peer_id != str(self.dht.peer_id):
+            raise ValueError(f"the token is for libp2p peer {decoded.libp2p_peer_id!r}, not {self.dht.peer_id}")
+        key = members_key(self.averager.prefix)
+        self.dht.store(key, token, decoded.expires_at, subkey=decoded.libp2p_peer_id, return_future=True)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.averager.set_allreduce_timeout(timeout_s)

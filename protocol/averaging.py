@@ -26,6 +26,7 @@ import logging
 import math
 import random
 import time
+import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from protocol.compression import Codec
 from protocol.errors import MalformedTensorError
+from protocol.membership import MemberGate
 from protocol.statesync import state_digest
 
 logger = logging.getLogger(__name__)
@@ -217,9 +219,13 @@ class ExactAverager(DecentralizedAverager):
 
     runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
 
-    def __init__(self, numel: int, dht: Any, *, codec: Codec, prefix: str, **kwargs: Any) -> None:
+    def __init__(
+        self, numel: int, dht: Any, *, codec: Codec, prefix: str, gate: MemberGate | None = None, **kwargs: Any
+    ) -> None:
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
+        self.gate = gate
+        """When set, only the peers it admits may join our groups, lead them or download state."""
         self._stats: dict[bytes, dict[str, Any]] = {}
         self.state_provider: StateProvider | None = None
         """Set in the host process: returns the (round, params, momentum, digest) to serve."""
@@ -270,9 +276,68 @@ class ExactAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         """Returns ``{"gathered": {peer_id: data}, "stats": {...}}`` to ``step()``'s caller."""
+        outsiders = [peer for peer in group_info.peer_ids if not await self._admitted(peer)]
+        if outsiders:
+            raise RoundFailedError(f"group includes peers not admitted to this run: {sorted(map(str, outsiders))}")
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         stats = self._stats.pop(group_info.group_id, {})
         return {"gathered": {str(k): v for k, v in gathered.items()}, "stats": stats}
+
+    # --- authorized averaging (protocol.membership) -------------------------------------------
+
+    async def _admitted(self, peer: PeerID) -> bool:
+        if self.gate is None or peer == self.peer_id:
+            return True
+        gate = self.gate
+
+        async def fetch() -> dict[Any, Any] | None:
+            found = await self.dht.get(gate.key, latest=True, return_future=True)
+            return found.value if found is not None and isinstance(found.value, dict) else None
+
+        return await gate.admitted(str(peer), fetch)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's hint
+        if not await self._admitted(context.remote_id):
+            logger.warning("refused a join request from %s: not admitted to this run", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._admitted(context.remote_id):
+            logger.warning("refused a state download by %s: not admitted to this run", context.remote_id)
+            yield averaging_pb2.DownloadData(metadata=self.serializer.dumps({"error": "not admitted to this run"}))
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    @property
+    def _matchmaking(self) -> Any:
+        try:
+            return self.__dict__["_gated_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Any) -> None:
+        """hivemind creates its Matchmaking inside the averager process: wrap its requests to
+        leaders so this peer never asks a leader that is not admitted (it would fail the round)."""
+        if self.gate is not None:
+            request_join = matchmaking._request_join_group
+
+            async def request_admitted_leader(leader: PeerID) -> Any:
+                if not await self._admitted(leader):
+                    logger.info("not joining %s's group: it is not admitted to this run", leader)
+                    return None
+                return await request_join(leader)
+
+            matchmaking._request_join_group = request_admitted_leader
+        self.__dict__["_gated_matchmaking"] = matchmaking
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""
@@ -337,6 +402,8 @@ class ExactAverager(DecentralizedAverager):
         async for message in stream:
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
+                if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
+                    raise MalformedTensorError(f"it refused: {metadata['error'][:200]}")
                 # the claim comes first: refuse a state we would not accept before its tensors
                 claimed = metadata.get("digest") if isinstance(metadata, dict) else None
                 if not isinstance(claimed, str) or (accept is not None and claimed not in accept):
