@@ -233,6 +233,19 @@ class Coordinator:
             return False
         return self.health.get(peer.id) is not None
 
+    def revoked_peers(self) -> set[str]:
+        """Keys of the peers whose tokens must stop counting in averaging: banned peers, peers
+        of banned accounts and, in allowlist mode, peers of accounts not on the list."""
+        banned = set(self.store.banned())
+        allowlist = self.store.allowlist() if self.spec.admission.mode == "allowlist" else None
+        accounts = {row["key"]: row.get("account_key") or row["key"] for row in self.store.peers()}
+        accounts.update(self._accounts)
+        revoked = set(banned)
+        for peer, account in accounts.items():
+            if peer in banned or account in banned or (allowlist is not None and account not in allowlist):
+                revoked.add(peer)
+        return revoked
+
     def ban(self, key: str, reason: str, *, now: float) -> None:
         """Ban a peer or an account at once: its heartbeats and reports are refused from now on."""
         self.store.ban(key, reason, now)

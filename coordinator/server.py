@@ -33,6 +33,7 @@ from protocol.statesync import run_prefix
 logger = logging.getLogger(__name__)
 
 TICK_S = 1.0
+REVOCATIONS_REPUBLISH_S = 60.0
 
 
 @dataclass
@@ -67,6 +68,8 @@ class CoordinatorServer:
         self.dht = None
         self.archiver: Archiver | None = None
         self.archive_off = ""
+        self._revoked: set[str] = set()
+        self._revoked_published_at = -float("inf")
 
     def start(self) -> None:
         from hivemind import DHT
@@ -98,6 +101,7 @@ class CoordinatorServer:
                 run_digest=spec.digest(), token_ttl_s=spec.admission.token_ttl_s,
             )
             self.archiver.start()
+        self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         servicer = CoordinatorServicer(self.core)
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
@@ -120,11 +124,11 @@ class CoordinatorServer:
             return None
         from protocol.averaging import ExactAverager
         from protocol.compression import get_codec
-        from protocol.membership import MemberGate, members_key
+        from protocol.membership import MemberGate
 
         self.archive_off = ""
         prefix = run_prefix(spec.digest())
-        gate = MemberGate(coordinator_key=identity.public_key, run_digest=spec.digest(), key=members_key(prefix))
+        gate = MemberGate(coordinator_key=identity.public_key, run_digest=spec.digest(), prefix=prefix)
         return ExactAverager(
             count_params(spec.task.model), self.dht, codec=get_codec("none"), prefix=prefix,
             start=True, client_mode=False, gate=gate,
@@ -151,8 +155,29 @@ class CoordinatorServer:
             try:
                 with self.server_lock():
                     self.core.tick(now=time.time())
+                    revoked = self.core.revoked_peers()
+                self._publish_revocations(revoked, now=time.time())
             except Exception:  # noqa: BLE001 - one bad tick must not stop the service
                 logger.exception("coordinator tick failed")
+
+    def _publish_revocations(self, revoked: set[str], *, now: float, wait: bool = False) -> None:
+        """Sign and store the revocation list when it changed or is due again (peers stop
+        averaging with revoked peers within ``protocol.membership.RECHECK_S``)."""
+        if revoked == self._revoked and now - self._revoked_published_at < REVOCATIONS_REPUBLISH_S:
+            return
+        from protocol.membership import make_revocations, revocations_key
+
+        core = self.core
+        record = make_revocations(core.identity, revoked, now=now)
+        future = self.dht.store(
+            revocations_key(run_prefix(core.digest)), record, now + core.spec.admission.token_ttl_s + 60.0,
+            subkey=core.identity.public_key.id, return_future=True,
+        )
+        if wait:
+            future.result(timeout=30)
+        if revoked != self._revoked:
+            logger.info("revocation list published: %d peer(s)", len(revoked))
+        self._revoked, self._revoked_published_at = set(revoked), now
 
     def server_lock(self) -> threading.Lock:
         return self.servicer_lock

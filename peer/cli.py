@@ -104,12 +104,12 @@ def run(args: argparse.Namespace) -> int:
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
     gate = None
     if join_info is not None:
-        from protocol.membership import MemberGate, members_key
+        from protocol.membership import MemberGate
         from protocol.statesync import run_prefix
 
         # authorized averaging: only peers holding this coordinator's tokens average with us
         gate = MemberGate(coordinator_key=join_info.coordinator_key, run_digest=join_info.spec_digest,
-                          key=members_key(run_prefix(join_info.spec_digest)))
+                          prefix=run_prefix(join_info.spec_digest))
     swarm = Swarm(
         spec,
         numel,

@@ -45,7 +45,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from protocol.compression import Codec
 from protocol.errors import MalformedTensorError
-from protocol.membership import MemberGate
+from protocol.membership import Lookup, MemberGate
 from protocol.statesync import state_digest
 
 logger = logging.getLogger(__name__)
@@ -290,9 +290,13 @@ class ExactAverager(DecentralizedAverager):
             return True
         gate = self.gate
 
-        async def fetch() -> dict[Any, Any] | None:
-            found = await self.dht.get(gate.key, latest=True, return_future=True)
-            return found.value if found is not None and isinstance(found.value, dict) else None
+        async def fetch() -> Lookup:
+            members = await self.dht.get(gate.key, latest=True, return_future=True)
+            revocations = await self.dht.get(gate.revocations_key, latest=True, return_future=True)
+            return Lookup(
+                members.value if members is not None and isinstance(members.value, dict) else None,
+                revocations.value if revocations is not None and isinstance(revocations.value, dict) else None,
+            )
 
         return await gate.admitted(str(peer), fetch)
 

@@ -4,7 +4,9 @@ Each admitted peer publishes its access token in the DHT under ``members_key(pre
 its libp2p peer id as the subkey. The token is signed by the coordinator and binds the run,
 the peer's key and that libp2p peer id; libp2p authenticates the remote peer id of every
 connection (its secure channel), so presenting someone else's token gets an intruder
-nothing. ``MemberGate`` turns those records into the set of libp2p peer ids that may join a
+nothing. The coordinator also publishes a signed revocation list (``revocations_key``): the
+keys of peers it banned; their tokens stop counting within ``RECHECK_S``. ``MemberGate``
+turns those records into the set of libp2p peer ids that may join a
 group, be a group's leader, send parts or download state. Records that do not verify are
 ignored (logged at debug level): the DHT of a run is open to anyone.
 
@@ -14,19 +16,27 @@ the run may average, as in hivemind.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from protocol.errors import SwarmtrainError
-from protocol.identity import PublicKey
+from protocol import kinds
+from protocol.errors import MalformedMessageError, SwarmtrainError, WrongSignerError
+from protocol.identity import Identity, PublicKey
+from protocol.messages import MessageVerifier, SignedMessage, sign_message
 from protocol.tokens import AccessToken, decode_token, verify_token
 
 logger = logging.getLogger(__name__)
 
 REFRESH_INTERVAL_S = 2.0
 """A peer id not known yet triggers a DHT lookup at most this often."""
+RECHECK_S = 30.0
+"""Known members are looked up again (for revocations) at least this often."""
+REVOCATIONS_MAX_AGE_S = 30 * 86400.0 + 60.0
+"""A revocation list stays in force at least as long as the longest token a spec allows."""
 
 
 def members_key(prefix: str) -> str:
@@ -34,28 +44,80 @@ def members_key(prefix: str) -> str:
     return f"{prefix}.members"
 
 
+def revocations_key(prefix: str) -> str:
+    """The DHT key of the coordinator's signed list of peers whose tokens no longer count."""
+    return f"{prefix}.revoked"
+
+
+def make_revocations(coordinator: Identity, peer_keys: set[str], *, now: float) -> bytes:
+    """The coordinator's signed revocation list: the keys of peers it banned (or whose account
+    it banned or took off the allowlist); their tokens stop counting at once."""
+    body = json.dumps({"peers": sorted(peer_keys)}, sort_keys=True).encode()
+    return sign_message(coordinator, kinds.REVOCATIONS, body, now=now).to_bytes()
+
+
+def parse_revocations(data: Any, *, coordinator_key: PublicKey, now: float) -> tuple[float, frozenset[str]]:
+    """(when it was signed, the revoked peer keys); raises ``VerificationError``."""
+    data = getattr(data, "value", data)
+    if not isinstance(data, bytes):
+        raise MalformedMessageError(f"revocation list is {type(data).__name__}, not bytes")
+    message = SignedMessage.from_bytes(data)
+    MessageVerifier(max_age_s=REVOCATIONS_MAX_AGE_S).verify(message, now=now, kind=kinds.REVOCATIONS, check_replay=False)
+    if message.signer != coordinator_key:
+        raise WrongSignerError(f"revocation list signed by {message.signer.id}, not by this run's coordinator")
+    try:
+        peers = json.loads(message.body)["peers"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MalformedMessageError("revocation list body is not {peers: [...]}") from exc
+    if not isinstance(peers, list) or not all(isinstance(k, str) for k in peers):
+        raise MalformedMessageError("revocation list peers are not a list of key ids")
+    return message.timestamp, frozenset(peers)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the DHT holds for a run: the members records and the revocation list(s)."""
+
+    members: dict[Any, Any] | None
+    revocations: dict[Any, Any] | None
+
+
 class MemberGate:
     """Which libp2p peer ids the run's coordinator admitted, from the tokens in the DHT."""
 
     def __init__(
-        self, *, coordinator_key: PublicKey, run_digest: str, key: str, refresh_interval_s: float = REFRESH_INTERVAL_S,
+        self, *, coordinator_key: PublicKey, run_digest: str, prefix: str,
+        refresh_interval_s: float = REFRESH_INTERVAL_S, recheck_s: float = RECHECK_S,
     ) -> None:
-        self.coordinator_key, self.run_digest, self.key = coordinator_key, run_digest, key
-        self.refresh_interval_s = refresh_interval_s
-        self._members: dict[str, float] = {}
-        """libp2p peer id -> when its token expires."""
+        self.coordinator_key, self.run_digest = coordinator_key, run_digest
+        self.key, self.revocations_key = members_key(prefix), revocations_key(prefix)
+        self.refresh_interval_s, self.recheck_s = refresh_interval_s, recheck_s
+        self._members: dict[str, tuple[float, str]] = {}
+        """libp2p peer id -> (when its token expires, the peer key it was issued to)."""
+        self._revoked: frozenset[str] = frozenset()
+        self._revoked_at = float("-inf")
         self._last_refresh = float("-inf")
 
-    def update(self, records: dict[Any, Any], *, now: float) -> None:
-        """Add the peers whose records ({subkey: token bytes}) hold valid tokens; forget expired ones.
+    def update(self, lookup: Lookup, *, now: float) -> None:
+        """Add the peers whose records ({subkey: token bytes}) hold valid tokens; forget expired
+        ones; take the newest valid revocation list.
 
         Known members are kept until their tokens expire: a lookup that sees only part of
         the DHT must not turn away a peer admitted a moment ago."""
-        members = {peer_id: expires for peer_id, expires in self._members.items() if expires > now}
-        for subkey, value in records.items():
+        for subkey, value in (lookup.revocations or {}).items():
+            try:
+                signed_at, revoked = parse_revocations(value, coordinator_key=self.coordinator_key, now=now)
+            except SwarmtrainError as exc:
+                logger.debug("ignoring the revocation list under %s: %s", subkey, exc)
+                continue
+            if signed_at > self._revoked_at:
+                self._revoked_at, self._revoked = signed_at, revoked
+        members = {peer_id: entry for peer_id, entry in self._members.items() if entry[0] > now}
+        for subkey, value in (lookup.members or {}).items():
             token = self.verified(subkey, value, now=now)
             if token is not None:
-                members[token.libp2p_peer_id] = max(members.get(token.libp2p_peer_id, 0.0), token.expires_at)
+                expires = max(members.get(token.libp2p_peer_id, (0.0, ""))[0], token.expires_at)
+                members[token.libp2p_peer_id] = (expires, token.peer_key.id)
         self._members = members
 
     def verified(self, subkey: Any, value: Any, *, now: float) -> AccessToken | None:
@@ -76,21 +138,23 @@ class MemberGate:
         return token
 
     def is_member(self, peer_id: str, *, now: float) -> bool:
-        """Whether ``peer_id`` holds a token valid ``now`` (no lookup)."""
-        return self._members.get(peer_id, float("-inf")) > now
+        """Whether ``peer_id`` holds a token valid ``now`` that was not revoked (no lookup)."""
+        expires, peer_key = self._members.get(peer_id, (float("-inf"), ""))
+        return expires > now and peer_key not in self._revoked
 
-    async def admitted(self, peer_id: str, fetch: Callable[[], Awaitable[dict[Any, Any] | None]]) -> bool:
-        """``is_member``, looking the members up again (``fetch``) when ``peer_id`` is unknown
-        and the last lookup is older than ``refresh_interval_s``."""
-        if self.is_member(peer_id, now=time.time()):
-            return True
-        if time.monotonic() - self._last_refresh < self.refresh_interval_s:
-            return False
+    async def admitted(self, peer_id: str, fetch: Callable[[], Awaitable[Lookup]]) -> bool:
+        """``is_member``, looking the run up again (``fetch``) when ``peer_id`` is unknown and
+        the last lookup is older than ``refresh_interval_s``, or when it is older than
+        ``recheck_s`` (so that a revocation takes effect within that time)."""
+        since = time.monotonic() - self._last_refresh
+        known = self.is_member(peer_id, now=time.time())
+        if (known and since < self.recheck_s) or (not known and since < self.refresh_interval_s):
+            return known
         self._last_refresh = time.monotonic()
         try:
-            records = await fetch()
+            lookup = await fetch()
         except Exception as exc:  # noqa: BLE001 - a failed lookup admits nobody new, breaks nothing
             logger.warning("could not look up the run's members: %s", exc)
-            records = None
-        self.update(records if isinstance(records, dict) else {}, now=time.time())
+            lookup = Lookup(None, None)
+        self.update(lookup, now=time.time())
         return self.is_member(peer_id, now=time.time())

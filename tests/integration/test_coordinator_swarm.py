@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import urllib.error
@@ -16,6 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.store import Store
 from protocol.identity import Identity
+from protocol.membership import Lookup, MemberGate
+from protocol.spec import load_spec
+from protocol.statesync import run_prefix
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_until as wait_for
 
 SPEC = """
@@ -97,7 +101,7 @@ def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_
     coordinator = CoordinatorProcess(spec, tmp_path / "state", db_url)
     operator_key = tmp_path / "state" / "coordinator.key"
     stranger_key = tmp_path / "stranger.key"
-    stranger = None
+    stranger = observer = None
     try:
         address = coordinator.address()
         proc = subprocess.run(
@@ -121,8 +125,13 @@ def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_
         stranger = LocalPeer(["--coordinator", address, "--host", "127.0.0.1", "--key", str(stranger_key),
                               "--wait-for-group", "0"], tmp_path, "stranger")
         stranger.printed(r"^(joined through coordinator)", 120)
+        # authorized averaging: its token is in the run's DHT, and the ban revokes it there
+        observer = MembershipObserver(spec, operator_key, coordinator.printed(r"^dht: (\S+)$", 60))
+        stranger_p2p = stranger.printed(r"^listening: \S+/p2p/(\S+)$", 120)
+        wait_for(lambda: observer.is_member(stranger_p2p), 60, "the stranger's token in the DHT")
         banned = admin(address, operator_key, "ban", stranger_id, "--reason", "testing bans")
         assert banned.returncode == 0 and "1 peer(s) dropped" in banned.stdout, banned.stdout + banned.stderr
+        wait_for(lambda: not observer.is_member(stranger_p2p), 60, "the coordinator to revoke the token in the DHT")
         assert stranger.wait(timeout=120) == 1
         assert any("is banned from this run" in line for line in stranger.lines), "\n".join(stranger.lines[-10:])
         listing = json.loads(admin(address, operator_key, "list", "--json").stdout)
@@ -131,9 +140,33 @@ def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_
         bad = admin(address, operator_key, "ban", "ed25519:nope")
         assert bad.returncode == 1 and "is not a public id" in bad.stderr and "Traceback" not in bad.stderr
     finally:
+        if observer is not None:
+            observer.shutdown()
         if stranger is not None:
             stranger.kill()
         coordinator.kill()
+
+
+class MembershipObserver:
+    """A DHT node that reads a run's members and revocations the way a peer's averager does."""
+
+    def __init__(self, spec: Path, coordinator_key: Path, dht_maddr: str) -> None:
+        from hivemind import DHT
+
+        digest = load_spec(spec).digest()
+        self.gate = MemberGate(coordinator_key=Identity.load(coordinator_key).public_key, run_digest=digest,
+                               prefix=run_prefix(digest))
+        self.dht = DHT(initial_peers=[dht_maddr], client_mode=True, start=True)
+
+    def is_member(self, peer_id: str) -> bool:
+        members = self.dht.get(self.gate.key, latest=True)
+        revocations = self.dht.get(self.gate.revocations_key, latest=True)
+        self.gate.update(Lookup(members.value if members is not None else None,
+                                revocations.value if revocations is not None else None), now=time.time())
+        return self.gate.is_member(peer_id, now=time.time())
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
 
 
 def get(url: str) -> tuple[int, str, str]:

@@ -6,8 +6,11 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
+from protocol.errors import SwarmtrainError
 from protocol.identity import Identity
-from protocol.membership import MemberGate, members_key
+from protocol.membership import Lookup, MemberGate, make_revocations, parse_revocations
 from protocol.tokens import issue_token
 
 RUN = "a" * 64
@@ -15,19 +18,24 @@ COORDINATOR = Identity.generate()
 
 
 def token(peer_id: str, *, coordinator: Identity = COORDINATOR, run: str = RUN, ttl_s: float = 600.0,
-          now: float | None = None) -> bytes:
+          now: float | None = None, peer: Identity | None = None) -> bytes:
     issued = time.time() if now is None else now
-    return issue_token(coordinator, run_digest=run, peer_key=Identity.generate().public_key, now=issued,
+    peer_key = (peer or Identity.generate()).public_key
+    return issue_token(coordinator, run_digest=run, peer_key=peer_key, now=issued,
                        ttl_s=ttl_s, libp2p_peer_id=peer_id).to_bytes()
 
 
+def members(records: dict[Any, Any]) -> Lookup:
+    return Lookup(records, None)
+
+
 def gate(**kwargs: Any) -> MemberGate:
-    return MemberGate(coordinator_key=COORDINATOR.public_key, run_digest=RUN, key=members_key("run"), **kwargs)
+    return MemberGate(coordinator_key=COORDINATOR.public_key, run_digest=RUN, prefix="run", **kwargs)
 
 
 def test_valid_tokens_admit_the_peer_ids_they_are_filed_under() -> None:
     g = gate()
-    g.update({"QmA": token("QmA"), "QmB": token("QmB")}, now=time.time())
+    g.update(members({"QmA": token("QmA"), "QmB": token("QmB")}), now=time.time())
     assert g.is_member("QmA", now=time.time()) and g.is_member("QmB", now=time.time())
     assert not g.is_member("QmC", now=time.time())
 
@@ -35,7 +43,7 @@ def test_valid_tokens_admit_the_peer_ids_they_are_filed_under() -> None:
 def test_bad_records_admit_nobody() -> None:
     now = time.time()
     g = gate()
-    g.update({
+    g.update(members({
         "QmStolen": token("QmOwner"),  # someone else's token filed under another peer id
         "QmForged": token("QmForged", coordinator=Identity.generate()),
         "QmOtherRun": token("QmOtherRun", run="b" * 64),
@@ -43,7 +51,7 @@ def test_bad_records_admit_nobody() -> None:
         "QmJunk": b"\x00not a token",
         "QmText": "not bytes",
         7: token("7"),
-    }, now=now)
+    }), now=now)
     for peer_id in ("QmStolen", "QmOwner", "QmForged", "QmOtherRun", "QmExpired", "QmJunk", "QmText", "7"):
         assert not g.is_member(peer_id, now=now), peer_id
 
@@ -51,7 +59,7 @@ def test_bad_records_admit_nobody() -> None:
 def test_membership_ends_when_the_token_expires() -> None:
     now = time.time()
     g = gate()
-    g.update({"QmA": token("QmA", ttl_s=60.0, now=now)}, now=now)
+    g.update(members({"QmA": token("QmA", ttl_s=60.0, now=now)}), now=now)
     assert g.is_member("QmA", now=now + 59.0)
     assert not g.is_member("QmA", now=now + 60.0)
 
@@ -60,9 +68,9 @@ def test_an_unknown_peer_triggers_a_lookup_at_most_once_per_interval() -> None:
     records: dict[Any, Any] = {}
     lookups = []
 
-    async def fetch() -> dict[Any, Any]:
+    async def fetch() -> Lookup:
         lookups.append(1)
-        return dict(records)
+        return members(dict(records))
 
     async def scenario() -> list[bool]:
         g = gate(refresh_interval_s=3600.0)
@@ -79,18 +87,67 @@ def test_an_unknown_peer_triggers_a_lookup_at_most_once_per_interval() -> None:
 
 
 def test_a_failed_lookup_admits_nobody_new() -> None:
-    async def fetch() -> None:
-        return None
+    async def fetch() -> Lookup:
+        return Lookup(None, None)
 
     assert asyncio.run(gate().admitted("QmA", fetch)) is False
 
 
 def test_a_lookup_that_raises_keeps_the_known_members() -> None:
     g = gate(refresh_interval_s=0.0)
-    g.update({"QmA": token("QmA")}, now=time.time())
+    g.update(members({"QmA": token("QmA")}), now=time.time())
 
-    async def fetch() -> dict[Any, Any]:
+    async def fetch() -> Lookup:
         raise TimeoutError("dht unreachable")
 
     assert asyncio.run(g.admitted("QmB", fetch)) is False
     assert g.is_member("QmA", now=time.time())
+
+
+def test_a_revoked_peer_stops_counting_and_an_older_list_does_not_bring_it_back() -> None:
+    now = time.time()
+    banned, honest = Identity.generate(), Identity.generate()
+    g = gate()
+    g.update(members({"QmBad": token("QmBad", peer=banned), "QmGood": token("QmGood", peer=honest)}), now=now)
+    assert g.is_member("QmBad", now=now)
+    older = make_revocations(COORDINATOR, set(), now=now - 10)
+    newer = make_revocations(COORDINATOR, {banned.public_key.id}, now=now - 5)
+    g.update(Lookup(None, {"c": newer}), now=now)
+    assert not g.is_member("QmBad", now=now) and g.is_member("QmGood", now=now)
+    g.update(Lookup(None, {"c": older}), now=now)  # a stale copy re-stored by someone
+    assert not g.is_member("QmBad", now=now)
+    lifted = make_revocations(COORDINATOR, set(), now=now)
+    g.update(Lookup(None, {"c": lifted}), now=now)
+    assert g.is_member("QmBad", now=now)
+
+
+def test_revocation_lists_not_from_the_coordinator_are_ignored() -> None:
+    now = time.time()
+    honest = Identity.generate()
+    g = gate()
+    g.update(members({"QmGood": token("QmGood", peer=honest)}), now=now)
+    forged = make_revocations(Identity.generate(), {honest.public_key.id}, now=now)
+    g.update(Lookup(None, {"x": forged, "y": b"junk", "z": "text"}), now=now)
+    assert g.is_member("QmGood", now=now)
+    with pytest.raises(SwarmtrainError, match="not by this run's coordinator"):
+        parse_revocations(forged, coordinator_key=COORDINATOR.public_key, now=now)
+
+
+def test_known_members_are_rechecked_so_a_revocation_takes_effect() -> None:
+    banned = Identity.generate()
+    records = {"QmBad": token("QmBad", peer=banned)}
+    revocations: dict[Any, Any] = {}
+
+    async def fetch() -> Lookup:
+        return Lookup(dict(records), dict(revocations))
+
+    async def scenario() -> list[bool]:
+        g = gate(refresh_interval_s=0.0, recheck_s=3600.0)
+        first = await g.admitted("QmBad", fetch)
+        revocations["c"] = make_revocations(COORDINATOR, {banned.public_key.id}, now=time.time())
+        cached = await g.admitted("QmBad", fetch)  # known, recheck not due
+        g.recheck_s = 0.0
+        rechecked = await g.admitted("QmBad", fetch)
+        return [first, cached, rechecked]
+
+    assert asyncio.run(scenario()) == [True, True, False]
