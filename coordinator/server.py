@@ -103,7 +103,7 @@ class CoordinatorServer:
             self.archiver.start()
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        servicer = CoordinatorServicer(self.core)
+        servicer = CoordinatorServicer(self.core, archive=self._archive_status)
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
         pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
         self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
@@ -149,6 +149,14 @@ class CoordinatorServer:
         self.http = uvicorn.Server(config)
         self.http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, daemon=True)
         self.http_thread.start()
+
+    def _archive_status(self) -> tuple[int | None, str]:
+        if self.archiver is None:
+            return None, self.archive_off or "off"
+        checkpoints = self.archiver.checkpoints()
+        config = self.config
+        latest = max((c.round for c in checkpoints), default=None)
+        return latest, f"every {config.archive_every} rounds, last {config.archive_keep} kept"
 
     def _tick_forever(self) -> None:
         while not self.stopped.wait(TICK_S):

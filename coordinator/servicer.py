@@ -26,9 +26,14 @@ T = TypeVar("T")
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, core: Coordinator, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, core: Coordinator, *, clock: Callable[[], float] = time.time,
+        archive: Callable[[], tuple[int | None, str]] | None = None,
+    ) -> None:
         self.core = core
         self.clock = clock
+        self.archive = archive
+        """Returns (newest archived round or None, a line saying how the archive runs)."""
         self.lock = threading.Lock()
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
@@ -41,7 +46,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._call(context, lambda now: self.core.report_round(request.signed, now=now))
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        return self._call(context, lambda now: self.core.status(now=now))
+        status = self._call(context, lambda now: self.core.status(now=now))
+        if self.archive is not None:
+            last_round, description = self.archive()
+            if last_round is not None:
+                status.last_checkpoint_round = last_round
+            status.archive = description
+        return status
 
     def Admin(self, request: pb.AdminRequest, context: grpc.ServicerContext) -> pb.AdminResponse:
         return self._call(context, lambda now: self.core.admin(request.signed, now=now))

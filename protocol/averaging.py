@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 import math
 import random
 import time
@@ -85,9 +86,12 @@ class CodecCompression(CompressionBase):
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers broadcast one encoding of each averaged part."""
 
-    def __init__(self, *, codec: CodecCompression, **kwargs: Any) -> None:
+    def __init__(self, *, codec: CodecCompression, stale: frozenset[PeerID] = frozenset(), **kwargs: Any) -> None:
         super().__init__(compression=codec, part_size_bytes=PART_SIZE_BYTES, **kwargs)
         self.codec = codec
+        self.stale = stale
+        """Members that started the round from another state than the group's majority: their
+        parts count with weight 0 (they still get the average, see it differs, and re-sync)."""
         self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
         self.failed_reducers: set[PeerID] = set()
         self.refused_senders: dict[PeerID, str] = {}
@@ -126,7 +130,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             info = CompressionInfo.from_tensor(raw_part)
             sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
             part = await loop.run_in_executor(None, self.codec.decode, sent, raw_part.numel())
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            weight = 0.0 if self.peer_id in self.stale else self.weight
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
             result = await loop.run_in_executor(None, self.codec.decode, encoded, raw_part.numel())
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
@@ -177,6 +182,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     self.bytes_received += len(msg.tensor_part.buffer)
                     part = await loop.run_in_executor(None, self.codec.decode, msg.tensor_part, numel)
                     weight = _check_weight(msg.weight)
+                    if sender in self.stale:
+                        weight = 0.0
                 except MalformedTensorError as exc:
                     self.refused_senders[sender] = str(exc)
                     logger.warning("refused part #%d from %s: %s", part_index, sender, exc)
@@ -192,6 +199,28 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)
+
+
+def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
+    """Members whose gathered pre-round ``digest`` differs from the one a strict majority of
+    the group gathered (none without such a majority). Every member computes the same set
+    from the same gathered bytes."""
+    digests: dict[PeerID, str | None] = {}
+    for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+        try:
+            _bandwidth, _mode, user_bytes = serializer.loads(raw)
+            data = serializer.loads(user_bytes)
+            digest = data.get("digest") if isinstance(data, dict) else None
+        except Exception:  # noqa: BLE001 - unreadable gather: no digest
+            digest = None
+        digests[peer] = digest if isinstance(digest, str) else None
+    counts = Counter(d for d in digests.values() if d is not None)
+    if not counts:
+        return frozenset()
+    majority, votes = counts.most_common(1)[0]
+    if 2 * votes <= len(digests):
+        return frozenset()
+    return frozenset(peer for peer, digest in digests.items() if digest != majority)
 
 
 def _check_weight(weight: float) -> float:
@@ -245,8 +274,13 @@ class ExactAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         kwargs.pop("compression", None)
         kwargs.pop("part_size_bytes", None)
+        stale = stale_members(group_info, self.serializer)
+        if stale:
+            logger.warning("round with %s: they started from another state than the group; their parts count 0",
+                           sorted(map(str, stale)))
         runner = self.runner_class(
             codec=self.codec_compression,
+            stale=stale,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

@@ -243,7 +243,7 @@ class PeerStatus(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers")
+    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive")
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class StatusResponse(_message.Message):
     ROUNDS_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_TIME_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     spec_digest: str
     current_round: int
@@ -262,7 +264,9 @@ class StatusResponse(_message.Message):
     rounds_per_hour: float
     last_round_time: float
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
-    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ...) -> None: ...
+    last_checkpoint_round: int
+    archive: str
+    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_checkpoint_round: _Optional[int] = ..., archive: _Optional[str] = ...) -> None: ...
 
 class AdminBody(_message.Message):
     __slots__ = ("action", "key", "reason")

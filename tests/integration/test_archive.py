@@ -13,6 +13,7 @@ from pathlib import Path
 from coordinator.archive import CheckpointArchive
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_until
+from tests.integration.test_coordinator_swarm import status
 
 SPEC = """
 [run]
@@ -91,6 +92,9 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
         finalized = {r["round"]: r["state_digest"] for r in get(base, "api/v1/rounds")}
         assert finalized[latest.round] == latest.state_digest
         assert get(base, "api/v1/status")["last_checkpoint_round"] == latest.round
+        terminal = status(coordinator.address())
+        assert terminal["last_checkpoint_round"] == latest.round
+        assert terminal["archive"] == f"every {EVERY} rounds, last {KEEP} kept"
 
         # no peer left to serve the latest state: a newcomer falls back to the archive
         _, round_, row = newcomer(coordinator.address(), tmp_path, "late1")

@@ -1,5 +1,6 @@
 """Bad tensors from another peer (NaN/Inf, wrong size, bad weight) never reach the result:
-the sender is excluded with a logged reason and honest peers still agree bit for bit."""
+the sender is excluded with a logged reason and honest peers still agree bit for bit. A
+member that started the round from another state than the group counts for nothing."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def weight_liar(weight: float) -> type[ExactAverager]:
     return type("ExactAverager", (ExactAverager,), {"runner_class": LyingRunner})
 
 
-def run_group(bad: type[CodecCompression] | None, bad_weight: float = 1.0) -> list[torch.Tensor | None]:
+def run_group(
+    bad: type[CodecCompression] | None, bad_weight: float = 1.0, gathers: list[dict] | None = None
+) -> list[torch.Tensor | None]:
     codec = get_codec("none")
     first = DHT(start=True, host_maddrs=LOOPBACK)
     dhts = [first] + [DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs()) for _ in range(2)]
@@ -70,7 +73,8 @@ def run_group(bad: type[CodecCompression] | None, bad_weight: float = 1.0) -> li
 
         def step(i: int) -> None:
             try:
-                outcome = averagers[i].step(weight=1.0, timeout=30, allow_retries=False)
+                gather = gathers[i] if gathers is not None else None
+                outcome = averagers[i].step(weight=1.0, timeout=30, allow_retries=False, gather=gather)
             except Exception:  # noqa: BLE001 - a failed step leaves the vector untouched
                 outcome = None
             if outcome:
@@ -109,3 +113,12 @@ def test_bad_contribution_is_excluded(bad: type[CodecCompression] | None, weight
         assert bool(torch.isfinite(result).all())
         assert torch.equal(result, torch.full((NUMEL,), 1.5))  # (1 + 2) / 2: the attacker is left out
     assert len(honest) == 2
+
+
+def test_a_member_that_started_from_another_state_counts_zero_and_gets_the_average() -> None:
+    """Peer 2 gathered another pre-round digest than the other two: its parts count with
+    weight 0 everywhere, and it receives the same average (so it sees it is out of sync)."""
+    results = run_group(None, gathers=[{"digest": "sha256:a"}, {"digest": "sha256:a"}, {"digest": "sha256:b"}])
+    assert all(r is not None for r in results), results
+    for result in results:
+        assert torch.equal(result, torch.full((NUMEL,), 1.5))  # (1 + 2) / 2, bit for bit on all three

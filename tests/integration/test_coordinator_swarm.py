@@ -81,6 +81,11 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         assert store.rounds()
         final = status(address)
         assert final["current_round"] >= 1 and final["run_name"] == "coord"
+        assert final["archive"].startswith("every ") and (final["last_checkpoint_round"] is None
+                                                           or final["last_checkpoint_round"] >= 0)
+        table = subprocess.run([*swarmtrain_executable(), "status", "--coordinator", address],
+                               capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0 and "archive every " in table.stdout, table.stdout + table.stderr
         check_http(coordinator.http(), peers=3)
         store.close()
     finally:
