@@ -18,7 +18,7 @@ from swarmtrain import __version__
 from peer import cli as peer_cli
 from coordinator import cli as coordinator_cli
 from swarmtrain.commands import admin, demo, doctor, keygen, spec, status
-from swarmtrain.lifetime import tie_children_to_this_process
+from swarmtrain.lifetime import leave_with_parent, tie_children_to_this_process
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(args.verbose)
     tie_children_to_this_process()
+    leave_with_parent()
     prog = f"swarmtrain {args.command}"
     try:
         return int(args.run(args))

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from swarmtrain.lifetime import PARENT_ENV
+
 MADDR_RE = re.compile(r"^listening: (/ip4/127\.0\.0\.1/\S+)$")
 
 
@@ -37,6 +39,14 @@ def wait_until(predicate: Callable[[], bool], deadline_s: float, what: str) -> N
     raise TimeoutError(f"timed out after {deadline_s:.0f} s waiting for {what}")
 
 
+def _parent_env() -> dict[str, str]:
+    """Tell the child to leave when this process dies (``swarmtrain.lifetime``). Only from the
+    main thread: the kernel signals the child when the *thread* that started it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {PARENT_ENV: str(os.getpid())}
+
+
 class _Child:
     """A `swarmtrain` child in its own process group, its output kept and logged to a file."""
 
@@ -48,7 +58,7 @@ class _Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **_parent_env(), **env},
             # its own process group: hivemind's DHT/averager children and p2pd die with it
             start_new_session=True,
         )

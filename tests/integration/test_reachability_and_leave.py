@@ -138,3 +138,53 @@ def test_sigkill_takes_the_hivemind_children_along(tmp_path: Path) -> None:
     finally:
         peer.kill()
         coordinator.kill()
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+    """Pids of the group ``pgid`` that are still running (zombies waiting for init do not count)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def test_local_children_leave_when_their_starter_is_killed(tmp_path: Path) -> None:
+    """`swarmtrain demo` (or any user of swarmtrain.localswarm) killed with SIGKILL: the peers
+    it started leave by themselves, with their hivemind children."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(min_group=2))
+    starter_code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from swarmtrain.localswarm import LocalPeer\n"
+        f"peer = LocalPeer(['--spec', {str(spec)!r}, '--host', '127.0.0.1', '--key', {str(tmp_path / 'k0')!r}],"
+        f" Path({str(tmp_path)!r}), 'peer0')\n"
+        "peer.wait_for_maddr()\n"
+        "print(peer.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", starter_code], stdout=subprocess.PIPE, text=True)
+    peer_pid = 0
+    try:
+        assert starter.stdout is not None
+        peer_pid = int(starter.stdout.readline())
+        assert _alive_in_group(peer_pid)
+        starter.kill()
+        starter.wait(timeout=30)
+        wait_for(lambda: not _alive_in_group(peer_pid), 60, "the orphaned peer to leave")
+    finally:
+        starter.kill()
+        starter.wait(timeout=30)
+        if peer_pid:
+            try:
+                os.killpg(peer_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
