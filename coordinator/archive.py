@@ -61,10 +61,13 @@ class CheckpointArchive:
     def save(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, *, now: float) -> ArchivedState:
         """Write a state; returns its listing entry. Older checkpoints beyond ``keep`` are removed."""
         digest = state_digest(round_, params, momentum)
-        path = self.checkpointer.save({"round": round_, "params": params, "momentum": momentum, "archived_at": now})
+        record = {"round": round_, "params": params, "momentum": momentum, "archived_at": now}
+        path = self.checkpointer.save(record, prune=False)
         entry = ArchivedState(round_, digest, path.stat().st_size, now, path.name)
         kept = [e for e in self.list() if e.round != round_ and (self.directory / e.file).exists()]
-        self._write_index([entry, *kept][: self.keep])
+        # the index first, then the files it no longer lists: a listed file is always on disk
+        self._write_index(sorted([entry, *kept], key=lambda e: e.round, reverse=True)[: self.keep])
+        self.checkpointer.prune()
         return entry
 
     def list(self) -> list[ArchivedState]:

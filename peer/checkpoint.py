@@ -38,8 +38,10 @@ class Checkpointer:
         except OSError as exc:
             raise ConfigError(f"{self.directory}: cannot create checkpoint directory ({exc.strerror})") from exc
 
-    def save(self, payload: dict[str, Any]) -> Path:
-        """Write ``payload`` (must hold round, params, momentum) as the newest checkpoint."""
+    def save(self, payload: dict[str, Any], *, prune: bool = True) -> Path:
+        """Write ``payload`` (must hold round, params, momentum) as the newest checkpoint; then,
+        unless ``prune`` is False (the caller calls ``prune()`` itself), drop the oldest beyond
+        ``keep``."""
         record = {"format": FORMAT, "spec_digest": self.spec_digest, **payload}
         record["state_digest"] = state_digest(record["round"], record["params"], record["momentum"])
         path = self.directory / f"{_PREFIX}{record['round']:09d}{_SUFFIX}"
@@ -49,7 +51,8 @@ class Checkpointer:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
-        self._prune()
+        if prune:
+            self.prune()
         return path
 
     def latest(self) -> dict[str, Any] | None:
@@ -83,6 +86,7 @@ class Checkpointer:
     def _files(self) -> list[Path]:
         return [p for p in self.directory.glob(f"{_PREFIX}*{_SUFFIX}") if p.is_file()]
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints."""
         for old in sorted(self._files(), reverse=True)[self.keep :]:
             old.unlink(missing_ok=True)

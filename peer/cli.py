@@ -8,6 +8,7 @@ happen only after the arguments parsed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -198,6 +199,15 @@ def _hold_late_signals() -> None:
     has already put the default handlers back) stays pending instead of turning exit status 0
     into death by signal."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    # the mask holds only for this thread; a signal delivered to another one is ignored
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _tell(message: str) -> None:
+    """A line on stderr that must not fail: a closed pipe (the starter died) is ignored."""
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=sys.stderr, flush=True)
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:
@@ -215,10 +225,10 @@ def _install_signal_handlers(stop: threading.Event) -> None:
             os.kill(os.getpid(), signum)
             return
         if stop.is_set():
-            print("second interrupt: exiting now", file=sys.stderr, flush=True)
+            _tell("second interrupt: exiting now")
             raise SystemExit(130)
-        print("leaving after the current round (interrupt again to exit now)", file=sys.stderr, flush=True)
-        stop.set()
+        stop.set()  # first: the message may fail (its reader, e.g. the starter, may be gone)
+        _tell("leaving after the current round (interrupt again to exit now)")
 
     signal.signal(signal.SIGINT, handle)
     signal.signal(signal.SIGTERM, handle)

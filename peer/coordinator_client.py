@@ -56,6 +56,14 @@ class JoinInfo:
     current_round: int
 
 
+# a restarted coordinator is found again within seconds (gRPC's default backoff grows to 120 s)
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+
 class CoordinatorClient:
     """Signed, timed calls to one coordinator."""
 
@@ -63,7 +71,7 @@ class CoordinatorClient:
         if ":" not in address:
             raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
         self.address, self.identity, self.software_version = address, identity, software_version
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def join(self, *, libp2p_peer_id: str = "", maddrs: list[str] | None = None, reachable: bool = True,

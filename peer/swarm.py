@@ -59,14 +59,14 @@ class RoundResult:
     round_s: float = 0.0
     """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
 
-    def majority_digest(self) -> str | None:
-        """The pre-round digest most members started from (None if nobody said)."""
-        counts: dict[str, int] = {}
-        for member in self.members:
-            digest = member.get("digest")
-            if isinstance(digest, str):
-                counts[digest] = counts.get(digest, 0) + 1
-        return max(counts, key=lambda d: (counts[d], d)) if counts else None
+    def started_with_majority(self, pre_digest: str) -> bool:
+        """Whether ``pre_digest`` is the pre-round digest a strict majority of the group
+        started from (as ``stale_members`` decides). True if no member said; False on a tie,
+        where nobody can tell which state is the swarm's, so every member re-checks."""
+        digests = [m.get("digest") for m in self.members if isinstance(m.get("digest"), str)]
+        if not digests:
+            return True
+        return 2 * digests.count(pre_digest) > max(self.group_size, len(self.members))
 
 
 @dataclass
@@ -194,14 +194,24 @@ class Swarm:
         """Ids of the training peers (but ``exclude``) whose latest digest record is of ``round_``."""
         return {r.signer.id for r in self.records(exclude=exclude) if r.round == round_ and not r.archive}
 
-    def publish_membership(self, token: bytes) -> None:
+    def publish_membership(self, token: bytes, timeout_s: float = 30.0) -> bool:
         """Publish this peer's access token (bound to its libp2p peer id) so that the run's
-        other peers let it average with them; until the token expires (does not block)."""
+        other peers let it average with them, until the token expires. Waits up to
+        ``timeout_s`` for the DHT to store it (before the first round, so that nobody turns
+        this peer away for a record still on its way); False, logged, if it did not."""
         decoded = decode_token(token)
         if decoded.libp2p_peer_id != str(self.dht.peer_id):
             raise ValueError(f"the token is for libp2p peer {decoded.libp2p_peer_id!r}, not {self.dht.peer_id}")
         key = members_key(self.averager.prefix)
-        self.dht.store(key, token, decoded.expires_at, subkey=decoded.libp2p_peer_id, return_future=True)
+        future = self.dht.store(key, token, decoded.expires_at, subkey=decoded.libp2p_peer_id, return_future=True)
+        try:
+            stored = bool(future.result(timeout=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a DHT hiccup: peers will look again later
+            logger.warning("could not publish this peer's access token in the DHT: %s", exc)
+            return False
+        if not stored:
+            logger.warning("the DHT did not store this peer's access token; other peers may refuse it")
+        return stored
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.averager.set_allreduce_timeout(timeout_s)

@@ -4,9 +4,12 @@ The spec's ``matchmaking_timeout_s`` and ``allreduce_timeout_s`` are the startin
 After each successful round the peer records how long it waited for a group (launch to
 all-reduce start, which includes waiting for slower peers to finish their inner phase)
 and how long the all-reduce itself took; deadlines become ``factor`` times the moving
-average plus a small margin, clamped to [spec / 4, spec × 4] (never below 2 s; the
-matchmaking deadline never below spec / 2, since hivemind waits spec / 3 for a group to fill). A failed
-round widens both by half, so a deadline that proved too tight recovers quickly.
+average plus a small margin, clamped to [spec / 4, spec × 4] (never below 2 s). The
+matchmaking deadline never drops below the spec's: it must cover how far apart peers finish
+their inner phases, which changes from round to round (a peer that arrived last, and so
+waited for nobody, may arrive first next time), and a group that fills early starts at once
+whatever the deadline, so a long one costs nothing in a healthy swarm. A failed round
+widens both by half, so a deadline that proved too tight recovers quickly.
 """
 
 from __future__ import annotations
@@ -45,13 +48,13 @@ class AdaptiveTimeouts:
         self._seen_matchmaking = _ema(self._seen_matchmaking, max(matchmaking_s, 0.0), self.alpha)
         self._seen_allreduce = _ema(self._seen_allreduce, max(allreduce_s, 0.0), self.alpha)
         self._matchmaking_s = self._clamp(
-            self.factor * self._seen_matchmaking + self.margin_s, self.base_matchmaking_s, floor=0.5
+            self.factor * self._seen_matchmaking + self.margin_s, self.base_matchmaking_s, floor=1.0
         )
         self._allreduce_s = self._clamp(self.factor * self._seen_allreduce + self.margin_s, self.base_allreduce_s)
 
     def failed(self) -> None:
         """A round failed (no group, timeout): widen both deadlines."""
-        self._matchmaking_s = self._clamp(self._matchmaking_s * 1.5, self.base_matchmaking_s, floor=0.5)
+        self._matchmaking_s = self._clamp(self._matchmaking_s * 1.5, self.base_matchmaking_s, floor=1.0)
         self._allreduce_s = self._clamp(self._allreduce_s * 1.5, self.base_allreduce_s)
 
     @staticmethod

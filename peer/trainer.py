@@ -266,8 +266,7 @@ class Trainer:
             if self.feedback:
                 self.feedback.load_residual(flight.residual_before)
         else:
-            majority = result.majority_digest()
-            if majority is not None and majority != flight.pre_digest:
+            if not result.started_with_majority(flight.pre_digest):
                 self.in_sync = False
                 logger.warning("this peer started round %d from another state than its group", self.state.round)
             outer_step(self.state, result.averaged, self.spec.outer)

@@ -30,13 +30,22 @@ def swarmtrain_executable() -> list[str]:
 
 
 def wait_until(predicate: Callable[[], bool], deadline_s: float, what: str) -> None:
-    """Poll ``predicate`` until it holds; ``TimeoutError`` naming ``what`` after ``deadline_s``."""
+    """Poll ``predicate`` until it holds; ``TimeoutError`` naming ``what`` after ``deadline_s``.
+
+    A predicate that fails the way a service still starting or busy makes it fail (a refused
+    or timed-out connection, a command that timed out, a failed check) counts as "not yet";
+    the last such error is named in the ``TimeoutError``."""
     deadline = time.monotonic() + deadline_s
+    last: Exception | None = None
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        try:
+            if predicate():
+                return
+        except (OSError, AssertionError, subprocess.SubprocessError) as exc:
+            last = exc
         time.sleep(0.1)
-    raise TimeoutError(f"timed out after {deadline_s:.0f} s waiting for {what}")
+    detail = f" (last error: {last!r})" if last is not None else ""
+    raise TimeoutError(f"timed out after {deadline_s:.0f} s waiting for {what}{detail}")
 
 
 def _parent_env() -> dict[str, str]:

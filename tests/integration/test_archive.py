@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import urllib.request
 from pathlib import Path
 
@@ -74,17 +75,25 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
             return len(kept) >= 2 and kept[0]["round"] >= kept[1]["round"] + EVERY
 
         wait_until(archived_twice, 240, "two archived checkpoints")
+        for peer in peers:  # all leave at once (each finishes its round first)
+            peer.proc.send_signal(signal.SIGTERM)
         for peer in peers:
-            peer.stop()
+            peer.stop(grace_s=90)
             assert peer.proc.returncode == 0, "\n".join(peer.lines[-20:])
 
+        def on_disk() -> list[str]:
+            return sorted(p.name for p in (state / "archive").glob("round-*.pt"))
+
+        # a save the archiver began before the peers left may still be landing
+        def settled() -> bool:
+            return sorted(c["file"] for c in get(base, "api/v1/checkpoints")["checkpoints"]) == on_disk()
+
+        wait_until(settled, 60, "the archive listing to match the files on disk")
         listing = get(base, "api/v1/checkpoints")
         assert listing["enabled"] and listing["every_rounds"] == EVERY
         kept = listing["checkpoints"]
         assert 1 <= len(kept) <= KEEP and [c["round"] for c in kept] == sorted((c["round"] for c in kept), reverse=True)
-        # what is on disk is what is listed, and it verifies
-        files = sorted(p.name for p in (state / "archive").glob("round-*.pt"))
-        assert files == sorted(c["file"] for c in kept)
+        assert on_disk() == sorted(c["file"] for c in kept)
         latest = CheckpointArchive(state / "archive", spec_digest=load_spec(spec).digest(), keep=KEEP).load_latest()
         assert latest is not None and (latest.round, latest.state_digest) == (kept[0]["round"], kept[0]["state_digest"])
         # an archived state is one the swarm agreed on: its digest is the finalized one (once that round is)

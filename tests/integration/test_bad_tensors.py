@@ -60,7 +60,7 @@ def run_group(
             averager_class = weight_liar(bad_weight) if malicious and bad_weight != 1.0 else ExactAverager
             averager = averager_class(
                 NUMEL, dht, codec=codec, prefix="badtensors", start=False, min_group_size=3, target_group_size=3,
-                min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=15.0, next_chunk_timeout=5.0,
+                min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=15.0, next_chunk_timeout=5.0,
                 client_mode=malicious,  # the attacker only sends; honest peers reduce
             )
             if malicious and bad is not None:

@@ -56,9 +56,11 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
         victim = peers[2]
         # kill peer 2 once it has finished a round and launched the next averaging
         wait_for(lambda: len(rows(tmp_path / "peer2.jsonl")) >= 2, 180, "peer 2 to finish 2 rounds")
-        wait_for(lambda: any("averaging round 2:" in line for line in victim.lines), 60, "peer 2 to start averaging")
+        # its third launch ("averaging round N: ..."; N depends on how its first rounds went)
+        wait_for(lambda: sum("averaging round " in line for line in victim.lines) >= 3, 60,
+                 "peer 2 to start averaging again")
         victim.kill()
-        killed_after = len(rows(tmp_path / "peer0.jsonl"))
+        killed_after = {i: len(rows(tmp_path / f"peer{i}.jsonl")) for i in (0, 1)}
         late = start(3, [maddr], rounds=LATE_ROUNDS)
         assert late.wait(timeout=300) == 0, "\n".join(late.lines[-30:])
         for i in (0, 1):
@@ -69,17 +71,20 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
             peer.kill()
 
     survivors = [rows(tmp_path / f"peer{i}.jsonl") for i in (0, 1)]
-    assert all(len(h) >= killed_after + LATE_ROUNDS for h in survivors)
-    # the round in flight when peer 2 died ends within one averaging timeout
-    for history in survivors:
-        for row in history[killed_after : killed_after + 2]:
-            assert row["wait_s"] <= MATCHMAKING_S + ALLREDUCE_S + 5, row
+    assert all(len(h) >= killed_after[i] + LATE_ROUNDS for i, h in enumerate(survivors))
+    # the round in flight when peer 2 died ends within the deadlines that peer had set for it
+    # (adaptive: the row before records them; 10% slack, as deadlines are pushed to hivemind
+    # only when they move by more than that)
+    for i, history in enumerate(survivors):
+        first = max(killed_after[i], 1)
+        for before, row in zip(history[first - 1 : first + 2], history[first:]):
+            bound = 1.1 * (before["matchmaking_timeout_s"] + before["allreduce_timeout_s"]) + 5
+            assert row["wait_s"] <= bound, (row, bound)
     # survivors keep identical digests whenever they averaged together
     for r0, r1 in zip(*survivors):
         if r0["averaged"] and r1["averaged"] and r0["round"] == r1["round"]:
             assert r0["state_digest"] == r1["state_digest"], (r0, r1)
-    both = [h for h in survivors]
-    assert all(h[-1]["loss"] < h[killed_after - 1]["loss"] for h in both)
+    assert all(h[-1]["loss"] < h[max(killed_after[i], 1) - 1]["loss"] for i, h in enumerate(survivors))
     # the late joiner adopted the verified state and then agrees with the survivors
     assert any("adopted the swarm's state of round" in line for line in late.lines), "\n".join(late.lines[-30:])
     late_rows = rows(tmp_path / "peer3.jsonl")

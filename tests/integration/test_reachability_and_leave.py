@@ -80,11 +80,7 @@ def test_sigint_and_sigterm_leave_cleanly(tmp_path: Path) -> None:
 
 
 def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return not _alive_in_group(pgid)
 
 
 def test_sigterm_while_starting_leaves_cleanly(tmp_path: Path) -> None:

@@ -39,3 +39,12 @@ def test_archive_of_another_run_is_not_served(tmp_path: Path) -> None:
     assert CheckpointArchive(tmp_path, spec_digest="sha256:two", keep=2).load_latest() is None
     with pytest.raises(ConfigError):
         CheckpointArchive(tmp_path, spec_digest="sha256:one", keep=0)
+
+def test_an_older_round_saved_late_keeps_the_listing_true_to_the_disk(tmp_path: Path) -> None:
+    """After a restart the archive may save a round older than one it holds: the listing and
+    the files kept agree (the newest rounds), never naming a file that was pruned."""
+    archive = CheckpointArchive(tmp_path, spec_digest="sha256:run", keep=2)
+    for round_ in (5, 3, 1):
+        archive.save(round_, torch.full((4,), float(round_)), torch.zeros(4), now=float(round_))
+    assert [e.round for e in archive.list()] == [5, 3]
+    assert sorted(p.name for p in tmp_path.glob("round-*.pt")) == sorted(e.file for e in archive.list())
