@@ -265,6 +265,11 @@ class Trainer:
         if result is None:
             if self.feedback:
                 self.feedback.load_residual(flight.residual_before)
+            if self._swarm_moved_on():
+                # others averaged without us: training on from the old state would only make
+                # this peer a stale member of its next group (weight 0), so re-sync first
+                logger.warning("round %d failed here but the swarm moved on; catching up", self.state.round)
+                self.in_sync = False
         else:
             if not result.started_with_majority(flight.pre_digest):
                 self.in_sync = False
@@ -276,6 +281,12 @@ class Trainer:
         self.start_point = self.state.params.clone()
         if not self.in_sync:
             self.catch_up()
+
+    def _swarm_moved_on(self) -> bool:
+        """Whether the DHT already shows a later agreed round than this peer's (best effort:
+        the others may not have published yet; then the next group spots it)."""
+        accepted = self.swarm.accepted_state(exclude=self.identity.public_key)
+        return accepted is not None and accepted[0] > self.state.round
 
     def _publish(self) -> None:
         digest = self.state.digest()

@@ -106,6 +106,7 @@ class LocalPeer(_Child):
 
     def __init__(self, args: list[str], workdir: Path, name: str, *, threads: int = 1) -> None:
         self.metrics_file = workdir / f"{name}.jsonl"
+        self._asked_to_leave = False
         # one torch thread per peer: several peers share this machine's cores
         argv = ["peer", *args, "--metrics-file", str(self.metrics_file)]
         super().__init__(argv, workdir / f"{name}.log", name, {"OMP_NUM_THREADS": str(threads)})
@@ -131,10 +132,17 @@ class LocalPeer(_Child):
         self._reader.join(timeout=10)
         return code
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM (graceful leave), then SIGKILL after ``grace_s``; always reaps."""
-        if self.proc.poll() is None:
+    def leave(self) -> None:
+        """Ask the peer to leave after its current round (one SIGTERM; a second would mean
+        "exit now"). Returns at once; ``stop`` waits."""
+        if self.proc.poll() is None and not self._asked_to_leave:
+            self._asked_to_leave = True
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Graceful leave (``leave``), then SIGKILL after ``grace_s``; always reaps."""
+        if self.proc.poll() is None:
+            self.leave()
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import urllib.request
 from pathlib import Path
 
@@ -76,7 +75,7 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
 
         wait_until(archived_twice, 240, "two archived checkpoints")
         for peer in peers:  # all leave at once (each finishes its round first)
-            peer.proc.send_signal(signal.SIGTERM)
+            peer.leave()
         for peer in peers:
             peer.stop(grace_s=90)
             assert peer.proc.returncode == 0, "\n".join(peer.lines[-20:])

@@ -208,3 +208,39 @@ def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
     assert trainer.catch_up()
     assert trainer.state.round == 3 and trainer.state.digest() == served.digest()
     assert Averager.asked == [{"sha256:round5"}, {"sha256:round4"}, {served.digest()}]  # newest first
+
+
+def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -> None:
+    """Others averaged without this peer (its round failed): it adopts their state now instead
+    of training a round that its next group would count for nothing."""
+    spec = parse_spec(SPEC)
+    task = build_task(spec, shard_seed=1)
+    start = GlobalState.from_model(task.model)
+    theirs = GlobalState(start.params + 0.25, start.momentum, 1)
+
+    class Averager:
+        state_provider = None
+
+        def load_verified_state(self, accept: set[str], timeout: float) -> Any:
+            return (1, theirs.params, theirs.momentum) if theirs.digest() in accept else None
+
+    class Swarm(RecordingSwarm):
+        def accepted_state(self, **kwargs: Any) -> tuple[int, set[str]] | None:
+            return (1, {theirs.digest()}) if self.launched else None  # published while we averaged
+
+    swarm = Swarm()
+    swarm.averager = Averager()
+    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    trainer.run()
+    row = trainer.history[0]
+    assert not row["averaged"] and row["in_sync"]
+    assert trainer.state.round == 1 and trainer.state.digest() == theirs.digest() == row["state_digest"]
+    assert torch.equal(flatten(trainer.model), theirs.params) and torch.equal(trainer.start_point, theirs.params)
+
+
+def test_a_failed_round_with_nobody_ahead_keeps_this_peer_s_state() -> None:
+    trainer, swarm = make_trainer()
+    swarm.accepted_state = lambda **kwargs: (0, {trainer.state.digest()})  # type: ignore[method-assign]
+    before = trainer.state.digest()
+    trainer.run()
+    assert trainer.state.digest() == before and trainer.history[0]["in_sync"]
