@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from peer.progress import ProgressDisplay
 from protocol.errors import AdmissionError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -146,15 +147,20 @@ def run(args: argparse.Namespace) -> int:
             wait_for_group_s=args.wait_for_group,
             stop=stop,
         )
-        report = _reporter(args.metrics_file)
+        display = ProgressDisplay()
+        display.guard_logging()
+        report = _reporter(args.metrics_file, display)
 
         def on_round(metrics: dict[str, Any]) -> None:
             report(metrics)
             if link is not None:
                 link.report(metrics)
 
-        trainer = Trainer(spec, task, swarm, options, on_round=on_round)
-        trainer.run()
+        trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display)
+        try:
+            trainer.run()
+        finally:
+            display.clear()
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
     finally:
@@ -176,16 +182,9 @@ def _announce(run_name: str, public_id: str, created: bool, swarm: Any, args: ar
         print("started a new swarm; others join with --initial-peers " + " ".join(swarm.visible_maddrs), flush=True)
 
 
-def _reporter(metrics_file: Path | None) -> Any:
+def _reporter(metrics_file: Path | None, display: ProgressDisplay) -> Any:
     def report(metrics: dict[str, Any]) -> None:
-        line = (
-            f"round {metrics['round']:>4} | loss {metrics['loss']:.4f} | "
-            f"{metrics['samples'] / max(metrics['wall_s'], 1e-9):8.1f} samples/s | group {metrics['group_size']} | "
-            f"sent {metrics['bytes_sent'] / 1e6:.2f} MB | wait {metrics['wait_s']:.2f} s"
-            + ("" if metrics["averaged"] else " | averaging failed")
-            + ("" if metrics["in_sync"] else " | OUT OF SYNC")
-        )
-        print(line, flush=True)
+        display.round_done(metrics)
         if metrics_file is not None:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
             with metrics_file.open("a") as out:
@@ -205,9 +204,10 @@ def _hold_late_signals() -> None:
 
 
 def _tell(message: str) -> None:
-    """A line on stderr that must not fail: a closed pipe (the starter died) is ignored."""
+    """A line on stderr that must not fail: a closed pipe (the starter died) is ignored. On a
+    terminal it starts on a line of its own (the progress line may be showing)."""
     with contextlib.suppress(OSError, ValueError):
-        print(message, file=sys.stderr, flush=True)
+        print(("\n" if sys.stderr.isatty() else "") + message, file=sys.stderr, flush=True)
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from peer.checkpoint import Checkpointer
+from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.state import GlobalState, flatten, load_flat, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
 from peer.timeouts import AdaptiveTimeouts
@@ -93,9 +94,11 @@ class Trainer:
         swarm: Swarm,
         options: TrainerOptions,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        progress: ProgressSink | None = None,
     ) -> None:
         self.spec, self.task, self.swarm, self.options = spec, task, swarm, options
         self.on_round = on_round or (lambda metrics: None)
+        self.progress: ProgressSink = progress or NoProgress()
         self.model = task.model.to(options.device)
         self.state = GlobalState.from_model(self.model)
         self.start_point = self.state.params.clone()
@@ -172,7 +175,8 @@ class Trainer:
 
     def _inner_phase(self, in_flight: _InFlight | None) -> tuple[int, float, _InFlight | None]:
         rounds = self.spec.rounds
-        deadline = time.monotonic() + rounds.time_budget_s if rounds.time_budget_s else math.inf
+        started = time.monotonic()
+        deadline = started + rounds.time_budget_s if rounds.time_budget_s else math.inf
         steps = rounds.inner_steps or 1 << 62
         samples, loss_sum, done = 0, 0.0, 0
         self.model.train()
@@ -180,6 +184,10 @@ class Trainer:
             loss_sum += self._inner_step()
             samples += self.task.samples_per_batch
             done += 1
+            self.progress.inner_step(
+                InnerProgress(self.state.round, done, rounds.inner_steps, time.monotonic() - started,
+                              rounds.time_budget_s, samples, loss_sum / done)
+            )
             if in_flight is not None and in_flight.pending.done():
                 self._finish(in_flight)
                 in_flight = None
@@ -223,6 +231,8 @@ class Trainer:
 
     def _finish(self, flight: _InFlight) -> None:
         wait_started = time.monotonic()
+        if not flight.pending.done():
+            self.progress.waiting(self.state.round)
         result = flight.pending.result()
         wait_s = time.monotonic() - wait_started
         self._apply(flight, result)

@@ -244,3 +244,35 @@ def test_a_failed_round_with_nobody_ahead_keeps_this_peer_s_state() -> None:
     before = trainer.state.digest()
     trainer.run()
     assert trainer.state.digest() == before and trainer.history[0]["in_sync"]
+
+
+def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging() -> None:
+    from peer.progress import InnerProgress
+
+    class Sink:
+        def __init__(self) -> None:
+            self.events: list[Any] = []
+
+        def inner_step(self, progress: InnerProgress) -> None:
+            self.events.append(progress)
+
+        def waiting(self, round_: int) -> None:
+            self.events.append(("waiting", round_))
+
+    class SlowPending(_Pending):
+        def done(self) -> bool:
+            return False
+
+    class Swarm(RecordingSwarm):
+        def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
+            super().start_round(vector, weight=weight, gather=gather, timeout=timeout)
+            return SlowPending(None)
+
+    spec = parse_spec(SPEC)
+    sink = Sink()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), Swarm(), TrainerOptions(max_rounds=2), progress=sink)  # type: ignore[arg-type]
+    trainer.run()
+    steps = [event for event in sink.events if isinstance(event, InnerProgress)]
+    assert [(p.round, p.step, p.steps, p.samples) for p in steps] == [(0, 1, 2, 2), (0, 2, 2, 4)] * 2
+    assert all(p.loss > 0 and p.elapsed_s > 0 and p.budget_s is None for p in steps)
+    assert [event for event in sink.events if isinstance(event, tuple)] == [("waiting", 0)] * 2
