@@ -17,6 +17,8 @@ import logging
 import math
 import time
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from coordinator.admission import admit, parse_body
 from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.health import HealthConfig, HealthTracker
@@ -140,7 +142,16 @@ class Coordinator:
             samples_per_second=body.samples_per_second, samples_total=body.samples_total,
             loss=body.loss if math.isfinite(body.loss) else None,
         )
-        return pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
+        response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
+        try:
+            credit = self.store.credit_of(peer.id)
+        except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
+            logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
+            return response
+        response.credited_samples = credit["samples"]
+        response.credited_flops = credit["flops"]
+        response.pending_samples = credit["pending_samples"]
+        return response
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
         peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now)

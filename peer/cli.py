@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             wait_for_group_s=args.wait_for_group,
             stop=stop,
         )
-        display = ProgressDisplay()
+        display = ProgressDisplay(credit=lambda: link.credit if link is not None else None)
         display.guard_logging()
         report = _reporter(args.metrics_file, display)
 
@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         if link is not None:
             link.stop()
         swarm.shutdown()
+    if link is not None and link.credit is not None:
+        print(f"coordinator: {link.credit.describe()}", flush=True)
     print("peer stopped cleanly", flush=True)
     _hold_late_signals()
     return 0

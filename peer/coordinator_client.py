@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from peer.progress import Credit
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
@@ -128,6 +129,8 @@ class CoordinatorLink(threading.Thread):
         self.status = pb.HeartbeatBody(phase=pb.PEER_PHASE_JOINING)
         self.stopping = threading.Event()
         self.connected = False
+        self.credit: Credit | None = None
+        """This peer's credit as the coordinator's last heartbeat answer had it."""
         self._flush_lock = threading.Lock()
 
     def report(self, metrics: dict[str, Any]) -> None:
@@ -154,6 +157,7 @@ class CoordinatorLink(threading.Thread):
         while not self.stopping.wait(0 if not self.connected else self.interval_s):
             try:
                 response = self.client.heartbeat(self.status)
+                self._note_credit(response)
                 if not response.admitted:
                     logger.info("coordinator: %s", response.message)
                     self._rejoin()
@@ -171,6 +175,10 @@ class CoordinatorLink(threading.Thread):
             except SwarmtrainError as exc:
                 self.connected = True  # wait a whole interval before retrying
                 logger.warning("coordinator unreachable (training goes on): %s", exc)
+
+    def _note_credit(self, response: pb.HeartbeatResponse) -> None:
+        if response.admitted and response.HasField("credited_samples"):
+            self.credit = Credit(response.credited_samples, response.credited_flops, response.pending_samples)
 
     def _rejoin(self) -> None:
         info = self.client.join(**self.rejoin)
@@ -200,7 +208,7 @@ class CoordinatorLink(threading.Thread):
         self.status = pb.HeartbeatBody(round=self.status.round, phase=pb.PEER_PHASE_LEAVING)
         try:
             self._flush_reports()
-            self.client.heartbeat(self.status)
+            self._note_credit(self.client.heartbeat(self.status))
         except SwarmtrainError as exc:
             logger.info("could not tell the coordinator we leave: %s", exc)
 

@@ -1,8 +1,8 @@
 """What a peer shows its volunteer while it trains.
 
 On a terminal: one live line, redrawn during the inner phase (a bar over the round's inner
-steps or time budget, running loss, samples/s, the last group's size and the bytes sent so
-far) and while the peer waits for its averaging round; every completed round also leaves one
+steps or time budget, running loss, samples/s, the last group's size, the bytes sent so far
+and, with a coordinator, the samples it credited) and while the peer waits for its averaging round; every completed round also leaves one
 permanent line. Anywhere else (a pipe, a file, a log collector): only the permanent lines,
 which is what scripts and the tests read.
 """
@@ -49,6 +49,21 @@ class InnerProgress:
         return min(1.0, max(parts))
 
 
+@dataclass(frozen=True)
+class Credit:
+    """This peer's credit as the coordinator's database has it."""
+
+    samples: int
+    """Granted: attested by the other members of its groups."""
+    flops: float
+    pending_samples: int
+    """Claimed in round reports, not decided yet (decided once the round's group has reported)."""
+
+    def describe(self) -> str:
+        text = f"credited {self.samples:,} samples ({self.flops:.3g} FLOPs)"
+        return text + (f", {self.pending_samples:,} pending" if self.pending_samples else "")
+
+
 class ProgressSink(Protocol):
     """What the trainer tells about a round while it runs."""
 
@@ -88,12 +103,15 @@ class ProgressDisplay:
         min_interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         columns: Callable[[], int] | None = None,
+        credit: Callable[[], Credit | None] = lambda: None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stdout
         self.live = _is_terminal(self.stream)
         self.min_interval_s = min_interval_s
         self.clock = clock
         self.columns = columns or (lambda: shutil.get_terminal_size((100, 24)).columns)
+        self.credit = credit
+        """Where the coordinator's latest word on this peer's credit comes from (None: no coordinator)."""
         self.last_group: int | None = None
         self.sent_total = 0
         self._drawn_at = -float("inf")
@@ -150,7 +168,13 @@ class ProgressDisplay:
 
     def _swarm_part(self) -> str:
         group = "no group yet" if self.last_group is None else f"last group {self.last_group}"
-        return f"{group} | sent {self.sent_total / 1e6:.2f} MB"
+        text = f"{group} | sent {self.sent_total / 1e6:.2f} MB"
+        credit = self.credit()
+        if credit is not None:
+            text += f" | credited {credit.samples:,} samples" + (
+                f" (+{credit.pending_samples:,} pending)" if credit.pending_samples else ""
+            )
+        return text
 
     def _draw(self, text: str) -> None:
         width = max(self.columns() - 1, 20)

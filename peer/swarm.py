@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from hivemind import DHT
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
 
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -41,6 +43,30 @@ logger = logging.getLogger(__name__)
 # A peer whose own pseudo-gradient was refused still takes part (so that it receives the
 # average) but with a weight this small its zeros do not move the result measurably.
 NEGLIGIBLE_WEIGHT = 1e-12
+
+
+class _ExpectedRoundFailures(logging.Filter):
+    """hivemind's averager logs a step that failed the way rounds may fail (no group formed, a
+    member gone mid all-reduce) at ERROR with a full traceback, and also hands the error to the
+    step's future, which ``PendingRound.result`` logs as one WARNING line. Unless hivemind logs
+    at DEBUG, drop its copy: a volunteer should not see a traceback for a round that degraded
+    as designed. Unexpected errors keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (AllreduceException, MatchmakingException)):
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_QUIET = _ExpectedRoundFailures()
+
+
+def quiet_expected_round_failures() -> None:
+    """Install the filter on hivemind's averager logger (before the averager process forks)."""
+    averager_logger = logging.getLogger("hivemind.averaging.averager")
+    if _QUIET not in averager_logger.filters:
+        averager_logger.addFilter(_QUIET)
 
 
 @dataclass
@@ -122,6 +148,7 @@ class Swarm:
     ) -> None:
         self.spec = spec
         self.gate = gate
+        quiet_expected_round_failures()
         self.dht = DHT(
             initial_peers=initial_peers,
             host_maddrs=host_maddrs,

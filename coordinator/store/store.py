@@ -280,6 +280,15 @@ class Store:
             return {k: {"samples": int(n), "flops": float(f), "rounds": int(r)}
                     for k, n, f, r in s.execute(query.group_by(Credit.key))}
 
+    def credit_of(self, key: str) -> dict[str, Any]:
+        """One peer's ``{"samples", "flops", "pending_samples"}``: granted so far, and claimed but
+        not decided yet (its heartbeats show it this; both sums use the (key, round) indexes)."""
+        granted = select(func.coalesce(func.sum(Credit.samples), 0), func.coalesce(func.sum(Credit.flops), 0.0))
+        pending = select(func.coalesce(func.sum(Claim.samples), 0)).where(Claim.key == key, Claim.status == PENDING)
+        with self._read() as s:
+            samples, flops = s.execute(granted.where(Credit.key == key)).one()
+            return {"samples": int(samples), "flops": float(flops), "pending_samples": int(s.scalar(pending) or 0)}
+
     def credits_by_account(self) -> dict[str, dict[str, Any]]:
         """``{account_key: {"samples", "flops", "peers"}}``; a peer with no account counts as its own."""
         return {row.pop("account_key"): row for row in self._account_totals(limit=None)}

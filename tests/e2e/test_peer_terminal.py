@@ -107,6 +107,8 @@ def test_a_terminal_shows_a_live_line_during_each_round(tmp_path: Path) -> None:
     permanent = [line for line in out.replace("\r\n", "\n").split("\n") if ROUND_LINE.search(line)]
     assert len(permanent) == 2, out
     assert "peer stopped cleanly" in out
+    errors = (tmp_path / "stderr.txt").read_text()
+    assert "averaging round failed" in errors and "Traceback" not in errors  # one line, not hivemind's traceback
 
 
 def test_a_pipe_gets_only_the_permanent_lines(tmp_path: Path) -> None:

@@ -77,6 +77,11 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         credits = store.credits_by_peer()
         trained = {p.name: sum(r["samples"] for r in p.rounds() if r["averaged"]) for p in peers}
         assert all(c["samples"] > 0 and c["flops"] > 0 for c in credits.values())
+        for i, peer in enumerate(peers):  # each peer heard its credit from its heartbeats and said it
+            said = re.search(r"^coordinator: credited ([\d,]+) samples", "\n".join(peer.lines), re.MULTILINE)
+            assert said, "\n".join(peer.lines[-20:])
+            key = Identity.load(tmp_path / f"k{i}").public_key.id
+            assert int(said.group(1).replace(",", "")) <= credits[key]["samples"]
         assert sum(c["samples"] for c in credits.values()) <= sum(trained.values())
         assert store.rounds()
         final = status(address)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from peer.progress import CLEAR_LINE, InnerProgress, ProgressDisplay, round_line
+from peer.progress import CLEAR_LINE, Credit, InnerProgress, ProgressDisplay, round_line
 
 
 class Terminal(io.StringIO):
@@ -120,3 +120,19 @@ def test_a_closed_or_plain_stream_is_not_a_terminal() -> None:
     closed.close()
     assert ProgressDisplay(closed).live is False
     assert ProgressDisplay(object()).live is False  # type: ignore[arg-type]
+
+
+def test_with_a_coordinator_the_live_line_shows_the_credit() -> None:
+    out = Terminal()
+    credit: list[Credit | None] = [None]
+    display = ProgressDisplay(out, columns=lambda: 300, min_interval_s=0, credit=lambda: credit[0])
+    display.inner_step(step(1))
+    assert "credited" not in live_text(out)  # no answer from the coordinator yet
+    credit[0] = Credit(samples=1600, flops=3.2e10, pending_samples=320)
+    display.inner_step(step(2))
+    assert live_text(out).endswith("| credited 1,600 samples (+320 pending)")
+    credit[0] = Credit(samples=1920, flops=3.84e10, pending_samples=0)
+    display.waiting(2)
+    assert live_text(out).endswith("| credited 1,920 samples")
+    assert credit[0].describe() == "credited 1,920 samples (3.84e+10 FLOPs)"
+    assert Credit(5, 1e9, 7).describe() == "credited 5 samples (1e+09 FLOPs), 7 pending"

@@ -354,3 +354,14 @@ def _garbage(directory: Path) -> Path:
     path = directory / "coordinator.db"
     path.write_bytes(b"this is not a SQLite database file, just some bytes " * 40)
     return path
+
+
+def test_credit_of_one_peer_sums_its_grants_and_its_undecided_claims(store: Store) -> None:
+    assert store.credit_of("p1") == {"samples": 0, "flops": 0.0, "pending_samples": 0}
+    for round_, samples in ((1, 100), (2, 50), (3, 70)):
+        _claim(store, "p1", round_, samples=samples)
+    _claim(store, "p2", 1, samples=999)
+    _grant(store, "p1", 1, 80, 1.5e12)
+    store.decide_claim(key="p1", round=2, status="denied", granted_samples=0, flops=0.0, reason="no", now=30.0)
+    assert store.credit_of("p1") == {"samples": 80, "flops": 1.5e12, "pending_samples": 70}
+    assert store.credit_of("p2") == {"samples": 0, "flops": 0.0, "pending_samples": 999}

@@ -1,0 +1,76 @@
+"""A peer's heartbeat answer carries its credit as the coordinator's database has it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from coordinator.core import Coordinator
+from coordinator.store import Store, sqlite_url
+from protocol import coordinator_pb2 as pb
+from protocol import kinds
+from protocol.identity import Identity
+from protocol.messages import sign_message
+from protocol.spec import parse_spec
+
+SPEC = '[run]\nname = "credit"\n'
+
+
+@pytest.fixture
+def core(tmp_path: Path):  # type: ignore[no-untyped-def]
+    store = Store(sqlite_url(tmp_path))
+    yield Coordinator(spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store,
+                      bootstrap_maddrs=[])
+    store.close()
+
+
+def heartbeat(core: Coordinator, peer: Identity) -> pb.HeartbeatResponse:
+    envelope = sign_message(peer, kinds.HEARTBEAT, pb.HeartbeatBody().SerializeToString(), now=time.time())
+    return core.heartbeat(envelope.to_proto(), now=time.time())
+
+
+def joined(core: Coordinator) -> Identity:
+    peer = Identity.generate()
+    body = pb.JoinBody(libp2p_peer_id="p", software_version="t", spec_digest=core.digest)
+    core.join(sign_message(peer, kinds.JOIN, body.SerializeToString(), now=time.time()).to_proto(), now=time.time())
+    return peer
+
+
+def claim(core: Coordinator, key: str, round_: int, samples: int) -> None:
+    core.store.record_claim(key=key, round=round_, samples=samples, group_json="[]", state_digest="d",
+                            duration_s=1.0, received_at=1.0)
+
+
+def test_the_answer_names_granted_and_pending_samples_of_this_peer_only(core: Coordinator) -> None:
+    peer, other = joined(core), joined(core)
+    first = heartbeat(core, peer)
+    assert first.admitted and first.HasField("credited_samples")
+    assert (first.credited_samples, first.credited_flops, first.pending_samples) == (0, 0.0, 0)
+    claim(core, peer.public_key.id, 1, 40)
+    claim(core, peer.public_key.id, 2, 30)
+    claim(core, other.public_key.id, 1, 500)
+    core.store.decide_claim(key=peer.public_key.id, round=1, status="granted", granted_samples=32, flops=6.4e9,
+                            reason="attested", now=2.0)
+    answer = heartbeat(core, peer)
+    assert (answer.credited_samples, answer.credited_flops, answer.pending_samples) == (32, 6.4e9, 30)
+
+
+def test_an_unreadable_database_leaves_the_credit_out_but_keeps_the_heartbeat(
+    core: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer = joined(core)
+
+    def broken(key: str) -> dict:
+        raise OperationalError("SELECT", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(core.store, "credit_of", broken)
+    answer = heartbeat(core, peer)
+    assert answer.admitted and not answer.HasField("credited_samples")
+
+
+def test_a_peer_that_is_not_admitted_learns_no_credit(core: Coordinator) -> None:
+    answer = heartbeat(core, Identity.generate())
+    assert not answer.admitted and not answer.HasField("credited_samples")
