@@ -47,6 +47,11 @@ from protocol.spec import RunSpec
 logger = logging.getLogger(__name__)
 
 
+MAX_CARRIED_ROUNDS = 2
+"""A peer that re-syncs carries its uncounted local work over to the adopted state only if that
+state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
+
+
 @dataclass
 class _InFlight:
     pending: PendingRound
@@ -107,6 +112,8 @@ class Trainer:
         self.optimizer = _inner_optimizer(spec, self.model)
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self.in_sync = True
+        self._uncounted: torch.Tensor | None = None
+        """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
         self.inner_steps_done = 0
         self.history: list[dict[str, Any]] = []
         self.identity = options.identity or Identity.generate()
@@ -272,6 +279,7 @@ class Trainer:
     @torch.no_grad()
     def _apply(self, flight: _InFlight, result: RoundResult | None) -> None:
         self._adapt_timeouts(result)
+        self._uncounted = None
         if result is None:
             if self.feedback:
                 self.feedback.load_residual(flight.residual_before)
@@ -284,6 +292,8 @@ class Trainer:
             if not result.started_with_majority(flight.pre_digest):
                 self.in_sync = False
                 logger.warning("this peer started round %d from another state than its group", self.state.round)
+                # its group weighed this round's work 0: carry it into the state it adopts next
+                self._uncounted = torch.sub(flight.launch_point, self.start_point)
             outer_step(self.state, result.averaged, self.spec.outer)
             progress = torch.sub(flatten(self.model), flight.launch_point)
             load_flat(self.model, torch.add(self.state.params, progress))
@@ -369,12 +379,30 @@ class Trainer:
         state = GlobalState(params.clone(), momentum.clone(), round_)
         if state.digest() not in accepted:  # the averager checked; check again where it is used
             raise VerificationError("downloaded state does not match the swarm's digest")
+        carried = self._work_to_carry(round_)
         self.state = state
-        load_flat(self.model, state.params)
+        load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.start_point = state.params.clone()
         self.in_sync = True
-        logger.info("adopted the swarm's state of round %d (%s), digest verified", round_, state.digest()[:19])
+        logger.info("adopted the swarm's state of round %d (%s), digest verified%s", round_, state.digest()[:19],
+                    "; this peer's uncounted local work carried over" if carried is not None else "")
         self._publish()
+
+    def _work_to_carry(self, adopted_round: int) -> torch.Tensor | None:
+        """The local work the swarm has not counted yet (progress since this peer's start point,
+        plus a round its group weighed 0), to re-base onto an adopted state so that it enters
+        the next round's pseudo-gradient instead of being thrown away, like the work of a failed
+        round. Dropped when it is more than ``MAX_CARRIED_ROUNDS`` rounds stale or not finite."""
+        work = torch.sub(flatten(self.model), self.start_point)
+        if self._uncounted is not None:
+            work.add_(self._uncounted)
+            self._uncounted = None
+        if not bool(work.any()):
+            return None
+        if adopted_round - self.state.round > MAX_CARRIED_ROUNDS or not bool(torch.isfinite(work).all()):
+            logger.info("dropping this peer's local work: %d rounds stale or not finite", adopted_round - self.state.round)
+            return None
+        return work
 
 
 def _inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -235,7 +235,10 @@ def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -
     row = trainer.history[0]
     assert not row["averaged"] and row["in_sync"]
     assert trainer.state.round == 1 and trainer.state.digest() == theirs.digest() == row["state_digest"]
-    assert torch.equal(flatten(trainer.model), theirs.params) and torch.equal(trainer.start_point, theirs.params)
+    assert torch.equal(trainer.start_point, theirs.params)
+    # its round's work, counted by nobody, is carried onto their state for the next round
+    [(vector, _)] = swarm.launched  # = start - local (first round: no codec residual yet)
+    assert bool(vector.any()) and torch.equal(flatten(trainer.model), torch.add(theirs.params, -vector))
 
 
 def test_a_failed_round_with_nobody_ahead_keeps_this_peer_s_state() -> None:
@@ -276,3 +279,53 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
     assert [(p.round, p.step, p.steps, p.samples) for p in steps] == [(0, 1, 2, 2), (0, 2, 2, 4)] * 2
     assert all(p.loss > 0 and p.elapsed_s > 0 and p.budget_s is None for p in steps)
     assert [event for event in sink.events if isinstance(event, tuple)] == [("waiting", 0)] * 2
+
+
+def _adopting_trainer(ahead_by: int) -> tuple[Trainer, RecordingSwarm, GlobalState]:
+    """A trainer whose swarm publishes, once this peer has launched a round, a state
+    ``ahead_by`` rounds beyond this peer's."""
+    spec = parse_spec(SPEC)
+    task = build_task(spec, shard_seed=1)
+    start = GlobalState.from_model(task.model)
+    theirs = GlobalState(start.params + 0.25, start.momentum, ahead_by)
+
+    class Averager:
+        state_provider = None
+
+        def load_verified_state(self, accept: set[str], timeout: float) -> Any:
+            return (theirs.round, theirs.params, theirs.momentum) if theirs.digest() in accept else None
+
+    class Swarm(RecordingSwarm):
+        def accepted_state(self, **kwargs: Any) -> tuple[int, set[str]] | None:
+            return (theirs.round, {theirs.digest()}) if self.launched else None
+
+    swarm = Swarm()
+    swarm.averager = Averager()
+    return Trainer(spec, task, swarm, TrainerOptions(max_rounds=1)), swarm, theirs  # type: ignore[arg-type]
+
+
+def test_a_stale_member_carries_the_round_its_group_weighed_zero_onto_the_adopted_state() -> None:
+    trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
+    majority = [{"id": f"ed25519:{n}", "digest": "sha256:theirs"} for n in "ab"]
+    mine = {"id": trainer.identity.public_key.id, "digest": trainer.state.digest()}
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [*majority, mine], 10, 10, 0.0)
+    trainer.run()
+    assert trainer.state.digest() == theirs.digest() and trainer.in_sync
+    [(vector, _)] = swarm.launched
+    assert torch.equal(flatten(trainer.model), torch.add(theirs.params, -vector))
+
+
+def test_work_more_than_two_rounds_stale_is_dropped() -> None:
+    trainer, swarm, theirs = _adopting_trainer(ahead_by=3)
+    trainer.run()
+    assert trainer.state.digest() == theirs.digest()
+    assert torch.equal(flatten(trainer.model), theirs.params)
+
+
+def test_non_finite_local_work_is_never_carried() -> None:
+    trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    swarm.launched.append((torch.zeros(1), 1.0))  # the swarm now shows its later state
+    assert trainer.catch_up() is True
+    assert torch.equal(flatten(trainer.model), theirs.params)
