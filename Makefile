@@ -28,7 +28,7 @@ venv: $(STAMP)
 # The suite runs against SQLite and, where PostgreSQL can be started here (root installs
 # Debian's package), against a throwaway PostgreSQL server too.
 PG_DIR := $(CURDIR)/.pgtest
-PG_PORT ?= 55432
+PG_PORT ?= auto
 
 test: $(STAMP)
 	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Start or stop a throwaway PostgreSQL server for the test suite.
 #   .ci/postgres.sh start DIR PORT   installs Debian's postgresql when missing (needs root),
-#                                    starts a server with its data under DIR, prints its URL
+#                                    starts a server with its data under DIR, prints its URL;
+#                                    PORT "auto" takes a free one (another server may hold any
+#                                    fixed port, e.g. a second checkout's test run)
 #   .ci/postgres.sh stop DIR         stops it (a no-op when none runs)
 set -euo pipefail
 action=$1
@@ -21,6 +23,9 @@ if [ "$action" = stop ]; then
 fi
 
 port=$3
+if [ "$port" = auto ]; then
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
 if [ -z "$bin" ]; then
     if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
         echo "PostgreSQL is not installed and cannot be installed here (needs root and apt-get)" >&2
