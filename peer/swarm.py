@@ -22,6 +22,7 @@ from hivemind.averaging.partition import AllreduceException
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from peer.timeouts import matchmaking_windows
 from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
@@ -157,6 +158,7 @@ class Swarm:
             **(dht_kwargs or {}),
         )
         averaging = spec.averaging
+        min_matchmaking_time, request_timeout = matchmaking_windows(averaging.matchmaking_timeout_s)
         self.averager = ExactAverager(
             numel,
             self.dht,
@@ -165,8 +167,8 @@ class Swarm:
             start=True,
             min_group_size=averaging.min_group_size,
             target_group_size=averaging.target_group_size,
-            min_matchmaking_time=averaging.matchmaking_timeout_s / 3,
-            request_timeout=max(1.0, averaging.matchmaking_timeout_s / 10),
+            min_matchmaking_time=min_matchmaking_time,
+            request_timeout=request_timeout,
             allreduce_timeout=averaging.allreduce_timeout_s,
             next_chunk_timeout=averaging.allreduce_timeout_s / 3,
             client_mode=client_mode,

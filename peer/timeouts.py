@@ -64,3 +64,19 @@ class AdaptiveTimeouts:
 
 def _ema(previous: float | None, value: float, alpha: float) -> float:
     return value if previous is None else (1 - alpha) * previous + alpha * value
+
+
+def matchmaking_windows(matchmaking_timeout_s: float) -> tuple[float, float]:
+    """hivemind's ``(min_matchmaking_time, request_timeout)`` for a spec's matchmaking timeout.
+
+    A peer looking for a group waits at least a third of the timeout for others to ask it;
+    a leader that does not answer a request within ``request_timeout`` is given up on. hivemind
+    needs ``request_timeout < min_matchmaking_time`` (otherwise two peers asking each other can
+    deadlock until the request times out, and it warns): a short spec timeout gets a
+    proportionally short request timeout instead of the usual max(1 s, timeout / 10).
+    """
+    if not matchmaking_timeout_s > 0:
+        raise ValueError(f"matchmaking timeout must be positive, got {matchmaking_timeout_s!r}")
+    min_matchmaking = matchmaking_timeout_s / 3
+    request = min(max(1.0, matchmaking_timeout_s / 10), 0.75 * min_matchmaking)
+    return min_matchmaking, request
