@@ -46,8 +46,8 @@ test-integration: $(STAMP)
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
-# 3 local CPU peers train the embedded demo spec, then a summary (the coordinator and its
-# dashboard join with issue #4).
+# A local coordinator (SQLite, dashboard) and 3 CPU peers train the embedded demo spec, then
+# a summary with each peer's verified credit.
 demo: $(STAMP)
 	$(VENV)/bin/swarmtrain demo
 
