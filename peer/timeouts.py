@@ -10,6 +10,9 @@ their inner phases, which changes from round to round (a peer that arrived last,
 waited for nobody, may arrive first next time), and a group that fills early starts at once
 whatever the deadline, so a long one costs nothing in a healthy swarm. A failed round
 widens both by half, so a deadline that proved too tight recovers quickly.
+
+``matchmaking_windows`` derives the two fixed windows hivemind's matchmaking takes when the
+averager starts (how long a peer waits for others to ask it, how long it waits for a leader).
 """
 
 from __future__ import annotations
@@ -71,9 +74,10 @@ def matchmaking_windows(matchmaking_timeout_s: float) -> tuple[float, float]:
 
     A peer looking for a group waits at least a third of the timeout for others to ask it;
     a leader that does not answer a request within ``request_timeout`` is given up on. hivemind
-    needs ``request_timeout < min_matchmaking_time`` (otherwise two peers asking each other can
-    deadlock until the request times out, and it warns): a short spec timeout gets a
-    proportionally short request timeout instead of the usual max(1 s, timeout / 10).
+    wants ``request_timeout < min_matchmaking_time`` (and warns otherwise): two peers that ask
+    each other at once each wait for the other's answer until the request times out, which
+    must happen while they are still looking. The request timeout is max(1 s, timeout / 10),
+    capped at three quarters of the floor, so only timeouts under 4 s get a shorter one.
     """
     if not matchmaking_timeout_s > 0:
         raise ValueError(f"matchmaking timeout must be positive, got {matchmaking_timeout_s!r}")

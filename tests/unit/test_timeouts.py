@@ -36,7 +36,7 @@ def test_request_timeout_stays_below_the_matchmaking_floor(timeout_s: float) -> 
     assert 0 < request < min_matchmaking
 
 
-def test_usual_timeouts_keep_hiveminds_request_timeout() -> None:
+def test_usual_timeouts_keep_their_request_timeout() -> None:
     assert matchmaking_windows(15.0) == (5.0, 1.5)
     assert matchmaking_windows(6.0)[1] == 1.0
     assert matchmaking_windows(2.0)[1] == pytest.approx(0.5)
