@@ -6,8 +6,8 @@ downloads the current global state from a peer through an ``ExactAverager`` of t
 (bytes checked against the digest the peer claims). Peers serve only their latest state,
 often of a round not yet confirmed, so the state is held until its round is: it is kept
 only if its digest is the one the coordinator finalized from the group's reports for that
-round (or, for peers that do not report, the one at least two peers published and most
-did); otherwise, or if the round is never confirmed, it is dropped. The state is written to the ``CheckpointArchive`` and served to newcomers:
+round (or, for peers that do not report, the one a strict majority of the admitted peers'
+records hold: ``protocol.agreement``); otherwise, or if the round is never confirmed, it is dropped. The state is written to the ``CheckpointArchive`` and served to newcomers:
 the averager shares it like a peer does, and the coordinator publishes a signed digest
 record for it marked ``archive`` (re-signed before it expires), so a newcomer that finds no
 peer serving the latest state falls back to it (``Trainer.catch_up``).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,8 @@ from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
 from hivemind.utils.timed_storage import get_dht_time
 
 from protocol.identity import Identity
-from protocol.membership import members_key
+from protocol.agreement import agreed_state
+from protocol.membership import MemberGate, members_key
 from protocol.tokens import issue_token
 from protocol.statesync import (
     RECORD_TTL_S,
@@ -36,6 +36,7 @@ from protocol.statesync import (
     collect_records,
     digest_key,
     make_digest_record,
+    record_votes,
     state_digest,
 )
 
@@ -61,8 +62,11 @@ class Archiver:
         fetch_timeout_s: float,
         run_digest: str,
         token_ttl_s: float,
+        gate: MemberGate,
     ) -> None:
         self.averager, self.dht, self.identity, self.archive = averager, dht, identity, archive
+        self.gate = gate
+        """Whose digest records count: the peers holding this coordinator's valid tokens."""
         self.run_digest, self.token_ttl_s = run_digest, token_ttl_s
         self._token_renew_at = -float("inf")
         self.every, self.finalized, self.fetch_timeout_s = every, finalized, fetch_timeout_s
@@ -158,18 +162,15 @@ class Archiver:
         return entry
 
     def _agreed_digest(self, round_: int) -> str | None:
-        """The digest the swarm agreed on for ``round_``: the one the coordinator finalized from
-        the group's reports, else the one at least two peers published (and most did)."""
+        """The digest the swarm agreed on for ``round_`` (``protocol.agreement``): the one the
+        coordinator finalized from the group's reports, else the one a strict majority of the
+        admitted peers' records of that round hold. Records of keys without a valid token of
+        this coordinator do not count."""
         for row in self.finalized():
             if row["round"] == round_:
-                return str(row["state_digest"])
-        records = [r for r in self._records() if r.round == round_]
-        votes = Counter(r.digest for r in records)
-        if votes:
-            (digest, count), *rest = votes.most_common(2)
-            if count >= 2 and (not rest or rest[0][1] < count):
-                return digest
-        return None
+                return str(row["state_digest"]) or None  # "": the reports tied
+        agreed = agreed_state(record_votes([r for r in self._records() if r.round == round_]))
+        return agreed.digest if agreed is not None else None
 
     def _swarm_round(self, *, after: int) -> int:
         """The newest round the swarm reached, by finalized rounds and the peers' records."""
@@ -178,10 +179,16 @@ class Archiver:
         return max([after, *finalized, *published])
 
     def _records(self) -> list[DigestRecord]:
+        """The admitted peers' digest records (only members vote: ``protocol.agreement``)."""
         found = self.dht.get(self.key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        return [r for r in collect_records(found.value, now=get_dht_time()) if not r.archive]
+        self.gate.refresh(self.dht)
+        now = time.time()
+        return [
+            r for r in collect_records(found.value, now=get_dht_time())
+            if not r.archive and self.gate.is_member_key(r.signer.id, now=now)
+        ]
 
     def _serve(self, state: LoadedState) -> None:
         self.serving = state

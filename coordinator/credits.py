@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+
+from protocol.agreement import Vote, agreed_state
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,11 @@ def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_sec
     if len(claim.group) == 1:
         return _denied(claim, "averaged with nobody: its group lists only itself")
     views = [c for c in claims.values() if c.weight_for(claim.key) is not None]
-    votes = Counter(c.state_digest for c in views)
-    digest, count = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
-    if 2 * count <= len(views):
+    # the group's reports vote on the round's state (protocol.agreement): a tie grants nobody
+    agreed = agreed_state(Vote(c.key, claim.round, c.state_digest) for c in views)
+    if agreed is None:
         return _denied(claim, f"no majority digest among the {len(views)} reports of its group")
+    digest, count = agreed.digest, agreed.votes
     if claim.state_digest != digest:
         return _denied(claim, f"digest differs from the group's ({count} of {len(views)} reports agree on {digest})")
     weights = {c.key: c.weight_for(claim.key) for c in views if c.key != claim.key and c.state_digest == digest}

@@ -85,20 +85,20 @@ class CoordinatorServer:
             identity_path=str(config.state_dir / "p2p.key"),
         )
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
-        averager = self._archive_averager(spec, identity)  # forks its process: before the database and gRPC
+        averager, gate = self._archive_averager(spec, identity)  # forks its process: before the database and gRPC
         self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.core = Coordinator(
             spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs,
             operators=config.operators,
         )
         self.archiver = None
-        if averager is not None:
+        if averager is not None and gate is not None:
             self.archiver = Archiver(
                 averager=averager, dht=self.dht, identity=identity,
                 archive=CheckpointArchive(config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep),
                 every=config.archive_every, finalized=lambda: self.store.rounds(limit=1000),
                 fetch_timeout_s=spec.averaging.allreduce_timeout_s,
-                run_digest=spec.digest(), token_ttl_s=spec.admission.token_ttl_s,
+                run_digest=spec.digest(), token_ttl_s=spec.admission.token_ttl_s, gate=gate,
             )
             self.archiver.start()
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
@@ -114,14 +114,15 @@ class CoordinatorServer:
         self.ticker.start()
         self._start_http(servicer.lock)
 
-    def _archive_averager(self, spec: RunSpec, identity: Identity) -> Any:
-        """The run's averager for state download/serving, or None when the archive is off."""
+    def _archive_averager(self, spec: RunSpec, identity: Identity) -> tuple[Any, Any]:
+        """The run's averager for state download/serving and its member gate, or Nones when
+        the archive is off."""
         if self.config.archive_every == 0:
             self.archive_off = "off (--archive-every 0)"
-            return None
+            return None, None
         if spec.task.kind != "bytegpt":
             self.archive_off = "off (the coordinator knows the size of built-in tasks only)"
-            return None
+            return None, None
         from protocol.averaging import ExactAverager
         from protocol.compression import get_codec
         from protocol.membership import MemberGate
@@ -129,10 +130,11 @@ class CoordinatorServer:
         self.archive_off = ""
         prefix = run_prefix(spec.digest())
         gate = MemberGate(coordinator_key=identity.public_key, run_digest=spec.digest(), prefix=prefix)
-        return ExactAverager(
+        averager = ExactAverager(
             count_params(spec.task.model), self.dht, codec=get_codec("none"), prefix=prefix,
             start=True, client_mode=False, gate=gate,
         )
+        return averager, gate
 
     def _start_http(self, lock: threading.Lock) -> None:
         import socket

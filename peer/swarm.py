@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.utils.timed_storage import get_dht_time
 
 from peer.timeouts import matchmaking_windows
+from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
 from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
@@ -32,10 +34,10 @@ from protocol.tokens import decode_token
 from protocol.statesync import (
     RECORD_TTL_S,
     DigestRecord,
-    accepted_states,
     collect_records,
     digest_key,
     make_digest_record,
+    record_votes,
     run_prefix,
 )
 
@@ -86,14 +88,15 @@ class RoundResult:
     round_s: float = 0.0
     """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
 
-    def started_with_majority(self, pre_digest: str) -> bool:
-        """Whether ``pre_digest`` is the pre-round digest a strict majority of the group
-        started from (as ``stale_members`` decides). True if no member said; False on a tie,
-        where nobody can tell which state is the swarm's, so every member re-checks."""
-        digests = [m.get("digest") for m in self.members if isinstance(m.get("digest"), str)]
-        if not digests:
+    def started_in_sync(self, round_: int, digest: str) -> bool:
+        """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed
+        state (``protocol.agreement``, as ``stale_members`` decides). True if no member said;
+        False without an agreement, where nobody can tell which state is the swarm's."""
+        votes = gathered_votes((str(i), data) for i, data in enumerate(self.members))
+        if not votes:
             return True
-        return 2 * digests.count(pre_digest) > max(self.group_size, len(self.members))
+        agreed = agreed_state(votes)
+        return agreed is not None and (agreed.round, agreed.digest) == (round_, digest)
 
 
 @dataclass
@@ -149,6 +152,8 @@ class Swarm:
     ) -> None:
         self.spec = spec
         self.gate = gate
+        self.electorate: set[str] = set()
+        """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
         quiet_expected_round_failures()
         self.dht = DHT(
             initial_peers=initial_peers,
@@ -202,26 +207,47 @@ class Swarm:
         )
 
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
-        """Valid digest records in the DHT, but ``exclude``'s."""
+        """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
         found = self.dht.get(self.digest_key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
         return [r for r in collect_records(found.value, now=get_dht_time()) if r.signer != exclude]
 
-    def accepted_state(self, *, exclude: PublicKey | None = None) -> tuple[int, set[str]] | None:
-        """The latest round and the digest most peers (but ``exclude``) published for it;
-        None if nobody did."""
-        states = accepted_states(self.records(exclude=exclude))
-        return states[0] if states else None
+    def eligible(self) -> Callable[[str], bool]:
+        """Whose digest records count (``protocol.agreement``, rule 1): in a gated run the
+        peers holding a valid token of the run's coordinator (looked up now); in an open run
+        the peers this one averaged with (``saw_group``)."""
+        if self.gate is None:
+            electorate = frozenset(self.electorate)
+            return electorate.__contains__
+        gate = self.gate
+        gate.refresh(self.dht)
+        now = time.time()
+        return lambda key: gate.is_member_key(key, now=now)
 
-    def fallback_states(self, *, exclude: PublicKey | None = None, after_round: int = -1) -> list[tuple[int, set[str]]]:
-        """Each round's majority digest(s) later than ``after_round``, newest first: what a peer
-        may adopt when nobody serves the latest state any more (an archived checkpoint, say)."""
-        return [(r, d) for r, d in accepted_states(self.records(exclude=exclude)) if r > after_round]
+    def saw_group(self, members: list[dict[str, Any]]) -> None:
+        """Remember the public ids of the members of a group this peer averaged with: in an
+        open run they are the peers whose digest records count."""
+        for member in members:
+            key = member.get("id") if isinstance(member, dict) else None
+            if isinstance(key, str) and len(key) < 200:
+                self.electorate.add(key)
+
+    def accepted_state(self, *, exclude: PublicKey | None = None) -> Agreement | None:
+        """The swarm's latest state by the votes of its members (but ``exclude``); None if
+        they cast none or the newest round is a tie."""
+        return agreed_state(record_votes(self.records(exclude=exclude)), eligible=self.eligible())
+
+    def fallback_states(self, *, exclude: PublicKey | None = None, after_round: int = -1) -> list[Agreement]:
+        """Each round's agreed state later than ``after_round``, newest first: what a peer may
+        adopt when nobody serves the latest state any more (an archived checkpoint, say)."""
+        states = agreed_states(record_votes(self.records(exclude=exclude)), eligible=self.eligible())
+        return [state for state in states if state.round > after_round]
 
     def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]:
-        """Ids of the training peers (but ``exclude``) whose latest digest record is of ``round_``."""
-        return {r.signer.id for r in self.records(exclude=exclude) if r.round == round_ and not r.archive}
+        """Ids of the training peers (but ``exclude``) whose latest digest record is of ``round_``
+        or later (a hint for waiting, not a vote: not filtered by eligibility)."""
+        return {r.signer.id for r in self.records(exclude=exclude) if r.round >= round_ and not r.archive}
 
     def publish_membership(self, token: bytes, timeout_s: float = 30.0) -> bool:
         """Publish this peer's access token (bound to its libp2p peer id) so that the run's

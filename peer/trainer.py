@@ -222,19 +222,33 @@ class Trainer:
         local = flatten(self.model)
         delta = torch.sub(self.start_point, local)
         weight = float(samples)
-        if not bool(torch.isfinite(delta).all()) or samples == 0:
-            logger.warning("refusing this peer's own pseudo-gradient (non-finite values or no samples)")
-            delta.zero_()
-            weight = NEGLIGIBLE_WEIGHT
         residual_before = self.feedback.residual.clone() if self.feedback else torch.empty(0)
-        vector = self.feedback.compensate(delta) if self.feedback else delta
-        if self.feedback:
+        if samples and not bool(torch.isfinite(delta).all()):
+            self._drop_local_work(f"its model went non-finite in round {self.state.round}")
+            local, samples, loss = self.start_point.clone(), 0, float("nan")
+        if samples == 0:
+            # nothing to contribute: take part with zeros (to receive the average) and claim nothing
+            vector = delta.zero_()
+            weight = NEGLIGIBLE_WEIGHT
+        elif self.feedback:
+            vector = self.feedback.compensate(delta)
             self.feedback.update(vector, self.codec.decode(self.codec.encode(vector), vector.numel()))
+        else:
+            vector = delta
         pre_digest = self.state.digest()
         gather = {"id": self.identity.public_key.id, "round": self.state.round, "samples": samples, "digest": pre_digest}
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         pending = self.swarm.start_round(vector, weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
         return _InFlight(pending, local, residual_before, samples, loss, compute_s, pre_digest, time.monotonic())
+
+    @torch.no_grad()
+    def _drop_local_work(self, why: str) -> None:
+        """Throw away this peer's local progress: the model goes back to θ_g (the start point)
+        and the inner optimizer starts afresh (its moments may hold the same non-finite values)."""
+        logger.warning("dropping this peer's local work (%s): reloaded the global parameters, reset the inner "
+                       "optimizer; it claims no samples for this round", why)
+        load_flat(self.model, self.start_point)
+        self.optimizer = _inner_optimizer(self.spec, self.model)
 
     def _finish(self, flight: _InFlight) -> None:
         wait_started = time.monotonic()
@@ -289,13 +303,18 @@ class Trainer:
                 logger.warning("round %d failed here but the swarm moved on; catching up", self.state.round)
                 self.in_sync = False
         else:
-            if not result.started_with_majority(flight.pre_digest):
+            if not result.started_in_sync(self.state.round, flight.pre_digest):
                 self.in_sync = False
                 logger.warning("this peer started round %d from another state than its group", self.state.round)
                 # its group weighed this round's work 0: carry it into the state it adopts next
                 self._uncounted = torch.sub(flight.launch_point, self.start_point)
+            self.swarm.saw_group(result.members)
             outer_step(self.state, result.averaged, self.spec.outer)
             progress = torch.sub(flatten(self.model), flight.launch_point)
+            if not bool(torch.isfinite(progress).all()):
+                self.start_point = self.state.params
+                self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")
+                progress.zero_()
             load_flat(self.model, torch.add(self.state.params, progress))
             self._publish()
         self.start_point = self.state.params.clone()
@@ -305,8 +324,8 @@ class Trainer:
     def _swarm_moved_on(self) -> bool:
         """Whether the DHT already shows a later agreed round than this peer's (best effort:
         the others may not have published yet; then the next group spots it)."""
-        accepted = self.swarm.accepted_state(exclude=self.identity.public_key)
-        return accepted is not None and accepted[0] > self.state.round
+        agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+        return agreed is not None and agreed.round > self.state.round
 
     def _publish(self) -> None:
         digest = self.state.digest()
@@ -334,27 +353,28 @@ class Trainer:
 
     def catch_up(self) -> bool:
         """Adopt the swarm's latest state if ours is not it: download it from a peer, verified
-        against the digest most *other* peers published. True if we hold the swarm's state."""
+        against the digest the run's *other* members agree on (``protocol.agreement``). True if
+        we hold the swarm's state."""
         averaging = self.spec.averaging
         deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
         while not self.options.stop.is_set():
-            accepted = self.swarm.accepted_state(exclude=self.identity.public_key)
-            if accepted is not None and self.state.digest() in accepted[1]:
+            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+            if agreed is not None and agreed.digest == self.state.digest():
                 self.in_sync = True
                 self._publish()
                 return True
-            if accepted is not None and accepted[0] >= self.state.round:
+            if agreed is not None and agreed.round >= self.state.round:
                 timeout = averaging.allreduce_timeout_s
-                downloaded = self.swarm.averager.load_verified_state(accepted[1], timeout=timeout)
+                downloaded = self.swarm.averager.load_verified_state({agreed.digest}, timeout=timeout)
                 if downloaded is not None:
-                    self._adopt(*downloaded, accepted=accepted[1])
+                    self._adopt(*downloaded, accepted={agreed.digest})
                     return True
                 # nobody serves the latest state: take the newest one somebody still serves
                 # (the coordinator's archive, or a peer a round behind), if newer than ours
-                if self._adopt_fallback(accepted[0], timeout):
+                if self._adopt_fallback(agreed.round, timeout):
                     return True
             elif self.in_sync:
-                self._publish()  # nobody has anything newer than we do
+                self._publish()  # no member has anything newer than we do
                 return True
             if time.monotonic() > deadline:
                 logger.warning("could not get the swarm's latest state; training on out of sync")
@@ -364,13 +384,13 @@ class Trainer:
 
     def _adopt_fallback(self, latest: int, timeout: float) -> bool:
         older = self.swarm.fallback_states(exclude=self.identity.public_key, after_round=self.state.round)
-        for round_, digests in older:
-            if round_ == latest:
+        for state in older:
+            if state.round == latest:
                 continue  # just tried
-            downloaded = self.swarm.averager.load_verified_state(digests, timeout=timeout)
+            downloaded = self.swarm.averager.load_verified_state({state.digest}, timeout=timeout)
             if downloaded is not None:
-                logger.warning("nobody serves round %d's state; took round %d's", latest, round_)
-                self._adopt(*downloaded, accepted=digests)
+                logger.warning("nobody serves round %d's state; took round %d's", latest, state.round)
+                self._adopt(*downloaded, accepted={state.digest})
                 return True
         return False
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 import math
 import random
 import time
@@ -44,6 +43,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
+from protocol.agreement import agreed_state, gathered_votes
 from protocol.compression import Codec
 from protocol.errors import MalformedTensorError
 from protocol.membership import Lookup, MemberGate
@@ -201,36 +201,40 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(sender)
 
 
+class RoundFailedError(AllreduceException):
+    """This peer did not receive every averaged part; its vector was left untouched."""
+
+
 def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
-    """Members whose gathered pre-round ``digest`` differs from the one a strict majority of
-    the group gathered (none without such a majority). Every member computes the same set
-    from the same gathered bytes."""
-    digests: dict[PeerID, str | None] = {}
+    """Members that did not start the round from the group's agreed state (``protocol.
+    agreement``: the strict-majority digest of the newest round a member stated). Every member
+    computes the same set from the same gathered bytes. Raises ``RoundFailedError`` when the
+    members stated states but agree on none (a tie, e.g. two members of one round with two
+    digests): nobody can tell whose pseudo-gradient is the swarm's, so the group averages
+    nothing and every member re-checks. Nobody stated a state: nobody is stale."""
+    members: list[tuple[str, object]] = []
     for peer, raw in zip(group_info.peer_ids, group_info.gathered):
         try:
             _bandwidth, _mode, user_bytes = serializer.loads(raw)
             data = serializer.loads(user_bytes)
-            digest = data.get("digest") if isinstance(data, dict) else None
-        except Exception:  # noqa: BLE001 - unreadable gather: no digest
-            digest = None
-        digests[peer] = digest if isinstance(digest, str) else None
-    counts = Counter(d for d in digests.values() if d is not None)
-    if not counts:
+        except Exception:  # noqa: BLE001 - unreadable gather: no vote
+            data = None
+        members.append((str(peer), data))
+    votes = gathered_votes(members)
+    if not votes:
         return frozenset()
-    majority, votes = counts.most_common(1)[0]
-    if 2 * votes <= len(digests):
-        return frozenset()
-    return frozenset(peer for peer, digest in digests.items() if digest != majority)
+    agreed = agreed_state(votes)
+    if agreed is None:
+        raise RoundFailedError("the group's members started from different states and no strict majority "
+                               "agrees on one; not averaging")
+    in_sync = {vote.voter for vote in votes if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
+    return frozenset(peer for peer in group_info.peer_ids if str(peer) not in in_sync)
 
 
 def _check_weight(weight: float) -> float:
     if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
         raise MalformedTensorError(f"averaging weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight!r}")
     return float(weight)
-
-
-class RoundFailedError(AllreduceException):
-    """This peer did not receive every averaged part; its vector was left untouched."""
 
 
 STATE_OVERHEAD_BYTES = 1 << 16
@@ -417,6 +421,9 @@ class ExactAverager(DecentralizedAverager):
                 except Exception:  # noqa: BLE001 - a malformed DHT subkey
                     continue
                 if peer == self.peer_id:
+                    continue
+                if not await self._admitted(peer):
+                    logger.info("not downloading state from %s: it is not admitted to this run", peer)
                     continue
                 try:
                     wanted = None if accept is None else set(accept)

@@ -137,6 +137,26 @@ class MemberGate:
             return None
         return token
 
+    def is_member_key(self, peer_key: str, *, now: float) -> bool:
+        """Whether some libp2p peer holds a token valid ``now`` for the peer key ``peer_key``
+        (a public id) that was not revoked: whether that key's signed records count."""
+        if peer_key in self._revoked:
+            return False
+        return any(key == peer_key and expires > now for expires, key in self._members.values())
+
+    def refresh(self, dht: Any) -> None:
+        """Look the run's members up in ``dht`` (a hivemind DHT, from the host process) now."""
+        members = dht.get(self.key, latest=True)
+        revocations = dht.get(self.revocations_key, latest=True)
+        self._last_refresh = time.monotonic()
+        self.update(
+            Lookup(
+                members.value if members is not None and isinstance(members.value, dict) else None,
+                revocations.value if revocations is not None and isinstance(revocations.value, dict) else None,
+            ),
+            now=time.time(),
+        )
+
     def is_member(self, peer_id: str, *, now: float) -> bool:
         """Whether ``peer_id`` holds a token valid ``now`` that was not revoked (no lookup)."""
         expires, peer_key = self._members.get(peer_id, (float("-inf"), ""))

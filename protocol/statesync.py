@@ -4,8 +4,9 @@ The digest of a peer's global state (round, θ_g, outer momentum) is the SHA-256
 length-prefixed encoding of the round and the exact tensor bytes. After every round each
 peer publishes it in the DHT as a ``SignedMessage`` (kind ``DIGEST_KIND``) under the run's
 digest key, one subkey per peer. A newcomer (or a peer that fell out of sync) accepts a
-downloaded state only if its recomputed digest is the one most peers published for the
-latest round; a tampered or stale state is refused and the next peer is tried.
+downloaded state only if its recomputed digest is the swarm's by ``protocol.agreement`` (the
+votes of the run's members only); a tampered or stale state is refused and the next peer is
+tried.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import hashlib
 import json
 import logging
 import struct
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from protocol.agreement import Vote
 from protocol.errors import MalformedMessageError, VerificationError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage, sign_message
@@ -108,22 +109,6 @@ def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]
     return records
 
 
-def accepted_state(records: list[DigestRecord]) -> tuple[int, set[str]] | None:
-    """(latest round, the digest(s) most of its signers published); None if no records."""
-    states = accepted_states(records)
-    return states[0] if states else None
-
-
-def accepted_states(records: list[DigestRecord]) -> list[tuple[int, set[str]]]:
-    """For every round someone published: (round, the digest(s) most of its signers
-    published), latest round first. Older entries are what a newcomer falls back to when
-    nobody serves the latest state any more (e.g. the coordinator's archived checkpoint)."""
-    by_round: dict[int, Counter[str]] = {}
-    for record in records:
-        by_round.setdefault(record.round, Counter())[record.digest] += 1
-    states = []
-    for round_ in sorted(by_round, reverse=True):
-        votes = by_round[round_]
-        top = max(votes.values())
-        states.append((round_, {digest for digest, count in votes.items() if count == top}))
-    return states
+def record_votes(records: list[DigestRecord]) -> list[Vote]:
+    """The records as votes on the swarm's state (``protocol.agreement`` decides what wins)."""
+    return [Vote(record.signer.id, record.round, record.digest) for record in records]

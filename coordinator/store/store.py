@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.store.engine import open_engine
+from protocol.agreement import Vote, agreed_state
 from coordinator.store.schema import (
     DENIED,
     GRANTED,
@@ -233,7 +234,7 @@ class Store:
         """Decide ``decisions`` (claims of ``round``) and write the round's record: one transaction.
 
         The record is computed from every claim of the round, those decided earlier included:
-        the majority state digest, the number of claims (group size) and the sum of granted
+        the state digest a strict majority of its claims hold ("" on a tie), the number of claims (group size) and the sum of granted
         samples. ``mean_loss`` None keeps a loss recorded earlier. A crash leaves either all of
         it or none of it. Raises ``ValueError`` like ``decide_claim``; nothing is written then.
         """
@@ -243,8 +244,9 @@ class Store:
             claims = list(s.scalars(select(Claim).where(Claim.round == round)))
             if not claims:
                 return
-            digests = sorted(c.state_digest for c in claims)
-            majority = max(digests, key=digests.count)
+            # the round's reporters vote (protocol.agreement); a tie records no digest ("")
+            agreed = agreed_state(Vote(c.key, round, c.state_digest) for c in claims)
+            majority = agreed.digest if agreed is not None else ""
             record = s.get(RoundRecord, round)
             if record is None:
                 record = RoundRecord(round=round)

@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 
+from protocol.agreement import Vote
 from protocol.errors import VerificationError
 from protocol.identity import Identity
 from protocol.messages import sign_message
 from protocol.statesync import (
     DIGEST_KIND,
     DigestRecord,
-    accepted_state,
-    accepted_states,
     collect_records,
     make_digest_record,
     parse_digest_record,
+    record_votes,
     run_prefix,
     state_digest,
 )
@@ -88,20 +88,10 @@ def test_collect_drops_invalid_and_misfiled_records() -> None:
     assert [r.signer for r in collect_records(values, now=NOW)] == [a.public_key]
 
 
-def test_accepted_states_majority_per_round_latest_first() -> None:
-    keys = [Identity.generate().public_key for _ in range(5)]
-    records = [
-        DigestRecord(keys[0], 4, "sha256:x"),
-        DigestRecord(keys[1], 4, "sha256:x"),
-        DigestRecord(keys[2], 4, "sha256:y"),
-        DigestRecord(keys[3], 2, "sha256:old", archive=True),
-        DigestRecord(keys[4], 3, "sha256:p"),
-    ]
-    assert accepted_states(records) == [(4, {"sha256:x"}), (3, {"sha256:p"}), (2, {"sha256:old"})]
-    assert accepted_state(records) == (4, {"sha256:x"})
-    tie = [DigestRecord(keys[0], 1, "sha256:a"), DigestRecord(keys[1], 1, "sha256:b")]
-    assert accepted_state(tie) == (1, {"sha256:a", "sha256:b"})
-    assert accepted_state([]) is None and accepted_states([]) == []
+def test_records_vote_by_their_signers_key() -> None:
+    keys = [Identity.generate().public_key for _ in range(2)]
+    records = [DigestRecord(keys[0], 4, "sha256:x"), DigestRecord(keys[1], 2, "sha256:old", archive=True)]
+    assert record_votes(records) == [Vote(keys[0].id, 4, "sha256:x"), Vote(keys[1].id, 2, "sha256:old")]
 
 
 def test_run_prefix_depends_on_the_spec_digest_only() -> None:

@@ -12,6 +12,7 @@ from peer.state import GlobalState, flatten, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
+from protocol.agreement import Agreement
 from protocol.spec import parse_spec
 
 SPEC = """
@@ -64,6 +65,9 @@ class RecordingSwarm:
 
     def publish_digest(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def saw_group(self, members: list[dict[str, Any]]) -> None:
+        self.seen = [m.get("id") for m in members]
 
     def peers_at(self, round_: int, **kwargs: Any) -> set[str]:
         return set(self.others)
@@ -196,11 +200,11 @@ def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
             return (3, served.params, served.momentum) if served.digest() in accept else None
 
     class Swarm(RecordingSwarm):
-        def accepted_state(self, **kwargs: Any) -> tuple[int, set[str]]:
-            return 5, {"sha256:round5"}  # nobody serves it any more
+        def accepted_state(self, **kwargs: Any) -> Agreement:
+            return Agreement(5, "sha256:round5", 1, 1)  # nobody serves it any more
 
-        def fallback_states(self, **kwargs: Any) -> list[tuple[int, set[str]]]:
-            return [(5, {"sha256:round5"}), (4, {"sha256:round4"}), (3, {served.digest()})]
+        def fallback_states(self, **kwargs: Any) -> list[Agreement]:
+            return [Agreement(r, d, 1, 1) for r, d in ((5, "sha256:round5"), (4, "sha256:round4"), (3, served.digest()))]
 
     swarm = Swarm()
     swarm.averager = Averager()
@@ -225,8 +229,8 @@ def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -
             return (1, theirs.params, theirs.momentum) if theirs.digest() in accept else None
 
     class Swarm(RecordingSwarm):
-        def accepted_state(self, **kwargs: Any) -> tuple[int, set[str]] | None:
-            return (1, {theirs.digest()}) if self.launched else None  # published while we averaged
+        def accepted_state(self, **kwargs: Any) -> Agreement | None:
+            return Agreement(1, theirs.digest(), 1, 1) if self.launched else None  # published while we averaged
 
     swarm = Swarm()
     swarm.averager = Averager()
@@ -243,7 +247,7 @@ def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -
 
 def test_a_failed_round_with_nobody_ahead_keeps_this_peer_s_state() -> None:
     trainer, swarm = make_trainer()
-    swarm.accepted_state = lambda **kwargs: (0, {trainer.state.digest()})  # type: ignore[method-assign]
+    swarm.accepted_state = lambda **kwargs: Agreement(0, trainer.state.digest(), 1, 1)  # type: ignore[method-assign]
     before = trainer.state.digest()
     trainer.run()
     assert trainer.state.digest() == before and trainer.history[0]["in_sync"]
@@ -296,8 +300,8 @@ def _adopting_trainer(ahead_by: int) -> tuple[Trainer, RecordingSwarm, GlobalSta
             return (theirs.round, theirs.params, theirs.momentum) if theirs.digest() in accept else None
 
     class Swarm(RecordingSwarm):
-        def accepted_state(self, **kwargs: Any) -> tuple[int, set[str]] | None:
-            return (theirs.round, {theirs.digest()}) if self.launched else None
+        def accepted_state(self, **kwargs: Any) -> Agreement | None:
+            return Agreement(theirs.round, theirs.digest(), 1, 1) if self.launched else None
 
     swarm = Swarm()
     swarm.averager = Averager()
@@ -306,8 +310,8 @@ def _adopting_trainer(ahead_by: int) -> tuple[Trainer, RecordingSwarm, GlobalSta
 
 def test_a_stale_member_carries_the_round_its_group_weighed_zero_onto_the_adopted_state() -> None:
     trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
-    majority = [{"id": f"ed25519:{n}", "digest": "sha256:theirs"} for n in "ab"]
-    mine = {"id": trainer.identity.public_key.id, "digest": trainer.state.digest()}
+    majority = [{"id": f"ed25519:{n}", "round": 0, "digest": "sha256:theirs"} for n in "ab"]
+    mine = {"id": trainer.identity.public_key.id, "round": 0, "digest": trainer.state.digest()}
     swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [*majority, mine], 10, 10, 0.0)
     trainer.run()
     assert trainer.state.digest() == theirs.digest() and trainer.in_sync
