@@ -83,16 +83,33 @@ def make_trainer() -> tuple[Trainer, RecordingSwarm]:
     return trainer, swarm
 
 
-def test_own_non_finite_pseudo_gradient_is_refused() -> None:
+def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothing() -> None:
     trainer, swarm = make_trainer()
     before = trainer.state.clone()
+    trainer.optimizer.state[next(trainer.model.parameters())]["exp_avg"] = torch.tensor(float("nan"))
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
     flight = trainer._launch(samples=4, loss=1.0, compute_s=0.1)
     vector, weight = swarm.launched[0]
     assert weight == NEGLIGIBLE_WEIGHT and bool((vector == 0).all())
+    assert flight.samples == 0
+    assert torch.equal(flatten(trainer.model), trainer.state.params)  # θ_g reloaded
+    assert not trainer.optimizer.state  # the inner optimizer starts afresh
     trainer._finish(flight)  # the round fails: nothing changes
     assert trainer.state.digest() == before.digest()
+    assert trainer.history[-1]["samples"] == 0
+
+
+def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
+    trainer, swarm = make_trainer()
+    averaged = torch.full_like(trainer.state.params, 1e-3)
+    swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
+    flight = trainer._launch(samples=4, loss=1.0, compute_s=0.1)
+    with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    trainer._finish(flight)
+    assert trainer.history[-1]["averaged"] and trainer.state.round == 1
+    assert torch.equal(flatten(trainer.model), trainer.state.params)
 
 
 def test_failed_round_keeps_progress_for_the_next_round() -> None:
