@@ -40,7 +40,11 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
     parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
-    parser.add_argument("--key", type=Path, default=None, help="identity key file (created if absent)")
+    parser.add_argument(
+        "--key", type=Path, default=None,
+        help="your account key file (created if absent); each running peer signs with its own node key, "
+        "endorsed by it, so one key may run many peers",
+    )
     parser.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per round here")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here; resume from them")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints (default: 1)")
@@ -75,14 +79,19 @@ def run(args: argparse.Namespace) -> int:
     from protocol.identity import default_key_path, load_or_create
     from protocol.spec import load_spec
 
-    identity, created = load_or_create(args.key or default_key_path())
+    from peer.node_identity import node_identity
+
+    account, created = load_or_create(args.key or default_key_path())
+    node, checkpoint_lock = node_identity(account, args.checkpoint_dir)  # noqa: F841 - held while we run
+    identity = node.node
     client = join_info = None
     if args.coordinator:
         from peer.coordinator_client import CoordinatorClient
         from protocol.spec import parse_spec
         from swarmtrain import __version__
 
-        client = CoordinatorClient(args.coordinator, identity, software_version=__version__)
+        client = CoordinatorClient(args.coordinator, identity, software_version=__version__,
+                                   endorsement=node.endorsement)
         local_digest = load_spec(args.spec).digest() if args.spec else ""
         join_info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
         spec = parse_spec(join_info.spec_toml, source=f"spec from {args.coordinator}")
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         args.initial_peers = list(join_info.bootstrap_maddrs) + list(args.initial_peers)
     else:
         spec = load_spec(args.spec)
-    shard_seed = args.shard_seed if args.shard_seed is not None else int.from_bytes(identity.public_key.raw[:4], "big")
+    shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
 
     import torch
 
@@ -124,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
     try:
-        _announce(spec.run.name, identity.public_key.id, created, swarm, args, numel, device)
+        _announce(spec.run.name, node, created, swarm, args, numel, device)
         if client is not None and join_info is not None:
             from peer.coordinator_client import CoordinatorLink
 
@@ -174,9 +183,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce(run_name: str, public_id: str, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str) -> None:
+def _announce(run_name: str, node: Any, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str) -> None:
     mode = "client mode (no inbound connections: --client-mode)" if args.client_mode else "reachable (accepts inbound connections)"
-    print(f"peer {public_id}{' (new identity)' if created else ''} joining run {run_name!r}", flush=True)
+    account = f"{node.account.public_key.id}{' (new identity)' if created else ''}"
+    print(f"peer {node.node.public_key.id} of account {account} joining run {run_name!r}", flush=True)
     print(f"model: {numel:,} parameters on {device}; {mode}", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)

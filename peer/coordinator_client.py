@@ -26,7 +26,7 @@ from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
 from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
-from protocol.messages import sign_message
+from protocol.messages import SignedMessage, sign_message
 from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,15 @@ CHANNEL_OPTIONS = [
 class CoordinatorClient:
     """Signed, timed calls to one coordinator."""
 
-    def __init__(self, address: str, identity: Identity, *, software_version: str) -> None:
+    def __init__(
+        self, address: str, identity: Identity, *, software_version: str, endorsement: SignedMessage | None = None
+    ) -> None:
+        """``identity`` signs every request; ``endorsement`` (the account's signature over its
+        public key, see ``peer.node_identity``) names the account it earns for."""
         if ":" not in address:
             raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
         self.address, self.identity, self.software_version = address, identity, software_version
+        self.endorsement = endorsement
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
@@ -81,6 +86,8 @@ class CoordinatorClient:
             libp2p_peer_id=libp2p_peer_id, software_version=self.software_version, spec_digest=spec_digest,
             hardware=_hardware(), maddrs=maddrs or [], reachable=reachable,
         )
+        if self.endorsement is not None:
+            body.account_endorsement.CopyFrom(self.endorsement.to_proto())
         response = self._call(self.stub.Join, pb.JoinRequest(signed=self._sign(kinds.JOIN, body)))
         return JoinInfo(
             spec_toml=response.spec_toml, spec_digest=response.spec_digest, access_token=response.access_token,

@@ -56,10 +56,10 @@ def _parent_env() -> dict[str, str]:
     return {PARENT_ENV: str(os.getpid())}
 
 
-class _Child:
+class Child:
     """A `swarmtrain` child in its own process group, its output kept and logged to a file."""
 
-    def __init__(self, argv: list[str], log: Path, name: str, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], log: Path, name: str, env: dict[str, str], cwd: Path | None = None) -> None:
         self.name, self.log = name, log
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
@@ -70,6 +70,7 @@ class _Child:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **_parent_env(), **env},
             # its own process group: hivemind's DHT/averager children and p2pd die with it
             start_new_session=True,
+            cwd=cwd,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -101,7 +102,7 @@ class _Child:
         kill_group(self.proc)
 
 
-class LocalPeer(_Child):
+class LocalPeer(Child):
     """One `swarmtrain peer` child."""
 
     def __init__(self, args: list[str], workdir: Path, name: str, *, threads: int = 1) -> None:
@@ -183,7 +184,7 @@ def start_peers(
     return peers
 
 
-class LocalCoordinator(_Child):
+class LocalCoordinator(Child):
     """A `swarmtrain coordinator` child on loopback."""
 
     def __init__(self, spec: Path, state_dir: Path, *, db_url: str | None = None, grpc_port: int = 0,

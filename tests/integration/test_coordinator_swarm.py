@@ -80,7 +80,10 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         for i, peer in enumerate(peers):  # each peer heard its credit from its heartbeats and said it
             said = re.search(r"^coordinator: credited ([\d,]+) samples", "\n".join(peer.lines), re.MULTILINE)
             assert said, "\n".join(peer.lines[-20:])
-            key = Identity.load(tmp_path / f"k{i}").public_key.id
+            key = peer.printed(r"^peer (\S+) of account (\S+)", 5)  # credited per node key
+            account = Identity.load(tmp_path / f"k{i}").public_key.id
+            assert peer.printed(r"^peer \S+ of account (\S+)", 5) == account
+            assert {row["key"]: row.get("account_key") for row in store.peers()}[key] == account
             assert int(said.group(1).replace(",", "")) <= credits[key]["samples"]
         assert sum(c["samples"] for c in credits.values()) <= sum(trained.values())
         assert store.rounds()
