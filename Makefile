@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -30,7 +30,16 @@ venv: $(STAMP)
 PG_DIR := $(CURDIR)/.pgtest
 PG_PORT ?= auto
 
-test: $(STAMP)
+# The layering rule (import-linter contracts in pyproject.toml), lint + format (ruff) and types
+# (mypy) of the product packages; `make test` runs it first and fails on any violation.
+LINTED := protocol peer coordinator swarmtrain benchmarks tests
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint
 	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"
 	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
 		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \

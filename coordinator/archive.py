@@ -1,6 +1,6 @@
 """The coordinator's checkpoint archive on disk: the last few verified global states.
 
-Each checkpoint is a peer-format checkpoint file (``peer.checkpoint.Checkpointer``: written
+Each checkpoint is a peer-format checkpoint file (``protocol.checkpoint.Checkpointer``: written
 to a temporary file, fsynced, renamed; its state digest recomputed on load) of the round,
 θ_g and the outer momentum. ``index.json`` (rewritten atomically after each save) lists
 round, digest, size and time of each kept file, so listing the archive reads no tensors;
@@ -10,6 +10,7 @@ is served. A crash between the two writes leaves an extra file that the next sav
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from peer.checkpoint import Checkpointer
+from protocol.checkpoint import Checkpointer
 from protocol.errors import ConfigError
 from protocol.statesync import state_digest
 
@@ -91,7 +92,7 @@ class CheckpointArchive:
             return None
         return LoadedState(record["round"], record["params"], record["momentum"], record["state_digest"])
 
-    def _write_index(self, entries: list[ArchivedState]) -> None:
+    def _write_index(self, entries: builtins.list[ArchivedState]) -> None:
         path = self.directory / INDEX
         tmp = path.with_name(f".{INDEX}.{os.getpid()}.tmp")
         with tmp.open("w", encoding="utf-8") as out:

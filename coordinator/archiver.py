@@ -28,17 +28,10 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from protocol.identity import Identity
 from protocol.agreement import agreed_state
-from protocol.membership import MemberGate, members_key
+from protocol.membership import MemberGate
+from protocol.records import RunRecords
 from protocol.tokens import issue_token
-from protocol.statesync import (
-    RECORD_TTL_S,
-    DigestRecord,
-    collect_records,
-    digest_key,
-    make_digest_record,
-    record_votes,
-    state_digest,
-)
+from protocol.statesync import RECORD_TTL_S, DigestRecord, record_votes, state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +63,7 @@ class Archiver:
         self.run_digest, self.token_ttl_s = run_digest, token_ttl_s
         self._token_renew_at = -float("inf")
         self.every, self.finalized, self.fetch_timeout_s = every, finalized, fetch_timeout_s
-        self.key = digest_key(averager.prefix)
+        self.records = RunRecords(dht, averager.prefix)
         self.serving: LoadedState | None = None
         self.last_error = ""
         self._published_at = -float("inf")
@@ -180,15 +173,12 @@ class Archiver:
 
     def _records(self) -> list[DigestRecord]:
         """The admitted peers' digest records (only members vote: ``protocol.agreement``)."""
-        found = self.dht.get(self.key, latest=True)
-        if found is None or not isinstance(found.value, dict):
+        records = self.records.digest_records()
+        if not records:
             return []
         self.gate.refresh(self.dht)
         now = time.time()
-        return [
-            r for r in collect_records(found.value, now=get_dht_time())
-            if not r.archive and self.gate.is_member_key(r.signer.id, now=now)
-        ]
+        return [r for r in records if not r.archive and self.gate.is_member_key(r.signer.id, now=now)]
 
     def _serve(self, state: LoadedState) -> None:
         self.serving = state
@@ -205,20 +195,14 @@ class Archiver:
         now, peer_id = time.time(), str(self.dht.peer_id)
         token = issue_token(self.identity, run_digest=self.run_digest, peer_key=self.identity.public_key, now=now,
                             ttl_s=self.token_ttl_s, libp2p_peer_id=peer_id)
-        future = self.dht.store(members_key(self.averager.prefix), token.to_bytes(), token.expires_at,
-                                subkey=peer_id, return_future=True)
-        if wait:
-            future.result(timeout=30)
+        self.records.publish_token(token.to_bytes(), libp2p_peer_id=peer_id, expires_at=token.expires_at,
+                                   timeout_s=30.0 if wait else None)
         self._token_renew_at = now + self.token_ttl_s / 2
 
     def _publish(self, now: float, *, wait: bool = False) -> None:
         state = self.serving
         if state is None:
             return
-        record = make_digest_record(self.identity, round_=state.round, digest=state.state_digest, now=now, archive=True)
-        future = self.dht.store(
-            self.key, record, now + RECORD_TTL_S, subkey=self.identity.public_key.id, return_future=True
-        )
-        if wait:
-            future.result(timeout=30)
+        self.records.publish_digest(self.identity, round_=state.round, digest=state.state_digest, archive=True,
+                                    wait=wait)
         self._published_at = now

@@ -79,12 +79,12 @@ class CoordinatorServer:
         spec = parse_spec(spec_toml, source=str(config.spec_path))
         config.state_dir.mkdir(parents=True, exist_ok=True)
         identity, _ = load_or_create(config.state_dir / "coordinator.key")
-        self.dht = DHT(
+        self.dht = dht = DHT(
             start=True,
             host_maddrs=[f"/ip4/{config.host}/tcp/{config.dht_port}"],
             identity_path=str(config.state_dir / "p2p.key"),
         )
-        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         averager, gate = self._archive_averager(spec, identity)  # forks its process: before the database and gRPC
         self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.core = Coordinator(
@@ -175,16 +175,14 @@ class CoordinatorServer:
         averaging with revoked peers within ``protocol.membership.RECHECK_S``)."""
         if revoked == self._revoked and now - self._revoked_published_at < REVOCATIONS_REPUBLISH_S:
             return
-        from protocol.membership import make_revocations, revocations_key
+        from protocol.membership import make_revocations
+        from protocol.records import RunRecords
 
         core = self.core
         record = make_revocations(core.identity, revoked, now=now)
-        future = self.dht.store(
-            revocations_key(run_prefix(core.digest)), record, now + core.spec.admission.token_ttl_s + 60.0,
-            subkey=core.identity.public_key.id, return_future=True,
+        RunRecords(self.dht, run_prefix(core.digest)).publish_revocations(
+            core.identity, record, expires_at=now + core.spec.admission.token_ttl_s + 60.0, wait=wait
         )
-        if wait:
-            future.result(timeout=30)
         if revoked != self._revoked:
             logger.info("revocation list published: %d peer(s)", len(revoked))
         self._revoked, self._revoked_published_at = set(revoked), now

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.coordinator:
         from peer.coordinator_client import CoordinatorClient
         from protocol.spec import parse_spec
-        from swarmtrain import __version__
+        from protocol.version import __version__
 
         client = CoordinatorClient(args.coordinator, identity, software_version=__version__,
                                    endorsement=node.endorsement)
@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
         if client is not None and join_info is not None:
             from peer.coordinator_client import CoordinatorLink
 
-            rejoin = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs,
-                      "reachable": not args.client_mode, "spec_digest": join_info.spec_digest}
+            rejoin: dict[str, Any] = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs,
+                                      "reachable": not args.client_mode, "spec_digest": join_info.spec_digest}
             admitted = client.join(**rejoin)
             swarm.publish_membership(admitted.access_token)
             link = CoordinatorLink(client, interval_s=join_info.heartbeat_interval_s, rejoin=rejoin,

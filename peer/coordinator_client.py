@@ -122,7 +122,7 @@ class CoordinatorLink(threading.Thread):
     def __init__(
         self, client: CoordinatorClient, *, interval_s: float, rejoin: dict[str, Any],
         on_refused: Callable[[str], None] | None = None, token: bytes = b"",
-        on_token: Callable[[bytes], None] | None = None,
+        on_token: Callable[[bytes], object] | None = None,
     ) -> None:
         super().__init__(daemon=True, name="coordinator-link")
         self.client, self.interval_s, self.rejoin = client, interval_s, rejoin

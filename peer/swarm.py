@@ -21,25 +21,16 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
-from hivemind.utils.timed_storage import get_dht_time
-
 from peer.timeouts import matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
 from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
-from protocol.membership import MemberGate, members_key
+from protocol.membership import MemberGate
 from protocol.spec import RunSpec
 from protocol.tokens import decode_token
-from protocol.statesync import (
-    RECORD_TTL_S,
-    DigestRecord,
-    collect_records,
-    digest_key,
-    make_digest_record,
-    record_votes,
-    run_prefix,
-)
+from protocol.records import RunRecords
+from protocol.statesync import DigestRecord, record_votes, run_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +170,7 @@ class Swarm:
             client_mode=client_mode,
             gate=gate,
         )
+        self.run_records = RunRecords(self.dht, self.averager.prefix)
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -194,24 +186,13 @@ class Swarm:
         control = self.averager.step(gather=gather, weight=max(weight, NEGLIGIBLE_WEIGHT), timeout=timeout, wait=False)
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
 
-    @property
-    def digest_key(self) -> str:
-        return digest_key(self.averager.prefix)
-
     def publish_digest(self, identity: Identity, *, round_: int, digest: str) -> None:
         """Sign and store this peer's post-round digest in the DHT (does not block)."""
-        now = get_dht_time()
-        record = make_digest_record(identity, round_=round_, digest=digest, now=now)
-        self.dht.store(
-            self.digest_key, record, now + RECORD_TTL_S, subkey=identity.public_key.id, return_future=True
-        )
+        self.run_records.publish_digest(identity, round_=round_, digest=digest)
 
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
-        found = self.dht.get(self.digest_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        return [r for r in collect_records(found.value, now=get_dht_time()) if r.signer != exclude]
+        return [r for r in self.run_records.digest_records() if r.signer != exclude]
 
     def eligible(self) -> Callable[[str], bool]:
         """Whose digest records count (``protocol.agreement``, rule 1): in a gated run the
@@ -257,16 +238,9 @@ class Swarm:
         decoded = decode_token(token)
         if decoded.libp2p_peer_id != str(self.dht.peer_id):
             raise ValueError(f"the token is for libp2p peer {decoded.libp2p_peer_id!r}, not {self.dht.peer_id}")
-        key = members_key(self.averager.prefix)
-        future = self.dht.store(key, token, decoded.expires_at, subkey=decoded.libp2p_peer_id, return_future=True)
-        try:
-            stored = bool(future.result(timeout=timeout_s))
-        except Exception as exc:  # noqa: BLE001 - a DHT hiccup: peers will look again later
-            logger.warning("could not publish this peer's access token in the DHT: %s", exc)
-            return False
-        if not stored:
-            logger.warning("the DHT did not store this peer's access token; other peers may refuse it")
-        return stored
+        return self.run_records.publish_token(
+            token, libp2p_peer_id=decoded.libp2p_peer_id, expires_at=decoded.expires_at, timeout_s=timeout_s
+        )
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.averager.set_allreduce_timeout(timeout_s)

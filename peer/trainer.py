@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from peer.checkpoint import Checkpointer
+from protocol.checkpoint import Checkpointer
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.state import GlobalState, flatten, load_flat, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm

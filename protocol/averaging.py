@@ -442,7 +442,9 @@ class ExactAverager(DecentralizedAverager):
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts = None, [], []
+        metadata: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[runtime_pb2.Tensor] = []
         limit, received = 2 * self.numel * 4 + STATE_OVERHEAD_BYTES, 0
         async for message in stream:
             if message.metadata:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protocol.errors import IdentityError, SpecError
 from protocol.identity import PublicKey
 
-SPEC_VERSION = 1
+SPEC_VERSION: Literal[1] = 1
 _FACTORY_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 PositiveInt = Annotated[int, Field(ge=1)]

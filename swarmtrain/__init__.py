@@ -4,4 +4,6 @@ This package is the launcher only (the ``swarmtrain`` command); the work lives i
 ``protocol`` (the wire), ``peer`` (the training node) and ``coordinator`` (the service).
 """
 
-__version__ = "0.1.0"
+from protocol.version import __version__
+
+__all__ = ["__version__"]

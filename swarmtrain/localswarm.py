@@ -152,7 +152,7 @@ class LocalPeer(Child):
 
 
 
-def kill_group(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+def kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the process group led by ``proc`` (started with start_new_session) and reap ``proc``."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -109,8 +109,9 @@ class ByteGPT(nn.Module):
                 std = resid_std if name.endswith(".proj") else INIT_STD
                 portable_normal_(module.weight, std, gen)
                 done += 1
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.zero_()
                     done += 1
         assert done == len(list(self.parameters())), "a parameter was left uninitialised"
 

@@ -173,7 +173,7 @@ def test_checkpoint_resume_restores_everything(tmp_path) -> None:  # type: ignor
 
 
 def test_corrupted_or_foreign_checkpoints_are_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from peer.checkpoint import Checkpointer
+    from protocol.checkpoint import Checkpointer
 
     good = Checkpointer(tmp_path, spec_digest="sha256:run")
     params, momentum = torch.ones(10), torch.zeros(10)

@@ -1,4 +1,5 @@
-"""Local checkpoints of a peer: written atomically, verified on load, the last few kept.
+"""The checkpoint format, shared by a peer's local checkpoints and the coordinator's archive:
+written atomically, verified on load, the last few kept.
 
 A checkpoint holds the global state (round, θ_g, outer momentum, its digest), the local
 model, the inner optimizer, the codec residual and the inner step count, for the run whose
