@@ -41,6 +41,12 @@ _PHASES = {
     pb.PEER_PHASE_LEAVING: "leaving",
 }
 
+HISTORY_KEEP_S = 24 * 3600.0
+"""Swarm samples (one a tick, ``Store.record_sample``) are kept this long: the longest window
+``/api/v1/history`` serves (the dashboard's charts ask for the last hour)."""
+PRUNE_EVERY_S = 300.0
+"""``tick`` deletes samples older than ``history_keep_s`` at most this often."""
+
 
 class Coordinator:
     """Admits peers, tracks them, verifies their claims, keeps the ledger."""
@@ -55,6 +61,7 @@ class Coordinator:
         bootstrap_maddrs: list[str],
         health: HealthConfig | None = None,
         operators: tuple[str, ...] = (),
+        history_keep_s: float = HISTORY_KEEP_S,
     ) -> None:
         self.spec, self.spec_toml, self.identity, self.store = spec, spec_toml, identity, store
         self.digest = spec.digest()
@@ -77,6 +84,8 @@ class Coordinator:
         self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
         self._losses: dict[int, list[float]] = {}
+        self.history_keep_s = history_keep_s
+        self._pruned_at = -math.inf
         self._reload_pending()
 
     def _reload_pending(self) -> None:
@@ -208,7 +217,8 @@ class Coordinator:
     # --- time -------------------------------------------------------------------------------
 
     def tick(self, *, now: float) -> None:
-        """Advance health, decide complete rounds, persist decisions and swarm figures."""
+        """Advance health, decide complete rounds, persist decisions and swarm figures (and,
+        every ``PRUNE_EVERY_S``, drop those older than ``history_keep_s``)."""
         self.health.tick(now)
         decisions = self.ledger.tick(now)
         by_round: dict[int, list[Decision]] = {}
@@ -227,6 +237,9 @@ class Coordinator:
             )
         summary = self.health.summary(now)
         self.store.record_sample(now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second)
+        if now - self._pruned_at >= PRUNE_EVERY_S:
+            self.store.prune_samples(before=now - self.history_keep_s)
+            self._pruned_at = now
 
     # --- helpers ----------------------------------------------------------------------------
 

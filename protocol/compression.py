@@ -422,15 +422,3 @@ class ErrorFeedback:
             raise ValueError("error feedback: residual overflowed float32")
         self._residual = residual
 
-    def encode_with_feedback(self, delta: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        """Encode ``compensate(delta)``, update the residual; return (bytes, decoded values)."""
-        x = self.compensate(delta)
-        data = self.codec.encode(x)
-        decoded = self.codec.decode(data, self.numel)
-        self.update(x, decoded)
-        return data, decoded
-
-    def reset(self) -> None:
-        """Forget the residual (e.g. after a re-sync)."""
-        self._residual = torch.zeros_like(self._residual)
-

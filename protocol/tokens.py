@@ -4,7 +4,8 @@ A token says: "the coordinator with key C admits the peer with key P to the run 
 digest is D, from ``issued_at`` until ``expires_at``". It is a ``SignedMessage`` of kind
 ``TOKEN_KIND`` whose body is an ``AccessTokenBody`` protobuf. A token is a bearer
 credential bound to a peer key: presenting it proves nothing unless the presenter also signs
-with that key (``protocol.hivemind_auth`` does this for hivemind's DHT and averaging RPCs).
+with that key (the coordinator's RPCs); in averaging a token counts only for the libp2p peer
+id it names (``protocol.membership``).
 
 ``verify_token`` rejects forged, tampered, expired, not-yet-valid, wrong-run and
 wrong-peer tokens, each with its own ``TokenError`` subclass and a readable reason.
@@ -48,10 +49,6 @@ class AccessToken:
     token_id: bytes
     libp2p_peer_id: str
     message: SignedMessage
-
-    @property
-    def issuer(self) -> PublicKey:
-        return self.message.signer
 
     def to_bytes(self) -> bytes:
         return self.message.to_bytes()

@@ -89,7 +89,8 @@ def create_app(
             return {"leaderboard": core.store.leaderboard(limit=limit), "by_peer": core.store.credits_by_peer()}
 
     @app.get("/api/v1/history")
-    def history(seconds: float = Query(3600.0, gt=0, le=30 * 86400)) -> list[dict[str, Any]]:
+    def history(seconds: float = Query(3600.0, gt=0, le=core.history_keep_s)) -> list[dict[str, Any]]:
+        """Swarm samples of the last ``seconds`` (no longer than the coordinator keeps them)."""
         with lock:
             return core.store.samples(since=clock() - seconds)
 

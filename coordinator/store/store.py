@@ -56,12 +56,12 @@ class Store:
     flops, reason, decided_at), ``credits`` (the append-only ledger: one row per granted
     claim, unique by claim and by (key, round)), ``rounds`` (round, state_digest,
     finalized_at, group_size, mean_loss, samples) and ``swarm_samples`` (at, peers_online,
-    samples_per_second).
+    samples_per_second; ``prune_samples`` deletes old ones).
 
     Commits: every write method is one transaction, committed before it returns;
-    ``decide_claim`` updates the claim and appends its credit in the same transaction, so
-    the ledger never holds a credit without its granted claim or the reverse. Reads see
-    every earlier committed write.
+    ``finalize_round`` (and ``decide_claim``) update a claim and append its credit in the same
+    transaction, so the ledger never holds a credit without its granted claim or the reverse.
+    Reads see every earlier committed write.
 
     Crash safety: a write that returned is durable. On SQLite every connection runs with
     ``journal_mode=WAL``, ``synchronous=FULL`` (fsync at each commit) and
@@ -291,15 +291,9 @@ class Store:
             samples, flops = s.execute(granted.where(Credit.key == key)).one()
             return {"samples": int(samples), "flops": float(flops), "pending_samples": int(s.scalar(pending) or 0)}
 
-    def credits_by_account(self) -> dict[str, dict[str, Any]]:
-        """``{account_key: {"samples", "flops", "peers"}}``; a peer with no account counts as its own."""
-        return {row.pop("account_key"): row for row in self._account_totals(limit=None)}
-
     def leaderboard(self, limit: int = 20) -> list[dict[str, Any]]:
-        """Accounts by flops (then samples) descending: ``account_key, samples, flops, peers``."""
-        return self._account_totals(limit=limit)
-
-    def _account_totals(self, limit: int | None) -> list[dict[str, Any]]:
+        """Accounts by flops (then samples) descending: ``account_key, samples, flops, peers``;
+        a peer with no account counts as its own."""
         account = func.coalesce(Peer.account_key, Credit.key).label("account_key")
         flops, samples = func.sum(Credit.flops), func.sum(Credit.samples)
         query = (
@@ -317,21 +311,6 @@ class Store:
             ]
 
     # --- rounds and swarm history -----------------------------------------------------------
-
-    def record_round(
-        self, *, round: int, state_digest: str, finalized_at: float, group_size: int,
-        mean_loss: float | None, samples: int,
-    ) -> None:
-        """Insert or replace the record of a finalized round."""
-        fields = dict(state_digest=state_digest, finalized_at=finalized_at, group_size=group_size,
-                      mean_loss=mean_loss, samples=samples)
-        with self._write() as s:
-            record = s.get(RoundRecord, round)
-            if record is None:
-                s.add(RoundRecord(round=round, **fields))
-            else:
-                for name, value in fields.items():
-                    setattr(record, name, value)
 
     def rounds(self, limit: int = 500) -> list[dict[str, Any]]:
         """The latest ``limit`` rounds, highest round first."""

@@ -190,7 +190,7 @@ def test_claims_newest_first_filtered_and_limited(store: Store) -> None:
     assert [(c["key"], c["round"]) for c in store.pending_claims()][:2] == [("p1", 0), ("p2", 0)]
 
 
-def test_credits_by_account_joins_through_peers(store: Store) -> None:
+def test_credits_by_peer_and_by_account_join_through_peers(store: Store) -> None:
     _peer(store, "p1", "alice")
     _peer(store, "p2", "alice")
     _peer(store, "p3", None)
@@ -203,7 +203,8 @@ def test_credits_by_account_joins_through_peers(store: Store) -> None:
         "p1": {"samples": 40, "flops": 4.0, "rounds": 2}, "p2": {"samples": 20, "flops": 2.0, "rounds": 1},
         "p3": {"samples": 5, "flops": 9.0, "rounds": 1}, "ghost": {"samples": 1, "flops": 0.5, "rounds": 1},
     }
-    assert store.credits_by_account() == {
+    # a peer with no account (or no peer row) counts as its own account
+    assert {row.pop("account_key"): row for row in store.leaderboard(limit=100)} == {
         "alice": {"samples": 60, "flops": 6.0, "peers": 2},
         "p3": {"samples": 5, "flops": 9.0, "peers": 1},
         "ghost": {"samples": 1, "flops": 0.5, "peers": 1},
@@ -224,15 +225,12 @@ def test_leaderboard_by_flops_per_account(store: Store) -> None:
     assert [r["account_key"] for r in store.leaderboard(limit=1)] == ["bob"]
 
 
-def test_rounds_upsert_and_order(store: Store) -> None:
-    store.record_round(round=1, state_digest="a", finalized_at=1.0, group_size=2, mean_loss=None, samples=10)
-    store.record_round(round=2, state_digest="b", finalized_at=2.0, group_size=3, mean_loss=2.5, samples=30)
-    store.record_round(round=1, state_digest="c", finalized_at=3.0, group_size=4, mean_loss=1.5, samples=40)
-    assert store.rounds() == [
-        {"round": 2, "state_digest": "b", "finalized_at": 2.0, "group_size": 3, "mean_loss": 2.5, "samples": 30},
-        {"round": 1, "state_digest": "c", "finalized_at": 3.0, "group_size": 4, "mean_loss": 1.5, "samples": 40},
-    ]
-    assert [r["round"] for r in store.rounds(limit=1)] == [2]
+def test_rounds_highest_first_and_limited(store: Store) -> None:
+    for round in (1, 3, 2):
+        _claim(store, "p1", round)
+        store.finalize_round(round=round, now=float(round), mean_loss=None, decisions=[])
+    assert [(r["round"], r["state_digest"]) for r in store.rounds()] == [(3, "d3"), (2, "d2"), (1, "d1")]
+    assert [r["round"] for r in store.rounds(limit=1)] == [3]
 
 
 def test_finalize_round_decides_and_records_together(store: Store) -> None:
@@ -287,7 +285,7 @@ def test_reopen_keeps_everything(store_url: str) -> None:
         _claim(first, "p1", 1)
         _grant(first, "p1", 1, 10, 1.0)
         _claim(first, "p1", 2)
-        first.record_round(round=1, state_digest="s", finalized_at=2.0, group_size=1, mean_loss=0.5, samples=10)
+        first.finalize_round(round=1, decisions=[], mean_loss=0.5, now=2.0)
         first.record_sample(now=3.0, peers_online=1, samples_per_second=2.0)
         before = _snapshot(first)
     with Store(store_url) as second:
@@ -300,7 +298,7 @@ def _snapshot(store: Store) -> dict[str, object]:
     return {
         "run": store.run(), "allow": store.allowlist(), "banned": store.banned(), "peers": store.peers(),
         "claims": store.claims(), "pending": store.pending_claims(), "by_peer": store.credits_by_peer(),
-        "by_account": store.credits_by_account(), "board": store.leaderboard(), "rounds": store.rounds(),
+        "board": store.leaderboard(), "rounds": store.rounds(),
         "samples": store.samples(since=0.0),
     }
 

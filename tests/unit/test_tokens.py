@@ -46,7 +46,7 @@ def check(token: AccessToken, coordinator: Identity, peer: Identity, *, now: flo
 def test_valid_token_survives_the_wire(coordinator: Identity, peer: Identity) -> None:
     token = decode_token(issue(coordinator, peer, libp2p_peer_id="12D3Koo").to_bytes())
     check(token, coordinator, peer)
-    assert token.libp2p_peer_id == "12D3Koo" and token.issuer == coordinator.public_key
+    assert token.libp2p_peer_id == "12D3Koo" and token.message.signer == coordinator.public_key
 
 
 def test_forged_token_signed_by_another_key(coordinator: Identity, peer: Identity) -> None:

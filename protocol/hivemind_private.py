@@ -1,0 +1,299 @@
+"""Every private member of hivemind (a name starting with ``_``) that swarmtrain relies on.
+
+hivemind's public API cannot do what ``protocol.averaging`` needs (reducers that broadcast one
+encoding of each averaged part, validation of every received part, authorized matchmaking,
+an adaptive all-reduce deadline, digest-checked state download), so ``ExactAllReduceRunner``
+and ``ExactAverager`` override, call, read and write hivemind internals. hivemind does not
+promise to keep any of them: a release may rename a method, change its parameters, stop
+calling an override, or set an attribute somewhere else, and our code would then fail at run
+time or, worse, silently fall back to hivemind's behaviour (e.g. averaging with non-admitted
+peers, or adding deltas instead of writing bit-identical averages).
+
+``PRIVATE_USES`` lists each of them, read from hivemind ``HIVEMIND_VERSION``, with where we
+use it and why. ``tests/unit/test_hivemind_private.py`` checks every entry against the
+installed hivemind (the member exists, overridden methods keep the parameters we rely on,
+hivemind still calls them, attributes are still set where we expect) and scans our packages
+for private hivemind names that are not listed here. When upgrading hivemind, re-read each
+entry against the new source, then bump ``HIVEMIND_VERSION``.
+
+Importing this module imports nothing from hivemind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HIVEMIND_VERSION = "1.1.12"
+"""The hivemind release the entries below were read from."""
+
+ALLREDUCE_RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
+TENSOR_PART_CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
+AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
+MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
+SERVICER_BASE = "hivemind.p2p.servicer.ServicerBase"
+
+AVERAGING = "protocol/averaging.py"
+BAD_TENSORS = "tests/integration/test_bad_tensors.py"
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    """One private hivemind member we use."""
+
+    owner: str
+    """Dotted path of the hivemind class (or module) that defines it."""
+    name: str
+    """The member's name on ``owner``."""
+    kind: str
+    """What it is and how we use it: ``overridden ... method`` (our subclass replaces it and
+    hivemind calls ours), ``called ... method``, ``method replaced on instances``, ``instance
+    attribute (read|written|...)`` (set in hivemind's code, not visible on the class),
+    or a behaviour of that member we depend on without naming it (``... convention``,
+    ``... format``, ``... protocol``)."""
+    used_in: str
+    """Where: ``path (qualified name)``, several separated by ``; ``."""
+    why: str
+    """What we need it for."""
+    params: tuple[str, ...] | None = None
+    """Methods: the parameter names (without ``self``) our override or call relies on."""
+    evidence: tuple[tuple[str, str], ...] = ()
+    """(function of ``owner``, text its source must contain): where hivemind sets the
+    attribute or calls the method, so that a change there fails the test."""
+
+
+MIRRORED_KINDS = frozenset(
+    {
+        "pipe dispatch protocol",
+        "DHT key convention",
+        "stream format",
+        "handler naming convention",
+        "type hint convention",
+    }
+)
+"""Kinds of entries that describe behaviour we depend on without naming the member in our code."""
+
+
+PRIVATE_USES: tuple[PrivateUse, ...] = (
+    # --- hivemind.averaging.allreduce.AllReduceRunner: ExactAllReduceRunner's base ---------
+    PrivateUse(
+        ALLREDUCE_RUNNER,
+        "_communicate_with_peer",
+        "overridden coroutine method",
+        f"{AVERAGING} (ExactAllReduceRunner._communicate_with_peer)",
+        "Our own parts go through the codec like everyone else's, and parts averaged by another "
+        "reducer are decoded and written in place of ours (bit-identical), not added as deltas.",
+        params=("peer_id",),
+        evidence=(("run", "self._communicate_with_peer(peer_id)"),),
+    ),
+    PrivateUse(
+        ALLREDUCE_RUNNER,
+        "_generate_input_for_peer",
+        "overridden async generator method",
+        f"{AVERAGING} (ExactAllReduceRunner._generate_input_for_peer, _receive_from_reducer); "
+        f"{BAD_TENSORS} (LyingRunner._generate_input_for_peer)",
+        "Reuses hivemind's framing of the parts we send a reducer (first message carries the "
+        "group id and PART_FOR_AVERAGING) through super(), counting bytes sent; the bad-tensor "
+        "test rewrites the weight in it.",
+        params=("peer_index",),
+        evidence=(("_communicate_with_peer", "self._generate_input_for_peer(peer_index)"),),
+    ),
+    PrivateUse(
+        ALLREDUCE_RUNNER,
+        "_accumulate_parts_streaming",
+        "overridden async generator method",
+        f"{AVERAGING} (ExactAllReduceRunner._accumulate_parts_streaming)",
+        "Reducer side: validates each received part (size, finiteness, weight) before it is "
+        "accumulated, gives stale members weight 0, and sends every sender the same encoding "
+        "of the averaged part instead of per-sender deltas.",
+        params=("stream", "sender_index"),
+        evidence=(("rpc_aggregate_part", "self._accumulate_parts_streaming("),),
+    ),
+    PrivateUse(
+        ALLREDUCE_RUNNER,
+        "_get_peer_stub",
+        "called method",
+        f"{AVERAGING} (ExactAllReduceRunner._receive_from_reducer)",
+        "The stub for the reducer's rpc_aggregate_part under the averager's namespace.",
+        params=("peer",),
+    ),
+    PrivateUse(
+        ALLREDUCE_RUNNER,
+        "_ban_sender",
+        "called coroutine method",
+        f"{AVERAGING} (ExactAllReduceRunner._accumulate_parts_streaming)",
+        "Excludes a sender whose stream ended early or was refused, as hivemind's own "
+        "_accumulate_parts_streaming does, so the reducer does not wait for its parts.",
+        params=("peer_id",),
+    ),
+    # --- hivemind.averaging.partition.TensorPartContainer ---------------------------------
+    PrivateUse(
+        TENSOR_PART_CONTAINER,
+        "_input_parts_by_peer",
+        "instance attribute (read)",
+        f"{AVERAGING} (ExactAllReduceRunner.__init__)",
+        "A list (one deque per peer) of (part, CompressionInfo): the size of every part in "
+        "global order, so that each received part is checked for its exact size before decoding.",
+        evidence=(
+            ("__init__", "self._input_parts_by_peer = ["),
+            ("__init__", "self._input_parts_by_peer[current_peer_index].append((part, part_info))"),
+        ),
+    ),
+    # --- hivemind.averaging.averager.DecentralizedAverager: ExactAverager's base ----------
+    PrivateUse(
+        AVERAGER,
+        "_run_allreduce_inplace_",
+        "overridden coroutine method",
+        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_)",
+        "Builds our ExactAllReduceRunner (codec, stale members) instead of AllReduceRunner, "
+        "copies the averaged vector in place only when every part arrived, records round stats.",
+        params=("tensors", "group_info", "group_id", "kwargs"),
+        evidence=(
+            (
+                "_aggregate_with_group",
+                "self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=peer_fractions, **kwargs)",
+            ),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_aggregate_with_group",
+        "overridden coroutine method",
+        f"{AVERAGING} (ExactAverager._aggregate_with_group)",
+        "Refuses a group with a member the coordinator did not admit, and returns gathered data "
+        "plus the round's stats to step()'s caller; super() does load balancing and unpacks the gather.",
+        params=("group_info", "min_vector_size", "kwargs"),
+        evidence=(("_step", "self._aggregate_with_group("), ("__init__", "min_vector_size=min_vector_size")),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_running_groups",
+        "instance attribute (read)",
+        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_)",
+        "Registers our runner under the group id (a future set to the runner) so that incoming "
+        "rpc_aggregate_part calls reach it, as hivemind's own _run_allreduce_inplace_ does.",
+        evidence=(
+            ("__init__", "self._running_groups: Dict[GroupID, asyncio.Future[AllReduceRunner]] = {}"),
+            ("rpc_aggregate_part", "future = self._running_groups.get(request.group_id)"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_p2p",
+        "instance attribute (read)",
+        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_, _download_state_from)",
+        "The averager process's P2P: given to our runner, and used for the rpc_download_state stub.",
+        evidence=(("_run_internal", "self._p2p = await self.dht.replicate_p2p()"),),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_matchmaking",
+        "instance attribute overridden by a property",
+        f"{AVERAGING} (ExactAverager._matchmaking, _load_verified_state)",
+        "hivemind assigns its Matchmaking to self._matchmaking in the averager process; our "
+        "property's setter wraps its _request_join_group so that we never ask a non-admitted "
+        "leader; group_key_manager.prefix names the state-download key.",
+        evidence=(
+            ("_run_internal", "self._matchmaking = Matchmaking("),
+            ("rpc_join_group", "self._matchmaking.rpc_join_group(request, context)"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_outer_pipe",
+        "instance attribute (read)",
+        f"{AVERAGING} (ExactAverager.set_allreduce_timeout, load_verified_state)",
+        "The host process's end of the control pipe to the averager process: we send "
+        "(method name, args, kwargs) to run our coroutines there.",
+        evidence=(("__init__", "self._inner_pipe, self._outer_pipe = mp.Pipe(duplex=True)"),),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_inner_pipe",
+        "pipe dispatch protocol",
+        f"{AVERAGING} (ExactAverager.set_allreduce_timeout -> _set_allreduce_timeout, "
+        "load_verified_state -> _load_verified_state)",
+        "The averager process reads (method, args, kwargs) and runs getattr(self, method)(...) as "
+        "a task: the named method must be a coroutine function of our class.",
+        evidence=(
+            ("_run_internal", "method, args, kwargs = self._inner_pipe.recv()"),
+            ("_run_internal", "asyncio.create_task(getattr(self, method)(*args, **kwargs))"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_allreduce_timeout",
+        "instance attribute (written)",
+        f"{AVERAGING} (ExactAverager._set_allreduce_timeout)",
+        "The all-reduce deadline of each step; written to adapt it to measured all-reduce times.",
+        evidence=(
+            ("__init__", "self._allreduce_timeout = averaging_alpha, allreduce_timeout"),
+            ("_step", "timeout=self._allreduce_timeout"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_declare_for_download_periodically",
+        "DHT key convention",
+        f"{AVERAGING} (ExactAverager._load_verified_state)",
+        "Averagers that serve their state declare themselves under "
+        "'{group_key_manager.prefix}.all_averagers' (subkey: peer id bytes); we list servers there.",
+        evidence=(
+            (
+                "_declare_for_download_periodically",
+                'download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"',
+            ),
+            ("_declare_for_download_periodically", "subkey=self.peer_id.to_bytes()"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_load_state_from_peers",
+        "stream format",
+        f"{AVERAGING} (ExactAverager._download_state_from)",
+        "Our digest-checked download parses rpc_download_state's stream as hivemind does: "
+        "metadata on the first message, a tensor part with a dtype starts the next tensor.",
+        evidence=(
+            ("_load_state_from_peers", "if message.tensor_part.dtype and current_tensor_parts:"),
+            ("rpc_download_state", "yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)"),
+        ),
+    ),
+    # --- hivemind.averaging.matchmaking.Matchmaking ---------------------------------------
+    PrivateUse(
+        MATCHMAKING,
+        "_request_join_group",
+        "method replaced on instances",
+        f"{AVERAGING} (ExactAverager._matchmaking setter)",
+        "Replaced on the averager's Matchmaking by a wrapper that skips leaders the coordinator "
+        "did not admit (joining one would fail the round). hivemind must keep calling it through "
+        "self, for each potential leader and for a leader's suggested leader.",
+        params=("leader",),
+        evidence=(
+            ("_request_join_potential_leaders", "group = await self._request_join_group(next_leader)"),
+            ("_request_join_group", "return await self._request_join_group(suggested_leader)"),
+        ),
+    ),
+    # --- hivemind.p2p.servicer.ServicerBase: how RPC handlers are found and named -----------
+    PrivateUse(
+        SERVICER_BASE,
+        "_get_handle_name",
+        "handler naming convention",
+        f"{AVERAGING} (ExactAverager, runner servicer_type=type(self)); "
+        f"{BAD_TENSORS} (weight_liar names its class 'ExactAverager')",
+        "RPC handles are '{namespace}::{class name}.{method}': every averager of a run (peers and "
+        "the coordinator's archiver) must be a class named ExactAverager to reach the others.",
+        evidence=(("_get_handle_name", 'handle_name = f"{cls.__name__}.{method_name}"'),),
+    ),
+    PrivateUse(
+        SERVICER_BASE,
+        "_strip_iterator_hint",
+        "type hint convention",
+        f"{AVERAGING} (ExactAverager.rpc_join_group, rpc_download_state)",
+        "Our rpc_* overrides annotate their return as typing.AsyncIterator (not collections.abc): "
+        "hivemind reads the hints with get_type_hints and recognizes a stream only by "
+        "the typing alias's _name.",
+        evidence=(
+            ("_strip_iterator_hint", 'hint._name in ("AsyncIterator", "AsyncIterable")'),
+            ("_collect_rpc_handlers", "hints = get_type_hints(method)"),
+        ),
+    ),
+)
