@@ -55,10 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     target = args.peers * batch * (steps if args.mode == "local" else 1)
     inner = spec.inner
     opt = hivemind.Optimizer(
-        dht=dht, run_id=f"baseline-{args.mode}-{spec.digest()[7:19]}", target_batch_size=target,
-        batch_size_per_step=batch, params=task.model.parameters(),
+        dht=dht,
+        run_id=f"baseline-{args.mode}-{spec.digest()[7:19]}",
+        target_batch_size=target,
+        batch_size_per_step=batch,
+        params=task.model.parameters(),
         optimizer=partial(torch.optim.AdamW, lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay),
-        use_local_updates=args.mode == "local", matchmaking_time=3.0, averaging_timeout=120.0,
+        use_local_updates=args.mode == "local",
+        matchmaking_time=3.0,
+        averaging_timeout=120.0,
         verbose=False,
     )
     params = sum(p.numel() for p in task.model.parameters())
@@ -76,10 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                 losses.append(float(loss.detach()))
                 opt.step()
             row = {
-                "round": round_ + 1, "samples": batch * steps, "loss": sum(losses) / len(losses),
-                "compute_s": round(compute, 4), "wall_s": round(time.monotonic() - started, 4),
-                "averaged": opt.local_epoch > epoch_before, "epoch": opt.local_epoch, "params": params,
-                "bytes_sent": 0, "allreduce_s": 0.0,
+                "round": round_ + 1,
+                "samples": batch * steps,
+                "loss": sum(losses) / len(losses),
+                "compute_s": round(compute, 4),
+                "wall_s": round(time.monotonic() - started, 4),
+                "averaged": opt.local_epoch > epoch_before,
+                "epoch": opt.local_epoch,
+                "params": params,
+                "bytes_sent": 0,
+                "allreduce_s": 0.0,
             }
             out.write(json.dumps(row) + "\n")
             out.flush()

@@ -42,9 +42,7 @@ allreduce_timeout_s = 30.0
 
 def measure(workdir: Path, *, overlap: bool, args: argparse.Namespace) -> dict[str, float]:
     spec = workdir / "spec.toml"
-    spec.write_text(
-        SPEC.format(d_model=args.d_model, steps=args.steps, codec=args.codec, overlap=str(overlap).lower())
-    )
+    spec.write_text(SPEC.format(d_model=args.d_model, steps=args.steps, codec=args.codec, overlap=str(overlap).lower()))
     peers = start_peers(spec, 3, workdir, extra=["--max-rounds", str(args.rounds)])
     try:
         for peer in peers:
@@ -71,8 +69,11 @@ def main() -> None:
     for overlap in (False, True):
         with tempfile.TemporaryDirectory(prefix="swarmtrain-overlap-") as tmp:
             m = measure(Path(tmp), overlap=overlap, args=args)
-        print(f"| {'on' if overlap else 'off'} | {m['compute_s']:.3f} | {m['wait_s']:.3f} | "
-              f"{100 * m['utilization']:.1f}% | {m['rounds']} |", flush=True)
+        print(
+            f"| {'on' if overlap else 'off'} | {m['compute_s']:.3f} | {m['wait_s']:.3f} | "
+            f"{100 * m['utilization']:.1f}% | {m['rounds']} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

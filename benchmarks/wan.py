@@ -63,10 +63,14 @@ matchmaking_timeout_s = 15.0
 allreduce_timeout_s = 120.0
 """
 CONFIGS = [  # name, kind, codec, overlap
-    ("hivemind sync DP", "sync", "none", False), ("hivemind local-SGD", "local", "none", False),
-    ("fp32", "swarmtrain", "none", True), ("fp16", "swarmtrain", "fp16", True),
-    ("int8", "swarmtrain", "int8", True), ("4bit", "swarmtrain", "4bit", True),
-    ("fp32 no-overlap", "swarmtrain", "none", False), ("int8 no-overlap", "swarmtrain", "int8", False),
+    ("hivemind sync DP", "sync", "none", False),
+    ("hivemind local-SGD", "local", "none", False),
+    ("fp32", "swarmtrain", "none", True),
+    ("fp16", "swarmtrain", "fp16", True),
+    ("int8", "swarmtrain", "int8", True),
+    ("4bit", "swarmtrain", "4bit", True),
+    ("fp32 no-overlap", "swarmtrain", "none", False),
+    ("int8 no-overlap", "swarmtrain", "int8", False),
 ]
 
 
@@ -75,8 +79,14 @@ class _Peer:
         self.lines: list[str] = []
         self.times: list[float] = []
         self.started = time.monotonic()
-        self.proc = sim.run(host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        self.proc = sim.run(
+            host,
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        )
         self._log = log
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -104,19 +114,60 @@ class _Peer:
 def _write_spec(workdir: Path, name: str, codec: str, overlap: bool, args: argparse.Namespace) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
-    spec.write_text(SPEC.format(name=re.sub(r"[^a-z0-9._-]", "-", name.lower()), d_model=args.d_model, layers=args.layers,
-                                steps=args.steps, codec=codec, overlap=str(overlap).lower(), peers=args.peers))
+    spec.write_text(
+        SPEC.format(
+            name=re.sub(r"[^a-z0-9._-]", "-", name.lower()),
+            d_model=args.d_model,
+            layers=args.layers,
+            steps=args.steps,
+            codec=codec,
+            overlap=str(overlap).lower(),
+            peers=args.peers,
+        )
+    )
     return spec
 
 
-def _argv(kind: str, spec: Path, host: str, ip: str, i: int, args: argparse.Namespace, workdir: Path,
-          rounds: int) -> list[str]:
+def _argv(
+    kind: str, spec: Path, host: str, ip: str, i: int, args: argparse.Namespace, workdir: Path, rounds: int
+) -> list[str]:
     metrics = ["--metrics-file", str(workdir / f"{host}.jsonl")]
     if kind == "swarmtrain":
-        return [*swarmtrain_executable(), "peer", "--spec", str(spec), "--host", ip, "--device", "cpu",
-                "--key", str(workdir / f"{host}.key"), "--shard-seed", str(i), "--max-rounds", str(rounds), *metrics]
-    return [sys.executable, "-m", "benchmarks.baseline_hivemind", "--spec", str(spec), "--mode", kind,
-            "--peers", str(args.peers), "--host", ip, "--shard-seed", str(i), "--rounds", str(rounds), *metrics]
+        return [
+            *swarmtrain_executable(),
+            "peer",
+            "--spec",
+            str(spec),
+            "--host",
+            ip,
+            "--device",
+            "cpu",
+            "--key",
+            str(workdir / f"{host}.key"),
+            "--shard-seed",
+            str(i),
+            "--max-rounds",
+            str(rounds),
+            *metrics,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.baseline_hivemind",
+        "--spec",
+        str(spec),
+        "--mode",
+        kind,
+        "--peers",
+        str(args.peers),
+        "--host",
+        ip,
+        "--shard-seed",
+        str(i),
+        "--rounds",
+        str(rounds),
+        *metrics,
+    ]
 
 
 def _link_bytes(sim: WanSim, host: str) -> int:
@@ -124,8 +175,9 @@ def _link_bytes(sim: WanSim, host: str) -> int:
     return int(Path(f"/sys/class/net/{sim.names.bridge_if[host]}/statistics/rx_bytes").read_text())
 
 
-def run_config(name: str, kind: str, codec: str, overlap: bool, args: argparse.Namespace,
-               workdir: Path) -> tuple[Figures, list[list[dict[str, Any]]]]:
+def run_config(
+    name: str, kind: str, codec: str, overlap: bool, args: argparse.Namespace, workdir: Path
+) -> tuple[Figures, list[list[dict[str, Any]]]]:
     spec = _write_spec(workdir, name, codec, overlap, args)
     hosts = [f"p{i}" for i in range(args.peers)]
     with WanSim(hosts, rate=args.link) as sim:
@@ -268,21 +320,36 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     results = [r for r, _ in runs]
     table = markdown_table(results, reference="fp32")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     command = " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"swarmtrain WAN benchmark, {stamp}, {platform.node()} ({os.cpu_count()} CPUs, CPU peers, "
-              f"OMP_NUM_THREADS=1), `python -m benchmarks.wan {command}`".replace("wan ` ", "wan`"))
+    header = (
+        f"swarmtrain WAN benchmark, {stamp}, {platform.node()} ({os.cpu_count()} CPUs, CPU peers, "
+        f"OMP_NUM_THREADS=1), `python -m benchmarks.wan {command}`".replace("wan ` ", "wan`")
+    )
     late_text = ""
     if late:
-        late_text = (f"\n\nLate joiner: ready {late['ready_s']:.1f} s after start ({late['ready_after_dht_s']:.1f} s "
-                     f"after its DHT node was up); its state is {late['state_bytes'] / 1e6:.1f} MB, "
-                     f"{late['transfer_bound_s']:.1f} s at {args.link}.")
+        late_text = (
+            f"\n\nLate joiner: ready {late['ready_s']:.1f} s after start ({late['ready_after_dht_s']:.1f} s "
+            f"after its DHT node was up); its state is {late['state_bytes'] / 1e6:.1f} MB, "
+            f"{late['transfer_bound_s']:.1f} s at {args.link}."
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     pngs = plots(runs, args.out, stamp) if runs else []
     (args.out / f"wan-{stamp}.md").write_text(header + "\n\n" + table + late_text + "\n")
-    (args.out / f"wan-{stamp}.json").write_text(json.dumps(
-        {"date": stamp, "command": command, "peers": args.peers, "link": args.link, "late_joiner": late,
-         "results": [r.as_dict() for r in results], "plots": [p.name for p in pngs]}, indent=1))
+    (args.out / f"wan-{stamp}.json").write_text(
+        json.dumps(
+            {
+                "date": stamp,
+                "command": command,
+                "peers": args.peers,
+                "link": args.link,
+                "late_joiner": late,
+                "results": [r.as_dict() for r in results],
+                "plots": [p.name for p in pngs],
+            },
+            indent=1,
+        )
+    )
     print(header)
     print(table + late_text)
     return 0

@@ -45,8 +45,15 @@ class Figures:
         return asdict(self)
 
 
-def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, link_bps: float,
-            skip_first: int = 1, link_bytes: list[int] | None = None) -> Figures:
+def figures(
+    name: str,
+    histories: list[list[dict[str, Any]]],
+    *,
+    codec: str,
+    link_bps: float,
+    skip_first: int = 1,
+    link_bytes: list[int] | None = None,
+) -> Figures:
     """Figures of one run from each peer's rows (the first ``skip_first`` rounds are start-up).
     ``link_bytes``: bytes each peer put on its link over the whole run (measured on the
     simulated link); when given, the byte figures come from it instead of the rows."""
@@ -73,17 +80,25 @@ def figures(name: str, histories: list[list[dict[str, Any]]], *, codec: str, lin
     bound = link_bound_s(peers=peers, params=params, codec=codec, link_bps=link_bps)
     final_loss = statistics.mean(h[-1]["loss"] for h in histories if h)
     return Figures(
-        name=name, rounds=min(len(h) for h in histories), utilization=utilization, utilization_per_peer=per_peer,
-        samples_per_s=samples / max(wall, 1e-9), bytes_per_peer_round=sent, bytes_per_sample=per_sample,
-        allreduce_s=allreduce, link_bound_s=bound,
+        name=name,
+        rounds=min(len(h) for h in histories),
+        utilization=utilization,
+        utilization_per_peer=per_peer,
+        samples_per_s=samples / max(wall, 1e-9),
+        bytes_per_peer_round=sent,
+        bytes_per_sample=per_sample,
+        allreduce_s=allreduce,
+        link_bound_s=bound,
         link_efficiency=bound / allreduce if timed else float("nan"),
-        final_loss=final_loss, wall_s=wall,
+        final_loss=final_loss,
+        wall_s=wall,
     )
 
 
 def markdown_table(results: list[Figures], *, reference: str | None = None) -> str:
     """One row per configuration; loss relative to ``reference`` (e.g. fp32 averaging)."""
     ref = next((r for r in results if r.name == reference), None)
+
     def num(value: float, fmt: str) -> str:
         return "-" if value != value else format(value, fmt)  # NaN: not measured
 

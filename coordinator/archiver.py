@@ -23,15 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
 from hivemind.utils.timed_storage import get_dht_time
 
-from protocol.identity import Identity
+from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
 from protocol.agreement import agreed_state
+from protocol.identity import Identity
 from protocol.membership import MemberGate
 from protocol.records import RunRecords
-from protocol.tokens import issue_token
 from protocol.statesync import RECORD_TTL_S, DigestRecord, record_votes, state_digest
+from protocol.tokens import issue_token
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Archiver:
         while not self._stop.wait(POLL_S):
             try:
                 self.poll(now=get_dht_time())
-            except Exception:  # noqa: BLE001 - one bad pass must not end the archive
+            except Exception:
                 logger.exception("archive pass failed")
 
     def poll(self, *, now: float) -> ArchivedState | None:
@@ -144,7 +144,9 @@ class Archiver:
             return None
         self._candidate = None
         if agreed != candidate.state_digest:
-            self.last_error = f"a peer served round {candidate.round} as {candidate.state_digest[:19]}..., not the swarm's"
+            self.last_error = (
+                f"a peer served round {candidate.round} as {candidate.state_digest[:19]}..., not the swarm's"
+            )
             logger.warning("archive: %s", self.last_error)
             return None
         entry = self.archive.save(candidate.round, candidate.params, candidate.momentum, now=now)
@@ -193,16 +195,24 @@ class Archiver:
     def _publish_membership(self, *, wait: bool = False) -> None:
         """Admit our own averager like a peer: a token for its libp2p peer id, in the DHT."""
         now, peer_id = time.time(), str(self.dht.peer_id)
-        token = issue_token(self.identity, run_digest=self.run_digest, peer_key=self.identity.public_key, now=now,
-                            ttl_s=self.token_ttl_s, libp2p_peer_id=peer_id)
-        self.records.publish_token(token.to_bytes(), libp2p_peer_id=peer_id, expires_at=token.expires_at,
-                                   timeout_s=30.0 if wait else None)
+        token = issue_token(
+            self.identity,
+            run_digest=self.run_digest,
+            peer_key=self.identity.public_key,
+            now=now,
+            ttl_s=self.token_ttl_s,
+            libp2p_peer_id=peer_id,
+        )
+        self.records.publish_token(
+            token.to_bytes(), libp2p_peer_id=peer_id, expires_at=token.expires_at, timeout_s=30.0 if wait else None
+        )
         self._token_renew_at = now + self.token_ttl_s / 2
 
     def _publish(self, now: float, *, wait: bool = False) -> None:
         state = self.serving
         if state is None:
             return
-        self.records.publish_digest(self.identity, round_=state.round, digest=state.state_digest, archive=True,
-                                    wait=wait)
+        self.records.publish_digest(
+            self.identity, round_=state.round, digest=state.state_digest, archive=True, wait=wait
+        )
         self._published_at = now

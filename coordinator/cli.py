@@ -20,18 +20,30 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output")
     parser.add_argument("--spec", type=Path, required=True, help="run spec (TOML)")
     parser.add_argument("--state-dir", type=Path, default=Path("coordinator-state"), help="keys and SQLite database")
-    parser.add_argument("--db", default=None, metavar="URL", help="SQLAlchemy database URL (default: SQLite in --state-dir)")
+    parser.add_argument(
+        "--db", default=None, metavar="URL", help="SQLAlchemy database URL (default: SQLite in --state-dir)"
+    )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--grpc-port", type=int, default=7500, help="gRPC API port (0: any free port)")
     parser.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=8080, help="dashboard, JSON API, /metrics (0: any free port)")
-    parser.add_argument("--archive-every", type=int, default=10, metavar="K",
-                        help="fetch, verify and keep the swarm's state every K rounds (0: no archive; default: 10)")
-    parser.add_argument("--archive-keep", type=int, default=3, metavar="N",
-                        help="archived checkpoints kept on disk (default: 3)")
-    parser.add_argument("--operator", action="append", default=[], metavar="ID",
-                        help="public id of a key that may run `swarmtrain admin` (repeatable; "
-                             "the coordinator's own key always may)")
+    parser.add_argument(
+        "--archive-every",
+        type=int,
+        default=10,
+        metavar="K",
+        help="fetch, verify and keep the swarm's state every K rounds (0: no archive; default: 10)",
+    )
+    parser.add_argument(
+        "--archive-keep", type=int, default=3, metavar="N", help="archived checkpoints kept on disk (default: 3)"
+    )
+    parser.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="public id of a key that may run `swarmtrain admin` (repeatable; the coordinator's own key always may)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -49,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     for operator in args.operator:
         try:
             PublicKey.from_id(operator)
-        except Exception as exc:  # noqa: BLE001 - any malformed id
+        except Exception as exc:
             raise ConfigError(f"--operator {operator!r} is not a public id ({exc})") from exc
 
     load_spec(args.spec)  # fail with the spec's own errors before starting anything
@@ -57,9 +69,16 @@ def run(args: argparse.Namespace) -> int:
 
     server = CoordinatorServer(
         ServerConfig(
-            spec_path=args.spec, state_dir=args.state_dir, db_url=args.db, host=args.host,
-            grpc_port=args.grpc_port, dht_port=args.dht_port, http_port=args.http_port,
-            archive_every=args.archive_every, archive_keep=args.archive_keep, operators=tuple(args.operator),
+            spec_path=args.spec,
+            state_dir=args.state_dir,
+            db_url=args.db,
+            host=args.host,
+            grpc_port=args.grpc_port,
+            dht_port=args.dht_port,
+            http_port=args.http_port,
+            archive_every=args.archive_every,
+            archive_keep=args.archive_keep,
+            operators=tuple(args.operator),
         )
     )
     server.start()
@@ -69,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"http: http://{host}:{server.http_port}/  (dashboard; /api/v1/status, /metrics)", flush=True)
     for maddr in server.maddrs:
         print(f"dht: {maddr}", flush=True)
-    archive = server.archive_off or f"every {args.archive_every} rounds, last {args.archive_keep} kept in {args.state_dir / 'archive'}"
+    archive = (
+        server.archive_off
+        or f"every {args.archive_every} rounds, last {args.archive_keep} kept in {args.state_dir / 'archive'}"
+    )
     print(f"archive: {archive}", flush=True)
     print(f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port}", flush=True)
     stop = threading.Event()

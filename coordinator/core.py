@@ -79,8 +79,9 @@ class Coordinator:
         else:
             missing = set(spec.admission.allowlist) - store.allowlist()
             for key in sorted(missing):
-                logger.warning("%s is in the spec's allowlist but was removed live; `swarmtrain admin allow` "
-                               "puts it back", key)
+                logger.warning(
+                    "%s is in the spec's allowlist but was removed live; `swarmtrain admin allow` puts it back", key
+                )
         self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
         self._losses: dict[int, list[float]] = {}
@@ -119,12 +120,19 @@ class Coordinator:
         )
         self._accounts[key] = admitted.account.id
         self.health.join(
-            key, libp2p_peer_id=body.libp2p_peer_id, software_version=body.software_version,
-            reachable=body.reachable, now=now,
+            key,
+            libp2p_peer_id=body.libp2p_peer_id,
+            software_version=body.software_version,
+            reachable=body.reachable,
+            now=now,
         )
         token = issue_token(
-            self.identity, run_digest=self.digest, peer_key=admitted.peer, now=now,
-            ttl_s=self.spec.admission.token_ttl_s, libp2p_peer_id=body.libp2p_peer_id,
+            self.identity,
+            run_digest=self.digest,
+            peer_key=admitted.peer,
+            now=now,
+            ttl_s=self.spec.admission.token_ttl_s,
+            libp2p_peer_id=body.libp2p_peer_id,
         )
         latest = self.store.rounds(limit=1)
         logger.info("admitted %s (account %s)", key, admitted.account.id)
@@ -144,11 +152,19 @@ class Coordinator:
         peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now)
         interval = self.health.config.heartbeat_interval_s
         if not self._admitted(peer):
-            return pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=False,
-                                        message="not admitted (coordinator restarted, or banned): join again")
+            return pb.HeartbeatResponse(
+                server_time=now,
+                heartbeat_interval_s=interval,
+                admitted=False,
+                message="not admitted (coordinator restarted, or banned): join again",
+            )
         self.health.heartbeat(
-            peer.id, now=now, round=body.round, phase=_PHASES.get(body.phase, "training"),
-            samples_per_second=body.samples_per_second, samples_total=body.samples_total,
+            peer.id,
+            now=now,
+            round=body.round,
+            phase=_PHASES.get(body.phase, "training"),
+            samples_per_second=body.samples_per_second,
+            samples_total=body.samples_total,
             loss=body.loss if math.isfinite(body.loss) else None,
         )
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
@@ -170,21 +186,30 @@ class Coordinator:
         for member in body.group:
             try:
                 member_key = PublicKey(bytes(member.public_key)).id
-            except Exception as exc:  # noqa: BLE001 - a malformed key from a remote peer
+            except Exception as exc:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
             group.append(GroupMemberView(key=member_key, weight=member.weight))
         duration = max(body.compute_s + body.wait_s, 1e-3)
         claim = RoundClaim(
-            key=peer.id, round=body.round, samples=body.samples, group=tuple(group),
-            state_digest=body.state_digest, duration_s=duration, received_at=now,
+            key=peer.id,
+            round=body.round,
+            samples=body.samples,
+            group=tuple(group),
+            state_digest=body.state_digest,
+            duration_s=duration,
+            received_at=now,
         )
         if self.store.claims(key=peer.id, round=body.round, limit=1):
             return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
         self.ledger.add(claim)  # validates; raises ValueError for malformed claims
         recorded = self.store.record_claim(
-            key=peer.id, round=body.round, samples=body.samples,
-            group_json=json.dumps([[m.key, m.weight] for m in group]), state_digest=body.state_digest,
-            duration_s=duration, received_at=now,
+            key=peer.id,
+            round=body.round,
+            samples=body.samples,
+            group_json=json.dumps([[m.key, m.weight] for m in group]),
+            state_digest=body.state_digest,
+            duration_s=duration,
+            received_at=now,
         )
         if recorded and math.isfinite(body.loss):
             self._losses.setdefault(body.round, []).append(body.loss)
@@ -206,9 +231,13 @@ class Coordinator:
             last_round_time=latest["finalized_at"] if latest else 0.0,
             peers=[
                 pb.PeerStatus(
-                    public_key=PublicKey.from_id(p.key).raw, libp2p_peer_id=p.libp2p_peer_id, state=p.state.value,
-                    samples_per_second=p.samples_per_second, reachable=p.reachable,
-                    software_version=p.software_version, last_seen=p.last_seen,
+                    public_key=PublicKey.from_id(p.key).raw,
+                    libp2p_peer_id=p.libp2p_peer_id,
+                    state=p.state.value,
+                    samples_per_second=p.samples_per_second,
+                    reachable=p.reachable,
+                    software_version=p.software_version,
+                    last_seen=p.last_seen,
                 )
                 for p in self.health.peers()
             ],
@@ -224,19 +253,27 @@ class Coordinator:
         by_round: dict[int, list[Decision]] = {}
         for decision in decisions:
             granted = decision.status == ClaimStatus.GRANTED
-            by_round.setdefault(decision.round, []).append(Decision(
-                key=decision.key, status="granted" if granted else "denied",
-                granted_samples=decision.granted_samples,
-                flops=decision.granted_samples * self.flops_per_sample, reason=decision.reason,
-            ))
+            by_round.setdefault(decision.round, []).append(
+                Decision(
+                    key=decision.key,
+                    status="granted" if granted else "denied",
+                    granted_samples=decision.granted_samples,
+                    flops=decision.granted_samples * self.flops_per_sample,
+                    reason=decision.reason,
+                )
+            )
         for round_, round_decisions in sorted(by_round.items()):
             losses = self._losses.pop(round_, [])
             self.store.finalize_round(
-                round=round_, decisions=round_decisions, now=now,
+                round=round_,
+                decisions=round_decisions,
+                now=now,
                 mean_loss=sum(losses) / len(losses) if losses else None,
             )
         summary = self.health.summary(now)
-        self.store.record_sample(now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second)
+        self.store.record_sample(
+            now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second
+        )
         if now - self._pruned_at >= PRUNE_EVERY_S:
             self.store.prune_samples(before=now - self.history_keep_s)
             self._pruned_at = now
@@ -284,7 +321,7 @@ class Coordinator:
         if action != pb.ADMIN_ACTION_LIST:
             try:
                 PublicKey.from_id(body.key)
-            except Exception as exc:  # noqa: BLE001 - any malformed id
+            except Exception as exc:
                 raise MalformedMessageError(f"admin: {body.key!r} is not a public id ({exc})") from exc
         if action == pb.ADMIN_ACTION_ALLOW:
             self.store.allow(body.key)
@@ -307,7 +344,9 @@ class Coordinator:
         if message:
             logger.warning("operator %s: %s", signer.id, message)
         return pb.AdminResponse(
-            message=message, admission_mode=self.spec.admission.mode, allowlist=sorted(self.store.allowlist()),
+            message=message,
+            admission_mode=self.spec.admission.mode,
+            allowlist=sorted(self.store.allowlist()),
             bans=[pb.BanEntry(key=b["key"], reason=b["reason"], banned_at=b["banned_at"]) for b in self.store.bans()],
         )
 
@@ -326,15 +365,24 @@ class Coordinator:
 def _claim_from_row(row: dict) -> RoundClaim:
     group = tuple(GroupMemberView(key=k, weight=w) for k, w in json.loads(row["group_json"]))
     return RoundClaim(
-        key=row["key"], round=row["round"], samples=row["samples"], group=group,
-        state_digest=row["state_digest"], duration_s=row["duration_s"], received_at=row["received_at"],
+        key=row["key"],
+        round=row["round"],
+        samples=row["samples"],
+        group=group,
+        state_digest=row["state_digest"],
+        duration_s=row["duration_s"],
+        received_at=row["received_at"],
     )
 
 
 def _hardware(hw: pb.Hardware) -> dict:
     return {
-        "device": hw.device, "accelerator_count": hw.accelerator_count, "accelerator_name": hw.accelerator_name,
-        "accelerator_memory_gib": hw.accelerator_memory_gib, "cpu_count": hw.cpu_count, "ram_gib": hw.ram_gib,
+        "device": hw.device,
+        "accelerator_count": hw.accelerator_count,
+        "accelerator_name": hw.accelerator_name,
+        "accelerator_memory_gib": hw.accelerator_memory_gib,
+        "cpu_count": hw.cpu_count,
+        "ram_gib": hw.ram_gib,
     }
 
 

@@ -136,14 +136,17 @@ class HealthTracker:
         self.config = config
         self._peers: dict[str, PeerHealth] = {}
 
-    def join(
-        self, key: str, *, libp2p_peer_id: str, software_version: str, reachable: bool, now: float
-    ) -> PeerHealth:
+    def join(self, key: str, *, libp2p_peer_id: str, software_version: str, reachable: bool, now: float) -> PeerHealth:
         """Record a (re-)join: the peer starts over in JOINING."""
         _check_time(now)
         peer = PeerHealth(
-            key=key, libp2p_peer_id=libp2p_peer_id, software_version=software_version,
-            reachable=bool(reachable), joined_at=now, last_seen=now, state=PeerState.JOINING,
+            key=key,
+            libp2p_peer_id=libp2p_peer_id,
+            software_version=software_version,
+            reachable=bool(reachable),
+            joined_at=now,
+            last_seen=now,
+            state=PeerState.JOINING,
         )
         old = self._peers.get(key)
         if old is not None:
@@ -209,8 +212,7 @@ class HealthTracker:
         online even before the next ``tick`` records it. Changes nothing."""
         _check_time(now)
         online = [
-            p for p in self._peers.values()
-            if p.state not in _SILENT and now - p.last_seen <= self.config.unreachable_s
+            p for p in self._peers.values() if p.state not in _SILENT and now - p.last_seen <= self.config.unreachable_s
         ]
         return SwarmSummary(
             peers_online=len(online),
@@ -245,9 +247,7 @@ def _check_time(now: float) -> None:
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
 
 
-def _check_heartbeat(
-    round: int, phase: str, samples_per_second: float, samples_total: int, loss: float | None
-) -> None:
+def _check_heartbeat(round: int, phase: str, samples_per_second: float, samples_total: int, loss: float | None) -> None:
     """Raise ``ValueError`` naming the first malformed field of a heartbeat."""
     if not _is_int(round) or round < 0:
         raise ValueError(f"heartbeat round must be a non-negative integer, got {round!r}")

@@ -88,17 +88,28 @@ class CoordinatorServer:
         averager, gate = self._archive_averager(spec, identity)  # forks its process: before the database and gRPC
         self.store = Store(config.db_url or sqlite_url(config.state_dir))
         self.core = Coordinator(
-            spec=spec, spec_toml=spec_toml, identity=identity, store=self.store, bootstrap_maddrs=self.maddrs,
+            spec=spec,
+            spec_toml=spec_toml,
+            identity=identity,
+            store=self.store,
+            bootstrap_maddrs=self.maddrs,
             operators=config.operators,
         )
         self.archiver = None
         if averager is not None and gate is not None:
             self.archiver = Archiver(
-                averager=averager, dht=self.dht, identity=identity,
-                archive=CheckpointArchive(config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep),
-                every=config.archive_every, finalized=lambda: self.store.rounds(limit=1000),
+                averager=averager,
+                dht=self.dht,
+                identity=identity,
+                archive=CheckpointArchive(
+                    config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep
+                ),
+                every=config.archive_every,
+                finalized=lambda: self.store.rounds(limit=1000),
                 fetch_timeout_s=spec.averaging.allreduce_timeout_s,
-                run_digest=spec.digest(), token_ttl_s=spec.admission.token_ttl_s, gate=gate,
+                run_digest=spec.digest(),
+                token_ttl_s=spec.admission.token_ttl_s,
+                gate=gate,
             )
             self.archiver.start()
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
@@ -131,8 +142,13 @@ class CoordinatorServer:
         prefix = run_prefix(spec.digest())
         gate = MemberGate(coordinator_key=identity.public_key, run_digest=spec.digest(), prefix=prefix)
         averager = ExactAverager(
-            count_params(spec.task.model), self.dht, codec=get_codec("none"), prefix=prefix,
-            start=True, client_mode=False, gate=gate,
+            count_params(spec.task.model),
+            self.dht,
+            codec=get_codec("none"),
+            prefix=prefix,
+            start=True,
+            client_mode=False,
+            gate=gate,
         )
         return averager, gate
 
@@ -147,7 +163,9 @@ class CoordinatorServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.http_port))
         self.http_port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.core, lock, archiver=self.archiver), log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            create_app(self.core, lock, archiver=self.archiver), log_level="warning", lifespan="off"
+        )
         self.http = uvicorn.Server(config)
         self.http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, daemon=True)
         self.http_thread.start()
@@ -167,7 +185,7 @@ class CoordinatorServer:
                     self.core.tick(now=time.time())
                     revoked = self.core.revoked_peers()
                 self._publish_revocations(revoked, now=time.time())
-            except Exception:  # noqa: BLE001 - one bad tick must not stop the service
+            except Exception:
                 logger.exception("coordinator tick failed")
 
     def _publish_revocations(self, revoked: set[str], *, now: float, wait: bool = False) -> None:

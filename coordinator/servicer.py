@@ -27,7 +27,10 @@ T = TypeVar("T")
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(
-        self, core: Coordinator, *, clock: Callable[[], float] = time.time,
+        self,
+        core: Coordinator,
+        *,
+        clock: Callable[[], float] = time.time,
         archive: Callable[[], tuple[int | None, str]] | None = None,
     ) -> None:
         self.core = core

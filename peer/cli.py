@@ -41,7 +41,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
     parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
     parser.add_argument(
-        "--key", type=Path, default=None,
+        "--key",
+        type=Path,
+        default=None,
         help="your account key file (created if absent); each running peer signs with its own node key, "
         "endorsed by it, so one key may run many peers",
     )
@@ -49,7 +51,10 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here; resume from them")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints (default: 1)")
     parser.add_argument(
-        "--wait-for-group", type=float, default=60.0, metavar="SECONDS",
+        "--wait-for-group",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
         help="before the first round, wait up to this long for the spec's min_group_size peers (default: 60)",
     )
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
@@ -76,13 +81,12 @@ def run(args: argparse.Namespace) -> int:
     # starts must not kill the process with its hivemind children running
     stop = threading.Event()
     _install_signal_handlers(stop)
+    from peer.node_identity import node_identity
     from protocol.identity import default_key_path, load_or_create
     from protocol.spec import load_spec
 
-    from peer.node_identity import node_identity
-
     account, created = load_or_create(args.key or default_key_path())
-    node, checkpoint_lock = node_identity(account, args.checkpoint_dir)  # noqa: F841 - held while we run
+    node, checkpoint_lock = node_identity(account, args.checkpoint_dir)
     identity = node.node
     client = join_info = None
     if args.coordinator:
@@ -90,13 +94,16 @@ def run(args: argparse.Namespace) -> int:
         from protocol.spec import parse_spec
         from protocol.version import __version__
 
-        client = CoordinatorClient(args.coordinator, identity, software_version=__version__,
-                                   endorsement=node.endorsement)
+        client = CoordinatorClient(
+            args.coordinator, identity, software_version=__version__, endorsement=node.endorsement
+        )
         local_digest = load_spec(args.spec).digest() if args.spec else ""
         join_info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
         spec = parse_spec(join_info.spec_toml, source=f"spec from {args.coordinator}")
         if spec.digest() != join_info.spec_digest:
-            raise ConfigError(f"the coordinator's spec does not match the digest it announced ({join_info.spec_digest})")
+            raise ConfigError(
+                f"the coordinator's spec does not match the digest it announced ({join_info.spec_digest})"
+            )
         args.initial_peers = list(join_info.bootstrap_maddrs) + list(args.initial_peers)
     else:
         spec = load_spec(args.spec)
@@ -119,8 +126,11 @@ def run(args: argparse.Namespace) -> int:
         from protocol.statesync import run_prefix
 
         # authorized averaging: only peers holding this coordinator's tokens average with us
-        gate = MemberGate(coordinator_key=join_info.coordinator_key, run_digest=join_info.spec_digest,
-                          prefix=run_prefix(join_info.spec_digest))
+        gate = MemberGate(
+            coordinator_key=join_info.coordinator_key,
+            run_digest=join_info.spec_digest,
+            prefix=run_prefix(join_info.spec_digest),
+        )
     swarm = Swarm(
         spec,
         numel,
@@ -137,13 +147,22 @@ def run(args: argparse.Namespace) -> int:
         if client is not None and join_info is not None:
             from peer.coordinator_client import CoordinatorLink
 
-            rejoin: dict[str, Any] = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs,
-                                      "reachable": not args.client_mode, "spec_digest": join_info.spec_digest}
+            rejoin: dict[str, Any] = {
+                "libp2p_peer_id": str(swarm.dht.peer_id),
+                "maddrs": swarm.visible_maddrs,
+                "reachable": not args.client_mode,
+                "spec_digest": join_info.spec_digest,
+            }
             admitted = client.join(**rejoin)
             swarm.publish_membership(admitted.access_token)
-            link = CoordinatorLink(client, interval_s=join_info.heartbeat_interval_s, rejoin=rejoin,
-                                   on_refused=lambda reason: stop.set(), token=admitted.access_token,
-                                   on_token=swarm.publish_membership)
+            link = CoordinatorLink(
+                client,
+                interval_s=join_info.heartbeat_interval_s,
+                rejoin=rejoin,
+                on_refused=lambda reason: stop.set(),
+                token=admitted.access_token,
+                on_token=swarm.publish_membership,
+            )
             link.start()
             print(f"joined through coordinator {args.coordinator}", flush=True)
         options = TrainerOptions(
@@ -183,8 +202,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce(run_name: str, node: Any, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str) -> None:
-    mode = "client mode (no inbound connections: --client-mode)" if args.client_mode else "reachable (accepts inbound connections)"
+def _announce(
+    run_name: str, node: Any, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str
+) -> None:
+    mode = (
+        "client mode (no inbound connections: --client-mode)"
+        if args.client_mode
+        else "reachable (accepts inbound connections)"
+    )
     account = f"{node.account.public_key.id}{' (new identity)' if created else ''}"
     print(f"peer {node.node.public_key.id} of account {account} joining run {run_name!r}", flush=True)
     print(f"model: {numel:,} parameters on {device}; {mode}", flush=True)

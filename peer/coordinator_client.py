@@ -80,20 +80,33 @@ class CoordinatorClient:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
-    def join(self, *, libp2p_peer_id: str = "", maddrs: list[str] | None = None, reachable: bool = True,
-             spec_digest: str = "") -> JoinInfo:
+    def join(
+        self,
+        *,
+        libp2p_peer_id: str = "",
+        maddrs: list[str] | None = None,
+        reachable: bool = True,
+        spec_digest: str = "",
+    ) -> JoinInfo:
         body = pb.JoinBody(
-            libp2p_peer_id=libp2p_peer_id, software_version=self.software_version, spec_digest=spec_digest,
-            hardware=_hardware(), maddrs=maddrs or [], reachable=reachable,
+            libp2p_peer_id=libp2p_peer_id,
+            software_version=self.software_version,
+            spec_digest=spec_digest,
+            hardware=_hardware(),
+            maddrs=maddrs or [],
+            reachable=reachable,
         )
         if self.endorsement is not None:
             body.account_endorsement.CopyFrom(self.endorsement.to_proto())
         response = self._call(self.stub.Join, pb.JoinRequest(signed=self._sign(kinds.JOIN, body)))
         return JoinInfo(
-            spec_toml=response.spec_toml, spec_digest=response.spec_digest, access_token=response.access_token,
+            spec_toml=response.spec_toml,
+            spec_digest=response.spec_digest,
+            access_token=response.access_token,
             bootstrap_maddrs=list(response.bootstrap_maddrs),
             coordinator_key=PublicKey(bytes(response.coordinator_public_key)),
-            heartbeat_interval_s=response.heartbeat_interval_s or 5.0, current_round=response.current_round,
+            heartbeat_interval_s=response.heartbeat_interval_s or 5.0,
+            current_round=response.current_round,
         )
 
     def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
@@ -120,8 +133,13 @@ class CoordinatorLink(threading.Thread):
     """Heartbeats and queued round reports in the background; re-joins when told to."""
 
     def __init__(
-        self, client: CoordinatorClient, *, interval_s: float, rejoin: dict[str, Any],
-        on_refused: Callable[[str], None] | None = None, token: bytes = b"",
+        self,
+        client: CoordinatorClient,
+        *,
+        interval_s: float,
+        rejoin: dict[str, Any],
+        on_refused: Callable[[str], None] | None = None,
+        token: bytes = b"",
         on_token: Callable[[bytes], object] | None = None,
     ) -> None:
         super().__init__(daemon=True, name="coordinator-link")
@@ -143,22 +161,33 @@ class CoordinatorLink(threading.Thread):
     def report(self, metrics: dict[str, Any]) -> None:
         """Queue a round report from a trainer metrics row; update the heartbeat figures."""
         self.status = pb.HeartbeatBody(
-            round=metrics["round"], phase=pb.PEER_PHASE_TRAINING,
+            round=metrics["round"],
+            phase=pb.PEER_PHASE_TRAINING,
             samples_per_second=metrics["samples"] / max(metrics["wall_s"], 1e-9),
-            samples_total=self.status.samples_total + metrics["samples"], loss=metrics["loss"],
+            samples_total=self.status.samples_total + metrics["samples"],
+            loss=metrics["loss"],
             state_digest=metrics["state_digest"],
         )
         if not metrics.get("averaged"):
             return
         group = [
             pb.GroupMember(public_key=PublicKey.from_id(m["id"]).raw, weight=float(m.get("samples", 0)))
-            for m in metrics.get("members", []) if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+            for m in metrics.get("members", [])
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
         ]
-        self.reports.put(pb.RoundReportBody(
-            round=metrics["round"], samples=metrics["samples"], loss=metrics["loss"], group=group,
-            state_digest=metrics["state_digest"], compute_s=metrics["compute_s"], wait_s=metrics["wait_s"],
-            bytes_sent=metrics["bytes_sent"], bytes_received=metrics["bytes_received"],
-        ))
+        self.reports.put(
+            pb.RoundReportBody(
+                round=metrics["round"],
+                samples=metrics["samples"],
+                loss=metrics["loss"],
+                group=group,
+                state_digest=metrics["state_digest"],
+                compute_s=metrics["compute_s"],
+                wait_s=metrics["wait_s"],
+                bytes_sent=metrics["bytes_sent"],
+                bytes_received=metrics["bytes_received"],
+            )
+        )
 
     def run(self) -> None:
         while not self.stopping.wait(0 if not self.connected else self.interval_s):
@@ -192,7 +221,7 @@ class CoordinatorLink(threading.Thread):
         self._renew_at = _renewal_time(info.access_token)
         try:
             self.on_token(info.access_token)
-        except Exception:  # noqa: BLE001 - the link must go on heartbeating
+        except Exception:
             logger.exception("could not publish the new access token")
 
     def _flush_reports(self) -> None:

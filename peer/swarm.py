@@ -27,10 +27,10 @@ from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
-from protocol.spec import RunSpec
-from protocol.tokens import decode_token
 from protocol.records import RunRecords
+from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
+from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
 

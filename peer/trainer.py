@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from protocol.checkpoint import Checkpointer
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.state import GlobalState, flatten, load_flat, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
-from peer.timeouts import AdaptiveTimeouts
 from peer.task import Task
+from peer.timeouts import AdaptiveTimeouts
+from protocol.checkpoint import Checkpointer
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
 from protocol.identity import Identity
@@ -192,8 +192,15 @@ class Trainer:
             samples += self.task.samples_per_batch
             done += 1
             self.progress.inner_step(
-                InnerProgress(self.state.round, done, rounds.inner_steps, time.monotonic() - started,
-                              rounds.time_budget_s, samples, loss_sum / done)
+                InnerProgress(
+                    self.state.round,
+                    done,
+                    rounds.inner_steps,
+                    time.monotonic() - started,
+                    rounds.time_budget_s,
+                    samples,
+                    loss_sum / done,
+                )
             )
             if in_flight is not None and in_flight.pending.done():
                 self._finish(in_flight)
@@ -236,7 +243,12 @@ class Trainer:
         else:
             vector = delta
         pre_digest = self.state.digest()
-        gather = {"id": self.identity.public_key.id, "round": self.state.round, "samples": samples, "digest": pre_digest}
+        gather = {
+            "id": self.identity.public_key.id,
+            "round": self.state.round,
+            "samples": samples,
+            "digest": pre_digest,
+        }
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         pending = self.swarm.start_round(vector, weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
         return _InFlight(pending, local, residual_before, samples, loss, compute_s, pre_digest, time.monotonic())
@@ -245,8 +257,11 @@ class Trainer:
     def _drop_local_work(self, why: str) -> None:
         """Throw away this peer's local progress: the model goes back to θ_g (the start point)
         and the inner optimizer starts afresh (its moments may hold the same non-finite values)."""
-        logger.warning("dropping this peer's local work (%s): reloaded the global parameters, reset the inner "
-                       "optimizer; it claims no samples for this round", why)
+        logger.warning(
+            "dropping this peer's local work (%s): reloaded the global parameters, reset the inner "
+            "optimizer; it claims no samples for this round",
+            why,
+        )
         load_flat(self.model, self.start_point)
         self.optimizer = _inner_optimizer(self.spec, self.model)
 
@@ -404,8 +419,12 @@ class Trainer:
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.start_point = state.params.clone()
         self.in_sync = True
-        logger.info("adopted the swarm's state of round %d (%s), digest verified%s", round_, state.digest()[:19],
-                    "; this peer's uncounted local work carried over" if carried is not None else "")
+        logger.info(
+            "adopted the swarm's state of round %d (%s), digest verified%s",
+            round_,
+            state.digest()[:19],
+            "; this peer's uncounted local work carried over" if carried is not None else "",
+        )
         self._publish()
 
     def _work_to_carry(self, adopted_round: int) -> torch.Tensor | None:
@@ -420,7 +439,9 @@ class Trainer:
         if not bool(work.any()):
             return None
         if adopted_round - self.state.round > MAX_CARRIED_ROUNDS or not bool(torch.isfinite(work).all()):
-            logger.info("dropping this peer's local work: %d rounds stale or not finite", adopted_round - self.state.round)
+            logger.info(
+                "dropping this peer's local work: %d rounds stale or not finite", adopted_round - self.state.round
+            )
             return None
         return work
 

@@ -35,10 +35,9 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
@@ -189,7 +188,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     logger.warning("refused part #%d from %s: %s", part_index, sender, exc)
                     raise
                 try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight
+                    )
                 except BannedException:
                     break
                 encoded = await self._encode_once(part_index, averaged)
@@ -225,8 +226,9 @@ def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
         return frozenset()
     agreed = agreed_state(votes)
     if agreed is None:
-        raise RoundFailedError("the group's members started from different states and no strict majority "
-                               "agrees on one; not averaging")
+        raise RoundFailedError(
+            "the group's members started from different states and no strict majority agrees on one; not averaging"
+        )
     in_sync = {vote.voter for vote in votes if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
     return frozenset(peer for peer in group_info.peer_ids if str(peer) not in in_sync)
 
@@ -280,8 +282,10 @@ class ExactAverager(DecentralizedAverager):
         kwargs.pop("part_size_bytes", None)
         stale = stale_members(group_info, self.serializer)
         if stale:
-            logger.warning("round with %s: they started from another state than the group; their parts count 0",
-                           sorted(map(str, stale)))
+            logger.warning(
+                "round with %s: they started from another state than the group; their parts count 0",
+                sorted(map(str, stale)),
+            )
         runner = self.runner_class(
             codec=self.codec_compression,
             stale=stale,

@@ -142,9 +142,7 @@ class Codec(abc.ABC):
         raw = _as_bytes(data, self.name)
         expected = self.encoded_size(numel)
         if len(raw) != expected:
-            raise MalformedTensorError(
-                f"{self.name} codec: {len(raw)} bytes for {numel} values, expected {expected}"
-            )
+            raise MalformedTensorError(f"{self.name} codec: {len(raw)} bytes for {numel} values, expected {expected}")
         return raw
 
     def __repr__(self) -> str:
@@ -345,9 +343,7 @@ class FourBitCodec(_BlockAbsmaxCodec):
         return nibbles.to(torch.float32) - self._ZERO
 
 
-_CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (NoneCodec, Fp16Codec, Int8Codec, FourBitCodec)
-}
+_CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoneCodec, Fp16Codec, Int8Codec, FourBitCodec)}
 CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
 
 
@@ -356,9 +352,7 @@ def get_codec(name: str) -> Codec:
     try:
         return _CODECS[name]()
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}"
-        ) from None
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}") from None
 
 
 class ErrorFeedback:
@@ -381,9 +375,7 @@ class ErrorFeedback:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             raise ValueError(f"error feedback: {what} must be a float32 tensor")
         if tuple(t.shape) != (self.numel,):
-            raise ValueError(
-                f"error feedback: {what} has shape {tuple(t.shape)}, expected ({self.numel},)"
-            )
+            raise ValueError(f"error feedback: {what} has shape {tuple(t.shape)}, expected ({self.numel},)")
 
     @property
     def residual(self) -> torch.Tensor:
@@ -421,4 +413,3 @@ class ErrorFeedback:
         if not _all_finite(residual):
             raise ValueError("error feedback: residual overflowed float32")
         self._residual = residual
-

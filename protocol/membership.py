@@ -62,7 +62,9 @@ def parse_revocations(data: Any, *, coordinator_key: PublicKey, now: float) -> t
     if not isinstance(data, bytes):
         raise MalformedMessageError(f"revocation list is {type(data).__name__}, not bytes")
     message = SignedMessage.from_bytes(data)
-    MessageVerifier(max_age_s=REVOCATIONS_MAX_AGE_S).verify(message, now=now, kind=kinds.REVOCATIONS, check_replay=False)
+    MessageVerifier(max_age_s=REVOCATIONS_MAX_AGE_S).verify(
+        message, now=now, kind=kinds.REVOCATIONS, check_replay=False
+    )
     if message.signer != coordinator_key:
         raise WrongSignerError(f"revocation list signed by {message.signer.id}, not by this run's coordinator")
     try:
@@ -86,8 +88,13 @@ class MemberGate:
     """Which libp2p peer ids the run's coordinator admitted, from the tokens in the DHT."""
 
     def __init__(
-        self, *, coordinator_key: PublicKey, run_digest: str, prefix: str,
-        refresh_interval_s: float = REFRESH_INTERVAL_S, recheck_s: float = RECHECK_S,
+        self,
+        *,
+        coordinator_key: PublicKey,
+        run_digest: str,
+        prefix: str,
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
+        recheck_s: float = RECHECK_S,
     ) -> None:
         self.coordinator_key, self.run_digest = coordinator_key, run_digest
         self.key, self.revocations_key = members_key(prefix), revocations_key(prefix)

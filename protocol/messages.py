@@ -114,7 +114,9 @@ def signing_bytes(kind: str, body: bytes, signer: PublicKey, nonce: bytes, times
     return pae(kind.encode("utf-8"), signer.raw, nonce, struct.pack(">d", timestamp), body)
 
 
-def sign_message(identity: Identity, kind: str, body: bytes, *, now: float, nonce: bytes | None = None) -> SignedMessage:
+def sign_message(
+    identity: Identity, kind: str, body: bytes, *, now: float, nonce: bytes | None = None
+) -> SignedMessage:
     """Sign ``body`` as a message of ``kind`` at time ``now``."""
     if nonce is None:
         nonce = secrets.token_bytes(NONCE_BYTES)

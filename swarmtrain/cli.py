@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from coordinator import cli as coordinator_cli
+from peer import cli as peer_cli
 from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__
-from peer import cli as peer_cli
-from coordinator import cli as coordinator_cli
 from swarmtrain.commands import admin, demo, doctor, keygen, spec, status
 from swarmtrain.lifetime import leave_with_parent, tie_children_to_this_process
 

@@ -151,7 +151,6 @@ class LocalPeer(Child):
         self._reader.join(timeout=10)
 
 
-
 def kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the process group led by ``proc`` (started with start_new_session) and reap ``proc``."""
     try:
@@ -187,12 +186,32 @@ def start_peers(
 class LocalCoordinator(Child):
     """A `swarmtrain coordinator` child on loopback."""
 
-    def __init__(self, spec: Path, state_dir: Path, *, db_url: str | None = None, grpc_port: int = 0,
-                 http_port: int = 0, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        spec: Path,
+        state_dir: Path,
+        *,
+        db_url: str | None = None,
+        grpc_port: int = 0,
+        http_port: int = 0,
+        extra: list[str] | None = None,
+    ) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
-        argv = ["coordinator", "--spec", str(spec), "--state-dir", str(state_dir), "--host", "127.0.0.1",
-                "--grpc-port", str(grpc_port), "--http-port", str(http_port), *(["--db", db_url] if db_url else []),
-                *(extra or [])]
+        argv = [
+            "coordinator",
+            "--spec",
+            str(spec),
+            "--state-dir",
+            str(state_dir),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            *(["--db", db_url] if db_url else []),
+            *(extra or []),
+        ]
         super().__init__(argv, state_dir / "coordinator.log", "coordinator", {})
 
     def address(self, deadline_s: float = 120.0) -> str:

@@ -57,8 +57,10 @@ def create_app(
         if archiver is None:
             return {"enabled": False, "every_rounds": 0, "checkpoints": [], "last_error": ""}
         return {
-            "enabled": True, "every_rounds": archiver.every,
-            "checkpoints": [dataclasses.asdict(c) for c in archiver.checkpoints()], "last_error": archiver.last_error,
+            "enabled": True,
+            "every_rounds": archiver.every,
+            "checkpoints": [dataclasses.asdict(c) for c in archiver.checkpoints()],
+            "last_error": archiver.last_error,
         }
 
     @app.get("/api/v1/peers")
@@ -69,13 +71,19 @@ def create_app(
         out = []
         for row in stored:
             h = health.get(row["key"])
-            out.append({
-                "key": row["key"], "account": row.get("account_key"), "libp2p_peer_id": row["libp2p_peer_id"],
-                "software_version": row["software_version"], "reachable": row["reachable"],
-                "state": h.state.value if h else "offline", "round": h.round if h else None,
-                "samples_per_second": h.samples_per_second if h else 0.0,
-                "last_seen": h.last_seen if h else row["last_seen"],
-            })
+            out.append(
+                {
+                    "key": row["key"],
+                    "account": row.get("account_key"),
+                    "libp2p_peer_id": row["libp2p_peer_id"],
+                    "software_version": row["software_version"],
+                    "reachable": row["reachable"],
+                    "state": h.state.value if h else "offline",
+                    "round": h.round if h else None,
+                    "samples_per_second": h.samples_per_second if h else 0.0,
+                    "last_seen": h.last_seen if h else row["last_seen"],
+                }
+            )
         return out
 
     @app.get("/api/v1/rounds")

@@ -14,7 +14,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.store.engine import open_engine
-from protocol.agreement import Vote, agreed_state
 from coordinator.store.schema import (
     DENIED,
     GRANTED,
@@ -29,17 +28,34 @@ from coordinator.store.schema import (
     Run,
     SwarmSample,
 )
+from protocol.agreement import Vote, agreed_state
 
 logger = logging.getLogger(__name__)
 
 _RUN_ID = 1
 _CLAIM_FIELDS = (
-    "key", "round", "samples", "group_json", "state_digest", "duration_s", "received_at",
-    "status", "granted_samples", "flops", "reason", "decided_at",
+    "key",
+    "round",
+    "samples",
+    "group_json",
+    "state_digest",
+    "duration_s",
+    "received_at",
+    "status",
+    "granted_samples",
+    "flops",
+    "reason",
+    "decided_at",
 )
 _PEER_FIELDS = (
-    "key", "account_key", "libp2p_peer_id", "software_version", "hardware_json", "reachable",
-    "first_seen", "last_seen",
+    "key",
+    "account_key",
+    "libp2p_peer_id",
+    "software_version",
+    "hardware_json",
+    "reachable",
+    "first_seen",
+    "last_seen",
 )
 _ROUND_FIELDS = ("round", "state_digest", "finalized_at", "group_size", "mean_loss", "samples")
 _SAMPLE_FIELDS = ("at", "peers_online", "samples_per_second")
@@ -105,8 +121,9 @@ class Store:
                 s.add(Run(id=_RUN_ID, spec_digest=spec_digest, spec_toml=spec_toml, name=name))
                 return
             if run.spec_digest != spec_digest:
-                logger.warning("database held run %s (%s); now serving %s (%s)",
-                               run.name, run.spec_digest, name, spec_digest)
+                logger.warning(
+                    "database held run %s (%s); now serving %s (%s)", run.name, run.spec_digest, name, spec_digest
+                )
             run.spec_digest, run.spec_toml, run.name = spec_digest, spec_toml, name
 
     def run(self) -> dict[str, Any] | None:
@@ -151,8 +168,10 @@ class Store:
     def bans(self) -> list[dict[str, Any]]:
         """Every ban (``key, reason, banned_at``), oldest first."""
         with self._read() as s:
-            return [{"key": b.peer_key, "reason": b.reason, "banned_at": b.banned_at}
-                    for b in s.scalars(select(Ban).order_by(Ban.banned_at, Ban.peer_key))]
+            return [
+                {"key": b.peer_key, "reason": b.reason, "banned_at": b.banned_at}
+                for b in s.scalars(select(Ban).order_by(Ban.banned_at, Ban.peer_key))
+            ]
 
     def banned(self) -> dict[str, str]:
         """``{peer_key: reason}`` for every banned peer."""
@@ -162,13 +181,24 @@ class Store:
     # --- peers ------------------------------------------------------------------------------
 
     def upsert_peer(
-        self, *, key: str, account_key: str | None, libp2p_peer_id: str, software_version: str,
-        hardware_json: str, reachable: bool, now: float,
+        self,
+        *,
+        key: str,
+        account_key: str | None,
+        libp2p_peer_id: str,
+        software_version: str,
+        hardware_json: str,
+        reachable: bool,
+        now: float,
     ) -> None:
         """Insert or update a peer; ``first_seen`` keeps its first value, ``last_seen`` = now."""
         fields = dict(
-            account_key=account_key, libp2p_peer_id=libp2p_peer_id, software_version=software_version,
-            hardware_json=hardware_json, reachable=int(reachable), last_seen=now,
+            account_key=account_key,
+            libp2p_peer_id=libp2p_peer_id,
+            software_version=software_version,
+            hardware_json=hardware_json,
+            reachable=int(reachable),
+            last_seen=now,
         )
         with self._write() as s:
             peer = s.get(Peer, key)
@@ -189,14 +219,29 @@ class Store:
     # --- claims and credits (the ledger) ----------------------------------------------------
 
     def record_claim(
-        self, *, key: str, round: int, samples: int, group_json: str, state_digest: str,
-        duration_s: float, received_at: float,
+        self,
+        *,
+        key: str,
+        round: int,
+        samples: int,
+        group_json: str,
+        state_digest: str,
+        duration_s: float,
+        received_at: float,
     ) -> bool:
         """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
         claim = Claim(
-            key=key, round=round, samples=samples, group_json=group_json, state_digest=state_digest,
-            duration_s=duration_s, received_at=received_at, status=PENDING, granted_samples=0,
-            flops=0.0, reason="",
+            key=key,
+            round=round,
+            samples=samples,
+            group_json=group_json,
+            state_digest=state_digest,
+            duration_s=duration_s,
+            received_at=received_at,
+            status=PENDING,
+            granted_samples=0,
+            flops=0.0,
+            reason="",
         )
         try:
             with self._write() as s:
@@ -215,7 +260,14 @@ class Store:
             return _find_claim(s, key, round) is not None
 
     def decide_claim(
-        self, *, key: str, round: int, status: str, granted_samples: int, flops: float, reason: str,
+        self,
+        *,
+        key: str,
+        round: int,
+        status: str,
+        granted_samples: int,
+        flops: float,
+        reason: str,
         now: float,
     ) -> None:
         """Decide a pending claim and, if granted, append its credit: one transaction.
@@ -228,9 +280,7 @@ class Store:
         with self._write() as s:
             _decide(s, round, decision, now)
 
-    def finalize_round(
-        self, *, round: int, decisions: list[Decision], mean_loss: float | None, now: float
-    ) -> None:
+    def finalize_round(self, *, round: int, decisions: list[Decision], mean_loss: float | None, now: float) -> None:
         """Decide ``decisions`` (claims of ``round``) and write the round's record: one transaction.
 
         The record is computed from every claim of the round, those decided earlier included:
@@ -263,9 +313,7 @@ class Store:
             query = select(Claim).where(Claim.status == PENDING).order_by(Claim.id)
             return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
 
-    def claims(
-        self, *, key: str | None = None, round: int | None = None, limit: int = 1000
-    ) -> list[dict[str, Any]]:
+    def claims(self, *, key: str | None = None, round: int | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Claims, newest recorded first, optionally of one peer and/or one round."""
         query = select(Claim).order_by(Claim.id.desc()).limit(limit)
         if key is not None:
@@ -279,8 +327,10 @@ class Store:
         """``{peer_key: {"samples": int, "flops": float, "rounds": int}}`` over every granted claim."""
         query = select(Credit.key, func.sum(Credit.samples), func.sum(Credit.flops), func.count(Credit.id))
         with self._read() as s:
-            return {k: {"samples": int(n), "flops": float(f), "rounds": int(r)}
-                    for k, n, f, r in s.execute(query.group_by(Credit.key))}
+            return {
+                k: {"samples": int(n), "flops": float(f), "rounds": int(r)}
+                for k, n, f, r in s.execute(query.group_by(Credit.key))
+            }
 
     def credit_of(self, key: str) -> dict[str, Any]:
         """One peer's ``{"samples", "flops", "pending_samples"}``: granted so far, and claimed but
@@ -353,9 +403,7 @@ def _decide(session: Session, round: int, decision: Decision, now: float) -> Non
     if decision.status not in (GRANTED, DENIED):
         raise ValueError(f"claim status must be {GRANTED!r} or {DENIED!r}, not {decision.status!r}")
     if decision.granted_samples < 0 or decision.flops < 0:
-        raise ValueError(
-            f"granted_samples and flops must be >= 0, got {decision.granted_samples} and {decision.flops}"
-        )
+        raise ValueError(f"granted_samples and flops must be >= 0, got {decision.granted_samples} and {decision.flops}")
     claim = _find_claim(session, decision.key, round)
     if claim is None:
         raise ValueError(f"no claim recorded for peer {decision.key} round {round}")
@@ -365,8 +413,16 @@ def _decide(session: Session, round: int, decision: Decision, now: float) -> Non
     claim.status, claim.granted_samples, claim.flops = decision.status, decision.granted_samples, decision.flops
     claim.reason, claim.decided_at = decision.reason, now
     if decision.status == GRANTED:
-        session.add(Credit(claim_id=claim.id, key=decision.key, round=round, samples=decision.granted_samples,
-                           flops=decision.flops, granted_at=now))
+        session.add(
+            Credit(
+                claim_id=claim.id,
+                key=decision.key,
+                round=round,
+                samples=decision.granted_samples,
+                flops=decision.flops,
+                granted_at=now,
+            )
+        )
 
 
 def _find_claim(session: Session, key: str, round: int) -> Claim | None:

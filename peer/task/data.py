@@ -141,7 +141,11 @@ def load_corpus(
         )
     logger.info(
         "corpus from %s: %d train bytes in %d files, %d held-out bytes in %d files, read in %.2f s",
-        where, corpus.train.numel(), corpus.train_files, corpus.val.numel(), corpus.val_files,
+        where,
+        corpus.train.numel(),
+        corpus.train_files,
+        corpus.val.numel(),
+        corpus.val_files,
         time.perf_counter() - start,
     )
     return corpus

@@ -27,10 +27,18 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("action", choices=ACTIONS, help="list | allow KEY | disallow KEY | ban KEY | unban KEY")
     parser.add_argument("key", nargs="?", default="", help="public id (ed25519:...) of an account or a peer")
-    parser.add_argument("--coordinator", default="127.0.0.1:7500", metavar="HOST:PORT",
-                        help="the coordinator's gRPC address (default: 127.0.0.1:7500)")
-    parser.add_argument("--key-file", type=Path, default=Path("coordinator-state/coordinator.key"),
-                        help="operator key (default: coordinator-state/coordinator.key)")
+    parser.add_argument(
+        "--coordinator",
+        default="127.0.0.1:7500",
+        metavar="HOST:PORT",
+        help="the coordinator's gRPC address (default: 127.0.0.1:7500)",
+    )
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        default=Path("coordinator-state/coordinator.key"),
+        help="operator key (default: coordinator-state/coordinator.key)",
+    )
     parser.add_argument("--reason", default="", help="why (shown with a ban)")
     parser.add_argument("--json", action="store_true", help="print the allowlist and bans as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator")
@@ -47,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.action} needs the public id of an account or a peer")
         try:
             PublicKey.from_id(args.key)
-        except Exception as exc:  # noqa: BLE001 - any malformed id
+        except Exception as exc:
             raise ConfigError(f"{args.key!r} is not a public id ({exc})") from exc
     identity = Identity.load(args.key_file)
     response = _send(args, identity)

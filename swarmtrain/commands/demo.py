@@ -165,7 +165,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"({summary['rounds_with_identical_digests']}/{summary['rounds']} rounds bit-identical)"
     )
     if summary["out_of_sync_rows"]:
-        print(f"  out of sync:     {summary['out_of_sync_rows']} peer-round(s) flagged by the peer itself (it re-syncs)")
+        print(
+            f"  out of sync:     {summary['out_of_sync_rows']} peer-round(s) flagged by the peer itself (it re-syncs)"
+        )
     for peer in summary["peers"]:
         print(
             f"  peer {peer['peer']}: {peer['rounds']} rounds, {peer['samples']} samples, "

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _python() -> str:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - an installed copy run by an older interpreter says so
         raise SwarmtrainError(f"Python >= 3.11 needed, this is {sys.version.split()[0]}")
     return sys.version.split()[0]
 

@@ -15,9 +15,7 @@ def add_parser(commands: Any) -> None:
         help="create an identity key file (mode 0600) and print its public id",
         description="Create an Ed25519 identity for a peer, an account or a coordinator.",
     )
-    parser.add_argument(
-        "--out", type=Path, default=None, help=f"key file to create (default: {default_key_path()})"
-    )
+    parser.add_argument("--out", type=Path, default=None, help=f"key file to create (default: {default_key_path()})")
     parser.add_argument("--force", action="store_true", help="replace an existing key file (its identity is lost)")
     parser.set_defaults(run=run)
 

@@ -41,12 +41,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"run {status.run_name} ({status.spec_digest})")
     print(f"round {status.current_round}  state {status.current_state_digest or '-'}")
-    print(f"peers online {status.peers_online}  swarm {status.samples_per_second:.1f} samples/s  "
-          f"{status.rounds_per_hour:.1f} rounds/h")
+    print(
+        f"peers online {status.peers_online}  swarm {status.samples_per_second:.1f} samples/s  "
+        f"{status.rounds_per_hour:.1f} rounds/h"
+    )
     if status.archive:
         newest = status.last_checkpoint_round if status.HasField("last_checkpoint_round") else "none yet"
         print(f"archive {status.archive}; newest archived round: {newest}")
     for peer in status.peers:
-        print(f"  {PublicKey(bytes(peer.public_key)).id}  {peer.state:<11} {peer.samples_per_second:8.1f} samples/s  "
-              f"{'reachable' if peer.reachable else 'client mode'}  v{peer.software_version}")
+        print(
+            f"  {PublicKey(bytes(peer.public_key)).id}  {peer.state:<11} {peer.samples_per_second:8.1f} samples/s  "
+            f"{'reachable' if peer.reachable else 'client mode'}  v{peer.software_version}"
+        )
     return 0

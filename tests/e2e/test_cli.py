@@ -64,7 +64,10 @@ def test_spec_check_prints_the_digest() -> None:
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ('[run]\nname = "x"\n[rounds]\ninner_steps = "ten"\n', "line 4: rounds.inner_steps: Input should be a valid integer"),
+        (
+            '[run]\nname = "x"\n[rounds]\ninner_steps = "ten"\n',
+            "line 4: rounds.inner_steps: Input should be a valid integer",
+        ),
         ('[run]\nname = "x"\n[rounds]\ninner_stepz = 5\n', "line 4: rounds.inner_stepz: unknown key"),
         ('[run]\nname = "x"\n[rounds\n', "TOML syntax error"),
     ],

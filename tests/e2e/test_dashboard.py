@@ -14,8 +14,16 @@ from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, s
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it as root)")
@@ -28,11 +36,24 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
     try:
         address = coordinator.address()
         for i in range(2):
-            args = ["--coordinator", address, "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                    "--shard-seed", str(i), "--max-rounds", "500"]
+            args = [
+                "--coordinator",
+                address,
+                "--host",
+                "127.0.0.1",
+                "--key",
+                str(tmp_path / f"k{i}"),
+                "--shard-seed",
+                str(i),
+                "--max-rounds",
+                "500",
+            ]
             peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
-        wait_for(lambda: status(address).get("current_round", 0) >= 3 and status(address)["peers_online"] == 2,
-                 180, "3 finalized rounds with 2 peers online")
+        wait_for(
+            lambda: status(address).get("current_round", 0) >= 3 and status(address)["peers_online"] == 2,
+            180,
+            "3 finalized rounds with 2 peers online",
+        )
         with playwright.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
             try:
@@ -41,7 +62,8 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
                 page.wait_for_function("document.querySelectorAll('#peers tbody tr').length === 2", timeout=30_000)
                 page.wait_for_function(
                     "['loss-chart','sps-chart','peers-chart'].every(id => "
-                    "Number(document.getElementById(id).dataset.points) > 1)", timeout=30_000,
+                    "Number(document.getElementById(id).dataset.points) > 1)",
+                    timeout=30_000,
                 )
                 assert "swarmtrain: coord" in page.inner_text("#run")
                 # both peers working (a heartbeat delayed by a loaded machine may show one
@@ -49,7 +71,8 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
                 page.wait_for_function(
                     "(() => { const s = [...document.querySelectorAll('#peers tbody tr td:nth-child(2)')]"
                     ".map(td => td.innerText.trim()); return s.length === 2 && s.every(x => "
-                    "['training', 'averaging', 'joining', 'straggling'].includes(x)); })()", timeout=60_000,
+                    "['training', 'averaging', 'joining', 'straggling'].includes(x)); })()",
+                    timeout=60_000,
                 )
                 assert page.locator("#loss-chart polyline").count() == 1
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,9 @@ def test_demo_trains_summarises_and_cleans_up(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
     proc = subprocess.run(
         [EXE, "demo", "--rounds", "4", "--summary-json", str(summary_path), "--workdir", str(workdir)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "demo summary" in proc.stdout and "demo succeeded" in proc.stdout

@@ -46,12 +46,31 @@ def run_peer(tmp_path: Path, *, terminal: bool) -> tuple[int, str]:
     """A lone peer for 2 rounds (nobody to average with: both rounds fail after matchmaking)."""
     spec = tmp_path / "run.toml"
     spec.write_text(SPEC)
-    argv = [EXE, "peer", "--spec", str(spec), "--key", str(tmp_path / "peer.key"), "--max-rounds", "2",
-            "--wait-for-group", "0", "--host", "127.0.0.1"]
+    argv = [
+        EXE,
+        "peer",
+        "--spec",
+        str(spec),
+        "--key",
+        str(tmp_path / "peer.key"),
+        "--max-rounds",
+        "2",
+        "--wait-for-group",
+        "0",
+        "--host",
+        "127.0.0.1",
+    ]
     stderr = (tmp_path / "stderr.txt").open("w")
     if not terminal:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                start_new_session=True, cwd=REPO)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+            cwd=REPO,
+        )
         try:
             out, _ = proc.communicate(timeout=DEADLINE_S)
         finally:
@@ -60,8 +79,9 @@ def run_peer(tmp_path: Path, *, terminal: bool) -> tuple[int, str]:
         return proc.returncode, out
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=stderr, start_new_session=True,
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=follower, stderr=stderr, start_new_session=True, cwd=REPO
+    )
     os.close(follower)
     chunks: list[bytes] = []
     try:

@@ -93,7 +93,10 @@ def test_a_second_peer_on_the_same_checkpoint_dir_exits_at_once_saying_why(tmp_p
     try:
         first.printed(r"^listening: (\S+)", 120)
         second = subprocess.run(
-            [*swarmtrain_executable(), *args], capture_output=True, text=True, timeout=10,
+            [*swarmtrain_executable(), *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
             env={**os.environ, **env},
         )
         assert second.returncode != 0

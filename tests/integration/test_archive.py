@@ -46,8 +46,23 @@ def get(base: str, path: str) -> dict:
 
 def newcomer(address: str, workdir: Path, name: str) -> tuple[LocalPeer, int, dict]:
     """A peer that joins, catches up, trains one (lonely) round and leaves."""
-    peer = LocalPeer(["--coordinator", address, "--host", "127.0.0.1", "--key", str(workdir / f"{name}.key"),
-                      "--max-rounds", "1", "--wait-for-group", "0", "-v"], workdir, name)
+    peer = LocalPeer(
+        [
+            "--coordinator",
+            address,
+            "--host",
+            "127.0.0.1",
+            "--key",
+            str(workdir / f"{name}.key"),
+            "--max-rounds",
+            "1",
+            "--wait-for-group",
+            "0",
+            "-v",
+        ],
+        workdir,
+        name,
+    )
     try:
         assert peer.wait(timeout=180) == 0, "\n".join(peer.lines[-30:])
     finally:
@@ -118,4 +133,3 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
         for peer in peers:
             peer.kill()
         coordinator.kill()
-

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until as wait_for
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer
+from swarmtrain.localswarm import wait_until as wait_for
 
 SPEC = """
 [run]
@@ -38,18 +39,45 @@ def test_a_peer_without_a_token_cannot_average_or_download(tmp_path: Path) -> No
         address = coordinator.address()
         dht_maddr = coordinator.printed(r"^dht: (\S+)$", 60)
         for i in range(2):
-            args = ["--coordinator", address, "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                    "--shard-seed", str(i)]
+            args = [
+                "--coordinator",
+                address,
+                "--host",
+                "127.0.0.1",
+                "--key",
+                str(tmp_path / f"k{i}"),
+                "--shard-seed",
+                str(i),
+            ]
             peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
         wait_for(lambda: all(len(p.rounds()) >= 1 for p in peers), 180, "the admitted peers to train")
         # same spec, same DHT, no coordinator: it finds the run's peers but has no token
-        intruder = LocalPeer(["--spec", str(spec), "--host", "127.0.0.1", "--key", str(tmp_path / "intruder"),
-                              "--initial-peers", dht_maddr, "--shard-seed", "9", "--wait-for-group", "0"], tmp_path, "intruder")
+        intruder = LocalPeer(
+            [
+                "--spec",
+                str(spec),
+                "--host",
+                "127.0.0.1",
+                "--key",
+                str(tmp_path / "intruder"),
+                "--initial-peers",
+                dht_maddr,
+                "--shard-seed",
+                "9",
+                "--wait-for-group",
+                "0",
+            ],
+            tmp_path,
+            "intruder",
+        )
         peers.append(intruder)
         wait_for(lambda: len(intruder.rounds()) >= 2, 240, "the intruder to try two rounds")
         mark = [len(p.rounds()) for p in peers[:2]]
-        wait_for(lambda: all(len(p.rounds()) >= n + 2 for p, n in zip(peers[:2], mark)), 120,
-                 "the admitted peers to go on training")
+        wait_for(
+            lambda: all(len(p.rounds()) >= n + 2 for p, n in zip(peers[:2], mark)),
+            120,
+            "the admitted peers to go on training",
+        )
         for peer in peers:
             peer.stop(grace_s=90)
     finally:

@@ -23,9 +23,7 @@ class NaNCompression(CodecCompression):
     def compress(self, tensor, info, allow_inplace=False):  # type: ignore[no-untyped-def]
         poisoned = tensor.detach().reshape(-1).clone()
         poisoned[::7] = float("nan")
-        return runtime_pb2.Tensor(
-            buffer=poisoned.numpy().tobytes(), size=list(tensor.shape), dtype=self.dtype_tag
-        )
+        return runtime_pb2.Tensor(buffer=poisoned.numpy().tobytes(), size=list(tensor.shape), dtype=self.dtype_tag)
 
 
 class ShortCompression(CodecCompression):
@@ -59,8 +57,17 @@ def run_group(
             malicious = i == 2
             averager_class = weight_liar(bad_weight) if malicious and bad_weight != 1.0 else ExactAverager
             averager = averager_class(
-                NUMEL, dht, codec=codec, prefix="badtensors", start=False, min_group_size=3, target_group_size=3,
-                min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=15.0, next_chunk_timeout=5.0,
+                NUMEL,
+                dht,
+                codec=codec,
+                prefix="badtensors",
+                start=False,
+                min_group_size=3,
+                target_group_size=3,
+                min_matchmaking_time=5.0,
+                request_timeout=3.0,
+                allreduce_timeout=15.0,
+                next_chunk_timeout=5.0,
                 client_mode=malicious,  # the attacker only sends; honest peers reduce
             )
             if malicious and bad is not None:

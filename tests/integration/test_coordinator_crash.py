@@ -33,8 +33,18 @@ def test_coordinator_crash_loses_no_credit(tmp_path: Path, db_url: str) -> None:
     try:
         coordinator.address()
         for i in range(3):
-            args = ["--coordinator", address, "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                    "--shard-seed", str(i), "--max-rounds", "500"]
+            args = [
+                "--coordinator",
+                address,
+                "--host",
+                "127.0.0.1",
+                "--key",
+                str(tmp_path / f"k{i}"),
+                "--shard-seed",
+                str(i),
+                "--max-rounds",
+                "500",
+            ]
             peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
         store = Store(db_url)
         wait_for(lambda: len(granted(store)) >= 6, 240, "some credits granted")
@@ -44,8 +54,11 @@ def test_coordinator_crash_loses_no_credit(tmp_path: Path, db_url: str) -> None:
         store.close()
 
         at_kill = [len(p.rounds()) for p in peers]
-        wait_for(lambda: all(len(p.rounds()) >= n + 2 for p, n in zip(peers, at_kill)), 120,
-                 "peers to train on without the coordinator")
+        wait_for(
+            lambda: all(len(p.rounds()) >= n + 2 for p, n in zip(peers, at_kill)),
+            120,
+            "peers to train on without the coordinator",
+        )
 
         coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
         coordinator.address()

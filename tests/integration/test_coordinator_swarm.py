@@ -7,10 +7,9 @@ import json
 import re
 import subprocess
 import time
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,7 +19,8 @@ from protocol.identity import Identity
 from protocol.membership import Lookup, MemberGate
 from protocol.spec import load_spec
 from protocol.statesync import run_prefix
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_until as wait_for
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable
+from swarmtrain.localswarm import wait_until as wait_for
 
 SPEC = """
 [run]
@@ -52,8 +52,12 @@ def CoordinatorProcess(spec: Path, state_dir: Path, db_url: str | None = None, g
 
 
 def status(address: str) -> dict:
-    proc = subprocess.run([*swarmtrain_executable(), "status", "--coordinator", address, "--json"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*swarmtrain_executable(), "status", "--coordinator", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -66,8 +70,18 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
     try:
         address = coordinator.address()
         for i in range(3):
-            args = ["--coordinator", address, "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                    "--shard-seed", str(i), "--max-rounds", "4"]
+            args = [
+                "--coordinator",
+                address,
+                "--host",
+                "127.0.0.1",
+                "--key",
+                str(tmp_path / f"k{i}"),
+                "--shard-seed",
+                str(i),
+                "--max-rounds",
+                "4",
+            ]
             peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "3 peers online")
         for peer in peers:
@@ -89,10 +103,12 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         assert store.rounds()
         final = status(address)
         assert final["current_round"] >= 1 and final["run_name"] == "coord"
-        assert final["archive"].startswith("every ") and (final["last_checkpoint_round"] is None
-                                                           or final["last_checkpoint_round"] >= 0)
-        table = subprocess.run([*swarmtrain_executable(), "status", "--coordinator", address],
-                               capture_output=True, text=True, timeout=60)
+        assert final["archive"].startswith("every ") and (
+            final["last_checkpoint_round"] is None or final["last_checkpoint_round"] >= 0
+        )
+        table = subprocess.run(
+            [*swarmtrain_executable(), "status", "--coordinator", address], capture_output=True, text=True, timeout=60
+        )
         assert table.returncode == 0 and "archive every " in table.stdout, table.stdout + table.stderr
         check_http(coordinator.http(), peers=3)
         store.close()
@@ -103,8 +119,12 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
 
 
 def admin(address: str, key_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*swarmtrain_executable(), "admin", *args, "--coordinator", address,
-                           "--key-file", str(key_file)], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [*swarmtrain_executable(), "admin", *args, "--coordinator", address, "--key-file", str(key_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_path: Path, db_url: str) -> None:
@@ -119,7 +139,9 @@ def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_
         address = coordinator.address()
         proc = subprocess.run(
             [*swarmtrain_executable(), "peer", "--coordinator", address, "--key", str(stranger_key)],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 1
         assert "not on this run's allowlist" in proc.stderr and "Traceback" not in proc.stderr
@@ -135,8 +157,11 @@ def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_
         assert set(listing["allowlist"]) == {listed.public_key.id, stranger_id} and listing["bans"] == []
 
         # now it joins and trains; a ban drops it at once: it stops with the reason
-        stranger = LocalPeer(["--coordinator", address, "--host", "127.0.0.1", "--key", str(stranger_key),
-                              "--wait-for-group", "0"], tmp_path, "stranger")
+        stranger = LocalPeer(
+            ["--coordinator", address, "--host", "127.0.0.1", "--key", str(stranger_key), "--wait-for-group", "0"],
+            tmp_path,
+            "stranger",
+        )
         stranger.printed(r"^(joined through coordinator)", 120)
         # authorized averaging: its token is in the run's DHT, and the ban revokes it there
         observer = MembershipObserver(spec, operator_key, coordinator.printed(r"^dht: (\S+)$", 60))
@@ -167,15 +192,20 @@ class MembershipObserver:
         from hivemind import DHT
 
         digest = load_spec(spec).digest()
-        self.gate = MemberGate(coordinator_key=Identity.load(coordinator_key).public_key, run_digest=digest,
-                               prefix=run_prefix(digest))
+        self.gate = MemberGate(
+            coordinator_key=Identity.load(coordinator_key).public_key, run_digest=digest, prefix=run_prefix(digest)
+        )
         self.dht = DHT(initial_peers=[dht_maddr], client_mode=True, start=True)
 
     def is_member(self, peer_id: str) -> bool:
         members = self.dht.get(self.gate.key, latest=True)
         revocations = self.dht.get(self.gate.revocations_key, latest=True)
-        self.gate.update(Lookup(members.value if members is not None else None,
-                                revocations.value if revocations is not None else None), now=time.time())
+        self.gate.update(
+            Lookup(
+                members.value if members is not None else None, revocations.value if revocations is not None else None
+            ),
+            now=time.time(),
+        )
         return self.gate.is_member(peer_id, now=time.time())
 
     def shutdown(self) -> None:
@@ -183,7 +213,7 @@ class MembershipObserver:
 
 
 def get(url: str) -> tuple[int, str, str]:
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=10) as response:
         return response.status, response.headers.get("content-type", ""), response.read().decode()
 
 

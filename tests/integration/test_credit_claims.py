@@ -40,8 +40,9 @@ def served(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def report(peers: list[Identity], me: Identity, samples: int, seen: dict[str, int]) -> pb.RoundReportBody:
     group = [pb.GroupMember(public_key=p.public_key.raw, weight=float(seen[p.public_key.id])) for p in peers]
-    return pb.RoundReportBody(round=1, samples=samples, loss=3.0, group=group, state_digest="sha256:" + "ab" * 32,
-                              compute_s=1.0, wait_s=0.1)
+    return pb.RoundReportBody(
+        round=1, samples=samples, loss=3.0, group=group, state_digest="sha256:" + "ab" * 32, compute_s=1.0, wait_s=0.1
+    )
 
 
 def test_over_reporter_is_granted_only_what_its_group_attests(served) -> None:  # type: ignore[no-untyped-def]

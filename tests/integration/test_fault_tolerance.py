@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalPeer, wait_until as wait_for
+from swarmtrain.localswarm import LocalPeer
+from swarmtrain.localswarm import wait_until as wait_for
 
 ROUNDS = 500  # survivors run until the test stops them (SIGTERM: graceful leave)
 LATE_ROUNDS = 3
@@ -44,8 +45,19 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
     peers: dict[int, LocalPeer] = {}
 
     def start(i: int, initial: list[str], rounds: int = ROUNDS) -> LocalPeer:
-        args = ["-v", "--spec", str(spec), "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}"),
-                "--max-rounds", str(rounds), "--shard-seed", str(i)]
+        args = [
+            "-v",
+            "--spec",
+            str(spec),
+            "--host",
+            "127.0.0.1",
+            "--key",
+            str(tmp_path / f"k{i}"),
+            "--max-rounds",
+            str(rounds),
+            "--shard-seed",
+            str(i),
+        ]
         peers[i] = LocalPeer(args + (["--initial-peers", *initial] if initial else []), tmp_path, f"peer{i}")
         return peers[i]
 
@@ -57,8 +69,9 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
         # kill peer 2 once it has finished a round and launched the next averaging
         wait_for(lambda: len(rows(tmp_path / "peer2.jsonl")) >= 2, 180, "peer 2 to finish 2 rounds")
         # its third launch ("averaging round N: ..."; N depends on how its first rounds went)
-        wait_for(lambda: sum("averaging round " in line for line in victim.lines) >= 3, 60,
-                 "peer 2 to start averaging again")
+        wait_for(
+            lambda: sum("averaging round " in line for line in victim.lines) >= 3, 60, "peer 2 to start averaging again"
+        )
         victim.kill()
         killed_after = {i: len(rows(tmp_path / f"peer{i}.jsonl")) for i in (0, 1)}
         late = start(3, [maddr], rounds=LATE_ROUNDS)

@@ -72,7 +72,10 @@ def test_a_peer_driven_to_nan_recovers_within_one_round() -> None:
         # it took part (with zeros) and holds the swarm's state right after that round
         healthy_by_round = {row["round"]: row["state_digest"] for row in healthy if row["averaged"]}
         after = [row for row in sick[1:] if row["averaged"]]
-        assert after and all(healthy_by_round.get(row["round"]) == row["state_digest"] for row in after), (sick, healthy)
+        assert after and all(healthy_by_round.get(row["round"]) == row["state_digest"] for row in after), (
+            sick,
+            healthy,
+        )
         assert trainers[0].state.digest() == trainers[1].state.digest()
         assert all(bool(torch.isfinite(p).all()) for p in trainers[1].model.parameters())
     finally:

@@ -53,13 +53,14 @@ class InflatingLink(CoordinatorLink):
         self.me = me
 
     def report(self, metrics: dict[str, Any]) -> None:
-        members = [dict(m, samples=m["samples"] * INFLATE) if m.get("id") == self.me else m
-                   for m in metrics.get("members", [])]
+        members = [
+            dict(m, samples=m["samples"] * INFLATE) if m.get("id") == self.me else m for m in metrics.get("members", [])
+        ]
         super().report(dict(metrics, samples=metrics["samples"] * INFLATE, members=members))
 
 
 def get(base: str, path: str) -> Any:
-    with urllib.request.urlopen(base + path, timeout=10) as response:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(base + path, timeout=10) as response:
         return json.loads(response.read())
 
 
@@ -77,8 +78,13 @@ def test_over_reporter_is_granted_only_what_its_group_attests(tmp_path: Path, db
         spec = parse_spec(joined.spec_toml)
         task = build_task(spec, shard_seed=7)
         numel = sum(p.numel() for p in task.model.parameters())
-        swarm = Swarm(spec, numel, get_codec(spec.averaging.compression), initial_peers=list(joined.bootstrap_maddrs),
-                      host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        swarm = Swarm(
+            spec,
+            numel,
+            get_codec(spec.averaging.compression),
+            initial_peers=list(joined.bootstrap_maddrs),
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        )
         rejoin = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs, "reachable": True}
         swarm.publish_membership(client.join(**rejoin).access_token)  # admitted: it may average
         link = InflatingLink(cheater.public_key.id, client, interval_s=joined.heartbeat_interval_s, rejoin=rejoin)

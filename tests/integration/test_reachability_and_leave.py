@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until as wait_for
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer
+from swarmtrain.localswarm import wait_until as wait_for
 
 SPEC = """
 [run]
@@ -130,7 +131,8 @@ def test_sigkill_takes_the_hivemind_children_along(tmp_path: Path) -> None:
             assert not _group_gone(child.proc.pid)
             os.kill(child.proc.pid, signal.SIGKILL)
             child.proc.wait(timeout=30)
-            wait_for(lambda: _group_gone(child.proc.pid), 30, f"the {child.name}'s children to exit")
+            pid = child.proc.pid
+            wait_for(lambda pid=pid: _group_gone(pid), 30, f"the {child.name}'s children to exit")
     finally:
         peer.kill()
         coordinator.kill()

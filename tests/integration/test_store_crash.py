@@ -7,8 +7,8 @@ import os
 import queue
 import re
 import signal
-import subprocess
 import sqlite3
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -37,7 +37,7 @@ while True:
     store.decide_claim(key="p1", round=n, status="granted", granted_samples=%(samples)d,
                        flops=2.0, reason="ok", now=float(n))
     print(f"granted {n}", flush=True)
-""" % {"samples": SAMPLES}
+""" % {"samples": SAMPLES}  # noqa: UP031 - a program text full of braces
 
 
 def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
@@ -55,8 +55,12 @@ def test_sigkill_loses_no_committed_grant(tmp_path: Path, repo_root: Path, pytho
     url = sqlite_url(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
     child = subprocess.Popen(
-        [python, "-c", CHILD, url], cwd=repo_root, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [python, "-c", CHILD, url],
+        cwd=repo_root,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)

@@ -49,7 +49,8 @@ def run_swarm(tmp_path: Path, codec: str, overlap: bool = False) -> list[list[di
 
 
 @pytest.mark.parametrize(
-    ("codec", "overlap"), [("fp16", False), ("int8", False), ("4bit", False), ("int8", True)],
+    ("codec", "overlap"),
+    [("fp16", False), ("int8", False), ("4bit", False), ("int8", True)],
     ids=["fp16", "int8", "4bit", "int8-overlap"],
 )
 def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str, overlap: bool) -> None:

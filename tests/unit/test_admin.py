@@ -24,13 +24,21 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
     listed, owner, helper = Identity.generate(), Identity.generate(), Identity.generate()
     text = SPEC.format(listed=listed.public_key.id)
     store = Store(sqlite_url(tmp_path))
-    core = Coordinator(spec=parse_spec(text), spec_toml=text, identity=owner, store=store, bootstrap_maddrs=[],
-                       operators=(helper.public_key.id,))
+    core = Coordinator(
+        spec=parse_spec(text),
+        spec_toml=text,
+        identity=owner,
+        store=store,
+        bootstrap_maddrs=[],
+        operators=(helper.public_key.id,),
+    )
     yield core, store, listed, owner, helper, text
     store.close()
 
 
-def request(signer: Identity, action: int, key: str = "", reason: str = "", kind: str = kinds.ADMIN) -> pb.SignedEnvelope:
+def request(
+    signer: Identity, action: int, key: str = "", reason: str = "", kind: str = kinds.ADMIN
+) -> pb.SignedEnvelope:
     body = pb.AdminBody(action=action, key=key, reason=reason).SerializeToString()
     return sign_message(signer, kind, body, now=time.time()).to_proto()
 

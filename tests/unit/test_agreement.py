@@ -58,8 +58,14 @@ def test_each_voter_has_one_vote_its_newest() -> None:
 
 
 def test_gathered_votes_need_a_round_and_a_digest() -> None:
-    gathered = [("a", {"round": 2, "digest": "x"}), ("b", {"digest": "x"}), ("c", {"round": True, "digest": "x"}),
-                ("d", {"round": -1, "digest": "x"}), ("e", "garbage"), ("f", {"round": 2, "digest": 5})]
+    gathered = [
+        ("a", {"round": 2, "digest": "x"}),
+        ("b", {"digest": "x"}),
+        ("c", {"round": True, "digest": "x"}),
+        ("d", {"round": -1, "digest": "x"}),
+        ("e", "garbage"),
+        ("f", {"round": 2, "digest": 5}),
+    ]
     assert gathered_votes(gathered) == [Vote("a", 2, "x")]
 
 
@@ -67,14 +73,21 @@ def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:
     """The six places that decide which digest is the swarm's call protocol.agreement, and no
     product module counts digests with a Counter or max(..., key=count) of its own."""
     callers = {
-        "protocol/statesync.py": "Vote", "peer/swarm.py": "agreed_state", "protocol/averaging.py": "agreed_state",
-        "coordinator/credits.py": "agreed_state", "coordinator/store/store.py": "agreed_state",
+        "protocol/statesync.py": "Vote",
+        "peer/swarm.py": "agreed_state",
+        "protocol/averaging.py": "agreed_state",
+        "coordinator/credits.py": "agreed_state",
+        "coordinator/store/store.py": "agreed_state",
         "coordinator/archiver.py": "agreed_state",
     }
     for path, name in callers.items():
         tree = ast.parse((ROOT / path).read_text())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                    and node.module == "protocol.agreement" for alias in node.names}
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "protocol.agreement"
+            for alias in node.names
+        }
         assert name in imported, f"{path} does not use protocol.agreement.{name}"
     for package in ("protocol", "peer", "coordinator"):
         for path in (ROOT / package).rglob("*.py"):

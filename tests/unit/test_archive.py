@@ -40,6 +40,7 @@ def test_archive_of_another_run_is_not_served(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         CheckpointArchive(tmp_path, spec_digest="sha256:one", keep=0)
 
+
 def test_an_older_round_saved_late_keeps_the_listing_true_to_the_disk(tmp_path: Path) -> None:
     """After a restart the archive may save a round older than one it holds: the listing and
     the files kept agree (the newest rounds), never naming a file that was pruned."""

@@ -11,11 +11,26 @@ from coordinator.credits import ClaimStatus, Decision, GroupMemberView, RoundCla
 GOOD = "sha256:good"
 
 
-def _claim(key: str, group: dict[str, float], *, samples: int | None = None, round: int = 1,
-           digest: str = GOOD, duration_s: float = 10.0, received_at: float = 0.0) -> RoundClaim:
+def _claim(
+    key: str,
+    group: dict[str, float],
+    *,
+    samples: int | None = None,
+    round: int = 1,
+    digest: str = GOOD,
+    duration_s: float = 10.0,
+    received_at: float = 0.0,
+) -> RoundClaim:
     members = tuple(GroupMemberView(key=k, weight=w) for k, w in group.items())
-    return RoundClaim(key=key, round=round, samples=group.get(key, 0) if samples is None else samples,  # type: ignore[arg-type]
-                      group=members, state_digest=digest, duration_s=duration_s, received_at=received_at)
+    return RoundClaim(
+        key=key,
+        round=round,
+        samples=group.get(key, 0) if samples is None else samples,  # type: ignore[arg-type]
+        group=members,
+        state_digest=digest,
+        duration_s=duration_s,
+        received_at=received_at,
+    )
 
 
 def _ledger(max_sps: float = 1000.0, finalize_after_s: float = 60.0) -> RoundLedger:
@@ -38,7 +53,8 @@ def test_honest_group_of_three_all_granted() -> None:
     assert all(d.status == ClaimStatus.GRANTED and d.round == 1 for d in decisions)
     assert [d.granted_samples for d in decisions] == [100, 160, 120]
     assert _by_key(decisions)["b"].reason == (
-        "granted 160 samples: attested by 2 of 2 group members, digest matches the group's")
+        "granted 160 samples: attested by 2 of 2 group members, digest matches the group's"
+    )
 
 
 def test_round_waits_until_complete() -> None:
@@ -121,7 +137,8 @@ def test_throughput_cap_binds() -> None:
     assert [decisions[k].granted_samples for k in "abc"] == [100, 125, 120]
     assert decisions["b"].reason == (
         "granted 125 samples: claimed 160, attested by 2 of 2 group members, "
-        "throughput cap 125 (10 samples/s over 12.5 s), digest matches the group's")
+        "throughput cap 125 (10 samples/s over 12.5 s), digest matches the group's"
+    )
 
 
 def test_both_caps_named_when_they_tie() -> None:
@@ -140,7 +157,9 @@ def test_incomplete_round_decided_after_finalize_after_s() -> None:
     assert ledger.tick(159.9) == []
     decisions = ledger.tick(160.0)
     assert [(d.key, d.status, d.granted_samples) for d in decisions] == [
-        ("a", ClaimStatus.GRANTED, 100), ("b", ClaimStatus.GRANTED, 160)]
+        ("a", ClaimStatus.GRANTED, 100),
+        ("b", ClaimStatus.GRANTED, 160),
+    ]
     assert "attested by 1 of 2 group members" in decisions[0].reason
 
 
@@ -199,8 +218,7 @@ def test_decisions_sorted_by_round_then_key() -> None:
     for round in (2, 1):
         for key in ("c", "a", "b"):
             ledger.add(_claim(key, HONEST, round=round))
-    assert [(d.round, d.key) for d in ledger.tick(1.0)] == [
-        (1, "a"), (1, "b"), (1, "c"), (2, "a"), (2, "b"), (2, "c")]
+    assert [(d.round, d.key) for d in ledger.tick(1.0)] == [(1, "a"), (1, "b"), (1, "c"), (2, "a"), (2, "b"), (2, "c")]
 
 
 def test_zero_attested_is_denied() -> None:
@@ -213,20 +231,36 @@ def test_zero_attested_is_denied() -> None:
     assert decisions["a"].granted_samples == 100
 
 
-@pytest.mark.parametrize(("field", "claim"), [
-    ("samples", _claim("a", HONEST, samples=-1)),
-    ("round", _claim("a", HONEST, round=-1)),
-    ("duration_s", _claim("a", HONEST, duration_s=0.0)),
-    ("duration_s", _claim("a", HONEST, duration_s=math.inf)),
-    ("received_at", _claim("a", HONEST, received_at=math.nan)),
-    ("weight", _claim("a", HONEST | {"b": math.nan})),
-    ("weight", _claim("a", HONEST | {"b": -3.0})),
-    ("state_digest", _claim("a", HONEST, digest="")),
-    ("reporter", _claim("z", HONEST, samples=5)),
-    ("twice", RoundClaim(key="a", round=1, samples=1, state_digest=GOOD, duration_s=1.0, received_at=0.0,
-                         group=(GroupMemberView("a", 1.0), GroupMemberView("b", 1.0), GroupMemberView("b", 2.0)))),
-    ("group", RoundClaim(key="a", round=1, samples=1, group=(), state_digest=GOOD, duration_s=1.0, received_at=0.0)),
-])
+@pytest.mark.parametrize(
+    ("field", "claim"),
+    [
+        ("samples", _claim("a", HONEST, samples=-1)),
+        ("round", _claim("a", HONEST, round=-1)),
+        ("duration_s", _claim("a", HONEST, duration_s=0.0)),
+        ("duration_s", _claim("a", HONEST, duration_s=math.inf)),
+        ("received_at", _claim("a", HONEST, received_at=math.nan)),
+        ("weight", _claim("a", HONEST | {"b": math.nan})),
+        ("weight", _claim("a", HONEST | {"b": -3.0})),
+        ("state_digest", _claim("a", HONEST, digest="")),
+        ("reporter", _claim("z", HONEST, samples=5)),
+        (
+            "twice",
+            RoundClaim(
+                key="a",
+                round=1,
+                samples=1,
+                state_digest=GOOD,
+                duration_s=1.0,
+                received_at=0.0,
+                group=(GroupMemberView("a", 1.0), GroupMemberView("b", 1.0), GroupMemberView("b", 2.0)),
+            ),
+        ),
+        (
+            "group",
+            RoundClaim(key="a", round=1, samples=1, group=(), state_digest=GOOD, duration_s=1.0, received_at=0.0),
+        ),
+    ],
+)
 def test_malformed_claims_rejected(field: str, claim: RoundClaim) -> None:
     ledger = _ledger()
     with pytest.raises(ValueError, match=field):

@@ -4,8 +4,15 @@ from swarmtrain.commands.demo import summarize
 
 
 def row(round_: int, digest: str, loss: float, averaged: bool = True, in_sync: bool = True) -> dict:
-    return {"round": round_, "state_digest": digest, "loss": loss, "averaged": averaged, "in_sync": in_sync,
-            "samples": 8, "bytes_sent": 10}
+    return {
+        "round": round_,
+        "state_digest": digest,
+        "loss": loss,
+        "averaged": averaged,
+        "in_sync": in_sync,
+        "samples": 8,
+        "bytes_sent": 10,
+    }
 
 
 def test_rounds_are_compared_by_number_and_a_resynced_peer_is_fine() -> None:

@@ -19,10 +19,20 @@ def _tracker(*keys: str, now: float = 0.0) -> HealthTracker:
     return tracker
 
 
-def _beat(tracker: HealthTracker, key: str, now: float, *, round: int = 0, phase: str = "training",
-          sps: float = 10.0, total: int = 100, loss: float | None = 2.5):
-    return tracker.heartbeat(key, now=now, round=round, phase=phase, samples_per_second=sps,
-                             samples_total=total, loss=loss)
+def _beat(
+    tracker: HealthTracker,
+    key: str,
+    now: float,
+    *,
+    round: int = 0,
+    phase: str = "training",
+    sps: float = 10.0,
+    total: int = 100,
+    loss: float | None = 2.5,
+):
+    return tracker.heartbeat(
+        key, now=now, round=round, phase=phase, samples_per_second=sps, samples_total=total, loss=loss
+    )
 
 
 def test_join_starts_in_joining() -> None:
@@ -33,15 +43,26 @@ def test_join_starts_in_joining() -> None:
     assert tracker.get("nobody") is None
 
 
-@pytest.mark.parametrize(("phase", "state"), [
-    ("joining", PeerState.JOINING), ("training", PeerState.TRAINING),
-    ("averaging", PeerState.AVERAGING), ("leaving", PeerState.OFFLINE),
-])
+@pytest.mark.parametrize(
+    ("phase", "state"),
+    [
+        ("joining", PeerState.JOINING),
+        ("training", PeerState.TRAINING),
+        ("averaging", PeerState.AVERAGING),
+        ("leaving", PeerState.OFFLINE),
+    ],
+)
 def test_heartbeat_phase_sets_state(phase: str, state: PeerState) -> None:
     tracker = _tracker("a")
     peer = _beat(tracker, "a", 1.0, phase=phase, round=3, sps=12.5, total=40, loss=1.5)
     assert peer.state == state
-    assert (peer.round, peer.samples_per_second, peer.samples_total, peer.loss, peer.last_seen) == (3, 12.5, 40, 1.5, 1.0)
+    assert (peer.round, peer.samples_per_second, peer.samples_total, peer.loss, peer.last_seen) == (
+        3,
+        12.5,
+        40,
+        1.5,
+        1.0,
+    )
 
 
 def test_training_to_averaging_and_back() -> None:
@@ -90,7 +111,12 @@ def test_rejoin_starts_over_in_joining() -> None:
     _beat(tracker, "a", 5.0, round=4, phase="averaging")
     peer = tracker.join("a", libp2p_peer_id="QmNew", software_version="0.2", reachable=False, now=9.0)
     assert (peer.state, peer.round, peer.libp2p_peer_id, peer.reachable, peer.joined_at) == (
-        PeerState.JOINING, 0, "QmNew", False, 9.0)
+        PeerState.JOINING,
+        0,
+        "QmNew",
+        False,
+        9.0,
+    )
 
 
 def test_straggler_detected_by_tick_and_recovers() -> None:
@@ -115,8 +141,10 @@ def test_straggler_returns_to_phase_on_tick_when_leader_goes_offline() -> None:
     assert tracker.get("b").state == PeerState.STRAGGLING  # type: ignore[union-attr]
     _beat(tracker, "b", 50.0, round=1)
     # a is silent > 60 s: offline, so the swarm round is b's own; b is no longer behind
-    assert tracker.tick(61.0) == [("a", PeerState.TRAINING, PeerState.OFFLINE),
-                                  ("b", PeerState.STRAGGLING, PeerState.TRAINING)]
+    assert tracker.tick(61.0) == [
+        ("a", PeerState.TRAINING, PeerState.OFFLINE),
+        ("b", PeerState.STRAGGLING, PeerState.TRAINING),
+    ]
 
 
 def test_joining_peer_never_straggles() -> None:
@@ -165,17 +193,20 @@ def test_remove_forgets_peer() -> None:
         _beat(tracker, "a", 1.0)
 
 
-@pytest.mark.parametrize(("field", "kwargs"), [
-    ("round", {"round": -1}),
-    ("round", {"round": 1.5}),
-    ("phase", {"phase": "dancing"}),
-    ("samples_per_second", {"sps": -1.0}),
-    ("samples_per_second", {"sps": math.nan}),
-    ("samples_per_second", {"sps": math.inf}),
-    ("samples_total", {"total": -5}),
-    ("samples_total", {"total": 3.5}),
-    ("loss", {"loss": math.nan}),
-])
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("round", {"round": -1}),
+        ("round", {"round": 1.5}),
+        ("phase", {"phase": "dancing"}),
+        ("samples_per_second", {"sps": -1.0}),
+        ("samples_per_second", {"sps": math.nan}),
+        ("samples_per_second", {"sps": math.inf}),
+        ("samples_total", {"total": -5}),
+        ("samples_total", {"total": 3.5}),
+        ("loss", {"loss": math.nan}),
+    ],
+)
 def test_bad_heartbeat_values_rejected_and_change_nothing(field: str, kwargs: dict) -> None:
     tracker = _tracker("a")
     _beat(tracker, "a", 1.0, round=2, sps=5.0, total=10)
@@ -205,7 +236,11 @@ def test_summary_counts_online_peers_and_sums_throughput() -> None:
     assert (summary.peers_online, summary.samples_per_second, summary.swarm_round) == (1, 20.0, 4)
     tracker.tick(16.0)
     assert {p.key: p.state for p in tracker.peers()} == {
-        "a": PeerState.UNREACHABLE, "b": PeerState.TRAINING, "c": PeerState.OFFLINE, "d": PeerState.UNREACHABLE}
+        "a": PeerState.UNREACHABLE,
+        "b": PeerState.TRAINING,
+        "c": PeerState.OFFLINE,
+        "d": PeerState.UNREACHABLE,
+    }
 
 
 def test_summary_of_empty_swarm() -> None:

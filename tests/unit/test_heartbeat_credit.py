@@ -22,8 +22,9 @@ SPEC = '[run]\nname = "credit"\n'
 @pytest.fixture
 def core(tmp_path: Path):  # type: ignore[no-untyped-def]
     store = Store(sqlite_url(tmp_path))
-    yield Coordinator(spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store,
-                      bootstrap_maddrs=[])
+    yield Coordinator(
+        spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
+    )
     store.close()
 
 
@@ -40,8 +41,9 @@ def joined(core: Coordinator) -> Identity:
 
 
 def claim(core: Coordinator, key: str, round_: int, samples: int) -> None:
-    core.store.record_claim(key=key, round=round_, samples=samples, group_json="[]", state_digest="d",
-                            duration_s=1.0, received_at=1.0)
+    core.store.record_claim(
+        key=key, round=round_, samples=samples, group_json="[]", state_digest="d", duration_s=1.0, received_at=1.0
+    )
 
 
 def test_the_answer_names_granted_and_pending_samples_of_this_peer_only(core: Coordinator) -> None:
@@ -52,8 +54,9 @@ def test_the_answer_names_granted_and_pending_samples_of_this_peer_only(core: Co
     claim(core, peer.public_key.id, 1, 40)
     claim(core, peer.public_key.id, 2, 30)
     claim(core, other.public_key.id, 1, 500)
-    core.store.decide_claim(key=peer.public_key.id, round=1, status="granted", granted_samples=32, flops=6.4e9,
-                            reason="attested", now=2.0)
+    core.store.decide_claim(
+        key=peer.public_key.id, round=1, status="granted", granted_samples=32, flops=6.4e9, reason="attested", now=2.0
+    )
     answer = heartbeat(core, peer)
     assert (answer.credited_samples, answer.credited_flops, answer.pending_samples) == (32, 6.4e9, 30)
 

@@ -17,12 +17,20 @@ RUN = "a" * 64
 COORDINATOR = Identity.generate()
 
 
-def token(peer_id: str, *, coordinator: Identity = COORDINATOR, run: str = RUN, ttl_s: float = 600.0,
-          now: float | None = None, peer: Identity | None = None) -> bytes:
+def token(
+    peer_id: str,
+    *,
+    coordinator: Identity = COORDINATOR,
+    run: str = RUN,
+    ttl_s: float = 600.0,
+    now: float | None = None,
+    peer: Identity | None = None,
+) -> bytes:
     issued = time.time() if now is None else now
     peer_key = (peer or Identity.generate()).public_key
-    return issue_token(coordinator, run_digest=run, peer_key=peer_key, now=issued,
-                       ttl_s=ttl_s, libp2p_peer_id=peer_id).to_bytes()
+    return issue_token(
+        coordinator, run_digest=run, peer_key=peer_key, now=issued, ttl_s=ttl_s, libp2p_peer_id=peer_id
+    ).to_bytes()
 
 
 def members(records: dict[Any, Any]) -> Lookup:
@@ -43,15 +51,20 @@ def test_valid_tokens_admit_the_peer_ids_they_are_filed_under() -> None:
 def test_bad_records_admit_nobody() -> None:
     now = time.time()
     g = gate()
-    g.update(members({
-        "QmStolen": token("QmOwner"),  # someone else's token filed under another peer id
-        "QmForged": token("QmForged", coordinator=Identity.generate()),
-        "QmOtherRun": token("QmOtherRun", run="b" * 64),
-        "QmExpired": token("QmExpired", ttl_s=60.0, now=now - 120.0),
-        "QmJunk": b"\x00not a token",
-        "QmText": "not bytes",
-        7: token("7"),
-    }), now=now)
+    g.update(
+        members(
+            {
+                "QmStolen": token("QmOwner"),  # someone else's token filed under another peer id
+                "QmForged": token("QmForged", coordinator=Identity.generate()),
+                "QmOtherRun": token("QmOtherRun", run="b" * 64),
+                "QmExpired": token("QmExpired", ttl_s=60.0, now=now - 120.0),
+                "QmJunk": b"\x00not a token",
+                "QmText": "not bytes",
+                7: token("7"),
+            }
+        ),
+        now=now,
+    )
     for peer_id in ("QmStolen", "QmOwner", "QmForged", "QmOtherRun", "QmExpired", "QmJunk", "QmText", "7"):
         assert not g.is_member(peer_id, now=now), peer_id
 

@@ -24,8 +24,17 @@ class Clock:
         return self.now
 
 
-METRICS = {"round": 3, "loss": 2.5, "samples": 80, "wall_s": 2.0, "group_size": 3, "bytes_sent": 1_500_000,
-           "wait_s": 0.25, "averaged": True, "in_sync": True}
+METRICS = {
+    "round": 3,
+    "loss": 2.5,
+    "samples": 80,
+    "wall_s": 2.0,
+    "group_size": 3,
+    "bytes_sent": 1_500_000,
+    "wait_s": 0.25,
+    "averaged": True,
+    "in_sync": True,
+}
 
 
 def step(n: int, of: int | None = 10, elapsed: float = 1.0, budget: float | None = None) -> InnerProgress:
@@ -116,7 +125,7 @@ def test_a_log_record_starts_on_a_clean_line() -> None:
 
 
 def test_a_closed_or_plain_stream_is_not_a_terminal() -> None:
-    closed = open(os.devnull, "w")  # noqa: SIM115
+    closed = open(os.devnull, "w")
     closed.close()
     assert ProgressDisplay(closed).live is False
     assert ProgressDisplay(object()).live is False  # type: ignore[arg-type]

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from protocol.errors import SpecError
@@ -147,6 +148,6 @@ def test_load_spec_file_errors(tmp_path: Path) -> None:
 
 def test_spec_is_immutable() -> None:
     spec = parse_spec(MINIMAL)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         spec.outer.lr = 1.0  # type: ignore[misc]
     assert isinstance(spec, RunSpec)

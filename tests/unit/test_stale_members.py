@@ -55,8 +55,9 @@ def test_groups_that_gather_no_state_have_no_stale_member() -> None:
 
 def _result(*states: object) -> RoundResult:
     members = [s if isinstance(s, dict) else d(s) for s in states]
-    return RoundResult(averaged=torch.zeros(1), group_size=len(members), members=members, bytes_sent=0,
-                       bytes_received=0, wait_s=0.0)
+    return RoundResult(
+        averaged=torch.zeros(1), group_size=len(members), members=members, bytes_sent=0, bytes_received=0, wait_s=0.0
+    )
 
 
 def test_a_peer_knows_whether_it_started_in_sync_with_its_group() -> None:

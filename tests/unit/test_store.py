@@ -46,19 +46,38 @@ def store(store_url: str) -> Iterator[Store]:
 
 def _claim(store: Store, key: str, round: int, samples: int = 100, received_at: float = 10.0) -> bool:
     return store.record_claim(
-        key=key, round=round, samples=samples, group_json='[["a", 1.0]]', state_digest=f"d{round}",
-        duration_s=2.5, received_at=received_at,
+        key=key,
+        round=round,
+        samples=samples,
+        group_json='[["a", 1.0]]',
+        state_digest=f"d{round}",
+        duration_s=2.5,
+        received_at=received_at,
     )
 
 
 def _grant(store: Store, key: str, round: int, samples: int, flops: float, now: float = 20.0) -> None:
-    store.decide_claim(key=key, round=round, status="granted", granted_samples=samples, flops=flops,
-                       reason="attested by group", now=now)
+    store.decide_claim(
+        key=key,
+        round=round,
+        status="granted",
+        granted_samples=samples,
+        flops=flops,
+        reason="attested by group",
+        now=now,
+    )
 
 
 def _peer(store: Store, key: str, account: str | None, now: float = 1.0, reachable: bool = True) -> None:
-    store.upsert_peer(key=key, account_key=account, libp2p_peer_id=f"Qm{key}", software_version="0.1",
-                      hardware_json='{"gpus": 1}', reachable=reachable, now=now)
+    store.upsert_peer(
+        key=key,
+        account_key=account,
+        libp2p_peer_id=f"Qm{key}",
+        software_version="0.1",
+        hardware_json='{"gpus": 1}',
+        reachable=reachable,
+        now=now,
+    )
 
 
 def test_sqlite_url_points_into_state_dir(tmp_path: Path) -> None:
@@ -97,8 +116,14 @@ def test_upsert_peer_keeps_first_seen(store: Store) -> None:
     peers = store.peers()
     assert [p["key"] for p in peers] == ["p0", "p1"]
     assert peers[1] == {
-        "key": "p1", "account_key": "acct2", "libp2p_peer_id": "Qmp1", "software_version": "0.1",
-        "hardware_json": '{"gpus": 1}', "reachable": False, "first_seen": 1.0, "last_seen": 9.0,
+        "key": "p1",
+        "account_key": "acct2",
+        "libp2p_peer_id": "Qmp1",
+        "software_version": "0.1",
+        "hardware_json": '{"gpus": 1}',
+        "reachable": False,
+        "first_seen": 1.0,
+        "last_seen": 9.0,
     }
     assert peers[0]["account_key"] is None and peers[0]["reachable"] is True
 
@@ -137,9 +162,18 @@ def test_grant_updates_claim_and_appends_credit(store: Store) -> None:
     _grant(store, "p1", 1, 80, 1.5e12, now=20.0)
     [claim] = store.claims()
     assert claim == {
-        "key": "p1", "round": 1, "samples": 100, "group_json": '[["a", 1.0]]', "state_digest": "d1",
-        "duration_s": 2.5, "received_at": 10.0, "status": "granted", "granted_samples": 80,
-        "flops": 1.5e12, "reason": "attested by group", "decided_at": 20.0,
+        "key": "p1",
+        "round": 1,
+        "samples": 100,
+        "group_json": '[["a", 1.0]]',
+        "state_digest": "d1",
+        "duration_s": 2.5,
+        "received_at": 10.0,
+        "status": "granted",
+        "granted_samples": 80,
+        "flops": 1.5e12,
+        "reason": "attested by group",
+        "decided_at": 20.0,
     }
     assert store.pending_claims() == []
     assert store.credits_by_peer() == {"p1": {"samples": 80, "flops": 1.5e12, "rounds": 1}}
@@ -147,8 +181,15 @@ def test_grant_updates_claim_and_appends_credit(store: Store) -> None:
 
 def test_denial_grants_nothing(store: Store) -> None:
     _claim(store, "p1", 1)
-    store.decide_claim(key="p1", round=1, status="denied", granted_samples=0, flops=0.0,
-                       reason="digest disagrees with the group", now=30.0)
+    store.decide_claim(
+        key="p1",
+        round=1,
+        status="denied",
+        granted_samples=0,
+        flops=0.0,
+        reason="digest disagrees with the group",
+        now=30.0,
+    )
     [claim] = store.claims()
     assert claim["status"] == "denied" and claim["reason"] == "digest disagrees with the group"
     assert store.credits_by_peer() == {} and store.leaderboard() == []
@@ -200,8 +241,10 @@ def test_credits_by_peer_and_by_account_join_through_peers(store: Store) -> None
     _claim(store, "p1", 2)
     _grant(store, "p1", 2, 30, 3.0)
     assert store.credits_by_peer() == {
-        "p1": {"samples": 40, "flops": 4.0, "rounds": 2}, "p2": {"samples": 20, "flops": 2.0, "rounds": 1},
-        "p3": {"samples": 5, "flops": 9.0, "rounds": 1}, "ghost": {"samples": 1, "flops": 0.5, "rounds": 1},
+        "p1": {"samples": 40, "flops": 4.0, "rounds": 2},
+        "p2": {"samples": 20, "flops": 2.0, "rounds": 1},
+        "p3": {"samples": 5, "flops": 9.0, "rounds": 1},
+        "ghost": {"samples": 1, "flops": 0.5, "rounds": 1},
     }
     # a peer with no account (or no peer row) counts as its own account
     assert {row.pop("account_key"): row for row in store.leaderboard(limit=100)} == {
@@ -220,7 +263,9 @@ def test_leaderboard_by_flops_per_account(store: Store) -> None:
         _grant(store, key, round, 10, flops)
     board = store.leaderboard()
     assert [(r["account_key"], r["flops"], r["samples"], r["peers"]) for r in board] == [
-        ("bob", 5.0, 10, 1), ("alice", 4.0, 20, 2), ("p4", 0.5, 10, 1),
+        ("bob", 5.0, 10, 1),
+        ("alice", 4.0, 20, 2),
+        ("p4", 0.5, 10, 1),
     ]
     assert [r["account_key"] for r in store.leaderboard(limit=1)] == ["bob"]
 
@@ -236,31 +281,48 @@ def test_rounds_highest_first_and_limited(store: Store) -> None:
 def test_finalize_round_decides_and_records_together(store: Store) -> None:
     for key in ("p1", "p2", "p3"):
         _claim(store, key, 7)
-    store.finalize_round(round=7, now=30.0, mean_loss=2.0, decisions=[
-        Decision(key="p1", status="granted", granted_samples=100, flops=1.0, reason="attested"),
-        Decision(key="p2", status="denied", granted_samples=0, flops=0.0, reason="not attested"),
-    ])
+    store.finalize_round(
+        round=7,
+        now=30.0,
+        mean_loss=2.0,
+        decisions=[
+            Decision(key="p1", status="granted", granted_samples=100, flops=1.0, reason="attested"),
+            Decision(key="p2", status="denied", granted_samples=0, flops=0.0, reason="not attested"),
+        ],
+    )
     assert store.rounds() == [
         {"round": 7, "state_digest": "d7", "finalized_at": 30.0, "group_size": 3, "mean_loss": 2.0, "samples": 100},
     ]
     # a later decision for the same round adds to the record and keeps the loss
-    store.finalize_round(round=7, now=40.0, mean_loss=None, decisions=[
-        Decision(key="p3", status="granted", granted_samples=60, flops=0.6, reason="attested"),
-    ])
+    store.finalize_round(
+        round=7,
+        now=40.0,
+        mean_loss=None,
+        decisions=[
+            Decision(key="p3", status="granted", granted_samples=60, flops=0.6, reason="attested"),
+        ],
+    )
     assert store.rounds()[0]["samples"] == 160
     assert store.rounds()[0]["mean_loss"] == 2.0
-    assert store.credits_by_peer() == {"p1": {"samples": 100, "flops": 1.0, "rounds": 1},
-                                       "p3": {"samples": 60, "flops": 0.6, "rounds": 1}}
+    assert store.credits_by_peer() == {
+        "p1": {"samples": 100, "flops": 1.0, "rounds": 1},
+        "p3": {"samples": 60, "flops": 0.6, "rounds": 1},
+    }
 
 
 def test_finalize_round_with_a_bad_decision_writes_nothing(store: Store) -> None:
     _claim(store, "p1", 3)
     _claim(store, "p2", 3)
     with pytest.raises(ValueError, match="no claim recorded"):
-        store.finalize_round(round=3, now=5.0, mean_loss=1.0, decisions=[
-            Decision(key="p1", status="granted", granted_samples=10, flops=1.0, reason="ok"),
-            Decision(key="ghost", status="granted", granted_samples=10, flops=1.0, reason="ok"),
-        ])
+        store.finalize_round(
+            round=3,
+            now=5.0,
+            mean_loss=1.0,
+            decisions=[
+                Decision(key="p1", status="granted", granted_samples=10, flops=1.0, reason="ok"),
+                Decision(key="ghost", status="granted", granted_samples=10, flops=1.0, reason="ok"),
+            ],
+        )
     assert store.rounds() == []
     assert store.credits_by_peer() == {}
     assert [c["status"] for c in store.claims(round=3)] == ["pending", "pending"]
@@ -296,9 +358,15 @@ def test_reopen_keeps_everything(store_url: str) -> None:
 
 def _snapshot(store: Store) -> dict[str, object]:
     return {
-        "run": store.run(), "allow": store.allowlist(), "banned": store.banned(), "peers": store.peers(),
-        "claims": store.claims(), "pending": store.pending_claims(), "by_peer": store.credits_by_peer(),
-        "board": store.leaderboard(), "rounds": store.rounds(),
+        "run": store.run(),
+        "allow": store.allowlist(),
+        "banned": store.banned(),
+        "peers": store.peers(),
+        "claims": store.claims(),
+        "pending": store.pending_claims(),
+        "by_peer": store.credits_by_peer(),
+        "board": store.leaderboard(),
+        "rounds": store.rounds(),
         "samples": store.samples(since=0.0),
     }
 
@@ -318,8 +386,10 @@ def test_schema_version_recorded_and_foreign_version_refused(store_url: str) -> 
 
 def test_sqlite_connections_are_durable(tmp_path: Path) -> None:
     with Store(sqlite_url(tmp_path)) as store, store.engine.connect() as conn:
-        pragmas = {name: conn.execute(text(f"PRAGMA {name}")).scalar() for name in
-                   ("journal_mode", "synchronous", "foreign_keys")}
+        pragmas = {
+            name: conn.execute(text(f"PRAGMA {name}")).scalar()
+            for name in ("journal_mode", "synchronous", "foreign_keys")
+        }
     assert pragmas == {"journal_mode": "wal", "synchronous": 2, "foreign_keys": 1}
 
 

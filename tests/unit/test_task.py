@@ -163,7 +163,7 @@ def test_dir_source_trains_on_its_text_and_splits_files_by_shard(text_dir: Path)
         load_corpus(spec.data, context=64, num_shards=2, shard_index=2)
 
 
-FACTORY_MODULE = '''
+FACTORY_MODULE = """
 import itertools
 import torch
 from peer.task import Task
@@ -179,7 +179,7 @@ def not_a_task(**kwargs):
     return 42
 
 NOT_CALLABLE = 1
-'''
+"""
 
 
 def import_spec(factory: str, options: str = "") -> RunSpec:
@@ -197,8 +197,13 @@ def test_import_task_calls_the_factory_with_options(tmp_path: Path, monkeypatch:
 
 @pytest.mark.parametrize(
     "factory, options",
-    [("no_such_module_xyz:make", ""), ("my_tasks:missing", ""), ("my_tasks:NOT_CALLABLE", ""),
-     ("my_tasks:not_a_task", ""), ("my_tasks:make", "device = 'cuda'")],
+    [
+        ("no_such_module_xyz:make", ""),
+        ("my_tasks:missing", ""),
+        ("my_tasks:NOT_CALLABLE", ""),
+        ("my_tasks:not_a_task", ""),
+        ("my_tasks:make", "device = 'cuda'"),
+    ],
 )
 def test_bad_import_task_is_a_config_error_naming_the_factory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, factory: str, options: str
@@ -211,8 +216,10 @@ def test_bad_import_task_is_a_config_error_naming_the_factory(
 
 @pytest.mark.parametrize(
     "cfg, low, high",
-    [(ModelSection(d_model=64, n_layers=2, n_heads=4, context=64), 100_000, 1_000_000),
-     (ModelSection(d_model=768, n_layers=12, n_heads=12, context=1024), 80_000_000, 130_000_000)],
+    [
+        (ModelSection(d_model=64, n_layers=2, n_heads=4, context=64), 100_000, 1_000_000),
+        (ModelSection(d_model=768, n_layers=12, n_heads=12, context=1024), 80_000_000, 130_000_000),
+    ],
 )
 def test_param_count_matches_the_model(cfg: ModelSection, low: int, high: int) -> None:
     model = ByteGPT(cfg, device="meta")

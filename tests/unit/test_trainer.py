@@ -221,7 +221,9 @@ def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
             return Agreement(5, "sha256:round5", 1, 1)  # nobody serves it any more
 
         def fallback_states(self, **kwargs: Any) -> list[Agreement]:
-            return [Agreement(r, d, 1, 1) for r, d in ((5, "sha256:round5"), (4, "sha256:round4"), (3, served.digest()))]
+            return [
+                Agreement(r, d, 1, 1) for r, d in ((5, "sha256:round5"), (4, "sha256:round4"), (3, served.digest()))
+            ]
 
     swarm = Swarm()
     swarm.averager = Averager()
@@ -288,7 +290,9 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
             return False
 
     class Swarm(RecordingSwarm):
-        def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
+        def start_round(
+            self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float
+        ) -> _Pending:
             super().start_round(vector, weight=weight, gather=gather, timeout=timeout)
             return SlowPending(None)
 

@@ -10,8 +10,17 @@ from benchmarks.wan_figures import figures, link_bound_s, markdown_table
 
 
 def row(round_: int, *, compute: float, wall: float, sent: int, allreduce: float, loss: float) -> dict:
-    return {"round": round_, "compute_s": compute, "wall_s": wall, "samples": 80, "bytes_sent": sent,
-            "allreduce_s": allreduce, "loss": loss, "averaged": True, "params": 1_000_000}
+    return {
+        "round": round_,
+        "compute_s": compute,
+        "wall_s": wall,
+        "samples": 80,
+        "bytes_sent": sent,
+        "allreduce_s": allreduce,
+        "loss": loss,
+        "averaged": True,
+        "params": 1_000_000,
+    }
 
 
 def test_link_bound_is_the_bandwidth_optimal_all_reduce() -> None:
