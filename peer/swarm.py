@@ -21,6 +21,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
+from peer.swarm_port import DownloadedState, StateProvider
 from peer.timeouts import matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
 from protocol.averaging import ExactAverager
@@ -241,6 +242,14 @@ class Swarm:
         return self.run_records.publish_token(
             token, libp2p_peer_id=decoded.libp2p_peer_id, expires_at=decoded.expires_at, timeout_s=timeout_s
         )
+
+    def serve_state(self, provider: StateProvider) -> None:
+        """Serve ``provider()``'s state to members that download it (late joiners, re-syncs)."""
+        self.averager.state_provider = provider
+
+    def download_state(self, accept: set[str], *, timeout: float) -> DownloadedState | None:
+        """A state whose digest is in ``accept``, from an (admitted) peer that serves it."""
+        return self.averager.load_verified_state(accept, timeout=timeout)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.averager.set_allreduce_timeout(timeout_s)

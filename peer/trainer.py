@@ -15,13 +15,14 @@ A failed round (no group, timeout, a missing part) changes no global state: its 
 into the next round and the codec residual is restored. A peer that finds it started a
 round from another state than its group's majority is flagged out of sync.
 
-Keys of each round's metrics: round, group_size, samples, loss, state_digest, bytes_sent,
-bytes_received, compute_s, wait_s, wall_s, in_sync, averaged (false for a failed round).
+Each completed round yields a ``RoundMetrics`` (``peer.round_metrics``). The trainer talks to
+the swarm only through ``peer.swarm_port.SwarmPort``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 import threading
@@ -34,8 +35,10 @@ from typing import Any
 import torch
 
 from peer.progress import InnerProgress, NoProgress, ProgressSink
+from peer.round_metrics import RoundMetrics
 from peer.state import GlobalState, flatten, load_flat, outer_step
-from peer.swarm import NEGLIGIBLE_WEIGHT, PendingRound, RoundResult, Swarm
+from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
+from peer.swarm_port import PendingAverage, SwarmPort
 from peer.task import Task
 from peer.timeouts import AdaptiveTimeouts
 from protocol.checkpoint import Checkpointer
@@ -52,9 +55,43 @@ MAX_CARRIED_ROUNDS = 2
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
 
 
+class Phase(enum.Enum):
+    """Where a peer's round is (``Trainer.phase``)."""
+
+    TRAINING = "training"
+    """Inner steps of the current round; with overlap, the previous round may be averaging."""
+    AVERAGING = "averaging"
+    """Waiting for the round in flight (no overlap, or the inner phase is over)."""
+    APPLYING = "applying"
+    """The outer step on the group's average (or the undo of a failed round)."""
+    RESYNCING = "re-syncing"
+    """Adopting the swarm's state from a member (start, out of sync, or the swarm moved on)."""
+
+
+@dataclass
+class _InnerPhase:
+    """The inner steps of one round so far."""
+
+    started: float
+    deadline: float
+    steps: int
+    done: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+
+    def over(self, stop: threading.Event) -> bool:
+        return self.done >= self.steps or time.monotonic() >= self.deadline or stop.is_set()
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.done, 1)
+
+
 @dataclass
 class _InFlight:
-    pending: PendingRound
+    """A launched round: what applying its result (or undoing it) needs."""
+
+    pending: PendingAverage
     launch_point: torch.Tensor
     residual_before: torch.Tensor
     samples: int
@@ -90,13 +127,29 @@ class TrainerOptions:
 
 
 class Trainer:
-    """Runs rounds until ``max_rounds`` or ``options.stop``; ``on_round`` gets each round's metrics."""
+    """Runs rounds until ``max_rounds`` or ``options.stop``; ``on_round`` gets each round's metrics.
+
+    A round is a small state machine (``phase``), driven by ``run`` one step at a time:
+
+    - ``TRAINING`` owns the model, the inner optimizer, the current ``_InnerPhase`` and
+      ``inner_steps_done``. When the inner phase is over, ``_launch`` turns its work into a
+      pseudo-gradient and starts averaging it: an ``_InFlight`` (the pending round, the launch
+      point, the codec residual before it, the pre-round digest).
+    - ``AVERAGING`` waits for the in-flight round; with overlap the next ``TRAINING`` runs
+      meanwhile and the round lands between two inner steps.
+    - ``APPLYING`` (``_finish``, the only place a round lands) owns ``state`` (θ_g, outer
+      momentum, round), ``start_point``, the codec residual, the adaptive timeouts, ``history``
+      and checkpoints: the outer step on the average, re-basing the progress made since the
+      launch, or, for a failed round, restoring the residual so its work folds into the next.
+    - ``RESYNCING`` (``catch_up``) owns ``in_sync`` and ``_uncounted``: it adopts the state
+      the swarm's members agree on, carrying over local work nobody counted.
+    """
 
     def __init__(
         self,
         spec: RunSpec,
         task: Task,
-        swarm: Swarm,
+        swarm: SwarmPort,
         options: TrainerOptions,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         progress: ProgressSink | None = None,
@@ -115,7 +168,8 @@ class Trainer:
         self._uncounted: torch.Tensor | None = None
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
         self.inner_steps_done = 0
-        self.history: list[dict[str, Any]] = []
+        self.history: list[RoundMetrics] = []
+        self.phase = Phase.RESYNCING
         self.identity = options.identity or Identity.generate()
         self.timeouts = AdaptiveTimeouts(spec.averaging.matchmaking_timeout_s, spec.averaging.allreduce_timeout_s)
         self.checkpointer = (
@@ -124,7 +178,7 @@ class Trainer:
         if self.checkpointer is not None:
             self._restore()
         self._snapshot = (self.state.round, self.state.params, self.state.momentum, self.state.digest())
-        swarm.averager.state_provider = lambda: self._snapshot
+        swarm.serve_state(lambda: self._snapshot)
 
     def _restore(self) -> None:
         assert self.checkpointer is not None
@@ -155,23 +209,27 @@ class Trainer:
             }
         )
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[RoundMetrics]:
+        """Re-sync, wait for the group, then train rounds until done; the rounds' metrics."""
         self.catch_up()
         self.wait_for_group()
-        in_flight: _InFlight | None = None
-        while not self.options.stop.is_set() and not self._finished(in_flight):
-            started = time.monotonic()
-            samples, loss, in_flight = self._inner_phase(in_flight)
-            compute_s = time.monotonic() - started
-            if in_flight is not None:
-                self._finish(in_flight)
-            in_flight = self._launch(samples, loss, compute_s)
-            if not self.overlap:
-                self._finish(in_flight)
-                in_flight = None
-        if in_flight is not None:
-            self._finish(in_flight)
-        return self.history
+        flight: _InFlight | None = None
+        inner: _InnerPhase | None = None
+        while True:
+            more = not self.options.stop.is_set() and not self._finished(flight)
+            if inner is None and more and (flight is None or self.overlap):
+                inner = self._start_inner()
+            training = inner is not None and not inner.over(self.options.stop)
+            if flight is not None and (not training or flight.pending.done()):
+                self._finish(flight)
+                flight = None
+            elif inner is not None and training:
+                self._train_step(inner)
+            elif inner is not None:
+                flight = self._launch(inner)
+                inner = None
+            else:
+                return self.history
 
     def _finished(self, in_flight: _InFlight | None) -> bool:
         local, run = self.options.max_rounds, self.spec.rounds.max_rounds
@@ -180,32 +238,30 @@ class Trainer:
             run is not None and self.state.round + pending >= run
         )
 
-    def _inner_phase(self, in_flight: _InFlight | None) -> tuple[int, float, _InFlight | None]:
+    def _start_inner(self) -> _InnerPhase:
         rounds = self.spec.rounds
         started = time.monotonic()
         deadline = started + rounds.time_budget_s if rounds.time_budget_s else math.inf
-        steps = rounds.inner_steps or 1 << 62
-        samples, loss_sum, done = 0, 0.0, 0
         self.model.train()
-        while done < steps and time.monotonic() < deadline and not self.options.stop.is_set():
-            loss_sum += self._inner_step()
-            samples += self.task.samples_per_batch
-            done += 1
-            self.progress.inner_step(
-                InnerProgress(
-                    self.state.round,
-                    done,
-                    rounds.inner_steps,
-                    time.monotonic() - started,
-                    rounds.time_budget_s,
-                    samples,
-                    loss_sum / done,
-                )
+        return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62)
+
+    def _train_step(self, inner: _InnerPhase) -> None:
+        self.phase = Phase.TRAINING
+        inner.loss_sum += self._inner_step()
+        inner.samples += self.task.samples_per_batch
+        inner.done += 1
+        rounds = self.spec.rounds
+        self.progress.inner_step(
+            InnerProgress(
+                self.state.round,
+                inner.done,
+                rounds.inner_steps,
+                time.monotonic() - inner.started,
+                rounds.time_budget_s,
+                inner.samples,
+                inner.loss,
             )
-            if in_flight is not None and in_flight.pending.done():
-                self._finish(in_flight)
-                in_flight = None
-        return samples, loss_sum / max(done, 1), in_flight
+        )
 
     def _inner_step(self) -> float:
         inputs, targets = (t.to(self.options.device) for t in next(self.task.batches))
@@ -225,7 +281,8 @@ class Trainer:
         self.inner_steps_done += 1
         return float(loss.detach())
 
-    def _launch(self, samples: int, loss: float, compute_s: float) -> _InFlight:
+    def _launch(self, inner: _InnerPhase) -> _InFlight:
+        samples, loss, compute_s = inner.samples, inner.loss, time.monotonic() - inner.started
         local = flatten(self.model)
         delta = torch.sub(self.start_point, local)
         weight = float(samples)
@@ -266,35 +323,38 @@ class Trainer:
         self.optimizer = _inner_optimizer(self.spec, self.model)
 
     def _finish(self, flight: _InFlight) -> None:
+        """Land the round in flight (waiting for it if need be): apply or undo it, record it."""
         wait_started = time.monotonic()
         if not flight.pending.done():
+            self.phase = Phase.AVERAGING
             self.progress.waiting(self.state.round)
-        result = flight.pending.result()
+        result: RoundResult | None = flight.pending.result()
         wait_s = time.monotonic() - wait_started
+        self.phase = Phase.APPLYING
         self._apply(flight, result)
-        metrics = {
-            "round": self.state.round,
-            "group_size": result.group_size if result else 1,
-            "samples": flight.samples,
-            "loss": flight.loss,
-            "state_digest": self.state.digest(),
-            "bytes_sent": result.bytes_sent if result else 0,
-            "bytes_received": result.bytes_received if result else 0,
-            "compute_s": round(flight.compute_s, 4),
-            "wait_s": round(wait_s, 4),
-            "wall_s": round(flight.compute_s + (time.monotonic() - flight.launched_at), 4),
-            "in_sync": self.in_sync,
-            "averaged": result is not None,
-            "members": result.members if result else [],
-            "params": self.state.params.numel(),
-            "allreduce_s": round(result.allreduce_s, 4) if result else 0.0,
-            "matchmaking_timeout_s": round(self.timeouts.matchmaking_s, 2),
-            "allreduce_timeout_s": round(self.timeouts.allreduce_s, 2),
-        }
+        metrics = RoundMetrics(
+            round=self.state.round,
+            group_size=result.group_size if result else 1,
+            samples=flight.samples,
+            loss=flight.loss,
+            state_digest=self.state.digest(),
+            bytes_sent=result.bytes_sent if result else 0,
+            bytes_received=result.bytes_received if result else 0,
+            compute_s=round(flight.compute_s, 4),
+            wait_s=round(wait_s, 4),
+            wall_s=round(flight.compute_s + (time.monotonic() - flight.launched_at), 4),
+            in_sync=self.in_sync,
+            averaged=result is not None,
+            members=result.members if result else [],
+            params=self.state.params.numel(),
+            allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
+            matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
+            allreduce_timeout_s=round(self.timeouts.allreduce_s, 2),
+        )
         self.history.append(metrics)
         if result is not None and self.state.round % self.options.checkpoint_every == 0:
             self.save_checkpoint()
-        self.on_round(metrics)
+        self.on_round(metrics.as_dict())
 
     def _adapt_timeouts(self, result: RoundResult | None) -> None:
         before = self.timeouts.allreduce_s
@@ -372,6 +432,7 @@ class Trainer:
         we hold the swarm's state."""
         averaging = self.spec.averaging
         deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
+        self.phase = Phase.RESYNCING
         while not self.options.stop.is_set():
             agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
             if agreed is not None and agreed.digest == self.state.digest():
@@ -380,7 +441,7 @@ class Trainer:
                 return True
             if agreed is not None and agreed.round >= self.state.round:
                 timeout = averaging.allreduce_timeout_s
-                downloaded = self.swarm.averager.load_verified_state({agreed.digest}, timeout=timeout)
+                downloaded = self.swarm.download_state({agreed.digest}, timeout=timeout)
                 if downloaded is not None:
                     self._adopt(*downloaded, accepted={agreed.digest})
                     return True
@@ -402,7 +463,7 @@ class Trainer:
         for state in older:
             if state.round == latest:
                 continue  # just tried
-            downloaded = self.swarm.averager.load_verified_state({state.digest}, timeout=timeout)
+            downloaded = self.swarm.download_state({state.digest}, timeout=timeout)
             if downloaded is not None:
                 logger.warning("nobody serves round %d's state; took round %d's", latest, state.round)
                 self._adopt(*downloaded, accepted={state.digest})

@@ -86,7 +86,7 @@ def test_two_peers_h1_equal_data_parallel_sgd() -> None:
         first.shutdown()
         second.shutdown()
     for trainer in trainers:
-        assert [m["group_size"] for m in trainer.history] == [2] * ROUNDS, trainer.history
+        assert [m.group_size for m in trainer.history] == [2] * ROUNDS, trainer.history
     a, b = (t.state for t in trainers)
     assert a.digest() == b.digest() and torch.equal(a.params, b.params)
     expected = reference(spec, seeds)

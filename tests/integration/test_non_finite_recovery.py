@@ -64,7 +64,7 @@ def test_a_peer_driven_to_nan_recovers_within_one_round() -> None:
         for thread in threads:
             thread.join(timeout=240)
         assert not any(thread.is_alive() for thread in threads)
-        healthy, sick = (t.history for t in trainers)
+        healthy, sick = ([m.as_dict() for m in t.history] for t in trainers)
         assert len(sick) == ROUNDS and len(healthy) == ROUNDS
         bad = sick[1]
         assert bad["samples"] == 0, bad  # claims nothing for the round its model went NaN

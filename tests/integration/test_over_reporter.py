@@ -99,9 +99,9 @@ def test_over_reporter_is_granted_only_what_its_group_attests(tmp_path: Path, db
         assert not thread.is_alive()
         link.stop()
         link = None
-        full_rounds = [row for row in trainer.history if row["averaged"] and row["group_size"] == 3]
+        full_rounds = [row for row in trainer.history if row.averaged and row.group_size == 3]
         assert full_rounds, trainer.history
-        real = trainer.history[0]["samples"]  # every peer runs the same batch size and steps
+        real = trainer.history[0].samples  # every peer runs the same batch size and steps
 
         def decided() -> bool:
             claims = get(base, "api/v1/credits")["by_peer"]

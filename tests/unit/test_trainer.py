@@ -3,6 +3,8 @@ The swarm here is an in-memory recorder; real swarms are in tests/integration.""
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
-from peer.trainer import Trainer, TrainerOptions
+from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
 from protocol.spec import parse_spec
 
@@ -54,7 +56,14 @@ class RecordingSwarm:
     """Peers the DHT shows at the trainer's round."""
 
     def __post_init__(self) -> None:
-        self.averager = type("A", (), {"state_provider": None})()
+        self.averager: Any = None
+        self.provider: Any = None
+
+    def serve_state(self, provider: Any) -> None:
+        self.provider = provider
+
+    def download_state(self, accept: set[str], *, timeout: float) -> Any:
+        return self.averager.load_verified_state(accept, timeout) if self.averager is not None else None
 
     def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
         self.launched.append((vector.clone(), weight))
@@ -89,7 +98,7 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     trainer.optimizer.state[next(trainer.model.parameters())]["exp_avg"] = torch.tensor(float("nan"))
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
-    flight = trainer._launch(samples=4, loss=1.0, compute_s=0.1)
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, done=2, samples=4, loss_sum=2.0))
     vector, weight = swarm.launched[0]
     assert weight == NEGLIGIBLE_WEIGHT and bool((vector == 0).all())
     assert flight.samples == 0
@@ -97,25 +106,25 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     assert not trainer.optimizer.state  # the inner optimizer starts afresh
     trainer._finish(flight)  # the round fails: nothing changes
     assert trainer.state.digest() == before.digest()
-    assert trainer.history[-1]["samples"] == 0
+    assert trainer.history[-1].samples == 0
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     trainer, swarm = make_trainer()
     averaged = torch.full_like(trainer.state.params, 1e-3)
     swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
-    flight = trainer._launch(samples=4, loss=1.0, compute_s=0.1)
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, done=2, samples=4, loss_sum=2.0))
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
     trainer._finish(flight)
-    assert trainer.history[-1]["averaged"] and trainer.state.round == 1
+    assert trainer.history[-1].averaged and trainer.state.round == 1
     assert torch.equal(flatten(trainer.model), trainer.state.params)
 
 
 def test_failed_round_keeps_progress_for_the_next_round() -> None:
     trainer, swarm = make_trainer()
     trainer.run()
-    assert trainer.history[0]["averaged"] is False
+    assert trainer.history[0].averaged is False
     assert torch.equal(trainer.start_point, trainer.state.params)
     assert not torch.equal(flatten(trainer.model), trainer.state.params)  # local progress kept
     assert trainer.state.round == 0
@@ -255,7 +264,7 @@ def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -
     swarm.averager = Averager()
     trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
     trainer.run()
-    row = trainer.history[0]
+    row = trainer.history[0].as_dict()
     assert not row["averaged"] and row["in_sync"]
     assert trainer.state.round == 1 and trainer.state.digest() == theirs.digest() == row["state_digest"]
     assert torch.equal(trainer.start_point, theirs.params)
@@ -269,7 +278,7 @@ def test_a_failed_round_with_nobody_ahead_keeps_this_peer_s_state() -> None:
     swarm.accepted_state = lambda **kwargs: Agreement(0, trainer.state.digest(), 1, 1)  # type: ignore[method-assign]
     before = trainer.state.digest()
     trainer.run()
-    assert trainer.state.digest() == before and trainer.history[0]["in_sync"]
+    assert trainer.state.digest() == before and trainer.history[0].in_sync
 
 
 def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging() -> None:

@@ -1,0 +1,45 @@
+"""What a peer records about each round it completed (the ``--metrics-file`` row, the
+progress line, the round report to the coordinator)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RoundMetrics:
+    """One completed round of one peer. ``as_dict`` is its JSON form (the metrics file's keys)."""
+
+    round: int
+    """The global round this peer's state is at after the round (failed rounds do not advance it)."""
+    group_size: int
+    """Members of the averaging group (1 when the round failed)."""
+    samples: int
+    """Samples this peer trained on and claims (0 when it dropped its work)."""
+    loss: float
+    """Mean training loss of the round's inner steps."""
+    state_digest: str
+    """Digest of this peer's global state after the round."""
+    bytes_sent: int
+    bytes_received: int
+    compute_s: float
+    """Seconds of inner steps."""
+    wait_s: float
+    """Seconds the trainer waited for the average (0 when it landed during inner steps)."""
+    wall_s: float
+    """Seconds from the round's first inner step to its result."""
+    in_sync: bool
+    """Whether this peer holds the swarm's state after the round."""
+    averaged: bool
+    """False for a failed round (no group, timeout, missing part)."""
+    params: int
+    allreduce_s: float
+    matchmaking_timeout_s: float
+    allreduce_timeout_s: float
+    members: list[dict[str, Any]] = field(default_factory=list)
+    """What each group member gathered: id, round, samples, digest."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

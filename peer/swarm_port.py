@@ -1,0 +1,50 @@
+"""What the trainer needs from the swarm: the small typed interface ``peer.swarm.Swarm``
+implements (and the unit tests' in-memory swarm), so that the training loop never reaches
+into hivemind's DHT or averager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from protocol.agreement import Agreement
+from protocol.identity import Identity, PublicKey
+
+StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
+"""Returns the (round, params, momentum, digest) this peer serves to others."""
+DownloadedState = tuple[int, torch.Tensor, torch.Tensor]
+"""(round, params, momentum) of a state downloaded from a member, digest verified."""
+
+
+class PendingAverage(Protocol):
+    """An averaging round started in the background."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> Any:
+        """Block until the round ends: a ``peer.swarm.RoundResult``, or None if it failed."""
+        ...
+
+
+class SwarmPort(Protocol):
+    def start_round(
+        self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float | None = None
+    ) -> PendingAverage: ...
+
+    def set_allreduce_timeout(self, timeout_s: float) -> None: ...
+
+    def saw_group(self, members: list[dict[str, Any]]) -> None: ...
+
+    def publish_digest(self, identity: Identity, *, round_: int, digest: str) -> None: ...
+
+    def accepted_state(self, *, exclude: PublicKey | None = None) -> Agreement | None: ...
+
+    def fallback_states(self, *, exclude: PublicKey | None = None, after_round: int = -1) -> list[Agreement]: ...
+
+    def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]: ...
+
+    def serve_state(self, provider: StateProvider) -> None: ...
+
+    def download_state(self, accept: set[str], *, timeout: float) -> DownloadedState | None: ...
