@@ -33,6 +33,9 @@ MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
 SERVICER_BASE = "hivemind.p2p.servicer.ServicerBase"
 
 AVERAGING = "protocol/averaging.py"
+ALLREDUCE = "protocol/allreduce.py"
+GATE = "protocol/averager_gate.py"
+STATE = "protocol/state_transfer.py"
 BAD_TENSORS = "tests/integration/test_bad_tensors.py"
 
 
@@ -79,7 +82,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         ALLREDUCE_RUNNER,
         "_communicate_with_peer",
         "overridden coroutine method",
-        f"{AVERAGING} (ExactAllReduceRunner._communicate_with_peer)",
+        f"{ALLREDUCE} (ExactAllReduceRunner._communicate_with_peer)",
         "Our own parts go through the codec like everyone else's, and parts averaged by another "
         "reducer are decoded and written in place of ours (bit-identical), not added as deltas.",
         params=("peer_id",),
@@ -89,7 +92,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         ALLREDUCE_RUNNER,
         "_generate_input_for_peer",
         "overridden async generator method",
-        f"{AVERAGING} (ExactAllReduceRunner._generate_input_for_peer, _receive_from_reducer); "
+        f"{ALLREDUCE} (ExactAllReduceRunner._generate_input_for_peer, _receive_from_reducer); "
         f"{BAD_TENSORS} (LyingRunner._generate_input_for_peer)",
         "Reuses hivemind's framing of the parts we send a reducer (first message carries the "
         "group id and PART_FOR_AVERAGING) through super(), counting bytes sent; the bad-tensor "
@@ -101,7 +104,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         ALLREDUCE_RUNNER,
         "_accumulate_parts_streaming",
         "overridden async generator method",
-        f"{AVERAGING} (ExactAllReduceRunner._accumulate_parts_streaming)",
+        f"{ALLREDUCE} (ExactAllReduceRunner._accumulate_parts_streaming)",
         "Reducer side: validates each received part (size, finiteness, weight) before it is "
         "accumulated, gives stale members weight 0, and sends every sender the same encoding "
         "of the averaged part instead of per-sender deltas.",
@@ -112,7 +115,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         ALLREDUCE_RUNNER,
         "_get_peer_stub",
         "called method",
-        f"{AVERAGING} (ExactAllReduceRunner._receive_from_reducer)",
+        f"{ALLREDUCE} (ExactAllReduceRunner._receive_from_reducer)",
         "The stub for the reducer's rpc_aggregate_part under the averager's namespace.",
         params=("peer",),
     ),
@@ -120,7 +123,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         ALLREDUCE_RUNNER,
         "_ban_sender",
         "called coroutine method",
-        f"{AVERAGING} (ExactAllReduceRunner._accumulate_parts_streaming)",
+        f"{ALLREDUCE} (ExactAllReduceRunner._accumulate_parts_streaming)",
         "Excludes a sender whose stream ended early or was refused, as hivemind's own "
         "_accumulate_parts_streaming does, so the reducer does not wait for its parts.",
         params=("peer_id",),
@@ -130,7 +133,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         TENSOR_PART_CONTAINER,
         "_input_parts_by_peer",
         "instance attribute (read)",
-        f"{AVERAGING} (ExactAllReduceRunner.__init__)",
+        f"{ALLREDUCE} (ExactAllReduceRunner.__init__)",
         "A list (one deque per peer) of (part, CompressionInfo): the size of every part in "
         "global order, so that each received part is checked for its exact size before decoding.",
         evidence=(
@@ -180,7 +183,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_p2p",
         "instance attribute (read)",
-        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_, _download_state_from)",
+        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_), {STATE} (_download_state_from)",
         "The averager process's P2P: given to our runner, and used for the rpc_download_state stub.",
         evidence=(("_run_internal", "self._p2p = await self.dht.replicate_p2p()"),),
     ),
@@ -188,7 +191,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_matchmaking",
         "instance attribute overridden by a property",
-        f"{AVERAGING} (ExactAverager._matchmaking, _load_verified_state)",
+        f"{GATE} (AdmissionGateMixin._matchmaking), {STATE} (_load_verified_state)",
         "hivemind assigns its Matchmaking to self._matchmaking in the averager process; our "
         "property's setter wraps its _request_join_group so that we never ask a non-admitted "
         "leader; group_key_manager.prefix names the state-download key.",
@@ -201,7 +204,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_outer_pipe",
         "instance attribute (read)",
-        f"{AVERAGING} (ExactAverager.set_allreduce_timeout, load_verified_state)",
+        f"{AVERAGING} (ExactAverager.set_allreduce_timeout), {STATE} (load_verified_state)",
         "The host process's end of the control pipe to the averager process: we send "
         "(method name, args, kwargs) to run our coroutines there.",
         evidence=(("__init__", "self._inner_pipe, self._outer_pipe = mp.Pipe(duplex=True)"),),
@@ -234,7 +237,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_declare_for_download_periodically",
         "DHT key convention",
-        f"{AVERAGING} (ExactAverager._load_verified_state)",
+        f"{STATE} (StateTransferMixin._load_verified_state)",
         "Averagers that serve their state declare themselves under "
         "'{group_key_manager.prefix}.all_averagers' (subkey: peer id bytes); we list servers there.",
         evidence=(
@@ -249,7 +252,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_load_state_from_peers",
         "stream format",
-        f"{AVERAGING} (ExactAverager._download_state_from)",
+        f"{STATE} (StateTransferMixin._download_state_from)",
         "Our digest-checked download parses rpc_download_state's stream as hivemind does: "
         "metadata on the first message, a tensor part with a dtype starts the next tensor.",
         evidence=(
@@ -262,7 +265,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         MATCHMAKING,
         "_request_join_group",
         "method replaced on instances",
-        f"{AVERAGING} (ExactAverager._matchmaking setter)",
+        f"{GATE} (AdmissionGateMixin._matchmaking setter)",
         "Replaced on the averager's Matchmaking by a wrapper that skips leaders the coordinator "
         "did not admit (joining one would fail the round). hivemind must keep calling it through "
         "self, for each potential leader and for a leader's suggested leader.",
@@ -287,7 +290,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         SERVICER_BASE,
         "_strip_iterator_hint",
         "type hint convention",
-        f"{AVERAGING} (ExactAverager.rpc_join_group, rpc_download_state)",
+        f"{GATE} (AdmissionGateMixin.rpc_join_group, rpc_download_state)",
         "Our rpc_* overrides annotate their return as typing.AsyncIterator (not collections.abc): "
         "hivemind reads the hints with get_type_hints and recognizes a stream only by "
         "the typing alias's _name.",

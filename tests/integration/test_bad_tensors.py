@@ -12,7 +12,8 @@ import torch
 from hivemind import DHT
 from hivemind.proto import runtime_pb2
 
-from protocol.averaging import CodecCompression, ExactAllReduceRunner, ExactAverager
+from protocol.allreduce import CodecCompression, ExactAllReduceRunner
+from protocol.averaging import ExactAverager
 from protocol.compression import get_codec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -75,7 +75,7 @@ def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:
     callers = {
         "protocol/statesync.py": "Vote",
         "peer/swarm.py": "agreed_state",
-        "protocol/averaging.py": "agreed_state",
+        "protocol/allreduce.py": "agreed_state",
         "coordinator/credits.py": "agreed_state",
         "coordinator/store/store.py": "agreed_state",
         "coordinator/archiver.py": "agreed_state",

@@ -243,9 +243,14 @@ def test_our_hivemind_subclasses_are_found() -> None:
     assert {"ExactAllReduceRunner", "ExactAverager", "CodecCompression"} <= names, names
 
 
+def ours(cls: type) -> bool:
+    """A class of this project (a mixin of one of our hivemind subclasses, say)."""
+    return cls.__module__.split(".")[0] in PRODUCT_PACKAGES
+
+
 def unregistered_use(cls: type, name: str, why: str) -> str | None:
     """Why ``cls``'s use of a base class's private ``name`` is not covered by the registry."""
-    defining = [base for base in cls.__mro__[1:] if base is not object and name in defined_by(base)]
+    defining = [b for b in cls.__mro__[1:] if b is not object and not ours(b) and name in defined_by(b)]
     if not defining:
         return f"{cls.__name__}: {why} {name}, which no base class defines"
     owners = {f"{base.__module__}.{base.__qualname__}" for base in defining}
@@ -254,21 +259,35 @@ def unregistered_use(cls: type, name: str, why: str) -> str | None:
     return f"{cls.__name__}: {why} {name} of {sorted(owners)}, not registered"
 
 
+def class_ast(cls: type) -> ast.ClassDef:
+    tree = ast.parse(inspect.getsource(inspect.getmodule(cls)))  # type: ignore[arg-type]
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+
+
 def test_hivemind_subclasses_touch_only_registered_private_members() -> None:
-    """In each class of ours derived from hivemind: a private name it reads from ``self`` that it
-    does not define itself, or a private name it defines that a base class also defines (an
-    override, or a clash with hivemind's or multiprocessing's internals), must be registered
-    for the hivemind base class that defines it."""
+    """In each class of ours derived from hivemind (with the mixins of ours it is made of): a
+    private name it reads from ``self`` that none of our classes defines, or a private name we
+    define that a hivemind base class also defines (an override, or a clash with hivemind's or
+    multiprocessing's internals), must be registered for the hivemind base class that defines it."""
     problems = []
     for path, cls, node in hivemind_subclasses():
-        defined, assigned, read = our_private_names(node)
-        ours = defined | assigned
+        parts = [node] + [class_ast(base) for base in cls.__mro__[1:] if ours(base)]
+        defined: set[str] = set()
+        assigned: set[str] = set()
+        read: dict[str, int] = {}
+        for part in parts:
+            d, a, r = our_private_names(part)
+            defined |= d
+            assigned |= a
+            for name, line in r.items():
+                read.setdefault(name, line)
+        mine = defined | assigned
         uses = [
             (name, "overrides or assigns")
-            for name in sorted(ours)
-            if any(name in defined_by(base) for base in cls.__mro__[1:] if base is not object)
+            for name in sorted(mine)
+            if any(name in defined_by(base) for base in cls.__mro__[1:] if base is not object and not ours(base))
         ]
-        uses += [(name, f"reads (line {line})") for name, line in sorted(read.items()) if name not in ours]
+        uses += [(name, f"reads (line {line})") for name, line in sorted(read.items()) if name not in mine]
         for name, why in uses:
             problem = unregistered_use(cls, name, why)
             if problem:
@@ -307,7 +326,8 @@ def test_methods_run_through_the_averager_pipe_are_coroutines_of_our_class() -> 
     process (see the ``_inner_pipe`` entry): it must be a coroutine function of the class."""
     sent = 0
     for path, cls, node in hivemind_subclasses():
-        for call in ast.walk(node):
+        parts = [node] + [class_ast(base) for base in cls.__mro__[1:] if ours(base)]
+        for call in (call for part in parts for call in ast.walk(part)):
             if (
                 isinstance(call, ast.Call)
                 and isinstance(call.func, ast.Attribute)

@@ -9,7 +9,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peer.swarm import RoundResult
-from protocol.averaging import RoundFailedError, stale_members
+from protocol.allreduce import RoundFailedError, stale_members
 
 PEERS = [PeerID(f"peer{i}".encode()) for i in range(4)]
 

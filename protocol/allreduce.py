@@ -1,0 +1,230 @@
+"""Swarm all-reduce on hivemind that leaves every participant with the same bytes.
+
+hivemind's butterfly all-reduce splits the vector into parts; peer ``i`` reduces part ``i``
+and returns to each sender ``averaged - sent``, which the sender *adds* to its own copy.
+Rounding in those deltas (and in their compression) leaves replicas apart (~2e-7 even
+uncompressed, ~3e-3 with fp16). ``ExactAllReduceRunner`` changes the return path: the
+reducer encodes its averaged part **once** with the run's codec and sends the *same bytes*
+to every sender (itself included), and every peer writes the decoded part in place of its
+own. Since decoding is a pure function of the bytes (``protocol.compression``), all peers
+end with bit-identical averages whatever the codec.
+
+It also validates what it receives: a part that does not decode (wrong size, NaN/Inf,
+bad scales) or a non-finite/non-positive weight gets the sender excluded from the average
+with a logged reason; an averaged part from a reducer that does not decode fails the round
+for this peer (its vector is left untouched) rather than mixing in local values.
+
+Which members count is decided before the all-reduce from what they gathered
+(``stale_members``, by ``protocol.agreement``). ``protocol.averaging.ExactAverager`` runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+
+from protocol.agreement import agreed_state, gathered_votes
+from protocol.compression import Codec
+from protocol.errors import MalformedTensorError
+
+logger = logging.getLogger(__name__)
+
+DTYPE_PREFIX = "swarmtrain:"
+PART_SIZE_BYTES = 2**16  # divided by any codec's bytes/value, a multiple of its 64-value block
+MAX_WEIGHT = 1e15
+
+
+class CodecCompression(CompressionBase):
+    """Our codec behind hivemind's compression interface (marks parts with its own dtype)."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.dtype_tag = DTYPE_PREFIX + codec.name
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        return runtime_pb2.Tensor(buffer=self.codec.encode(flat), size=list(tensor.shape), dtype=self.dtype_tag)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return self.decode(serialized_tensor, expected_numel=None)
+
+    def decode(self, serialized: runtime_pb2.Tensor, expected_numel: int | None) -> torch.Tensor:
+        """Decode and validate; raises ``MalformedTensorError`` naming what is wrong."""
+        if serialized.dtype != self.dtype_tag:
+            raise MalformedTensorError(f"tensor part encoded as {serialized.dtype!r}, expected {self.dtype_tag!r}")
+        numel = math.prod(serialized.size)
+        if expected_numel is not None and numel != expected_numel:
+            raise MalformedTensorError(f"tensor part has {numel} values, expected {expected_numel}")
+        return self.codec.decode(serialized.buffer, numel)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.bytes_per_value() / 4.0
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose reducers broadcast one encoding of each averaged part."""
+
+    def __init__(self, *, codec: CodecCompression, stale: frozenset[PeerID] = frozenset(), **kwargs: Any) -> None:
+        super().__init__(compression=codec, part_size_bytes=PART_SIZE_BYTES, **kwargs)
+        self.codec = codec
+        self.stale = stale
+        """Members that started the round from another state than the group's majority: their
+        parts count with weight 0 (they still get the average, see it differs, and re-sync)."""
+        self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+        self.failed_reducers: set[PeerID] = set()
+        self.refused_senders: dict[PeerID, str] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        # sizes of every part in global order (peer 0's parts, then peer 1's, ...)
+        self._part_numels = [
+            part.numel() for peer_parts in self.tensor_part_container._input_parts_by_peer for part, _ in peer_parts
+        ]
+
+    def _expected_numel(self, peer_index: int, part_index: int) -> int:
+        parts = self.tensor_part_container.num_parts_by_peer
+        if not 0 <= part_index < parts[peer_index]:
+            raise MalformedTensorError(f"unexpected part #{part_index} (peer has {parts[peer_index]} parts)")
+        first = sum(parts[:peer_index])
+        return self._part_numels[first + part_index]
+
+    async def _encode_once(self, part_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
+        future = self._encoded.get(part_index)
+        if future is None:
+            future = self._encoded[part_index] = asyncio.get_running_loop().create_future()
+            info = CompressionInfo.from_tensor(averaged)
+            encoded = await asyncio.get_running_loop().run_in_executor(None, self.codec.compress, averaged, info)
+            future.set_result(encoded)
+        return await future
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id != self.peer_id:
+            await self._receive_from_reducer(peer_id, peer_index)
+            return
+        sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_running_loop()
+        for part_index, raw_part in enumerate(self.parts_for_local_averaging):
+            # our own contribution goes through the codec too, as everyone else's does
+            info = CompressionInfo.from_tensor(raw_part)
+            sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
+            part = await loop.run_in_executor(None, self.codec.decode, sent, raw_part.numel())
+            weight = 0.0 if self.peer_id in self.stale else self.weight
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+            encoded = await self._encode_once(part_index, averaged)
+            result = await loop.run_in_executor(None, self.codec.decode, encoded, raw_part.numel())
+            self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+
+    async def _receive_from_reducer(self, peer_id: PeerID, peer_index: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            async for msg in aiter_with_timeout(stream, self.reducer_timeout):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                numel = self._expected_numel(peer_index, part_index)
+                self.bytes_received += len(msg.tensor_part.buffer)
+                part = await loop.run_in_executor(None, self.codec.decode, msg.tensor_part, numel)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, part)
+                part_index += 1
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            if part_index != expected:
+                raise AllreduceException(f"{peer_id} sent {part_index} averaged parts, expected {expected}")
+        except BaseException as exc:
+            self.failed_reducers.add(peer_id)
+            if isinstance(exc, Exception):
+                logger.warning("averaged part from reducer %s refused or missing: %s", peer_id, exc)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += len(message.tensor_part.buffer)
+            yield message
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        loop = asyncio.get_running_loop()
+        my_index = self.ordered_peer_ids.index(self.peer_id)
+        sender = self.sender_peer_ids[sender_index]
+        part_index = 0
+        try:
+            async for msg in stream:
+                try:
+                    numel = self._expected_numel(my_index, part_index)
+                    self.bytes_received += len(msg.tensor_part.buffer)
+                    part = await loop.run_in_executor(None, self.codec.decode, msg.tensor_part, numel)
+                    weight = _check_weight(msg.weight)
+                    if sender in self.stale:
+                        weight = 0.0
+                except MalformedTensorError as exc:
+                    self.refused_senders[sender] = str(exc)
+                    logger.warning("refused part #%d from %s: %s", part_index, sender, exc)
+                    raise
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight
+                    )
+                except BannedException:
+                    break
+                encoded = await self._encode_once(part_index, averaged)
+                part_index += 1
+                self.bytes_sent += len(encoded.buffer)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(sender)
+
+
+class RoundFailedError(AllreduceException):
+    """This peer did not receive every averaged part; its vector was left untouched."""
+
+
+def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
+    """Members that did not start the round from the group's agreed state (``protocol.
+    agreement``: the strict-majority digest of the newest round a member stated). Every member
+    computes the same set from the same gathered bytes. Raises ``RoundFailedError`` when the
+    members stated states but agree on none (a tie, e.g. two members of one round with two
+    digests): nobody can tell whose pseudo-gradient is the swarm's, so the group averages
+    nothing and every member re-checks. Nobody stated a state: nobody is stale."""
+    members: list[tuple[str, object]] = []
+    for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+        try:
+            _bandwidth, _mode, user_bytes = serializer.loads(raw)
+            data = serializer.loads(user_bytes)
+        except Exception:  # noqa: BLE001 - unreadable gather: no vote
+            data = None
+        members.append((str(peer), data))
+    votes = gathered_votes(members)
+    if not votes:
+        return frozenset()
+    agreed = agreed_state(votes)
+    if agreed is None:
+        raise RoundFailedError(
+            "the group's members started from different states and no strict majority agrees on one; not averaging"
+        )
+    in_sync = {vote.voter for vote in votes if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
+    return frozenset(peer for peer in group_info.peer_ids if str(peer) not in in_sync)
+
+
+def _check_weight(weight: float) -> float:
+    if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+        raise MalformedTensorError(f"averaging weight must be finite and in (0, {MAX_WEIGHT:g}], got {weight!r}")
+    return float(weight)

@@ -1,0 +1,85 @@
+"""Authorized averaging inside the averager process: only peers the run's ``MemberGate``
+admits (``protocol.membership``) may ask to join our groups, lead a group we join, be in a
+group we average with, or download our state. Mixed into ``protocol.averaging.ExactAverager``
+(before hivemind's ``DecentralizedAverager``, whose handlers it wraps)."""
+
+from __future__ import annotations
+
+import logging
+import typing
+from typing import Any
+
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+
+from protocol.membership import Lookup, MemberGate
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionGateMixin:
+    """Refuses join requests, leaders and state downloads of peers the gate does not admit."""
+
+    gate: MemberGate | None
+    """When set, only the peers it admits may join our groups, lead them or download state."""
+    dht: Any
+    peer_id: PeerID
+    serializer: Any
+
+    async def _admitted(self, peer: PeerID) -> bool:
+        if self.gate is None or peer == self.peer_id:
+            return True
+        gate = self.gate
+
+        async def fetch() -> Lookup:
+            members = await self.dht.get(gate.key, latest=True, return_future=True)
+            revocations = await self.dht.get(gate.revocations_key, latest=True, return_future=True)
+            return Lookup(
+                members.value if members is not None and isinstance(members.value, dict) else None,
+                revocations.value if revocations is not None and isinstance(revocations.value, dict) else None,
+            )
+
+        return await gate.admitted(str(peer), fetch)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's hint
+        if not await self._admitted(context.remote_id):
+            logger.warning("refused a join request from %s: not admitted to this run", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._admitted(context.remote_id):
+            logger.warning("refused a state download by %s: not admitted to this run", context.remote_id)
+            yield averaging_pb2.DownloadData(metadata=self.serializer.dumps({"error": "not admitted to this run"}))
+            return
+        async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
+            yield message
+
+    @property
+    def _matchmaking(self) -> Any:
+        try:
+            return self.__dict__["_gated_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Any) -> None:
+        """hivemind creates its Matchmaking inside the averager process: wrap its requests to
+        leaders so this peer never asks a leader that is not admitted (it would fail the round)."""
+        if self.gate is not None:
+            request_join = matchmaking._request_join_group
+
+            async def request_admitted_leader(leader: PeerID) -> Any:
+                if not await self._admitted(leader):
+                    logger.info("not joining %s's group: it is not admitted to this run", leader)
+                    return None
+                return await request_join(leader)
+
+            matchmaking._request_join_group = request_admitted_leader
+        self.__dict__["_gated_matchmaking"] = matchmaking

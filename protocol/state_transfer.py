@@ -1,0 +1,134 @@
+"""State download and serving between members of a run, verified by digest: a newcomer or a
+peer that fell out of sync downloads (round, θ_g, outer momentum) from an admitted member that
+serves the state the swarm agrees on. Mixed into ``protocol.averaging.ExactAverager``; the
+host process sets ``state_provider`` to what it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+
+from protocol.errors import MalformedTensorError
+from protocol.statesync import state_digest
+
+logger = logging.getLogger(__name__)
+
+STATE_OVERHEAD_BYTES = 1 << 16
+"""Slack over the raw tensor bytes a served state may take (serialization headers)."""
+
+StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
+
+
+class StateTransferMixin:
+    """``load_verified_state`` (host process) and the averager-process side of it."""
+
+    state_provider: StateProvider | None
+    """Set in the host process: returns the (round, params, momentum, digest) to serve."""
+    numel: int
+    prefix: str
+    dht: Any
+    peer_id: PeerID
+    serializer: Any
+    _outer_pipe: Any
+    _p2p: Any
+    _matchmaking: Any
+
+    async def _admitted(self, peer: PeerID) -> bool:
+        raise NotImplementedError
+
+    def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any:
+        raise NotImplementedError
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        """Runs in the host process when a peer downloads our state: (metadata, tensors, infos)."""
+        if self.state_provider is None:
+            return {}, [], None
+        round_, params, momentum, digest = self.state_provider()
+        return {"round": round_, "digest": digest}, [params, momentum], None
+
+    def load_verified_state(
+        self, accept: set[str] | None, timeout: float
+    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """Download (round, params, momentum) from the first peer whose state digest is in
+        ``accept``; peers serving anything else are refused with a logged reason. None if none did.
+        ``accept=None`` takes any state whose bytes match the digest its server claims (the
+        caller verifies that digest itself, later)."""
+        future: MPFuture = MPFuture()
+        wanted = None if accept is None else sorted(accept)
+        self._outer_pipe.send(("_load_verified_state", [], dict(accept=wanted, timeout=timeout, future=future)))
+        return future.result(timeout=timeout * 4 + 10)
+
+    async def _load_verified_state(self, accept: list[str] | None, timeout: float, future: MPFuture) -> None:
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            candidates = list(found.value.keys()) if found is not None and isinstance(found.value, dict) else []
+            random.shuffle(candidates)
+            for raw_peer in candidates:
+                try:
+                    peer = PeerID(raw_peer)
+                except Exception:  # noqa: BLE001 - a malformed DHT subkey
+                    continue
+                if peer == self.peer_id:
+                    continue
+                if not await self._admitted(peer):
+                    logger.info("not downloading state from %s: it is not admitted to this run", peer)
+                    continue
+                try:
+                    wanted = None if accept is None else set(accept)
+                    state = await asyncio.wait_for(self._download_state_from(peer, wanted), timeout)
+                except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
+                    logger.warning("refused state from %s: %s", peer, str(exc) or type(exc).__name__)
+                    continue
+                future.set_result(state)
+                return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state_from(
+        self, peer: PeerID, accept: set[str] | None
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[runtime_pb2.Tensor] = []
+        limit, received = 2 * self.numel * 4 + STATE_OVERHEAD_BYTES, 0
+        async for message in stream:
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+                if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
+                    raise MalformedTensorError(f"it refused: {metadata['error'][:200]}")
+                # the claim comes first: refuse a state we would not accept before its tensors
+                claimed = metadata.get("digest") if isinstance(metadata, dict) else None
+                if not isinstance(claimed, str) or (accept is not None and claimed not in accept):
+                    raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
+            received += len(message.tensor_part.buffer)
+            if received > limit:
+                raise MalformedTensorError(f"state larger than {limit} bytes")
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("round"), int):
+            raise MalformedTensorError("no state metadata")
+        if len(tensors) != 2 or any(t.dtype != torch.float32 or t.shape != (self.numel,) for t in tensors):
+            raise MalformedTensorError(f"state is not two float32 vectors of {self.numel} values")
+        params, momentum = tensors
+        digest = state_digest(metadata["round"], params, momentum)
+        if digest not in (accept if accept is not None else {metadata.get("digest")}):
+            raise MalformedTensorError(f"state digest {digest[:19]}... of round {metadata['round']} is not the swarm's")
+        return metadata["round"], params, momentum
