@@ -9,7 +9,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
@@ -43,11 +43,11 @@ class StateTransferMixin:
     _p2p: Any
     _matchmaking: Any
 
-    async def _admitted(self, peer: PeerID) -> bool:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by the gate mixin and by hivemind's ServicerBase
 
-    def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any:
-        raise NotImplementedError
+        async def _admitted(self, peer: PeerID) -> bool: ...
+
+        def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any: ...
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         """Runs in the host process when a peer downloads our state: (metadata, tensors, infos)."""

@@ -73,9 +73,14 @@ def test_newcomer_downloads_verified_state_and_refuses_tampered() -> None:
 
         newcomer_swarm = Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK)
         swarms.append(newcomer_swarm)
+        # this test is about verifying downloads: the newcomer believes a and b as if it had
+        # averaged with them (how an open run's newcomer learns whom to believe is in
+        # test_forged_state.py)
+        assert newcomer_swarm.accepted_state() is None
+        newcomer_swarm.electorate |= {a.identity.public_key.id, b.identity.public_key.id}
         accepted = newcomer_swarm.accepted_state()
-        assert accepted == (3, {a.state.digest()})
-        assert newcomer_swarm.averager.load_verified_state(accepted[1], timeout=10) is None
+        assert accepted is not None and (accepted.round, accepted.digest) == (3, a.state.digest())
+        assert newcomer_swarm.download_state({accepted.digest}, timeout=10) is None
 
         swarms[0].averager.allow_state_sharing = True
         newcomer = Trainer(spec, build_task(spec, shard_seed=9), newcomer_swarm, TrainerOptions(max_rounds=1))

@@ -1,0 +1,184 @@
+"""Only members vote (protocol.agreement): an outsider that serves a forged state a few rounds
+ahead and publishes digest records for it signed by freshly minted keys gets it adopted by
+nobody: not by admitted peers or the coordinator's archive in a gated run, not by peers of an
+open run (whose electorate is the peers they averaged with)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from peer.swarm import Swarm
+from peer.task import build_task
+from peer.trainer import Trainer, TrainerOptions
+from protocol.compression import get_codec
+from protocol.identity import Identity
+from protocol.modelsize import count_params
+from protocol.spec import parse_spec
+from protocol.statesync import state_digest
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
+
+SPEC = """
+[run]
+name = "forged"
+[task.model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 16
+[inner]
+batch_size = 4
+[rounds]
+inner_steps = 2
+[averaging]
+compression = "int8"
+overlap = false
+min_group_size = 2
+target_group_size = 3
+matchmaking_timeout_s = 6.0
+allreduce_timeout_s = 20.0
+"""
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+AHEAD = 5
+SYBILS = 3
+ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((sha256:[0-9a-f]+)")
+
+
+class Forger:
+    """A process-local outsider: an averager of the run (no token) serving an all-zero state
+    ``AHEAD`` rounds ahead, and digest records for it signed by ``SYBILS`` minted keys."""
+
+    def __init__(self, spec_text: str, initial_peers: list[str]) -> None:
+        spec = parse_spec(spec_text)
+        numel = count_params(spec.task.model)
+        self.swarm = Swarm(spec, numel, get_codec("none"), initial_peers=initial_peers, host_maddrs=LOOPBACK)
+        self.zeros = torch.zeros(numel)
+        self.round = 0
+        self.digest = ""
+
+    def forge(self, honest_round: int) -> str:
+        self.round = honest_round + AHEAD
+        self.digest = state_digest(self.round, self.zeros, self.zeros)
+        self.swarm.serve_state(lambda: (self.round, self.zeros, self.zeros, self.digest))
+        for _ in range(SYBILS):
+            self.swarm.run_records.publish_digest(Identity.generate(), round_=self.round, digest=self.digest, wait=True)
+        votes = [r for r in self.swarm.records() if r.digest == self.digest]
+        assert len(votes) == SYBILS, "the forged records did not reach the DHT"
+        return self.digest
+
+    def shutdown(self) -> None:
+        self.swarm.shutdown()
+
+
+def get(base: str, path: str) -> dict:
+    with urllib.request.urlopen(base + path, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_gated_run_neither_peers_nor_the_archive_adopt_an_outsiders_forged_state(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC)
+    coordinator = LocalCoordinator(spec, tmp_path / "state", extra=["--archive-every", "1", "--archive-keep", "5"])
+    peers: list[LocalPeer] = []
+    forger: Forger | None = None
+    try:
+        address, base = coordinator.address(), coordinator.http()
+        dht_maddr = coordinator.printed(r"^dht: (\S+)$", 60)
+
+        def admitted(name: str, *extra: str) -> LocalPeer:
+            args = ["--coordinator", address, "--host", "127.0.0.1", "--key", str(tmp_path / f"{name}.key"), "-v"]
+            return LocalPeer([*args, *extra], tmp_path, name)
+
+        peers = [admitted(f"peer{i}", "--shard-seed", str(i)) for i in range(2)]
+        wait_until(lambda: all(len(p.rounds()) >= 2 for p in peers), 180, "the admitted peers to train")
+        forger = Forger(SPEC, [dht_maddr])
+        forged = forger.forge(max(r["round"] for p in peers for r in p.rounds()))
+
+        # an admitted newcomer catches up: it must take the members' state, not the forged one
+        late = admitted("late", "--shard-seed", "7", "--max-rounds", "2", "--wait-for-group", "0")
+        peers.append(late)
+        assert late.wait(timeout=180) == 0, "\n".join(late.lines[-30:])
+        mark = {p.name: len(p.rounds()) for p in peers[:2]}
+        wait_until(lambda: all(len(p.rounds()) >= mark[p.name] + 2 for p in peers[:2]), 180, "two more rounds")
+        wait_until(lambda: get(base, "api/v1/checkpoints")["checkpoints"], 120, "an archived checkpoint")
+        kept = get(base, "api/v1/checkpoints")["checkpoints"]
+        for peer in peers[:2]:
+            peer.stop(grace_s=90)
+    finally:
+        for peer in peers:
+            peer.kill()
+        if forger is not None:
+            forger.shutdown()
+        coordinator.kill()
+
+    everything = "\n".join(line for p in peers for line in p.lines)
+    assert forged[:19] not in everything, "a peer mentioned the forged state"
+    adopted = [m for m in map(ADOPTED.search, late.lines) if m]
+    assert all(m.group(2) != forged for m in adopted)
+    for peer in peers:
+        rows = peer.rounds()
+        assert rows and all(r["state_digest"] != forged for r in rows), peer.name
+    assert kept and all(c["state_digest"] != forged for c in kept), kept
+    assert any("not admitted to this run" in line for line in everything.splitlines())
+
+
+def test_open_run_votes_from_keys_that_never_averaged_do_not_make_a_state_the_swarms() -> None:
+    spec = parse_spec(SPEC)
+    codec = get_codec(spec.averaging.compression)
+    numel = count_params(spec.task.model)
+    swarms = [Swarm(spec, numel, codec, initial_peers=[], host_maddrs=LOOPBACK)]
+    maddrs = swarms[0].visible_maddrs
+    swarms.append(Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK))
+    forger: Forger | None = None
+
+    def run_all(trainers: list[Trainer]) -> None:
+        threads = [threading.Thread(target=t.run) for t in trainers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        assert not any(thread.is_alive() for thread in threads)
+
+    try:
+        trainers = [
+            Trainer(spec, build_task(spec, shard_seed=i), swarm, TrainerOptions(max_rounds=2))
+            for i, swarm in enumerate(swarms)
+        ]
+        run_all(trainers)
+        a, b = trainers
+        assert a.state.digest() == b.state.digest() and a.state.round == 2
+        forger = Forger(SPEC, maddrs)
+        forged = forger.forge(a.state.round)
+
+        # a member's view: only the keys it averaged with count
+        assert swarms[0].accepted_state(exclude=a.identity.public_key) is not None
+        agreed = swarms[0].accepted_state(exclude=a.identity.public_key)
+        assert agreed is not None and (agreed.round, agreed.digest) == (2, b.state.digest())
+        assert all(s.digest != forged for s in swarms[0].fallback_states())
+
+        # a newcomer trusts nobody yet: it adopts nothing from the DHT, and its first group
+        # (stale member, weight 0) tells it whom to believe; then it holds the swarm's state
+        newcomer_swarm = Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK)
+        swarms.append(newcomer_swarm)
+        newcomer = Trainer(spec, build_task(spec, shard_seed=9), newcomer_swarm, TrainerOptions(max_rounds=3))
+        assert newcomer.catch_up() and newcomer.state.round == 0
+        for trainer in trainers:
+            trainer.options.max_rounds = 5
+        run_all([*trainers, newcomer])
+        honest = {row.round: row.state_digest for t in trainers for row in t.history if row.averaged}
+        synced = [row for row in newcomer.history if row.averaged and row.in_sync]
+        assert synced and all(honest.get(row.round) == row.state_digest for row in synced), newcomer.history
+        assert all(
+            row.state_digest != forged and row.round < forger.round for t in (*trainers, newcomer) for row in t.history
+        )
+        assert {a.identity.public_key.id, b.identity.public_key.id} <= newcomer_swarm.electorate
+    finally:
+        if forger is not None:
+            forger.shutdown()
+        for swarm in swarms:
+            swarm.shutdown()
