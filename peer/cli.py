@@ -104,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"the coordinator's spec does not match the digest it announced ({join_info.spec_digest})"
             )
-        args.initial_peers = list(join_info.bootstrap_maddrs) + list(args.initial_peers)
+        from peer.bootstrap import bootstrap_for
+
+        # the coordinator's DHT addresses on the host we reached it on (see peer.bootstrap)
+        args.initial_peers = bootstrap_for(join_info.bootstrap_maddrs, args.coordinator) + list(args.initial_peers)
     else:
         spec = load_spec(args.spec)
     shard_seed = args.shard_seed if args.shard_seed is not None else node.seed

@@ -112,6 +112,10 @@ class LocalPeer(Child):
         argv = ["peer", *args, "--metrics-file", str(self.metrics_file)]
         super().__init__(argv, workdir / f"{name}.log", name, {"OMP_NUM_THREADS": str(threads)})
 
+    def node_id(self, deadline_s: float = 60.0) -> str:
+        """The public id of the node key this peer signs with (``peer.node_identity``)."""
+        return self.printed(r"^peer (\S+) of account ", deadline_s)
+
     def wait_for_maddr(self, deadline_s: float = 120.0) -> str:
         """The loopback multiaddr the peer printed."""
         return self.printed(MADDR_RE.pattern, deadline_s)
@@ -170,7 +174,8 @@ def start_peers(
     try:
         for i in range(count):
             source = ["--coordinator", coordinator] if coordinator else ["--spec", str(spec)]
-            args = [*source, "--host", "127.0.0.1", "--key", str(workdir / f"peer{i}.key")]
+            # default hosts (every interface), as volunteers run peers
+            args = [*source, "--key", str(workdir / f"peer{i}.key")]
             args += ["--shard-seed", str(i), *(extra or [])]
             if peers and not coordinator:
                 args += ["--initial-peers", peers[0].wait_for_maddr()]
@@ -195,7 +200,9 @@ class LocalCoordinator(Child):
         grpc_port: int = 0,
         http_port: int = 0,
         extra: list[str] | None = None,
+        host: str | None = None,
     ) -> None:
+        """``host`` None: the coordinator's default (every interface), as an operator runs it."""
         state_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             "coordinator",
@@ -203,8 +210,7 @@ class LocalCoordinator(Child):
             str(spec),
             "--state-dir",
             str(state_dir),
-            "--host",
-            "127.0.0.1",
+            *(["--host", host] if host else []),
             "--grpc-port",
             str(grpc_port),
             "--http-port",

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         peers = start_peers(spec_path, PEERS, workdir, extra=["--max-rounds", str(rounds)], coordinator=address)
         _show_progress(peers, rounds)
         codes = [peer.wait(timeout=120) for peer in peers]
-        credits = _credits(workdir, [peer.name for peer in peers])
+        credits = _credits(workdir, [peer.node_id() for peer in peers])
     except KeyboardInterrupt:
         print("\ndemo: interrupted; stopping the peers and the coordinator", file=sys.stderr)
         for peer in peers:
@@ -76,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
-def _credits(workdir: Path, names: list[str], deadline_s: float = 90.0) -> dict[int, tuple[int, float]]:
-    """Credits per peer index once the coordinator decided every claim (or the deadline)."""
+def _credits(workdir: Path, node_ids: list[str], deadline_s: float = 90.0) -> dict[int, tuple[int, float]]:
+    """Credits per peer index (by the node key each peer printed) once the coordinator decided
+    every claim (or the deadline)."""
     from coordinator.store import Store, sqlite_url
-    from protocol.identity import Identity
 
-    keys = {Identity.load(workdir / f"{name}.key").public_key.id: i for i, name in enumerate(names)}
+    keys = {node_id: i for i, node_id in enumerate(node_ids)}
     store = Store(sqlite_url(workdir / "coordinator"))
     try:
         deadline = time.monotonic() + deadline_s

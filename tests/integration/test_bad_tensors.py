@@ -126,7 +126,14 @@ def test_bad_contribution_is_excluded(bad: type[CodecCompression] | None, weight
 def test_a_member_that_started_from_another_state_counts_zero_and_gets_the_average() -> None:
     """Peer 2 gathered another pre-round digest than the other two: its parts count with
     weight 0 everywhere, and it receives the same average (so it sees it is out of sync)."""
-    results = run_group(None, gathers=[{"digest": "sha256:a"}, {"digest": "sha256:a"}, {"digest": "sha256:b"}])
+    results = run_group(
+        None,
+        gathers=[
+            {"round": 3, "digest": "sha256:a"},
+            {"round": 3, "digest": "sha256:a"},
+            {"round": 3, "digest": "sha256:b"},
+        ],
+    )
     assert all(r is not None for r in results), results
     for result in results:
         assert torch.equal(result, torch.full((NUMEL,), 1.5))  # (1 + 2) / 2, bit for bit on all three

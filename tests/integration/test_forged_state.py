@@ -124,7 +124,6 @@ def test_gated_run_neither_peers_nor_the_archive_adopt_an_outsiders_forged_state
         rows = peer.rounds()
         assert rows and all(r["state_digest"] != forged for r in rows), peer.name
     assert kept and all(c["state_digest"] != forged for c in kept), kept
-    assert any("not admitted to this run" in line for line in everything.splitlines())
 
 
 def test_open_run_votes_from_keys_that_never_averaged_do_not_make_a_state_the_swarms() -> None:
