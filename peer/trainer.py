@@ -1,6 +1,6 @@
 """The peer's training loop: DiLoCo inner phase, swarm averaging, outer step.
 
-Per round r (see DESIGN.md, "Algorithm"):
+Per round r (see docs/ARCHITECTURE.md, "One round, step by step"):
 1. inner phase: from the round's start point, up to H optimizer steps (or the time budget)
    on this peer's shard; AdamW/SGD, gradient clipping, bf16 autocast on CUDA;
 2. pseudo-gradient Δ = start − θ_local, refused (zeros, negligible weight) if not finite;
