@@ -188,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
                 link.report(metrics)
 
         trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display)
+        if link is not None:
+            link.phase_of = lambda: trainer.phase.value  # heartbeats say when it waits for its group
         try:
             trainer.run()
         finally:

@@ -157,6 +157,8 @@ class CoordinatorLink(threading.Thread):
         self.credit: Credit | None = None
         """This peer's credit as the coordinator's last heartbeat answer had it."""
         self._flush_lock = threading.Lock()
+        self.phase_of: Callable[[], str] = lambda: "training"
+        """The trainer's phase (``peer.trainer.Phase`` value), read at each heartbeat."""
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Queue a round report from a trainer metrics row; update the heartbeat figures."""
@@ -189,10 +191,19 @@ class CoordinatorLink(threading.Thread):
             )
         )
 
+    def heartbeat_body(self) -> pb.HeartbeatBody:
+        """The next heartbeat: the last round's figures and the trainer's phase now."""
+        body = pb.HeartbeatBody()
+        body.CopyFrom(self.status)
+        if body.phase in (pb.PEER_PHASE_TRAINING, pb.PEER_PHASE_AVERAGING):
+            averaging = self.phase_of() == "averaging"
+            body.phase = pb.PEER_PHASE_AVERAGING if averaging else pb.PEER_PHASE_TRAINING
+        return body
+
     def run(self) -> None:
         while not self.stopping.wait(0 if not self.connected else self.interval_s):
             try:
-                response = self.client.heartbeat(self.status)
+                response = self.client.heartbeat(self.heartbeat_body())
                 self._note_credit(response)
                 if not response.admitted:
                     logger.info("coordinator: %s", response.message)

@@ -46,10 +46,14 @@ from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
 from protocol.identity import Identity
 from protocol.spec import RunSpec
+from protocol.statesync import RECORD_TTL_S
 
 logger = logging.getLogger(__name__)
 
 
+REPUBLISH_S = RECORD_TTL_S / 4
+"""A peer re-signs its digest record this often while a round runs, so that rounds longer than
+the record's lifetime never leave newcomers without votes."""
 MAX_CARRIED_ROUNDS = 2
 """A peer that re-syncs carries its uncounted local work over to the adopted state only if that
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
@@ -178,6 +182,7 @@ class Trainer:
         if self.checkpointer is not None:
             self._restore()
         self._snapshot = (self.state.round, self.state.params, self.state.momentum, self.state.digest())
+        self._published_at = time.monotonic()
         swarm.serve_state(lambda: self._snapshot)
 
     def _restore(self) -> None:
@@ -250,6 +255,8 @@ class Trainer:
         inner.loss_sum += self._inner_step()
         inner.samples += self.task.samples_per_batch
         inner.done += 1
+        if time.monotonic() - self._published_at >= REPUBLISH_S:
+            self._republish()
         rounds = self.spec.rounds
         self.progress.inner_step(
             InnerProgress(
@@ -405,7 +412,13 @@ class Trainer:
     def _publish(self) -> None:
         digest = self.state.digest()
         self._snapshot = (self.state.round, self.state.params, self.state.momentum, digest)
-        self.swarm.publish_digest(self.identity, round_=self.state.round, digest=digest)
+        self._republish()
+
+    def _republish(self) -> None:
+        """Sign and store the served state's digest record again (no new digest computed)."""
+        round_, _, _, digest = self._snapshot
+        self.swarm.publish_digest(self.identity, round_=round_, digest=digest)
+        self._published_at = time.monotonic()
 
     def wait_for_group(self) -> bool:
         """Wait (up to ``options.wait_for_group_s``) until ``min_group_size`` peers, this one

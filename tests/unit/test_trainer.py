@@ -51,6 +51,7 @@ class RecordingSwarm:
     """Records what the trainer hands to the swarm; every round 'fails' unless told otherwise."""
 
     launched: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    published: list[dict[str, Any]] = field(default_factory=list)
     next_result: RoundResult | None = None
     others: set[str] = field(default_factory=lambda: {"ed25519:other"})
     """Peers the DHT shows at the trainer's round."""
@@ -73,7 +74,7 @@ class RecordingSwarm:
         return None
 
     def publish_digest(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self.published.append(kwargs)
 
     def saw_group(self, members: list[dict[str, Any]]) -> None:
         self.seen = [m.get("id") for m in members]
@@ -363,3 +364,16 @@ def test_non_finite_local_work_is_never_carried() -> None:
     swarm.launched.append((torch.zeros(1), 1.0))  # the swarm now shows its later state
     assert trainer.catch_up() is True
     assert torch.equal(flatten(trainer.model), theirs.params)
+
+
+def test_the_digest_record_is_re_signed_while_a_long_round_runs(monkeypatch: Any) -> None:
+    """Records expire after RECORD_TTL_S: a round longer than that must not leave newcomers
+    without this peer's vote."""
+    import peer.trainer
+
+    trainer, swarm = make_trainer()
+    monkeypatch.setattr(peer.trainer, "REPUBLISH_S", 0.0)
+    digest = trainer.state.digest()
+    trainer.run()  # 2 inner steps: re-signed at each, without computing a new digest
+    steps = [p for p in swarm.published if p == {"round_": 0, "digest": digest}]
+    assert len(steps) >= 2
