@@ -21,11 +21,20 @@ from protocol.statesync import state_digest
 
 @dataclass
 class GlobalState:
-    """θ_g and the outer optimizer's momentum, flat float32 on CPU, plus the round number."""
+    """θ_g and the outer optimizer's momentum, flat float32 on CPU, plus the round number.
+
+    The digest is computed once per state and cached: assigning ``params``, ``momentum`` or
+    ``round`` forgets it. The tensors are never modified in place (``outer_step`` assigns new
+    ones), which is what makes the cache safe."""
 
     params: torch.Tensor
     momentum: torch.Tensor
     round: int = 0
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("params", "momentum", "round"):
+            object.__setattr__(self, "_digest", None)
+        object.__setattr__(self, name, value)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> GlobalState:
@@ -33,8 +42,12 @@ class GlobalState:
         return cls(params=params, momentum=torch.zeros_like(params), round=0)
 
     def digest(self) -> str:
-        """``sha256:<hex>`` of (round, params bytes, momentum bytes)."""
-        return state_digest(self.round, self.params, self.momentum)
+        """``sha256:<hex>`` of (round, params bytes, momentum bytes), cached for this state."""
+        cached: str | None = getattr(self, "_digest", None)
+        if cached is None:
+            cached = state_digest(self.round, self.params, self.momentum)
+            object.__setattr__(self, "_digest", cached)
+        return cached
 
     def clone(self) -> GlobalState:
         return GlobalState(self.params.clone(), self.momentum.clone(), self.round)

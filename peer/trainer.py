@@ -165,7 +165,9 @@ class Trainer:
         self.state = GlobalState.from_model(self.model)
         self.start_point = self.state.params.clone()
         self.codec = get_codec(spec.averaging.compression)
-        self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if spec.averaging.error_feedback else None
+        # a lossless codec has no residual to carry: no feedback (and no full-size zero copies)
+        use_feedback = spec.averaging.error_feedback and self.codec.lossy
+        self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
         self.optimizer = _inner_optimizer(spec, self.model)
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self.in_sync = True
@@ -293,7 +295,7 @@ class Trainer:
         local = flatten(self.model)
         delta = torch.sub(self.start_point, local)
         weight = float(samples)
-        residual_before = self.feedback.residual.clone() if self.feedback else torch.empty(0)
+        residual_before = self.feedback.residual if self.feedback else torch.empty(0)  # already a copy
         if samples and not bool(torch.isfinite(delta).all()):
             self._drop_local_work(f"its model went non-finite in round {self.state.round}")
             local, samples, loss = self.start_point.clone(), 0, float("nan")

@@ -40,7 +40,9 @@ def state_digest(round_: int, params: torch.Tensor, momentum: torch.Tensor) -> s
         if tensor.dtype != torch.float32:
             raise ValueError(f"state tensors are float32, got {tensor.dtype}")
         h.update(struct.pack(">q", tensor.numel()))
-        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        # the tensor's own memory through the buffer protocol: no copy (hashlib releases the
+        # GIL while it hashes a large buffer)
+        h.update(tensor.detach().contiguous().cpu().numpy().data)
     return "sha256:" + h.hexdigest()
 
 
