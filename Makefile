@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint bench-scale test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -65,6 +65,12 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -e ".[bench]"
 	$(PY) -m benchmarks.wan $(BENCH_ARGS)
+
+# The peer's host cost as the model grows (issue #12; not part of `make test`): 2 peers on
+# loopback per size, this code against a baseline git ref. SCALE_ARGS="--sizes 10M,50M,200M"
+bench-scale: $(STAMP)
+	$(PIP) install -e ".[bench]"
+	$(PY) -m benchmarks.scale $(SCALE_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

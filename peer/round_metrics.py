@@ -38,6 +38,10 @@ class RoundMetrics:
     allreduce_s: float
     matchmaking_timeout_s: float
     allreduce_timeout_s: float
+    host_s: float = 0.0
+    """Host time of the round outside inner steps and the wait for the group: preparing the
+    launch (pseudo-gradient, error feedback, digest, hand-over to the averager) and landing
+    it (outer step, re-basing, digests, checkpoint)."""
     members: list[dict[str, Any]] = field(default_factory=list)
     """What each group member gathered: id, round, samples, digest."""
 

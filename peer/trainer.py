@@ -22,6 +22,7 @@ the swarm only through ``peer.swarm_port.SwarmPort``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import math
@@ -103,6 +104,8 @@ class _InFlight:
     compute_s: float
     pre_digest: str
     launched_at: float
+    prep_s: float = 0.0
+    """Host time spent preparing the launch (pseudo-gradient, feedback, digest, hand-over)."""
 
 
 @dataclass
@@ -291,7 +294,8 @@ class Trainer:
         return float(loss.detach())
 
     def _launch(self, inner: _InnerPhase) -> _InFlight:
-        samples, loss, compute_s = inner.samples, inner.loss, time.monotonic() - inner.started
+        prep_started = time.monotonic()
+        samples, loss, compute_s = inner.samples, inner.loss, prep_started - inner.started
         local = flatten(self.model)
         delta = torch.sub(self.start_point, local)
         weight = float(samples)
@@ -317,7 +321,10 @@ class Trainer:
         }
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         pending = self.swarm.start_round(vector, weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
-        return _InFlight(pending, local, residual_before, samples, loss, compute_s, pre_digest, time.monotonic())
+        launched = time.monotonic()
+        return _InFlight(
+            pending, local, residual_before, samples, loss, compute_s, pre_digest, launched, launched - prep_started
+        )
 
     @torch.no_grad()
     def _drop_local_work(self, why: str) -> None:
@@ -338,7 +345,8 @@ class Trainer:
             self.phase = Phase.AVERAGING
             self.progress.waiting(self.state.round)
         result: RoundResult | None = flight.pending.result()
-        wait_s = time.monotonic() - wait_started
+        landed = time.monotonic()
+        wait_s = landed - wait_started
         self.phase = Phase.APPLYING
         self._apply(flight, result)
         metrics = RoundMetrics(
@@ -360,9 +368,10 @@ class Trainer:
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(self.timeouts.allreduce_s, 2),
         )
-        self.history.append(metrics)
         if result is not None and self.state.round % self.options.checkpoint_every == 0:
             self.save_checkpoint()
+        metrics = dataclasses.replace(metrics, host_s=round(flight.prep_s + time.monotonic() - landed, 4))
+        self.history.append(metrics)
         self.on_round(metrics.as_dict())
 
     def _adapt_timeouts(self, result: RoundResult | None) -> None:

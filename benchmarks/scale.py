@@ -1,0 +1,259 @@
+"""The peer's host cost as the model grows (issue #12): ``make bench-scale``.
+
+For each model size, two real ``swarmtrain peer`` processes on loopback (one torch thread each,
+overlap off so that every host step is on the critical path, fp16 averaging) run a few
+rounds; the same runs with the code of a baseline git ref (checked out into a temporary
+worktree) give the ratios. Reported per size and code version:
+
+- peak host memory per peer: proportional set size (PSS) of the peer and all its child
+  processes (hivemind's DHT and averager, p2pd), sampled every 0.25 s, ÷ fp32 model bytes; and
+  the copies beyond the training state (params, grads, AdamW's two moments: 4 model sizes);
+- host time per round ÷ GB of parameters: the metrics' ``host_s`` where the code reports it,
+  else ``wall_s − compute_s − wait_s`` (what the baseline can say; it leaves out the launch);
+- averaging throughput per peer: bytes sent × 8 ÷ all-reduce seconds.
+
+Writes ``benchmarks/results/scale.{md,json,png}``. Usage:
+``python -m benchmarks.scale [--sizes 10M,50M,200M] [--baseline-ref b276a6b] [--baseline-sizes 10M,50M]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SIZES = {"10M": (256, 12), "50M": (512, 16), "85M": (768, 12), "200M": (1024, 16), "315M": (1280, 16)}
+SPEC = """
+[run]
+name = "scale-{name}"
+[task.model]
+d_model = {d_model}
+n_layers = {n_layers}
+n_heads = 8
+context = 64
+[inner]
+batch_size = 1
+[rounds]
+inner_steps = 2
+[averaging]
+compression = "fp16"
+overlap = false
+min_group_size = 2
+target_group_size = 2
+matchmaking_timeout_s = 10.0
+allreduce_timeout_s = 300.0
+"""
+
+
+def pss_bytes(root: int) -> int:
+    """PSS of ``root`` and every descendant (from /proc; 0 for processes gone meanwhile)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
+def _peer(tree: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "swarmtrain", "peer", *args],
+            cwd=tree,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _wait_for(predicate: Callable[[], bool], deadline_s: float, what: str) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def run_pair(tree: Path, name: str, workdir: Path, rounds: int) -> dict[str, Any]:
+    """Two peers of size ``name`` with the code in ``tree``: peak PSS and metrics rows of each."""
+    d_model, n_layers = SIZES[name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "spec.toml"
+    spec.write_text(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers))
+    common = ["--spec", str(spec), "--host", "127.0.0.1", "--max-rounds", str(rounds), "--no-overlap"]
+    procs: list[subprocess.Popen[bytes]] = []
+    peaks = [0, 0]
+    first_log = workdir / "peer0.log"
+
+    def first_maddr() -> str:
+        lines = first_log.read_text(errors="replace").splitlines() if first_log.exists() else []
+        return next((line.split()[1] for line in lines if line.startswith("listening: /ip4/127.0.0.1/")), "")
+
+    try:
+        for i in range(2):
+            args = [*common, "--key", str(workdir / f"k{i}"), "--shard-seed", str(i)]
+            args += ["--metrics-file", str(workdir / f"peer{i}.jsonl")]
+            if i:
+                _wait_for(lambda: bool(first_maddr()) or procs[0].poll() is not None, 600, "peer 0 to listen")
+                if not first_maddr():
+                    raise RuntimeError(f"peer 0 exited: {first_log.read_text(errors='replace')[-2000:]}")
+                args += ["--initial-peers", first_maddr()]
+            procs.append(_peer(tree, args, workdir / f"peer{i}.log"))
+        deadline = time.monotonic() + 3600
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for i, proc in enumerate(procs):
+                if proc.poll() is None:
+                    peaks[i] = max(peaks[i], pss_bytes(proc.pid))
+            time.sleep(0.25)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+            proc.wait()
+    rows = []
+    for i in range(2):
+        path = workdir / f"peer{i}.jsonl"
+        rows.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+    return {"peak_pss": peaks, "rows": rows, "codes": [p.returncode for p in procs]}
+
+
+def summarize(name: str, run: dict[str, Any], code: str) -> dict[str, Any]:
+    from protocol.modelsize import count_params
+    from protocol.spec import parse_spec
+
+    d_model, n_layers = SIZES[name]
+    params = count_params(parse_spec(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers)).task.model)
+    model_bytes = params * 4
+    rows = [r for peer in run["rows"] for r in peer if r.get("averaged")]
+    host = [r["host_s"] if "host_s" in r else r["wall_s"] - r["compute_s"] - r["wait_s"] for r in rows]
+    gbps = [r["bytes_sent"] * 8 / r["allreduce_s"] / 1e9 for r in rows if r.get("allreduce_s")]
+    peak = max(run["peak_pss"])
+    return {
+        "size": name,
+        "code": code,
+        "params": params,
+        "model_mb": model_bytes / 1e6,
+        "peak_pss_gb": peak / 1e9,
+        "pss_per_model": peak / model_bytes,
+        "copies_beyond_training_state": peak / model_bytes - 4,
+        "host_s_per_round": statistics.median(host) if host else None,
+        "host_s_per_gb": statistics.median(host) / (model_bytes / 1e9) if host else None,
+        "averaging_gbit_s": statistics.median(gbps) if gbps else None,
+        "rounds_averaged": len(rows) // 2,
+        "exit_codes": run["codes"],
+    }
+
+
+def baseline_tree(ref: str) -> Path:
+    path = Path(tempfile.gettempdir()) / f"swarmtrain-baseline-{ref}"
+    if not path.exists():
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True, capture_output=True
+        )
+    return path
+
+
+def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"swarmtrain scale benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs), "
+        f"2 peers on loopback, fp16, overlap off, one torch thread each; baseline {args.baseline_ref}; "
+        f"`python -m benchmarks.scale --sizes {args.sizes} --baseline-sizes {args.baseline_sizes}`"
+    )
+    lines = [
+        header,
+        "",
+        "| size | code | params | peak PSS/peer | PSS ÷ model | copies beyond training state "
+        "| host s/round | host s/GB | averaging Gbit/s/peer | rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+
+        def fmt(v: Any, spec: str) -> str:
+            return "-" if v is None else format(v, spec)
+
+        lines.append(
+            f"| {r['size']} | {r['code']} | {r['params'] / 1e6:.1f}M | {r['peak_pss_gb']:.2f} GB | "
+            f"{r['pss_per_model']:.1f} | {r['copies_beyond_training_state']:.1f} | {fmt(r['host_s_per_round'], '.2f')} | "
+            f"{fmt(r['host_s_per_gb'], '.2f')} | {fmt(r['averaging_gbit_s'], '.2f')} | {r['rounds_averaged']} |"
+        )
+    (RESULTS / "scale.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "scale.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for code in sorted({r["code"] for r in results}):
+        mine = [r for r in results if r["code"] == code]
+        x = [r["params"] / 1e6 for r in mine]
+        for ax, key, label in zip(
+            axes,
+            ("pss_per_model", "host_s_per_gb", "averaging_gbit_s"),
+            ("peak PSS ÷ fp32 model", "host s / GB / round", "averaging Gbit/s / peer"),
+            strict=True,
+        ):
+            ax.plot(x, [r[key] or 0 for r in mine], marker="o", label=code)
+            ax.set_xlabel("parameters (M)")
+            ax.set_title(label)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "scale.png", dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10M,50M,85M,200M")
+    parser.add_argument("--baseline-ref", default="b276a6b")
+    parser.add_argument("--baseline-sizes", default="10M,50M,85M")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-scale-") as tmp:
+        plan = [(REPO, "current", s) for s in args.sizes.split(",") if s]
+        if args.baseline_sizes:
+            base = baseline_tree(args.baseline_ref)
+            plan += [(base, args.baseline_ref, s) for s in args.baseline_sizes.split(",")]
+        for tree, code, size in plan:
+            print(f"scale: {size} with {code} code", flush=True)
+            run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds)
+            results.append(summarize(size, run, code))
+            print(json.dumps(results[-1]), flush=True)
+            write(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
