@@ -20,6 +20,7 @@ Writes ``benchmarks/results/scale.{md,json,png}``. Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,9 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from swarmtrain.localswarm import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -103,14 +106,6 @@ def _peer(tree: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _wait_for(predicate: Callable[[], bool], deadline_s: float, what: str) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def run_pair(tree: Path, name: str, workdir: Path, rounds: int) -> dict[str, Any]:
     """Two peers of size ``name`` with the code in ``tree``: peak PSS and metrics rows of each."""
     d_model, n_layers = SIZES[name]
@@ -131,7 +126,7 @@ def run_pair(tree: Path, name: str, workdir: Path, rounds: int) -> dict[str, Any
             args = [*common, "--key", str(workdir / f"k{i}"), "--shard-seed", str(i)]
             args += ["--metrics-file", str(workdir / f"peer{i}.jsonl")]
             if i:
-                _wait_for(lambda: bool(first_maddr()) or procs[0].poll() is not None, 600, "peer 0 to listen")
+                wait_until(lambda: bool(first_maddr()) or procs[0].poll() is not None, 600, "peer 0 to listen")
                 if not first_maddr():
                     raise RuntimeError(f"peer 0 exited: {first_log.read_text(errors='replace')[-2000:]}")
                 args += ["--initial-peers", first_maddr()]
@@ -184,13 +179,16 @@ def summarize(name: str, run: dict[str, Any], code: str) -> dict[str, Any]:
     }
 
 
-def baseline_tree(ref: str) -> Path:
-    path = Path(tempfile.gettempdir()) / f"swarmtrain-baseline-{ref}"
-    if not path.exists():
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True, capture_output=True
-        )
-    return path
+@contextlib.contextmanager
+def baseline_tree(ref: str, parent: Path) -> Iterator[Path]:
+    """The code of ``ref`` in a temporary git worktree under ``parent``, removed afterwards."""
+    path = parent / f"baseline-{ref}"
+    git = ["git", "-C", str(REPO), "worktree"]
+    subprocess.run([*git, "add", "--detach", str(path), ref], check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run([*git, "remove", "--force", str(path)], check=False, capture_output=True)
 
 
 def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -253,10 +251,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     results = []
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-scale-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-scale-") as tmp, contextlib.ExitStack() as stack:
         plan = [(REPO, "current", s) for s in args.sizes.split(",") if s]
         if args.baseline_sizes:
-            base = baseline_tree(args.baseline_ref)
+            base = stack.enter_context(baseline_tree(args.baseline_ref, Path(tmp)))
             plan += [(base, args.baseline_ref, s) for s in args.baseline_sizes.split(",")]
         for tree, code, size in plan:
             print(f"scale: {size} with {code} code", flush=True)

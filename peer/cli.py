@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
 from protocol.errors import AdmissionError, ConfigError
 
@@ -81,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     # starts must not kill the process with its hivemind children running
     stop = threading.Event()
     _install_signal_handlers(stop)
-    from peer.node_identity import node_identity
     from protocol.identity import default_key_path, load_or_create
     from protocol.spec import load_spec
 
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _announce(
-    run_name: str, node: Any, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str
+    run_name: str, node: NodeIdentity, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str
 ) -> None:
     mode = (
         "client mode (no inbound connections: --client-mode)"

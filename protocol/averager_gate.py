@@ -34,10 +34,7 @@ class AdmissionGateMixin:
         async def fetch() -> Lookup:
             members = await self.dht.get(gate.key, latest=True, return_future=True)
             revocations = await self.dht.get(gate.revocations_key, latest=True, return_future=True)
-            return Lookup(
-                members.value if members is not None and isinstance(members.value, dict) else None,
-                revocations.value if revocations is not None and isinstance(revocations.value, dict) else None,
-            )
+            return Lookup.from_found(members, revocations)
 
         return await gate.admitted(str(peer), fetch)
 

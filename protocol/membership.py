@@ -83,6 +83,17 @@ class Lookup:
     members: dict[Any, Any] | None
     revocations: dict[Any, Any] | None
 
+    @classmethod
+    def from_found(cls, members: Any, revocations: Any) -> Lookup:
+        """From what ``DHT.get(key, latest=True)`` returned for the two keys (None, or a value
+        with expiration whose value is a subkey dictionary; anything else counts as nothing)."""
+
+        def dictionary(found: Any) -> dict[Any, Any] | None:
+            value = getattr(found, "value", None)
+            return value if isinstance(value, dict) else None
+
+        return cls(dictionary(members), dictionary(revocations))
+
 
 class MemberGate:
     """Which libp2p peer ids the run's coordinator admitted, from the tokens in the DHT."""
@@ -153,16 +164,9 @@ class MemberGate:
 
     def refresh(self, dht: Any) -> None:
         """Look the run's members up in ``dht`` (a hivemind DHT, from the host process) now."""
-        members = dht.get(self.key, latest=True)
-        revocations = dht.get(self.revocations_key, latest=True)
+        lookup = Lookup.from_found(dht.get(self.key, latest=True), dht.get(self.revocations_key, latest=True))
         self._last_refresh = time.monotonic()
-        self.update(
-            Lookup(
-                members.value if members is not None and isinstance(members.value, dict) else None,
-                revocations.value if revocations is not None and isinstance(revocations.value, dict) else None,
-            ),
-            now=time.time(),
-        )
+        self.update(lookup, now=time.time())
 
     def is_member(self, peer_id: str, *, now: float) -> bool:
         """Whether ``peer_id`` holds a token valid ``now`` that was not revoked (no lookup)."""

@@ -16,11 +16,13 @@ import torch
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
+from protocol.agreement import agreed_states
 from protocol.compression import get_codec
 from protocol.identity import Identity
+from protocol.membership import MemberGate
 from protocol.modelsize import count_params
 from protocol.spec import parse_spec
-from protocol.statesync import state_digest
+from protocol.statesync import record_votes, run_prefix, state_digest
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
 
 SPEC = """
@@ -75,6 +77,16 @@ class Forger:
         self.swarm.shutdown()
 
 
+def gated_observer(state_dir: Path, dht_maddr: str) -> Swarm:
+    """A swarm of the run (not admitted itself) that applies the run's gate: whose records
+    count and which servers it downloads from."""
+    spec = parse_spec(SPEC)
+    coordinator_key = Identity.load(state_dir / "coordinator.key").public_key
+    gate = MemberGate(coordinator_key=coordinator_key, run_digest=spec.digest(), prefix=run_prefix(spec.digest()))
+    numel = count_params(spec.task.model)
+    return Swarm(spec, numel, get_codec("none"), initial_peers=[dht_maddr], host_maddrs=LOOPBACK, gate=gate)
+
+
 def get(base: str, path: str) -> dict:
     with urllib.request.urlopen(base + path, timeout=10) as response:
         return json.loads(response.read())
@@ -85,6 +97,7 @@ def test_gated_run_neither_peers_nor_the_archive_adopt_an_outsiders_forged_state
     spec.write_text(SPEC)
     coordinator = LocalCoordinator(spec, tmp_path / "state", extra=["--archive-every", "1", "--archive-keep", "5"])
     peers: list[LocalPeer] = []
+    observers: list[Swarm] = []
     forger: Forger | None = None
     try:
         address, base = coordinator.address(), coordinator.http()
@@ -107,6 +120,18 @@ def test_gated_run_neither_peers_nor_the_archive_adopt_an_outsiders_forged_state
         wait_until(lambda: all(len(p.rounds()) >= mark[p.name] + 2 for p in peers[:2]), 180, "two more rounds")
         wait_until(lambda: get(base, "api/v1/checkpoints")["checkpoints"], 120, "an archived checkpoint")
         kept = get(base, "api/v1/checkpoints")["checkpoints"]
+
+        # each defence on its own, as an admitted peer's swarm sees the run (gated by this
+        # coordinator's key): counting every signer, the forged state would be a round's agreed
+        # state; counting members only, it is none; and asked for it, no admitted server has it
+        observer = gated_observer(tmp_path / "state", dht_maddr)
+        observers.append(observer)
+        every_signer = agreed_states(record_votes(observer.records()))
+        assert any(state.digest == forged for state in every_signer), every_signer
+        assert all(state.digest != forged for state in observer.fallback_states())
+        agreed = observer.accepted_state()
+        assert agreed is not None and agreed.digest != forged
+        assert observer.download_state({forged}, timeout=10) is None
         for peer in peers[:2]:
             peer.stop(grace_s=90)
     finally:
@@ -114,6 +139,8 @@ def test_gated_run_neither_peers_nor_the_archive_adopt_an_outsiders_forged_state
             peer.kill()
         if forger is not None:
             forger.shutdown()
+        for observer in observers:
+            observer.shutdown()
         coordinator.kill()
 
     everything = "\n".join(line for p in peers for line in p.lines)
