@@ -7,7 +7,9 @@ worktree) give the ratios. Reported per size and code version:
 
 - peak host memory per peer: proportional set size (PSS) of the peer and all its child
   processes (hivemind's DHT and averager, p2pd), sampled every 0.25 s, ÷ fp32 model bytes; and
-  the copies beyond the training state (params, grads, AdamW's two moments: 4 model sizes);
+  the copies beyond the training state (params, grads, AdamW's two moments: 4 model sizes),
+  also counted above the runtime floor (the peak PSS of the same code with a 1M-parameter
+  model: Python, torch, hivemind's processes, p2pd), which is what grows with the model;
 - host time per round ÷ GB of parameters: the metrics' ``host_s`` where the code reports it
   (launch preparation + landing), and for every version ``wall_s − compute_s − wait_s`` (what
   the baseline can say; it leaves out the launch's preparation), the comparable column;
@@ -38,6 +40,7 @@ from swarmtrain.localswarm import wait_until
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SIZES = {
+    "1M": (64, 2),
     "10M": (256, 12),
     "50M": (512, 16),
     "85M": (768, 12),
@@ -65,6 +68,10 @@ target_group_size = 2
 matchmaking_timeout_s = 10.0
 allreduce_timeout_s = 300.0
 """
+
+
+FLOOR_SIZE = "1M"
+"""The model whose peak PSS stands for the runtime floor (it is ~1% of the floor)."""
 
 
 def pss_bytes(root: int) -> int:
@@ -149,7 +156,7 @@ def run_pair(tree: Path, name: str, workdir: Path, rounds: int) -> dict[str, Any
     return {"peak_pss": peaks, "rows": rows, "codes": [p.returncode for p in procs]}
 
 
-def summarize(name: str, run: dict[str, Any], code: str) -> dict[str, Any]:
+def summarize(name: str, run: dict[str, Any], code: str, floor_bytes: int | None = None) -> dict[str, Any]:
     from protocol.modelsize import count_params
     from protocol.spec import parse_spec
 
@@ -170,6 +177,8 @@ def summarize(name: str, run: dict[str, Any], code: str) -> dict[str, Any]:
         "peak_pss_gb": peak / 1e9,
         "pss_per_model": peak / model_bytes,
         "copies_beyond_training_state": peak / model_bytes - 4,
+        "runtime_floor_gb": floor_bytes / 1e9 if floor_bytes else None,
+        "copies_above_floor": (peak - floor_bytes) / model_bytes - 4 if floor_bytes else None,
         "host_s_per_round": statistics.median(host) if host else None,
         "host_s_per_gb": statistics.median(host) / (model_bytes / 1e9) if host else None,
         "after_launch_s_per_gb": statistics.median(after_launch) / (model_bytes / 1e9) if after_launch else None,
@@ -202,8 +211,9 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         header,
         "",
         "| size | code | params | peak PSS/peer | PSS ÷ model | copies beyond training state "
-        "| host s/round | host s/GB | wall−compute−wait s/GB (comparable) | averaging Gbit/s/peer | rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| same above the runtime floor | host s/round | host s/GB | wall−compute−wait s/GB (comparable) "
+        "| averaging Gbit/s/peer | rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
 
@@ -212,7 +222,8 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
         lines.append(
             f"| {r['size']} | {r['code']} | {r['params'] / 1e6:.1f}M | {r['peak_pss_gb']:.2f} GB | "
-            f"{r['pss_per_model']:.1f} | {r['copies_beyond_training_state']:.1f} | {fmt(r['host_s_per_round'], '.2f')} | "
+            f"{r['pss_per_model']:.1f} | {r['copies_beyond_training_state']:.1f} | "
+            f"{fmt(r.get('copies_above_floor'), '.1f')} | {fmt(r['host_s_per_round'], '.2f')} | "
             f"{fmt(r['host_s_per_gb'], '.2f')} | {fmt(r.get('after_launch_s_per_gb'), '.2f')} | "
             f"{fmt(r['averaging_gbit_s'], '.2f')} | {r['rounds_averaged']} |"
         )
@@ -256,10 +267,14 @@ def main() -> int:
         if args.baseline_sizes:
             base = stack.enter_context(baseline_tree(args.baseline_ref, Path(tmp)))
             plan += [(base, args.baseline_ref, s) for s in args.baseline_sizes.split(",")]
+        floors: dict[str, int] = {}
         for tree, code, size in plan:
+            if code not in floors:
+                print(f"scale: runtime floor ({FLOOR_SIZE}) with {code} code", flush=True)
+                floors[code] = max(run_pair(tree, FLOOR_SIZE, Path(tmp) / f"{code}-floor", 2)["peak_pss"])
             print(f"scale: {size} with {code} code", flush=True)
             run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds)
-            results.append(summarize(size, run, code))
+            results.append(summarize(size, run, code, floors[code]))
             print(json.dumps(results[-1]), flush=True)
             write(results, args)
     return 0

@@ -1,16 +1,20 @@
 """The global state every peer of a run holds identically: θ_g, outer momentum, round.
 
-``GlobalState.digest()`` is the SHA-256 over the round number and the exact bytes of both
-tensors; peers publish it after every round, and equal digests mean bit-identical replicas.
+``GlobalState.digest()`` is the BLAKE3 hash over the round number and the exact bytes of both
+tensors (``protocol.statesync.state_digest``); peers publish it after every round, and equal
+digests mean bit-identical replicas.
 
-The outer step (SGD with optional Nesterov momentum, on the averaged pseudo-gradient) is
-written as separate, individually rounded element-wise operations (no ``alpha=`` arguments,
-no fused multiply-add kernels, no foreach/fused optimizer paths) so that every machine
-computing it from the same bytes gets the same bytes.
+The outer step (SGD with optional Nesterov momentum, on the averaged pseudo-gradient) runs in
+place, a chunk at a time (no full-size temporaries), as separate, individually rounded
+element-wise operations (no ``alpha=`` arguments, no fused multiply-add kernels, no
+foreach/fused optimizer paths) so that every machine computing it from the same bytes gets the
+same bytes. Element-wise results do not depend on the chunking nor on in-place versus
+out-of-place evaluation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,14 +22,18 @@ import torch
 from protocol.spec import OuterSection
 from protocol.statesync import state_digest
 
+CHUNK_VALUES = 1 << 22
+"""Values per chunk of the host-side passes over the state (16 MB of float32): small enough
+that a pass's temporaries stay in cache-sized buffers, large enough to amortize the per-chunk
+overhead."""
+
 
 @dataclass
 class GlobalState:
     """θ_g and the outer optimizer's momentum, flat float32 on CPU, plus the round number.
 
     The digest is computed once per state and cached: assigning ``params``, ``momentum`` or
-    ``round`` forgets it. The tensors are never modified in place (``outer_step`` assigns new
-    ones), which is what makes the cache safe."""
+    ``round`` forgets it, and so does ``outer_step`` (the only in-place change)."""
 
     params: torch.Tensor
     momentum: torch.Tensor
@@ -38,14 +46,14 @@ class GlobalState:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> GlobalState:
-        params = flatten(model).clone()
+        params = flatten(model)
         return cls(params=params, momentum=torch.zeros_like(params), round=0)
 
     def digest(self) -> str:
-        """``sha256:<hex>`` of (round, params bytes, momentum bytes), cached for this state."""
+        """``blake3:<hex>`` of (round, params bytes, momentum bytes), cached for this state."""
         cached: str | None = getattr(self, "_digest", None)
         if cached is None:
-            cached = state_digest(self.round, self.params, self.momentum)
+            cached = state_digest(self.round, self.params, self.momentum, threads=torch.get_num_threads())
             object.__setattr__(self, "_digest", cached)
         return cached
 
@@ -53,32 +61,73 @@ class GlobalState:
         return GlobalState(self.params.clone(), self.momentum.clone(), self.round)
 
 
+def chunks(numel: int, size: int = CHUNK_VALUES) -> Iterator[slice]:
+    """Consecutive slices of at most ``size`` values covering ``range(numel)``."""
+    for start in range(0, numel, size):
+        yield slice(start, min(start + size, numel))
+
+
+@torch.no_grad()
+def outer_step_slice(
+    params: torch.Tensor, momentum: torch.Tensor, averaged: torch.Tensor, config: OuterSection, scratch: torch.Tensor
+) -> None:
+    """The outer step on one slice of the state, in place (``scratch``: a buffer of the slice's
+    size). θ ← θ − lr·u, with u = Δ̄ (plain), or m ← μ·m + Δ̄ and u = m (heavy ball) or
+    Δ̄ + μ·m (Nesterov); each operation rounded on its own."""
+    lr = torch.tensor(config.lr, dtype=torch.float32)
+    if config.momentum > 0:
+        mu = torch.tensor(config.momentum, dtype=torch.float32)
+        torch.mul(momentum, mu, out=momentum)
+        momentum.add_(averaged)
+        if config.nesterov:
+            torch.mul(momentum, mu, out=scratch)
+            scratch.add_(averaged)
+            torch.mul(scratch, lr, out=scratch)
+        else:
+            torch.mul(momentum, lr, out=scratch)
+    else:
+        torch.mul(averaged, lr, out=scratch)
+    params.sub_(scratch)
+
+
 @torch.no_grad()
 def outer_step(state: GlobalState, averaged_delta: torch.Tensor, config: OuterSection) -> None:
-    """θ_g ← θ_g − lr·u, with u = Δ̄ (plain), or m ← μ·m + Δ̄ and u = m (heavy ball) or Δ̄ + μ·m (Nesterov)."""
+    """The outer step on the whole state, in place, chunk by chunk; then the next round."""
     assert averaged_delta.shape == state.params.shape and averaged_delta.dtype == torch.float32
-    lr = torch.tensor(config.lr, dtype=torch.float32)
-    mu = torch.tensor(config.momentum, dtype=torch.float32)
-    if config.momentum > 0:
-        state.momentum = torch.add(torch.mul(state.momentum, mu), averaged_delta)
-        update = torch.add(averaged_delta, torch.mul(state.momentum, mu)) if config.nesterov else state.momentum
-    else:
-        update = averaged_delta
-    state.params = torch.sub(state.params, torch.mul(update, lr))
+    scratch = torch.empty(min(CHUNK_VALUES, state.params.numel()), dtype=torch.float32)
+    for part in chunks(state.params.numel()):
+        n = part.stop - part.start
+        outer_step_slice(state.params[part], state.momentum[part], averaged_delta[part], config, scratch[:n])
     state.round += 1
 
 
+def model_pieces(model: torch.nn.Module, size: int = CHUNK_VALUES) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(offset, values)``: the model's parameters in ``flatten`` order as flat views of at most
+    ``size`` values each (writing to a view writes the parameter)."""
+    offset = 0
+    for p in model.parameters():
+        if not p.is_contiguous():
+            raise ValueError("model parameters must be contiguous")
+        flat = p.detach().view(-1)
+        for part in chunks(flat.numel(), size):
+            yield offset + part.start, flat[part]
+        offset += flat.numel()
+
+
 def flatten(model: torch.nn.Module) -> torch.Tensor:
-    """All parameters as one float32 CPU vector (parameter order of ``model.parameters()``)."""
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in model.parameters()])
+    """All parameters as one new float32 CPU vector (parameter order of ``model.parameters()``)."""
+    numel = sum(p.numel() for p in model.parameters())
+    out = torch.empty(numel, dtype=torch.float32)
+    for offset, piece in model_pieces(model):
+        out[offset : offset + piece.numel()].copy_(piece)
+    return out
 
 
 @torch.no_grad()
 def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
     """Copy a flat vector (as made by ``flatten``) into the model's parameters."""
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        p.copy_(flat[offset : offset + n].view_as(p))
-        offset += n
-    assert offset == flat.numel(), "flat vector does not match the model"
+    end = 0
+    for offset, piece in model_pieces(model):
+        end = offset + piece.numel()
+        piece.copy_(flat[offset:end])
+    assert end == flat.numel(), "flat vector does not match the model"

@@ -1,7 +1,8 @@
 """The peer's side of the swarm: its DHT node and its averager, one round at a time.
 
-``Swarm.start_round`` puts this peer's (already error-compensated) pseudo-gradient into the
-averager's shared vector and starts matchmaking + all-reduce in the averager's process;
+The trainer writes this peer's (already error-compensated) pseudo-gradient into the averager's
+shared vector (``Swarm.outbox``, no copy of its own); ``Swarm.start_round`` starts matchmaking
++ all-reduce in the averager's process, which writes the average into that same vector;
 ``PendingRound.result`` waits for it. Each member gathers to the group its public id, round,
 samples and pre-round state digest, so after a round every peer knows who averaged with
 whom, with what weight, and whether it started from the same state as the others.
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,8 @@ class RoundResult:
     """What a completed averaging round gives the trainer."""
 
     averaged: torch.Tensor
+    """The group's average: the averager's shared vector itself (no copy), valid until this
+    peer writes its next round into it."""
     group_size: int
     members: list[dict[str, Any]]
     bytes_sent: int
@@ -111,7 +115,7 @@ class PendingRound:
             return None
         waited = time.monotonic() - self.started  # since launch
         with self.averager.get_tensors() as tensors:
-            averaged = tensors[0].clone()
+            averaged = tensors[0]
         stats = outcome.get("stats", {})
         members = [data for data in outcome.get("gathered", {}).values() if isinstance(data, dict)]
         return RoundResult(
@@ -177,12 +181,14 @@ class Swarm:
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def start_round(
-        self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float | None = None
-    ) -> PendingRound:
-        """Start averaging ``vector`` (flat float32) with whoever is looking within ``timeout`` s."""
+    @contextmanager
+    def outbox(self) -> Iterator[torch.Tensor]:
+        """The averager's shared vector (``SwarmPort.outbox``), locked while the caller holds it."""
         with self.averager.get_tensors() as tensors:
-            tensors[0].copy_(vector)
+            yield tensors[0]
+
+    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> PendingRound:
+        """Start averaging the outbox's vector with whoever is looking within ``timeout`` s."""
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         control = self.averager.step(gather=gather, weight=max(weight, NEGLIGIBLE_WEIGHT), timeout=timeout, wait=False)
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())

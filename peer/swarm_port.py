@@ -5,6 +5,7 @@ into hivemind's DHT or averager."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -29,9 +30,15 @@ class PendingAverage(Protocol):
 
 
 class SwarmPort(Protocol):
-    def start_round(
-        self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float | None = None
-    ) -> PendingAverage: ...
+    def outbox(self) -> AbstractContextManager[torch.Tensor]:
+        """The flat float32 vector the next round averages, to write this peer's (compensated)
+        pseudo-gradient into in place; after a successful round it holds the group's average
+        (``RoundResult.averaged`` is this vector, valid until the next write)."""
+        ...
+
+    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> PendingAverage:
+        """Average the outbox's vector with whoever is looking within ``timeout`` s."""
+        ...
 
     def set_allreduce_timeout(self, timeout_s: float) -> None: ...
 

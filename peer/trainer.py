@@ -3,16 +3,22 @@
 Per round r (see docs/ARCHITECTURE.md, "One round, step by step"):
 1. inner phase: from the round's start point, up to H optimizer steps (or the time budget)
    on this peer's shard; AdamW/SGD, gradient clipping, bf16 autocast on CUDA;
-2. pseudo-gradient Δ = start − θ_local, refused (zeros, negligible weight) if not finite;
-   error feedback adds the codec's residual from the last round;
+2. pseudo-gradient Δ = θ_g − θ_local, written straight into the averager's shared vector,
+   refused (zeros, negligible weight) if not finite; error feedback adds the codec's residual
+   from the last round;
 3. averaging in the background (hivemind matchmaking + exact all-reduce), weighted by
    samples; with ``overlap`` the next round's inner phase runs meanwhile and the result is
    applied between two inner steps (one-round delay), otherwise the peer waits;
 4. outer step on the averaged Δ̄ (Nesterov SGD), identical bytes in every member, then
-   θ_local ← θ_g + (progress made since the round was launched).
+   θ_local ← θ_g + (progress made since the round was launched); the codec residual of what
+   was sent is computed here, when the round is known to have counted.
 
-A failed round (no group, timeout, a missing part) changes no global state: its Δ folds
-into the next round and the codec residual is restored. A peer that finds it started a
+Steps 2 and 4 are chunked in-place passes (``peer.host_passes``): beyond the training state
+a peer holds θ_g, the outer momentum, the averager's vector, the residual (lossy codecs) and,
+with overlap, the launch point, plus buffers of one chunk.
+
+A failed round (no group, timeout, a missing part) changes no global state and no residual:
+its Δ folds into the next round. A peer that finds it started a
 round from another state than its group's majority is flagged out of sync.
 
 Each completed round yields a ``RoundMetrics`` (``peer.round_metrics``). The trainer talks to
@@ -35,9 +41,10 @@ from typing import Any
 
 import torch
 
+from peer.host_passes import Staging, copy_model_into, land_round, model_is_finite, write_pseudo_gradient
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.round_metrics import RoundMetrics
-from peer.state import GlobalState, flatten, load_flat, outer_step
+from peer.state import GlobalState, flatten, load_flat
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.swarm_port import PendingAverage, SwarmPort
 from peer.task import Task
@@ -97,8 +104,8 @@ class _InFlight:
     """A launched round: what applying its result (or undoing it) needs."""
 
     pending: PendingAverage
-    launch_point: torch.Tensor
-    residual_before: torch.Tensor
+    compensated: bool
+    """Whether the vector sent was Δ + the codec residual (else zeros, or no feedback)."""
     samples: int
     loss: float
     compute_s: float
@@ -145,7 +152,7 @@ class Trainer:
     - ``AVERAGING`` waits for the in-flight round; with overlap the next ``TRAINING`` runs
       meanwhile and the round lands between two inner steps.
     - ``APPLYING`` (``_finish``, the only place a round lands) owns ``state`` (θ_g, outer
-      momentum, round), ``start_point``, the codec residual, the adaptive timeouts, ``history``
+      momentum, round, changed in place under ``_state_lock``), the codec residual, the adaptive timeouts, ``history``
       and checkpoints: the outer step on the average, re-basing the progress made since the
       launch, or, for a failed round, restoring the residual so its work folds into the next.
     - ``RESYNCING`` (``catch_up``) owns ``in_sync`` and ``_uncounted``: it adopts the state
@@ -166,13 +173,17 @@ class Trainer:
         self.progress: ProgressSink = progress or NoProgress()
         self.model = task.model.to(options.device)
         self.state = GlobalState.from_model(self.model)
-        self.start_point = self.state.params.clone()
+        self._state_lock = threading.Lock()
+        """Held while the state changes in place or is copied for serving."""
+        self._staging = Staging(self.model)
         self.codec = get_codec(spec.averaging.compression)
         # a lossless codec has no residual to carry: no feedback (and no full-size zero copies)
         use_feedback = spec.averaging.error_feedback and self.codec.lossy
         self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
         self.optimizer = _inner_optimizer(spec, self.model)
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
+        self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
+        """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
         self.in_sync = True
         self._uncounted: torch.Tensor | None = None
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
@@ -186,9 +197,9 @@ class Trainer:
         )
         if self.checkpointer is not None:
             self._restore()
-        self._snapshot = (self.state.round, self.state.params, self.state.momentum, self.state.digest())
+        self._snapshot = (self.state.round, self.state.digest())
         self._published_at = time.monotonic()
-        swarm.serve_state(lambda: self._snapshot)
+        swarm.serve_state(self._serve)
 
     def _restore(self) -> None:
         assert self.checkpointer is not None
@@ -201,7 +212,6 @@ class Trainer:
         if self.feedback is not None and record.get("residual") is not None:
             self.feedback.load_residual(record["residual"])
         self.inner_steps_done = int(record["inner_steps_done"])
-        self.start_point = self.state.params.clone()
         logger.info("resumed from the checkpoint of round %d (%s)", self.state.round, self.state.digest()[:19])
 
     def save_checkpoint(self) -> None:
@@ -214,7 +224,7 @@ class Trainer:
                 "momentum": self.state.momentum,
                 "model": self.model.state_dict(),
                 "inner_optimizer": self.optimizer.state_dict(),
-                "residual": self.feedback.residual if self.feedback is not None else None,
+                "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
             }
         )
@@ -296,22 +306,27 @@ class Trainer:
     def _launch(self, inner: _InnerPhase) -> _InFlight:
         prep_started = time.monotonic()
         samples, loss, compute_s = inner.samples, inner.loss, prep_started - inner.started
-        local = flatten(self.model)
-        delta = torch.sub(self.start_point, local)
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients are dead until the next step
         weight = float(samples)
-        residual_before = self.feedback.residual if self.feedback else torch.empty(0)  # already a copy
-        if samples and not bool(torch.isfinite(delta).all()):
-            self._drop_local_work(f"its model went non-finite in round {self.state.round}")
-            local, samples, loss = self.start_point.clone(), 0, float("nan")
-        if samples == 0:
-            # nothing to contribute: take part with zeros (to receive the average) and claim nothing
-            vector = delta.zero_()
-            weight = NEGLIGIBLE_WEIGHT
-        elif self.feedback:
-            vector = self.feedback.compensate(delta)
-            self.feedback.update(vector, self.codec.decode(self.codec.encode(vector), vector.numel()))
-        else:
-            vector = delta
+        with self.swarm.outbox() as out:
+            finite = samples > 0 and write_pseudo_gradient(
+                self.model,
+                self.state.params,
+                out,
+                feedback=self.feedback,
+                launch_point=self._launch_point,
+                staging=self._staging,
+            )
+            if samples and not finite:
+                self._drop_local_work(f"its model went non-finite in round {self.state.round}")
+                samples, loss = 0, float("nan")
+            if samples == 0:
+                # nothing to contribute: take part with zeros (to receive the average) and claim nothing
+                out.zero_()
+                weight = NEGLIGIBLE_WEIGHT
+                if self._launch_point is not None:
+                    copy_model_into(self.model, self._launch_point, self._staging)
+        compensated = samples > 0 and self.feedback is not None
         pre_digest = self.state.digest()
         gather = {
             "id": self.identity.public_key.id,
@@ -320,11 +335,9 @@ class Trainer:
             "digest": pre_digest,
         }
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
-        pending = self.swarm.start_round(vector, weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
+        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
         launched = time.monotonic()
-        return _InFlight(
-            pending, local, residual_before, samples, loss, compute_s, pre_digest, launched, launched - prep_started
-        )
+        return _InFlight(pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started)
 
     @torch.no_grad()
     def _drop_local_work(self, why: str) -> None:
@@ -335,7 +348,7 @@ class Trainer:
             "optimizer; it claims no samples for this round",
             why,
         )
-        load_flat(self.model, self.start_point)
+        load_flat(self.model, self.state.params)
         self.optimizer = _inner_optimizer(self.spec, self.model)
 
     def _finish(self, flight: _InFlight) -> None:
@@ -388,29 +401,37 @@ class Trainer:
         self._adapt_timeouts(result)
         self._uncounted = None
         if result is None:
-            if self.feedback:
-                self.feedback.load_residual(flight.residual_before)
+            # θ_g, the momentum and the codec residual are untouched: the round's work folds into
+            # the next round's pseudo-gradient
             if self._swarm_moved_on():
                 # others averaged without us: training on from the old state would only make
                 # this peer a stale member of its next group (weight 0), so re-sync first
                 logger.warning("round %d failed here but the swarm moved on; catching up", self.state.round)
                 self.in_sync = False
         else:
-            if not result.started_in_sync(self.state.round, flight.pre_digest):
+            counted = result.started_in_sync(self.state.round, flight.pre_digest)
+            if not counted:
                 self.in_sync = False
                 logger.warning("this peer started round %d from another state than its group", self.state.round)
                 # its group weighed this round's work 0: carry it into the state it adopts next
-                self._uncounted = torch.sub(flight.launch_point, self.start_point)
+                launched = self._launch_point if self._launch_point is not None else flatten(self.model)
+                self._uncounted = torch.sub(launched, self.state.params)
             self.swarm.saw_group(result.members)
-            outer_step(self.state, result.averaged, self.spec.outer)
-            progress = torch.sub(flatten(self.model), flight.launch_point)
-            if not bool(torch.isfinite(progress).all()):
-                self.start_point = self.state.params
+            keep_progress = self.overlap and model_is_finite(self.model)
+            with self._state_lock:
+                land_round(
+                    self.model,
+                    self.state,
+                    result.averaged,
+                    self.spec.outer,
+                    feedback=self.feedback if flight.compensated and counted else None,
+                    launch_point=self._launch_point,
+                    keep_progress=keep_progress,
+                    staging=self._staging,
+                )
+            if self.overlap and not keep_progress:
                 self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")
-                progress.zero_()
-            load_flat(self.model, torch.add(self.state.params, progress))
             self._publish()
-        self.start_point = self.state.params.clone()
         if not self.in_sync:
             self.catch_up()
 
@@ -421,13 +442,19 @@ class Trainer:
         return agreed is not None and agreed.round > self.state.round
 
     def _publish(self) -> None:
-        digest = self.state.digest()
-        self._snapshot = (self.state.round, self.state.params, self.state.momentum, digest)
+        self._snapshot = (self.state.round, self.state.digest())
         self._republish()
+
+    def _serve(self) -> tuple[int, torch.Tensor, torch.Tensor, str]:
+        """The state to hand a peer that downloads it: a copy taken between two in-place
+        changes (serving is rare; a torn state would only fail the downloader's digest check)."""
+        with self._state_lock:
+            state = self.state
+            return state.round, state.params.clone(), state.momentum.clone(), state.digest()
 
     def _republish(self) -> None:
         """Sign and store the served state's digest record again (no new digest computed)."""
-        round_, _, _, digest = self._snapshot
+        round_, digest = self._snapshot
         self.swarm.publish_digest(self.identity, round_=round_, digest=digest)
         self._published_at = time.monotonic()
 
@@ -500,9 +527,9 @@ class Trainer:
         if state.digest() not in accepted:  # the averager checked; check again where it is used
             raise VerificationError("downloaded state does not match the swarm's digest")
         carried = self._work_to_carry(round_)
-        self.state = state
+        with self._state_lock:
+            self.state = state
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
-        self.start_point = state.params.clone()
         self.in_sync = True
         logger.info(
             "adopted the swarm's state of round %d (%s), digest verified%s",
@@ -517,7 +544,7 @@ class Trainer:
         plus a round its group weighed 0), to re-base onto an adopted state so that it enters
         the next round's pseudo-gradient instead of being thrown away, like the work of a failed
         round. Dropped when it is more than ``MAX_CARRIED_ROUNDS`` rounds stale or not finite."""
-        work = torch.sub(flatten(self.model), self.start_point)
+        work = torch.sub(flatten(self.model), self.state.params)
         if self._uncounted is not None:
             work.add_(self._uncounted)
             self._uncounted = None

@@ -7,7 +7,12 @@ uncompressed, ~3e-3 with fp16). ``ExactAllReduceRunner`` changes the return path
 reducer encodes its averaged part **once** with the run's codec and sends the *same bytes*
 to every sender (itself included), and every peer writes the decoded part in place of its
 own. Since decoding is a pure function of the bytes (``protocol.compression``), all peers
-end with bit-identical averages whatever the codec.
+end with bit-identical averages whatever the codec. The reducer rounds the average
+*stochastically* (``Codec.encode_unbiased``, seeded by the group and part): nobody carries
+that leg's rounding error into the next round (the senders' leg has error feedback), so it
+must be zero in expectation; rounding to nearest would drop every value below half a
+quantization step of its block, every round. Each averaged part is written straight into
+the vector being averaged (``InPlaceOutputs``): no copies of the vector in the averager.
 
 It also validates what it receives: a part that does not decode (wrong size, NaN/Inf,
 bad scales) or a non-finite/non-positive weight gets the sender excluded from the average
@@ -21,6 +26,7 @@ Which members count is decided before the all-reduce from what they gathered
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -29,7 +35,7 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -57,6 +63,14 @@ class CodecCompression(CompressionBase):
         flat = tensor.detach().reshape(-1).to(torch.float32)
         return runtime_pb2.Tensor(buffer=self.codec.encode(flat), size=list(tensor.shape), dtype=self.dtype_tag)
 
+    def compress_average(self, tensor: torch.Tensor, seed: int) -> runtime_pb2.Tensor:
+        """The reducer's encoding of an averaged part: unbiased (``Codec.encode_unbiased``),
+        since nobody carries its rounding error into the next round."""
+        generator = torch.Generator().manual_seed(seed)
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        buffer = self.codec.encode_unbiased(flat, generator)
+        return runtime_pb2.Tensor(buffer=buffer, size=list(tensor.shape), dtype=self.dtype_tag)
+
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return self.decode(serialized_tensor, expected_numel=None)
 
@@ -73,11 +87,87 @@ class CodecCompression(CompressionBase):
         return self.codec.bytes_per_value() / 4.0
 
 
+class InPlaceOutputs(TensorPartContainer):
+    """hivemind's part container, but each averaged part is written straight into the vector
+    being averaged as it arrives (hivemind keeps every part, then concatenates them: two more
+    copies of the whole vector in the averager's process). The caller's vector therefore holds
+    a mix of sent and averaged values until every part arrived, and garbage for the parts still
+    missing if the round fails: the host never reads it after a failed round.
+
+    Writing a part in place is safe: a reducer returns averaged part ``k`` only after it has
+    received this peer's part ``k``, which was encoded (copied into a message) before it was
+    sent, and this peer's own parts are accumulated (copied) before their average is written.
+    """
+
+    _outputs_consumed: bool
+
+    def __init__(self, tensors: list[torch.Tensor], peer_fractions: Any, **kwargs: Any) -> None:
+        super().__init__(tensors, peer_fractions, **kwargs)
+        if len(tensors) != 1:
+            raise ValueError("the exact all-reduce averages one flat vector")
+        self.output = tensors[0].view(-1)
+        self._offsets: list[list[int]] = []
+        offset = 0
+        for peer_parts in self._input_parts_by_peer:
+            starts = []
+            for part, _info in peer_parts:
+                starts.append(offset)
+                offset += part.numel()
+            self._offsets.append(starts)
+        self._registered = 0
+        self._all_registered = asyncio.Event()
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        if part_index != self._outputs_registered_by_peer[peer_index]:
+            raise ValueError(f"part #{part_index} of peer #{peer_index} out of order")
+        start = self._offsets[peer_index][part_index]
+        self.output[start : start + part.numel()].copy_(part.view(-1))
+        self._outputs_registered_by_peer[peer_index] += 1
+        self._registered += part.numel()
+        if self._registered >= self.total_size:
+            self._all_registered.set()
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        missing = range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index])
+        self.failed_size += sum(self._input_parts_by_peer[peer_index][i][0].numel() for i in missing)
+        self._outputs_registered_by_peer[peer_index] = self.num_parts_by_peer[peer_index]
+        self._all_registered.set()  # the round failed: stop waiting (the caller checks failed_size)
+
+    async def iterate_output_tensors(self) -> AsyncIterator[torch.Tensor]:
+        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
+        self._outputs_consumed = True
+        finished = asyncio.ensure_future(self.finished.wait())
+        registered = asyncio.ensure_future(self._all_registered.wait())
+        try:
+            await asyncio.wait({finished, registered}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finished.cancel()
+            registered.cancel()
+        if not self._all_registered.is_set():
+            raise AllreduceException("All-reduce was terminated during iteration")
+        yield self.local_tensors[0]
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers broadcast one encoding of each averaged part."""
 
+    tensor_part_container: TensorPartContainer
+
     def __init__(self, *, codec: CodecCompression, stale: frozenset[PeerID] = frozenset(), **kwargs: Any) -> None:
         super().__init__(compression=codec, part_size_bytes=PART_SIZE_BYTES, **kwargs)
+        # the same split as hivemind's container, but averaged parts go straight into the vector
+        hivemind_container: TensorPartContainer = self.tensor_part_container
+        hivemind_container.finalize()
+        container = InPlaceOutputs(
+            list(kwargs["tensors"]),
+            kwargs["peer_fractions"],
+            compression=codec,
+            part_size_bytes=PART_SIZE_BYTES,
+            return_deltas=False,
+        )
+        self.tensor_part_container = container
+        my_index = self.ordered_peer_ids.index(self.peer_id)
+        self.parts_for_local_averaging = container.get_raw_input_parts(my_index)
         self.codec = codec
         self.stale = stale
         """Members that started the round from another state than the group's majority: their
@@ -103,8 +193,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         future = self._encoded.get(part_index)
         if future is None:
             future = self._encoded[part_index] = asyncio.get_running_loop().create_future()
-            info = CompressionInfo.from_tensor(averaged)
-            encoded = await asyncio.get_running_loop().run_in_executor(None, self.codec.compress, averaged, info)
+            seed = int.from_bytes(hashlib.blake2b(self.group_id + part_index.to_bytes(8, "big")).digest()[:8], "big")
+            loop = asyncio.get_running_loop()
+            encoded = await loop.run_in_executor(None, self.codec.compress_average, averaged, seed)
             future.set_result(encoded)
         return await future
 

@@ -96,7 +96,8 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise RoundFailedError(f"missing averaged parts from {sorted(map(str, runner.failed_reducers))}")
         for tensor, result in zip(tensors, results):
-            tensor.copy_(result)
+            if result is not tensor:  # ``InPlaceOutputs`` already wrote the parts into it
+                tensor.copy_(result)
         self._stats[group_id] = {
             "bytes_sent": runner.bytes_sent,
             "bytes_received": runner.bytes_received,

@@ -137,6 +137,18 @@ class Codec(abc.ABC):
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         """Decode into a new 1-D float32 tensor; ``MalformedTensorError`` for bad bytes."""
 
+    def encode_unbiased(self, x: torch.Tensor, generator: torch.Generator) -> bytes:
+        """An encoding whose decoded value is ``x`` *in expectation* (over ``generator``), for
+        values that are encoded once and never corrected later (the reducer's average). The
+        same wire format as ``encode``; a codec without a systematic rounding loss returns
+        ``encode(x)``."""
+        return self.encode(x)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))`` (bit for bit) without building the bytes: what a receiver of
+        ``x`` gets, for error feedback. ``x``: a finite 1-D float32 CPU tensor."""
+        return self.decode(self.encode(x), x.numel())
+
     def _check_length(self, data: bytes, numel: int) -> bytes:
         _check_numel(numel, self.name)
         raw = _as_bytes(data, self.name)
@@ -170,6 +182,9 @@ class NoneCodec(Codec):
         raw = self._check_length(data, numel)
         return _require_finite(_read(raw, "<f4", 0, numel), self.name)
 
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
 
 class Fp16Codec(Codec):
     """IEEE half, little-endian; saturates at ±65504 instead of overflowing to Inf."""
@@ -196,6 +211,10 @@ class Fp16Codec(Codec):
         raw = self._check_length(data, numel)
         half = _require_finite(_read(raw, "<f2", 0, numel), self.name)
         return half.to(torch.float32)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode``
+        return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
 
 
 class _BlockAbsmaxCodec(Codec):
@@ -246,17 +265,47 @@ class _BlockAbsmaxCodec(Codec):
             scales = torch.where(overflow, nudged, scales)
         raise AssertionError("scale overflow guard did not converge")
 
-    def _encode_chunk(self, x: torch.Tensor) -> tuple[bytes, bytes]:
-        """(scales, packed codes) of a slice that starts on a block boundary."""
+    def _quantize(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, integer-valued float32 codes of the padded blocks) of a slice that starts on
+        a block boundary. Codes round to nearest, or with ``generator`` stochastically:
+        ``floor(y + u)``, u uniform in [0, 1), whose expectation is y."""
         blocks = self._blocks(x)
         scales = self._scales(blocks)
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-        q = (blocks / divisor).round_().clamp_(-self.levels, self.levels)
+        y = blocks / divisor
+        if generator is None:
+            y.round_()
+        else:
+            y.add_(torch.rand(y.shape, generator=generator)).floor_()
+        return scales, y.clamp_(-self.levels, self.levels)
+
+    def _encode_chunk(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[bytes, bytes]:
+        """(scales, packed codes) of a slice that starts on a block boundary."""
+        scales, q = self._quantize(x, generator)
         return _write(scales, "<f4"), self._pack(q.view(-1)[: x.numel()])
 
+    def encode_unbiased(self, x: torch.Tensor, generator: torch.Generator) -> bytes:
+        # rounding to nearest zeroes every value below half a step of its block (absmax/254
+        # for int8, absmax/14 for 4-bit), round after round; stochastic rounding loses nothing
+        # in expectation
+        return self._encode(x, generator)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        # the codes and scales ``encode`` would write, multiplied as ``decode`` multiplies them
+        out = torch.empty_like(x)
+        for i in range(0, x.numel(), _CHUNK):
+            piece = x[i : i + _CHUNK]
+            scales, q = self._quantize(piece)
+            q.add_(0.0)  # -0.0 codes (rounded small negatives) are +0 once written as integers
+            self._dequantize(q.view(-1)[: piece.numel()], scales, out[i : i + piece.numel()])
+        return out
+
     def encode(self, x: torch.Tensor) -> bytes:
+        return self._encode(x, None)
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> bytes:
         x = _check_input(x, self.name)
-        parts = [self._encode_chunk(x[i : i + _CHUNK]) for i in range(0, x.numel(), _CHUNK)]
+        parts = [self._encode_chunk(x[i : i + _CHUNK], generator) for i in range(0, x.numel(), _CHUNK)]
         return b"".join([p[0] for p in parts] + [p[1] for p in parts])
 
     def _read_scales(self, raw: bytes, numel: int) -> torch.Tensor:
@@ -402,6 +451,26 @@ class ErrorFeedback:
         if not self.codec.lossy:
             return delta
         return delta + self._residual
+
+    def add_into(self, out: torch.Tensor, offset: int) -> None:
+        """``out += residual[offset : offset + len(out)]`` (in place; nothing for a non-lossy codec)."""
+        if self.codec.lossy:
+            out.add_(self._residual[offset : offset + out.numel()])
+
+    def update_slice(self, sent: torch.Tensor, offset: int) -> None:
+        """Keep ``sent - decode(encode(sent))`` as the residual of the values at ``offset``
+        (``sent``: what was sent for them, delta + the previous residual)."""
+        if not self.codec.lossy:
+            return
+        target = self._residual[offset : offset + sent.numel()]
+        torch.sub(sent, self.codec.roundtrip(sent), out=target)
+        if not _all_finite(target):
+            raise ValueError("error feedback: residual overflowed float32")
+
+    @property
+    def state(self) -> torch.Tensor:
+        """The residual itself (not a copy): for saving it; do not modify."""
+        return self._residual
 
     def update(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep ``sent - decoded`` as the residual (nothing for a non-lossy codec)."""

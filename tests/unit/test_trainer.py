@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,7 @@ from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
+from protocol.modelsize import count_params
 from protocol.spec import parse_spec
 
 SPEC = """
@@ -59,6 +62,12 @@ class RecordingSwarm:
     def __post_init__(self) -> None:
         self.averager: Any = None
         self.provider: Any = None
+        # the averager's shared vector; NaN until the trainer writes its round into it
+        self.vector = torch.full((count_params(parse_spec(SPEC).task.model),), float("nan"))
+
+    @contextmanager
+    def outbox(self) -> Iterator[torch.Tensor]:
+        yield self.vector
 
     def serve_state(self, provider: Any) -> None:
         self.provider = provider
@@ -66,8 +75,8 @@ class RecordingSwarm:
     def download_state(self, accept: set[str], *, timeout: float) -> Any:
         return self.averager.load_verified_state(accept, timeout) if self.averager is not None else None
 
-    def start_round(self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
-        self.launched.append((vector.clone(), weight))
+    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
+        self.launched.append((self.vector.clone(), weight))
         return _Pending(self.next_result)
 
     def accepted_state(self, **kwargs: Any) -> None:
@@ -86,10 +95,11 @@ class RecordingSwarm:
         self.allreduce_timeout = timeout_s
 
 
-def make_trainer() -> tuple[Trainer, RecordingSwarm]:
+def make_trainer(*, overlap: bool = False) -> tuple[Trainer, RecordingSwarm]:
     spec = parse_spec(SPEC)
     swarm = RecordingSwarm()
-    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    options = TrainerOptions(max_rounds=1, overlap=overlap)
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options)  # type: ignore[arg-type]
     return trainer, swarm
 
 
@@ -111,7 +121,7 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
-    trainer, swarm = make_trainer()
+    trainer, swarm = make_trainer(overlap=True)
     averaged = torch.full_like(trainer.state.params, 1e-3)
     swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
     flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, done=2, samples=4, loss_sum=2.0))
@@ -124,9 +134,10 @@ def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
 
 def test_failed_round_keeps_progress_for_the_next_round() -> None:
     trainer, swarm = make_trainer()
+    theta_g = trainer.state.params.clone()
     trainer.run()
     assert trainer.history[0].averaged is False
-    assert torch.equal(trainer.start_point, trainer.state.params)
+    assert torch.equal(theta_g, trainer.state.params)
     assert not torch.equal(flatten(trainer.model), trainer.state.params)  # local progress kept
     assert trainer.state.round == 0
 
@@ -268,7 +279,7 @@ def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -
     row = trainer.history[0].as_dict()
     assert not row["averaged"] and row["in_sync"]
     assert trainer.state.round == 1 and trainer.state.digest() == theirs.digest() == row["state_digest"]
-    assert torch.equal(trainer.start_point, theirs.params)
+    assert torch.equal(trainer.state.params, theirs.params)
     # its round's work, counted by nobody, is carried onto their state for the next round
     [(vector, _)] = swarm.launched  # = start - local (first round: no codec residual yet)
     assert bool(vector.any()) and torch.equal(flatten(trainer.model), torch.add(theirs.params, -vector))
@@ -300,10 +311,8 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
             return False
 
     class Swarm(RecordingSwarm):
-        def start_round(
-            self, vector: torch.Tensor, *, weight: float, gather: dict[str, Any], timeout: float
-        ) -> _Pending:
-            super().start_round(vector, weight=weight, gather=gather, timeout=timeout)
+        def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
+            super().start_round(weight=weight, gather=gather, timeout=timeout)
             return SlowPending(None)
 
     spec = parse_spec(SPEC)

@@ -1,0 +1,97 @@
+"""The chunked, in-place host passes give the very bytes of the whole-vector formulas they
+replace (launch: Δ + residual; landing: residual, outer step, re-basing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.host_passes import Staging, land_round, write_pseudo_gradient
+from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat
+from protocol.compression import ErrorFeedback, get_codec
+from protocol.spec import OuterSection
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # one parameter larger than a chunk (split inside it), small ones around it
+    return torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "overlap"), [("4bit", False), ("4bit", True), ("fp16", True), ("none", False), ("none", True)]
+)
+def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec_name: str) -> None:
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    assert any(p.numel() > CHUNK_VALUES for p in model.parameters())
+    codec = get_codec(codec_name)
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 4)
+    feedback = ErrorFeedback(codec, numel) if codec.lossy else None
+    old_residual = torch.randn(numel) * 1e-4 if feedback else torch.zeros(numel)
+    if feedback:
+        feedback.load_residual(old_residual)
+    with torch.no_grad():  # the inner steps
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    local = flatten(model)
+    theta, momentum = state.params.clone(), state.momentum.clone()
+
+    out = torch.full((numel,), float("nan"))
+    launch_point = torch.empty(numel) if overlap else None
+    staging = Staging(model)
+    assert write_pseudo_gradient(
+        model, state.params, out, feedback=feedback, launch_point=launch_point, staging=staging
+    )
+    sent = torch.add(torch.sub(theta, local), old_residual) if feedback else torch.sub(theta, local)
+    assert torch.equal(_bits(out), _bits(sent))
+    if launch_point is not None:
+        assert torch.equal(launch_point, local)
+        with torch.no_grad():  # the next round's inner steps while this one averages
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-2)
+    now = flatten(model)
+
+    averaged = torch.randn(numel) * 1e-3
+    land_round(
+        model,
+        state,
+        averaged,
+        config,
+        feedback=feedback,
+        launch_point=launch_point,
+        keep_progress=overlap,
+        staging=staging,
+    )
+    lr, mu = torch.tensor(config.lr), torch.tensor(config.momentum)
+    new_momentum = torch.add(torch.mul(momentum, mu), averaged)
+    update = torch.add(averaged, torch.mul(new_momentum, mu))
+    new_theta = torch.sub(theta, torch.mul(update, lr))
+    assert state.round == 5
+    assert torch.equal(_bits(state.momentum), _bits(new_momentum))
+    assert torch.equal(_bits(state.params), _bits(new_theta))
+    expected_local = torch.add(new_theta, torch.sub(now, local)) if overlap else new_theta
+    assert torch.equal(_bits(flatten(model)), _bits(expected_local))
+    if feedback:
+        assert torch.equal(_bits(feedback.state), _bits(torch.sub(sent, codec.decode(codec.encode(sent), numel))))
+
+
+def test_a_non_finite_model_is_reported_at_launch() -> None:
+    model = _model()
+    state = GlobalState.from_model(model)
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[2] = float("nan")
+    out = torch.empty_like(state.params)
+    assert not write_pseudo_gradient(model, state.params, out, feedback=None, launch_point=None, staging=Staging(model))
+
+
+def test_load_flat_and_flatten_round_trip_across_chunks() -> None:
+    model = _model()
+    values = torch.randn(sum(p.numel() for p in model.parameters()))
+    load_flat(model, values)
+    assert torch.equal(flatten(model), values)
