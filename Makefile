@@ -68,9 +68,11 @@ bench: $(STAMP)
 
 # The peer's host cost as the model grows (issue #12; not part of `make test`): 2 peers on
 # loopback per size, this code against a baseline git ref. SCALE_ARGS="--sizes 10M,50M,200M"
+# Then averaging throughput against the part size (benchmarks/allreduce_parts.py, PARTS_ARGS).
 bench-scale: $(STAMP)
 	$(PIP) install -e ".[bench]"
 	$(PY) -m benchmarks.scale $(SCALE_ARGS)
+	$(PY) -m benchmarks.allreduce_parts $(PARTS_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

@@ -48,7 +48,25 @@ from protocol.errors import MalformedTensorError
 logger = logging.getLogger(__name__)
 
 DTYPE_PREFIX = "swarmtrain:"
-PART_SIZE_BYTES = 2**16  # divided by any codec's bytes/value, a multiple of its 64-value block
+PART_SIZE_BYTES = 2**20
+"""Largest part on the wire. Chosen by ``benchmarks/allreduce_parts.py``: on loopback here 1 MiB
+parts average 2.5x faster than 64 KiB ones (each part costs an executor hop and a message
+through p2pd); larger parts gain nothing and cost memory and latency."""
+MIN_PART_SIZE_BYTES = 2**16
+PARTS_PER_PEER = 8
+"""Small vectors are cut finer (down to ``MIN_PART_SIZE_BYTES``), so that every member reduces
+its share and sending, reducing and returning overlap (a pipeline of parts)."""
+
+
+def part_size_bytes(numel: int, codec: Codec, group_size: int) -> int:
+    """Wire bytes per part for a vector of ``numel`` values averaged by ``group_size`` members: a
+    whole number of the codec's blocks, the same in every member (it depends only on what they
+    share). hivemind cuts the vector into parts of ``part_size_bytes / bytes_per_value`` values."""
+    per_value = codec.bytes_per_value()
+    wanted = numel * per_value / max(1, group_size * PARTS_PER_PEER)
+    size = min(PART_SIZE_BYTES, max(MIN_PART_SIZE_BYTES, wanted))
+    values = max(64, int(size / per_value) // 64 * 64)  # 64: a multiple of every codec's block
+    return int(values * per_value)
 MAX_WEIGHT = 1e15
 
 
@@ -63,12 +81,11 @@ class CodecCompression(CompressionBase):
         flat = tensor.detach().reshape(-1).to(torch.float32)
         return runtime_pb2.Tensor(buffer=self.codec.encode(flat), size=list(tensor.shape), dtype=self.dtype_tag)
 
-    def compress_average(self, tensor: torch.Tensor, seed: int) -> runtime_pb2.Tensor:
+    def compress_average(self, tensor: torch.Tensor, dither: torch.Tensor) -> runtime_pb2.Tensor:
         """The reducer's encoding of an averaged part: unbiased (``Codec.encode_unbiased``),
         since nobody carries its rounding error into the next round."""
-        generator = torch.Generator().manual_seed(seed)
         flat = tensor.detach().reshape(-1).to(torch.float32)
-        buffer = self.codec.encode_unbiased(flat, generator)
+        buffer = self.codec.encode_unbiased(flat, dither)
         return runtime_pb2.Tensor(buffer=buffer, size=list(tensor.shape), dtype=self.dtype_tag)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
@@ -154,7 +171,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     tensor_part_container: TensorPartContainer
 
     def __init__(self, *, codec: CodecCompression, stale: frozenset[PeerID] = frozenset(), **kwargs: Any) -> None:
-        super().__init__(compression=codec, part_size_bytes=PART_SIZE_BYTES, **kwargs)
+        numel = sum(t.numel() for t in kwargs["tensors"])
+        part_bytes = part_size_bytes(numel, codec.codec, len(kwargs["ordered_peer_ids"]))
+        super().__init__(compression=codec, part_size_bytes=part_bytes, **kwargs)
         # the same split as hivemind's container, but averaged parts go straight into the vector
         hivemind_container: TensorPartContainer = self.tensor_part_container
         hivemind_container.finalize()
@@ -162,7 +181,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             list(kwargs["tensors"]),
             kwargs["peer_fractions"],
             compression=codec,
-            part_size_bytes=PART_SIZE_BYTES,
+            part_size_bytes=part_bytes,
             return_deltas=False,
         )
         self.tensor_part_container = container
@@ -173,6 +192,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Members that started the round from another state than the group's majority: their
         parts count with weight 0 (they still get the average, see it differs, and re-sync)."""
         self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+        self._dither_values: torch.Tensor | None = None
         self.failed_reducers: set[PeerID] = set()
         self.refused_senders: dict[PeerID, str] = {}
         self.bytes_sent = 0
@@ -181,6 +201,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._part_numels = [
             part.numel() for peer_parts in self.tensor_part_container._input_parts_by_peer for part, _ in peer_parts
         ]
+
+    def _dither(self) -> torch.Tensor:
+        """Uniform [0, 1) values for the stochastic rounding of this round's averaged parts:
+        drawn once per round (seeded by the group), shared by the parts; each value's rounding
+        is unbiased whatever the others'."""
+        if self._dither_values is None:
+            seed = int.from_bytes(hashlib.blake2b(bytes(self.group_id), digest_size=8).digest(), "big")
+            longest = max(self._part_numels, default=0) + self.codec.codec.block
+            self._dither_values = torch.rand(longest, generator=torch.Generator().manual_seed(seed))
+        return self._dither_values
 
     def _expected_numel(self, peer_index: int, part_index: int) -> int:
         parts = self.tensor_part_container.num_parts_by_peer
@@ -193,9 +223,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         future = self._encoded.get(part_index)
         if future is None:
             future = self._encoded[part_index] = asyncio.get_running_loop().create_future()
-            seed = int.from_bytes(hashlib.blake2b(self.group_id + part_index.to_bytes(8, "big")).digest()[:8], "big")
             loop = asyncio.get_running_loop()
-            encoded = await loop.run_in_executor(None, self.codec.compress_average, averaged, seed)
+            encoded = await loop.run_in_executor(None, self.codec.compress_average, averaged, self._dither())
             future.set_result(encoded)
         return await future
 

@@ -137,11 +137,11 @@ class Codec(abc.ABC):
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         """Decode into a new 1-D float32 tensor; ``MalformedTensorError`` for bad bytes."""
 
-    def encode_unbiased(self, x: torch.Tensor, generator: torch.Generator) -> bytes:
-        """An encoding whose decoded value is ``x`` *in expectation* (over ``generator``), for
-        values that are encoded once and never corrected later (the reducer's average). The
-        same wire format as ``encode``; a codec without a systematic rounding loss returns
-        ``encode(x)``."""
+    def encode_unbiased(self, x: torch.Tensor, dither: torch.Tensor) -> bytes:
+        """An encoding whose decoded value is ``x`` *in expectation* over ``dither`` (uniform
+        in [0, 1), at least ``x``'s length rounded up to whole blocks), for values that are
+        encoded once and never corrected later (the reducer's average). The same wire format
+        as ``encode``; a codec without a systematic rounding loss returns ``encode(x)``."""
         return self.encode(x)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,30 +265,33 @@ class _BlockAbsmaxCodec(Codec):
             scales = torch.where(overflow, nudged, scales)
         raise AssertionError("scale overflow guard did not converge")
 
-    def _quantize(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, x: torch.Tensor, dither: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(scales, integer-valued float32 codes of the padded blocks) of a slice that starts on
-        a block boundary. Codes round to nearest, or with ``generator`` stochastically:
+        a block boundary. Codes round to nearest, or with ``dither`` stochastically:
         ``floor(y + u)``, u uniform in [0, 1), whose expectation is y."""
         blocks = self._blocks(x)
         scales = self._scales(blocks)
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
         y = blocks / divisor
-        if generator is None:
+        if dither is None:
             y.round_()
         else:
-            y.add_(torch.rand(y.shape, generator=generator)).floor_()
+            y.add_(dither[: y.numel()].view(y.shape)).floor_()
         return scales, y.clamp_(-self.levels, self.levels)
 
-    def _encode_chunk(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[bytes, bytes]:
+    def _encode_chunk(self, x: torch.Tensor, dither: torch.Tensor | None = None) -> tuple[bytes, bytes]:
         """(scales, packed codes) of a slice that starts on a block boundary."""
-        scales, q = self._quantize(x, generator)
+        scales, q = self._quantize(x, dither)
         return _write(scales, "<f4"), self._pack(q.view(-1)[: x.numel()])
 
-    def encode_unbiased(self, x: torch.Tensor, generator: torch.Generator) -> bytes:
+    def encode_unbiased(self, x: torch.Tensor, dither: torch.Tensor) -> bytes:
         # rounding to nearest zeroes every value below half a step of its block (absmax/254
         # for int8, absmax/14 for 4-bit), round after round; stochastic rounding loses nothing
         # in expectation
-        return self._encode(x, generator)
+        padded = self._n_blocks(x.numel()) * self.block
+        if dither.dtype != torch.float32 or dither.numel() < padded:
+            raise ValueError(f"{self.name} codec: dither must be float32 with at least {padded} values")
+        return self._encode(x, dither)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         # the codes and scales ``encode`` would write, multiplied as ``decode`` multiplies them
@@ -303,9 +306,12 @@ class _BlockAbsmaxCodec(Codec):
     def encode(self, x: torch.Tensor) -> bytes:
         return self._encode(x, None)
 
-    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> bytes:
+    def _encode(self, x: torch.Tensor, dither: torch.Tensor | None) -> bytes:
         x = _check_input(x, self.name)
-        parts = [self._encode_chunk(x[i : i + _CHUNK], generator) for i in range(0, x.numel(), _CHUNK)]
+        parts = [
+            self._encode_chunk(x[i : i + _CHUNK], None if dither is None else dither[i:])
+            for i in range(0, x.numel(), _CHUNK)
+        ]
         return b"".join([p[0] for p in parts] + [p[1] for p in parts])
 
     def _read_scales(self, raw: bytes, numel: int) -> torch.Tensor:

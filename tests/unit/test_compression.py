@@ -326,7 +326,7 @@ def test_the_reducers_unbiased_encoding_keeps_values_that_rounding_to_nearest_ze
     runs = 2000
     total = torch.zeros(64)
     for seed in range(runs):
-        data = codec.encode_unbiased(x, torch.Generator().manual_seed(seed))
+        data = codec.encode_unbiased(x, torch.rand(64, generator=torch.Generator().manual_seed(seed)))
         assert len(data) == codec.encoded_size(64)
         total += codec.decode(data, 64)
     mean = total / runs
@@ -334,12 +334,32 @@ def test_the_reducers_unbiased_encoding_keeps_values_that_rounding_to_nearest_ze
     # kept in expectation: the mean over the runs is within a few standard errors of the value
     assert abs(float(mean[1:].mean()) / float(x[1]) - 1) < 0.05
     assert torch.allclose(mean[1:], x[1:], rtol=0.5)
-    seeded = [codec.encode_unbiased(x, torch.Generator().manual_seed(7)) for _ in range(2)]
-    assert seeded[0] == seeded[1]  # reproducible from the seed
+    dither = torch.rand(64)
+    assert codec.encode_unbiased(x, dither) == codec.encode_unbiased(x, dither.clone())  # a function of the dither
+    with pytest.raises(ValueError, match="dither"):
+        codec.encode_unbiased(x, torch.rand(63))
 
 
 def test_lossless_and_fp16_codecs_encode_averages_as_usual() -> None:
     x = torch.randn(100)
     for name in ("none", "fp16"):
         codec = get_codec(name)
-        assert codec.encode_unbiased(x, torch.Generator().manual_seed(1)) == codec.encode(x)
+        assert codec.encode_unbiased(x, torch.rand(100)) == codec.encode(x)
+
+
+def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> None:
+    from protocol.allreduce import MIN_PART_SIZE_BYTES, PART_SIZE_BYTES, part_size_bytes
+
+    for name in CODEC_NAMES:
+        codec = get_codec(name)
+        per_value = codec.bytes_per_value()
+        for numel in (1, 1000, 1_450_000, 10**8, 10**10):
+            for group in (1, 2, 4, 16):
+                size = part_size_bytes(numel, codec, group)
+                values = size / per_value
+                assert values == int(values) and int(values) % 64 == 0
+                assert size <= max(PART_SIZE_BYTES, 64 * per_value)
+                assert size >= min(MIN_PART_SIZE_BYTES, 64 * per_value) or values == 64
+        assert part_size_bytes(10**10, codec, 4) == PART_SIZE_BYTES
+        parts = 1_450_000 * per_value / part_size_bytes(1_450_000, codec, 4)
+        assert parts >= 4  # every member of a group of 4 reduces a share of a 1.45M-value vector
