@@ -115,13 +115,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from peer.swarm import Swarm
-    from peer.task import build_task
+    from peer.task import Task, build_task, known_param_count
     from peer.trainer import Trainer, TrainerOptions
     from protocol.compression import get_codec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    task = build_task(spec, shard_seed=shard_seed, device=device)
-    numel = sum(p.numel() for p in task.model.parameters())
+    # hivemind's DHT and averager processes are forked from this one: fork them before the
+    # model exists, or each keeps the model's first pages (copy-on-write) once training
+    # rewrites them, one more copy of the model in host memory
+    task: Task | None = None
+    numel = known_param_count(spec)
+    if numel is None:
+        task = build_task(spec, shard_seed=shard_seed, device=device)
+        numel = sum(p.numel() for p in task.model.parameters())
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
     gate = None
     if join_info is not None:
@@ -146,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
     try:
+        if task is None:
+            task = build_task(spec, shard_seed=shard_seed, device=device)
+        built = sum(p.numel() for p in task.model.parameters())
+        if built != numel:
+            raise ConfigError(f"the task's model has {built} parameters, its spec says {numel}")
         _announce(spec.run.name, node, created, swarm, args, numel, device)
         if client is not None and join_info is not None:
             from peer.coordinator_client import CoordinatorLink

@@ -4,6 +4,6 @@
 """
 
 from peer.task.base import Task
-from peer.task.registry import build_task
+from peer.task.registry import build_task, known_param_count
 
-__all__ = ["Task", "build_task"]
+__all__ = ["Task", "build_task", "known_param_count"]

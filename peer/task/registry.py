@@ -38,6 +38,14 @@ def build_task(
     return _build_import(spec, shard_seed=shard_seed, device=device)
 
 
+def known_param_count(spec: RunSpec) -> int | None:
+    """The task's parameter count from the spec alone, without building anything (built-in
+    task); None when only building the task tells (imported factories)."""
+    if spec.task.kind == "bytegpt":
+        return bytegpt.count_params(spec.task.model)
+    return None
+
+
 def lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Mean next-token cross-entropy of a (B, T) -> (B, T, V) language model, in float32."""
     inputs, targets = batch
