@@ -8,7 +8,7 @@ worktree) give the ratios. Reported per size and code version:
 - peak host memory per peer: proportional set size (PSS) of the peer and all its child
   processes (hivemind's DHT and averager, p2pd), sampled every 0.25 s, ÷ fp32 model bytes; and
   the copies beyond the training state (params, grads, AdamW's two moments: 4 model sizes),
-  also counted above the runtime floor (the peak PSS of the same code with a 1M-parameter
+  also counted above the runtime floor (the peak PSS of the same code with a 0.14M-parameter
   model: Python, torch, hivemind's processes, p2pd), which is what grows with the model;
 - host time per round ÷ GB of parameters: the metrics' ``host_s`` where the code reports it
   (launch preparation + landing), and for every version ``wall_s − compute_s − wait_s`` (what
@@ -40,7 +40,7 @@ from swarmtrain.localswarm import wait_until
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SIZES = {
-    "1M": (64, 2),
+    "tiny": (64, 2),
     "10M": (256, 12),
     "50M": (512, 16),
     "85M": (768, 12),
@@ -70,8 +70,8 @@ allreduce_timeout_s = 300.0
 """
 
 
-FLOOR_SIZE = "1M"
-"""The model whose peak PSS stands for the runtime floor (it is ~1% of the floor)."""
+FLOOR_SIZE = "tiny"
+"""The model (0.14M parameters, 0.1% of the floor) whose peak PSS stands for the runtime floor."""
 
 
 def pss_bytes(root: int) -> int:
@@ -184,6 +184,10 @@ def summarize(name: str, run: dict[str, Any], code: str, floor_bytes: int | None
         "after_launch_s_per_gb": statistics.median(after_launch) / (model_bytes / 1e9) if after_launch else None,
         "averaging_gbit_s": statistics.median(gbps) if gbps else None,
         "rounds_averaged": len(rows) // 2,
+        "median_s": {
+            key: statistics.median(r[key] for r in rows) if rows and key in rows[0] else None
+            for key in ("compute_s", "wait_s", "allreduce_s", "host_s", "digest_s", "wall_s")
+        },
         "exit_codes": run["codes"],
     }
 

@@ -107,12 +107,22 @@ def update_residual(
     theta: torch.Tensor,
     feedback: ErrorFeedback,
     launch_point: torch.Tensor | None,
+    staging: Staging,
 ) -> None:
     """The codec residual of what this peer sent: sent = θ_g − launch point + old residual
     (exactly the launch's bytes: θ_g, the launch point and the residual have not changed since),
     residual ← sent − decode(encode(sent)). Windows start at multiples of the codec's block
     from the start of the vector, like the parts on the wire, so the residual is exactly what
     the wire dropped."""
+    if feedback.codec.block == 1 and launch_point is None:
+        # a codec of single values: any cut is aligned, read the parameters where they are
+        for offset, piece in model_pieces(model):
+            local = staging.host(piece)
+            part = slice(offset, offset + local.numel())
+            sent = torch.sub(theta[part], local)
+            feedback.add_into(sent, offset)
+            feedback.update_slice(sent, offset)
+        return
     size = CHUNK_VALUES - CHUNK_VALUES % feedback.codec.block
     sent_buffer = torch.empty(size, dtype=torch.float32)
     model_buffer = torch.empty(size, dtype=torch.float32) if launch_point is None else None
@@ -147,8 +157,9 @@ def land_round(
     in place and θ_local ← θ_g_new (+ θ_local − launch point when ``keep_progress``).
     ``launch_point=None``: the model has not moved since the launch (no overlap), so it is its
     own launch point. Then the state's round advances."""
+    state.wait_for_digest()  # the tensors change in place from here on
     if feedback is not None:
-        update_residual(model, state.params, feedback, launch_point)
+        update_residual(model, state.params, feedback, launch_point, staging)
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
     progress_buffer = torch.empty(CHUNK_VALUES, dtype=torch.float32) if keep_progress else None
     theta, momentum = state.params, state.momentum

@@ -39,9 +39,13 @@ class RoundMetrics:
     matchmaking_timeout_s: float
     allreduce_timeout_s: float
     host_s: float = 0.0
-    """Host time of the round outside inner steps and the wait for the group: preparing the
-    launch (pseudo-gradient, error feedback, digest, hand-over to the averager) and landing
-    it (outer step, re-basing, digests, checkpoint)."""
+    """Host time of the round on the training thread, outside inner steps and the wait for the
+    group: preparing the launch (pseudo-gradient and codec residual written into the
+    averager's vector) and landing it (residual, outer step, re-basing, publishing the digest,
+    checkpoint)."""
+    digest_s: float = 0.0
+    """Seconds hashing the new state took, on a background thread while the next inner steps
+    ran (not in ``host_s``)."""
     members: list[dict[str, Any]] = field(default_factory=list)
     """What each group member gathered: id, round, samples, digest."""
 

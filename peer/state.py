@@ -14,18 +14,21 @@ out-of-place evaluation.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from protocol.spec import OuterSection
 from protocol.statesync import state_digest
 
-CHUNK_VALUES = 1 << 22
-"""Values per chunk of the host-side passes over the state (16 MB of float32): small enough
-that a pass's temporaries stay in cache-sized buffers, large enough to amortize the per-chunk
-overhead."""
+CHUNK_VALUES = 1 << 17
+"""Values per chunk of the host-side passes over the state (512 KiB of float32): small enough
+that a pass's few operations run on cache-resident data and its temporaries come from the
+allocator's free lists (no page faults), large enough to amortize the per-chunk overhead
+(~1000 chunks per GB)."""
 
 
 @dataclass
@@ -33,15 +36,21 @@ class GlobalState:
     """θ_g and the outer optimizer's momentum, flat float32 on CPU, plus the round number.
 
     The digest is computed once per state and cached: assigning ``params``, ``momentum`` or
-    ``round`` forgets it, and so does ``outer_step`` (the only in-place change)."""
+    ``round`` forgets it, and so does ``outer_step`` (the only in-place change).
+    ``start_digest`` computes it on a background thread (BLAKE3 releases the GIL), so that
+    hashing overlaps the next inner steps; ``digest()`` waits for it; nothing may change the
+    tensors in place before ``wait_for_digest()``."""
 
     params: torch.Tensor
     momentum: torch.Tensor
     round: int = 0
+    digest_s: float = field(default=0.0, init=False, repr=False, compare=False)
+    """Seconds the last digest computation took."""
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("params", "momentum", "round"):
             object.__setattr__(self, "_digest", None)
+            object.__setattr__(self, "_job", None)  # a running hash of the old state is abandoned
         object.__setattr__(self, name, value)
 
     @classmethod
@@ -51,11 +60,49 @@ class GlobalState:
 
     def digest(self) -> str:
         """``blake3:<hex>`` of (round, params bytes, momentum bytes), cached for this state."""
+        self.wait_for_digest()
         cached: str | None = getattr(self, "_digest", None)
         if cached is None:
+            started = time.monotonic()
             cached = state_digest(self.round, self.params, self.momentum, threads=torch.get_num_threads())
+            object.__setattr__(self, "digest_s", time.monotonic() - started)
             object.__setattr__(self, "_digest", cached)
         return cached
+
+    def start_digest(self) -> None:
+        """Start computing the digest on a background thread (no-op if known or under way)."""
+        if getattr(self, "_digest", None) is not None or getattr(self, "_job", None) is not None:
+            return
+        box: dict[str, object] = {}
+        round_, params, momentum = self.round, self.params, self.momentum
+
+        def work() -> None:
+            started = time.monotonic()
+            box["digest"] = state_digest(round_, params, momentum, threads=torch.get_num_threads())
+            box["seconds"] = time.monotonic() - started
+
+        thread = threading.Thread(target=work, name="state-digest", daemon=True)
+        object.__setattr__(self, "_job", (thread, box))
+        thread.start()
+
+    def digest_ready(self) -> bool:
+        """Whether ``digest()`` returns without hashing or waiting."""
+        job = getattr(self, "_job", None)
+        if job is not None:
+            return not job[0].is_alive()
+        return getattr(self, "_digest", None) is not None
+
+    def wait_for_digest(self) -> None:
+        """Wait for a background digest to finish and keep its result."""
+        job = getattr(self, "_job", None)
+        if job is None:
+            return
+        thread, box = job
+        thread.join()
+        object.__setattr__(self, "_job", None)
+        if "digest" in box:
+            object.__setattr__(self, "_digest", box["digest"])
+            object.__setattr__(self, "digest_s", box["seconds"])
 
     def clone(self) -> GlobalState:
         return GlobalState(self.params.clone(), self.momentum.clone(), self.round)
@@ -94,6 +141,7 @@ def outer_step_slice(
 def outer_step(state: GlobalState, averaged_delta: torch.Tensor, config: OuterSection) -> None:
     """The outer step on the whole state, in place, chunk by chunk; then the next round."""
     assert averaged_delta.shape == state.params.shape and averaged_delta.dtype == torch.float32
+    state.wait_for_digest()
     scratch = torch.empty(min(CHUNK_VALUES, state.params.numel()), dtype=torch.float32)
     for part in chunks(state.params.numel()):
         n = part.stop - part.start

@@ -116,6 +116,16 @@ class _InFlight:
 
 
 @dataclass
+class _Landed:
+    """A round that landed, recorded once the new state's digest is known."""
+
+    metrics: RoundMetrics
+    checkpoint: bool
+    host_s: float
+    """Host time so far (launch preparation and landing)."""
+
+
+@dataclass
 class TrainerOptions:
     """Knobs of one peer that are not part of the run spec."""
 
@@ -189,6 +199,7 @@ class Trainer:
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
         self.inner_steps_done = 0
         self.history: list[RoundMetrics] = []
+        self._landed: _Landed | None = None
         self.phase = Phase.RESYNCING
         self.identity = options.identity or Identity.generate()
         self.timeouts = AdaptiveTimeouts(spec.averaging.matchmaking_timeout_s, spec.averaging.allreduce_timeout_s)
@@ -226,7 +237,8 @@ class Trainer:
                 "inner_optimizer": self.optimizer.state_dict(),
                 "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
-            }
+            },
+            digest=self.state.digest(),
         )
 
     def run(self) -> list[RoundMetrics]:
@@ -236,6 +248,7 @@ class Trainer:
         flight: _InFlight | None = None
         inner: _InnerPhase | None = None
         while True:
+            self._record_landed(wait=False)
             more = not self.options.stop.is_set() and not self._finished(flight)
             if inner is None and more and (flight is None or self.overlap):
                 inner = self._start_inner()
@@ -246,14 +259,16 @@ class Trainer:
             elif inner is not None and training:
                 self._train_step(inner)
             elif inner is not None:
+                self._record_landed(wait=True)  # the launch states the digest of the state it starts from
                 flight = self._launch(inner)
                 inner = None
             else:
+                self._record_landed(wait=True)
                 return self.history
 
     def _finished(self, in_flight: _InFlight | None) -> bool:
         local, run = self.options.max_rounds, self.spec.rounds.max_rounds
-        pending = 1 if in_flight is not None else 0
+        pending = (1 if in_flight is not None else 0) + (1 if self._landed is not None else 0)
         return (local is not None and len(self.history) + pending >= local) or (
             run is not None and self.state.round + pending >= run
         )
@@ -361,13 +376,13 @@ class Trainer:
         landed = time.monotonic()
         wait_s = landed - wait_started
         self.phase = Phase.APPLYING
-        self._apply(flight, result)
+        digest_known = self._apply(flight, result)
         metrics = RoundMetrics(
             round=self.state.round,
             group_size=result.group_size if result else 1,
             samples=flight.samples,
             loss=flight.loss,
-            state_digest=self.state.digest(),
+            state_digest="",  # filled in by _record_landed
             bytes_sent=result.bytes_sent if result else 0,
             bytes_received=result.bytes_received if result else 0,
             compute_s=round(flight.compute_s, 4),
@@ -381,9 +396,31 @@ class Trainer:
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(self.timeouts.allreduce_s, 2),
         )
-        if result is not None and self.state.round % self.options.checkpoint_every == 0:
+        checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
+        self._landed = _Landed(metrics, checkpoint, flight.prep_s + time.monotonic() - landed)
+        if digest_known:
+            self._record_landed(wait=True)
+
+    def _record_landed(self, *, wait: bool) -> None:
+        """Finish the round that landed last once the new state's digest is known (it is hashed
+        on a background thread while the next inner steps run): publish the digest record,
+        write the checkpoint, record the metrics. Without ``wait``, only if the digest is ready."""
+        landed = self._landed
+        if landed is None or (not wait and not self.state.digest_ready()):
+            return
+        started = time.monotonic()
+        digest = self.state.digest()
+        if self._snapshot != (self.state.round, digest):
+            self._publish()
+        if landed.checkpoint:
             self.save_checkpoint()
-        metrics = dataclasses.replace(metrics, host_s=round(flight.prep_s + time.monotonic() - landed, 4))
+        self._landed = None
+        metrics = dataclasses.replace(
+            landed.metrics,
+            state_digest=digest,
+            host_s=round(landed.host_s + time.monotonic() - started, 4),
+            digest_s=round(self.state.digest_s, 4),
+        )
         self.history.append(metrics)
         self.on_round(metrics.as_dict())
 
@@ -397,7 +434,9 @@ class Trainer:
             self.swarm.set_allreduce_timeout(self.timeouts.allreduce_s)
 
     @torch.no_grad()
-    def _apply(self, flight: _InFlight, result: RoundResult | None) -> None:
+    def _apply(self, flight: _InFlight, result: RoundResult | None) -> bool:
+        """Land the round; True unless the new state's digest is being computed in the
+        background (a successful round: ``_record_landed`` publishes it)."""
         self._adapt_timeouts(result)
         self._uncounted = None
         if result is None:
@@ -431,9 +470,13 @@ class Trainer:
                 )
             if self.overlap and not keep_progress:
                 self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")
+            if self.in_sync:
+                self.state.start_digest()
+                return False
             self._publish()
         if not self.in_sync:
             self.catch_up()
+        return True
 
     def _swarm_moved_on(self) -> bool:
         """Whether the DHT already shows a later agreed round than this peer's (best effort:

@@ -67,6 +67,8 @@ def part_size_bytes(numel: int, codec: Codec, group_size: int) -> int:
     size = min(PART_SIZE_BYTES, max(MIN_PART_SIZE_BYTES, wanted))
     values = max(64, int(size / per_value) // 64 * 64)  # 64: a multiple of every codec's block
     return int(values * per_value)
+
+
 MAX_WEIGHT = 1e15
 
 

@@ -39,12 +39,14 @@ class Checkpointer:
         except OSError as exc:
             raise ConfigError(f"{self.directory}: cannot create checkpoint directory ({exc.strerror})") from exc
 
-    def save(self, payload: dict[str, Any], *, prune: bool = True) -> Path:
+    def save(self, payload: dict[str, Any], *, prune: bool = True, digest: str | None = None) -> Path:
         """Write ``payload`` (must hold round, params, momentum) as the newest checkpoint; then,
         unless ``prune`` is False (the caller calls ``prune()`` itself), drop the oldest beyond
-        ``keep``."""
+        ``keep``. ``digest``: the state's digest when the caller already has it (else computed)."""
         record = {"format": FORMAT, "spec_digest": self.spec_digest, **payload}
-        record["state_digest"] = state_digest(record["round"], record["params"], record["momentum"])
+        if digest is None:
+            digest = state_digest(record["round"], record["params"], record["momentum"])
+        record["state_digest"] = digest
         path = self.directory / f"{_PREFIX}{record['round']:09d}{_SUFFIX}"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with tmp.open("wb") as out:

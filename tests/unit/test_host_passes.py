@@ -95,3 +95,43 @@ def test_load_flat_and_flatten_round_trip_across_chunks() -> None:
     values = torch.randn(sum(p.numel() for p in model.parameters()))
     load_flat(model, values)
     assert torch.equal(flatten(model), values)
+
+
+def test_a_background_digest_equals_the_computed_one_and_is_dropped_when_the_state_changes() -> None:
+    from protocol.statesync import state_digest
+
+    state = GlobalState(torch.randn(2_000_000), torch.randn(2_000_000), 3)
+    expected = state_digest(3, state.params, state.momentum)
+    state.start_digest()
+    state.wait_for_digest()
+    assert state.digest_ready() and state.digest() == expected and state.digest_s > 0
+    state.round = 4  # a new state: the cached digest is forgotten
+    assert not state.digest_ready()
+    state.start_digest()
+    state.params = state.params.clone()  # assigned while hashing: that hash is abandoned
+    assert state.digest() == state_digest(4, state.params, state.momentum)
+
+
+def test_parameters_outside_host_float32_go_through_the_staging_buffer() -> None:
+    """(What an accelerator's parameters do; here bfloat16 parameters on the CPU.)"""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3)).to(torch.bfloat16)
+    staging = Staging(model)
+    assert staging.buffer is not None
+    theta = flatten(model)
+    state = GlobalState(theta.clone(), torch.zeros_like(theta), 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    local = flatten(model)
+    out = torch.empty_like(theta)
+    feedback = ErrorFeedback(get_codec("int8"), theta.numel())
+    assert write_pseudo_gradient(model, state.params, out, feedback=feedback, launch_point=None, staging=staging)
+    assert torch.equal(out, torch.sub(theta, local))  # (no residual yet)
+    averaged = torch.randn_like(theta) * 1e-3
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    land_round(
+        model, state, averaged, config, feedback=feedback, launch_point=None, keep_progress=False, staging=staging
+    )
+    assert torch.equal(flatten(model), state.params.to(torch.bfloat16).float())
+    assert bool(feedback.state.any())

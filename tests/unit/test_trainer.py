@@ -128,6 +128,7 @@ def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
     trainer._finish(flight)
+    trainer._record_landed(wait=True)  # once its digest is known (hashed in the background)
     assert trainer.history[-1].averaged and trainer.state.round == 1
     assert torch.equal(flatten(trainer.model), trainer.state.params)
 
@@ -150,6 +151,9 @@ def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
     outer_step(expected, averaged, trainer.spec.outer)
     trainer.run()
     assert trainer.state.digest() == expected.digest()
+    # hashed in the background, then recorded and published
+    assert trainer.history[-1].state_digest == expected.digest() and trainer.history[-1].digest_s > 0
+    assert swarm.published[-1]["digest"] == expected.digest() and swarm.published[-1]["round_"] == 1
     assert torch.equal(flatten(trainer.model), trainer.state.params)
 
 
