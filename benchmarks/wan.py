@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="run only these configurations (names)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--label", default="", help="suffix of the result files (wan-<date>-<label>.md)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.peers < 2:
@@ -320,12 +321,21 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     results = [r for r, _ in runs]
     table = markdown_table(results, reference="fp32")
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d") + (f"-{args.label}" if args.label else "")
     command = " ".join(argv if argv is not None else sys.argv[1:])
     header = (
         f"swarmtrain WAN benchmark, {stamp}, {platform.node()} ({os.cpu_count()} CPUs, CPU peers, "
         f"OMP_NUM_THREADS=1), `python -m benchmarks.wan {command}`".replace("wan ` ", "wan`")
     )
+    regime = ""
+    fp32 = next((r for r in results if r.name == "fp32"), None)
+    if fp32 is not None and fp32.link_bound_s > 0:
+        rows = [r for peer in next(h for f, h in runs if f is fp32) for r in peer[1:]]
+        compute = sorted(r["compute_s"] for r in rows)[len(rows) // 2] if rows else 0.0
+        regime = (
+            f"\n\nRegime: a round computes {compute:.1f} s (median), {compute / fp32.link_bound_s:.1f}x the fp32 "
+            f"link bound of {fp32.link_bound_s:.2f} s."
+        )
     late_text = ""
     if late:
         late_text = (
@@ -335,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     pngs = plots(runs, args.out, stamp) if runs else []
-    (args.out / f"wan-{stamp}.md").write_text(header + "\n\n" + table + late_text + "\n")
+    (args.out / f"wan-{stamp}.md").write_text(header + regime + "\n\n" + table + late_text + "\n")
     (args.out / f"wan-{stamp}.json").write_text(
         json.dumps(
             {

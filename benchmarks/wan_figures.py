@@ -30,7 +30,7 @@ class Figures:
     name: str
     rounds: int
     utilization: float
-    """Mean over peers of compute time / wall time."""
+    """Mean over peers of compute time / the training thread's time (``busy_s``)."""
     utilization_per_peer: tuple[float, ...]
     samples_per_s: float
     bytes_per_peer_round: float
@@ -43,6 +43,17 @@ class Figures:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def busy_s(row: dict[str, Any]) -> float:
+    """The training thread's time for one round: inner steps + waiting for the group + host
+    work, where the row says (swarmtrain rows with ``host_s``). A round's ``wall_s`` runs from
+    its first inner step to its result, which with overlap spans the next round's inner
+    steps too, so summing it would count overlapped time twice; rows without ``host_s``
+    (hivemind baselines, older swarmtrain) fall back to ``wall_s``."""
+    if "host_s" in row and "wait_s" in row:
+        return float(row["compute_s"] + row["wait_s"] + row["host_s"])
+    return float(row["wall_s"])
 
 
 def figures(
@@ -62,10 +73,10 @@ def figures(
         raise ValueError(f"{name}: no rounds recorded")
     peers = len(histories)
     per_peer = tuple(
-        sum(r["compute_s"] for r in rows) / max(sum(r["wall_s"] for r in rows), 1e-9) for rows in rows_by_peer if rows
+        sum(r["compute_s"] for r in rows) / max(sum(busy_s(r) for r in rows), 1e-9) for rows in rows_by_peer if rows
     )
     utilization = statistics.mean(per_peer)
-    wall = max(sum(r["wall_s"] for r in rows) for rows in rows_by_peer)
+    wall = max(sum(busy_s(r) for r in rows) for rows in rows_by_peer)
     samples = sum(r["samples"] for rows in rows_by_peer for r in rows)
     averaged = [r for rows in rows_by_peer for r in rows if r.get("averaged")]
     sent = statistics.mean(r["bytes_sent"] for r in averaged) if averaged else 0.0

@@ -36,7 +36,7 @@ matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 20.0
 """
 EVERY, KEEP = 2, 2
-ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((sha256:[0-9a-f]+)")
+ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((blake3:[0-9a-f]+)")
 
 
 def get(base: str, path: str) -> dict:

@@ -48,7 +48,7 @@ allreduce_timeout_s = 20.0
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 AHEAD = 5
 SYBILS = 3
-ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((sha256:[0-9a-f]+)")
+ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((blake3:[0-9a-f]+)")
 
 
 class Forger:

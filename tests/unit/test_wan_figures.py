@@ -60,3 +60,13 @@ def test_bytes_measured_on_the_link_replace_the_rows() -> None:
     assert result.bytes_per_peer_round == pytest.approx((2e6 + 1e6) / 2)
     assert result.bytes_per_sample == pytest.approx(12e6 / (2 * 4 * 80))
     assert math.isnan(result.allreduce_s) and "| - |" in markdown_table([result])
+
+
+def test_overlapped_rounds_count_the_training_threads_time_once() -> None:
+    # overlap: each round's result lands 4 s into the next round's 10 s of inner steps, so
+    # wall_s (first inner step to result) is 14 s, but the thread never waited
+    peer = [
+        dict(row(i, compute=10.0, wall=14.0, sent=1, allreduce=2.0, loss=3.0), wait_s=0.0, host_s=0.1) for i in range(5)
+    ]
+    result = figures("fp32", [peer], codec="none", link_bps=20e6)
+    assert result.utilization == pytest.approx(10.0 / 10.1)
