@@ -200,6 +200,8 @@ def run_config(
 
 
 ADOPTED = re.compile(r"adopted the swarm's state of round")
+ROW_KEYS = ("round", "samples", "loss", "compute_s", "wait_s", "host_s", "digest_s", "allreduce_s", "averaged")
+"""The per-round fields each peer's rows keep in the JSON result."""
 
 
 def late_joiner(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
@@ -355,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
                 "link": args.link,
                 "late_joiner": late,
                 "results": [r.as_dict() for r in results],
+                "rounds": {
+                    figs.name: [[{k: row.get(k) for k in ROW_KEYS} for row in peer] for peer in histories]
+                    for figs, histories in runs
+                },
                 "plots": [p.name for p in pngs],
             },
             indent=1,

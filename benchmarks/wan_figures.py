@@ -40,6 +40,9 @@ class Figures:
     link_efficiency: float
     final_loss: float
     wall_s: float
+    steady_utilization: float = float("nan")
+    """Utilization without each peer's last round as well: nothing follows it to overlap its
+    averaging with, so it always waits; a run of thousands of rounds has one such round."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +79,11 @@ def figures(
         sum(r["compute_s"] for r in rows) / max(sum(busy_s(r) for r in rows), 1e-9) for rows in rows_by_peer if rows
     )
     utilization = statistics.mean(per_peer)
+    steady = [
+        sum(r["compute_s"] for r in rows[:-1]) / max(sum(busy_s(r) for r in rows[:-1]), 1e-9)
+        for rows in rows_by_peer
+        if len(rows) > 1
+    ]
     wall = max(sum(busy_s(r) for r in rows) for rows in rows_by_peer)
     samples = sum(r["samples"] for rows in rows_by_peer for r in rows)
     averaged = [r for rows in rows_by_peer for r in rows if r.get("averaged")]
@@ -103,6 +111,7 @@ def figures(
         link_efficiency=bound / allreduce if timed else float("nan"),
         final_loss=final_loss,
         wall_s=wall,
+        steady_utilization=statistics.mean(steady) if steady else float("nan"),
     )
 
 
@@ -114,14 +123,16 @@ def markdown_table(results: list[Figures], *, reference: str | None = None) -> s
         return "-" if value != value else format(value, fmt)  # NaN: not measured
 
     lines = [
-        "| configuration | utilization (min peer) | swarm samples/s | MB sent / peer / round | bytes / sample "
-        "| all-reduce s | link bound s | % of link bound | final loss | vs fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | utilization (min peer) | without the last round | swarm samples/s "
+        "| MB sent / peer / round | bytes / sample | all-reduce s | link bound s | % of link bound | final loss "
+        "| vs fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         versus = f"{100 * (r.final_loss / ref.final_loss - 1):+.2f}%" if ref else "-"
         lines.append(
-            f"| {r.name} | {100 * r.utilization:.1f}% ({100 * min(r.utilization_per_peer):.1f}%) | {r.samples_per_s:.1f} | {r.bytes_per_peer_round / 1e6:.2f} "
+            f"| {r.name} | {100 * r.utilization:.1f}% ({100 * min(r.utilization_per_peer):.1f}%) "
+            f"| {num(100 * r.steady_utilization, '.1f')}% | {r.samples_per_s:.1f} | {r.bytes_per_peer_round / 1e6:.2f} "
             f"| {r.bytes_per_sample:.0f} | {num(r.allreduce_s, '.2f')} | {r.link_bound_s:.2f} "
             f"| {num(100 * r.link_efficiency, '.0f')}% | {r.final_loss:.4f} | {versus} |"
         )

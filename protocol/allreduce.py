@@ -194,6 +194,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Members that started the round from another state than the group's majority: their
         parts count with weight 0 (they still get the average, see it differs, and re-sync)."""
         self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+        self._serving = 0
+        self._all_served = asyncio.Event()
+        self._all_served.set()
         self._dither_values: torch.Tensor | None = None
         self.failed_reducers: set[PeerID] = set()
         self.refused_senders: dict[PeerID, str] = {}
@@ -287,6 +290,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         my_index = self.ordered_peer_ids.index(self.peer_id)
         sender = self.sender_peer_ids[sender_index]
         part_index = 0
+        self._serving += 1
+        self._all_served.clear()
         try:
             async for msg in stream:
                 try:
@@ -311,8 +316,22 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.bytes_sent += len(encoded.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
         finally:
+            self._serving -= 1
+            if not self._serving:
+                self._all_served.set()
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)
+
+    async def wait_until_served(self, timeout: float) -> bool:
+        """Wait until every sender that streamed parts to this reducer has been handed its last
+        averaged part (its stream handler is done), at most ``timeout`` s. This peer's own
+        result can be complete before that: a peer that left right then (its last round) cut
+        the others' last averaged parts."""
+        try:
+            await asyncio.wait_for(self._all_served.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
 
 class RoundFailedError(AllreduceException):

@@ -93,6 +93,8 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
                 raise ValueError("aux peers should not receive averaged tensors")
             return
         results = [result async for result in runner]
+        if not await runner.wait_until_served(timeout=float(self.allreduce_kwargs.get("reducer_timeout") or 60.0)):
+            logger.info("all-reduce: some members had not taken their last averaged parts from this peer")
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise RoundFailedError(f"missing averaged parts from {sorted(map(str, runner.failed_reducers))}")
         for tensor, result in zip(tensors, results):

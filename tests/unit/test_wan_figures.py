@@ -44,7 +44,7 @@ def test_figures_skip_start_up_and_compare_with_the_bound() -> None:
     assert result.final_loss == pytest.approx(3.6)
     table = markdown_table([result], reference="fp32")
     assert result.utilization_per_peer == pytest.approx((0.8, 0.8))
-    assert "| fp32 | 80.0% (80.0%) |" in table and "+0.00%" in table
+    assert "| fp32 | 80.0% (80.0%) | 80.0% |" in table and "+0.00%" in table
 
 
 def test_no_rounds_is_an_error_and_no_averaging_has_no_efficiency() -> None:
@@ -68,5 +68,7 @@ def test_overlapped_rounds_count_the_training_threads_time_once() -> None:
     peer = [
         dict(row(i, compute=10.0, wall=14.0, sent=1, allreduce=2.0, loss=3.0), wait_s=0.0, host_s=0.1) for i in range(5)
     ]
+    peer[-1] = dict(peer[-1], wait_s=4.0)  # the last round has nothing to overlap with
     result = figures("fp32", [peer], codec="none", link_bps=20e6)
-    assert result.utilization == pytest.approx(10.0 / 10.1)
+    assert result.utilization == pytest.approx(40.0 / (40.4 + 4.0))
+    assert result.steady_utilization == pytest.approx(30.0 / 30.3)
