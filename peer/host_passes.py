@@ -22,14 +22,8 @@ from __future__ import annotations
 import torch
 
 from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice
-from protocol.compression import ErrorFeedback
+from protocol.compression import ErrorFeedback, all_finite
 from protocol.spec import OuterSection
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value is finite: a cheap sum first (NaN/Inf always propagate into it),
-    the element-wise test only when the sum is not finite (which may also be an overflow)."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def model_is_finite(model: torch.nn.Module) -> bool:

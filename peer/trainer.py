@@ -112,7 +112,8 @@ class _InFlight:
     pre_digest: str
     launched_at: float
     prep_s: float = 0.0
-    """Host time spent preparing the launch (pseudo-gradient, feedback, digest, hand-over)."""
+    """Host time spent preparing the launch (pseudo-gradient and residual written into the
+    averager's vector, hand-over)."""
 
 
 @dataclass
@@ -164,7 +165,8 @@ class Trainer:
     - ``APPLYING`` (``_finish``, the only place a round lands) owns ``state`` (θ_g, outer
       momentum, round, changed in place under ``_state_lock``), the codec residual, the adaptive timeouts, ``history``
       and checkpoints: the outer step on the average, re-basing the progress made since the
-      launch, or, for a failed round, restoring the residual so its work folds into the next.
+      launch and the codec residual of what was sent; a failed round changes none of them, so
+      its work folds into the next.
     - ``RESYNCING`` (``catch_up``) owns ``in_sync`` and ``_uncounted``: it adopts the state
       the swarm's members agree on, carrying over local work nobody counted.
     """

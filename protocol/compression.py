@@ -60,7 +60,7 @@ _CHUNK = 1 << 20
 """Values processed at a time; a multiple of every block (and even), so chunking is exact."""
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """Whether every value is finite; a cheap sum first (NaN/Inf always propagate into it),
     the element-wise test only when the sum is not finite (which may also be an overflow)."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
@@ -76,7 +76,7 @@ def _check_input(x: torch.Tensor, codec: str) -> torch.Tensor:
         raise ValueError(f"{codec} codec: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if x.device.type != "cpu":
         raise ValueError(f"{codec} codec: expected a CPU tensor, got device {x.device}")
-    if not _all_finite(x):
+    if not all_finite(x):
         raise ValueError(f"{codec} codec: input contains NaN or Inf")
     return x.detach().contiguous()
 
@@ -104,7 +104,7 @@ def _write(t: torch.Tensor, dtype: str) -> bytes:
 
 
 def _require_finite(t: torch.Tensor, codec: str) -> torch.Tensor:
-    if not _all_finite(t):
+    if not all_finite(t):
         raise MalformedTensorError(f"{codec} codec: payload decodes to NaN or Inf")
     return t
 
@@ -470,7 +470,7 @@ class ErrorFeedback:
             return
         target = self._residual[offset : offset + sent.numel()]
         torch.sub(sent, self.codec.roundtrip(sent), out=target)
-        if not _all_finite(target):
+        if not all_finite(target):
             raise ValueError("error feedback: residual overflowed float32")
 
     @property
@@ -485,6 +485,6 @@ class ErrorFeedback:
         if not self.codec.lossy:
             return
         residual = sent.detach() - decoded.detach()
-        if not _all_finite(residual):
+        if not all_finite(residual):
             raise ValueError("error feedback: residual overflowed float32")
         self._residual = residual
