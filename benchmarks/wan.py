@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--label", default="", help="suffix of the result files (wan-<date>-<label>.md)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every peer's log (the path is printed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.peers < 2:
@@ -320,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         print(f"logs of the failed run kept in {tmp}", file=sys.stderr)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep_logs:
+        print(f"logs kept in {tmp}", flush=True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     results = [r for r, _ in runs]
     table = markdown_table(results, reference="fp32")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d") + (f"-{args.label}" if args.label else "")

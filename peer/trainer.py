@@ -352,9 +352,19 @@ class Trainer:
             "digest": pre_digest,
         }
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
-        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.timeouts.matchmaking_s)
+        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.matchmaking_timeout(compute_s))
         launched = time.monotonic()
         return _InFlight(pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started)
+
+    def matchmaking_timeout(self, compute_s: float) -> float:
+        """How long a launched round may look for its group. With overlap, waiting costs nothing
+        until this peer's next inner phase ends (about ``compute_s``, the phase just finished),
+        so it waits at least that long: peers of unequal speed launch further and further apart
+        (each one's rounds start when its own inner phase ends), and a deadline shorter than
+        that drift failed whole rounds for every member at once."""
+        if self.overlap:
+            return max(self.timeouts.matchmaking_s, compute_s)
+        return self.timeouts.matchmaking_s
 
     @torch.no_grad()
     def _drop_local_work(self, why: str) -> None:

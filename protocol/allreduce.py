@@ -26,6 +26,7 @@ Which members count is decided before the all-reduce from what they gathered
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -198,6 +199,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._all_served = asyncio.Event()
         self._all_served.set()
         self._dither_values: torch.Tensor | None = None
+        self._received_all: dict[int, asyncio.Event] = {}
+        """Per reducer (index): set once this peer holds all its averaged parts or gave up."""
         self.failed_reducers: set[PeerID] = set()
         self.refused_senders: dict[PeerID, str] = {}
         self.bytes_sent = 0
@@ -252,7 +255,17 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
 
     async def _receive_from_reducer(self, peer_id: PeerID, peer_index: int) -> None:
-        loop = asyncio.get_running_loop()
+        """Stream this peer's parts to one reducer and take the averaged parts back.
+
+        The stream closes only once this peer holds every averaged part: its request stream
+        ends (``_generate_input_for_peer``) after the last averaged part arrived, and the
+        reducer's handler waits for that end. If the reducer closed first, p2pd would reset the
+        stream, and a reset drops what the receiving daemon still buffers: on a slow link, the
+        last averaged parts."""
+        received_all = self._received_all.setdefault(peer_index, asyncio.Event())
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        stream: Any = None
+        responses: Any = None
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -260,28 +273,43 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
             part_index = 0
-            async for msg in aiter_with_timeout(stream, self.reducer_timeout):
+            responses = aiter_with_timeout(stream, self.reducer_timeout)
+            while part_index < expected:
+                msg = await anext(responses, None)
+                if msg is None:
+                    raise AllreduceException(f"{peer_id} sent {part_index} averaged parts, expected {expected}")
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                numel = self._expected_numel(peer_index, part_index)
-                self.bytes_received += len(msg.tensor_part.buffer)
-                part = await loop.run_in_executor(None, self.codec.decode, msg.tensor_part, numel)
-                self.tensor_part_container.register_processed_part(peer_index, part_index, part)
+                await self._take_averaged_part(peer_index, part_index, msg.tensor_part)
                 part_index += 1
-            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
-            if part_index != expected:
-                raise AllreduceException(f"{peer_id} sent {part_index} averaged parts, expected {expected}")
         except BaseException as exc:
             self.failed_reducers.add(peer_id)
             if isinstance(exc, Exception):
                 logger.warning("averaged part from reducer %s refused or missing: %s", peer_id, exc)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+        finally:
+            received_all.set()  # our request stream may end now
+            for generator in (responses, stream):
+                if generator is not None:
+                    with contextlib.suppress(Exception):
+                        await generator.aclose()
+
+    async def _take_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
+        """Decode (validating) averaged part ``part_index`` from reducer ``peer_index`` and write it in place."""
+        numel = self._expected_numel(peer_index, part_index)
+        self.bytes_received += len(serialized.buffer)
+        part = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, serialized, numel)
+        self.tensor_part_container.register_processed_part(peer_index, part_index, part)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
             self.bytes_sent += len(message.tensor_part.buffer)
             yield message
+        if not self.should_delay_results(self.peer_id):
+            # end the request stream only once every averaged part arrived (see _receive_from_reducer);
+            # a peer whose results are delayed (client mode) must end it first to get them at all
+            await self._received_all.setdefault(peer_index, asyncio.Event()).wait()
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -292,6 +320,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         part_index = 0
         self._serving += 1
         self._all_served.clear()
+        ended = "its stream ended"
         try:
             async for msg in stream:
                 try:
@@ -310,23 +339,34 @@ class ExactAllReduceRunner(AllReduceRunner):
                         sender_index, part_index, part, weight=weight
                     )
                 except BannedException:
+                    ended = "it was excluded from this round"
                     break
                 encoded = await self._encode_once(part_index, averaged)
                 part_index += 1
                 self.bytes_sent += len(encoded.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        except BaseException as exc:
+            ended = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             self._serving -= 1
             if not self._serving:
                 self._all_served.set()
             if part_index != self.tensor_part_reducer.num_parts:
+                logger.warning(
+                    "served %s only %d of %d averaged parts: %s",
+                    sender,
+                    part_index,
+                    self.tensor_part_reducer.num_parts,
+                    ended,
+                )
                 await self._ban_sender(sender)
 
     async def wait_until_served(self, timeout: float) -> bool:
-        """Wait until every sender that streamed parts to this reducer has been handed its last
-        averaged part (its stream handler is done), at most ``timeout`` s. This peer's own
-        result can be complete before that: a peer that left right then (its last round) cut
-        the others' last averaged parts."""
+        """Wait until every sender that streamed parts to this reducer holds its last averaged
+        part (its request stream ended, see ``_receive_from_reducer``, so its handler is done),
+        at most ``timeout`` s. This peer's own result can be complete before that: a peer that
+        left right then (its last round) cut the others' last averaged parts."""
         try:
             await asyncio.wait_for(self._all_served.wait(), timeout)
         except TimeoutError:

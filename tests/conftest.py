@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import faulthandler
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+BACKSTOP_S = 480.0
+"""A test still running this long after pytest-timeout's limit (``timeout`` in pyproject.toml)
+should have failed is stuck where that signal cannot reach it (the main thread blocked in C, or
+a cleanup that hangs after the timeout fired): dump every thread's stack and end the run, rather
+than leave CI hanging until its own limit with nothing to read."""
+
+
+@pytest.fixture(autouse=True)
+def _hang_backstop() -> Iterator[None]:
+    faulthandler.dump_traceback_later(BACKSTOP_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

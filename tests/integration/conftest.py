@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,21 @@ import sqlalchemy
 from coordinator.store import sqlite_url
 
 POSTGRES_URL = os.environ.get("SWARMTRAIN_TEST_POSTGRES_URL", "")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mpfuture_backend() -> None:
+    """Each test's in-process swarms get fresh cross-process locks and result pipe.
+
+    hivemind's ``MPFuture`` routes every result from every child process forked by this one
+    through one pipe guarded by one ``mp.Lock``, both made once per process. A child that an
+    earlier test's shutdown had to kill while it held the lock or was half-way through a message
+    would leave them locked or garbled, and every later test's averagers and DHTs would wait for
+    results that never come. No test here shares a swarm with another one."""
+    if "hivemind" in sys.modules:
+        from hivemind.utils.mpfuture import MPFuture
+
+        MPFuture.reset_backend()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

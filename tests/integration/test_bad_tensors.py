@@ -89,7 +89,7 @@ def run_group(
                 with averagers[i].get_tensors() as tensors:
                     results[i] = tensors[0].clone()
 
-        threads = [threading.Thread(target=step, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=step, args=(i,), daemon=True) for i in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:

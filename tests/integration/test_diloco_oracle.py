@@ -74,7 +74,7 @@ def test_two_peers_h1_equal_data_parallel_sgd() -> None:
         for seed, swarm in zip(seeds, [first, second])
     ]
     try:
-        threads = [threading.Thread(target=t.run) for t in trainers]
+        threads = [threading.Thread(target=t.run, daemon=True) for t in trainers]
         for thread in threads:
             thread.start()
         for thread in threads:

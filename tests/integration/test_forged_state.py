@@ -163,7 +163,7 @@ def test_open_run_votes_from_keys_that_never_averaged_do_not_make_a_state_the_sw
     forger: Forger | None = None
 
     def run_all(trainers: list[Trainer]) -> None:
-        threads = [threading.Thread(target=t.run) for t in trainers]
+        threads = [threading.Thread(target=t.run, daemon=True) for t in trainers]
         for thread in threads:
             thread.start()
         for thread in threads:

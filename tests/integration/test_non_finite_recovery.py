@@ -58,7 +58,7 @@ def test_a_peer_driven_to_nan_recovers_within_one_round() -> None:
 
         tasks[1].loss_fn = diverging_loss
         trainers = [Trainer(spec, task, swarm, TrainerOptions(max_rounds=ROUNDS)) for task, swarm in zip(tasks, swarms)]
-        threads = [threading.Thread(target=t.run) for t in trainers]
+        threads = [threading.Thread(target=t.run, daemon=True) for t in trainers]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -48,7 +48,7 @@ def test_newcomer_downloads_verified_state_and_refuses_tampered() -> None:
             Trainer(spec, build_task(spec, shard_seed=i), swarm, TrainerOptions(max_rounds=3))
             for i, swarm in enumerate(swarms)
         ]
-        threads = [threading.Thread(target=t.run) for t in trainers]
+        threads = [threading.Thread(target=t.run, daemon=True) for t in trainers]
         for thread in threads:
             thread.start()
         for thread in threads:

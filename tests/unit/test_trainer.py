@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from peer.state import GlobalState, flatten, outer_step
@@ -62,6 +63,7 @@ class RecordingSwarm:
     def __post_init__(self) -> None:
         self.averager: Any = None
         self.provider: Any = None
+        self.matchmaking_timeouts: list[float] = []
         # the averager's shared vector; NaN until the trainer writes its round into it
         self.vector = torch.full((count_params(parse_spec(SPEC).task.model),), float("nan"))
 
@@ -77,6 +79,7 @@ class RecordingSwarm:
 
     def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
         self.launched.append((self.vector.clone(), weight))
+        self.matchmaking_timeouts.append(timeout)
         return _Pending(self.next_result)
 
     def accepted_state(self, **kwargs: Any) -> None:
@@ -118,6 +121,18 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     trainer._finish(flight)  # the round fails: nothing changes
     assert trainer.state.digest() == before.digest()
     assert trainer.history[-1].samples == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phase_lasts(overlap: bool) -> None:
+    """Peers of unequal speed launch apart by up to a round's compute; with overlap, waiting for
+    the group costs nothing until the next inner phase ends, so the deadline covers it."""
+    trainer, swarm = make_trainer(overlap=overlap)
+    base = trainer.timeouts.matchmaking_s
+    compute_s = 10 * base
+    trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, done=2, samples=4, loss_sum=2.0))
+    (timeout,) = swarm.matchmaking_timeouts
+    assert timeout == pytest.approx(compute_s, rel=0.01) if overlap else timeout == base
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:

@@ -1,0 +1,84 @@
+"""A member that reads its averaged parts slowly still gets all of them, bit-exact.
+
+The request stream of a sender now ends only after its last averaged part arrived, and the
+reducer's handler (hence the stream, and the reducer's own step: ``wait_until_served``) ends
+only after that. A member slowed down here (each averaged part taken 150 ms late, while the
+reducer has long sent everything into the daemons' buffers) must still finish its round with
+the exact average: the handshake may not deadlock with hivemind's flow control or cut a
+stream that still carries parts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+from hivemind import DHT
+from hivemind.proto import runtime_pb2
+
+from protocol.allreduce import ExactAllReduceRunner
+from protocol.averaging import ExactAverager
+from protocol.compression import get_codec
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+NUMEL = 2_000_000  # 8 MB in fp32: 8 parts of 512 KiB per member, far beyond the sockets' buffers
+READ_DELAY_S = 0.15
+
+
+class SlowReader(ExactAllReduceRunner):
+    """Takes each averaged part from a reducer ``READ_DELAY_S`` late."""
+
+    async def _take_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
+        await asyncio.sleep(READ_DELAY_S)
+        await super()._take_averaged_part(peer_index, part_index, serialized)
+
+
+# hivemind names RPC handlers after the class: it must look like an ExactAverager
+SlowAverager = type("ExactAverager", (ExactAverager,), {"runner_class": SlowReader})
+
+
+def test_a_slow_reader_gets_every_averaged_part() -> None:
+    codec = get_codec("none")
+    first = DHT(start=True, host_maddrs=LOOPBACK)
+    second = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs())
+    averagers: list[ExactAverager] = []
+    try:
+        for i, (dht, kind) in enumerate(((first, ExactAverager), (second, SlowAverager))):
+            averager = kind(
+                NUMEL,
+                dht,
+                codec=codec,
+                prefix="reducerclose",
+                start=True,
+                min_group_size=2,
+                target_group_size=2,
+                min_matchmaking_time=2.0,
+                request_timeout=3.0,
+                allreduce_timeout=60.0,
+            )
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(torch.arange(NUMEL, dtype=torch.float32) * (i + 1))
+            averagers.append(averager)
+        outcomes: list[object] = [None, None]
+
+        def step(i: int) -> None:
+            try:
+                outcomes[i] = averagers[i].step(gather={}, timeout=60)
+            except Exception as exc:  # noqa: BLE001 - the assertion below names it
+                outcomes[i] = exc
+
+        threads = [threading.Thread(target=step, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert all(isinstance(o, dict) for o in outcomes), outcomes
+        expected = torch.arange(NUMEL, dtype=torch.float32) * 1.5
+        for averager in averagers:
+            with averager.get_tensors() as tensors:
+                assert torch.equal(tensors[0], expected)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
