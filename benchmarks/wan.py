@@ -53,7 +53,7 @@ context = 64
 lr = 2e-3
 batch_size = 8
 [rounds]
-inner_steps = {steps}
+{rounds}
 [averaging]
 compression = "{codec}"
 overlap = {overlap}
@@ -119,7 +119,11 @@ def _write_spec(workdir: Path, name: str, codec: str, overlap: bool, args: argpa
             name=re.sub(r"[^a-z0-9._-]", "-", name.lower()),
             d_model=args.d_model,
             layers=args.layers,
-            steps=args.steps,
+            rounds=(
+                f"inner_steps = 100000\ntime_budget_s = {args.time_budget}"
+                if args.time_budget
+                else f"inner_steps = {args.steps}"
+            ),
             codec=codec,
             overlap=str(overlap).lower(),
             peers=args.peers,
@@ -284,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link", default="20mbit", help="each peer's link rate, both directions (tc units)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10, help="inner steps per round")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds of inner steps per round instead of --steps (every peer trains as long: "
+        "peers of unequal speed launch together)",
+    )
     parser.add_argument("--d-model", type=int, default=192)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=None, help="run only these configurations (names)")
