@@ -8,6 +8,7 @@ arrived. The vector averaged is whatever the caller puts in it (a pseudo-gradien
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,15 @@ from protocol.state_transfer import StateProvider, StateTransferMixin
 __all__ = ["ExactAverager", "RoundFailedError", "StateProvider"]
 
 logger = logging.getLogger(__name__)
+
+if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
+    # hivemind switches torch to the "file_system" strategy on import: the averager's shared
+    # vector (and every tensor its processes pass) is then a named file in /dev/shm that only
+    # torch_shm_manager unlinks, once the last process using it is gone. A peer killed with its
+    # process group (a container or systemd stop, the OOM killer's group kill) takes the manager
+    # along and leaves the whole vector behind, in RAM, every time. With "file_descriptor" the
+    # memory has no name (unlinked at creation) and the kernel frees it with the last process.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverager):

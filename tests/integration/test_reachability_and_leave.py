@@ -4,6 +4,7 @@ SIGINT/SIGTERM make a peer leave cleanly with exit status 0, whenever they arriv
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,6 +137,25 @@ def test_sigkill_takes_the_hivemind_children_along(tmp_path: Path) -> None:
     finally:
         peer.kill()
         coordinator.kill()
+
+
+def test_a_peer_killed_with_its_whole_process_group_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+    """A container or systemd stop kills every process of the group at once. The averager's
+    shared vector (model-sized, in RAM) must go with them, not stay in /dev/shm."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(min_group=2))
+    peer = start(tmp_path, 0, spec, ["--max-rounds", "500"])
+    try:
+        peer.wait_for_maddr()
+        pids = set(_alive_in_group(peer.proc.pid))
+        assert len(pids) > 1, pids  # the peer and its hivemind children
+        peer.kill()  # SIGKILL to the whole group
+        wait_for(lambda: _group_gone(peer.proc.pid), 30, "the peer's process group to exit")
+    finally:
+        peer.kill()
+    named = (re.match(r"torch_(\d+)_", f.name) for f in Path("/dev/shm").iterdir())
+    left = [m.string for m in named if m is not None and int(m.group(1)) in pids]
+    assert not left, f"{len(left)} shared-memory files of the killed peer left in /dev/shm: {left[:5]}"
 
 
 def _alive_in_group(pgid: int) -> list[int]:
