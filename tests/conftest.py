@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,20 @@ a cleanup that hangs after the timeout fired): dump every thread's stack and end
 than leave CI hanging until its own limit with nothing to read."""
 
 
+_real_stderr: int | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep a descriptor of the real stderr (output capture is off while plugins configure):
+    during a test, fd 2 goes to pytest's capture file, which nobody prints if the run ends
+    from the backstop."""
+    global _real_stderr
+    _real_stderr = os.dup(2)
+
+
 @pytest.fixture(autouse=True)
 def _hang_backstop() -> Iterator[None]:
-    faulthandler.dump_traceback_later(BACKSTOP_S, exit=True)
+    faulthandler.dump_traceback_later(BACKSTOP_S, exit=True, file=_real_stderr if _real_stderr is not None else 2)
     try:
         yield
     finally:
