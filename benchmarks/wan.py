@@ -306,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.peers < 2:
         parser.error("--peers must be >= 2")
+    if args.time_budget < 0:
+        parser.error("--time-budget must be >= 0")
+    if args.time_budget and any(
+        kind != "swarmtrain" for name, kind, *_ in CONFIGS if not args.only or name in args.only
+    ):
+        parser.error(
+            "--time-budget applies to swarmtrain's configurations only (the hivemind baselines count steps); pick them with --only"
+        )
     try:
         parse_rate(args.link)
     except ValueError as exc:

@@ -12,10 +12,11 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BACKSTOP_S = 480.0
-"""A test still running this long after pytest-timeout's limit (``timeout`` in pyproject.toml)
-should have failed is stuck where that signal cannot reach it (the main thread blocked in C, or
-a cleanup that hangs after the timeout fired): dump every thread's stack and end the run, rather
-than leave CI hanging until its own limit with nothing to read."""
+"""Seconds after its start at which a test counts as hung. pytest-timeout (``timeout`` in
+pyproject.toml, 300 s) should have failed it by then; one still running is stuck where that
+signal cannot reach it (the main thread blocked in C, or a cleanup that hangs after the timeout
+fired): dump every thread's stack and end the run, rather than leave CI hanging until its own
+limit with nothing to read."""
 
 
 _real_stderr: int | None = None

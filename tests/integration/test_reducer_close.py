@@ -1,20 +1,23 @@
-"""A member that reads its averaged parts slowly still gets all of them, bit-exact.
+"""A member ends its request stream to a reducer only once it holds every averaged part of
+that reducer, and a slow reader still gets all of them, bit-exact.
 
-The request stream of a sender now ends only after its last averaged part arrived, and the
-reducer's handler (hence the stream, and the reducer's own step: ``wait_until_served``) ends
-only after that. A member slowed down here (each averaged part taken 150 ms late, while the
-reducer has long sent everything into the daemons' buffers) must still finish its round with
-the exact average: the handshake may not deadlock with hivemind's flow control or cut a
-stream that still carries parts."""
+The reducer's handler (hence the stream, and the reducer's own step: ``wait_until_served``)
+ends when the member's request stream ends, so this order makes the stream close after
+delivery, never while averaged parts are still on their way. The member here takes each
+averaged part 150 ms late, long after the reducer has sent everything into the daemons'
+buffers; it counts a request stream it ended too early, and the round must still give the
+exact average (the handshake may not deadlock with hivemind's flow control)."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
+from collections.abc import AsyncIterator
 
 import torch
 from hivemind import DHT
-from hivemind.proto import runtime_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 
 from protocol.allreduce import ExactAllReduceRunner
 from protocol.averaging import ExactAverager
@@ -25,12 +28,26 @@ NUMEL = 2_000_000  # 8 MB in fp32: 8 parts of 512 KiB per member, far beyond the
 READ_DELAY_S = 0.15
 
 
+EARLY_ENDS = multiprocessing.Value("i", 0)
+"""Request streams the slow member ended before it held that reducer's averaged parts (shared
+with the averager processes, which fork from this one)."""
+
+
 class SlowReader(ExactAllReduceRunner):
-    """Takes each averaged part from a reducer ``READ_DELAY_S`` late."""
+    """Takes each averaged part from a reducer ``READ_DELAY_S`` late, and counts a request
+    stream it ended before holding every averaged part of that reducer."""
 
     async def _take_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
         await asyncio.sleep(READ_DELAY_S)
         await super()._take_averaged_part(peer_index, part_index, serialized)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield message
+        outputs = self.tensor_part_container
+        if outputs._outputs_registered_by_peer[peer_index] < outputs.num_parts_by_peer[peer_index]:
+            with EARLY_ENDS.get_lock():
+                EARLY_ENDS.value += 1
 
 
 # hivemind names RPC handlers after the class: it must look like an ExactAverager
@@ -38,6 +55,7 @@ SlowAverager = type("ExactAverager", (ExactAverager,), {"runner_class": SlowRead
 
 
 def test_a_slow_reader_gets_every_averaged_part() -> None:
+    EARLY_ENDS.value = 0
     codec = get_codec("none")
     first = DHT(start=True, host_maddrs=LOOPBACK)
     second = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs())
@@ -73,6 +91,7 @@ def test_a_slow_reader_gets_every_averaged_part() -> None:
         for thread in threads:
             thread.join(timeout=120)
         assert all(isinstance(o, dict) for o in outcomes), outcomes
+        assert EARLY_ENDS.value == 0, "the slow member ended a request stream before it held its averaged parts"
         expected = torch.arange(NUMEL, dtype=torch.float32) * 1.5
         for averager in averagers:
             with averager.get_tensors() as tensors:

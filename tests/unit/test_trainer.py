@@ -132,7 +132,8 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     compute_s = 10 * base
     trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, done=2, samples=4, loss_sum=2.0))
     (timeout,) = swarm.matchmaking_timeouts
-    assert timeout == pytest.approx(compute_s, rel=0.01) if overlap else timeout == base
+    expected = compute_s if overlap else base
+    assert timeout == pytest.approx(expected, rel=0.01)
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
