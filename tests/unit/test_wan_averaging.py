@@ -1,0 +1,46 @@
+"""The averaging-only WAN benchmark: its arithmetic and the arguments it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.wan_averaging import parse_args, per_pair_bytes, summarize
+from benchmarks.wan_figures import link_bound_s
+
+
+def test_each_link_carries_what_a_bandwidth_optimal_all_reduce_puts_on_it() -> None:
+    values, peers = 10_400_000, 4
+    per_link = per_pair_bytes(values, "none", peers) * (peers - 1)
+    assert per_link == 2 * (peers - 1) * values * 4 // peers
+    bound = link_bound_s(peers=peers, params=values, codec="none", link_bps=50e6)
+    assert per_link * 8 / 50e6 == pytest.approx(bound)
+
+
+def test_summary_compares_every_transport_with_the_baselines_of_the_same_run() -> None:
+    rounds = {"tcp": [10.0, 12.0, 11.0], "libp2p": [11.0, 12.0], "swarmtrain": [13.0, 11.0, 12.0]}
+    summary = summarize(rounds, bound_s=9.0)
+    assert summary["tcp"]["median_s"] == 11.0
+    assert summary["libp2p"]["median_s"] == 11.5
+    assert summary["swarmtrain"]["pct_of_link_bound"] == pytest.approx(75.0)
+    assert summary["swarmtrain"]["pct_of_tcp"] == pytest.approx(100 * 11 / 12)
+    assert summary["swarmtrain"]["pct_of_libp2p"] == pytest.approx(100 * 11.5 / 12)
+    assert "pct_of_tcp" not in summary["tcp"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--peers", "1"], "--peers must be at least 2"),
+        (["--rounds", "0"], "must be positive"),
+        (["--link", "fast"], "fast"),
+        (["--codec", "zip"], "invalid choice"),
+        (["--only", "udp"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_set_up(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
