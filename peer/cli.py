@@ -61,10 +61,41 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local ranks (GPUs) of this node, one member of the swarm (default: every visible GPU; 1 on CPU)",
+    )
     overlap = parser.add_mutually_exclusive_group()
     overlap.add_argument("--overlap", dest="overlap", action="store_true", default=None, help="force overlap on")
     overlap.add_argument("--no-overlap", dest="overlap", action="store_false", help="force overlap off")
     parser.set_defaults(run=run)
+
+
+def ranks_to_launch(args: argparse.Namespace) -> int:
+    """How many local ranks the launcher must start for this command: ``--nproc-per-node``
+    (default: every visible GPU, 1 on CPU); 1 when this process already is a rank (started by
+    the launcher or by torchrun) or the node has one rank."""
+    if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
+        raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
+    from peer.node import NodeEnv
+
+    node_env = NodeEnv.from_environ()
+    if node_env is not None:
+        if args.nproc_per_node not in (None, node_env.world_size):
+            raise ConfigError(
+                f"--nproc-per-node {args.nproc_per_node}, but torch.distributed says {node_env.world_size} local ranks"
+            )
+        return 1
+    if args.nproc_per_node is not None:
+        return int(args.nproc_per_node)
+    if args.device not in (None, "cuda"):
+        return 1
+    import torch
+
+    return max(1, torch.cuda.device_count())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    from peer.node import NodeEnv
+
+    node_env = NodeEnv.from_environ()
+    if node_env is not None and node_env.rank > 0:
+        return _run_worker(args, node_env)
     # from here on a signal means "leave cleanly": a SIGTERM while torch imports or the DHT
     # starts must not kill the process with its hivemind children running
     stop = threading.Event()
@@ -112,14 +148,20 @@ def run(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
     shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
 
-    import torch
-
+    from peer.node import Command
     from peer.swarm import Swarm
     from peer.task import Task, build_task, known_param_count
     from peer.trainer import Trainer, TrainerOptions
     from protocol.compression import get_codec
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(args.device, node_env)
+    local_node = None
+    if node_env is not None:
+        from peer.node import LocalNode
+
+        local_node = LocalNode(node_env, device=device)
+        spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
+        local_node.share({"spec": spec_text, "seed": shard_seed, "device": device})
     # hivemind's DHT and averager processes are forked from this one: fork them before the
     # model exists, or each keeps the model's first pages (copy-on-write) once training
     # rewrites them, one more copy of the model in host memory
@@ -157,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         built = sum(p.numel() for p in task.model.parameters())
         if built != numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {numel}")
-        _announce(spec.run.name, node, created, swarm, args, numel, device)
+        _announce(spec.run.name, node, created, swarm, args, numel, device, node_env)
         if client is not None and join_info is not None:
             from peer.coordinator_client import CoordinatorLink
 
@@ -188,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             wait_for_group_s=args.wait_for_group,
             stop=stop,
+            node=local_node,
         )
         display = ProgressDisplay(credit=lambda: link.credit if link is not None else None)
         display.guard_logging()
@@ -205,12 +248,17 @@ def run(args: argparse.Namespace) -> int:
             trainer.run()
         finally:
             display.clear()
+            if local_node is not None:
+                with contextlib.suppress(Exception):  # a lost rank: the launcher names it
+                    local_node.send(Command.STOP)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
     finally:
         if link is not None:
             link.stop()
         swarm.shutdown()
+        if local_node is not None:
+            local_node.close()
     if link is not None and link.credit is not None:
         print(f"coordinator: {link.credit.describe()}", flush=True)
     print("peer stopped cleanly", flush=True)
@@ -218,8 +266,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(requested: str | None, node_env: Any) -> str:
+    """The torch device of this process: ``--device``, else CUDA if there is one; with several
+    local ranks on CUDA, rank r takes GPU r."""
+    import torch
+
+    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
+    if node_env is not None and device == "cuda":
+        return f"cuda:{node_env.rank}"
+    return device
+
+
+def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
+    """A local rank other than the leader: it trains what the leader tells it (``peer.node``);
+    the leader alone talks to the swarm and the coordinator."""
+    from peer.node import LocalNode, rank_shard_seed, run_worker
+    from peer.task import build_task
+    from protocol.spec import parse_spec
+
+    local_node = LocalNode(node_env, device=_device(args.device, node_env))
+    try:
+        shared = local_node.share(None)
+        spec = parse_spec(shared["spec"], source="the spec of this node's leader")
+        seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
+        task = build_task(spec, shard_seed=seed, device=local_node.device)
+        run_worker(local_node, spec, task)
+    finally:
+        local_node.close()
+    return 0
+
+
 def _announce(
-    run_name: str, node: NodeIdentity, created: bool, swarm: Any, args: argparse.Namespace, numel: int, device: str
+    run_name: str,
+    node: NodeIdentity,
+    created: bool,
+    swarm: Any,
+    args: argparse.Namespace,
+    numel: int,
+    device: str,
+    node_env: Any = None,
 ) -> None:
     mode = (
         "client mode (no inbound connections: --client-mode)"
@@ -228,7 +313,8 @@ def _announce(
     )
     account = f"{node.account.public_key.id}{' (new identity)' if created else ''}"
     print(f"peer {node.node.public_key.id} of account {account} joining run {run_name!r}", flush=True)
-    print(f"model: {numel:,} parameters on {device}; {mode}", flush=True)
+    ranks = f" x {node_env.world_size} local ranks" if node_env is not None else ""
+    print(f"model: {numel:,} parameters on {device}{ranks}; {mode}", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)
     if not args.initial_peers:

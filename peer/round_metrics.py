@@ -46,6 +46,8 @@ class RoundMetrics:
     digest_s: float = 0.0
     """Seconds hashing the new state took, on a background thread while the next inner steps
     ran (not in ``host_s``)."""
+    local_world_size: int = 1
+    """Local ranks (GPUs) of this node that trained the round (``peer.node``)."""
     members: list[dict[str, Any]] = field(default_factory=list)
     """What each group member gathered: id, round, samples, digest."""
 

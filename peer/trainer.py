@@ -27,7 +27,6 @@ the swarm only through ``peer.swarm_port.SwarmPort``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -42,6 +41,8 @@ from typing import Any
 import torch
 
 from peer.host_passes import Staging, copy_model_into, land_round, model_is_finite, write_pseudo_gradient
+from peer.inner_step import inner_optimizer, inner_step
+from peer.node import Command, LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.round_metrics import RoundMetrics
 from peer.state import GlobalState, flatten, load_flat
@@ -149,6 +150,8 @@ class TrainerOptions:
     instead of each peer training its first round alone. 0 disables."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set to finish the current round cleanly and return."""
+    node: LocalNode | None = None
+    """This peer's local ranks when it is the leader of several (``peer.node``); None: one rank."""
 
 
 class Trainer:
@@ -192,7 +195,12 @@ class Trainer:
         # a lossless codec has no residual to carry: no feedback (and no full-size zero copies)
         use_feedback = spec.averaging.error_feedback and self.codec.lossy
         self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
-        self.optimizer = _inner_optimizer(spec, self.model)
+        self.optimizer = inner_optimizer(spec, self.model)
+        self.node = options.node
+        self._forward = self.node.wrap(self.model) if self.node is not None else self.model
+        """What inner steps run: the model, or with several local ranks the model behind DDP."""
+        self._node_synced = False
+        """Whether the other local ranks hold this model and inner-optimizer state (``peer.node``)."""
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
@@ -255,6 +263,8 @@ class Trainer:
             if inner is None and more and (flight is None or self.overlap):
                 inner = self._start_inner()
             training = inner is not None and not inner.over(self.options.stop)
+            if inner is None or not training or (flight is not None and flight.pending.done()):
+                self._node_synced = False  # whatever comes next may change the model outside a step
             if flight is not None and (not training or flight.pending.done()):
                 self._finish(flight)
                 flight = None
@@ -285,7 +295,7 @@ class Trainer:
     def _train_step(self, inner: _InnerPhase) -> None:
         self.phase = Phase.TRAINING
         inner.loss_sum += self._inner_step()
-        inner.samples += self.task.samples_per_batch
+        inner.samples += self.task.samples_per_batch * (self.node.world_size if self.node is not None else 1)
         inner.done += 1
         if time.monotonic() - self._published_at >= REPUBLISH_S:
             self._republish()
@@ -303,22 +313,18 @@ class Trainer:
         )
 
     def _inner_step(self) -> float:
-        inputs, targets = (t.to(self.options.device) for t in next(self.task.batches))
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.options.device.startswith("cuda")
-            else contextlib.nullcontext()
+        node = self.node
+        if node is not None:
+            if not self._node_synced:
+                node.send(Command.SYNC)
+                node.sync(self.model, self.optimizer)
+                self._node_synced = True
+            node.send(Command.STEP, self.inner_steps_done)
+        loss = inner_step(
+            self._forward, self.optimizer, self.task, self.spec, step=self.inner_steps_done, device=self.options.device
         )
-        with autocast:
-            loss = self.task.loss_fn(self.model, (inputs, targets))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.spec.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.inner.grad_clip)
-        _set_lr(self.optimizer, self.spec, self.inner_steps_done)
-        self.optimizer.step()
         self.inner_steps_done += 1
-        return float(loss.detach())
+        return node.mean(loss) if node is not None else loss
 
     def _launch(self, inner: _InnerPhase) -> _InFlight:
         prep_started = time.monotonic()
@@ -376,7 +382,7 @@ class Trainer:
             why,
         )
         load_flat(self.model, self.state.params)
-        self.optimizer = _inner_optimizer(self.spec, self.model)
+        self.optimizer = inner_optimizer(self.spec, self.model)
 
     def _finish(self, flight: _InFlight) -> None:
         """Land the round in flight (waiting for it if need be): apply or undo it, record it."""
@@ -407,6 +413,7 @@ class Trainer:
             allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(self.timeouts.allreduce_s, 2),
+            local_world_size=self.node.world_size if self.node is not None else 1,
         )
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
         self._landed = _Landed(metrics, checkpoint, flight.prep_s + time.monotonic() - landed)
@@ -611,19 +618,3 @@ class Trainer:
             )
             return None
         return work
-
-
-def _inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
-    inner = spec.inner
-    if inner.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
-    return torch.optim.AdamW(
-        model.parameters(), lr=inner.lr, betas=(inner.betas[0], inner.betas[1]), weight_decay=inner.weight_decay
-    )
-
-
-def _set_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, step: int) -> None:
-    warmup = spec.inner.warmup_steps
-    scale = min(1.0, (step + 1) / warmup) if warmup else 1.0
-    for group in optimizer.param_groups:
-        group["lr"] = spec.inner.lr * scale

@@ -16,7 +16,7 @@ from typing import NoReturn
 from coordinator import cli as coordinator_cli
 from peer import cli as peer_cli
 from protocol.errors import SpecError, SwarmtrainError
-from swarmtrain import __version__
+from swarmtrain import __version__, node_launcher
 from swarmtrain.commands import admin, demo, doctor, keygen, spec, status
 from swarmtrain.lifetime import leave_with_parent, tie_children_to_this_process
 
@@ -57,11 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     _configure_logging(args.verbose)
     tie_children_to_this_process()
     leave_with_parent()
     prog = f"swarmtrain {args.command}"
     try:
+        if args.command == "peer":
+            ranks = peer_cli.ranks_to_launch(args)
+            if ranks > 1:
+                return node_launcher.launch(args.argv, ranks)
         return int(args.run(args))
     except SpecError as exc:
         for problem in exc.problems:

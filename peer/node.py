@@ -1,0 +1,213 @@
+"""A node of several local ranks that is one member of the swarm (issue #13).
+
+``swarmtrain peer --nproc-per-node N`` (or ``torchrun``) runs N processes in one
+``torch.distributed`` process group (NCCL on CUDA, gloo on CPU). They split the inner phase
+data-parallel: each rank trains on its own part of the node's data, and
+``DistributedDataParallel`` averages the gradients in backward, so every rank steps on the
+same gradient and holds the same model. Rank 0, the **leader**, is the node's swarm member:
+it runs the ``Trainer`` (θ_g, outer momentum, averager, digests, checkpoints, coordinator
+link) exactly as a one-rank peer does, and drives the others. The other ranks run
+``run_worker``: a loop over the leader's commands.
+
+- ``STEP n``: one inner step (every rank, its own batch; ``n`` sets the learning rate);
+- ``SYNC``: the leader's model and inner-optimizer state are broadcast to every rank. The
+  leader sends it before the first step after anything but a step touched its model (a
+  round landed and re-based the model, a re-sync adopted a state, a non-finite model was
+  dropped, a checkpoint was restored), so the ranks never drift from the leader;
+- ``STOP``: leave.
+
+A node's weight in swarm averaging is the samples of all its ranks. If a rank dies, the
+collectives of the others fail (gloo/NCCL see the connection go) and the launcher
+(``peer.launcher``) stops the node and names the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from peer.inner_step import inner_optimizer, inner_step
+from peer.task import Task
+from peer.task.base import derive_seed
+from protocol.errors import ConfigError
+from protocol.spec import RunSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""How long a rank waits in a collective (for a command, a step) before the node gives up:
+a leader averaging without overlap sends no command for a whole all-reduce."""
+
+
+def rank_shard_seed(node_seed: int, rank: int) -> int:
+    """The data shard seed of local rank ``rank``: the node's own for the leader (a one-rank
+    node trains on what it always did), one derived from it for the others."""
+    return node_seed if rank == 0 else derive_seed(node_seed, "local-rank", rank)
+
+
+class Command(enum.IntEnum):
+    STEP = 1
+    SYNC = 2
+    STOP = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeEnv:
+    """Where this process sits in its node: torchrun's environment variables."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv | None:
+        """The node this process belongs to, or None outside one (no ``WORLD_SIZE``, or 1)."""
+        env = dict(os.environ if environ is None else environ)
+        if "WORLD_SIZE" not in env:
+            return None
+        try:
+            world = int(env["WORLD_SIZE"])
+            rank = int(env.get("LOCAL_RANK", env.get("RANK", "0")))
+            port = int(env.get("MASTER_PORT", "0"))
+        except ValueError as exc:
+            raise ConfigError(f"bad torch.distributed environment: {exc}") from None
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"bad torch.distributed environment: rank {rank} of world size {world}")
+        if int(env.get("NNODES", env.get("GROUP_WORLD_SIZE", "1"))) != 1 or env.get(
+            "LOCAL_WORLD_SIZE", str(world)
+        ) != str(world):
+            raise ConfigError("a swarmtrain node is one machine: run torchrun with --nnodes 1")
+        if world == 1:
+            return None
+        if not 0 < port < 65536:
+            raise ConfigError(f"bad torch.distributed environment: MASTER_PORT {port}")
+        return cls(rank, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+class LocalNode:
+    """This process's place in the node's process group, and the collectives the node uses."""
+
+    def __init__(self, env: NodeEnv, *, device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.device = device
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self._command = torch.zeros(2, dtype=torch.int64, device=device)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, obj: Any) -> Any:
+        """The leader's ``obj`` on every rank (small objects: the spec, the node's seed)."""
+        box = [obj if self.is_leader else None]
+        dist.broadcast_object_list(box, src=0, device=torch.device(self.device))
+        return box[0]
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` whose backward averages gradients across the node (``DistributedDataParallel``;
+        it also broadcasts the leader's parameters once, here)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def send(self, command: Command, argument: int = 0) -> None:
+        """Leader: tell every other rank what to do next."""
+        self._command[0], self._command[1] = int(command), int(argument)
+        dist.broadcast(self._command, src=0)
+
+    def receive(self) -> tuple[Command, int]:
+        """Other ranks: the leader's next command."""
+        dist.broadcast(self._command, src=0)
+        return Command(int(self._command[0])), int(self._command[1])
+
+    def sync(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank: the leader's parameters and inner-optimizer state, in place."""
+        params = list(model.parameters())
+        for param in params:
+            self._broadcast(param.data)
+        layout = None
+        if self.is_leader:
+            layout = [
+                [
+                    (key, (tuple(value.shape), str(value.dtype).removeprefix("torch."), str(value.device)), None)
+                    if torch.is_tensor(value)
+                    else (key, None, value)
+                    for key, value in (sorted(optimizer.state[p].items()) if p in optimizer.state else [])
+                ]
+                for p in params
+            ]
+        layout = self.share(layout)
+        for param, entries in zip(params, layout, strict=True):
+            state = optimizer.state[param]
+            if not self.is_leader:
+                for key in set(state) - {key for key, *_ in entries}:
+                    del state[key]
+            for key, tensor, value in entries:
+                if tensor is None:
+                    state[key] = value
+                    continue
+                shape, dtype, on = tensor
+                current = state.get(key)
+                if not self.is_leader and (current is None or tuple(current.shape) != shape):
+                    current = state[key] = torch.empty(shape, dtype=getattr(torch, dtype), device=on)
+                self._broadcast(current)
+            if not entries and param in optimizer.state:
+                del optimizer.state[param]
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast from the leader; via the node's device for a CPU tensor under NCCL (AdamW
+        keeps its step count on the CPU)."""
+        if tensor.device == torch.device(self.device) or not self.device.startswith("cuda"):
+            dist.broadcast(tensor, src=0)
+            return
+        staged = tensor.to(self.device)
+        dist.broadcast(staged, src=0)
+        tensor.copy_(staged)
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the node's ranks."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_worker(node: LocalNode, spec: RunSpec, task: Task) -> None:
+    """A rank other than the leader: follow the leader's commands until ``STOP``."""
+    model = task.model.to(node.device)
+    forward = node.wrap(model)
+    optimizer = inner_optimizer(spec, model)
+    steps = 0
+    while True:
+        command, argument = node.receive()
+        if command is Command.STOP:
+            logger.info("local rank %d: %d inner steps, stopping", node.rank, steps)
+            return
+        if command is Command.SYNC:
+            node.sync(model, optimizer)
+        elif command is Command.STEP:
+            loss = inner_step(forward, optimizer, task, spec, step=argument, device=node.device)
+            node.mean(loss)
+            steps += 1
