@@ -105,12 +105,14 @@ class Child:
 class LocalPeer(Child):
     """One `swarmtrain peer` child."""
 
-    def __init__(self, args: list[str], workdir: Path, name: str, *, threads: int = 1) -> None:
+    def __init__(
+        self, args: list[str], workdir: Path, name: str, *, threads: int = 1, env: dict[str, str] | None = None
+    ) -> None:
         self.metrics_file = workdir / f"{name}.jsonl"
         self._asked_to_leave = False
         # one torch thread per peer: several peers share this machine's cores
         argv = ["peer", *args, "--metrics-file", str(self.metrics_file)]
-        super().__init__(argv, workdir / f"{name}.log", name, {"OMP_NUM_THREADS": str(threads)})
+        super().__init__(argv, workdir / f"{name}.log", name, {"OMP_NUM_THREADS": str(threads), **(env or {})})
 
     def node_id(self, deadline_s: float = 60.0) -> str:
         """The public id of the node key this peer signs with (``peer.node_identity``)."""

@@ -1,0 +1,158 @@
+"""A node of several local ranks is one swarm member (issue #13), on CPU with gloo: real
+`swarmtrain peer` processes (one with ``--nproc-per-node 2``), a real hivemind swarm.
+
+- A node of 2 ranks averages with a 1-rank peer for several rounds with identical digests,
+  and ends with the same global parameters (float tolerance) as a 1-rank node that trains
+  on both ranks' batches at once, with the same partner.
+- Killing one local rank mid-run ends its node with a line naming the rank; the rest of the
+  swarm carries on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from protocol.checkpoint import Checkpointer
+from protocol.spec import load_spec
+from swarmtrain.localswarm import LocalPeer, wait_until
+
+ROUNDS = 3
+SPEC = """
+[run]
+name = "local-ranks"
+[task]
+kind = "import"
+factory = "tests.integration.rank_tasks:bytegpt"
+[task.options]
+{options}
+[task.model]
+d_model = 64
+n_layers = 2
+n_heads = 4
+context = 64
+[inner]
+lr = 3e-3
+batch_size = 8
+[rounds]
+inner_steps = 5
+[averaging]
+compression = "none"
+overlap = false
+min_group_size = 2
+target_group_size = {group}
+matchmaking_timeout_s = 30.0
+allreduce_timeout_s = 60.0
+"""
+PARTNER_SEED, NODE_SEED = 5, 7
+
+
+def _env(repo_root: Path) -> dict[str, str]:
+    return {"PYTHONPATH": str(repo_root)}  # the spec's factory lives in this test package
+
+
+def _peer(spec: Path, tmp: Path, name: str, seed: int, env: dict[str, str], *extra: str) -> LocalPeer:
+    args = ["--spec", str(spec), "--key", str(tmp / f"{name}.key"), "--shard-seed", str(seed)]
+    args += ["--host", "127.0.0.1", "--checkpoint-dir", str(tmp / f"{name}-checkpoints"), *extra]
+    return LocalPeer(args, tmp, name, env=env)
+
+
+def _pair(tmp: Path, repo_root: Path, *, options: str, node_args: list[str]) -> dict[str, Any]:
+    """A partner (1 rank) and the node under test, ROUNDS rounds; their rows and the node's θ_g."""
+    tmp.mkdir()
+    spec = tmp / "spec.toml"
+    spec.write_text(SPEC.format(options=options, group=2))
+    env = _env(repo_root)
+    rounds = ["--max-rounds", str(ROUNDS)]
+    partner = _peer(spec, tmp, "partner", PARTNER_SEED, env, *rounds)
+    node = None
+    try:
+        node = _peer(
+            spec, tmp, "node", NODE_SEED, env, *rounds, "--initial-peers", partner.wait_for_maddr(), *node_args
+        )
+        for peer in (partner, node):
+            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-30:])
+    finally:
+        for peer in (partner, node):
+            if peer is not None:
+                peer.kill()
+    record = Checkpointer(tmp / "node-checkpoints", spec_digest=load_spec(spec).digest()).latest()
+    assert record is not None
+    return {"node": node.rounds(), "partner": partner.rounds(), "params": record["params"], "lines": node.lines}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    repo_root = Path(__file__).resolve().parents[2]
+    base = tmp_path_factory.mktemp("local-ranks")
+    two = _pair(base / "two-ranks", repo_root, options="", node_args=["--nproc-per-node", "2"])
+    one = _pair(base / "one-rank", repo_root, options=f"pair_seed = {NODE_SEED}", node_args=[])
+    return {"two ranks": two, "one rank, both batches": one}
+
+
+def _check_swarm(run: dict[str, Any], world_size: int) -> None:
+    node, partner = run["node"], run["partner"]
+    assert len(node) == len(partner) == ROUNDS
+    for mine, theirs in zip(node, partner, strict=True):
+        assert mine["averaged"] and theirs["averaged"] and mine["group_size"] == 2, (mine, theirs)
+        assert mine["round"] == theirs["round"]
+        assert mine["state_digest"] == theirs["state_digest"], (mine["round"], mine, theirs)
+        assert mine["local_world_size"] == world_size
+        assert mine["samples"] == 2 * theirs["samples"]  # the node's weight: both ranks' samples
+
+
+def test_a_two_rank_node_and_a_one_rank_peer_average_with_identical_digests(runs: dict[str, Any]) -> None:
+    two = runs["two ranks"]
+    _check_swarm(two, world_size=2)
+    assert any("x 2 local ranks" in line for line in two["lines"])
+    assert two["node"][-1]["loss"] < two["node"][0]["loss"]
+
+
+def test_two_ranks_train_what_one_rank_training_both_batches_trains(runs: dict[str, Any]) -> None:
+    two, one = runs["two ranks"], runs["one rank, both batches"]
+    _check_swarm(one, world_size=1)
+    # DDP sums two half-batch gradients where one rank differentiates the whole batch: equal up
+    # to rounding, which AdamW's normalisation magnifies for the few parameters whose gradient is
+    # almost zero. 1e-4 is 3% of one inner step's largest update (lr 3e-3).
+    torch.testing.assert_close(two["params"], one["params"], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(two["params"], torch.zeros_like(two["params"]))
+    for a, b in zip(two["node"], one["node"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+
+
+def test_killing_a_local_rank_ends_its_node_and_the_swarm_carries_on(tmp_path: Path, repo_root: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(options="", group=3))
+    env = _env(repo_root)
+    rounds = 6
+    peers: list[LocalPeer] = []
+    try:
+        first = _peer(spec, tmp_path, "first", 1, env, "--max-rounds", str(rounds))
+        peers.append(first)
+        bootstrap = ["--initial-peers", first.wait_for_maddr()]
+        peers.append(_peer(spec, tmp_path, "second", 2, env, "--max-rounds", str(rounds), *bootstrap))
+        node = _peer(spec, tmp_path, "node", NODE_SEED, env, "--nproc-per-node", "2", *bootstrap)
+        peers.append(node)
+        pids = node.printed(r"^node: 2 local ranks, pids (\d+ \d+)$", 60).split()
+        wait_until(lambda: len(node.rounds()) >= 1, 240, "the node's first round")
+        os.kill(int(pids[1]), signal.SIGKILL)  # local rank 1, while the node trains its next round
+        assert node.wait(timeout=120) != 0
+        output = "\n".join(node.lines)
+        assert re.search(r"local rank 1 was killed by SIGKILL; the node left the swarm", output), output
+        for peer in peers[:2]:
+            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-30:])
+        histories = [peer.rounds() for peer in peers[:2]]
+        assert all(len(h) == rounds for h in histories)
+        # the node is gone: the two others' last rounds averaged together, to the same state
+        for a, b in zip(*(h[-2:] for h in histories), strict=True):
+            assert a["averaged"] and b["averaged"] and a["group_size"] == b["group_size"] == 2, (a, b)
+            assert a["round"] == b["round"] and a["state_digest"] == b["state_digest"], (a, b)
+    finally:
+        for peer in peers:
+            peer.kill()
