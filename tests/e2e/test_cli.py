@@ -125,8 +125,9 @@ def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
         (["--wait-for-group", "-1"], "--wait-for-group must be between 0 and 86400"),
         (["--wait-for-group", "nan"], "--wait-for-group must be between 0 and 86400"),
         (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be in 1..64"),
     ],
-    ids=["negative-wait", "nan-wait", "zero-checkpoint-every"],
+    ids=["negative-wait", "nan-wait", "zero-checkpoint-every", "zero-ranks"],
 )
 def test_peer_bad_flags_are_one_clear_line(tmp_path: Path, flags: list[str], needle: str) -> None:
     proc = sw("peer", "--spec", "examples/demo.toml", "--key", str(tmp_path / "k.key"), *flags)
