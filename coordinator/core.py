@@ -34,6 +34,9 @@ from protocol.tokens import issue_token
 
 logger = logging.getLogger(__name__)
 
+MAX_LOCAL_RANKS = 64
+"""A node says how many local ranks it runs; more than this is not one machine."""
+
 _PHASES = {
     pb.PEER_PHASE_JOINING: "joining",
     pb.PEER_PHASE_TRAINING: "training",
@@ -125,6 +128,7 @@ class Coordinator:
             software_version=body.software_version,
             reachable=body.reachable,
             now=now,
+            local_ranks=max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)),
         )
         token = issue_token(
             self.identity,
@@ -238,6 +242,7 @@ class Coordinator:
                     reachable=p.reachable,
                     software_version=p.software_version,
                     last_seen=p.last_seen,
+                    local_ranks=p.local_ranks,
                 )
                 for p in self.health.peers()
             ],
@@ -383,6 +388,7 @@ def _hardware(hw: pb.Hardware) -> dict:
         "accelerator_memory_gib": hw.accelerator_memory_gib,
         "cpu_count": hw.cpu_count,
         "ram_gib": hw.ram_gib,
+        "local_ranks": max(1, min(hw.local_ranks, MAX_LOCAL_RANKS)),
     }
 
 

@@ -63,6 +63,8 @@ class PeerHealth:
     loss: float | None = None
     phase: str = "joining"
     """The phase the peer last reported (one of ``PHASES``)."""
+    local_ranks: int = 1
+    """Local ranks (GPUs) of the node, as it said when it joined."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,16 @@ class HealthTracker:
         self.config = config
         self._peers: dict[str, PeerHealth] = {}
 
-    def join(self, key: str, *, libp2p_peer_id: str, software_version: str, reachable: bool, now: float) -> PeerHealth:
+    def join(
+        self,
+        key: str,
+        *,
+        libp2p_peer_id: str,
+        software_version: str,
+        reachable: bool,
+        now: float,
+        local_ranks: int = 1,
+    ) -> PeerHealth:
         """Record a (re-)join: the peer starts over in JOINING."""
         _check_time(now)
         peer = PeerHealth(
@@ -147,6 +158,7 @@ class HealthTracker:
             joined_at=now,
             last_seen=now,
             state=PeerState.JOINING,
+            local_ranks=local_ranks,
         )
         old = self._peers.get(key)
         if old is not None:

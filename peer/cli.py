@@ -131,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
         from protocol.version import __version__
 
         client = CoordinatorClient(
-            args.coordinator, identity, software_version=__version__, endorsement=node.endorsement
+            args.coordinator,
+            identity,
+            software_version=__version__,
+            endorsement=node.endorsement,
+            local_ranks=node_env.world_size if node_env is not None else 1,
         )
         local_digest = load_spec(args.spec).digest() if args.spec else ""
         join_info = client.join(spec_digest=local_digest, reachable=not args.client_mode)

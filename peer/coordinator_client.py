@@ -69,7 +69,13 @@ class CoordinatorClient:
     """Signed, timed calls to one coordinator."""
 
     def __init__(
-        self, address: str, identity: Identity, *, software_version: str, endorsement: SignedMessage | None = None
+        self,
+        address: str,
+        identity: Identity,
+        *,
+        software_version: str,
+        endorsement: SignedMessage | None = None,
+        local_ranks: int = 1,
     ) -> None:
         """``identity`` signs every request; ``endorsement`` (the account's signature over its
         public key, see ``peer.node_identity``) names the account it earns for."""
@@ -77,6 +83,7 @@ class CoordinatorClient:
             raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
         self.address, self.identity, self.software_version = address, identity, software_version
         self.endorsement = endorsement
+        self.local_ranks = local_ranks
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
@@ -92,7 +99,7 @@ class CoordinatorClient:
             libp2p_peer_id=libp2p_peer_id,
             software_version=self.software_version,
             spec_digest=spec_digest,
-            hardware=_hardware(),
+            hardware=_hardware(self.local_ranks),
             maddrs=maddrs or [],
             reachable=reachable,
         )
@@ -266,10 +273,10 @@ def _renewal_time(token: bytes) -> float:
     return decoded.issued_at + (decoded.expires_at - decoded.issued_at) / 2
 
 
-def _hardware() -> pb.Hardware:
+def _hardware(local_ranks: int) -> pb.Hardware:
     import torch
 
-    hw = pb.Hardware(device="cpu", cpu_count=os.cpu_count() or 0)
+    hw = pb.Hardware(device="cpu", cpu_count=os.cpu_count() or 0, local_ranks=local_ranks)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         hw.device, hw.accelerator_count = "cuda", torch.cuda.device_count()

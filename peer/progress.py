@@ -88,6 +88,7 @@ def round_line(metrics: dict[str, Any]) -> str:
         f"round {metrics['round']:>4} | loss {metrics['loss']:.4f} | "
         f"{metrics['samples'] / max(metrics['wall_s'], 1e-9):8.1f} samples/s | group {metrics['group_size']} | "
         f"sent {metrics['bytes_sent'] / 1e6:.2f} MB | wait {metrics['wait_s']:.2f} s"
+        + (f" | {ranks} local ranks" if (ranks := metrics.get("local_world_size", 1)) > 1 else "")
         + ("" if metrics["averaged"] else " | averaging failed")
         + ("" if metrics["in_sync"] else " | OUT OF SYNC")
     )

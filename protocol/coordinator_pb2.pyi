@@ -79,20 +79,22 @@ class AccessTokenBody(_message.Message):
     def __init__(self, run_digest: _Optional[str] = ..., peer_public_key: _Optional[bytes] = ..., issued_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., token_id: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ...) -> None: ...
 
 class Hardware(_message.Message):
-    __slots__ = ("device", "accelerator_count", "accelerator_name", "accelerator_memory_gib", "cpu_count", "ram_gib")
+    __slots__ = ("device", "accelerator_count", "accelerator_name", "accelerator_memory_gib", "cpu_count", "ram_gib", "local_ranks")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_NAME_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_MEMORY_GIB_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     RAM_GIB_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     device: str
     accelerator_count: int
     accelerator_name: str
     accelerator_memory_gib: float
     cpu_count: int
     ram_gib: float
-    def __init__(self, device: _Optional[str] = ..., accelerator_count: _Optional[int] = ..., accelerator_name: _Optional[str] = ..., accelerator_memory_gib: _Optional[float] = ..., cpu_count: _Optional[int] = ..., ram_gib: _Optional[float] = ...) -> None: ...
+    local_ranks: int
+    def __init__(self, device: _Optional[str] = ..., accelerator_count: _Optional[int] = ..., accelerator_name: _Optional[str] = ..., accelerator_memory_gib: _Optional[float] = ..., cpu_count: _Optional[int] = ..., ram_gib: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
 
 class JoinBody(_message.Message):
     __slots__ = ("libp2p_peer_id", "software_version", "spec_digest", "hardware", "maddrs", "reachable", "account_endorsement")
@@ -231,7 +233,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen")
+    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen", "local_ranks")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +241,7 @@ class PeerStatus(_message.Message):
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     libp2p_peer_id: str
     state: str
@@ -246,7 +249,8 @@ class PeerStatus(_message.Message):
     reachable: bool
     software_version: str
     last_seen: float
-    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ...) -> None: ...
+    local_ranks: int
+    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive")

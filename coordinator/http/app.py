@@ -8,6 +8,7 @@ see a consistent core. Nothing here is served from a CDN.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ def create_app(
                     "round": h.round if h else None,
                     "samples_per_second": h.samples_per_second if h else 0.0,
                     "last_seen": h.last_seen if h else row["last_seen"],
+                    "local_ranks": h.local_ranks if h else _local_ranks(row["hardware_json"]),
                 }
             )
         return out
@@ -114,3 +116,11 @@ def create_app(
 
     _ = PublicKey  # keys are printed as public ids throughout
     return app
+
+
+def _local_ranks(hardware_json: str) -> int:
+    """The local ranks a stored peer said it runs (1 for records from before they were kept)."""
+    try:
+        return int(json.loads(hardware_json).get("local_ranks", 1))
+    except (ValueError, TypeError, AttributeError):
+        return 1

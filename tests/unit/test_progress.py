@@ -145,3 +145,8 @@ def test_with_a_coordinator_the_live_line_shows_the_credit() -> None:
     assert live_text(out).endswith("| credited 1,920 samples")
     assert credit[0].describe() == "credited 1,920 samples (3.84e+10 FLOPs)"
     assert Credit(5, 1e9, 7).describe() == "credited 5 samples (1e+09 FLOPs), 7 pending"
+
+
+def test_a_round_line_names_the_local_ranks_of_a_node_of_several() -> None:
+    assert "local ranks" not in round_line(METRICS)
+    assert round_line({**METRICS, "local_world_size": 4}).endswith("| 4 local ranks")
