@@ -102,9 +102,11 @@ class LocalNode:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            init_method="env://",  # under torchrun: its agent's store
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
