@@ -3,29 +3,15 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 from sqlalchemy.exc import OperationalError
 
 from coordinator.core import Coordinator
-from coordinator.store import Store, sqlite_url
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
-from protocol.spec import parse_spec
-
-SPEC = '[run]\nname = "credit"\n'
-
-
-@pytest.fixture
-def core(tmp_path: Path):  # type: ignore[no-untyped-def]
-    store = Store(sqlite_url(tmp_path))
-    yield Coordinator(
-        spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
-    )
-    store.close()
 
 
 def heartbeat(core: Coordinator, peer: Identity) -> pb.HeartbeatResponse:

@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 from coordinator.core import MAX_LOCAL_RANKS, Coordinator
-from coordinator.store import Store, sqlite_url
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
-from protocol.spec import parse_spec
-
-SPEC = '[run]\nname = "ranks"\n'
-
-
-@pytest.fixture
-def core(tmp_path: Path):  # type: ignore[no-untyped-def]
-    store = Store(sqlite_url(tmp_path))
-    yield Coordinator(
-        spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
-    )
-    store.close()
 
 
 def _join(core: Coordinator, local_ranks: int) -> str:
