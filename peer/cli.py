@@ -62,6 +62,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
+        "--fsdp",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with several local ranks, shard the model over them with FSDP2 (default auto: when the "
+        "training state does not fit one GPU; never on CPU)",
+    )
+    parser.add_argument(
         "--nproc-per-node",
         type=int,
         default=None,
@@ -164,16 +171,24 @@ def run(args: argparse.Namespace) -> int:
         from peer.node import LocalNode
 
         local_node = LocalNode(node_env, device=device)
-        spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
-        local_node.share({"spec": spec_text, "seed": shard_seed, "device": device})
     # hivemind's DHT and averager processes are forked from this one: fork them before the
     # model exists, or each keeps the model's first pages (copy-on-write) once training
     # rewrites them, one more copy of the model in host memory
     task: Task | None = None
     numel = known_param_count(spec)
+    shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
     if numel is None:
-        task = build_task(spec, shard_seed=shard_seed, device=device)
+        task = build_task(spec, shard_seed=shard_seed, device="cpu" if shard else device)
         numel = sum(p.numel() for p in task.model.parameters())
+        shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
+        if shard:
+            task.model.to("cpu")
+    if local_node is not None:
+        spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
+        local_node.share({"spec": spec_text, "seed": shard_seed, "shard": shard})
+    # sharded, the leader keeps a plain full copy of the model in host memory for the round's
+    # host passes; the ranks train FSDP2 shards of it on their devices
+    model_device = "cpu" if shard else device
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
     gate = None
     if join_info is not None:
@@ -199,11 +214,11 @@ def run(args: argparse.Namespace) -> int:
     link = None
     try:
         if task is None:
-            task = build_task(spec, shard_seed=shard_seed, device=device)
+            task = build_task(spec, shard_seed=shard_seed, device=model_device)
         built = sum(p.numel() for p in task.model.parameters())
         if built != numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {numel}")
-        _announce(spec.run.name, node, created, swarm, args, numel, device, node_env)
+        _announce(spec.run.name, node, created, swarm, args, numel, device, node_env, shard)
         if client is not None and join_info is not None:
             from peer.coordinator_client import CoordinatorLink
 
@@ -235,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
             wait_for_group_s=args.wait_for_group,
             stop=stop,
             node=local_node,
+            shard=shard,
         )
         display = ProgressDisplay(credit=lambda: link.credit if link is not None else None)
         display.guard_logging()
@@ -281,6 +297,24 @@ def _device(requested: str | None, node_env: Any) -> str:
     return device
 
 
+TRAINING_BYTES_PER_PARAM = 16
+"""fp32 parameters, gradients and AdamW's two moments."""
+
+
+def use_fsdp(choice: str, numel: int | None, device: str) -> bool:
+    """Whether a node of several ranks shards its model (``--fsdp``): ``on``/``off``, or ``auto``:
+    on CUDA when the training state, with a quarter more for activations and buffers, exceeds
+    one GPU's memory (unknown size: no); never on CPU."""
+    if choice != "auto":
+        return choice == "on"
+    if numel is None or not device.startswith("cuda"):
+        return False
+    import torch
+
+    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return numel * TRAINING_BYTES_PER_PARAM * 1.25 > memory
+
+
 def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
     """A local rank other than the leader: it trains what the leader tells it (``peer.node``);
     the leader alone talks to the swarm and the coordinator."""
@@ -293,8 +327,9 @@ def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
         shared = local_node.share(None)
         spec = parse_spec(shared["spec"], source="the spec of this node's leader")
         seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
-        task = build_task(spec, shard_seed=seed, device=local_node.device)
-        run_worker(local_node, spec, task)
+        shard = bool(shared["shard"])
+        task = build_task(spec, shard_seed=seed, device="cpu" if shard else local_node.device)
+        run_worker(local_node, spec, task, shard=shard)
     finally:
         local_node.close()
     return 0
@@ -309,6 +344,7 @@ def _announce(
     numel: int,
     device: str,
     node_env: Any = None,
+    shard: bool = False,
 ) -> None:
     mode = (
         "client mode (no inbound connections: --client-mode)"
@@ -318,6 +354,7 @@ def _announce(
     account = f"{node.account.public_key.id}{' (new identity)' if created else ''}"
     print(f"peer {node.node.public_key.id} of account {account} joining run {run_name!r}", flush=True)
     ranks = f" x {node_env.world_size} local ranks" if node_env is not None else ""
+    ranks += " (FSDP2 shards)" if shard else ""
     print(f"model: {numel:,} parameters on {device}{ranks}; {mode}", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)

@@ -23,6 +23,7 @@ collectives of the others fail (gloo/NCCL see the connection go) and the launche
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import enum
@@ -56,6 +57,7 @@ class Command(enum.IntEnum):
     STEP = 1
     SYNC = 2
     STOP = 3
+    GATHER = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,8 @@ class LocalNode:
         self.rank = env.rank
         self.world_size = env.world_size
         self.device = device
+        self.sharded = False
+        """Whether the replicas are FSDP2 shards (``wrap(..., shard=True)``) rather than DDP copies."""
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -123,13 +127,52 @@ class LocalNode:
         dist.broadcast_object_list(box, src=0, device=torch.device(self.device))
         return box[0]
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` whose backward averages gradients across the node (``DistributedDataParallel``;
-        it also broadcasts the leader's parameters once, here)."""
-        from torch.nn.parallel import DistributedDataParallel
+    def wrap(self, model: torch.nn.Module, *, shard: bool = False) -> torch.nn.Module:
+        """What this rank trains. Without ``shard``: ``model`` itself behind
+        ``DistributedDataParallel`` (its backward averages gradients across the node; it also
+        broadcasts the leader's parameters once, here). With ``shard``: an FSDP2 copy of
+        ``model`` (``fully_shard`` on every block of its ``ModuleList``s, then the root), each rank
+        holding a 1/N shard of the parameters, gradients and optimizer state; ``model`` stays a
+        plain full copy that ``gather``/``scatter`` exchange with the shards."""
+        if not shard:
+            from torch.nn.parallel import DistributedDataParallel
 
-        ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
-        return DistributedDataParallel(model, device_ids=ids)
+            ids = [torch.device(self.device).index] if self.device.startswith("cuda") else None
+            return DistributedDataParallel(model, device_ids=ids)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.sharded = True
+        replica = copy.deepcopy(model)
+        mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,))
+        for module in list(replica.modules()):
+            if isinstance(module, torch.nn.ModuleList):
+                for block in module:
+                    fully_shard(block, mesh=mesh)
+        fully_shard(replica, mesh=mesh)
+        replica.to(self.device)
+        self.scatter(model, replica)  # every rank starts from the leader's parameters
+        return replica
+
+    @torch.no_grad()
+    def gather(self, replica: torch.nn.Module, model: torch.nn.Module) -> None:
+        """Every rank: the shards' parameters, whole, into the leader's ``model`` (one
+        parameter at a time: one full parameter of temporary memory)."""
+        for full, shard in zip(model.parameters(), replica.parameters(), strict=True):
+            whole = shard.full_tensor()  # type: ignore[attr-defined]
+            if self.is_leader:
+                full.data.copy_(whole)
+
+    @torch.no_grad()
+    def scatter(self, model: torch.nn.Module, replica: torch.nn.Module) -> None:
+        """Every rank: the leader's ``model`` parameters into each rank's shard (the others'
+        ``model`` only lends its shapes)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        for full, shard in zip(model.parameters(), replica.parameters(), strict=True):
+            source = full.data.to(self.device)
+            sharded = distribute_tensor(source, shard.device_mesh, shard.placements, src_data_rank=0)  # type: ignore[attr-defined]
+            shard.to_local().copy_(sharded.to_local())  # type: ignore[attr-defined]
 
     def send(self, command: Command, argument: int = 0) -> None:
         """Leader: tell every other rank what to do next."""
@@ -141,8 +184,14 @@ class LocalNode:
         dist.broadcast(self._command, src=0)
         return Command(int(self._command[0])), int(self._command[1])
 
-    def sync(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank: the leader's parameters and inner-optimizer state, in place."""
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module, replica: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank: the leader's ``model`` into every replica. Sharded, into each rank's shard
+        (the optimizer state stays sharded: each rank keeps its own); otherwise the leader's
+        parameters and inner-optimizer state, in place."""
+        if self.sharded:
+            self.scatter(model, replica)
+            return
         params = list(model.parameters())
         for param in params:
             self._broadcast(param.data)
@@ -196,11 +245,14 @@ class LocalNode:
             dist.destroy_process_group()
 
 
-def run_worker(node: LocalNode, spec: RunSpec, task: Task) -> None:
-    """A rank other than the leader: follow the leader's commands until ``STOP``."""
-    model = task.model.to(node.device)
-    forward = node.wrap(model)
-    optimizer = inner_optimizer(spec, model)
+def run_worker(node: LocalNode, spec: RunSpec, task: Task, *, shard: bool = False) -> None:
+    """A rank other than the leader: follow the leader's commands until ``STOP``. ``SYNC n``
+    carries the leader's optimizer generation: a new one means it rebuilt its inner optimizer
+    (a dropped non-finite model), and so does this rank."""
+    model = task.model if shard else task.model.to(node.device)
+    forward = node.wrap(model, shard=shard)
+    optimizer = inner_optimizer(spec, forward)
+    generation = 0
     steps = 0
     while True:
         command, argument = node.receive()
@@ -208,7 +260,11 @@ def run_worker(node: LocalNode, spec: RunSpec, task: Task) -> None:
             logger.info("local rank %d: %d inner steps, stopping", node.rank, steps)
             return
         if command is Command.SYNC:
-            node.sync(model, optimizer)
+            if argument != generation:
+                optimizer, generation = inner_optimizer(spec, forward), argument
+            node.sync(model, forward, optimizer)
+        elif command is Command.GATHER:
+            node.gather(forward, model)
         elif command is Command.STEP:
             loss = inner_step(forward, optimizer, task, spec, step=argument, device=node.device)
             node.mean(loss)

@@ -152,6 +152,8 @@ class TrainerOptions:
     """Set to finish the current round cleanly and return."""
     node: LocalNode | None = None
     """This peer's local ranks when it is the leader of several (``peer.node``); None: one rank."""
+    shard: bool = False
+    """With ``node``: FSDP2-shard the model over the local ranks instead of replicating it (DDP)."""
 
 
 class Trainer:
@@ -186,7 +188,9 @@ class Trainer:
         self.spec, self.task, self.swarm, self.options = spec, task, swarm, options
         self.on_round = on_round or (lambda metrics: None)
         self.progress: ProgressSink = progress or NoProgress()
-        self.model = task.model.to(options.device)
+        # sharded over local ranks, this is the leader's plain full copy (host memory), and the
+        # ranks train FSDP2 shards of it on their devices (``peer.node``)
+        self.model = task.model if options.node is not None and options.shard else task.model.to(options.device)
         self.state = GlobalState.from_model(self.model)
         self._state_lock = threading.Lock()
         """Held while the state changes in place or is copied for serving."""
@@ -195,12 +199,17 @@ class Trainer:
         # a lossless codec has no residual to carry: no feedback (and no full-size zero copies)
         use_feedback = spec.averaging.error_feedback and self.codec.lossy
         self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
-        self.optimizer = inner_optimizer(spec, self.model)
         self.node = options.node
-        self._forward = self.node.wrap(self.model) if self.node is not None else self.model
-        """What inner steps run: the model, or with several local ranks the model behind DDP."""
+        self._forward = self.node.wrap(self.model, shard=options.shard) if self.node is not None else self.model
+        """What inner steps run: the model; with several local ranks the model behind DDP, or
+        this rank's FSDP2 shard of a copy of it (``peer.node``)."""
+        self.optimizer = inner_optimizer(spec, self._forward)
+        self._optimizer_generation = 0
+        """Counts rebuilds of the inner optimizer; the other local ranks rebuild theirs on a change."""
         self._node_synced = False
-        """Whether the other local ranks hold this model and inner-optimizer state (``peer.node``)."""
+        """Whether the other local ranks hold this model (and, unsharded, this inner-optimizer state)."""
+        self._shards_ahead = False
+        """Sharded: inner steps moved the shards since ``self.model`` last gathered them."""
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
@@ -229,7 +238,11 @@ class Trainer:
             return
         self.state = GlobalState(record["params"], record["momentum"], record["round"])
         self.model.load_state_dict(record["model"])
-        self.optimizer.load_state_dict(record["inner_optimizer"])
+        if self.node is not None and self.node.sharded or record.get("inner_optimizer") is None:
+            # sharded: each rank holds its shard of the optimizer state, and the checkpoint none
+            logger.info("the inner optimizer starts afresh (the checkpoint holds no state for it)")
+        else:
+            self.optimizer.load_state_dict(record["inner_optimizer"])
         if self.feedback is not None and record.get("residual") is not None:
             self.feedback.load_residual(record["residual"])
         self.inner_steps_done = int(record["inner_steps_done"])
@@ -244,7 +257,9 @@ class Trainer:
                 "params": self.state.params,
                 "momentum": self.state.momentum,
                 "model": self.model.state_dict(),
-                "inner_optimizer": self.optimizer.state_dict(),
+                # sharded over local ranks, the state is spread over the ranks: not kept (a
+                # restarted node's inner optimizer starts afresh, as after a dropped model)
+                "inner_optimizer": None if self.node is not None and self.node.sharded else self.optimizer.state_dict(),
                 "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
             },
@@ -264,7 +279,7 @@ class Trainer:
                 inner = self._start_inner()
             training = inner is not None and not inner.over(self.options.stop)
             if inner is None or not training or (flight is not None and flight.pending.done()):
-                self._node_synced = False  # whatever comes next may change the model outside a step
+                self._host_work_next()
             if flight is not None and (not training or flight.pending.done()):
                 self._finish(flight)
                 flight = None
@@ -312,14 +327,26 @@ class Trainer:
             )
         )
 
+    def _host_work_next(self) -> None:
+        """The next step reads or changes ``self.model`` outside an inner step (a launch, a
+        landing, a re-sync): with sharded local ranks gather the shards into it first; either
+        way the other ranks must take it again before the next inner step."""
+        node = self.node
+        if node is not None and node.sharded and self._shards_ahead:
+            node.send(Command.GATHER)
+            node.gather(self._forward, self.model)
+            self._shards_ahead = False
+        self._node_synced = False
+
     def _inner_step(self) -> float:
         node = self.node
         if node is not None:
             if not self._node_synced:
-                node.send(Command.SYNC)
-                node.sync(self.model, self.optimizer)
+                node.send(Command.SYNC, self._optimizer_generation)
+                node.sync(self.model, self._forward, self.optimizer)
                 self._node_synced = True
             node.send(Command.STEP, self.inner_steps_done)
+            self._shards_ahead = True
         loss = inner_step(
             self._forward, self.optimizer, self.task, self.spec, step=self.inner_steps_done, device=self.options.device
         )
@@ -382,7 +409,8 @@ class Trainer:
             why,
         )
         load_flat(self.model, self.state.params)
-        self.optimizer = inner_optimizer(self.spec, self.model)
+        self.optimizer = inner_optimizer(self.spec, self._forward)
+        self._optimizer_generation += 1
 
     def _finish(self, flight: _InFlight) -> None:
         """Land the round in flight (waiting for it if need be): apply or undo it, record it."""

@@ -3,7 +3,8 @@
 
 - A node of 2 ranks averages with a 1-rank peer for several rounds with identical digests,
   and ends with the same global parameters (float tolerance) as a 1-rank node that trains
-  on both ranks' batches at once, with the same partner.
+  on both ranks' batches at once, with the same partner; and as the same node with its model
+  sharded over the two ranks by FSDP2.
 - Killing one local rank mid-run ends its node with a line naming the rank; the rest of the
   swarm carries on.
 """
@@ -93,7 +94,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     base = tmp_path_factory.mktemp("local-ranks")
     two = _pair(base / "two-ranks", repo_root, options="", node_args=["--nproc-per-node", "2"])
     one = _pair(base / "one-rank", repo_root, options=f"pair_seed = {NODE_SEED}", node_args=[])
-    return {"two ranks": two, "one rank, both batches": one}
+    fsdp = _pair(base / "fsdp", repo_root, options="", node_args=["--nproc-per-node", "2", "--fsdp", "on"])
+    return {"two ranks": two, "one rank, both batches": one, "two ranks, fsdp": fsdp}
 
 
 def _check_swarm(run: dict[str, Any], world_size: int) -> None:
@@ -123,6 +125,16 @@ def test_two_ranks_train_what_one_rank_training_both_batches_trains(runs: dict[s
     torch.testing.assert_close(two["params"], one["params"], rtol=1e-4, atol=1e-4)
     assert not torch.equal(two["params"], torch.zeros_like(two["params"]))
     for a, b in zip(two["node"], one["node"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+
+
+def test_fsdp2_over_two_ranks_trains_what_replicated_ranks_train(runs: dict[str, Any]) -> None:
+    two, fsdp = runs["two ranks"], runs["two ranks, fsdp"]
+    _check_swarm(fsdp, world_size=2)
+    assert any("x 2 local ranks (FSDP2 shards)" in line for line in fsdp["lines"])
+    # a reduce-scatter of shards where DDP all-reduces buckets: equal up to rounding (see above)
+    torch.testing.assert_close(fsdp["params"], two["params"], rtol=1e-4, atol=1e-4)
+    for a, b in zip(two["node"], fsdp["node"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
 
 

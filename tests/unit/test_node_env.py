@@ -67,3 +67,11 @@ def test_how_many_ranks_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_lost_rank_is_described_in_words() -> None:
     assert describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
     assert describe_exit(3) == "exited with status 3"
+
+
+def test_fsdp_is_chosen_by_flag_or_only_when_the_training_state_outgrows_a_gpu() -> None:
+    from peer.cli import use_fsdp
+
+    assert use_fsdp("on", None, "cpu") and not use_fsdp("off", 10**12, "cuda:0")
+    assert not use_fsdp("auto", 10**12, "cpu")  # never on CPU
+    assert not use_fsdp("auto", None, "cuda:0")  # size unknown
