@@ -7,7 +7,8 @@ same data, same links.
 Configurations: two hivemind.Optimizer baselines (``benchmarks.baseline_hivemind``:
 synchronous data parallel, and ``use_local_updates=True`` averaging every H steps), then
 swarmtrain with fp32, fp16, int8 and 4-bit averaging (overlap on), and fp32 and int8 with
-overlap off. For each: compute utilization, swarm samples/s, bytes each peer put on its
+overlap off; on request (``--only``) "fp32 node of 2 ranks", fp32 with the first peer a node of
+two local ranks (``--nproc-per-node 2``), to compare its WAN averaging with fp32's. For each: compute utilization, swarm samples/s, bytes each peer put on its
 link (kernel counters of the simulated link) per round and per sample, all-reduce time vs.
 the link bound 2·(n−1)/n·S/B, and the loss after the last round; equal rounds are equal
 samples (``benchmarks.wan_figures``). Then a late joiner's time to ready against the time
@@ -71,7 +72,11 @@ CONFIGS = [  # name, kind, codec, overlap
     ("4bit", "swarmtrain", "4bit", True),
     ("fp32 no-overlap", "swarmtrain", "none", False),
     ("int8 no-overlap", "swarmtrain", "int8", False),
+    ("fp32 node of 2 ranks", "swarmtrain", "none", True),
 ]
+NODE_RANKS = {"fp32 node of 2 ranks": 2}
+"""Configurations whose first peer is a node of several local ranks (``--nproc-per-node``; the
+others keep one): its WAN averaging against fp32's, same state size (issue #13)."""
 
 
 class _Peer:
@@ -189,6 +194,8 @@ def run_config(
         peers: list[_Peer] = []
         for i, host in enumerate(hosts):
             argv = _argv(kind, spec, host, sim.ip(host), i, args, workdir, args.rounds)
+            if i == 0 and name in NODE_RANKS:
+                argv += ["--nproc-per-node", str(NODE_RANKS[name])]
             if peers:
                 argv += ["--initial-peers", peers[0].maddr(sim.ip(hosts[0]))]
             peers.append(_Peer(sim, host, argv, workdir / f"{host}.log"))
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="swarmtrain-wan-")
     try:
         for name, kind, codec, overlap in CONFIGS:
-            if args.only and name not in args.only:
+            if (args.only and name not in args.only) or (not args.only and name in NODE_RANKS):
                 continue
             print(f"running {name} ({args.peers} peers, {args.link} links)...", flush=True)
             runs.append(run_config(name, kind, codec, overlap, args, Path(tmp) / name.replace(" ", "-")))

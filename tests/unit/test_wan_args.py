@@ -22,3 +22,10 @@ def test_a_time_budget_is_refused_where_it_cannot_apply(
         main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_node_configuration_is_a_configuration() -> None:
+    from benchmarks.wan import CONFIGS, NODE_RANKS
+
+    names = {name for name, *_ in CONFIGS}
+    assert set(NODE_RANKS) <= names and all(ranks > 1 for ranks in NODE_RANKS.values())
