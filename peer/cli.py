@@ -62,6 +62,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with several local ranks, a rank silent this long is hung and ends the node (default: 120)",
+    )
+    parser.add_argument(
         "--fsdp",
         choices=("auto", "on", "off"),
         default="auto",
@@ -87,6 +94,8 @@ def ranks_to_launch(args: argparse.Namespace) -> int:
     the launcher or by torchrun) or the node has one rank."""
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
+    if not 5 <= args.rank_timeout <= 86400:
+        raise ConfigError(f"--rank-timeout must be between 5 and 86400 seconds, got {args.rank_timeout}")
     from peer.node import NodeEnv
 
     node_env = NodeEnv.from_environ()

@@ -29,6 +29,9 @@ import datetime
 import enum
 import logging
 import os
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +45,10 @@ from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_ENV = "SWARMTRAIN_RANK_HEARTBEAT"
+"""A file this rank touches every ``HEARTBEAT_EVERY_S`` (set by ``swarmtrain.node_launcher``,
+which declares a rank hung when it stops)."""
+HEARTBEAT_EVERY_S = 2.0
 DEFAULT_TIMEOUT_S = 1800.0
 """How long a rank waits in a collective (for a command, a step) before the node gives up:
 a leader averaging without overlap sends no command for a whole all-reduce."""
@@ -116,6 +123,9 @@ class LocalNode:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self._command = torch.zeros(2, dtype=torch.int64, device=device)
+        beat = os.environ.get(HEARTBEAT_ENV)
+        if beat:
+            threading.Thread(target=_heartbeat, args=(Path(beat),), name="rank-heartbeat", daemon=True).start()
 
     @property
     def is_leader(self) -> bool:
@@ -243,6 +253,16 @@ class LocalNode:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _heartbeat(path: Path) -> None:
+    """Touch ``path`` every ``HEARTBEAT_EVERY_S`` while this process runs (and is not stopped)."""
+    while True:
+        try:
+            path.touch()
+        except OSError as exc:
+            logger.warning("local rank heartbeat %s: %s", path, exc)
+        time.sleep(HEARTBEAT_EVERY_S)
 
 
 def run_worker(node: LocalNode, spec: RunSpec, task: Task, *, shard: bool = False) -> None:

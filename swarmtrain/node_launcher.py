@@ -6,7 +6,9 @@ session, so a Ctrl-C in the terminal reaches only this launcher; it passes SIGIN
 to rank 0 (the leader), which finishes its round, tells the other ranks to stop and leaves the
 swarm. The ranks die with the launcher (``swarmtrain.lifetime``).
 
-A rank that exits with an error or is killed ends the node as a unit: the leader is told to
+Every rank touches a heartbeat file from a thread every few seconds (``peer.node``); one
+that falls silent for ``--rank-timeout`` seconds (a stopped or frozen process) is killed and
+counts as lost. A rank that exits with an error, is killed or is lost so ends the node as a unit: the leader is told to
 leave (its collectives with the lost rank fail, so it cannot average a half-updated state; its
 checkpoints are written whole or not at all), every rank still running after a grace period
 is killed, and the command exits 1 with a line naming the rank and how it ended.
@@ -16,18 +18,24 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
+from peer.node import HEARTBEAT_ENV
 from swarmtrain.lifetime import PARENT_ENV
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_RANK_TIMEOUT_S = 120.0
+"""A rank whose heartbeat stops this long is hung (stopped, frozen): killed, the node ends."""
 GRACE_S = 30.0
 """How long the leader gets to leave the swarm once a rank is lost, before it is killed."""
 WORKERS_GRACE_S = 10.0
@@ -64,12 +72,15 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def launch(command: Sequence[str], nproc: int) -> int:
-    """Run ``command`` (a ``swarmtrain`` argv) as ``nproc`` local ranks; the node's exit status."""
+def launch(command: Sequence[str], nproc: int, *, rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> int:
+    """Run ``command`` (a ``swarmtrain`` argv) as ``nproc`` local ranks; the node's exit status.
+    A rank whose heartbeat (``peer.node.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
     port = _free_port()
+    beats = Path(tempfile.mkdtemp(prefix="swarmtrain-node-"))
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nproc):
         env = {**os.environ, **rank_env(rank, nproc, port), PARENT_ENV: str(os.getpid())}
+        env[HEARTBEAT_ENV] = str(beats / f"rank-{rank}")
         procs.append(subprocess.Popen([sys.executable, "-m", "swarmtrain", *command], env=env, start_new_session=True))
     print(f"node: {nproc} local ranks, pids {' '.join(str(p.pid) for p in procs)}", flush=True)
     leader = procs[0]
@@ -80,26 +91,41 @@ def launch(command: Sequence[str], nproc: int) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _watch(procs)
+        return _watch(procs, beats, rank_timeout_s)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         for proc in procs:
             if proc.poll() is None:
                 _kill_group(proc)
+        shutil.rmtree(beats, ignore_errors=True)
 
 
-def _watch(procs: list[subprocess.Popen[bytes]]) -> int:
-    lost: tuple[int, int] | None = None
+def silent_for(beat: Path, now: float) -> float:
+    """Seconds since the rank's last heartbeat; 0 before its first (it is still starting)."""
+    try:
+        return max(0.0, now - beat.stat().st_mtime)
+    except FileNotFoundError:
+        return 0.0
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], beats: Path, rank_timeout_s: float) -> int:
+    lost: tuple[int, str] | None = None
     deadline = float("inf")
     while True:
         codes = [proc.poll() for proc in procs]
         if all(code is not None for code in codes):
             break
         if lost is None:
+            now = time.time()
             for rank, code in enumerate(codes):
                 if code is not None and (code != 0 or rank == 0):
-                    lost = (rank, code)
+                    lost = (rank, describe_exit(code))
+                    break
+                silent = silent_for(beats / f"rank-{rank}", now) if code is None else 0.0
+                if silent > rank_timeout_s:
+                    lost = (rank, f"stopped responding (no heartbeat for {silent:.0f} s)")
+                    _kill_group(procs[rank])
                     break
             if lost is not None and lost[0] != 0:
                 if procs[0].poll() is None:
@@ -114,10 +140,8 @@ def _watch(procs: list[subprocess.Popen[bytes]]) -> int:
         time.sleep(POLL_S)
     exits = [proc.wait() for proc in procs]
     if lost is not None and lost[0] != 0:
-        rank, code = lost
-        print(
-            f"swarmtrain peer: error: local rank {rank} {describe_exit(code)}; the node left the swarm", file=sys.stderr
-        )
+        rank, how = lost
+        print(f"swarmtrain peer: error: local rank {rank} {how}; the node left the swarm", file=sys.stderr)
         return 1
     leader = exits[0]
     return leader if leader >= 0 else 128 - leader

@@ -5,8 +5,8 @@
   and ends with the same global parameters (float tolerance) as a 1-rank node that trains
   on both ranks' batches at once, with the same partner; and as the same node with its model
   sharded over the two ranks by FSDP2.
-- Killing one local rank mid-run ends its node with a line naming the rank; the rest of the
-  swarm carries on.
+- Killing one local rank mid-run, or stopping it (a hung rank), ends its node with a line
+  naming the rank; the rest of the swarm carries on.
 """
 
 from __future__ import annotations
@@ -138,7 +138,17 @@ def test_fsdp2_over_two_ranks_trains_what_replicated_ranks_train(runs: dict[str,
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
 
 
-def test_killing_a_local_rank_ends_its_node_and_the_swarm_carries_on(tmp_path: Path, repo_root: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "how"),
+    [
+        (signal.SIGKILL, r"was killed by SIGKILL"),
+        (signal.SIGSTOP, r"stopped responding \(no heartbeat for \d+ s\)"),  # hung, not dead
+    ],
+    ids=["killed", "stopped"],
+)
+def test_losing_a_local_rank_ends_its_node_and_the_swarm_carries_on(
+    tmp_path: Path, repo_root: Path, sig: signal.Signals, how: str
+) -> None:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(options="", group=3))
     env = _env(repo_root)
@@ -149,14 +159,15 @@ def test_killing_a_local_rank_ends_its_node_and_the_swarm_carries_on(tmp_path: P
         peers.append(first)
         bootstrap = ["--initial-peers", first.wait_for_maddr()]
         peers.append(_peer(spec, tmp_path, "second", 2, env, "--max-rounds", str(rounds), *bootstrap))
-        node = _peer(spec, tmp_path, "node", NODE_SEED, env, "--nproc-per-node", "2", *bootstrap)
+        ranks = ["--nproc-per-node", "2", "--rank-timeout", "6"]
+        node = _peer(spec, tmp_path, "node", NODE_SEED, env, *ranks, *bootstrap)
         peers.append(node)
         pids = node.printed(r"^node: 2 local ranks, pids (\d+ \d+)$", 60).split()
         wait_until(lambda: len(node.rounds()) >= 1, 240, "the node's first round")
-        os.kill(int(pids[1]), signal.SIGKILL)  # local rank 1, while the node trains its next round
+        os.kill(int(pids[1]), sig)  # local rank 1, while the node trains its next round
         assert node.wait(timeout=120) != 0
         output = "\n".join(node.lines)
-        assert re.search(r"local rank 1 was killed by SIGKILL; the node left the swarm", output), output
+        assert re.search(rf"local rank 1 {how}; the node left the swarm", output), output
         for peer in peers[:2]:
             assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-30:])
         histories = [peer.rounds() for peer in peers[:2]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_the_leader_keeps_the_nodes_shard_and_the_other_ranks_get_their_own() ->
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    return argparse.Namespace(**{"nproc_per_node": None, "device": None, **kw})
+    return argparse.Namespace(**{"nproc_per_node": None, "device": None, "rank_timeout": 120.0, **kw})
 
 
 def test_how_many_ranks_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,6 +57,8 @@ def test_how_many_ranks_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ranks_to_launch(_args(device="cpu")) == 1
     with pytest.raises(ConfigError, match="--nproc-per-node must be in 1..64"):
         ranks_to_launch(_args(nproc_per_node=0))
+    with pytest.raises(ConfigError, match="--rank-timeout must be between 5 and 86400"):
+        ranks_to_launch(_args(nproc_per_node=2, rank_timeout=float("nan")))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -75,3 +78,12 @@ def test_fsdp_is_chosen_by_flag_or_only_when_the_training_state_outgrows_a_gpu()
     assert use_fsdp("on", None, "cpu") and not use_fsdp("off", 10**12, "cuda:0")
     assert not use_fsdp("auto", 10**12, "cpu")  # never on CPU
     assert not use_fsdp("auto", None, "cuda:0")  # size unknown
+
+
+def test_a_rank_is_silent_only_once_it_has_beaten(tmp_path: Path) -> None:
+    from swarmtrain.node_launcher import silent_for
+
+    beat = tmp_path / "rank-1"
+    assert silent_for(beat, now=1e9) == 0.0  # still starting
+    beat.touch()
+    assert silent_for(beat, now=beat.stat().st_mtime + 30) == pytest.approx(30)
