@@ -11,7 +11,10 @@ peers, same links, same rounds, no training:
   (``2·(n−1)/n·S``), with nothing but TCP between them;
 - ``libp2p``: the same bytes over hivemind's p2pd, two streams per pair and round (a butterfly
   all-reduce has two: parts to the reducer, averaged parts back), 1 MiB messages;
-- ``swarmtrain``: ``ExactAverager`` rounds of a vector of ``S`` bytes (the codec's wire size).
+- ``swarmtrain``: ``ExactAverager`` rounds of a vector of ``S`` bytes (the codec's wire size);
+  with ``--streams K``, K averagers per host each averaging 1/K of it at the same time, in
+  their own groups and streams: what a node whose K ranks average their slices would do
+  (issue #13).
 
 A round starts when every host is ready (a file barrier) and ends when the last host holds
 everything it should receive; swarmtrain's round is its all-reduce time (``allreduce_s``,
@@ -55,6 +58,11 @@ TCP_PORT = 9100
 def per_pair_bytes(values: int, codec: str, peers: int) -> int:
     """Bytes each host sends to each other host per round: ``2·S/n`` (parts out, averages back)."""
     return int(2 * values * WIRE_BYTES_PER_VALUE[codec] / peers)
+
+
+def stream_sizes(values: int, streams: int) -> list[int]:
+    """How ``--streams`` cuts the vector: sizes that differ by at most one and sum to ``values``."""
+    return [values // streams + (1 if k < values % streams else 0) for k in range(streams)]
 
 
 def _barrier(workdir: Path, name: str, index: int, peers: int, timeout: float = 300.0) -> None:
@@ -212,29 +220,42 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
     dht = DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
     if args.index == 0:
         _publish(workdir, "maddrs.0", json.dumps([str(m) for m in dht.get_visible_maddrs()]))
-    averager = ExactAverager(
-        args.values,
-        dht,
-        codec=get_codec(args.codec),
-        prefix="wan-averaging",
-        start=True,
-        min_group_size=args.peers,
-        target_group_size=args.peers,
-        min_matchmaking_time=3.0,
-        request_timeout=2.0,
-        allreduce_timeout=args.timeout,
-    )
+    # ``--streams K``: K averagers, each averaging 1/K of the vector in its own groups and
+    # streams, all at once (what a node's K ranks averaging their slices would do)
+    averagers = [
+        ExactAverager(
+            numel,
+            dht,
+            codec=get_codec(args.codec),
+            prefix=f"wan-averaging-{k}",
+            start=True,
+            min_group_size=args.peers,
+            target_group_size=args.peers,
+            min_matchmaking_time=3.0,
+            request_timeout=2.0,
+            allreduce_timeout=args.timeout,
+        )
+        for k, numel in enumerate(stream_sizes(args.values, args.streams[0]))
+    ]
     try:
-        with averager.get_tensors() as tensors:
-            tensors[0].normal_(generator=torch.Generator().manual_seed(args.index))
+        for k, averager in enumerate(averagers):
+            with averager.get_tensors() as tensors:
+                tensors[0].normal_(generator=torch.Generator().manual_seed(args.index * 1000 + k))
         _barrier(workdir, "listening", args.index, args.peers)
         times = []
         for _ in range(args.rounds):
-            outcome = averager.step(wait=True, gather={}, timeout=args.timeout)
-            times.append(float(outcome["stats"]["allreduce_s"]))
+            controls = [a.step(wait=False, gather={}, timeout=args.timeout) for a in averagers]
+            spans = []
+            for control in controls:
+                took = float(control.result()["stats"]["allreduce_s"])
+                ended = time.time()
+                spans.append((ended - took, ended))
+            # from the first stream's start to the last one's end
+            times.append(max(end for _, end in spans) - min(start for start, _ in spans))
         return times
     finally:
-        averager.shutdown()
+        for averager in averagers:
+            averager.shutdown()
         dht.shutdown()
 
 
@@ -253,7 +274,7 @@ def _child(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parent
 
 
-def run_transport(transport: str, args: argparse.Namespace) -> list[float]:
+def run_transport(transport: str, args: argparse.Namespace, streams: int = 1) -> list[float]:
     """Round times (the slowest host's) of ``transport`` over a fresh simulator."""
     hosts = [f"h{i}" for i in range(args.peers)]
     with tempfile.TemporaryDirectory(prefix="wan-averaging-") as tmp, WanSim(hosts, rate=args.link) as sim:
@@ -264,6 +285,7 @@ def run_transport(transport: str, args: argparse.Namespace) -> list[float]:
             argv = [sys.executable, "-m", "benchmarks.wan_averaging", "--child", transport, "--index", str(i)]
             argv += ["--ips", ips, "--workdir", tmp, "--peers", str(args.peers), "--values", str(args.values)]
             argv += ["--codec", args.codec, "--rounds", str(args.rounds), "--timeout", str(args.timeout)]
+            argv += ["--streams", str(streams)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             with open(Path(tmp) / f"{host}.log", "w") as log:
                 procs.append(sim.run(host, argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env))
@@ -318,6 +340,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--values", type=int, default=10_400_000, help="values in the averaged vector")
     parser.add_argument("--codec", default="none", choices=sorted(WIRE_BYTES_PER_VALUE))
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--streams",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="K",
+        help="swarmtrain: averagers per host, each averaging 1/K of the vector at once; several values: one run each",
+    )
     parser.add_argument("--only", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -329,8 +359,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.peers < 2:
         parser.error("--peers must be at least 2")
-    if args.values < 1 or args.rounds < 1 or args.timeout <= 0:
-        parser.error("--values, --rounds and --timeout must be positive")
+    if args.values < 1 or args.rounds < 1 or args.timeout <= 0 or not all(1 <= k <= 16 for k in args.streams):
+        parser.error("--values, --rounds and --timeout must be positive, --streams in 1..16")
     try:
         parse_rate(args.link)
     except ValueError as exc:
@@ -349,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rounds: dict[str, list[float]] = {}
     for transport in args.only:
-        print(f"{transport}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
-        rounds[transport] = run_transport(transport, args)
+        for streams in args.streams if transport == "swarmtrain" else [1]:
+            name = f"{transport} ({streams} streams)" if streams > 1 else transport
+            print(f"{name}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
+            rounds[name] = run_transport(transport, args, streams)
     bound = link_bound_s(peers=args.peers, params=args.values, codec=args.codec, link_bps=parse_rate(args.link))
     summary = summarize(rounds, bound_s=bound)
     label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")
