@@ -88,15 +88,30 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def ranks_to_launch(args: argparse.Namespace) -> int:
-    """How many local ranks the launcher must start for this command: ``--nproc-per-node``
-    (default: every visible GPU, 1 on CPU); 1 when this process already is a rank (started by
-    the launcher or by torchrun) or the node has one rank."""
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flags with one ``ConfigError``, before anything is imported or written."""
+    if args.spec is None and not args.coordinator:
+        raise ConfigError("--spec FILE or --coordinator HOST:PORT is required")
+    if args.max_rounds is not None and args.max_rounds < 1:
+        raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+    if not 0 <= args.wait_for_group < 86400:
+        raise ConfigError(f"--wait-for-group must be between 0 and 86400 seconds, got {args.wait_for_group}")
+    if args.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
     if not 5 <= args.rank_timeout <= 86400:
         raise ConfigError(f"--rank-timeout must be between 5 and 86400 seconds, got {args.rank_timeout}")
-    from peer.node import NodeEnv
+
+
+def ranks_to_launch(args: argparse.Namespace) -> int:
+    """How many local ranks the launcher must start for this command: ``--nproc-per-node``
+    (default: every visible GPU, 1 on CPU); 1 when this process already is a rank (started by
+    the launcher or by torchrun) or the node has one rank."""
+    check_args(args)
+    from peer.node_env import NodeEnv
 
     node_env = NodeEnv.from_environ()
     if node_env is not None:
@@ -115,17 +130,8 @@ def ranks_to_launch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.spec is None and not args.coordinator:
-        raise ConfigError("--spec FILE or --coordinator HOST:PORT is required")
-    if args.max_rounds is not None and args.max_rounds < 1:
-        raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
-    if not 0 <= args.wait_for_group < 86400:
-        raise ConfigError(f"--wait-for-group must be between 0 and 86400 seconds, got {args.wait_for_group}")
-    if args.checkpoint_every < 1:
-        raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-    from peer.node import NodeEnv
+    check_args(args)
+    from peer.node_env import NodeEnv
 
     node_env = NodeEnv.from_environ()
     if node_env is not None and node_env.rank > 0:

@@ -24,7 +24,6 @@ collectives of the others fail (gloo/NCCL see the connection go) and the launche
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 import enum
 import logging
@@ -38,16 +37,13 @@ import torch
 import torch.distributed as dist
 
 from peer.inner_step import inner_optimizer, inner_step
+from peer.node_env import HEARTBEAT_ENV, NodeEnv
 from peer.task import Task
 from peer.task.base import derive_seed
-from protocol.errors import ConfigError
 from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_ENV = "SWARMTRAIN_RANK_HEARTBEAT"
-"""A file this rank touches every ``HEARTBEAT_EVERY_S`` (set by ``swarmtrain.node_launcher``,
-which declares a rank hung when it stops)."""
 HEARTBEAT_EVERY_S = 2.0
 DEFAULT_TIMEOUT_S = 1800.0
 """How long a rank waits in a collective (for a command, a step) before the node gives up:
@@ -65,40 +61,6 @@ class Command(enum.IntEnum):
     SYNC = 2
     STOP = 3
     GATHER = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeEnv:
-    """Where this process sits in its node: torchrun's environment variables."""
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv | None:
-        """The node this process belongs to, or None outside one (no ``WORLD_SIZE``, or 1)."""
-        env = dict(os.environ if environ is None else environ)
-        if "WORLD_SIZE" not in env:
-            return None
-        try:
-            world = int(env["WORLD_SIZE"])
-            rank = int(env.get("LOCAL_RANK", env.get("RANK", "0")))
-            port = int(env.get("MASTER_PORT", "0"))
-        except ValueError as exc:
-            raise ConfigError(f"bad torch.distributed environment: {exc}") from None
-        if world < 1 or not 0 <= rank < world:
-            raise ConfigError(f"bad torch.distributed environment: rank {rank} of world size {world}")
-        if int(env.get("NNODES", env.get("GROUP_WORLD_SIZE", "1"))) != 1 or env.get(
-            "LOCAL_WORLD_SIZE", str(world)
-        ) != str(world):
-            raise ConfigError("a swarmtrain node is one machine: run torchrun with --nnodes 1")
-        if world == 1:
-            return None
-        if not 0 < port < 65536:
-            raise ConfigError(f"bad torch.distributed environment: MASTER_PORT {port}")
-        return cls(rank, world, env.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
 class LocalNode:

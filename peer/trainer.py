@@ -210,6 +210,8 @@ class Trainer:
         """Whether the other local ranks hold this model (and, unsharded, this inner-optimizer state)."""
         self._shards_ahead = False
         """Sharded: inner steps moved the shards since ``self.model`` last gathered them."""
+        self._sharded = self.node is not None and self.node.sharded
+        """FSDP2 shards over local ranks: ``self.model`` is the leader's plain copy of them."""
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
@@ -238,7 +240,7 @@ class Trainer:
             return
         self.state = GlobalState(record["params"], record["momentum"], record["round"])
         self.model.load_state_dict(record["model"])
-        if self.node is not None and self.node.sharded or record.get("inner_optimizer") is None:
+        if self._sharded or record.get("inner_optimizer") is None:
             # sharded: each rank holds its shard of the optimizer state, and the checkpoint none
             logger.info("the inner optimizer starts afresh (the checkpoint holds no state for it)")
         else:
@@ -259,7 +261,7 @@ class Trainer:
                 "model": self.model.state_dict(),
                 # sharded over local ranks, the state is spread over the ranks: not kept (a
                 # restarted node's inner optimizer starts afresh, as after a dropped model)
-                "inner_optimizer": None if self.node is not None and self.node.sharded else self.optimizer.state_dict(),
+                "inner_optimizer": None if self._sharded else self.optimizer.state_dict(),
                 "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
             },
@@ -332,7 +334,7 @@ class Trainer:
         landing, a re-sync): with sharded local ranks gather the shards into it first; either
         way the other ranks must take it again before the next inner step."""
         node = self.node
-        if node is not None and node.sharded and self._shards_ahead:
+        if node is not None and self._sharded and self._shards_ahead:
             node.send(Command.GATHER)
             node.gather(self._forward, self.model)
             self._shards_ahead = False

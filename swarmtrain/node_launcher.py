@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from peer.node import HEARTBEAT_ENV
+from peer.node_env import HEARTBEAT_ENV
 from swarmtrain.lifetime import PARENT_ENV
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def launch(command: Sequence[str], nproc: int, *, rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> int:
     """Run ``command`` (a ``swarmtrain`` argv) as ``nproc`` local ranks; the node's exit status.
-    A rank whose heartbeat (``peer.node.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
+    A rank whose heartbeat (``peer.node_env.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
     port = _free_port()
     beats = Path(tempfile.mkdtemp(prefix="swarmtrain-node-"))
     procs: list[subprocess.Popen[bytes]] = []
