@@ -10,15 +10,20 @@ link) exactly as a one-rank peer does, and drives the others. The other ranks ru
 ``run_worker``: a loop over the leader's commands.
 
 - ``STEP n``: one inner step (every rank, its own batch; ``n`` sets the learning rate);
-- ``SYNC``: the leader's model and inner-optimizer state are broadcast to every rank. The
-  leader sends it before the first step after anything but a step touched its model (a
-  round landed and re-based the model, a re-sync adopted a state, a non-finite model was
-  dropped, a checkpoint was restored), so the ranks never drift from the leader;
+- ``SYNC g``: the leader's model goes to every rank (with DDP also its inner-optimizer state;
+  with FSDP2 each rank takes its shard of it). The leader sends it before the first step
+  after anything but a step touched its model (a round landed and re-based the model, a
+  re-sync adopted a state, a non-finite model was dropped, a checkpoint was restored), so
+  the ranks never drift from the leader; ``g`` counts the leader's inner-optimizer rebuilds,
+  and a rank seeing a new one rebuilds its own;
+- ``GATHER`` (FSDP2 only): every rank's shards, whole, into the leader's plain copy, before
+  the leader's host work reads it;
 - ``STOP``: leave.
 
 A node's weight in swarm averaging is the samples of all its ranks. If a rank dies, the
-collectives of the others fail (gloo/NCCL see the connection go) and the launcher
-(``peer.launcher``) stops the node and names the rank.
+collectives of the others fail (gloo/NCCL see the connection go); if it stops or freezes,
+its heartbeat does; either way the launcher (``swarmtrain.node_launcher``) stops the node
+and names the rank.
 """
 
 from __future__ import annotations
