@@ -12,9 +12,8 @@ peers, same links, same rounds, no training:
 - ``libp2p``: the same bytes over hivemind's p2pd, two streams per pair and round (a butterfly
   all-reduce has two: parts to the reducer, averaged parts back), 1 MiB messages;
 - ``swarmtrain``: ``ExactAverager`` rounds of a vector of ``S`` bytes (the codec's wire size);
-  with ``--streams K``, K averagers per host each averaging 1/K of it at the same time, in
-  their own groups and streams: what a node whose K ranks average their slices would do
-  (issue #13).
+  with ``--streams K``, the spec's ``averaging.streams = K``: one group, the vector cut into K
+  fragments (``protocol.fragments``) averaged at once, each over its own streams.
 
 A round starts when every host is ready (a file barrier) and ends when the last host holds
 everything it should receive; swarmtrain's round is its all-reduce time (``allreduce_s``,
@@ -58,11 +57,6 @@ TCP_PORT = 9100
 def per_pair_bytes(values: int, codec: str, peers: int) -> int:
     """Bytes each host sends to each other host per round: ``2·S/n`` (parts out, averages back)."""
     return int(2 * values * WIRE_BYTES_PER_VALUE[codec] / peers)
-
-
-def stream_sizes(values: int, streams: int) -> list[int]:
-    """How ``--streams`` cuts the vector: sizes that differ by at most one and sum to ``values``."""
-    return [values // streams + (1 if k < values % streams else 0) for k in range(streams)]
 
 
 def _barrier(workdir: Path, name: str, index: int, peers: int, timeout: float = 300.0) -> None:
@@ -220,42 +214,32 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
     dht = DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=initial)
     if args.index == 0:
         _publish(workdir, "maddrs.0", json.dumps([str(m) for m in dht.get_visible_maddrs()]))
-    # ``--streams K``: K averagers, each averaging 1/K of the vector in its own groups and
-    # streams, all at once (what a node's K ranks averaging their slices would do)
-    averagers = [
-        ExactAverager(
-            numel,
-            dht,
-            codec=get_codec(args.codec),
-            prefix=f"wan-averaging-{k}",
-            start=True,
-            min_group_size=args.peers,
-            target_group_size=args.peers,
-            min_matchmaking_time=3.0,
-            request_timeout=2.0,
-            allreduce_timeout=args.timeout,
-        )
-        for k, numel in enumerate(stream_sizes(args.values, args.streams[0]))
-    ]
+    averager = ExactAverager(
+        args.values,
+        dht,
+        codec=get_codec(args.codec),
+        prefix="wan-averaging",
+        start=True,
+        min_group_size=args.peers,
+        target_group_size=args.peers,
+        min_matchmaking_time=3.0,
+        request_timeout=2.0,
+        allreduce_timeout=args.timeout,
+        streams=args.streams[0],
+    )
     try:
-        for k, averager in enumerate(averagers):
-            with averager.get_tensors() as tensors:
-                tensors[0].normal_(generator=torch.Generator().manual_seed(args.index * 1000 + k))
+        with averager.get_tensors() as tensors:
+            tensors[0].normal_(generator=torch.Generator().manual_seed(args.index))
         _barrier(workdir, "listening", args.index, args.peers)
         times = []
         for _ in range(args.rounds):
-            controls = [a.step(wait=False, gather={}, timeout=args.timeout) for a in averagers]
-            spans = []
-            for control in controls:
-                took = float(control.result()["stats"]["allreduce_s"])
-                ended = time.time()
-                spans.append((ended - took, ended))
-            # from the first stream's start to the last one's end
-            times.append(max(end for _, end in spans) - min(start for start, _ in spans))
+            stats = averager.step(gather={}, timeout=args.timeout)["stats"]
+            if stats["streams"] != args.streams[0]:
+                raise RuntimeError(f"averaged in {stats['streams']} streams, asked for {args.streams[0]}")
+            times.append(float(stats["allreduce_s"]))
         return times
     finally:
-        for averager in averagers:
-            averager.shutdown()
+        averager.shutdown()
         dht.shutdown()
 
 
@@ -346,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=[1],
         metavar="K",
-        help="swarmtrain: averagers per host, each averaging 1/K of the vector at once; several values: one run each",
+        help="swarmtrain: fragments of the vector averaged at once (averaging.streams); several values: one run each",
     )
     parser.add_argument("--only", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per round")

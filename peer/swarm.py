@@ -174,6 +174,7 @@ class Swarm:
             next_chunk_timeout=averaging.allreduce_timeout_s / 3,
             client_mode=client_mode,
             gate=gate,
+            streams=averaging.streams,
         )
         self.run_records = RunRecords(self.dht, self.averager.prefix)
 

@@ -7,10 +7,12 @@ arrived. The vector averaged is whatever the caller puts in it (a pseudo-gradien
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from protocol.allreduce import (
 )
 from protocol.averager_gate import AdmissionGateMixin
 from protocol.compression import Codec
+from protocol.fragments import fragment_bounds, fragment_group_id
 from protocol.membership import MemberGate
 from protocol.state_transfer import StateProvider, StateTransferMixin
 
@@ -49,15 +52,31 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
 
     After a successful ``step`` the vector (``get_tensors()[0]``) holds the weighted
     average of the group's decoded contributions, identical in every member.
+
+    With ``streams`` > 1 the vector is cut into fragments (``protocol.fragments``; every member
+    must be given the same ``streams``: it is the spec's ``averaging.streams``), each averaged
+    by its own ``ExactAllReduceRunner``, all at once, with the same group, over their own
+    libp2p streams: one stream per sender-reducer pair caps at what one stream's flow-control
+    window carries (``benchmarks/wan_averaging.py``, ARCHITECTURE "Differences" 3).
     """
 
     runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
 
     def __init__(
-        self, numel: int, dht: Any, *, codec: Codec, prefix: str, gate: MemberGate | None = None, **kwargs: Any
+        self,
+        numel: int,
+        dht: Any,
+        *,
+        codec: Codec,
+        prefix: str,
+        gate: MemberGate | None = None,
+        streams: int = 1,
+        **kwargs: Any,
     ) -> None:
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
+        self.fragments = fragment_bounds(numel, streams)
+        """``[start, end)`` of each fragment averaged at once (one for ``streams`` = 1)."""
         self.gate = gate
         """When set, only the peers it admits may join our groups, lead them or download state."""
         self._stats: dict[bytes, dict[str, Any]] = {}
@@ -72,6 +91,22 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             **kwargs,
         )
 
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
+        # register every fragment's group id before hivemind's own registration wakes the
+        # handlers of parts that arrived early (``rpc_aggregate_part``)
+        extra = [fragment_group_id(group_info.group_id, index) for index in range(1, len(self.fragments))]
+        for group_id in extra:
+            self._running_groups[group_id] = asyncio.Future()
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
+        finally:
+            for group_id in extra:
+                future = self._running_groups.pop(group_id, None)
+                if future is not None and not future.done():
+                    future.cancel()
+
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
@@ -85,38 +120,63 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
                 "round with %s: they started from another state than the group; their parts count 0",
                 sorted(map(str, stale)),
             )
+        (vector,) = tensors
+        flat = vector.view(-1)
+        runners = [
+            self._fragment_runner(flat[start:end], group_info, fragment_group_id(group_id, index), stale, kwargs)
+            for index, (start, end) in enumerate(self.fragments)
+        ]
+        outcomes = await asyncio.gather(
+            *(self._run_fragment(runner, group_info) for runner in runners), return_exceptions=True
+        )
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            raise errors[0]
+        self._stats[group_id] = {
+            "bytes_sent": sum(runner.bytes_sent for runner in runners),
+            "bytes_received": sum(runner.bytes_received for runner in runners),
+            "refused_senders": {str(k): v for runner in runners for k, v in runner.refused_senders.items()},
+            "allreduce_s": time.monotonic() - started,
+            "peer_ids": [str(p) for p in group_info.peer_ids],
+            "streams": len(runners),
+        }
+
+    def _fragment_runner(
+        self,
+        fragment: torch.Tensor,
+        group_info: GroupInfo,
+        group_id: bytes,
+        stale: frozenset[Any],
+        kwargs: dict[str, Any],
+    ) -> ExactAllReduceRunner:
         runner = self.runner_class(
             codec=self.codec_compression,
             stale=stale,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
-            tensors=tensors,
+            tensors=[fragment],
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             **kwargs,
         )
-        assert group_id in self._running_groups, "group must be registered before all-reduce"
-        self._running_groups[group_id].set_result(runner)
+        future = self._running_groups.get(group_id)
+        assert future is not None, "group must be registered before all-reduce"
+        future.set_result(runner)
+        return runner
+
+    async def _run_fragment(self, runner: ExactAllReduceRunner, group_info: GroupInfo) -> None:
+        """One fragment's all-reduce; its averaged parts land in the fragment (``InPlaceOutputs``)."""
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
             return
-        results = [result async for result in runner]
+        async for _ in runner:
+            pass
         if not await runner.wait_until_served(timeout=float(self.allreduce_kwargs.get("reducer_timeout") or 60.0)):
             logger.info("all-reduce: some members had not taken their last averaged parts from this peer")
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise RoundFailedError(f"missing averaged parts from {sorted(map(str, runner.failed_reducers))}")
-        for tensor, result in zip(tensors, results):
-            if result is not tensor:  # ``InPlaceOutputs`` already wrote the parts into it
-                tensor.copy_(result)
-        self._stats[group_id] = {
-            "bytes_sent": runner.bytes_sent,
-            "bytes_received": runner.bytes_received,
-            "refused_senders": {str(k): v for k, v in runner.refused_senders.items()},
-            "allreduce_s": time.monotonic() - started,
-            "peer_ids": [str(p) for p in group_info.peer_ids],
-        }
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         """Returns ``{"gathered": {peer_id: data}, "stats": {...}}`` to ``step()``'s caller."""

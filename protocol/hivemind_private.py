@@ -171,14 +171,27 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "_run_allreduce_inplace_",
         "overridden coroutine method",
         f"{AVERAGING} (ExactAverager._run_allreduce_inplace_)",
-        "Builds our ExactAllReduceRunner (codec, stale members) instead of AllReduceRunner, "
-        "copies the averaged vector in place only when every part arrived, records round stats.",
+        "Builds our ExactAllReduceRunners (codec, stale members; one per fragment of the vector, "
+        "run at once) instead of AllReduceRunner, records round stats.",
         params=("tensors", "group_info", "group_id", "kwargs"),
         evidence=(
             (
                 "_aggregate_with_group",
                 "self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=peer_fractions, **kwargs)",
             ),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
+        "_register_allreduce_group",
+        "overridden context-manager method",
+        f"{AVERAGING} (ExactAverager._register_allreduce_group)",
+        "Registers every fragment's group id (protocol.fragments) along with the group, before "
+        "hivemind's registration wakes rpc_aggregate_part calls that arrived early.",
+        params=("group_info",),
+        evidence=(
+            ("_step", "with self._register_allreduce_group(group_info):"),
+            ("_register_allreduce_group", "self._pending_groups_registered.set()"),
         ),
     ),
     PrivateUse(
@@ -194,10 +207,10 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
     PrivateUse(
         AVERAGER,
         "_running_groups",
-        "instance attribute (read)",
-        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_)",
-        "Registers our runner under the group id (a future set to the runner) so that incoming "
-        "rpc_aggregate_part calls reach it, as hivemind's own _run_allreduce_inplace_ does.",
+        "instance attribute (read and written)",
+        f"{AVERAGING} (ExactAverager._register_allreduce_group; ExactAverager._fragment_runner)",
+        "Registers each fragment's runner under its group id (a future set to the runner) so that "
+        "incoming rpc_aggregate_part calls reach it, as hivemind's own _run_allreduce_inplace_ does.",
         evidence=(
             ("__init__", "self._running_groups: Dict[GroupID, asyncio.Future[AllReduceRunner]] = {}"),
             ("rpc_aggregate_part", "future = self._running_groups.get(request.group_id)"),

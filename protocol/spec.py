@@ -169,6 +169,10 @@ class AveragingSection(_Section):
     """Initial time for one all-reduce, in seconds (adapted to measured transfers)."""
     overlap: bool = True
     """Average round r in the background while round r+1 computes (one-round delay)."""
+    streams: Annotated[int, Field(ge=1, le=64)] = 4
+    """Fragments of the pseudo-gradient averaged at once, each over its own libp2p streams
+    (vectors under 64K values per fragment are cut into fewer): one stream per pair of peers
+    caps at what its flow-control window carries."""
 
     @model_validator(mode="after")
     def _group_sizes(self) -> AveragingSection:

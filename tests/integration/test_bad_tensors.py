@@ -46,8 +46,19 @@ def weight_liar(weight: float) -> type[ExactAverager]:
     return type("ExactAverager", (ExactAverager,), {"runner_class": LyingRunner})
 
 
+def peer_vector(index: int, numel: int) -> torch.Tensor:
+    """Peer ``index``'s vector: ``index + 1`` plus ``k`` in the ``k``-th run of 2**16 values
+    (small integers: their averages are exact, and a value out of place shows)."""
+    return float(index + 1) + (torch.arange(numel) // 2**16).to(torch.float32)
+
+
 def run_group(
-    bad: type[CodecCompression] | None, bad_weight: float = 1.0, gathers: list[dict] | None = None
+    bad: type[CodecCompression] | None,
+    bad_weight: float = 1.0,
+    gathers: list[dict] | None = None,
+    *,
+    numel: int = NUMEL,
+    streams: int = 1,
 ) -> list[torch.Tensor | None]:
     codec = get_codec("none")
     first = DHT(start=True, host_maddrs=LOOPBACK)
@@ -58,7 +69,7 @@ def run_group(
             malicious = i == 2
             averager_class = weight_liar(bad_weight) if malicious and bad_weight != 1.0 else ExactAverager
             averager = averager_class(
-                NUMEL,
+                numel,
                 dht,
                 codec=codec,
                 prefix="badtensors",
@@ -70,12 +81,13 @@ def run_group(
                 allreduce_timeout=15.0,
                 next_chunk_timeout=5.0,
                 client_mode=malicious,  # the attacker only sends; honest peers reduce
+                streams=streams,
             )
             if malicious and bad is not None:
                 averager.codec_compression = bad(codec)  # before the averager process starts
             averager.run_in_background(await_ready=True)
             with averager.get_tensors() as tensors:
-                tensors[0].copy_(torch.full((NUMEL,), float(i + 1)))
+                tensors[0].copy_(peer_vector(i, numel))
             averagers.append(averager)
         results: list[torch.Tensor | None] = [None] * 3
 
@@ -109,17 +121,38 @@ def test_honest_group_averages_exactly() -> None:
     assert torch.equal(results[0], torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3
 
 
+STREAMED = 4 * 2**16 + 1000
+"""A vector cut into 4 fragments for 4 streams (``protocol.fragments``), the last one longer."""
+
+
+def test_fragments_averaged_at_once_land_in_place_bit_identically() -> None:
+    results = run_group(None, numel=STREAMED, streams=4)
+    assert all(r is not None for r in results), results
+    expected = peer_vector(1, STREAMED)  # the mean of peers 0, 1 and 2: peer 1's vector
+    for result in results:
+        assert torch.equal(result, expected)
+
+
 @pytest.mark.parametrize(
-    ("bad", "weight"),
-    [(NaNCompression, 1.0), (ShortCompression, 1.0), (None, math.inf), (None, -1.0), (None, math.nan)],
-    ids=["nan-values", "wrong-size", "inf-weight", "negative-weight", "nan-weight"],
+    ("bad", "weight", "streams"),
+    [
+        (NaNCompression, 1.0, 1),
+        (ShortCompression, 1.0, 1),
+        (None, math.inf, 1),
+        (None, -1.0, 1),
+        (None, math.nan, 1),
+        (NaNCompression, 1.0, 4),
+    ],
+    ids=["nan-values", "wrong-size", "inf-weight", "negative-weight", "nan-weight", "nan-values-4-streams"],
 )
-def test_bad_contribution_is_excluded(bad: type[CodecCompression] | None, weight: float) -> None:
-    results = run_group(bad, bad_weight=weight)
+def test_bad_contribution_is_excluded(bad: type[CodecCompression] | None, weight: float, streams: int) -> None:
+    numel = STREAMED if streams > 1 else NUMEL
+    results = run_group(bad, bad_weight=weight, numel=numel, streams=streams)
     honest = [r for r in results[:2] if r is not None]
+    expected = (peer_vector(0, numel) + peer_vector(1, numel)) / 2  # the attacker is left out
     for result in honest:
         assert bool(torch.isfinite(result).all())
-        assert torch.equal(result, torch.full((NUMEL,), 1.5))  # (1 + 2) / 2: the attacker is left out
+        assert torch.equal(result, expected)
     assert len(honest) == 2
 
 

@@ -1,5 +1,6 @@
 """3 real `swarmtrain peer` processes on loopback, each codec: loss falls, digests agree,
-and lossy codecs send a fraction of the fp32 bytes."""
+and lossy codecs send a fraction of the fp32 bytes. The overlap case's model is large enough
+to be averaged in several fragments at once (``averaging.streams``, ``protocol.fragments``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.fragments import fragment_bounds
 from swarmtrain.localswarm import start_peers
 
 ROUNDS = 4
@@ -14,7 +16,7 @@ SPEC = """
 [run]
 name = "swarm-{codec}"
 [task.model]
-d_model = 64
+d_model = {d_model}
 n_layers = 2
 n_heads = 4
 context = 64
@@ -35,9 +37,9 @@ allreduce_timeout_s = 30.0
 MAX_RATIO = {"fp16": 0.55, "int8": 0.30, "4bit": 0.16}
 
 
-def run_swarm(tmp_path: Path, codec: str, overlap: bool = False) -> list[list[dict]]:
+def run_swarm(tmp_path: Path, codec: str, overlap: bool = False, d_model: int = 64) -> list[list[dict]]:
     spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower()))
+    spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower(), d_model=d_model))
     peers = start_peers(spec, 3, tmp_path, extra=["--max-rounds", str(ROUNDS)])
     try:
         for peer in peers:
@@ -49,13 +51,15 @@ def run_swarm(tmp_path: Path, codec: str, overlap: bool = False) -> list[list[di
 
 
 @pytest.mark.parametrize(
-    ("codec", "overlap"),
-    [("fp16", False), ("int8", False), ("4bit", False), ("int8", True)],
-    ids=["fp16", "int8", "4bit", "int8-overlap"],
+    ("codec", "overlap", "d_model"),
+    [("fp16", False, 64), ("int8", False, 64), ("4bit", False, 64), ("int8", True, 96)],
+    ids=["fp16", "int8", "4bit", "int8-overlap-fragments"],
 )
-def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str, overlap: bool) -> None:
-    histories = run_swarm(tmp_path, codec, overlap)
+def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str, overlap: bool, d_model: int) -> None:
+    histories = run_swarm(tmp_path, codec, overlap, d_model)
     assert all(len(h) == ROUNDS for h in histories)
+    if d_model == 96:  # averaged in several fragments (the spec's default of 4 streams)
+        assert len(fragment_bounds(histories[0][0]["params"], 4)) > 1
     # compare by global round number: a peer whose first matchmaking timed out (the others
     # were still starting) folds that round into the next, so its rows shift by one
     by_round: dict[int, list[dict]] = {}

@@ -45,10 +45,3 @@ def test_bad_arguments_are_refused_before_anything_is_set_up(
         parse_args(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
-
-
-def test_streams_cut_the_vector_into_near_equal_slices() -> None:
-    from benchmarks.wan_averaging import stream_sizes
-
-    assert stream_sizes(10, 3) == [4, 3, 3] and sum(stream_sizes(10_400_001, 4)) == 10_400_001
-    assert stream_sizes(7, 1) == [7]
