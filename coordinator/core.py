@@ -192,7 +192,7 @@ class Coordinator:
                 member_key = PublicKey(bytes(member.public_key)).id
             except Exception as exc:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
-            group.append(GroupMemberView(key=member_key, weight=member.weight))
+            group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
         duration = max(body.compute_s + body.wait_s, 1e-3)
         claim = RoundClaim(
             key=peer.id,
@@ -210,7 +210,7 @@ class Coordinator:
             key=peer.id,
             round=body.round,
             samples=body.samples,
-            group_json=json.dumps([[m.key, m.weight] for m in group]),
+            group_json=json.dumps([[m.key, m.weight, m.offence] if m.offence else [m.key, m.weight] for m in group]),
             state_digest=body.state_digest,
             duration_s=duration,
             received_at=now,
@@ -368,7 +368,10 @@ class Coordinator:
 
 
 def _claim_from_row(row: dict) -> RoundClaim:
-    group = tuple(GroupMemberView(key=k, weight=w) for k, w in json.loads(row["group_json"]))
+    group = tuple(
+        GroupMemberView(key=entry[0], weight=entry[1], offence=entry[2] if len(entry) > 2 else "")
+        for entry in json.loads(row["group_json"])
+    )
     return RoundClaim(
         key=row["key"],
         round=row["round"],

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from protocol.agreement import Vote, agreed_state
+from protocol.messages import MAX_OFFENCE_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ class GroupMemberView:
     """The member's public id."""
     weight: float
     """Samples that member contributed to the group's average."""
+    offence: str = ""
+    """Why the reporter's reducer bounded or refused that member's contribution this round
+    (robust averaging, ``protocol.robust``), or "" if it did not."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,10 @@ class RoundClaim:
     def weight_for(self, key: str) -> float | None:
         """The weight this claim's group lists for ``key``, or None if it is not listed."""
         return next((m.weight for m in self.group if m.key == key), None)
+
+    def offence_for(self, key: str) -> str:
+        """Why this claim's reporter bounded ``key``'s contribution ("" if it did not)."""
+        return next((m.offence for m in self.group if m.key == key), "")
 
 
 class ClaimStatus(str, Enum):
@@ -99,7 +107,10 @@ class RoundLedger:
     3. Attesters are the other reporters of round ``r`` whose group lists ``c.key`` (with a
        weight) and whose own digest is the group's (a member out of consensus is no witness).
        No attester: DENIED, "no other group member attests it".
-    4. granted = min(c.samples, floor(median of the attested weights),
+    4. A strict majority of the attesters' reducers bounded or refused ``c``'s contribution
+       (robust averaging: a clipped part, a capped weight, a part that did not decode): a
+       clipped contribution is not attested work. DENIED, naming how many and the first reason.
+    5. granted = min(c.samples, floor(median of the attested weights),
        floor(max_samples_per_second * c.duration_s)); the reason names each bound that bound.
        granted == 0: DENIED, "nothing to grant".
     Decisions are returned sorted by (round, key).
@@ -174,6 +185,14 @@ def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_sec
     others = len(claim.group) - 1
     if not attested:
         return _denied(claim, f"no other group member attests it (its group lists {others} others)")
+    accusers = [c for c in views if c.key in weights and c.offence_for(claim.key)]
+    if 2 * len(accusers) > len(weights):
+        first = sorted(accusers, key=lambda c: c.key)[0]
+        return _denied(
+            claim,
+            f"its contribution was bounded by {len(accusers)} of {len(weights)} attesting members' "
+            f"robust averaging ({first.key}: {first.offence_for(claim.key)})",
+        )
     return _grant(claim, attested, others, max_samples_per_second)
 
 
@@ -229,6 +248,10 @@ def _check_group(claim: RoundClaim) -> None:
             raise ValueError(f"claim group member must be a GroupMemberView with a key, got {member!r}")
         if not _is_number(member.weight) or not math.isfinite(member.weight) or member.weight < 0:
             raise ValueError(f"claim group weight for {member.key} must be finite and >= 0, got {member.weight!r}")
+        if not isinstance(member.offence, str) or len(member.offence) > MAX_OFFENCE_CHARS:
+            raise ValueError(f"claim group offence for {member.key} must be a string of <= {MAX_OFFENCE_CHARS} chars")
+        if "\x00" in member.offence:
+            raise ValueError(f"claim group offence for {member.key} contains a NUL character")
         if member.key in seen:
             raise ValueError(f"claim group lists {member.key} twice")
         seen.add(member.key)

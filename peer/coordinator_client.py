@@ -26,7 +26,7 @@ from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
 from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
-from protocol.messages import SignedMessage, sign_message
+from protocol.messages import MAX_OFFENCE_CHARS, SignedMessage, sign_message
 from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
@@ -179,8 +179,13 @@ class CoordinatorLink(threading.Thread):
         )
         if not metrics.get("averaged"):
             return
+        offenders = metrics.get("offenders", {})
         group = [
-            pb.GroupMember(public_key=PublicKey.from_id(m["id"]).raw, weight=float(m.get("samples", 0)))
+            pb.GroupMember(
+                public_key=PublicKey.from_id(m["id"]).raw,
+                weight=float(m.get("samples", 0)),
+                offence=str(offenders.get(m["id"], ""))[:MAX_OFFENCE_CHARS],
+            )
             for m in metrics.get("members", [])
             if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
         ]

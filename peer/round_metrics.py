@@ -50,6 +50,9 @@ class RoundMetrics:
     """Local ranks (GPUs) of this node that trained the round (``peer.node``)."""
     members: list[dict[str, Any]] = field(default_factory=list)
     """What each group member gathered: id, round, samples, digest."""
+    offenders: dict[str, str] = field(default_factory=dict)
+    """Members (public id) whose contribution this peer's reducer bounded (robust averaging:
+    a capped weight, a clipped part) or refused, with why; reported to the coordinator."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

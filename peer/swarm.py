@@ -31,6 +31,7 @@ from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
 from protocol.records import RunRecords
+from protocol.robust import RobustRule
 from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
 from protocol.tokens import decode_token
@@ -83,6 +84,9 @@ class RoundResult:
     """Duration of the all-reduce itself (the rest of wait_s was matchmaking)."""
     round_s: float = 0.0
     """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
+    offenders: dict[str, str] = field(default_factory=dict)
+    """Members (public id) whose contribution this peer's reducer bounded or refused, with why
+    (``ExactAllReduceRunner.offences``)."""
 
     def started_in_sync(self, round_: int, digest: str) -> bool:
         """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed
@@ -117,7 +121,8 @@ class PendingRound:
         with self.averager.get_tensors() as tensors:
             averaged = tensors[0]
         stats = outcome.get("stats", {})
-        members = [data for data in outcome.get("gathered", {}).values() if isinstance(data, dict)]
+        gathered = outcome.get("gathered", {})
+        members = [data for data in gathered.values() if isinstance(data, dict)]
         return RoundResult(
             averaged=averaged,
             group_size=len(outcome.get("gathered", {})),
@@ -128,7 +133,19 @@ class PendingRound:
             refused_senders=dict(stats.get("refused_senders", {})),
             allreduce_s=float(stats.get("allreduce_s", 0.0)),
             round_s=waited,
+            offenders=offenders_by_id(stats.get("offences", {}), gathered),
         )
+
+
+def offenders_by_id(offences: dict[str, str], gathered: dict[str, Any]) -> dict[str, str]:
+    """``offences`` (libp2p peer id → why) keyed by the public id each member gathered instead
+    (its libp2p id where it gathered none)."""
+    named = {}
+    for peer, reason in offences.items():
+        data = gathered.get(peer)
+        key = data.get("id") if isinstance(data, dict) else None
+        named[key if isinstance(key, str) and key else peer] = reason
+    return named
 
 
 class Swarm:
@@ -175,6 +192,13 @@ class Swarm:
             client_mode=client_mode,
             gate=gate,
             streams=averaging.streams,
+            robust=RobustRule(
+                clip=averaging.clip,
+                weight_cap=averaging.weight_cap,
+                leave_out_cosine=averaging.leave_out_cosine,
+                min_cosine=averaging.min_cosine,
+                flag=averaging.flag,
+            ),
         )
         self.run_records = RunRecords(self.dht, self.averager.prefix)
 

@@ -439,6 +439,7 @@ class Trainer:
             in_sync=self.in_sync,
             averaged=result is not None,
             members=result.members if result else [],
+            offenders=result.offenders if result else {},
             params=self.state.params.numel(),
             allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -45,6 +45,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 from protocol.agreement import agreed_state, gathered_votes
 from protocol.compression import Codec
 from protocol.errors import MalformedTensorError
+from protocol.robust import Alignment, RobustRule, robust_mean
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +169,100 @@ class InPlaceOutputs(TensorPartContainer):
         yield self.local_tensors[0]
 
 
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer, but it keeps every sender's copy of the part being reduced and, once
+    all arrived, averages them with ``protocol.robust.robust_mean`` (hivemind adds each copy to
+    a running sum as it arrives, so nothing can be bounded against the others). Holds one part
+    per sender at a time. Senders named for a weight or norm are in ``offences`` (sender
+    index: the first reason, and in how many parts); ``alignment`` pools each sender's
+    direction against the others' over this reducer's parts (the averager pools it over
+    every fragment's reducer before judging it, ``protocol.robust.direction_offence``)."""
+
+    current_part_future: asyncio.Future[torch.Tensor]
+
+    def __init__(self, part_shapes: Any, num_senders: int, rule: RobustRule) -> None:
+        self.rule = rule
+        self._parts: dict[int, tuple[torch.Tensor, float]] = {}
+        self.offences: dict[int, str] = {}
+        self.offence_counts: dict[int, int] = {}
+        self.alignment: dict[int, Alignment] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def named(self) -> dict[int, str]:
+        """Senders (by index) this reducer names for their weight or norm, with why."""
+        return {
+            sender: f"{reason} (in {self.offence_counts[sender]} of {self.num_parts} parts)"
+            for sender, reason in self.offences.items()
+        }
+
+    def reset_accumulators(self) -> None:
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+            return
+        self.current_part_index += 1
+        self.current_part_accumulated_from = 0
+        self.current_part_future = asyncio.Future()
+        self.num_current_senders = sum(self.current_part_index < failed for failed in self.sender_failed_after)
+        self._parts = {}
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """Keep the sender's copy of part ``part_index``; once every current sender's copy is
+        here, the robust mean of them all (the same tensor for every sender)."""
+        if not (0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts):
+            raise AllreduceException(f"no part #{part_index} of sender #{sender_index} in this group")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # earlier parts are still being reduced
+            finished = asyncio.ensure_future(self.finished.wait())
+            try:
+                await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"part #{part_index} arrived after the reducer finished")
+        if self.sender_failed_after[sender_index] != math.inf:
+            raise BannedException(f"sender {sender_index} was excluded from this round")
+        if part_index != self.current_part_index or sender_index in self._parts:
+            raise AllreduceException(f"part #{part_index} of sender #{sender_index} out of order")
+        future = self.current_part_future
+        self._parts[sender_index] = (tensor_part, weight)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        senders = sorted(self._parts)
+        if not senders:  # every sender failed before this part: nobody waits for it
+            self.current_part_future.set_result(torch.zeros(self.part_shapes[self.current_part_index]))
+            self.reset_accumulators()
+            return
+        reduced = robust_mean([self._parts[i][0] for i in senders], [self._parts[i][1] for i in senders], self.rule)
+        for position, reason in reduced.offences.items():
+            sender = senders[position]
+            self.offences.setdefault(sender, reason)
+            self.offence_counts[sender] = self.offence_counts.get(sender, 0) + 1
+        for position, seen in reduced.alignment.items():
+            self.alignment.setdefault(senders[position], Alignment()).add(seen)
+        self.current_part_future.set_result(reduced.mean)
+        self.reset_accumulators()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers broadcast one encoding of each averaged part."""
 
     tensor_part_container: TensorPartContainer
 
-    def __init__(self, *, codec: CodecCompression, stale: frozenset[PeerID] = frozenset(), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        codec: CodecCompression,
+        stale: frozenset[PeerID] = frozenset(),
+        robust: RobustRule | None = None,
+        **kwargs: Any,
+    ) -> None:
         numel = sum(t.numel() for t in kwargs["tensors"])
         part_bytes = part_size_bytes(numel, codec.codec, len(kwargs["ordered_peer_ids"]))
         super().__init__(compression=codec, part_size_bytes=part_bytes, **kwargs)
@@ -190,6 +279,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container = container
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = container.get_raw_input_parts(my_index)
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            robust if robust is not None else RobustRule.off(),
+        )
         self.codec = codec
         self.stale = stale
         """Members that started the round from another state than the group's majority: their
@@ -209,6 +303,28 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._part_numels = [
             part.numel() for peer_parts in self.tensor_part_container._input_parts_by_peer for part, _ in peer_parts
         ]
+
+    @property
+    def alignment(self) -> dict[PeerID, Alignment]:
+        """Each sender's parts against the others', pooled over this reducer's parts."""
+        reducer = self.tensor_part_reducer
+        if not isinstance(reducer, RobustPartReducer):
+            return {}
+        return {self.sender_peer_ids[sender]: seen for sender, seen in reducer.alignment.items()}
+
+    @property
+    def offences(self) -> dict[PeerID, str]:
+        """Senders this reducer named this round, with the reason: a weight or norm far over
+        its bound (``RobustPartReducer``), or a part that did not decode. (Direction is judged
+        over every fragment's reducer: ``ExactAverager``.)"""
+        reducer = self.tensor_part_reducer
+        named: dict[PeerID, str] = {}
+        if isinstance(reducer, RobustPartReducer):
+            for sender, reason in reducer.named().items():
+                named[self.sender_peer_ids[sender]] = reason
+        for peer, reason in self.refused_senders.items():
+            named[peer] = f"refused: {reason}"
+        return named
 
     def _dither(self) -> torch.Tensor:
         """Uniform [0, 1) values for the stochastic rounding of this round's averaged parts:

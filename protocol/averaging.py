@@ -31,6 +31,7 @@ from protocol.averager_gate import AdmissionGateMixin
 from protocol.compression import Codec
 from protocol.fragments import fragment_bounds, fragment_group_id
 from protocol.membership import MemberGate
+from protocol.robust import Alignment, RobustRule, direction_offence
 from protocol.state_transfer import StateProvider, StateTransferMixin
 
 __all__ = ["ExactAverager", "RoundFailedError", "StateProvider"]
@@ -71,12 +72,16 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         prefix: str,
         gate: MemberGate | None = None,
         streams: int = 1,
+        robust: RobustRule | None = None,
         **kwargs: Any,
     ) -> None:
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
         self.fragments = fragment_bounds(numel, streams)
         """``[start, end)`` of each fragment averaged at once (one for ``streams`` = 1)."""
+        self.robust = robust if robust is not None else RobustRule.off()
+        """How this peer's reducer bounds each member's contribution (``protocol.robust``; the
+        run's spec gives the rule, a bare averager takes the plain weighted mean)."""
         self.gate = gate
         """When set, only the peers it admits may join our groups, lead them or download state."""
         self._stats: dict[bytes, dict[str, Any]] = {}
@@ -129,6 +134,9 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         outcomes = await asyncio.gather(
             *(self._run_fragment(runner, group_info) for runner in runners), return_exceptions=True
         )
+        offences = self._offences(runners)
+        for peer, reason in sorted(offences.items()):
+            logger.warning("round's contribution from %s bounded by this reducer: %s", peer, reason)
         errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if errors:
             raise errors[0]
@@ -136,10 +144,27 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             "bytes_sent": sum(runner.bytes_sent for runner in runners),
             "bytes_received": sum(runner.bytes_received for runner in runners),
             "refused_senders": {str(k): v for runner in runners for k, v in runner.refused_senders.items()},
+            "offences": offences,
             "allreduce_s": time.monotonic() - started,
             "peer_ids": [str(p) for p in group_info.peer_ids],
             "streams": len(runners),
         }
+
+    def _offences(self, runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
+        """Members this peer's reducers named this round (peer id: why): for a weight or norm
+        or a refused part by any fragment's reducer, for their direction pooled over all."""
+        offences: dict[str, str] = {}
+        pooled: dict[str, Alignment] = {}
+        for runner in runners:
+            for peer, reason in runner.offences.items():
+                offences.setdefault(str(peer), reason)
+            for peer, seen in runner.alignment.items():
+                pooled.setdefault(str(peer), Alignment()).add(seen)
+        for peer, seen in pooled.items():
+            reason = direction_offence(seen, self.robust)
+            if reason:
+                offences[peer] = f"{offences[peer]}; {reason}" if peer in offences else reason
+        return offences
 
     def _fragment_runner(
         self,
@@ -152,6 +177,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         runner = self.runner_class(
             codec=self.codec_compression,
             stale=stale,
+            robust=self.robust,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

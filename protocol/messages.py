@@ -37,6 +37,8 @@ from protocol.identity import Identity, PublicKey
 DOMAIN_TAG = b"swarmtrain/signed-message/v1"
 NONCE_BYTES = 16
 MAX_KIND_CHARS = 128
+MAX_OFFENCE_CHARS = 300
+"""Longest reason a round report may give for a member's offence (``GroupMember.offence``)."""
 
 
 def pae(*parts: bytes) -> bytes:

@@ -173,6 +173,29 @@ class AveragingSection(_Section):
     """Fragments of the pseudo-gradient averaged at once, each over its own libp2p streams
     (vectors under 64K values per fragment are cut into fewer): one stream per pair of peers
     caps at what its flow-control window carries."""
+    clip: Annotated[float, Field(ge=0, le=1e6)] = 1.0
+    """Robust averaging (``protocol.robust``): each member's part of the pseudo-gradient is
+    scaled down to at most this many times the median member's norm (0: off; else >= 1)."""
+    weight_cap: Annotated[float, Field(ge=0, le=1e6)] = 2.0
+    """Robust averaging: a member's self-reported samples weigh at most this many times the
+    median member's (0: off; else >= 1)."""
+    flag: Annotated[float, Field(ge=1, le=1e6)] = 3.0
+    """Robust averaging: a member whose norm or weight exceeds its bound this many times over
+    is named an offender (logged, reported, denied credit for the round)."""
+    leave_out_cosine: Annotated[float, Field(ge=-1, le=1)] = 0.0
+    """Robust averaging: in groups of 3 or more, a member's part whose cosine with the others'
+    sum is below this is left out of the average (-1: off)."""
+    min_cosine: Annotated[float, Field(ge=-1, le=1)] = 0.0
+    """Robust averaging: in groups of 3 or more, a member whose parts (pooled over a round)
+    have a cosine with the others' below this is named an offender (-1: off)."""
+
+    @model_validator(mode="after")
+    def _robust_bounds(self) -> AveragingSection:
+        for name in ("clip", "weight_cap"):
+            value = getattr(self, name)
+            if 0 < value < 1:
+                raise ValueError(f"{name} = {value} would bound honest members below the median; use 0 (off) or >= 1")
+        return self
 
     @model_validator(mode="after")
     def _group_sizes(self) -> AveragingSection:

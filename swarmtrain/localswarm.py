@@ -59,11 +59,19 @@ def _parent_env() -> dict[str, str]:
 class Child:
     """A `swarmtrain` child in its own process group, its output kept and logged to a file."""
 
-    def __init__(self, argv: list[str], log: Path, name: str, env: dict[str, str], cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        log: Path,
+        name: str,
+        env: dict[str, str],
+        cwd: Path | None = None,
+        executable: list[str] | None = None,
+    ) -> None:
         self.name, self.log = name, log
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [*swarmtrain_executable(), *argv],
+            [*(executable or swarmtrain_executable()), *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -106,13 +114,21 @@ class LocalPeer(Child):
     """One `swarmtrain peer` child."""
 
     def __init__(
-        self, args: list[str], workdir: Path, name: str, *, threads: int = 1, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        workdir: Path,
+        name: str,
+        *,
+        threads: int = 1,
+        env: dict[str, str] | None = None,
+        executable: list[str] | None = None,
     ) -> None:
         self.metrics_file = workdir / f"{name}.jsonl"
         self._asked_to_leave = False
         # one torch thread per peer: several peers share this machine's cores
         argv = ["peer", *args, "--metrics-file", str(self.metrics_file)]
-        super().__init__(argv, workdir / f"{name}.log", name, {"OMP_NUM_THREADS": str(threads), **(env or {})})
+        env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+        super().__init__(argv, workdir / f"{name}.log", name, env, executable=executable)
 
     def node_id(self, deadline_s: float = 60.0) -> str:
         """The public id of the node key this peer signs with (``peer.node_identity``)."""
@@ -168,10 +184,19 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
 
 
 def start_peers(
-    spec: Path, count: int, workdir: Path, extra: list[str] | None = None, *, coordinator: str | None = None
+    spec: Path,
+    count: int,
+    workdir: Path,
+    extra: list[str] | None = None,
+    *,
+    coordinator: str | None = None,
+    executables: dict[int, list[str]] | None = None,
+    checkpoints: bool = False,
 ) -> list[LocalPeer]:
     """Start ``count`` peers of ``spec`` on loopback: through ``coordinator`` (HOST:PORT) when
-    given, else the first one bootstrapping the others."""
+    given, else the first one bootstrapping the others. ``executables`` runs peer ``i`` with
+    another command than ``swarmtrain`` (a test's wrapper around it); ``checkpoints`` gives
+    peer ``i`` the checkpoint directory ``workdir/peer<i>-checkpoints``."""
     peers: list[LocalPeer] = []
     try:
         for i in range(count):
@@ -179,9 +204,11 @@ def start_peers(
             # default hosts (every interface), as volunteers run peers
             args = [*source, "--key", str(workdir / f"peer{i}.key")]
             args += ["--shard-seed", str(i), *(extra or [])]
+            if checkpoints:
+                args += ["--checkpoint-dir", str(workdir / f"peer{i}-checkpoints")]
             if peers and not coordinator:
                 args += ["--initial-peers", peers[0].wait_for_maddr()]
-            peers.append(LocalPeer(args, workdir, f"peer{i}"))
+            peers.append(LocalPeer(args, workdir, f"peer{i}", executable=(executables or {}).get(i)))
         peers[0].wait_for_maddr()
     except BaseException:
         for peer in peers:

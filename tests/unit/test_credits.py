@@ -273,3 +273,40 @@ def test_ledger_config_validated() -> None:
         RoundLedger(max_samples_per_second=0.0)
     with pytest.raises(ValueError, match="finalize_after_s"):
         RoundLedger(max_samples_per_second=1.0, finalize_after_s=math.nan)
+
+
+def _accusing(key: str, group: dict[str, float], offences: dict[str, str]) -> RoundClaim:
+    claim = _claim(key, group)
+    members = tuple(GroupMemberView(key=m.key, weight=m.weight, offence=offences.get(m.key, "")) for m in claim.group)
+    return RoundClaim(**{**claim.__dict__, "group": members})
+
+
+def test_a_member_bounded_by_most_attesters_reducers_is_denied() -> None:
+    """Robust averaging clipped d's parts at three reducers: a clipped contribution is not
+    attested work, whatever d claims."""
+    group = {"a": 100, "b": 100, "c": 100, "d": 100}
+    why = {"d": "part norm 9.1e+03 clipped to 3x the group's median 91 (in 8 of 8 parts)"}
+    ledger = _ledger()
+    for key in "abc":
+        ledger.add(_accusing(key, group, why))
+    ledger.add(_claim("d", group))
+    decisions = _by_key(ledger.tick(1.0))
+    assert decisions["d"].status == ClaimStatus.DENIED
+    assert "bounded by 3 of 3 attesting members' robust averaging (a: part norm" in decisions["d"].reason
+    assert all(decisions[k].status == ClaimStatus.GRANTED for k in "abc")
+
+
+def test_one_accuser_alone_cannot_deny_an_honest_member() -> None:
+    group = {"a": 100, "b": 100, "c": 100, "d": 100}
+    ledger = _ledger()
+    ledger.add(_accusing("d", group, {"a": "made up"}))
+    for key in "abc":
+        ledger.add(_claim(key, group))
+    decisions = _by_key(ledger.tick(1.0))
+    assert decisions["a"].status == ClaimStatus.GRANTED
+
+
+@pytest.mark.parametrize(("offence", "needle"), [("x" * 301, "<= 300 chars"), ("a\x00b", "NUL")])
+def test_a_malformed_offence_is_refused(offence: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        _ledger().add(_accusing("a", HONEST, {"b": offence}))

@@ -1,0 +1,48 @@
+"""A `swarmtrain` that runs a hostile peer for tests: it trains like any peer and changes only
+what it sends to the swarm (issue #14's attacks).
+
+    python -m tests.integration.attacker ATTACK peer ARGS...
+
+ATTACK is one of ``ATTACKS``: ``x100`` (its pseudo-gradient scaled by 100), ``sign-flip`` (negated),
+``samples`` (averaging weight and gathered sample count of 1e15, a self-reported sample count
+nobody can check inside the all-reduce).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+ATTACKS = ("x100", "sign-flip", "samples")
+HUGE = 10**15
+
+
+def install(attack: str) -> None:
+    """Patch this process's ``Swarm.start_round`` to carry out ``attack`` on every round."""
+    from peer.swarm import Swarm
+
+    original = Swarm.start_round
+
+    def start_round(self: Swarm, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> Any:
+        if attack in ("x100", "sign-flip"):
+            with self.outbox() as out:
+                out.mul_(100.0 if attack == "x100" else -1.0)
+        elif attack == "samples":
+            weight, gather = float(HUGE), {**gather, "samples": HUGE}
+        return original(self, weight=weight, gather=gather, timeout=timeout)
+
+    Swarm.start_round = start_round  # type: ignore[method-assign]
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ATTACKS:
+        print(f"usage: python -m tests.integration.attacker {{{','.join(ATTACKS)}}} peer ARGS...", file=sys.stderr)
+        return 2
+    install(sys.argv[1])
+    from swarmtrain.cli import main as swarmtrain_main
+
+    return swarmtrain_main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
