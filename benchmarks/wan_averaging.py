@@ -13,7 +13,11 @@ peers, same links, same rounds, no training:
   all-reduce has two: parts to the reducer, averaged parts back), 1 MiB messages;
 - ``swarmtrain``: ``ExactAverager`` rounds of a vector of ``S`` bytes (the codec's wire size);
   with ``--streams K``, the spec's ``averaging.streams = K``: one group, the vector cut into K
-  fragments (``protocol.fragments``) averaged at once, each over its own streams.
+  fragments (``protocol.fragments``) averaged at once, each over its own streams; with
+  ``--robust off on``, one run each without and with the spec's default robust averaging
+  (``protocol.robust``: what bounding every member's contribution costs in averaging time).
+  Each host's vector is a shared direction plus its own noise, as members' pseudo-gradients
+  are (uncorrelated vectors would have robust averaging leave half of them out).
 
 A round starts when every host is ready (a file barrier) and ends when the last host holds
 everything it should receive; swarmtrain's round is its all-reduce time (``allreduce_s``,
@@ -207,6 +211,7 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
 
     from protocol.averaging import ExactAverager
     from protocol.compression import get_codec
+    from protocol.robust import RobustRule
 
     torch.set_num_threads(1)
     ip = args.ips.split(",")[args.index]
@@ -226,10 +231,13 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
         request_timeout=2.0,
         allreduce_timeout=args.timeout,
         streams=args.streams[0],
+        robust=RobustRule() if args.robust[0] == "on" else RobustRule.off(),
     )
     try:
         with averager.get_tensors() as tensors:
-            tensors[0].normal_(generator=torch.Generator().manual_seed(args.index))
+            shared = torch.randn(args.values, generator=torch.Generator().manual_seed(12345))
+            own = torch.randn(args.values, generator=torch.Generator().manual_seed(args.index))
+            tensors[0].copy_(shared.add_(own, alpha=0.5))
         _barrier(workdir, "listening", args.index, args.peers)
         times = []
         for _ in range(args.rounds):
@@ -258,7 +266,7 @@ def _child(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parent
 
 
-def run_transport(transport: str, args: argparse.Namespace, streams: int = 1) -> list[float]:
+def run_transport(transport: str, args: argparse.Namespace, streams: int = 1, robust: str = "off") -> list[float]:
     """Round times (the slowest host's) of ``transport`` over a fresh simulator."""
     hosts = [f"h{i}" for i in range(args.peers)]
     with tempfile.TemporaryDirectory(prefix="wan-averaging-") as tmp, WanSim(hosts, rate=args.link) as sim:
@@ -269,7 +277,7 @@ def run_transport(transport: str, args: argparse.Namespace, streams: int = 1) ->
             argv = [sys.executable, "-m", "benchmarks.wan_averaging", "--child", transport, "--index", str(i)]
             argv += ["--ips", ips, "--workdir", tmp, "--peers", str(args.peers), "--values", str(args.values)]
             argv += ["--codec", args.codec, "--rounds", str(args.rounds), "--timeout", str(args.timeout)]
-            argv += ["--streams", str(streams)]
+            argv += ["--streams", str(streams), "--robust", robust]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             with open(Path(tmp) / f"{host}.log", "w") as log:
                 procs.append(sim.run(host, argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env))
@@ -332,6 +340,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="K",
         help="swarmtrain: fragments of the vector averaged at once (averaging.streams); several values: one run each",
     )
+    parser.add_argument(
+        "--robust",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off"],
+        help="swarmtrain: without or with the spec's default robust averaging; several values: one run each",
+    )
     parser.add_argument("--only", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -363,10 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rounds: dict[str, list[float]] = {}
     for transport in args.only:
-        for streams in args.streams if transport == "swarmtrain" else [1]:
-            name = f"{transport} ({streams} streams)" if streams > 1 else transport
+        variants = [(k, r) for k in args.streams for r in args.robust] if transport == "swarmtrain" else [(1, "off")]
+        for streams, robust in variants:
+            details = [f"{streams} streams"] if streams > 1 else []
+            details += ["robust"] if robust == "on" else []
+            name = f"{transport} ({', '.join(details)})" if details else transport
             print(f"{name}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
-            rounds[name] = run_transport(transport, args, streams)
+            rounds[name] = run_transport(transport, args, streams, robust)
     bound = link_bound_s(peers=args.peers, params=args.values, codec=args.codec, link_bps=parse_rate(args.link))
     summary = summarize(rounds, bound_s=bound)
     label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")

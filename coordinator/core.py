@@ -22,6 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from coordinator.admission import admit, parse_body
 from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.health import HealthConfig, HealthTracker
+from coordinator.limits import check_hardware, check_heartbeat, check_report, check_text
 from coordinator.store import Decision, Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
@@ -112,6 +113,9 @@ class Coordinator:
         )
         body = admitted.body
         key = admitted.peer.id
+        check_text("join libp2p_peer_id", body.libp2p_peer_id)
+        check_text("join software_version", body.software_version)
+        check_hardware(body.hardware)
         self.store.upsert_peer(
             key=key,
             account_key=admitted.account.id,
@@ -154,6 +158,7 @@ class Coordinator:
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
         peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now)
+        check_heartbeat(body)
         interval = self.health.config.heartbeat_interval_s
         if not self._admitted(peer):
             return pb.HeartbeatResponse(
@@ -167,7 +172,8 @@ class Coordinator:
             now=now,
             round=body.round,
             phase=_PHASES.get(body.phase, "training"),
-            samples_per_second=body.samples_per_second,
+            # no peer counts for more than the run's plausibility cap in the swarm's figures
+            samples_per_second=min(body.samples_per_second, self.spec.credits.max_samples_per_second),
             samples_total=body.samples_total,
             loss=body.loss if math.isfinite(body.loss) else None,
         )
@@ -184,6 +190,7 @@ class Coordinator:
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
         peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now)
+        check_report(body)
         if not self._admitted(peer):
             raise AdmissionError(f"{peer.id} is not admitted: join again before reporting")
         group = []
@@ -193,7 +200,7 @@ class Coordinator:
             except Exception as exc:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
             group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
-        duration = max(body.compute_s + body.wait_s, 1e-3)
+        duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(peer.id, now))
         claim = RoundClaim(
             key=peer.id,
             round=body.round,
@@ -289,6 +296,19 @@ class Coordinator:
         message = SignedMessage.from_proto(envelope)
         self.verifier.verify(message, now=now, kind=kind)
         return message.signer, parse_body(body_type, message.body, kind)
+
+    def _observed_round_s(self, key: str, now: float) -> float:
+        """The longest a round of ``key`` can have taken by the coordinator's own clock: since
+        its previous round report, or since it was first seen (both kept in the store, so a
+        restart changes nothing). A claim's throughput cap uses this, never less than 1 ms,
+        whatever time the peer says it spent."""
+        previous = self.store.claims(key=key, limit=1)
+        if previous:
+            since = float(previous[0]["received_at"])
+        else:
+            row = self.store.peer(key)
+            since = float(row["first_seen"]) if row is not None else now
+        return max(now - since, 1e-3)
 
     def _admitted(self, peer: PublicKey) -> bool:
         banned = self.store.banned()

@@ -18,6 +18,9 @@ from protocol.messages import MAX_OFFENCE_CHARS
 
 logger = logging.getLogger(__name__)
 
+MAX_FORGOTTEN = 100_000
+"""Forgotten rounds the ledger remembers, to refuse late claims for them (a few MB)."""
+
 
 @dataclass(frozen=True)
 class GroupMemberView:
@@ -96,8 +99,10 @@ class RoundLedger:
     its claims' groups has reported) or ``finalize_after_s`` after its first claim was
     received, with whatever claims are there. A claim arriving after its round was decided
     is decided on the next tick against all of the round's claims. Decided rounds are kept
-    ``retain_s`` after their first claim, then forgotten; claims for a forgotten round (or
-    any older one) are rejected.
+    ``retain_s`` after their first claim, then forgotten; claims for a forgotten round are
+    rejected (the last ``MAX_FORGOTTEN`` such rounds are remembered). Rounds are never
+    closed by their number: a claim for round 2**31 - 1 (decided and forgotten like any other)
+    must not close the rounds the swarm is still at.
 
     Rules for a claim ``c`` of round ``r`` (checked in this order):
     1. ``c``'s group lists only ``c`` itself: DENIED, "averaged with nobody".
@@ -127,14 +132,15 @@ class RoundLedger:
         self.finalize_after_s = float(finalize_after_s)
         self.retain_s = 10 * self.finalize_after_s if retain_s is None else float(retain_s)
         self._rounds: dict[int, _Round] = {}
-        self._closed_through = -1
+        self._forgotten: dict[int, None] = {}
+        """Forgotten round numbers, oldest first (a dict keeps insertion order)."""
 
     def add(self, claim: RoundClaim) -> None:
         """Queue a claim; ``ValueError`` naming what is wrong if it is malformed, repeats a
         (key, round) already claimed, or is for a round already forgotten."""
         _check_claim(claim)
-        if claim.round <= self._closed_through:
-            raise ValueError(f"round {claim.round} is closed: rounds up to {self._closed_through} are settled")
+        if claim.round in self._forgotten:
+            raise ValueError(f"round {claim.round} is closed: it was settled and forgotten")
         entry = self._rounds.setdefault(claim.round, _Round())
         if claim.key in entry.claims:
             raise ValueError(f"a second claim by {claim.key} for round {claim.round}")
@@ -165,7 +171,9 @@ class RoundLedger:
             entry = self._rounds[number]
             if not entry.pending() and now - entry.first_received >= self.retain_s:
                 del self._rounds[number]
-                self._closed_through = max(self._closed_through, number)
+                self._forgotten[number] = None
+                while len(self._forgotten) > MAX_FORGOTTEN:
+                    del self._forgotten[next(iter(self._forgotten))]
 
 
 def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_second: float) -> Decision:

@@ -208,6 +208,16 @@ class Store:
                 for name, value in fields.items():
                     setattr(peer, name, value)
 
+    def peer(self, key: str) -> dict[str, Any] | None:
+        """One peer's row (as in ``peers``), or None if it was never seen."""
+        with self._read() as s:
+            row = s.get(Peer, key)
+            if row is None:
+                return None
+            found = _as_dict(row, _PEER_FIELDS)
+        found["reachable"] = bool(found["reachable"])
+        return found
+
     def peers(self) -> list[dict[str, Any]]:
         """Every peer ever seen, by key; keys as in ``upsert_peer`` plus ``first_seen``/``last_seen``."""
         with self._read() as s:
@@ -283,19 +293,23 @@ class Store:
     def finalize_round(self, *, round: int, decisions: list[Decision], mean_loss: float | None, now: float) -> None:
         """Decide ``decisions`` (claims of ``round``) and write the round's record: one transaction.
 
-        The record is computed from every claim of the round, those decided earlier included:
-        the state digest a strict majority of its claims hold ("" on a tie), the number of claims (group size) and the sum of granted
-        samples. ``mean_loss`` None keeps a loss recorded earlier. A crash leaves either all of
+        The record is computed from the round's claims, those decided earlier included: the
+        state digest a strict majority of the granted ones hold ("" on a tie), the number of
+        claims (group size) and the granted samples. A round with no granted claim has no
+        record: one
+        peer's denied report (of round 2**31 - 1, say) is not a round of the swarm, and must
+        not become its current round in status and joins, nor the archive's digest. ``mean_loss`` None keeps a loss recorded earlier. A crash leaves either all of
         it or none of it. Raises ``ValueError`` like ``decide_claim``; nothing is written then.
         """
         with self._write() as s:
             for decision in decisions:
                 _decide(s, round, decision, now)
             claims = list(s.scalars(select(Claim).where(Claim.round == round)))
-            if not claims:
+            granted = [c for c in claims if c.status == GRANTED]
+            if not granted:
                 return
             # the round's reporters vote (protocol.agreement); a tie records no digest ("")
-            agreed = agreed_state(Vote(c.key, round, c.state_digest) for c in claims)
+            agreed = agreed_state(Vote(c.key, round, c.state_digest) for c in granted)
             majority = agreed.digest if agreed is not None else ""
             record = s.get(RoundRecord, round)
             if record is None:
@@ -305,7 +319,7 @@ class Store:
                 mean_loss = record.mean_loss
             record.state_digest, record.finalized_at, record.group_size = majority, now, len(claims)
             record.mean_loss = mean_loss
-            record.samples = sum(c.granted_samples or 0 for c in claims if c.status == GRANTED)
+            record.samples = sum(c.granted_samples or 0 for c in granted)
 
     def pending_claims(self) -> list[dict[str, Any]]:
         """Every undecided claim, oldest first (what the ledger reloads after a restart)."""

@@ -194,9 +194,19 @@ def test_forgotten_rounds_are_closed() -> None:
     ledger.tick(100.0)
     with pytest.raises(ValueError, match="round 3 is closed"):
         ledger.add(_claim("a", HONEST, round=3))
-    with pytest.raises(ValueError, match="round 2 is closed"):
-        ledger.add(_claim("a", HONEST, round=2))
     ledger.add(_claim("a", HONEST, round=4))
+
+
+def test_a_forgotten_far_future_round_closes_no_other_round() -> None:
+    """A lone claim for round 2**31 - 1 is denied and forgotten like any other; the rounds the
+    swarm is at stay open (issue #14: one denied report closed every round below it)."""
+    ledger = RoundLedger(max_samples_per_second=1000.0, finalize_after_s=10.0, retain_s=100.0)
+    ledger.add(_claim("x", {"x": 10**12}, round=2**31 - 1))
+    assert ledger.tick(11.0)[0].status == ClaimStatus.DENIED
+    ledger.tick(200.0)
+    for key in HONEST:
+        ledger.add(_claim(key, HONEST, round=5, received_at=200.0))
+    assert all(d.status == ClaimStatus.GRANTED for d in ledger.tick(201.0))
 
 
 def test_each_claim_decided_once_across_repeated_ticks() -> None:

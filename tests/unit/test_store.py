@@ -271,11 +271,21 @@ def test_leaderboard_by_flops_per_account(store: Store) -> None:
 
 
 def test_rounds_highest_first_and_limited(store: Store) -> None:
+    granted = [Decision(key="p1", status="granted", granted_samples=1, flops=1.0, reason="attested")]
     for round in (1, 3, 2):
         _claim(store, "p1", round)
-        store.finalize_round(round=round, now=float(round), mean_loss=None, decisions=[])
+        store.finalize_round(round=round, now=float(round), mean_loss=None, decisions=granted)
     assert [(r["round"], r["state_digest"]) for r in store.rounds()] == [(3, "d3"), (2, "d2"), (1, "d1")]
     assert [r["round"] for r in store.rounds(limit=1)] == [3]
+
+
+def test_a_round_without_a_granted_claim_has_no_record(store: Store) -> None:
+    """One peer's denied report of round 2**31 - 1 is not the swarm's current round (issue #14)."""
+    _claim(store, "p1", 2**31 - 1)
+    denied = [Decision(key="p1", status="denied", granted_samples=0, flops=0.0, reason="averaged with nobody")]
+    store.finalize_round(round=2**31 - 1, now=1.0, mean_loss=None, decisions=denied)
+    assert store.rounds() == []
+    assert store.claims()[0]["status"] == "denied"
 
 
 def test_finalize_round_decides_and_records_together(store: Store) -> None:

@@ -1,0 +1,85 @@
+"""Bounds on every number and string a peer sends the coordinator (issue #14).
+
+Everything in a join, heartbeat or round report is the peer's say-so, signed or not. A value
+past these bounds is refused with ``MalformedMessageError`` naming the field (gRPC
+INVALID_ARGUMENT) before anything is stored: no column (32-bit rounds on PostgreSQL, 64-bit
+sample counts), sum (credits, swarm samples/s) or metric can overflow, and no text holds a NUL
+(PostgreSQL refuses it mid-transaction).
+"""
+
+from __future__ import annotations
+
+import math
+
+from protocol import coordinator_pb2 as pb
+from protocol.errors import MalformedMessageError
+
+__all__ = [
+    "MAX_BYTES",
+    "MAX_GROUP",
+    "MAX_ROUND",
+    "MAX_SAMPLES",
+    "MAX_SECONDS",
+    "MAX_TEXT",
+    "check_hardware",
+    "check_heartbeat",
+    "check_report",
+    "check_text",
+]
+
+MAX_ROUND = 2**31 - 1
+"""Rounds are 32-bit columns."""
+MAX_SAMPLES = 2**40
+"""Samples in one round report or weight (~1e12: a million times a large GPU node's round)."""
+MAX_SECONDS = 1e7
+"""Compute or wait time of one round (~115 days)."""
+MAX_BYTES = 2**53
+MAX_GROUP = 4096
+"""Members of one group (the spec's largest ``target_group_size``)."""
+MAX_TEXT = 512
+"""Characters of a digest, id, version or hardware name."""
+
+
+def check_text(field: str, value: str, limit: int = MAX_TEXT) -> None:
+    """Refuse text longer than ``limit`` characters or holding a NUL."""
+    if len(value) > limit:
+        raise MalformedMessageError(f"{field} is {len(value)} characters long, at most {limit} allowed")
+    if "\x00" in value:
+        raise MalformedMessageError(f"{field} contains a NUL character")
+
+
+def _check_range(field: str, value: float, low: float, high: float) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise MalformedMessageError(f"{field} must be a finite number in [{low:g}, {high:g}], got {value!r}")
+
+
+def check_report(body: pb.RoundReportBody) -> None:
+    """Refuse a round report with a value out of bounds (the ledger checks its consistency)."""
+    _check_range("round report round", body.round, 0, MAX_ROUND)
+    _check_range("round report samples", body.samples, 0, MAX_SAMPLES)
+    _check_range("round report compute_s", body.compute_s, 0, MAX_SECONDS)
+    _check_range("round report wait_s", body.wait_s, 0, MAX_SECONDS)
+    _check_range("round report bytes_sent", body.bytes_sent, 0, MAX_BYTES)
+    _check_range("round report bytes_received", body.bytes_received, 0, MAX_BYTES)
+    if math.isinf(body.loss):
+        raise MalformedMessageError(f"round report loss must be finite or NaN, got {body.loss!r}")
+    check_text("round report state_digest", body.state_digest)
+    if len(body.group) > MAX_GROUP:
+        raise MalformedMessageError(f"round report group lists {len(body.group)} members, at most {MAX_GROUP}")
+    for member in body.group:
+        _check_range("round report group weight", member.weight, 0, MAX_SAMPLES)
+        check_text("round report group libp2p_peer_id", member.libp2p_peer_id)
+
+
+def check_heartbeat(body: pb.HeartbeatBody) -> None:
+    """Refuse a heartbeat with a value out of bounds (the health tracker checks the rest)."""
+    _check_range("heartbeat round", body.round, 0, MAX_ROUND)
+    _check_range("heartbeat samples_total", body.samples_total, 0, 2**62)
+    _check_range("heartbeat samples_per_second", body.samples_per_second, 0, 1e12)
+    check_text("heartbeat state_digest", body.state_digest)
+
+
+def check_hardware(hardware: pb.Hardware) -> None:
+    """Refuse a join's hardware description with text out of bounds."""
+    check_text("join hardware device", hardware.device)
+    check_text("join hardware accelerator_name", hardware.accelerator_name)

@@ -1,0 +1,147 @@
+"""Colluding minted keys with extreme self-reported numbers (issue #14's coordinator fuzzing):
+they gain no more credit than the spec's cap allows for the time the coordinator observed,
+out-of-range values are refused without changing anything, and the ledger, the credit
+figures and ``/metrics`` keep working while honest claims keep being granted."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.core import Coordinator
+from coordinator.http.metrics import render_metrics
+from coordinator.store import Store, sqlite_url
+from protocol import coordinator_pb2 as pb
+from protocol import kinds
+from protocol.errors import MalformedMessageError
+from protocol.identity import Identity
+from protocol.messages import sign_message
+from protocol.spec import parse_spec
+
+CAP = 100.0
+SPEC = f'[run]\nname = "collude"\n[credits]\nmax_samples_per_second = {CAP}\n'
+T0 = 1_800_000_000.0
+HONEST_SAMPLES = 50
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Coordinator]:
+    store = Store(sqlite_url(tmp_path))
+    yield Coordinator(
+        spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
+    )
+    store.close()
+
+
+def join(core: Coordinator, now: float) -> Identity:
+    peer = Identity.generate()
+    body = pb.JoinBody(libp2p_peer_id="p", software_version="t", spec_digest=core.digest)
+    core.join(sign_message(peer, kinds.JOIN, body.SerializeToString(), now=now).to_proto(), now=now)
+    return peer
+
+
+def report(core: Coordinator, peer: Identity, now: float, **fields: object) -> pb.RoundReportResponse:
+    body = pb.RoundReportBody(**fields)  # type: ignore[arg-type]
+    envelope = sign_message(peer, kinds.ROUND_REPORT, body.SerializeToString(), now=now)
+    return core.report_round(envelope.to_proto(), now=now)
+
+
+def heartbeat(core: Coordinator, peer: Identity, now: float, **fields: object) -> pb.HeartbeatResponse:
+    body = pb.HeartbeatBody(**fields)  # type: ignore[arg-type]
+    return core.heartbeat(sign_message(peer, kinds.HEARTBEAT, body.SerializeToString(), now=now).to_proto(), now=now)
+
+
+def group(members: list[Identity], weight: float) -> list[pb.GroupMember]:
+    return [pb.GroupMember(public_key=m.public_key.raw, weight=weight) for m in members]
+
+
+def test_colluders_get_at_most_the_cap_for_the_time_the_coordinator_saw(core: Coordinator) -> None:
+    colluders = [join(core, T0), join(core, T0)]
+    honest = [join(core, T0), join(core, T0), join(core, T0)]
+    huge = 2**40  # the largest sample count a report may carry
+    # out-of-range values are refused, naming the field, and recorded nowhere
+    for bad in (
+        {"round": 3, "samples": 2**62 - 1, "compute_s": 10.0},
+        {"round": 3, "samples": 10, "compute_s": 1e300},
+        {"round": 3, "samples": 10, "compute_s": math.inf},
+        {"round": 2**31, "samples": 10, "compute_s": 10.0},
+        {"round": 3, "samples": 10, "compute_s": 10.0, "state_digest": "d" * 200_000},
+        {"round": 3, "samples": 10, "compute_s": 10.0, "state_digest": "a\x00b"},
+    ):
+        with pytest.raises(MalformedMessageError):
+            report(core, colluders[0], T0 + 1, **{"state_digest": "x", "group": group(colluders, 1.0), **bad})
+    assert core.store.claims() == []
+    for round_ in (3, 4, 5):
+        now = T0 + 10 * (round_ - 2)  # a round every 10 s on the coordinator's clock
+        for peer in colluders:
+            # each claims the most it may, for a week of compute, and vouches for the other
+            report(
+                core,
+                peer,
+                now,
+                round=round_,
+                samples=huge,
+                compute_s=604800.0,
+                state_digest="evil",
+                group=group(colluders, huge),
+            )
+        for peer in honest:
+            report(
+                core,
+                peer,
+                now,
+                round=round_,
+                samples=HONEST_SAMPLES,
+                compute_s=9.0,
+                state_digest="good",
+                group=group(honest, HONEST_SAMPLES),
+            )
+        core.tick(now=now + 61)
+    by_peer = core.store.credits_by_peer()
+    for peer in colluders:
+        credit = by_peer[peer.public_key.id]
+        assert credit["samples"] <= 3 * CAP * 10 + 1, credit  # 3 rounds of 10 observed seconds
+    for peer in honest:
+        assert by_peer[peer.public_key.id] == {
+            "samples": 3 * HONEST_SAMPLES,
+            "flops": pytest.approx(by_peer[peer.public_key.id]["flops"]),
+            "rounds": 3,
+        }
+    # the figures keep working and stay finite
+    text = render_metrics(core, now=T0 + 200)
+    assert "swarmtrain_credited_samples_total" in text and "inf" not in text.lower() and "nan" not in text.lower()
+    assert core.store.leaderboard(limit=10)
+    assert core.status(now=T0 + 200).current_round == 5
+
+
+def test_an_absurd_heartbeat_is_refused_and_a_large_one_counts_at_most_the_cap(core: Coordinator) -> None:
+    peers = [join(core, T0), join(core, T0)]
+    with pytest.raises(MalformedMessageError, match="samples_per_second"):
+        heartbeat(core, peers[0], T0 + 1, samples_per_second=1e308)
+    with pytest.raises(MalformedMessageError, match="round"):
+        heartbeat(core, peers[0], T0 + 1, round=2**40)
+    for peer in peers:
+        assert heartbeat(core, peer, T0 + 2, samples_per_second=1e11).admitted
+    summary = core.health.summary(T0 + 3)
+    assert summary.samples_per_second == 2 * CAP
+    assert "inf" not in render_metrics(core, now=T0 + 3).lower()
+
+
+def test_a_denied_far_future_report_does_not_move_the_current_round(core: Coordinator) -> None:
+    honest = [join(core, T0), join(core, T0)]
+    for peer in honest:
+        report(core, peer, T0 + 10, round=7, samples=5, compute_s=5.0, state_digest="good", group=group(honest, 5))
+    core.tick(now=T0 + 80)
+    lone = join(core, T0)
+    report(
+        core, lone, T0 + 90, round=2**31 - 1, samples=5, compute_s=5.0, state_digest="x" * 512, group=group([lone], 5)
+    )
+    core.tick(now=T0 + 200)
+    assert core.status(now=T0 + 200).current_round == 7
+    for peer in honest:  # the swarm's next rounds are still open and granted
+        report(core, peer, T0 + 210, round=8, samples=5, compute_s=5.0, state_digest="good2", group=group(honest, 5))
+    core.tick(now=T0 + 300)
+    assert all(c["status"] == "granted" for c in core.store.claims(round=8))
