@@ -22,9 +22,8 @@ import grpc
 from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
-from coordinator.servicer import CoordinatorServicer
+from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_to_server
 from coordinator.store import Store, sqlite_url
-from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import count_params
 from protocol.spec import RunSpec, parse_spec
@@ -113,10 +112,10 @@ class CoordinatorServer:
             )
             self.archiver.start()
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
         servicer = CoordinatorServicer(self.core, archive=self._archive_status)
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
-        pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
+        add_to_server(servicer, self.server)
         self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")

@@ -4,6 +4,9 @@ Every handler verifies nothing itself; it calls the core under one lock (the cor
 thread-safe and is fast) and translates our errors into gRPC status codes with the
 readable reason as the details: bad signatures → UNAUTHENTICATED, admission refusals →
 PERMISSION_DENIED, another run → FAILED_PRECONDITION, malformed input → INVALID_ARGUMENT.
+``add_to_server`` registers it so that a request that does not even parse is INVALID_ARGUMENT
+too (grpc's generated registration parses before the handler runs, answers INTERNAL and logs
+a traceback per request: a flood under fuzzing), and caps request size (``MAX_REQUEST_BYTES``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from coordinator.core import Coordinator
 from protocol import coordinator_pb2 as pb
@@ -23,6 +27,39 @@ from protocol.errors import AdmissionError, MalformedMessageError, VerificationE
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+SERVICE = "swarmtrain.v1.Coordinator"
+MAX_REQUEST_BYTES = 1 << 20
+"""Largest request the server reads: a round report of the largest group is ~300 KB."""
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
+"""Options for ``grpc.server`` (a larger request is refused with RESOURCE_EXHAUSTED)."""
+
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+    """Register ``servicer``'s methods, each parsing its own request: bytes that are not a
+    valid request message get INVALID_ARGUMENT naming the message, and nothing else runs."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
+        request_type: type[Message] = getattr(pb, method.input_type.name)
+        response_type: type[Message] = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _parsing(getattr(servicer, method.name), request_type),
+            request_deserializer=None,  # raw bytes: parsed by the wrapper
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+def _parsing(handler: Callable[[Any, grpc.ServicerContext], Any], request_type: type[Message]) -> Callable[..., Any]:
+    def parse_then_handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = request_type.FromString(raw)
+        except (DecodeError, RuntimeWarning, ValueError) as exc:
+            logger.info("refused a request that is not a %s: %s", request_type.__name__, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}")
+        return handler(request, context)
+
+    return parse_then_handle
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

@@ -1,0 +1,84 @@
+"""Random bytes and oversized requests to every method of a real gRPC coordinator server
+(``coordinator.servicer.add_to_server`` on loopback): each is refused with a clear status
+(INVALID_ARGUMENT for bytes that are not the method's request, RESOURCE_EXHAUSTED past the
+size cap), never INTERNAL or UNKNOWN, and the server keeps answering (issue #14)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coordinator.core import Coordinator
+from coordinator.servicer import MAX_REQUEST_BYTES, SERVER_OPTIONS, SERVICE, CoordinatorServicer, add_to_server
+from coordinator.store import Store, sqlite_url
+from protocol import coordinator_pb2 as pb
+from protocol.identity import Identity
+from protocol.spec import parse_spec
+
+METHODS = [method.name for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods]
+ACCEPTED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+@pytest.fixture
+def channel(tmp_path: Path) -> Iterator[grpc.Channel]:
+    spec = '[run]\nname = "grpc-fuzz"\n'
+    store = Store(sqlite_url(tmp_path))
+    core = Coordinator(
+        spec=parse_spec(spec), spec_toml=spec, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
+    add_to_server(CoordinatorServicer(core), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)])
+    try:
+        yield channel
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        store.close()
+
+
+def raw_call(channel: grpc.Channel, method: str, payload: bytes) -> grpc.StatusCode:
+    call = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+    try:
+        call(payload, timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_random_bytes_to_every_method_get_clear_refusals(channel: grpc.Channel) -> None:
+    rng = random.Random(14)
+    seen: dict[grpc.StatusCode, int] = {}
+    started = time.monotonic()
+    for i in range(1500):
+        method = METHODS[i % len(METHODS)]
+        size = rng.choice([0, 1, 2, 7, 40, 300, 3000])
+        payload = bytes(rng.getrandbits(8) for _ in range(size))
+        if i % 3 == 0:  # half-valid: a well-formed envelope field holding garbage
+            payload = pb.JoinRequest(signed=pb.SignedEnvelope(kind="x", body=payload)).SerializeToString()
+        code = raw_call(channel, method, payload)
+        assert code in ACCEPTED, (method, payload[:40], code)
+        seen[code] = seen.get(code, 0) + 1
+    assert seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 500, seen
+    assert time.monotonic() - started < 300
+
+
+def test_an_oversized_request_is_refused_and_the_server_keeps_answering(channel: grpc.Channel) -> None:
+    assert raw_call(channel, "Heartbeat", b"\x0a" + b"\xff" * (MAX_REQUEST_BYTES + 10)) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    assert raw_call(channel, "GetStatus", b"") == grpc.StatusCode.OK
