@@ -97,7 +97,8 @@ class Coordinator:
         # restart the finalization clock: peers re-send their reports when we are back
         restarted = time.time()
         for row in self.store.pending_claims():
-            self.ledger.add(dataclasses.replace(_claim_from_row(row), received_at=restarted))
+            claim = _claim_from_row(row)
+            self.ledger.add(dataclasses.replace(claim, received_at=restarted, account=self._account_of(claim.key)))
 
     # --- RPCs -------------------------------------------------------------------------------
 
@@ -203,6 +204,7 @@ class Coordinator:
         duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(peer.id, now))
         claim = RoundClaim(
             key=peer.id,
+            account=self._account_of(peer.id),
             round=body.round,
             samples=body.samples,
             group=tuple(group),
@@ -296,6 +298,13 @@ class Coordinator:
         message = SignedMessage.from_proto(envelope)
         self.verifier.verify(message, now=now, kind=kind)
         return message.signer, parse_body(body_type, message.body, kind)
+
+    def _account_of(self, key: str) -> str:
+        """The account ``key`` earns for (its join said), else its own key."""
+        if key in self._accounts:
+            return self._accounts[key]
+        row = self.store.peer(key)
+        return (row.get("account_key") if row is not None else None) or key
 
     def _observed_round_s(self, key: str, now: float) -> float:
         """The longest a round of ``key`` can have taken by the coordinator's own clock: since

@@ -51,6 +51,14 @@ class RoundClaim:
     """The reporter's wall time for the round, seconds, > 0."""
     received_at: float
     """When the coordinator received the claim (coordinator clock, seconds)."""
+    account: str = ""
+    """The account the reporter earns for ("" for its own key): members of one account never
+    attest each other, and several members of one account attest as one."""
+
+    @property
+    def owner(self) -> str:
+        """The reporter's account, or its key when it has none."""
+        return self.account or self.key
 
     def weight_for(self, key: str) -> float | None:
         """The weight this claim's group lists for ``key``, or None if it is not listed."""
@@ -110,8 +118,10 @@ class RoundLedger:
        whose group lists ``c.key`` (``c`` included). No strict majority: DENIED. ``c``'s
        digest differs from it: DENIED, "digest differs from the group's".
     3. Attesters are the other reporters of round ``r`` whose group lists ``c.key`` (with a
-       weight) and whose own digest is the group's (a member out of consensus is no witness).
-       No attester: DENIED, "no other group member attests it".
+       weight), whose own digest is the group's (a member out of consensus is no witness) and
+       whose account is not ``c``'s; several of one account count once (the one with the
+       smallest key). One account's nodes vouching for each other is no evidence: keys are
+       free to mint, accounts are what an operator allows or bans. No attester: DENIED.
     4. A strict majority of the attesters' reducers bounded or refused ``c``'s contribution
        (robust averaging: a clipped part, a capped weight, a part that did not decode): a
        clipped contribution is not attested work. DENIED, naming how many and the first reason.
@@ -188,11 +198,15 @@ def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_sec
     digest, count = agreed.digest, agreed.votes
     if claim.state_digest != digest:
         return _denied(claim, f"digest differs from the group's ({count} of {len(views)} reports agree on {digest})")
-    weights = {c.key: c.weight_for(claim.key) for c in views if c.key != claim.key and c.state_digest == digest}
+    witnesses: dict[str, RoundClaim] = {}
+    for c in sorted(views, key=lambda c: c.key):
+        if c.key != claim.key and c.state_digest == digest and c.owner != claim.owner:
+            witnesses.setdefault(c.owner, c)
+    weights = {c.key: c.weight_for(claim.key) for c in witnesses.values()}
     attested = sorted(w for w in weights.values() if w is not None)
     others = len(claim.group) - 1
     if not attested:
-        return _denied(claim, f"no other group member attests it (its group lists {others} others)")
+        return _denied(claim, f"no group member of another account attests it (its group lists {others} others)")
     accusers = [c for c in views if c.key in weights and c.offence_for(claim.key)]
     if 2 * len(accusers) > len(weights):
         first = sorted(accusers, key=lambda c: c.key)[0]

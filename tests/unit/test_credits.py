@@ -117,7 +117,7 @@ def test_peer_nobody_attests_denied() -> None:
     ledger.add(_claim("x", {"x": 500, "a": 100}, samples=500))  # a and b never saw x
     decisions = _by_key(ledger.tick(1.0))
     assert decisions["x"].status == ClaimStatus.DENIED
-    assert decisions["x"].reason.startswith("no other group member attests it")
+    assert decisions["x"].reason.startswith("no group member of another account attests it")
     assert decisions["a"].status == decisions["b"].status == ClaimStatus.GRANTED
 
 
@@ -320,3 +320,22 @@ def test_one_accuser_alone_cannot_deny_an_honest_member() -> None:
 def test_a_malformed_offence_is_refused(offence: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         _ledger().add(_accusing("a", HONEST, {"b": offence}))
+
+
+def test_nodes_of_one_account_do_not_attest_each_other() -> None:
+    """Two nodes of account "acc" vouch for each other; a third member of another account
+    attests them. Within the account nothing counts; across accounts it counts once."""
+    group = {"n1": 100, "n2": 100, "h": 100}
+    ledger = _ledger()
+    for key in ("n1", "n2"):
+        ledger.add(RoundClaim(**{**_claim(key, group).__dict__, "account": "acc"}))
+    decisions = _by_key(ledger.tick(100.0))
+    assert decisions["n1"].status == ClaimStatus.DENIED
+    assert "no group member of another account attests it" in decisions["n1"].reason
+    ledger = _ledger()
+    for key in ("n1", "n2"):
+        ledger.add(RoundClaim(**{**_claim(key, group, round=2).__dict__, "account": "acc"}))
+    ledger.add(_claim("h", group, round=2))
+    decisions = _by_key(ledger.tick(100.0))
+    assert decisions["n1"].status == ClaimStatus.GRANTED and "attested by 1 of 2" in decisions["n1"].reason
+    assert decisions["h"].status == ClaimStatus.GRANTED and "attested by 1 of 2" in decisions["h"].reason
