@@ -4,8 +4,9 @@ what it sends to the swarm (issue #14's attacks).
     python -m tests.integration.attacker ATTACK peer ARGS...
 
 ATTACK is one of ``ATTACKS``: ``x100`` (its pseudo-gradient scaled by 100), ``sign-flip`` (negated),
-``samples`` (averaging weight and gathered sample count of 1e15, a self-reported sample count
-nobody can check inside the all-reduce).
+``garbage`` (random values, finite, a thousand times a typical norm), ``samples`` (averaging
+weight and gathered sample count of 1e15, a self-reported sample count nobody can check inside
+the all-reduce).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-ATTACKS = ("x100", "sign-flip", "samples")
+ATTACKS = ("x100", "sign-flip", "garbage", "samples")
 HUGE = 10**15
 
 
@@ -27,6 +28,10 @@ def install(attack: str) -> None:
         if attack in ("x100", "sign-flip"):
             with self.outbox() as out:
                 out.mul_(100.0 if attack == "x100" else -1.0)
+        elif attack == "garbage":
+            with self.outbox() as out:
+                scale = 1e3 * float(out.norm()) / max(out.numel(), 1) ** 0.5
+                out.normal_().mul_(scale)
         elif attack == "samples":
             weight, gather = float(HUGE), {**gather, "samples": HUGE}
         return original(self, weight=weight, gather=gather, timeout=timeout)

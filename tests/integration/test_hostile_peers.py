@@ -124,7 +124,7 @@ def test_a_clean_run_names_nobody(clean: dict[str, Any]) -> None:
     assert clean["claims"] and all(c["status"] == "granted" for c in clean["claims"]), clean["claims"]
 
 
-@pytest.mark.parametrize("attack", ["x100", "sign-flip", "samples"])
+@pytest.mark.parametrize("attack", ["x100", "sign-flip", "garbage", "samples"])
 def test_one_attacker_of_four_is_bounded_named_and_denied(
     tmp_path: Path, clean: dict[str, Any], attack: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
