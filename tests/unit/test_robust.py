@@ -43,8 +43,11 @@ def test_a_scaled_part_is_clipped_to_the_bound_and_named() -> None:
     parts[2] = parts[2] * 100
     reduced = robust_mean(parts, [1.0] * 4, RULE)
     mean, offences = reduced.mean, reduced.offences
-    assert list(offences) == [2] and "is over 3x the group's median" in offences[2]
-    assert torch.allclose(mean, clipped_mean(parts, [1.0] * 4), atol=1e-6)
+    assert list(offences) == [2] and "is over 3x the group's median" in offences[2] and "(left out)" in offences[2]
+    median = lower_median([float(p.norm()) for p in parts])  # the medians include the named one
+    kept = [parts[0], parts[1], parts[3]]
+    expected = sum(p * min(1.0, median / float(p.norm())) for p in kept) / 3
+    assert torch.allclose(mean, expected, atol=1e-6)
     assert float(mean.norm()) <= float(honest(4)[0].norm()) * 1.05
 
 
@@ -52,8 +55,10 @@ def test_a_huge_self_reported_weight_is_capped_and_named() -> None:
     parts = honest(4)
     reduced = robust_mean(parts, [100.0, 100.0, 1e15, 100.0], RULE)
     mean, offences = reduced.mean, reduced.offences
-    assert list(offences) == [2] and "is over 6x the group's median 100 (capped at 2x)" in offences[2]
-    assert torch.allclose(mean, clipped_mean(parts, [100.0, 100.0, 200.0, 100.0]), atol=1e-6)
+    assert list(offences) == [2] and "is over 6x the group's median 100 (left out)" in offences[2]
+    median = lower_median([float(p.norm()) for p in parts])  # the medians include the named one
+    expected = sum(p * min(1.0, median / float(p.norm())) for p in (parts[0], parts[1], parts[3])) / 3
+    assert torch.allclose(mean, expected, atol=1e-6)
 
 
 def test_a_weight_within_flag_times_the_cap_is_capped_but_not_named() -> None:
