@@ -198,7 +198,9 @@ class Swarm:
                 leave_out_cosine=averaging.leave_out_cosine,
                 min_cosine=averaging.min_cosine,
                 flag=averaging.flag,
-            ),
+            )
+            if averaging.robust
+            else RobustRule.off(),
         )
         self.run_records = RunRecords(self.dht, self.averager.prefix)
 

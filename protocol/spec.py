@@ -173,6 +173,8 @@ class AveragingSection(_Section):
     """Fragments of the pseudo-gradient averaged at once, each over its own libp2p streams
     (vectors under 64K values per fragment are cut into fewer): one stream per pair of peers
     caps at what its flow-control window carries."""
+    robust: bool = True
+    """Robust averaging (``protocol.robust``, the keys below); false: the plain weighted mean."""
     clip: Annotated[float, Field(ge=0, le=1e6)] = 1.0
     """Robust averaging (``protocol.robust``): each member's part of the pseudo-gradient is
     scaled down to at most this many times the median member's norm (0: off; else >= 1)."""

@@ -30,10 +30,14 @@ def served(tmp_path: Path):  # type: ignore[no-untyped-def]
     store = Store(sqlite_url(tmp_path))
     core = Coordinator(spec=spec, spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), server)
+    # a test moves the coordinator's clock ahead (``ahead[0]`` s): a claim's throughput cap is
+    # the time the coordinator saw since the peer joined, and the peers here report at once
+    ahead = [0.0]
+    servicer = CoordinatorServicer(core, clock=lambda: time.time() + ahead[0])
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield core, store, f"127.0.0.1:{port}"
+    yield core, store, f"127.0.0.1:{port}", ahead
     server.stop(grace=1).wait()
     store.close()
 
@@ -46,18 +50,19 @@ def report(peers: list[Identity], me: Identity, samples: int, seen: dict[str, in
 
 
 def test_over_reporter_is_granted_only_what_its_group_attests(served) -> None:  # type: ignore[no-untyped-def]
-    core, store, address = served
+    core, store, address, ahead = served
     peers = [Identity.generate() for _ in range(3)]
     clients = [CoordinatorClient(address, p, software_version="test") for p in peers]
     for client in clients:
         client.join()
+    ahead[0] = 10.0  # 10 s of compute since the joins, by the coordinator's clock
     honest = {p.public_key.id: 40 for p in peers}  # what everyone actually contributed
     liar = peers[2]
     for client, me in zip(clients, peers):
         claimed = 1000 if me is liar else 40
         seen = dict(honest, **{me.public_key.id: claimed})  # a peer "sees" its own claim
         client.report_round(report(peers, me, claimed, seen))
-    core.tick(now=time.time())
+    core.tick(now=time.time() + ahead[0])
     credits = store.credits_by_peer()
     assert credits[liar.public_key.id]["samples"] == 40
     assert all(credits[p.public_key.id]["samples"] == 40 for p in peers)
@@ -66,7 +71,7 @@ def test_over_reporter_is_granted_only_what_its_group_attests(served) -> None:  
 
 
 def test_forged_and_replayed_reports_are_refused(served) -> None:  # type: ignore[no-untyped-def]
-    core, store, address = served
+    core, store, address, _ = served
     me, other = Identity.generate(), Identity.generate()
     client = CoordinatorClient(address, me, software_version="test")
     client.join()
