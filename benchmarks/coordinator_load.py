@@ -111,7 +111,8 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     async def heartbeat_loop(index: int, identity: Identity) -> None:
         await asyncio.sleep(args.interval * index / peers)
         round_ = 0
-        next_report = begin + args.round_s * (index % GROUP) / GROUP + (index // GROUP % 10) * 0.1
+        # a group's members report each round together, the groups spread over the round
+        next_report = begin + args.round_s * (1 + (index // GROUP % 10) / 10)
         while time.monotonic() < end:
             sent = time.monotonic()
             body = pb.HeartbeatBody(

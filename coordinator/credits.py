@@ -18,6 +18,9 @@ from protocol.messages import MAX_OFFENCE_CHARS
 
 logger = logging.getLogger(__name__)
 
+OFFENCE = "robust averaging"
+"""Words in the reason of every claim denied because the group's robust averaging bounded the
+member (``Store.denials_by_peer`` counts them: a peer's offences)."""
 MAX_FORGOTTEN = 100_000
 """Forgotten rounds the ledger remembers, to refuse late claims for them (a few MB)."""
 
@@ -213,7 +216,7 @@ def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_sec
         return _denied(
             claim,
             f"its contribution was bounded by {len(accusers)} of {len(weights)} attesting members' "
-            f"robust averaging ({first.key}: {first.offence_for(claim.key)})",
+            f"{OFFENCE} ({first.key}: {first.offence_for(claim.key)})",
         )
     return _grant(claim, attested, others, max_samples_per_second)
 

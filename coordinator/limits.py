@@ -13,6 +13,7 @@ import math
 
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
+from protocol.messages import MAX_REPORTED_SAMPLES
 
 __all__ = [
     "MAX_BYTES",
@@ -29,8 +30,9 @@ __all__ = [
 
 MAX_ROUND = 2**31 - 1
 """Rounds are 32-bit columns."""
-MAX_SAMPLES = 2**40
-"""Samples in one round report or weight (~1e12: a million times a large GPU node's round)."""
+MAX_SAMPLES = MAX_REPORTED_SAMPLES
+"""Samples in one round report or weight (shared with the peers, which clamp what their
+group members gathered to it before reporting)."""
 MAX_SECONDS = 1e7
 """Compute or wait time of one round (~115 days)."""
 MAX_BYTES = 2**53

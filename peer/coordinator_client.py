@@ -9,6 +9,7 @@ says the peer is no longer admitted (after a restart). Nothing here blocks train
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import queue
@@ -26,7 +27,7 @@ from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
 from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
-from protocol.messages import MAX_OFFENCE_CHARS, SignedMessage, sign_message
+from protocol.messages import MAX_OFFENCE_CHARS, MAX_REPORTED_SAMPLES, SignedMessage, sign_message
 from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,17 @@ class CoordinatorClient:
         self.channel.close()
 
 
+def reported_weight(samples: object) -> float:
+    """What a member gathered as its samples, as a report may carry it: a number in
+    [0, ``MAX_REPORTED_SAMPLES``] (another member's say-so: a member that gathered 1e15 or
+    NaN must not make this peer's own report one the coordinator refuses)."""
+    try:
+        value = float(samples)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return min(value, float(MAX_REPORTED_SAMPLES)) if value >= 0 else 0.0
+
+
 class CoordinatorLink(threading.Thread):
     """Heartbeats and queued round reports in the background; re-joins when told to."""
 
@@ -183,7 +195,7 @@ class CoordinatorLink(threading.Thread):
         group = [
             pb.GroupMember(
                 public_key=PublicKey.from_id(m["id"]).raw,
-                weight=float(m.get("samples", 0)),
+                weight=reported_weight(m.get("samples", 0)),
                 offence=str(offenders.get(m["id"], ""))[:MAX_OFFENCE_CHARS],
             )
             for m in metrics.get("members", [])
@@ -193,7 +205,7 @@ class CoordinatorLink(threading.Thread):
             pb.RoundReportBody(
                 round=metrics["round"],
                 samples=metrics["samples"],
-                loss=metrics["loss"],
+                loss=metrics["loss"] if math.isfinite(metrics["loss"]) else math.nan,  # no ±inf on the wire
                 group=group,
                 state_digest=metrics["state_digest"],
                 compute_s=metrics["compute_s"],

@@ -37,6 +37,9 @@ from protocol.identity import Identity, PublicKey
 DOMAIN_TAG = b"swarmtrain/signed-message/v1"
 NONCE_BYTES = 16
 MAX_KIND_CHARS = 128
+MAX_REPORTED_SAMPLES = 2**40
+"""Most samples a round report may give for its reporter or any group member (~1e12: a
+million times a large GPU node's round); past it the coordinator refuses the report."""
 MAX_OFFENCE_CHARS = 300
 """Longest reason a round report may give for a member's offence (``GroupMember.offence``)."""
 

@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
+from coordinator.credits import OFFENCE
 from coordinator.http.metrics import render_metrics
 from protocol.identity import PublicKey
 
@@ -69,6 +70,7 @@ def create_app(
         with lock:
             health = {p.key: p for p in core.health.peers()}
             stored = core.store.peers()
+            offences = core.store.denials_by_peer(OFFENCE)
         out = []
         for row in stored:
             h = health.get(row["key"])
@@ -84,6 +86,7 @@ def create_app(
                     "samples_per_second": h.samples_per_second if h else 0.0,
                     "last_seen": h.last_seen if h else row["last_seen"],
                     "local_ranks": h.local_ranks if h else _local_ranks(row["hardware_json"]),
+                    "offences": offences.get(row["key"], 0),
                 }
             )
         return out

@@ -337,6 +337,16 @@ class Store:
         with self._read() as s:
             return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
 
+    def denials_by_peer(self, reason_contains: str) -> dict[str, int]:
+        """``{peer_key: count}`` of denied claims whose reason contains ``reason_contains``."""
+        query = (
+            select(Claim.key, func.count(Claim.id))
+            .where(Claim.status == DENIED, Claim.reason.contains(reason_contains, autoescape=True))
+            .group_by(Claim.key)
+        )
+        with self._read() as s:
+            return {key: int(count) for key, count in s.execute(query)}
+
     def credits_by_peer(self) -> dict[str, dict[str, Any]]:
         """``{peer_key: {"samples": int, "flops": float, "rounds": int}}`` over every granted claim."""
         query = select(Credit.key, func.sum(Credit.samples), func.sum(Credit.flops), func.count(Credit.id))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +87,14 @@ def swarm_run(workdir: Path, attack: str | None) -> dict[str, Any]:
             claims = store.claims()
         finally:
             store.close()
+        with urllib.request.urlopen(coordinator.http() + "api/v1/peers", timeout=30) as response:
+            offences = {row["key"]: row["offences"] for row in json.loads(response.read())}
         rounds = [peer.rounds() for peer in peers]
         return {
             "rounds": rounds,
             "ids": ids,
             "claims": claims,
+            "offences": offences,
             "eval_loss": eval_loss(spec, workdir / "peer0-checkpoints"),
         }
     finally:
@@ -152,6 +156,8 @@ def test_one_attacker_of_four_is_bounded_named_and_denied(
         by_key.setdefault(claim["key"], []).append(claim)
     denied = by_key.get(attacker_id, [])
     assert denied and all(c["status"] == "denied" and "robust averaging" in c["reason"] for c in denied), denied
+    assert run["offences"][attacker_id] == len(denied)  # the operator sees them in /api/v1/peers
+    assert all(count == 0 for key, count in run["offences"].items() if key != attacker_id)
     for key, claims in by_key.items():
         if key != attacker_id:
             assert all(c["status"] == "granted" for c in claims), json.dumps(claims, indent=1)

@@ -63,3 +63,17 @@ def test_an_unreadable_database_leaves_the_credit_out_but_keeps_the_heartbeat(
 def test_a_peer_that_is_not_admitted_learns_no_credit(core: Coordinator) -> None:
     answer = heartbeat(core, Identity.generate())
     assert not answer.admitted and not answer.HasField("credited_samples")
+
+
+def test_a_members_absurd_gathered_samples_do_not_spoil_the_report() -> None:
+    """An attacker that gathered 1e15 samples (or NaN) must not make honest members' reports
+    ones the coordinator refuses: its weight is clamped to what a report may carry."""
+    from peer.coordinator_client import reported_weight
+    from protocol.messages import MAX_REPORTED_SAMPLES
+
+    assert reported_weight(40) == 40.0
+    assert reported_weight(10**15) == float(MAX_REPORTED_SAMPLES)
+    assert reported_weight(float("inf")) == float(MAX_REPORTED_SAMPLES)
+    assert reported_weight(float("nan")) == 0.0
+    assert reported_weight(-3) == 0.0
+    assert reported_weight("lots") == 0.0

@@ -443,3 +443,18 @@ def test_credit_of_one_peer_sums_its_grants_and_its_undecided_claims(store: Stor
     store.decide_claim(key="p1", round=2, status="denied", granted_samples=0, flops=0.0, reason="no", now=30.0)
     assert store.credit_of("p1") == {"samples": 80, "flops": 1.5e12, "pending_samples": 70}
     assert store.credit_of("p2") == {"samples": 0, "flops": 0.0, "pending_samples": 999}
+
+
+def test_denials_by_peer_count_reasons(store: Store) -> None:
+    for round_ in (1, 2, 3):
+        _claim(store, "p1", round_)
+    _claim(store, "p2", 1)
+    for key, round_, reason in [
+        ("p1", 1, "its contribution was bounded by 3 of 3 attesting members' robust averaging (x)"),
+        ("p1", 2, "its contribution was bounded by 2 of 3 attesting members' robust averaging (y)"),
+        ("p1", 3, "averaged with nobody"),
+        ("p2", 1, "averaged with nobody"),
+    ]:
+        store.decide_claim(key=key, round=round_, status="denied", granted_samples=0, flops=0.0, reason=reason, now=5.0)
+    assert store.denials_by_peer("robust averaging") == {"p1": 2}
+    assert store.denials_by_peer("50%_") == {}  # LIKE wildcards in the text are escaped
