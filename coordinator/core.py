@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import time
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -89,6 +90,11 @@ class Coordinator:
         self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
         self._losses: dict[int, list[float]] = {}
+        self._bans: dict[str, str] | None = None
+        """The store's bans, read once and again after every change (this process makes them
+        all): each heartbeat and report checks them."""
+        self._credit_cache: dict[str, dict[str, Any]] = {}
+        """Each peer's credit as its heartbeat answers it, dropped when its claims change."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
         self._reload_pending()
@@ -110,7 +116,7 @@ class Coordinator:
             run_digest=self.digest,
             mode=self.spec.admission.mode,
             allowlist=self.store.allowlist(),
-            banned=set(self.store.banned()),
+            banned=set(self._banned()),
         )
         body = admitted.body
         key = admitted.peer.id
@@ -180,7 +186,9 @@ class Coordinator:
         )
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
         try:
-            credit = self.store.credit_of(peer.id)
+            credit = self._credit_cache.get(peer.id) or self._credit_cache.setdefault(
+                peer.id, self.store.credit_of(peer.id)
+            )
         except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
             logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
             return response
@@ -224,6 +232,7 @@ class Coordinator:
             duration_s=duration,
             received_at=now,
         )
+        self.credits_changed(peer.id)  # its pending samples changed
         if recorded and math.isfinite(body.loss):
             self._losses.setdefault(body.round, []).append(body.loss)
         reason = "pending: waiting for the other group members' reports" if recorded else "already reported"
@@ -266,6 +275,7 @@ class Coordinator:
         decisions = self.ledger.tick(now)
         by_round: dict[int, list[Decision]] = {}
         for decision in decisions:
+            self.credits_changed(decision.key)
             granted = decision.status == ClaimStatus.GRANTED
             by_round.setdefault(decision.round, []).append(
                 Decision(
@@ -319,8 +329,21 @@ class Coordinator:
             since = float(row["first_seen"]) if row is not None else now
         return max(now - since, 1e-3)
 
+    def credits_changed(self, key: str | None = None) -> None:
+        """Forget the cached credit of ``key`` (of everyone: None); the core calls it whenever
+        it records a claim or a decision, anything else writing claims must too."""
+        if key is None:
+            self._credit_cache.clear()
+        else:
+            self._credit_cache.pop(key, None)
+
+    def _banned(self) -> dict[str, str]:
+        if self._bans is None:
+            self._bans = self.store.banned()
+        return self._bans
+
     def _admitted(self, peer: PublicKey) -> bool:
-        banned = self.store.banned()
+        banned = self._banned()
         account = self._accounts.get(peer.id, peer.id)
         if peer.id in banned or account in banned:
             return False
@@ -344,6 +367,7 @@ class Coordinator:
     def ban(self, key: str, reason: str, *, now: float) -> None:
         """Ban a peer or an account at once: its heartbeats and reports are refused from now on."""
         self.store.ban(key, reason, now)
+        self._bans = None
         self._drop_peers_of(key)
 
     def admin(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.AdminResponse:
@@ -351,6 +375,7 @@ class Coordinator:
         signer, body = self._verified(envelope, kinds.ADMIN, pb.AdminBody, now)
         if signer.id not in self.operators:
             raise AdmissionError(f"{signer.id} is not an operator of this coordinator")
+        self._bans = None  # whatever the action, read the bans afresh afterwards
         action = body.action
         if action != pb.ADMIN_ACTION_LIST:
             try:

@@ -137,6 +137,7 @@ class HealthTracker:
     def __init__(self, config: HealthConfig) -> None:
         self.config = config
         self._peers: dict[str, PeerHealth] = {}
+        self._swarm_round_cache: int | None = None
 
     def join(
         self,
@@ -164,6 +165,7 @@ class HealthTracker:
         if old is not None:
             peer.last_seen = max(now, old.last_seen)
         self._peers[key] = peer
+        self._swarm_round_cache = None
         logger.info("peer %s joined (%s)", key, "re-join" if old is not None else "new")
         return peer
 
@@ -188,7 +190,11 @@ class HealthTracker:
         peer.last_seen = max(peer.last_seen, now)
         peer.round, peer.phase, peer.loss = int(round), phase, loss
         peer.samples_per_second, peer.samples_total = float(samples_per_second), int(samples_total)
-        self._set(peer, self._target_state(peer, self._swarm_round()))
+        swarm_round = max(self._swarm_round(), peer.round)
+        self._swarm_round_cache = swarm_round
+        self._set(peer, self._target_state(peer, swarm_round))
+        if peer.state == PeerState.OFFLINE:  # left: its round no longer counts
+            self._swarm_round_cache = None
         return peer
 
     def tick(self, now: float) -> list[Transition]:
@@ -201,6 +207,7 @@ class HealthTracker:
                 changes.append(self._set(peer, PeerState.OFFLINE))
             elif peer.state not in _SILENT and silence > self.config.unreachable_s:
                 changes.append(self._set(peer, PeerState.UNREACHABLE))
+        self._swarm_round_cache = None
         swarm_round = self._swarm_round()
         for peer in self._sorted():
             if peer.state not in _SILENT:
@@ -210,6 +217,7 @@ class HealthTracker:
     def remove(self, key: str) -> None:
         """Forget a peer (e.g. banned); a no-op for an unknown key."""
         if self._peers.pop(key, None) is not None:
+            self._swarm_round_cache = None
             logger.info("peer %s removed", key)
 
     def peers(self) -> list[PeerHealth]:
@@ -238,7 +246,14 @@ class HealthTracker:
         return [self._peers[k] for k in sorted(self._peers)]
 
     def _swarm_round(self) -> int:
-        return max((p.round for p in self._peers.values() if p.state != PeerState.OFFLINE), default=0)
+        """The highest round a live peer is at: recomputed at each tick, join and removal, and
+        raised by heartbeats in between (a heartbeat must not scan every peer: thousands of
+        peers send hundreds of heartbeats a second)."""
+        if self._swarm_round_cache is None:
+            self._swarm_round_cache = max(
+                (p.round for p in self._peers.values() if p.state != PeerState.OFFLINE), default=0
+            )
+        return self._swarm_round_cache
 
     def _target_state(self, peer: PeerHealth, swarm_round: int) -> PeerState:
         """The state a live peer should be in, given its last phase and the swarm's round."""

@@ -43,6 +43,7 @@ def test_the_answer_names_granted_and_pending_samples_of_this_peer_only(core: Co
     core.store.decide_claim(
         key=peer.public_key.id, round=1, status="granted", granted_samples=32, flops=6.4e9, reason="attested", now=2.0
     )
+    core.credits_changed(peer.public_key.id)  # written behind the core's back
     answer = heartbeat(core, peer)
     assert (answer.credited_samples, answer.credited_flops, answer.pending_samples) == (32, 6.4e9, 30)
 
