@@ -15,11 +15,17 @@ from protocol.spec import parse_spec
 CORE_SPEC = '[run]\nname = "unit"\n'
 
 
+def new_core(directory: Path, spec_toml: str = CORE_SPEC) -> Coordinator:
+    """A coordinator core on a fresh SQLite store under ``directory`` (close its ``store``)."""
+    store = Store(sqlite_url(directory))
+    return Coordinator(
+        spec=parse_spec(spec_toml), spec_toml=spec_toml, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
+    )
+
+
 @pytest.fixture
 def core(tmp_path: Path) -> Iterator[Coordinator]:
     """A coordinator core on a fresh SQLite store, with a minimal spec."""
-    store = Store(sqlite_url(tmp_path))
-    yield Coordinator(
-        spec=parse_spec(CORE_SPEC), spec_toml=CORE_SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
-    )
-    store.close()
+    made = new_core(tmp_path)
+    yield made
+    made.store.close()

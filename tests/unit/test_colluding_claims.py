@@ -13,13 +13,12 @@ import pytest
 
 from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
-from coordinator.store import Store, sqlite_url
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import MalformedMessageError
 from protocol.identity import Identity
 from protocol.messages import sign_message
-from protocol.spec import parse_spec
+from tests.unit.conftest import new_core
 
 CAP = 100.0
 SPEC = f'[run]\nname = "collude"\n[credits]\nmax_samples_per_second = {CAP}\n'
@@ -29,11 +28,9 @@ HONEST_SAMPLES = 50
 
 @pytest.fixture
 def core(tmp_path: Path) -> Iterator[Coordinator]:
-    store = Store(sqlite_url(tmp_path))
-    yield Coordinator(
-        spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
-    )
-    store.close()
+    made = new_core(tmp_path, SPEC)
+    yield made
+    made.store.close()
 
 
 def join(core: Coordinator, now: float) -> Identity:
