@@ -211,13 +211,18 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: R
     directions = rule.leave_out_cosine > -1 or rule.min_cosine > -1
     if directions and len(contributing) >= MIN_MEMBERS_FOR_DIRECTION:
         kept = []
+        # each member's part ``w·x`` against the others' sum ``total − w·x``, from two dot
+        # products of ``x`` (no copy of the part per member: this runs for every part reduced)
+        total_sq = float(torch.dot(total, total))
         for i in contributing:
-            mine = parts[i].float() * (used[i] * scale[i])
-            others = total - mine
+            weight = used[i] * scale[i]
+            part = parts[i].float()
+            with_total, own_sq = float(torch.dot(part, total)), float(torch.dot(part, part))
+            mine_sq = weight * weight * own_sq
             seen = Alignment(
-                dot=float(torch.dot(mine, others)),
-                mine_sq=float(torch.dot(mine, mine)),
-                others_sq=float(torch.dot(others, others)),
+                dot=weight * with_total - mine_sq,
+                mine_sq=mine_sq,
+                others_sq=max(total_sq - 2 * weight * with_total + mine_sq, 0.0),
                 parts=1,
             )
             cosine = seen.cosine()
