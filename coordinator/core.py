@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from coordinator.admission import admit, parse_body
-from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
+from coordinator.credits import OFFENCE, ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.limits import check_hardware, check_heartbeat, check_report, check_text
 from coordinator.store import Decision, Store
@@ -72,7 +72,11 @@ class Coordinator:
         self.digest = spec.digest()
         self.bootstrap_maddrs = list(bootstrap_maddrs)
         self.health = HealthTracker(health or HealthConfig())
-        self.ledger = RoundLedger(max_samples_per_second=spec.credits.max_samples_per_second)
+        self.ledger = RoundLedger(
+            max_samples_per_second=spec.credits.max_samples_per_second,
+            min_attester_age_s=spec.credits.min_attester_age_s,
+        )
+        self._owner_since: dict[str, float] = {}
         self.verifier = MessageVerifier()
         # import tasks size themselves in the peer; until they declare it, they earn samples only
         self.flops_per_sample = flops_per_sample(spec.task.model) if spec.task.kind == "bytegpt" else 0.0
@@ -104,7 +108,12 @@ class Coordinator:
         restarted = time.time()
         for row in self.store.pending_claims():
             claim = _claim_from_row(row)
-            self.ledger.add(dataclasses.replace(claim, received_at=restarted, account=self._account_of(claim.key)))
+            account = self._account_of(claim.key)
+            self.ledger.add(
+                dataclasses.replace(
+                    claim, received_at=restarted, account=account, owner_since=self._first_seen_of(account or claim.key)
+                )
+            )
 
     # --- RPCs -------------------------------------------------------------------------------
 
@@ -210,9 +219,11 @@ class Coordinator:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
             group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
         duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(peer.id, now))
+        account = self._account_of(peer.id)
         claim = RoundClaim(
             key=peer.id,
-            account=self._account_of(peer.id),
+            account=account,
+            owner_since=self._first_seen_of(account),
             round=body.round,
             samples=body.samples,
             group=tuple(group),
@@ -277,6 +288,7 @@ class Coordinator:
         for decision in decisions:
             self.credits_changed(decision.key)
             granted = decision.status == ClaimStatus.GRANTED
+            self.health.record_claim(decision.key, offence=not granted and OFFENCE in decision.reason)
             by_round.setdefault(decision.round, []).append(
                 Decision(
                     key=decision.key,
@@ -315,6 +327,17 @@ class Coordinator:
             return self._accounts[key]
         row = self.store.peer(key)
         return (row.get("account_key") if row is not None else None) or key
+
+    def _first_seen_of(self, owner: str) -> float:
+        """When the coordinator first saw ``owner`` (an account: its earliest node key; a key
+        without an account: itself), from the store; cached (it only moves earlier when an
+        account's first key is stored, which happens before its first claim)."""
+        cached = self._owner_since.get(owner)
+        if cached is None:
+            cached = self.store.first_seen(owner)
+            if cached is not None:
+                self._owner_since[owner] = cached
+        return cached if cached is not None else math.inf
 
     def _observed_round_s(self, key: str, now: float) -> float:
         """The longest a round of ``key`` can have taken by the coordinator's own clock: since

@@ -57,6 +57,9 @@ class RoundClaim:
     account: str = ""
     """The account the reporter earns for ("" for its own key): members of one account never
     attest each other, and several members of one account attest as one."""
+    owner_since: float = -math.inf
+    """When the coordinator first saw the reporter's account (its earliest key), coordinator
+    clock: with ``min_attester_age_s`` a younger account attests nothing."""
 
     @property
     def owner(self) -> str:
@@ -124,7 +127,10 @@ class RoundLedger:
        weight), whose own digest is the group's (a member out of consensus is no witness) and
        whose account is not ``c``'s; several of one account count once (the one with the
        smallest key). One account's nodes vouching for each other is no evidence: keys are
-       free to mint, accounts are what an operator allows or bans. No attester: DENIED.
+       free to mint, accounts are what an operator allows or bans. With
+       ``min_attester_age_s``, an attester whose account the coordinator first saw less than
+       that long before its report is no witness either (open runs: fresh accounts are free
+       to mint too). No attester: DENIED.
     4. A strict majority of the attesters' reducers bounded or refused ``c``'s contribution
        (robust averaging: a clipped part, a capped weight, a part that did not decode): a
        clipped contribution is not attested work. DENIED, naming how many and the first reason.
@@ -135,10 +141,18 @@ class RoundLedger:
     """
 
     def __init__(
-        self, *, max_samples_per_second: float, finalize_after_s: float = 60.0, retain_s: float | None = None
+        self,
+        *,
+        max_samples_per_second: float,
+        finalize_after_s: float = 60.0,
+        retain_s: float | None = None,
+        min_attester_age_s: float = 0.0,
     ) -> None:
         if not (math.isfinite(max_samples_per_second) and max_samples_per_second > 0):
             raise ValueError(f"max_samples_per_second must be a positive number, got {max_samples_per_second!r}")
+        if not (math.isfinite(min_attester_age_s) and min_attester_age_s >= 0):
+            raise ValueError(f"min_attester_age_s must be a number >= 0, got {min_attester_age_s!r}")
+        self.min_attester_age_s = float(min_attester_age_s)
         if not (math.isfinite(finalize_after_s) and finalize_after_s >= 0):
             raise ValueError(f"finalize_after_s must be a number >= 0, got {finalize_after_s!r}")
         self.max_samples_per_second = float(max_samples_per_second)
@@ -172,7 +186,14 @@ class RoundLedger:
             pending = entry.pending()
             if pending and (entry.complete() or now - entry.first_received >= self.finalize_after_s):
                 for key in pending:
-                    decisions.append(decide(entry.claims[key], entry.claims, self.max_samples_per_second))
+                    decisions.append(
+                        decide(
+                            entry.claims[key],
+                            entry.claims,
+                            self.max_samples_per_second,
+                            min_attester_age_s=self.min_attester_age_s,
+                        )
+                    )
                     entry.decided.add(key)
         self._forget(now)
         for d in decisions:
@@ -189,7 +210,9 @@ class RoundLedger:
                     del self._forgotten[next(iter(self._forgotten))]
 
 
-def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_second: float) -> Decision:
+def decide(
+    claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_second: float, *, min_attester_age_s: float = 0.0
+) -> Decision:
     """Decide ``claim`` against all claims of its round (keyed by reporter); see ``RoundLedger``."""
     if len(claim.group) == 1:
         return _denied(claim, "averaged with nobody: its group lists only itself")
@@ -202,14 +225,23 @@ def decide(claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_sec
     if claim.state_digest != digest:
         return _denied(claim, f"digest differs from the group's ({count} of {len(views)} reports agree on {digest})")
     witnesses: dict[str, RoundClaim] = {}
+    too_young = set()
     for c in sorted(views, key=lambda c: c.key):
         if c.key != claim.key and c.state_digest == digest and c.owner != claim.owner:
+            if min_attester_age_s > 0 and not c.received_at - c.owner_since >= min_attester_age_s:
+                too_young.add(c.owner)
+                continue
             witnesses.setdefault(c.owner, c)
     weights = {c.key: c.weight_for(claim.key) for c in witnesses.values()}
     attested = sorted(w for w in weights.values() if w is not None)
     others = len(claim.group) - 1
     if not attested:
-        return _denied(claim, f"no group member of another account attests it (its group lists {others} others)")
+        young = (
+            f"; {len(too_young)} account(s) younger than the run's min_attester_age_s ({min_attester_age_s:g} s)"
+            if too_young
+            else ""
+        )
+        return _denied(claim, f"no group member of another account attests it (its group lists {others} others{young})")
     accusers = [c for c in views if c.key in weights and c.offence_for(claim.key)]
     if 2 * len(accusers) > len(weights):
         first = sorted(accusers, key=lambda c: c.key)[0]

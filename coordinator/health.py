@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from enum import Enum
 
 from protocol.errors import SwarmtrainError
 
 logger = logging.getLogger(__name__)
+
+
+RECENT_CLAIMS = 10
+FLAG_OFFENCES = 3
 
 
 class PeerState(str, Enum):
@@ -65,6 +70,20 @@ class PeerHealth:
     """The phase the peer last reported (one of ``PHASES``)."""
     local_ranks: int = 1
     """Local ranks (GPUs) of the node, as it said when it joined."""
+    recent_claims: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CLAIMS))
+    """Its last decided claims, newest last: True where its group's robust averaging named it
+    (the claim was denied for it)."""
+
+    @property
+    def offences(self) -> int:
+        """Offences among its last ``RECENT_CLAIMS`` decided claims."""
+        return sum(self.recent_claims)
+
+    @property
+    def flagged(self) -> bool:
+        """Repeatedly named by its groups: at least ``FLAG_OFFENCES`` of its recent claims
+        (what an operator looks at before a ban; nothing is done automatically)."""
+        return self.offences >= FLAG_OFFENCES
 
 
 @dataclass(frozen=True)
@@ -213,6 +232,16 @@ class HealthTracker:
             if peer.state not in _SILENT:
                 changes.append(self._set(peer, self._target_state(peer, swarm_round)))
         return [c for c in changes if c[1] != c[2]]
+
+    def record_claim(self, key: str, *, offence: bool) -> None:
+        """A claim of ``key`` was decided; ``offence``: denied because its group named it."""
+        peer = self._peers.get(key)
+        if peer is not None:
+            peer.recent_claims.append(offence)
+
+    def flagged(self) -> int:
+        """How many tracked peers are ``flagged``."""
+        return sum(1 for p in self._peers.values() if p.flagged)
 
     def remove(self, key: str) -> None:
         """Forget a peer (e.g. banned); a no-op for an unknown key."""

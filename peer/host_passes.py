@@ -13,17 +13,55 @@ in-place pass), and they set the peak memory.
   recomputed here from θ_g, the launch point and the old residual, so a failed round needs
   nothing restored; in windows aligned like the wire's blocks), then per slice the outer
   step in place and θ_local ← θ_g (+ the progress made since the launch, with overlap).
+  Ranges the group could not average (a reducer failed: ``missing``) land like a failed
+  round: θ_g, the momentum and the residual keep their values there and θ_local keeps its
+  own, so this peer's work there folds into the next round.
 
 Parameters on an accelerator are staged through one pinned host buffer of a chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice
 from protocol.compression import ErrorFeedback, all_finite
 from protocol.spec import OuterSection
+
+Ranges = Sequence[tuple[int, int]]
+"""Sorted, disjoint ``[start, end)`` ranges of the flat state."""
+
+
+def split_ranges(start: int, stop: int, missing: Ranges) -> tuple[list[slice], list[slice]]:
+    """``[start, stop)`` cut into the slices outside ``missing`` and those inside it (absolute
+    positions, in order)."""
+    present: list[slice] = []
+    absent: list[slice] = []
+    cursor = start
+    for lo, hi in missing:
+        lo, hi = max(lo, start), min(hi, stop)
+        if lo >= hi:
+            continue
+        if cursor < lo:
+            present.append(slice(cursor, lo))
+        absent.append(slice(lo, hi))
+        cursor = hi
+    if cursor < stop:
+        present.append(slice(cursor, stop))
+    return present, absent
+
+
+def check_ranges(missing: Ranges, numel: int) -> list[tuple[int, int]]:
+    """``missing`` as sorted, disjoint, non-empty ranges within ``[0, numel)``; ``ValueError`` otherwise."""
+    ranges = sorted((int(lo), int(hi)) for lo, hi in missing)
+    cursor = 0
+    for lo, hi in ranges:
+        if not (cursor <= lo < hi <= numel):
+            raise ValueError(f"missing ranges must be disjoint, non-empty and within [0, {numel}): {ranges}")
+        cursor = hi
+    return ranges
 
 
 def model_is_finite(model: torch.nn.Module) -> bool:
@@ -102,20 +140,24 @@ def update_residual(
     feedback: ErrorFeedback,
     launch_point: torch.Tensor | None,
     staging: Staging,
+    missing: Ranges = (),
 ) -> None:
     """The codec residual of what this peer sent: sent = θ_g − launch point + old residual
     (exactly the launch's bytes: θ_g, the launch point and the residual have not changed since),
     residual ← sent − decode(encode(sent)). Windows start at multiples of the codec's block
     from the start of the vector, like the parts on the wire, so the residual is exactly what
-    the wire dropped."""
+    the wire dropped. In ``missing`` ranges (block-aligned: reducers' ranges are) the residual
+    keeps its value: nothing sent there counted."""
     if feedback.codec.block == 1 and launch_point is None:
         # a codec of single values: any cut is aligned, read the parameters where they are
         for offset, piece in model_pieces(model):
             local = staging.host(piece)
             part = slice(offset, offset + local.numel())
             sent = torch.sub(theta[part], local)
-            feedback.add_into(sent, offset)
-            feedback.update_slice(sent, offset)
+            for kept in split_ranges(part.start, part.stop, missing)[0]:
+                window = sent[kept.start - offset : kept.stop - offset]
+                feedback.add_into(window, kept.start)
+                feedback.update_slice(window, kept.start)
         return
     size = CHUNK_VALUES - CHUNK_VALUES % feedback.codec.block
     sent_buffer = torch.empty(size, dtype=torch.float32)
@@ -130,8 +172,10 @@ def update_residual(
             launched = launch_point[part]
         sent = sent_buffer[:n]
         torch.sub(theta[part], launched, out=sent)
-        feedback.add_into(sent, part.start)
-        feedback.update_slice(sent, part.start)
+        for kept in split_ranges(part.start, part.stop, missing)[0]:
+            window = sent[kept.start - part.start : kept.stop - part.start]
+            feedback.add_into(window, kept.start)
+            feedback.update_slice(window, kept.start)
 
 
 @torch.no_grad()
@@ -145,28 +189,41 @@ def land_round(
     launch_point: torch.Tensor | None,
     keep_progress: bool,
     staging: Staging,
+    missing: Ranges = (),
 ) -> None:
     """Apply the group's average: the codec residual of what this peer sent (when
     ``feedback``, ``update_residual``), then per slice the outer step on θ_g and the momentum
     in place and θ_local ← θ_g_new (+ θ_local − launch point when ``keep_progress``).
     ``launch_point=None``: the model has not moved since the launch (no overlap), so it is its
-    own launch point. Then the state's round advances."""
+    own launch point. In the ``missing`` ranges (sorted ``[start, end)`` pairs the group did
+    not average) θ_g, the momentum, the residual and θ_local keep their values. Then the
+    state's round advances."""
+    missing = check_ranges(missing, state.params.numel())
     state.wait_for_digest()  # the tensors change in place from here on
     if feedback is not None:
-        update_residual(model, state.params, feedback, launch_point, staging)
+        update_residual(model, state.params, feedback, launch_point, staging, missing)
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
-    progress_buffer = torch.empty(CHUNK_VALUES, dtype=torch.float32) if keep_progress else None
+    progress_buffer = torch.empty(CHUNK_VALUES, dtype=torch.float32) if keep_progress or missing else None
     theta, momentum = state.params, state.momentum
     for offset, piece in model_pieces(model):
         n = piece.numel()
         part = slice(offset, offset + n)
-        outer_step_slice(theta[part], momentum[part], averaged[part], config, scratch[:n])
-        if keep_progress and launch_point is not None:
-            assert progress_buffer is not None
-            progress = progress_buffer[:n]
-            torch.sub(staging.host(piece), launch_point[part], out=progress)
-            progress.add_(theta[part])
-            piece.copy_(progress)
-        else:
+        present, absent = split_ranges(part.start, part.stop, missing)
+        for kept in present:
+            width = kept.stop - kept.start
+            outer_step_slice(theta[kept], momentum[kept], averaged[kept], config, scratch[:width])
+        if not absent and not (keep_progress and launch_point is not None):
             piece.copy_(theta[part])
+            continue
+        assert progress_buffer is not None
+        local = staging.host(piece)
+        new = progress_buffer[:n]
+        if keep_progress and launch_point is not None:
+            torch.sub(local, launch_point[part], out=new)
+            new.add_(theta[part])
+        else:
+            new.copy_(theta[part])
+        for left in absent:  # not averaged: θ_local keeps its value (θ_g there did not move)
+            new[left.start - offset : left.stop - offset] = local[left.start - offset : left.stop - offset]
+        piece.copy_(new)
     state.round += 1

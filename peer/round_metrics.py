@@ -54,5 +54,9 @@ class RoundMetrics:
     """Members (public id) whose contribution this peer's reducer bounded (robust averaging:
     a capped weight, a clipped part) or refused, with why; reported to the coordinator."""
 
+    unaveraged: float = 0.0
+    """Fraction of the state the group could not average this round (a member's reducer
+    failed): this peer's work there carries into the next round."""
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

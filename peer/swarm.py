@@ -85,8 +85,15 @@ class RoundResult:
     round_s: float = 0.0
     """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
     offenders: dict[str, str] = field(default_factory=dict)
-    """Members (public id) whose contribution this peer's reducer bounded or refused, with why
-    (``ExactAllReduceRunner.offences``)."""
+    """Members (public id) whose contribution this peer's reducer bounded or refused, or whose
+    reducer failed this peer, with why (``ExactAllReduceRunner.offences``)."""
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` ranges of ``averaged`` that hold no average (their reducer failed): the
+    round lands without them (``peer.host_passes.land_round``)."""
+
+    def unaveraged(self) -> float:
+        """Fraction of the vector left out of this round (``missing``)."""
+        return sum(hi - lo for lo, hi in self.missing) / max(1, self.averaged.numel())
 
     def started_in_sync(self, round_: int, digest: str) -> bool:
         """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed
@@ -134,6 +141,7 @@ class PendingRound:
             allreduce_s=float(stats.get("allreduce_s", 0.0)),
             round_s=waited,
             offenders=offenders_by_id(stats.get("offences", {}), gathered),
+            missing=[(int(lo), int(hi)) for lo, hi in stats.get("missing", [])],
         )
 
 

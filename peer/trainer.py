@@ -17,9 +17,10 @@ Steps 2 and 4 are chunked in-place passes (``peer.host_passes``): beyond the tra
 a peer holds θ_g, the outer momentum, the averager's vector, the residual (lossy codecs) and,
 with overlap, the launch point, plus buffers of one chunk.
 
-A failed round (no group, timeout, a missing part) changes no global state and no residual:
-its Δ folds into the next round. A peer that finds it started a
-round from another state than its group's majority is flagged out of sync.
+A failed round (no group, timeout) changes no global state and no residual: its Δ folds into
+the next round; so does its Δ in the ranges of a reducer that failed mid-round (the rest
+lands). A peer that finds it started a round from another state than its group's majority is
+flagged out of sync.
 
 Each completed round yields a ``RoundMetrics`` (``peer.round_metrics``). The trainer talks to
 the swarm only through ``peer.swarm_port.SwarmPort``.
@@ -440,6 +441,7 @@ class Trainer:
             averaged=result is not None,
             members=result.members if result else [],
             offenders=result.offenders if result else {},
+            unaveraged=round(result.unaveraged(), 6) if result else 0.0,
             params=self.state.params.numel(),
             allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
@@ -517,6 +519,7 @@ class Trainer:
                     launch_point=self._launch_point,
                     keep_progress=keep_progress,
                     staging=self._staging,
+                    missing=result.missing,
                 )
             if self.overlap and not keep_progress:
                 self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")

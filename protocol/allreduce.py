@@ -16,8 +16,11 @@ the vector being averaged (``InPlaceOutputs``): no copies of the vector in the a
 
 It also validates what it receives: a part that does not decode (wrong size, NaN/Inf,
 bad scales) or a non-finite/non-positive weight gets the sender excluded from the average
-with a logged reason; an averaged part from a reducer that does not decode fails the round
-for this peer (its vector is left untouched) rather than mixing in local values.
+with a logged reason. A reducer that sends no averaged parts, stops halfway or sends parts
+that do not decode does not fail the round: its whole range is *missing*
+(``ExactAllReduceRunner.missing_ranges``), the rest of the vector holds the average, and the
+caller leaves the missing ranges out of this round (``peer.host_passes.land_round``). Every
+member that lost that reducer leaves out the same range, so replicas stay identical.
 
 Which members count is decided before the all-reduce from what they gathered
 (``stale_members``, by ``protocol.agreement``). ``protocol.averaging.ExactAverager`` runs it.
@@ -112,8 +115,8 @@ class InPlaceOutputs(TensorPartContainer):
     """hivemind's part container, but each averaged part is written straight into the vector
     being averaged as it arrives (hivemind keeps every part, then concatenates them: two more
     copies of the whole vector in the averager's process). The caller's vector therefore holds
-    a mix of sent and averaged values until every part arrived, and garbage for the parts still
-    missing if the round fails: the host never reads it after a failed round.
+    a mix of sent and averaged values until every part arrived or its reducer failed, and
+    garbage in a failed reducer's range (``reducer_range``): the host never reads those.
 
     Writing a part in place is safe: a reducer returns averaged part ``k`` only after it has
     received this peer's part ``k``, which was encoded (copied into a message) before it was
@@ -128,13 +131,16 @@ class InPlaceOutputs(TensorPartContainer):
             raise ValueError("the exact all-reduce averages one flat vector")
         self.output = tensors[0].view(-1)
         self._offsets: list[list[int]] = []
+        self._ranges: list[tuple[int, int]] = []
         offset = 0
         for peer_parts in self._input_parts_by_peer:
             starts = []
+            first = offset
             for part, _info in peer_parts:
                 starts.append(offset)
                 offset += part.numel()
             self._offsets.append(starts)
+            self._ranges.append((first, offset))
         self._registered = 0
         self._all_registered = asyncio.Event()
 
@@ -145,14 +151,27 @@ class InPlaceOutputs(TensorPartContainer):
         self.output[start : start + part.numel()].copy_(part.view(-1))
         self._outputs_registered_by_peer[peer_index] += 1
         self._registered += part.numel()
-        if self._registered >= self.total_size:
+        if self._registered + self.failed_size >= self.total_size:
             self._all_registered.set()
 
     def register_failed_reducer(self, peer_index: int) -> None:
-        missing = range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index])
-        self.failed_size += sum(self._input_parts_by_peer[peer_index][i][0].numel() for i in missing)
+        """Reducer ``peer_index`` will send no more averaged parts: stop waiting for them. Its
+        whole range (``reducer_range``) is then missing, the parts that did arrive included."""
+        registered = self._outputs_registered_by_peer[peer_index]
+        start, end = self._ranges[peer_index]
+        done = (
+            (self._offsets[peer_index][registered] - start)
+            if registered < len(self._offsets[peer_index])
+            else end - start
+        )
+        self.failed_size += end - start - done
         self._outputs_registered_by_peer[peer_index] = self.num_parts_by_peer[peer_index]
-        self._all_registered.set()  # the round failed: stop waiting (the caller checks failed_size)
+        if self._registered + self.failed_size >= self.total_size:
+            self._all_registered.set()
+
+    def reducer_range(self, peer_index: int) -> tuple[int, int]:
+        """``[start, end)`` of the vector that reducer ``peer_index`` averages."""
+        return self._ranges[peer_index]
 
     async def iterate_output_tensors(self) -> AsyncIterator[torch.Tensor]:
         assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
@@ -289,13 +308,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Members that started the round from another state than the group's majority: their
         parts count with weight 0 (they still get the average, see it differs, and re-sync)."""
         self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
-        self._serving = 0
-        self._all_served = asyncio.Event()
-        self._all_served.set()
+        self._served: set[PeerID] = set()
+        """Senders whose stream to this reducer ended (served, refused or excluded)."""
+        self._served_changed = asyncio.Event()
         self._dither_values: torch.Tensor | None = None
         self._received_all: dict[int, asyncio.Event] = {}
         """Per reducer (index): set once this peer holds all its averaged parts or gave up."""
-        self.failed_reducers: set[PeerID] = set()
+        self.failed_reducers: dict[PeerID, str] = {}
+        """Reducers this peer got no complete, valid set of averaged parts from, with why: their
+        ranges are left out of this round (``missing_ranges``)."""
         self.refused_senders: dict[PeerID, str] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -303,6 +324,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._part_numels = [
             part.numel() for peer_parts in self.tensor_part_container._input_parts_by_peer for part, _ in peer_parts
         ]
+
+    def missing_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges of this runner's vector whose average this peer does not hold:
+        those of the reducers in ``failed_reducers``, each whole (parts of it that did arrive
+        included, so that every member that lost the reducer leaves out the same values)."""
+        container = self.tensor_part_container
+        assert isinstance(container, InPlaceOutputs)
+        ranges = [container.reducer_range(self.ordered_peer_ids.index(peer)) for peer in self.failed_reducers]
+        return sorted(r for r in ranges if r[0] < r[1])
 
     @property
     def alignment(self) -> dict[PeerID, Alignment]:
@@ -357,7 +387,22 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id != self.peer_id:
             await self._receive_from_reducer(peer_id, peer_index)
             return
-        sender_index = self.sender_peer_ids.index(peer_id)
+        try:
+            await self._average_own_parts(peer_index)
+        except BaseException as exc:
+            self.failed_reducers[peer_id] = f"this peer's own parts: {type(exc).__name__}: {exc}"
+            if isinstance(exc, Exception):
+                # its reducer still serves the others, without its parts: the round ends here
+                # (and the reducer with it) only once the others' parts are reduced
+                await self._ban_sender(peer_id)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.tensor_part_reducer.finished.wait(), self.reducer_timeout or 60.0)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _average_own_parts(self, peer_index: int) -> None:
+        """Reduce the parts this peer is the reducer of, its own contribution included."""
+        sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_running_loop()
         for part_index, raw_part in enumerate(self.parts_for_local_averaging):
             # our own contribution goes through the codec too, as everyone else's does
@@ -399,9 +444,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._take_averaged_part(peer_index, part_index, msg.tensor_part)
                 part_index += 1
         except BaseException as exc:
-            self.failed_reducers.add(peer_id)
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self.failed_reducers[peer_id] = reason
             if isinstance(exc, Exception):
-                logger.warning("averaged part from reducer %s refused or missing: %s", peer_id, exc)
+                logger.warning("averaged part from reducer %s refused or missing: %s", peer_id, reason)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
         finally:
@@ -434,8 +480,6 @@ class ExactAllReduceRunner(AllReduceRunner):
         my_index = self.ordered_peer_ids.index(self.peer_id)
         sender = self.sender_peer_ids[sender_index]
         part_index = 0
-        self._serving += 1
-        self._all_served.clear()
         ended = "its stream ended"
         try:
             async for msg in stream:
@@ -465,9 +509,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             ended = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            self._serving -= 1
-            if not self._serving:
-                self._all_served.set()
+            self._served.add(sender)
+            self._served_changed.set()
             if part_index != self.tensor_part_reducer.num_parts:
                 logger.warning(
                     "served %s only %d of %d averaged parts: %s",
@@ -483,11 +526,27 @@ class ExactAllReduceRunner(AllReduceRunner):
         part (its request stream ended, see ``_receive_from_reducer``, so its handler is done),
         at most ``timeout`` s. This peer's own result can be complete before that: a peer that
         left right then (its last round) cut the others' last averaged parts."""
-        try:
-            await asyncio.wait_for(self._all_served.wait(), timeout)
-        except TimeoutError:
-            return False
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self._everyone_served():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            self._served_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._served_changed.wait(), remaining)
         return True
+
+    def _everyone_served(self) -> bool:
+        """Whether every other sender's stream to this reducer ended or it was excluded (a
+        reducer whose own parts failed at once keeps serving until then)."""
+        if self.tensor_part_reducer.num_parts == 0:
+            return True
+        waiting = set(self.sender_peer_ids) - {self.peer_id} - self.banned_senders - self._served
+        return not waiting
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        await super()._ban_sender(peer_id)
+        self._served_changed.set()
 
 
 class RoundFailedError(AllreduceException):

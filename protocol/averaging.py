@@ -1,8 +1,9 @@
 """``ExactAverager``: the run's hivemind averager (DHT matchmaking, libp2p transport) over one
 flat float32 vector, with bit-identical results (``protocol.allreduce``), authorized
 membership (``protocol.averager_gate``) and verified state transfer
-(``protocol.state_transfer``). It replaces its vector with the average only when every part
-arrived. The vector averaged is whatever the caller puts in it (a pseudo-gradient).
+(``protocol.state_transfer``). The vector averaged is whatever the caller puts in it (a
+pseudo-gradient). After a round it holds the average except in the ranges of reducers that
+failed (stats ``missing``: ``[start, end)`` pairs), which the caller leaves out of the round.
 """
 
 from __future__ import annotations
@@ -140,6 +141,23 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if errors:
             raise errors[0]
+        missing = [
+            (start + lo, start + hi)
+            for runner, (start, _end) in zip(runners, self.fragments)
+            for lo, hi in runner.missing_ranges()
+        ]
+        left_out = sum(hi - lo for lo, hi in missing)
+        if left_out >= self.numel:
+            raise RoundFailedError(f"no averaged part arrived: {self._failed_reducers(runners)}")
+        for peer, reason in self._failed_reducers(runners).items():
+            if peer != str(self.peer_id):
+                offences.setdefault(peer, f"reducer failed: {reason}")
+        if missing:
+            logger.warning(
+                "round completed without the ranges of reducers %s (%.1f%% of the vector left out of this round)",
+                sorted(self._failed_reducers(runners)),
+                100.0 * left_out / max(1, self.numel),
+            )
         self._stats[group_id] = {
             "bytes_sent": sum(runner.bytes_sent for runner in runners),
             "bytes_received": sum(runner.bytes_received for runner in runners),
@@ -148,7 +166,16 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             "allreduce_s": time.monotonic() - started,
             "peer_ids": [str(p) for p in group_info.peer_ids],
             "streams": len(runners),
+            "missing": missing,
         }
+
+    @staticmethod
+    def _failed_reducers(runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
+        failed: dict[str, str] = {}
+        for runner in runners:
+            for peer, reason in runner.failed_reducers.items():
+                failed.setdefault(str(peer), reason)
+        return failed
 
     def _offences(self, runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
         """Members this peer's reducers named this round (peer id: why): for a weight or norm
@@ -201,8 +228,9 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             pass
         if not await runner.wait_until_served(timeout=float(self.allreduce_kwargs.get("reducer_timeout") or 60.0)):
             logger.info("all-reduce: some members had not taken their last averaged parts from this peer")
-        if runner.failed_reducers or runner.tensor_part_container.failed_size:
-            raise RoundFailedError(f"missing averaged parts from {sorted(map(str, runner.failed_reducers))}")
+        if self.peer_id in runner.failed_reducers:
+            # this peer's own parts failed here (a local fault): the others may hold its range
+            raise RoundFailedError(f"this peer could not average its own parts: {runner.failed_reducers[self.peer_id]}")
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         """Returns ``{"gathered": {peer_id: data}, "stats": {...}}`` to ``step()``'s caller."""

@@ -38,6 +38,17 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"{self.directory}: cannot create checkpoint directory ({exc.strerror})") from exc
+        self._remove_torn()
+
+    def _remove_torn(self) -> None:
+        """Delete half-written files a killed writer left (``.round-*.<pid>.tmp``: each as large
+        as a checkpoint, one more per crash) unless their writer still runs."""
+        for tmp in self.directory.glob(f".{_PREFIX}*{_SUFFIX}.*.tmp"):
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+                continue
+            logger.info("removing %s, left by a writer that stopped mid-write", tmp.name)
+            tmp.unlink(missing_ok=True)
 
     def save(self, payload: dict[str, Any], *, prune: bool = True, digest: str | None = None) -> Path:
         """Write ``payload`` (must hold round, params, momentum) as the newest checkpoint; then,
@@ -54,6 +65,7 @@ class Checkpointer:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
+        _sync_directory(self.directory)  # the rename itself survives a power loss
         if prune:
             self.prune()
         return path
@@ -93,3 +105,26 @@ class Checkpointer:
         """Delete all but the newest ``keep`` checkpoints."""
         for old in sorted(self._files(), reverse=True)[self.keep :]:
             old.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot sync a directory
+    finally:
+        os.close(fd)

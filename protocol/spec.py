@@ -238,6 +238,9 @@ class AdmissionSection(_Section):
 class CreditsSection(_Section):
     max_samples_per_second: PositiveFloat = 10_000.0
     """Plausibility cap per peer: claims above it are granted only up to it."""
+    min_attester_age_s: Annotated[float, Field(ge=0, le=365 * 86400)] = 0.0
+    """An account the coordinator first saw less than this long ago attests nobody's claims
+    (open runs: new accounts are free to mint). 0: any account attests."""
 
 
 class RunSpec(_Section):

@@ -1,5 +1,5 @@
 """FastAPI app over a running ``Coordinator``: ``/api/v1/*`` JSON (OpenAPI at
-``/openapi.json``), ``/metrics`` (Prometheus text), ``/healthz`` and the dashboard ``/``.
+``/openapi.json``, every response's model in ``coordinator.http.schemas``), ``/metrics`` (Prometheus text), ``/healthz`` and the dashboard ``/``.
 
 Handlers only read; they take the same lock as the gRPC servicer and the ticker, so they
 see a consistent core. Nothing here is served from a CDN.
@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.credits import OFFENCE
+from coordinator.http import schemas
 from coordinator.http.metrics import render_metrics
 from protocol.identity import PublicKey
 
@@ -30,11 +31,11 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="swarmtrain coordinator", version="1", docs_url=None, redoc_url=None)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=schemas.Healthz)
     def healthz() -> dict[str, Any]:
         return {"ok": True, "run": core.spec.run.name}
 
-    @app.get("/api/v1/status")
+    @app.get("/api/v1/status", response_model=schemas.Status)
     def status() -> dict[str, Any]:
         with lock:
             now = clock()
@@ -53,7 +54,7 @@ def create_app(
             "server_time": now,
         }
 
-    @app.get("/api/v1/checkpoints")
+    @app.get("/api/v1/checkpoints", response_model=schemas.Checkpoints)
     def checkpoints() -> dict[str, Any]:
         """The coordinator's archive: kept checkpoints, newest first."""
         if archiver is None:
@@ -65,7 +66,7 @@ def create_app(
             "last_error": archiver.last_error,
         }
 
-    @app.get("/api/v1/peers")
+    @app.get("/api/v1/peers", response_model=list[schemas.PeerRow])
     def peers() -> list[dict[str, Any]]:
         with lock:
             health = {p.key: p for p in core.health.peers()}
@@ -87,21 +88,22 @@ def create_app(
                     "last_seen": h.last_seen if h else row["last_seen"],
                     "local_ranks": h.local_ranks if h else _local_ranks(row["hardware_json"]),
                     "offences": offences.get(row["key"], 0),
+                    "flagged": bool(h and h.flagged),
                 }
             )
         return out
 
-    @app.get("/api/v1/rounds")
+    @app.get("/api/v1/rounds", response_model=list[schemas.RoundRow])
     def rounds(limit: int = Query(200, ge=1, le=5000)) -> list[dict[str, Any]]:
         with lock:
             return core.store.rounds(limit=limit)
 
-    @app.get("/api/v1/credits")
+    @app.get("/api/v1/credits", response_model=schemas.Credits)
     def credits(limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
         with lock:
             return {"leaderboard": core.store.leaderboard(limit=limit), "by_peer": core.store.credits_by_peer()}
 
-    @app.get("/api/v1/history")
+    @app.get("/api/v1/history", response_model=list[schemas.HistoryPoint])
     def history(seconds: float = Query(3600.0, gt=0, le=core.history_keep_s)) -> list[dict[str, Any]]:
         """Swarm samples of the last ``seconds`` (no longer than the coordinator keeps them)."""
         with lock:

@@ -20,6 +20,11 @@ def render_metrics(core: Coordinator, *, now: float) -> str:
     states = Gauge("swarmtrain_peers", "Peers by health state", ["state"], registry=registry)
     for peer in core.health.peers():
         states.labels(state=peer.state.value).inc()
+    Gauge(
+        "swarmtrain_peers_flagged",
+        "Peers their groups' robust averaging named in several of their recent claims",
+        registry=registry,
+    ).set(core.health.flagged())
     credited = core.store.credits_by_peer()
     Counter("swarmtrain_credited_samples", "Samples granted as credit", registry=registry).inc(
         sum(c["samples"] for c in credited.values())

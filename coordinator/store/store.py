@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -217,6 +217,14 @@ class Store:
             found = _as_dict(row, _PEER_FIELDS)
         found["reachable"] = bool(found["reachable"])
         return found
+
+    def first_seen(self, owner: str) -> float | None:
+        """When ``owner`` was first seen: the earliest ``first_seen`` of the peers whose account
+        or own key it is; None if none."""
+        query = select(func.min(Peer.first_seen)).where(or_(Peer.account_key == owner, Peer.key == owner))
+        with self._read() as s:
+            found = s.scalar(query)
+        return float(found) if found is not None else None
 
     def peers(self) -> list[dict[str, Any]]:
         """Every peer ever seen, by key; keys as in ``upsert_peer`` plus ``first_seen``/``last_seen``."""

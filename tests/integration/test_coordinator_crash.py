@@ -1,13 +1,18 @@
-"""The coordinator SIGKILLed mid-run: peers keep training; after a restart on the same state
-directory no granted credit is missing, peers re-join by themselves and new rounds are
-recorded."""
+"""The coordinator SIGKILLed again and again mid-run (and a peer with it): peers keep training;
+after each restart on the same state directory no granted credit is missing, the database
+passes its integrity check, killed peers resume from their checkpoints, peers re-join by
+themselves and new rounds are recorded (issue #14's crash loop)."""
 
 from __future__ import annotations
 
+import random
 import socket
+import time
 from pathlib import Path
 
 from coordinator.store import Store
+from protocol.checkpoint import Checkpointer
+from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalPeer
 from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, status, wait_for
 
@@ -22,7 +27,16 @@ def granted(store: Store) -> set[tuple[str, int]]:
     return {(c["key"], c["round"]) for c in store.claims(limit=100_000) if c["status"] == "granted"}
 
 
-def test_coordinator_crash_loses_no_credit(tmp_path: Path, db_url: str) -> None:
+COORDINATOR_KILLS = 5
+PEER_KILLS = 2
+
+
+def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> None:
+    """The coordinator SIGKILLed ``COORDINATOR_KILLS`` times at seeded random moments, and one
+    peer ``PEER_KILLS`` times, while three peers train: after each restart no granted credit is
+    missing and the database passes its integrity check; a killed peer resumes from a
+    checkpoint that loads; at the end peers re-join and new rounds are recorded."""
+    rng = random.Random(1414)
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="open", allowlist="").replace("min_group_size = 3", "min_group_size = 2"))
     state = tmp_path / "state"
@@ -30,45 +44,76 @@ def test_coordinator_crash_loses_no_credit(tmp_path: Path, db_url: str) -> None:
     address = f"127.0.0.1:{port}"
     coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
     peers: list[LocalPeer] = []
+    lives = [0, 0, 0]
+
+    def start_peer(i: int) -> LocalPeer:
+        args = [
+            "-v",
+            "--coordinator",
+            address,
+            "--host",
+            "127.0.0.1",
+            "--key",
+            str(tmp_path / f"k{i}"),
+            "--shard-seed",
+            str(i),
+            "--max-rounds",
+            "500",
+            "--checkpoint-dir",
+            str(tmp_path / f"ckpt{i}"),
+        ]
+        lives[i] += 1
+        return LocalPeer(args, tmp_path, f"peer{i}-life{lives[i]}")
+
+    granted_so_far: set[tuple[str, int]] = set()
+
+    def check_store() -> None:
+        store = Store(db_url)
+        try:
+            now_granted = granted(store)
+            assert granted_so_far <= now_granted, granted_so_far - now_granted
+            granted_so_far.update(now_granted)
+            assert integrity_ok(store)
+        finally:
+            store.close()
+
     try:
         coordinator.address()
-        for i in range(3):
-            args = [
-                "--coordinator",
-                address,
-                "--host",
-                "127.0.0.1",
-                "--key",
-                str(tmp_path / f"k{i}"),
-                "--shard-seed",
-                str(i),
-                "--max-rounds",
-                "500",
-            ]
-            peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
+        peers.extend(start_peer(i) for i in range(3))
         store = Store(db_url)
         wait_for(lambda: len(granted(store)) >= 6, 240, "some credits granted")
-        coordinator.kill()
-        before = granted(store)
-        rounds_before = max(r["round"] for r in store.rounds())
         store.close()
-
-        at_kill = [len(p.rounds()) for p in peers]
+        peer_kills_at = set(rng.sample(range(COORDINATOR_KILLS), PEER_KILLS))
+        for kill in range(COORDINATOR_KILLS):
+            time.sleep(rng.uniform(0.0, 3.0))  # the kill's moment: seeded random, not a wait for anything
+            coordinator.kill()
+            check_store()
+            if kill == 0:  # peers train on without the coordinator
+                at_kill = [len(p.rounds()) for p in peers]
+                wait_for(
+                    lambda: all(len(p.rounds()) >= n + 2 for p, n in zip(peers, at_kill)),  # noqa: B023
+                    120,
+                    "peers to train on without the coordinator",
+                )
+            if kill in peer_kills_at:  # peer 2 dies too, at once or mid-checkpoint
+                peers[2].kill()
+                loaded = Checkpointer(tmp_path / "ckpt2", spec_digest=spec_digest(spec)).latest()
+                assert loaded is not None, "a killed peer's checkpoints do not load"
+                peers[2] = start_peer(2)
+            coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
+            coordinator.address()
+        restarted = peers[2]
         wait_for(
-            lambda: all(len(p.rounds()) >= n + 2 for p, n in zip(peers, at_kill)),
+            lambda: any("resumed from the checkpoint of round" in line for line in restarted.lines),
             120,
-            "peers to train on without the coordinator",
+            "the killed peer to resume from its checkpoint",
         )
-
-        coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
-        coordinator.address()
         store = Store(db_url)
+        rounds_before = max(r["round"] for r in store.rounds())
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "peers to re-join")
         wait_for(lambda: max(r["round"] for r in store.rounds()) > rounds_before + 1, 180, "new rounds recorded")
-        after = granted(store)
-        assert before <= after, before - after
-        assert integrity_ok(store)
         store.close()
+        check_store()
         for peer in peers:
             peer.stop(grace_s=90)
             assert peer.proc.returncode == 0, "\n".join(peer.lines[-20:])
@@ -76,6 +121,11 @@ def test_coordinator_crash_loses_no_credit(tmp_path: Path, db_url: str) -> None:
         for peer in peers:
             peer.kill()
         coordinator.kill()
+    print(f"{COORDINATOR_KILLS} coordinator kills, {PEER_KILLS} peer kills, 0 losses")
+
+
+def spec_digest(path: Path) -> str:
+    return parse_spec(path.read_text()).digest()
 
 
 def integrity_ok(store: Store) -> bool:

@@ -142,3 +142,24 @@ def test_a_denied_far_future_report_does_not_move_the_current_round(core: Coordi
         report(core, peer, T0 + 210, round=8, samples=5, compute_s=5.0, state_digest="good2", group=group(honest, 5))
     core.tick(now=T0 + 300)
     assert all(c["status"] == "granted" for c in core.store.claims(round=8))
+
+
+def test_accounts_younger_than_the_runs_minimum_attest_nobody(tmp_path: Path) -> None:
+    """``credits.min_attester_age_s``: a pair of freshly minted keys vouching for each other earns
+    nothing until the coordinator has known them that long; then their attestation counts."""
+    aged = new_core(tmp_path, SPEC + "min_attester_age_s = 3600\n")
+    try:
+        pair = [join(aged, T0), join(aged, T0)]
+        for member in pair:
+            report(aged, member, T0 + 30, round=1, samples=10, compute_s=30.0, state_digest="d", group=group(pair, 10))
+        for member in pair:  # an hour later, the same accounts attest
+            report(
+                aged, member, T0 + 3630, round=2, samples=10, compute_s=30.0, state_digest="d", group=group(pair, 10)
+            )
+        aged.tick(now=T0 + 4000)
+        first = aged.store.claims(round=1)
+        assert [c["status"] for c in first] == ["denied", "denied"]
+        assert all("younger than the run's min_attester_age_s" in c["reason"] for c in first), first
+        assert [c["status"] for c in aged.store.claims(round=2)] == ["granted", "granted"]
+    finally:
+        aged.store.close()

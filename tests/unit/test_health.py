@@ -253,3 +253,22 @@ def test_config_validation() -> None:
         HealthConfig(heartbeat_interval_s=0.0)
     with pytest.raises(ValueError, match="offline_after"):
         HealthConfig(unreachable_after=5.0, offline_after=2.0)
+
+
+def test_repeated_offences_flag_a_peer_until_enough_clean_claims_push_them_out() -> None:
+    from coordinator.health import FLAG_OFFENCES, RECENT_CLAIMS
+
+    tracker = _tracker("a", "b")
+    for _ in range(FLAG_OFFENCES - 1):
+        tracker.record_claim("a", offence=True)
+    tracker.record_claim("b", offence=False)
+    assert tracker.flagged() == 0
+    tracker.record_claim("a", offence=True)
+    peers = {p.key: p for p in tracker.peers()}
+    assert peers["a"].flagged and peers["a"].offences == FLAG_OFFENCES and not peers["b"].flagged
+    assert tracker.flagged() == 1
+    for _ in range(RECENT_CLAIMS):  # only recent claims count
+        tracker.record_claim("a", offence=False)
+    assert tracker.flagged() == 0
+    tracker.record_claim("nobody", offence=True)  # a key not tracked (removed, never joined): ignored
+    assert tracker.flagged() == 0

@@ -22,12 +22,34 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def _missing(numel: int) -> list[tuple[int, int]]:
+    """Block-aligned ranges a failed reducer leaves out: at the start, across a chunk and a
+    parameter boundary, and at the end."""
+    return [(0, 64), (CHUNK_VALUES - 640, CHUNK_VALUES + 1280), (numel - numel % 64 - 128, numel)]
+
+
 @pytest.mark.parametrize(
-    ("codec_name", "overlap"), [("4bit", False), ("4bit", True), ("fp16", True), ("none", False), ("none", True)]
+    ("codec_name", "overlap", "with_missing"),
+    [
+        ("4bit", False, False),
+        ("4bit", True, False),
+        ("fp16", True, False),
+        ("none", False, False),
+        ("none", True, False),
+        ("4bit", False, True),
+        ("4bit", True, True),
+        ("none", False, True),
+    ],
 )
-def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec_name: str) -> None:
+def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec_name: str, with_missing: bool) -> None:
+    """With ``with_missing``, ranges a failed reducer left out land like a failed round: θ_g, the
+    momentum, the residual and θ_local keep their values there; the rest is the formulas'."""
     model = _model()
     numel = sum(p.numel() for p in model.parameters())
+    missing = _missing(numel) if with_missing else []
+    left_out = torch.zeros(numel, dtype=torch.bool)
+    for lo, hi in missing:
+        left_out[lo:hi] = True
     assert any(p.numel() > CHUNK_VALUES for p in model.parameters())
     codec = get_codec(codec_name)
     config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
@@ -67,18 +89,50 @@ def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec
         launch_point=launch_point,
         keep_progress=overlap,
         staging=staging,
+        missing=missing,
     )
     lr, mu = torch.tensor(config.lr), torch.tensor(config.momentum)
     new_momentum = torch.add(torch.mul(momentum, mu), averaged)
     update = torch.add(averaged, torch.mul(new_momentum, mu))
     new_theta = torch.sub(theta, torch.mul(update, lr))
+    expected_local = torch.add(new_theta, torch.sub(now, local)) if overlap else new_theta.clone()
+    expected_residual = torch.sub(sent, codec.decode(codec.encode(sent), numel)) if feedback else None
+    # left out: nothing moves but the local model's own progress
+    new_momentum[left_out], new_theta[left_out], expected_local[left_out] = (
+        momentum[left_out],
+        theta[left_out],
+        now[left_out],
+    )
+    if expected_residual is not None:
+        expected_residual[left_out] = old_residual[left_out]
     assert state.round == 5
     assert torch.equal(_bits(state.momentum), _bits(new_momentum))
     assert torch.equal(_bits(state.params), _bits(new_theta))
-    expected_local = torch.add(new_theta, torch.sub(now, local)) if overlap else new_theta
     assert torch.equal(_bits(flatten(model)), _bits(expected_local))
     if feedback:
-        assert torch.equal(_bits(feedback.state), _bits(torch.sub(sent, codec.decode(codec.encode(sent), numel))))
+        assert expected_residual is not None
+        assert torch.equal(_bits(feedback.state), _bits(expected_residual))
+
+
+def test_missing_ranges_that_overlap_or_leave_the_vector_are_refused_before_anything_changes() -> None:
+    model = _model()
+    state = GlobalState(flatten(model), torch.zeros(flatten(model).numel()), 1)
+    before = state.params.clone()
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    for bad in ([(0, 128), (64, 256)], [(10, 10)], [(0, state.params.numel() + 64)], [(-64, 64)]):
+        with pytest.raises(ValueError, match="missing ranges"):
+            land_round(
+                model,
+                state,
+                torch.ones_like(before),
+                config,
+                feedback=None,
+                launch_point=None,
+                keep_progress=False,
+                staging=Staging(model),
+                missing=bad,
+            )
+    assert state.round == 1 and torch.equal(state.params, before)
 
 
 def test_a_non_finite_model_is_reported_at_launch() -> None:

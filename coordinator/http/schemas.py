@@ -1,0 +1,85 @@
+"""Response models of the coordinator's HTTP API: the OpenAPI document (``/openapi.json``) states
+exactly what each endpoint returns, so clients (and ``schemathesis`` in the suite) can check it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class Healthz(BaseModel):
+    ok: bool
+    run: str
+
+
+class Status(BaseModel):
+    run_name: str
+    spec_digest: str
+    current_round: int = Field(ge=0)
+    current_state_digest: str
+    peers_online: int = Field(ge=0)
+    samples_per_second: float = Field(ge=0)
+    last_checkpoint_round: int | None
+    server_time: float
+
+
+class Checkpoint(BaseModel):
+    round: int = Field(ge=0)
+    state_digest: str
+    size_bytes: int = Field(ge=0)
+    archived_at: float
+    file: str
+
+
+class Checkpoints(BaseModel):
+    enabled: bool
+    every_rounds: int = Field(ge=0)
+    checkpoints: list[Checkpoint]
+    last_error: str
+
+
+class PeerRow(BaseModel):
+    key: str
+    account: str | None
+    libp2p_peer_id: str
+    software_version: str
+    reachable: bool
+    state: str = Field(description="online, stale, averaging, ... or offline (not heard from)")
+    round: int | None
+    samples_per_second: float = Field(ge=0)
+    last_seen: float
+    local_ranks: int = Field(ge=1)
+    offences: int = Field(ge=0, description="claims denied because the peer's group named it (robust averaging)")
+    flagged: bool = Field(description="named by its groups in several of its recent claims: a candidate for a ban")
+
+
+class RoundRow(BaseModel):
+    round: int = Field(ge=0)
+    state_digest: str
+    finalized_at: float
+    group_size: int = Field(ge=0)
+    mean_loss: float | None
+    samples: int = Field(ge=0)
+
+
+class Contribution(BaseModel):
+    samples: int = Field(ge=0)
+    flops: float = Field(ge=0)
+    rounds: int = Field(ge=0)
+
+
+class AccountCredit(BaseModel):
+    account_key: str
+    samples: int = Field(ge=0)
+    flops: float = Field(ge=0)
+    peers: int = Field(ge=0)
+
+
+class Credits(BaseModel):
+    leaderboard: list[AccountCredit]
+    by_peer: dict[str, Contribution]
+
+
+class HistoryPoint(BaseModel):
+    at: float
+    peers_online: int = Field(ge=0)
+    samples_per_second: float = Field(ge=0)
