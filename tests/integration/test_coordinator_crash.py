@@ -95,13 +95,14 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
                     120,
                     "peers to train on without the coordinator",
                 )
-            if kill in peer_kills_at:  # peer 2 dies too, at once or mid-checkpoint
+            if kill in peer_kills_at:  # peer 2 dies too, at whatever it was doing (a checkpoint write, ...)
                 peers[2].kill()
                 loaded = Checkpointer(tmp_path / "ckpt2", spec_digest=spec_digest(spec)).latest()
                 assert loaded is not None, "a killed peer's checkpoints do not load"
-                peers[2] = start_peer(2)
             coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
             coordinator.address()
+            if kill in peer_kills_at:  # (a peer starting needs its coordinator)
+                peers[2] = start_peer(2)
         restarted = peers[2]
         wait_for(
             lambda: any("resumed from the checkpoint of round" in line for line in restarted.lines),
