@@ -200,9 +200,9 @@ def one_run(peers: int, args: argparse.Namespace, db_url: str, workdir: Path) ->
     spec_path = workdir / "spec.toml"
     spec_path.write_text(SPEC)
     digest = parse_spec(SPEC).digest()
-    coordinator = LocalCoordinator(
-        spec_path, workdir / "state", db_url=db_url, extra=["--archive-every", "0"], host="127.0.0.1"
-    )
+    # every simulated peer sends from 127.0.0.1: no per-source request limit
+    extra = ["--archive-every", "0", "--max-requests-per-source", "0"]
+    coordinator = LocalCoordinator(spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1")
     try:
         address = coordinator.address()
         rows_before = count_rows(db_url)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import threading
 from pathlib import Path
 from typing import Any
 
+from coordinator.ratelimit import DEFAULT_BURST, DEFAULT_RATE
 from protocol.errors import ConfigError
 
 
@@ -44,6 +46,14 @@ def add_parser(commands: Any) -> None:
         metavar="ID",
         help="public id of a key that may run `swarmtrain admin` (repeatable; the coordinator's own key always may)",
     )
+    parser.add_argument(
+        "--max-requests-per-source",
+        type=float,
+        default=DEFAULT_RATE,
+        metavar="RATE",
+        help=f"gRPC requests per second from one source address, bursts of {DEFAULT_BURST:g} "
+        f"(0: no limit; default: {DEFAULT_RATE:g})",
+    )
     parser.set_defaults(run=run)
 
 
@@ -55,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--archive-every must be >= 0, got {args.archive_every}")
     if args.archive_keep < 1:
         raise ConfigError(f"--archive-keep must be >= 1, got {args.archive_keep}")
+    if not (math.isfinite(args.max_requests_per_source) and args.max_requests_per_source >= 0):
+        raise ConfigError(f"--max-requests-per-source must be a number >= 0, got {args.max_requests_per_source}")
     from protocol.identity import PublicKey
     from protocol.spec import load_spec
 
@@ -78,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             archive_every=args.archive_every,
             archive_keep=args.archive_keep,
+            max_requests_per_source=args.max_requests_per_source,
             operators=tuple(args.operator),
         )
     )

@@ -97,8 +97,13 @@ class Coordinator:
         self._bans: dict[str, str] | None = None
         """The store's bans, read once and again after every change (this process makes them
         all): each heartbeat and report checks them."""
+        self._allowlist: set[str] | None = None
+        """The store's allowlist, read like ``_bans``."""
         self._credit_cache: dict[str, dict[str, Any]] = {}
         """Each peer's credit as its heartbeat answers it, dropped when its claims change."""
+        self._credit_epoch = 0
+        """Counts credit changes: a heartbeat (which runs beside the other calls, see
+        ``heartbeat``) caches what it read only if nothing changed meanwhile."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
         self._reload_pending()
@@ -173,6 +178,10 @@ class Coordinator:
         )
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
+        """Safe to call beside every other method (the servicer runs heartbeats outside its
+        lock, so that they never wait for a report's or a tick's database writes): it touches
+        only thread-safe state (the verifier's replay guard, the health tracker, the bans and
+        credit caches) and reads the store."""
         peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now)
         check_heartbeat(body)
         interval = self.health.config.heartbeat_interval_s
@@ -195,9 +204,12 @@ class Coordinator:
         )
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
         try:
-            credit = self._credit_cache.get(peer.id) or self._credit_cache.setdefault(
-                peer.id, self.store.credit_of(peer.id)
-            )
+            credit = self._credit_cache.get(peer.id)
+            if credit is None:
+                epoch = self._credit_epoch
+                credit = self.store.credit_of(peer.id)
+                if epoch == self._credit_epoch:  # no claim changed while it was read: keep it
+                    self._credit_cache[peer.id] = credit
         except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
             logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
             return response
@@ -355,24 +367,32 @@ class Coordinator:
     def credits_changed(self, key: str | None = None) -> None:
         """Forget the cached credit of ``key`` (of everyone: None); the core calls it whenever
         it records a claim or a decision, anything else writing claims must too."""
+        self._credit_epoch += 1
         if key is None:
             self._credit_cache.clear()
         else:
             self._credit_cache.pop(key, None)
 
     def _banned(self) -> dict[str, str]:
-        if self._bans is None:
-            self._bans = self.store.banned()
-        return self._bans
+        bans = self._bans
+        if bans is None:
+            bans = self._bans = self.store.banned()
+        return bans
 
     def _admitted(self, peer: PublicKey) -> bool:
         banned = self._banned()
         account = self._accounts.get(peer.id, peer.id)
         if peer.id in banned or account in banned:
             return False
-        if self.spec.admission.mode == "allowlist" and account not in self.store.allowlist():
+        if self.spec.admission.mode == "allowlist" and account not in self._allowed():
             return False
         return self.health.get(peer.id) is not None
+
+    def _allowed(self) -> set[str]:
+        allowed = self._allowlist
+        if allowed is None:
+            allowed = self._allowlist = self.store.allowlist()
+        return allowed
 
     def revoked_peers(self) -> set[str]:
         """Keys of the peers whose tokens must stop counting in averaging: banned peers, peers
@@ -398,7 +418,7 @@ class Coordinator:
         signer, body = self._verified(envelope, kinds.ADMIN, pb.AdminBody, now)
         if signer.id not in self.operators:
             raise AdmissionError(f"{signer.id} is not an operator of this coordinator")
-        self._bans = None  # whatever the action, read the bans afresh afterwards
+        self._bans = self._allowlist = None  # whatever the action, read both afresh afterwards
         action = body.action
         if action != pb.ADMIN_ACTION_LIST:
             try:

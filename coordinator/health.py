@@ -7,11 +7,15 @@ and rejected with a ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Concatenate, ParamSpec, TypeVar
 
 from protocol.errors import SwarmtrainError
 
@@ -20,6 +24,22 @@ logger = logging.getLogger(__name__)
 
 RECENT_CLAIMS = 10
 FLAG_OFFENCES = 3
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[HealthTracker, _P], _R]) -> Callable[Concatenate[HealthTracker, _P], _R]:
+    """Run ``method`` under the tracker's lock: heartbeats update it from the gRPC threads while
+    the ticker and the readers use it from theirs (``coordinator.servicer``)."""
+
+    @functools.wraps(method)
+    def locked(self: HealthTracker, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class PeerState(str, Enum):
@@ -155,9 +175,11 @@ class HealthTracker:
 
     def __init__(self, config: HealthConfig) -> None:
         self.config = config
+        self._lock = threading.RLock()
         self._peers: dict[str, PeerHealth] = {}
         self._swarm_round_cache: int | None = None
 
+    @_locked
     def join(
         self,
         key: str,
@@ -188,6 +210,7 @@ class HealthTracker:
         logger.info("peer %s joined (%s)", key, "re-join" if old is not None else "new")
         return peer
 
+    @_locked
     def heartbeat(
         self,
         key: str,
@@ -216,6 +239,7 @@ class HealthTracker:
             self._swarm_round_cache = None
         return peer
 
+    @_locked
     def tick(self, now: float) -> list[Transition]:
         """Apply time-based transitions and straggler checks; return (key, old, new) for each."""
         _check_time(now)
@@ -233,29 +257,35 @@ class HealthTracker:
                 changes.append(self._set(peer, self._target_state(peer, swarm_round)))
         return [c for c in changes if c[1] != c[2]]
 
+    @_locked
     def record_claim(self, key: str, *, offence: bool) -> None:
         """A claim of ``key`` was decided; ``offence``: denied because its group named it."""
         peer = self._peers.get(key)
         if peer is not None:
             peer.recent_claims.append(offence)
 
+    @_locked
     def flagged(self) -> int:
         """How many tracked peers are ``flagged``."""
         return sum(1 for p in self._peers.values() if p.flagged)
 
+    @_locked
     def remove(self, key: str) -> None:
         """Forget a peer (e.g. banned); a no-op for an unknown key."""
         if self._peers.pop(key, None) is not None:
             self._swarm_round_cache = None
             logger.info("peer %s removed", key)
 
+    @_locked
     def peers(self) -> list[PeerHealth]:
         """Every known peer, sorted by key."""
         return self._sorted()
 
+    @_locked
     def get(self, key: str) -> PeerHealth | None:
         return self._peers.get(key)
 
+    @_locked
     def summary(self, now: float) -> SwarmSummary:
         """Figures as of ``now``; a peer silent past the unreachable limit counts as not
         online even before the next ``tick`` records it. Changes nothing."""

@@ -22,10 +22,12 @@ import grpc
 from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
+from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_to_server
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import count_params
+from protocol.record_bounds import RunRecordBounds
 from protocol.spec import RunSpec, parse_spec
 from protocol.statesync import run_prefix
 
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 1.0
 REVOCATIONS_REPUBLISH_S = 60.0
+
+
+GRPC_THREADS = 32
 
 
 @dataclass
@@ -57,6 +62,8 @@ class ServerConfig:
     """Archived checkpoints kept on disk."""
     operators: tuple[str, ...] = ()
     """Public ids besides the coordinator's own key that may send admin requests."""
+    max_requests_per_source: float = DEFAULT_RATE
+    """gRPC requests per second from one source address (``coordinator.ratelimit``; 0: none)."""
 
 
 class CoordinatorServer:
@@ -82,6 +89,7 @@ class CoordinatorServer:
             start=True,
             host_maddrs=[f"/ip4/{config.host}/tcp/{config.dht_port}"],
             identity_path=str(config.state_dir / "p2p.key"),
+            record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
         )
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]
         averager, gate = self._archive_averager(spec, identity)  # forks its process: before the database and gRPC
@@ -112,10 +120,13 @@ class CoordinatorServer:
             )
             self.archiver.start()
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+        # heartbeats run beside the locked calls (``CoordinatorServicer``): enough threads that
+        # they are not all waiting for the lock behind reports
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), options=SERVER_OPTIONS)
         servicer = CoordinatorServicer(self.core, archive=self._archive_status)
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
-        add_to_server(servicer, self.server)
+        rate = config.max_requests_per_source
+        add_to_server(servicer, self.server, limiter=SourceLimiter(rate) if rate > 0 else None)
         self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")

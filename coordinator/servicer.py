@@ -1,7 +1,8 @@
 """The gRPC servicer: a thin adapter from ``Coordinator`` to the wire.
 
 Every handler verifies nothing itself; it calls the core under one lock (the core is not
-thread-safe and is fast) and translates our errors into gRPC status codes with the
+thread-safe), heartbeats excepted (``Coordinator.heartbeat`` is: they must not queue behind a
+report's or a tick's database writes), and translates our errors into gRPC status codes with the
 readable reason as the details: bad signatures → UNAUTHENTICATED, admission refusals →
 PERMISSION_DENIED, another run → FAILED_PRECONDITION, malformed input → INVALID_ARGUMENT.
 ``add_to_server`` registers it so that a request that does not even parse is INVALID_ARGUMENT
@@ -21,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from coordinator.core import Coordinator
+from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.errors import AdmissionError, MalformedMessageError, VerificationError, WrongRunError
@@ -35,23 +37,33 @@ SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
 """Options for ``grpc.server`` (a larger request is refused with RESOURCE_EXHAUSTED)."""
 
 
-def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: CoordinatorServicer, server: grpc.Server, *, limiter: SourceLimiter | None = None) -> None:
     """Register ``servicer``'s methods, each parsing its own request: bytes that are not a
-    valid request message get INVALID_ARGUMENT naming the message, and nothing else runs."""
+    valid request message get INVALID_ARGUMENT naming the message, and nothing else runs.
+    With ``limiter``, a source over its rate gets RESOURCE_EXHAUSTED before anything else."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Coordinator"].methods:
         request_type: type[Message] = getattr(pb, method.input_type.name)
         response_type: type[Message] = getattr(pb, method.output_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _parsing(getattr(servicer, method.name), request_type),
+            _parsing(getattr(servicer, method.name), request_type, limiter),
             request_deserializer=None,  # raw bytes: parsed by the wrapper
             response_serializer=response_type.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
-def _parsing(handler: Callable[[Any, grpc.ServicerContext], Any], request_type: type[Message]) -> Callable[..., Any]:
+def _parsing(
+    handler: Callable[[Any, grpc.ServicerContext], Any], request_type: type[Message], limiter: SourceLimiter | None
+) -> Callable[..., Any]:
     def parse_then_handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+        if limiter is not None:
+            source = source_host(context.peer())
+            if not limiter.allow(source, time.monotonic()):
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many requests from {source} (more than {limiter.rate:g}/s): slow down",
+                )
         try:
             request = request_type.FromString(raw)
         except (DecodeError, RuntimeWarning, ValueError) as exc:
@@ -80,7 +92,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._call(context, lambda now: self.core.join(request.signed, now=now))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        return self._call(context, lambda now: self.core.heartbeat(request.signed, now=now))
+        # outside the lock: a heartbeat never waits for a report's or a tick's database writes
+        return self._call(context, lambda now: self.core.heartbeat(request.signed, now=now), locked=False)
 
     def ReportRound(self, request: pb.RoundReportRequest, context: grpc.ServicerContext) -> pb.RoundReportResponse:
         return self._call(context, lambda now: self.core.report_round(request.signed, now=now))
@@ -97,8 +110,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Admin(self, request: pb.AdminRequest, context: grpc.ServicerContext) -> pb.AdminResponse:
         return self._call(context, lambda now: self.core.admin(request.signed, now=now))
 
-    def _call(self, context: grpc.ServicerContext, handler: Callable[[float], T]) -> T:
+    def _call(self, context: grpc.ServicerContext, handler: Callable[[float], T], *, locked: bool = True) -> T:
         try:
+            if not locked:
+                return handler(self.clock())
             with self.lock:
                 return handler(self.clock())
         except WrongRunError as exc:

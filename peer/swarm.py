@@ -30,6 +30,7 @@ from protocol.averaging import ExactAverager
 from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
+from protocol.record_bounds import RunRecordBounds
 from protocol.records import RunRecords
 from protocol.robust import RobustRule
 from protocol.spec import RunSpec
@@ -181,6 +182,7 @@ class Swarm:
             host_maddrs=host_maddrs,
             client_mode=client_mode,
             start=True,
+            record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
             **(dht_kwargs or {}),
         )
         averaging = spec.averaging

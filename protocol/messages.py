@@ -18,6 +18,7 @@ import heapq
 import math
 import secrets
 import struct
+import threading
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
@@ -173,6 +174,8 @@ class MessageVerifier:
     max_future_s: float = 30.0
     """Clock skew tolerated for timestamps ahead of ours."""
     replay_guard: ReplayGuard = field(default_factory=ReplayGuard)
+    _replay_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """The replay check and record are one step (several threads verify at once)."""
 
     def verify(
         self,
@@ -198,7 +201,8 @@ class MessageVerifier:
                 f"{kind}: message is {-age:.0f} s in the future (clock skew limit {self.max_future_s:.0f} s)"
             )
         if check_replay:
-            if self.replay_guard.seen(message.signer, message.nonce, now=now):
-                raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
-            until = message.timestamp + self.max_age_s
-            self.replay_guard.remember(message.signer, message.nonce, until=until, now=now)
+            with self._replay_lock:
+                if self.replay_guard.seen(message.signer, message.nonce, now=now):
+                    raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
+                until = message.timestamp + self.max_age_s
+                self.replay_guard.remember(message.signer, message.nonce, until=until, now=now)

@@ -21,6 +21,32 @@ limit with nothing to read."""
 
 _real_stderr: int | None = None
 
+BESIDE_SWARMS = {
+    "test_bad_tensors.py",
+    "test_broken_member.py",
+    "test_checkpoint_crash.py",
+    "test_grpc_fuzz.py",
+    "test_record_bounds.py",
+    "test_reducer_close.py",
+    "test_state_sync.py",
+    "test_store_crash.py",
+}
+"""Integration tests that start no swarm of peer processes (a few in-process averagers or DHT
+nodes, or one child process): mostly waiting, they run beside the swarm tests."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``), the tests that start
+    swarms of processes (integration, e2e) run one at a time on one worker (they would starve
+    each other of this machine's two cores), while the other worker runs the unit tests and
+    the light integration tests (``BESIDE_SWARMS``)."""
+    for item in items:
+        parts = item.path.parts
+        if "unit" in parts:
+            continue
+        group = "light" if item.path.name in BESIDE_SWARMS else "swarms"
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Keep a descriptor of the real stderr (output capture is off while plugins configure):

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from coordinator.core import Coordinator
+from coordinator.ratelimit import SourceLimiter
 from coordinator.servicer import MAX_REQUEST_BYTES, SERVER_OPTIONS, SERVICE, CoordinatorServicer, add_to_server
 from coordinator.store import Store, sqlite_url
 from protocol import coordinator_pb2 as pb
@@ -31,15 +32,14 @@ ACCEPTED = {
 }
 
 
-@pytest.fixture
-def channel(tmp_path: Path) -> Iterator[grpc.Channel]:
+def serve(tmp_path: Path, limiter: SourceLimiter | None = None) -> Iterator[grpc.Channel]:
     spec = '[run]\nname = "grpc-fuzz"\n'
     store = Store(sqlite_url(tmp_path))
     core = Coordinator(
         spec=parse_spec(spec), spec_toml=spec, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
-    add_to_server(CoordinatorServicer(core), server)
+    add_to_server(CoordinatorServicer(core), server, limiter=limiter)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 8 << 20)])
@@ -49,6 +49,11 @@ def channel(tmp_path: Path) -> Iterator[grpc.Channel]:
         channel.close()
         server.stop(grace=None)
         store.close()
+
+
+@pytest.fixture
+def channel(tmp_path: Path) -> Iterator[grpc.Channel]:
+    yield from serve(tmp_path)
 
 
 def raw_call(channel: grpc.Channel, method: str, payload: bytes) -> grpc.StatusCode:
@@ -82,3 +87,22 @@ def test_an_oversized_request_is_refused_and_the_server_keeps_answering(channel:
         grpc.StatusCode.RESOURCE_EXHAUSTED
     )
     assert raw_call(channel, "GetStatus", b"") == grpc.StatusCode.OK
+
+
+def test_a_source_over_its_rate_is_refused_before_anything_else_and_served_again_later(tmp_path: Path) -> None:
+    """(``coordinator.ratelimit``) A burst of 5 then 5 requests a second from one address: the
+    6th request at once gets RESOURCE_EXHAUSTED naming the source; after a pause it is served."""
+    limiter = SourceLimiter(rate=5.0, burst=5.0)
+    for channel in serve(tmp_path, limiter):
+        codes = [raw_call(channel, "GetStatus", pb.StatusRequest().SerializeToString()) for _ in range(12)]
+        assert codes[:5] == [grpc.StatusCode.OK] * 5, codes
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes[5:], codes
+        call = channel.unary_unary(f"/{SERVICE}/GetStatus", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in range(10):
+                call(pb.StatusRequest().SerializeToString(), timeout=10)
+        assert "too many requests from 127.0.0.1" in str(refused.value.details())
+        deadline = time.monotonic() + 10
+        while raw_call(channel, "GetStatus", pb.StatusRequest().SerializeToString()) != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, "the source was never served again"
+            time.sleep(0.05)
