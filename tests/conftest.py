@@ -21,6 +21,34 @@ limit with nothing to read."""
 
 _real_stderr: int | None = None
 
+_worker_databases: dict[str, str] = {}
+
+
+def postgres_url() -> str:
+    """The PostgreSQL database this test process may use ("" if ``SWARMTRAIN_TEST_POSTGRES_URL``
+    names none): under pytest-xdist each worker gets its own database on that server (created
+    on first use), so that two workers never create or drop one schema at once."""
+    base = os.environ.get("SWARMTRAIN_TEST_POSTGRES_URL", "")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not base or not worker:
+        return base
+    if base not in _worker_databases:
+        import sqlalchemy
+
+        url = sqlalchemy.engine.make_url(base)
+        name = f"{url.database}_{worker}"
+        admin = sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as conn:
+                exists = conn.execute(sqlalchemy.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name})
+                if exists.first() is None:
+                    conn.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
+        finally:
+            admin.dispose()
+        _worker_databases[base] = url.set(database=name).render_as_string(hide_password=False)
+    return _worker_databases[base]
+
+
 BESIDE_SWARMS = {
     "test_bad_tensors.py",
     "test_broken_member.py",
@@ -35,6 +63,7 @@ BESIDE_SWARMS = {
 nodes, or one child process): mostly waiting, they run beside the swarm tests."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``), the tests that start
     swarms of processes (integration, e2e) run one at a time on one worker (they would starve

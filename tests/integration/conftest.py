@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -10,8 +9,7 @@ import pytest
 import sqlalchemy
 
 from coordinator.store import sqlite_url
-
-POSTGRES_URL = os.environ.get("SWARMTRAIN_TEST_POSTGRES_URL", "")
+from tests.conftest import postgres_url
 
 
 @pytest.fixture(autouse=True)
@@ -34,11 +32,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The coordinator's database: SQLite under its state dir, or a fresh PostgreSQL schema."""
     if request.param == "sqlite":
         return sqlite_url(tmp_path / "state")
-    if not POSTGRES_URL:
+    url = postgres_url()
+    if not url:
         pytest.skip("set SWARMTRAIN_TEST_POSTGRES_URL to run against PostgreSQL (make test does)")
-    engine = sqlalchemy.create_engine(POSTGRES_URL)
+    engine = sqlalchemy.create_engine(url)
     meta = sqlalchemy.MetaData()
     meta.reflect(engine)
     meta.drop_all(engine)
     engine.dispose()
-    return POSTGRES_URL
+    return url

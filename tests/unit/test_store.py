@@ -3,7 +3,6 @@ SWARMTRAIN_TEST_POSTGRES_URL names one (each test starts from an empty schema th
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from sqlalchemy import create_engine, text, update
 from coordinator.store import SCHEMA_VERSION, Decision, Store, sqlite_url
 from coordinator.store.schema import Base, SchemaVersion
 from protocol.errors import ConfigError
+from tests.conftest import postgres_url
 
 POSTGRES_ENV = "SWARMTRAIN_TEST_POSTGRES_URL"
 
@@ -24,7 +24,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield sqlite_url(tmp_path)
         return
-    url = os.environ.get(POSTGRES_ENV)
+    url = postgres_url()
     if not url:
         pytest.skip(f"set {POSTGRES_ENV} to run against PostgreSQL")
     engine = create_engine(url)
