@@ -90,6 +90,8 @@ class Decision:
     status: ClaimStatus
     granted_samples: int
     reason: str
+    claimed_samples: int = 0
+    """What the claim said (no longer pending once decided)."""
 
 
 @dataclass
@@ -270,11 +272,11 @@ def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float
     if granted <= 0:
         return _denied(claim, "nothing to grant: " + ", ".join(parts))
     reason = f"granted {granted} samples: " + ", ".join(parts)
-    return Decision(claim.key, claim.round, ClaimStatus.GRANTED, granted, reason)
+    return Decision(claim.key, claim.round, ClaimStatus.GRANTED, granted, reason, claim.samples)
 
 
 def _denied(claim: RoundClaim, reason: str) -> Decision:
-    return Decision(claim.key, claim.round, ClaimStatus.DENIED, 0, reason)
+    return Decision(claim.key, claim.round, ClaimStatus.DENIED, 0, reason, claim.samples)
 
 
 def _check_claim(claim: RoundClaim) -> None:

@@ -78,3 +78,27 @@ def test_a_members_absurd_gathered_samples_do_not_spoil_the_report() -> None:
     assert reported_weight(float("nan")) == 0.0
     assert reported_weight(-3) == 0.0
     assert reported_weight("lots") == 0.0
+
+
+def test_the_figures_follow_reports_and_decisions_without_reading_the_database_again(
+    core: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats are the most frequent request: after a peer's first one, its credit is kept in
+    memory and moved by each committed report and decision, with no query per heartbeat."""
+    peers = [joined(core), joined(core)]
+    reads: list[str] = []
+    real = core.store.credit_of
+    monkeypatch.setattr(core.store, "credit_of", lambda key: reads.append(key) or real(key))
+    heartbeat(core, peers[0])
+    now = time.time()
+    group = [pb.GroupMember(public_key=p.public_key.raw, weight=20.0) for p in peers]
+    for peer in peers:
+        body = pb.RoundReportBody(round=1, samples=20, compute_s=5.0, state_digest="d", group=group)
+        core.report_round(sign_message(peer, kinds.ROUND_REPORT, body.SerializeToString(), now=now).to_proto(), now=now)
+    pending = heartbeat(core, peers[0])
+    assert (pending.credited_samples, pending.pending_samples) == (0, 20)
+    core.tick(now=now + 1)
+    granted = heartbeat(core, peers[0])
+    assert (granted.credited_samples, granted.pending_samples) == (20, 0)
+    assert reads == [peers[0].public_key.id]  # only its first heartbeat read the database
+    assert granted.credited_samples == real(peers[0].public_key.id)["samples"]
