@@ -77,6 +77,8 @@ class Coordinator:
             min_attester_age_s=spec.credits.min_attester_age_s,
         )
         self._owner_since: dict[str, float] = {}
+        self._last_report_at: dict[str, float] = {}
+        """When each key's last recorded report arrived (from the store the first time)."""
         self.verifier = MessageVerifier()
         # import tasks size themselves in the peer; until they declare it, they earn samples only
         self.flops_per_sample = flops_per_sample(spec.task.model) if spec.task.kind == "bytegpt" else 0.0
@@ -245,9 +247,9 @@ class Coordinator:
             duration_s=duration,
             received_at=now,
         )
-        if self.store.claims(key=peer.id, round=body.round, limit=1):
+        if self.ledger.has(peer.id, body.round):  # a resent report (the store also refuses a second one)
             return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
-        self.ledger.add(claim)  # validates; raises ValueError for malformed claims
+        self.ledger.check(claim)  # raises ValueError for malformed claims and closed rounds
         recorded = self.store.record_claim(
             key=peer.id,
             round=body.round,
@@ -258,6 +260,8 @@ class Coordinator:
             received_at=now,
         )
         if recorded:
+            self.ledger.add(claim)
+            self._last_report_at[peer.id] = now
             self._credit_moved(peer.id, pending=body.samples)
         if recorded and math.isfinite(body.loss):
             self._losses.setdefault(body.round, []).append(body.loss)
@@ -362,12 +366,15 @@ class Coordinator:
         its previous round report, or since it was first seen (both kept in the store, so a
         restart changes nothing). A claim's throughput cap uses this, never less than 1 ms,
         whatever time the peer says it spent."""
-        previous = self.store.claims(key=key, limit=1)
-        if previous:
-            since = float(previous[0]["received_at"])
-        else:
-            row = self.store.peer(key)
-            since = float(row["first_seen"]) if row is not None else now
+        since = self._last_report_at.get(key)
+        if since is None:  # this process has not seen it report yet: the store knows
+            previous = self.store.claims(key=key, limit=1)
+            if previous:
+                since = float(previous[0]["received_at"])
+            else:
+                row = self.store.peer(key)
+                since = float(row["first_seen"]) if row is not None else now
+            self._last_report_at[key] = since
         return max(now - since, 1e-3)
 
     def _credit_moved(self, key: str, *, pending: int = 0, samples: int = 0, flops: float = 0.0) -> None:

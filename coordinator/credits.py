@@ -164,15 +164,24 @@ class RoundLedger:
         self._forgotten: dict[int, None] = {}
         """Forgotten round numbers, oldest first (a dict keeps insertion order)."""
 
-    def add(self, claim: RoundClaim) -> None:
-        """Queue a claim; ``ValueError`` naming what is wrong if it is malformed, repeats a
-        (key, round) already claimed, or is for a round already forgotten."""
+    def has(self, key: str, round_: int) -> bool:
+        """Whether ``key`` has a claim for ``round_`` here (pending or decided, not forgotten)."""
+        entry = self._rounds.get(round_)
+        return entry is not None and key in entry.claims
+
+    def check(self, claim: RoundClaim) -> None:
+        """``ValueError`` naming what is wrong if ``add`` would refuse ``claim``; changes nothing."""
         _check_claim(claim)
         if claim.round in self._forgotten:
             raise ValueError(f"round {claim.round} is closed: it was settled and forgotten")
-        entry = self._rounds.setdefault(claim.round, _Round())
-        if claim.key in entry.claims:
+        if self.has(claim.key, claim.round):
             raise ValueError(f"a second claim by {claim.key} for round {claim.round}")
+
+    def add(self, claim: RoundClaim) -> None:
+        """Queue a claim; ``ValueError`` naming what is wrong if it is malformed, repeats a
+        (key, round) already claimed, or is for a round already forgotten."""
+        self.check(claim)
+        entry = self._rounds.setdefault(claim.round, _Round())
         entry.claims[claim.key] = claim
         entry.first_received = min(entry.first_received, claim.received_at)
 
