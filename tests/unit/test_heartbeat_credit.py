@@ -102,3 +102,31 @@ def test_the_figures_follow_reports_and_decisions_without_reading_the_database_a
     assert (granted.credited_samples, granted.pending_samples) == (20, 0)
     assert reads == [peers[0].public_key.id]  # only its first heartbeat read the database
     assert granted.credited_samples == real(peers[0].public_key.id)["samples"]
+
+
+def test_a_resent_report_is_already_reported_before_and_after_a_restart(core: Coordinator) -> None:
+    """Peers resend a report whose answer they lost: the same (key, round) is answered "already
+    reported" and changes nothing, from the ledger in memory and, after a restart, from the store."""
+    peers = [joined(core), joined(core)]
+    now = time.time()
+    group = [pb.GroupMember(public_key=p.public_key.raw, weight=20.0) for p in peers]
+
+    def report(target: Coordinator, peer: Identity) -> pb.RoundReportResponse:
+        body = pb.RoundReportBody(round=1, samples=20, compute_s=5.0, state_digest="d", group=group)
+        return target.report_round(
+            sign_message(peer, kinds.ROUND_REPORT, body.SerializeToString(), now=time.time()).to_proto(), now=now
+        )
+
+    assert report(core, peers[0]).reason.startswith("pending")
+    assert report(core, peers[0]).reason == "already reported"
+    report(core, peers[1])
+    core.tick(now=now + 1)
+    decided = core.store.claims(round=1)
+    restarted = Coordinator(
+        spec=core.spec, spec_toml=core.spec_toml, identity=core.identity, store=core.store, bootstrap_maddrs=[]
+    )
+    body = pb.JoinBody(libp2p_peer_id="p", software_version="t", spec_digest=restarted.digest)
+    restarted.join(sign_message(peers[0], kinds.JOIN, body.SerializeToString(), now=now).to_proto(), now=now)
+    assert report(restarted, peers[0]).reason == "already reported"
+    restarted.tick(now=now + 2)
+    assert restarted.store.claims(round=1) == decided
