@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 4
-REPORT_ATTEMPTS = 10
 SAMPLES = 64
 SPEC = """
 [run]
@@ -105,7 +103,6 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
 
     latencies: list[tuple[float, float]] = []  # (when, seconds)
     errors: dict[str, int] = {}
-    busy = [0]  # reports refused as busy (UNAVAILABLE) and sent again
     reported: dict[int, int] = {}  # round -> reports sent
     begin = time.monotonic()
     warm_up = args.interval
@@ -145,20 +142,12 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
             state_digest=f"blake3:{round_:064x}",
             compute_s=args.round_s,
         )
-        for _attempt in range(REPORT_ATTEMPTS):  # like a peer: a report refused as busy is sent again
-            now = time.time()
-            envelope = sign_message(identity, kinds.ROUND_REPORT, body.SerializeToString(), now=now).to_proto()
-            try:
-                await stub.ReportRound(pb.RoundReportRequest(signed=envelope), timeout=30)
-                reported[round_] = reported.get(round_, 0) + 1
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    errors["report " + exc.code().name] = errors.get("report " + exc.code().name, 0) + 1
-                    return
-                busy[0] += 1
-                await asyncio.sleep(random.uniform(0.5, 2.0))
-        errors["report UNAVAILABLE"] = errors.get("report UNAVAILABLE", 0) + 1
+        envelope = sign_message(identity, kinds.ROUND_REPORT, body.SerializeToString(), now=time.time()).to_proto()
+        try:
+            await stub.ReportRound(pb.RoundReportRequest(signed=envelope), timeout=30)
+            reported[round_] = reported.get(round_, 0) + 1
+        except grpc.aio.AioRpcError as exc:
+            errors["report " + exc.code().name] = errors.get("report " + exc.code().name, 0) + 1
 
     load_cpu = time.process_time()
     await asyncio.gather(*(heartbeat_loop(i, k) for i, k in enumerate(keys)))
@@ -182,7 +171,6 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "p99_first_half_ms": 1000 * percentile(halves[0], 0.99),
         "p99_second_half_ms": 1000 * percentile(halves[1], 0.99),
         "errors": errors,
-        "reports_resent": busy[0],
         "reported": reported,
         "peers_online": status.peers_online,
         "load_cpu_share": load_cpu / (warm_up + args.duration),
@@ -247,15 +235,14 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     lines = [
         header,
         "",
-        "| peers | heartbeats/s | p50 ms | p99 ms | max ms | p99 1st / 2nd half ms | coordinator CPU (of 1 core) | load CPU | claims granted in full | reports re-sent (busy) | errors | online |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peers | heartbeats/s | p50 ms | p99 ms | max ms | p99 1st / 2nd half ms | coordinator CPU (of 1 core) | load CPU | claims granted in full | errors | online |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['peers']} | {r['heartbeats_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} "
             f"| {r['p99_first_half_ms']:.1f} / {r['p99_second_half_ms']:.1f} | {100 * r['coordinator_cpu_share']:.0f}% "
-            f"| {100 * r['load_cpu_share']:.0f}% | {r['claims_granted_in_full']} of {r['claims']} "
-            f"| {r.get('reports_resent', 0)} | {sum(r['errors'].values())} "
+            f"| {100 * r['load_cpu_share']:.0f}% | {r['claims_granted_in_full']} of {r['claims']} | {sum(r['errors'].values())} "
             f"| {r['peers_online']} |"
         )
     lines += ["", "Database rows written per hour:", ""]

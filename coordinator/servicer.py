@@ -33,10 +33,6 @@ T = TypeVar("T")
 SERVICE = "swarmtrain.v1.Coordinator"
 MAX_REQUEST_BYTES = 1 << 20
 """Largest request the server reads: a round report of the largest group is ~300 KB."""
-REPORT_SLOTS = 8
-"""Round reports handled or waiting for the core's lock at once; one more is refused with
-UNAVAILABLE (a peer keeps a report and sends it again: ``peer.coordinator_client``). With the
-server's 32 threads (``coordinator.server.GRPC_THREADS``) most threads stay free for heartbeats."""
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
 """Options for ``grpc.server`` (a larger request is refused with RESOURCE_EXHAUSTED)."""
 
@@ -91,7 +87,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.archive = archive
         """Returns (newest archived round or None, a line saying how the archive runs)."""
         self.lock = threading.Lock()
-        self._report_slots = threading.BoundedSemaphore(REPORT_SLOTS)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         return self._call(context, lambda now: self.core.join(request.signed, now=now))
@@ -101,14 +96,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._call(context, lambda now: self.core.heartbeat(request.signed, now=now), locked=False)
 
     def ReportRound(self, request: pb.RoundReportRequest, context: grpc.ServicerContext) -> pb.RoundReportResponse:
-        # reports come in bursts (a group's members report together): at most REPORT_SLOTS wait
-        # for the lock, so that heartbeats always find a free thread; peers re-send the rest
-        if not self._report_slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is busy with other reports: send it again")
-        try:
-            return self._call(context, lambda now: self.core.report_round(request.signed, now=now))
-        finally:
-            self._report_slots.release()
+        return self._call(context, lambda now: self.core.report_round(request.signed, now=now))
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         status = self._call(context, lambda now: self.core.status(now=now))

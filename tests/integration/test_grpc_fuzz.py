@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
 from coordinator.core import Coordinator
 from coordinator.ratelimit import SourceLimiter
@@ -106,3 +107,53 @@ def test_a_source_over_its_rate_is_refused_before_anything_else_and_served_again
         while raw_call(channel, "GetStatus", pb.StatusRequest().SerializeToString()) != grpc.StatusCode.OK:
             assert time.monotonic() < deadline, "the source was never served again"
             time.sleep(0.05)
+
+
+def test_heartbeats_are_answered_while_the_core_is_locked(tmp_path: Path) -> None:
+    """With the core's lock held (a long tick, a burst of reports), a heartbeat is still answered:
+    heartbeats never take the lock (``Coordinator.heartbeat`` is thread-safe); a report waits
+    for the lock and goes through once it is free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from protocol import kinds
+    from protocol.messages import sign_message
+
+    spec = '[run]\nname = "grpc-locked"\n'
+    store = Store(sqlite_url(tmp_path))
+    core = Coordinator(
+        spec=parse_spec(spec), spec_toml=spec, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
+    )
+    servicer = CoordinatorServicer(core)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+    add_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    peer = Identity.generate()
+
+    def signed(kind: str, body: Message) -> pb.SignedEnvelope:
+        return sign_message(peer, kind, body.SerializeToString(), now=time.time()).to_proto()
+
+    def rpc(method: str, request: Message, timeout: float) -> bytes:
+        call = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+        return call(request.SerializeToString(), timeout=timeout)
+
+    try:
+        join = pb.JoinBody(libp2p_peer_id="p", software_version="t", spec_digest=core.digest)
+        rpc("Join", pb.JoinRequest(signed=signed(kinds.JOIN, join)), 10)
+        group = [pb.GroupMember(public_key=peer.public_key.raw, weight=1.0)]
+        report = pb.RoundReportBody(round=1, samples=1, compute_s=1.0, state_digest="d", group=group)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            with servicer.lock:
+                waiting = pool.submit(
+                    rpc, "ReportRound", pb.RoundReportRequest(signed=signed(kinds.ROUND_REPORT, report)), 30
+                )
+                beat = pb.HeartbeatRequest(signed=signed(kinds.HEARTBEAT, pb.HeartbeatBody()))
+                assert pb.HeartbeatResponse.FromString(rpc("Heartbeat", beat, 5)).admitted
+                assert not waiting.done()  # the report waits for the lock
+            answer = pb.RoundReportResponse.FromString(waiting.result(timeout=30))
+        assert answer.reason.startswith("pending")
+    finally:
+        channel.close()
+        server.stop(grace=None)
+        store.close()

@@ -40,5 +40,5 @@ def test_report_lists_every_run() -> None:
         "rows_per_hour": {"claims": 240000.0},
     }
     text = markdown([run], "header")
-    assert "| 2000 | 400 | 3.0 | 40.0 | 90 | 41.0 / 39.0 | 60% | 50% | 8000 of 8000 | 0 | 0 | 2000 |" in text
+    assert "| 2000 | 400 | 3.0 | 40.0 | 90 | 41.0 / 39.0 | 60% | 50% | 8000 of 8000 | 0 | 2000 |" in text
     assert "2000 peers: claims 240,000" in text
