@@ -9,17 +9,13 @@ its first megabyte), after the file is written but before it is renamed into pla
 
 from __future__ import annotations
 
-import os
-import queue
 import random
 import re
-import signal
-import subprocess
-import threading
+import time
 from pathlib import Path
-from typing import IO
 
 from protocol.checkpoint import Checkpointer
+from tests.integration.program_child import ProgramChild
 
 KILLS = 9
 MODES = ("mid-write", "before-rename", "random")
@@ -69,52 +65,23 @@ for round_ in range(first, first + 1000):
 """ % {"digest": SPEC_DIGEST}  # noqa: UP031 - a program text full of braces
 
 
-def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
 def _run_and_kill(python: str, repo_root: Path, directory: Path, mode: str, rng: random.Random) -> tuple[int, int]:
     """One writer's life: (the round it resumed after, the last round it said it saved)."""
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    child = subprocess.Popen(
-        [python, "-c", CHILD, str(directory), mode],
-        cwd=repo_root,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
-    reader.start()
-    seen: list[str] = []
+    child = ProgramChild(python, repo_root, CHILD, str(directory), mode)
     kill_after_saves = rng.randint(1, 4)
     try:
+        deadline = time.monotonic() + DEADLINE_S
         while True:
-            try:
-                line = lines.get(timeout=DEADLINE_S)
-            except queue.Empty:
-                raise AssertionError(f"writer silent for {DEADLINE_S} s: {seen[-5:]}") from None
-            assert line is not None, f"writer exited (rc {child.poll()}): {''.join(seen[-20:])}"
-            seen.append(line)
+            line = child.next_line(deadline)
             if line.startswith("blocked"):
                 break
-            if mode == "random" and sum(x.startswith("saved") for x in seen) >= kill_after_saves:
-                threading.Event().wait(rng.uniform(0.0, 0.3))  # somewhere in the next save
+            if mode == "random" and sum(x.startswith("saved") for x in child.lines) >= kill_after_saves:
+                time.sleep(rng.uniform(0.0, 0.3))  # the kill's moment: somewhere in the next save
                 break
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(timeout=30) == -signal.SIGKILL
+        child.kill9()
     finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-    reader.join(timeout=30)
-    while not lines.empty():
-        line = lines.get_nowait()
-        if line is not None:
-            seen.append(line)
+        child.reap()
+    seen = child.lines
     text = "".join(seen)
     resumed = int(re.search(r"resumed (-?\d+)", text).group(1))  # type: ignore[union-attr]
     saved = [int(n) for n in re.findall(r"saved (\d+)", text)]

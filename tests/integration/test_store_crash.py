@@ -3,20 +3,15 @@ SQLite file: every grant the child printed (after its commit returned) is there 
 
 from __future__ import annotations
 
-import os
-import queue
 import re
-import signal
 import sqlite3
-import subprocess
-import threading
 import time
 from pathlib import Path
-from typing import IO
 
 import pytest
 
 from coordinator.store import Store, sqlite_url
+from tests.integration.program_child import ProgramChild
 
 pytestmark = pytest.mark.integration
 
@@ -40,12 +35,6 @@ while True:
 """ % {"samples": SAMPLES}  # noqa: UP031 - a program text full of braces
 
 
-def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
 def _last_grant(lines: list[str]) -> int:
     numbers = [int(m.group(1)) for m in (re.fullmatch(r"granted (\d+)\n?", line) for line in lines) if m]
     return max(numbers, default=0)
@@ -53,41 +42,15 @@ def _last_grant(lines: list[str]) -> int:
 
 def test_sigkill_loses_no_committed_grant(tmp_path: Path, repo_root: Path, python: str) -> None:
     url = sqlite_url(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    child = subprocess.Popen(
-        [python, "-c", CHILD, url],
-        cwd=repo_root,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
-    reader.start()
-    seen: list[str] = []
+    child = ProgramChild(python, repo_root, CHILD, url)
     try:
         deadline = time.monotonic() + DEADLINE_S
-        while _last_grant(seen) < KILL_AFTER:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"child printed only {seen[-5:]} before the deadline"
-            try:
-                line = lines.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            assert line is not None, f"child exited early (rc {child.poll()}): {''.join(seen[-20:])}"
-            seen.append(line)
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(timeout=30) == -signal.SIGKILL
+        while _last_grant(child.lines) < KILL_AFTER:
+            child.next_line(deadline)
+        child.kill9()
     finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-    reader.join(timeout=30)
-    while not lines.empty():  # lines printed before the kill that the loop had not read yet
-        line = lines.get_nowait()
-        if line is not None:
-            seen.append(line)
+        child.reap()
+    seen = child.lines
     printed = _last_grant(seen)
     assert printed >= KILL_AFTER
 
