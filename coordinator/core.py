@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -104,10 +105,13 @@ class Coordinator:
         self._revoked: set[str] | None = None
         """``revoked_peers``, until a ban or an allowlist change."""
         self._credit_cache: dict[str, dict[str, Any]] = {}
-        """Each peer's credit as its heartbeat answers it, dropped when its claims change."""
+        """Each peer's credit as its heartbeat answers it: read from the store once, then moved
+        by every committed report and decision (``_credit_moved``)."""
         self._credit_epoch = 0
         """Counts credit changes: a heartbeat (which runs beside the other calls, see
         ``heartbeat``) caches what it read only if nothing changed meanwhile."""
+        self._credit_lock = threading.Lock()
+        """Makes a heartbeat's "nothing changed, cache it" one step against ``_credit_moved``."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
         self._reload_pending()
@@ -120,7 +124,7 @@ class Coordinator:
             account = self._account_of(claim.key)
             self.ledger.add(
                 dataclasses.replace(
-                    claim, received_at=restarted, account=account, owner_since=self._first_seen_of(account or claim.key)
+                    claim, received_at=restarted, account=account, owner_since=self._first_seen_of(account)
                 )
             )
 
@@ -133,7 +137,7 @@ class Coordinator:
             now=now,
             run_digest=self.digest,
             mode=self.spec.admission.mode,
-            allowlist=self.store.allowlist(),
+            allowlist=self._allowed(),
             banned=set(self._banned()),
         )
         body = admitted.body
@@ -185,7 +189,7 @@ class Coordinator:
         """Safe to call beside every other method (the servicer runs heartbeats outside its
         lock, so that they never wait for a report's or a tick's database writes): it touches
         only thread-safe state (the verifier's replay guard, the health tracker, the bans and
-        credit caches) and reads the store."""
+        credit caches) and reads the store only for a peer's first credit figures."""
         peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now)
         check_heartbeat(body)
         interval = self.health.config.heartbeat_interval_s
@@ -212,8 +216,9 @@ class Coordinator:
             if credit is None:
                 epoch = self._credit_epoch
                 credit = self.store.credit_of(peer.id)
-                if epoch == self._credit_epoch:  # no claim changed while it was read: keep it
-                    self._credit_cache[peer.id] = credit
+                with self._credit_lock:
+                    if epoch == self._credit_epoch:  # no claim changed while it was read: keep it
+                        self._credit_cache[peer.id] = credit
         except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
             logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
             return response
@@ -380,23 +385,26 @@ class Coordinator:
     def _credit_moved(self, key: str, *, pending: int = 0, samples: int = 0, flops: float = 0.0) -> None:
         """The core committed a change to ``key``'s credit: move its cached figures by as much
         (a new dict: a heartbeat reading the old one beside this sees a whole one)."""
-        self._credit_epoch += 1
-        cached = self._credit_cache.get(key)
-        if cached is not None:
-            self._credit_cache[key] = {
-                "samples": cached["samples"] + samples,
-                "flops": cached["flops"] + flops,
-                "pending_samples": cached["pending_samples"] + pending,
-            }
+        with self._credit_lock:
+            self._credit_epoch += 1
+            cached = self._credit_cache.get(key)
+            if cached is not None:
+                self._credit_cache[key] = {
+                    "samples": cached["samples"] + samples,
+                    "flops": cached["flops"] + flops,
+                    "pending_samples": cached["pending_samples"] + pending,
+                }
 
     def credits_changed(self, key: str | None = None) -> None:
-        """Forget the cached credit of ``key`` (of everyone: None); the core calls it whenever
-        it records a claim or a decision, anything else writing claims must too."""
-        self._credit_epoch += 1
-        if key is None:
-            self._credit_cache.clear()
-        else:
-            self._credit_cache.pop(key, None)
+        """Forget the cached credit of ``key`` (of everyone: None): whatever writes claims or
+        credits behind the core's back must call it (the core itself moves the cached figures,
+        ``_credit_moved``)."""
+        with self._credit_lock:
+            self._credit_epoch += 1
+            if key is None:
+                self._credit_cache.clear()
+            else:
+                self._credit_cache.pop(key, None)
 
     def _banned(self) -> dict[str, str]:
         bans = self._bans

@@ -147,15 +147,16 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             for lo, hi in runner.missing_ranges()
         ]
         left_out = sum(hi - lo for lo, hi in missing)
+        failed = self._failed_reducers(runners)
         if left_out >= self.numel:
-            raise RoundFailedError(f"no averaged part arrived: {self._failed_reducers(runners)}")
-        for peer, reason in self._failed_reducers(runners).items():
+            raise RoundFailedError(f"no averaged part arrived: {failed}")
+        for peer, reason in failed.items():
             if peer != str(self.peer_id):
                 offences.setdefault(peer, f"reducer failed: {reason}")
         if missing:
             logger.warning(
                 "round completed without the ranges of reducers %s (%.1f%% of the vector left out of this round)",
-                sorted(self._failed_reducers(runners)),
+                sorted(failed),
                 100.0 * left_out / max(1, self.numel),
             )
         self._stats[group_id] = {
