@@ -248,7 +248,7 @@ class RobustPartReducer(TensorPartReducer):
         self._parts[sender_index] = (tensor_part, weight)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
-        return await future
+        return await _shared_result(future, f"part #{part_index}")
 
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from < self.num_current_senders:
@@ -374,13 +374,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         return self._part_numels[first + part_index]
 
     async def _encode_once(self, part_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
+        """The one encoding of averaged part ``part_index`` that every sender gets. It runs in its
+        own future, not in the task of whichever sender asked first: that sender's handler may be
+        cancelled (its peer died) while the others wait for the same bytes."""
         future = self._encoded.get(part_index)
         if future is None:
-            future = self._encoded[part_index] = asyncio.get_running_loop().create_future()
             loop = asyncio.get_running_loop()
-            encoded = await loop.run_in_executor(None, self.codec.compress_average, averaged, self._dither())
-            future.set_result(encoded)
-        return await future
+            future = loop.run_in_executor(None, self.codec.compress_average, averaged, self._dither())
+            self._encoded[part_index] = future
+        return await _shared_result(future, f"the encoding of part #{part_index}")
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -578,6 +580,21 @@ def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
         )
     in_sync = {vote.voter for vote in votes if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
     return frozenset(peer for peer in group_info.peer_ids if str(peer) not in in_sync)
+
+
+async def _shared_result(future: asyncio.Future[Any], what: str) -> Any:
+    """Await a future that other tasks await too, without cancelling it for them when this task
+    is cancelled: a plain ``await`` hands the cancellation on to the future itself, so one
+    sender's handler that is cancelled (its peer's stream broke) would fail the part for every
+    other sender and for this peer's own parts. A future cancelled by its owner (the reducer
+    finished) is an ``AllreduceException`` naming what never came."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if future.cancelled() and not (task is not None and task.cancelling()):
+            raise AllreduceException(f"{what} was abandoned: the reducer finished before it was reduced") from None
+        raise
 
 
 def _check_weight(weight: float) -> float:

@@ -5,6 +5,8 @@ range as a reducer is left out of the round (``stats["missing"]``) by every one 
 Four real averagers on a real hivemind DHT; member 3 breaks in one way per test:
 - ``garbage``: as a reducer it returns averaged parts that do not decode;
 - ``silent``: as a reducer it takes every part and never answers;
+- ``dies``: its averaging process exits after sending half its parts to a reducer (its
+  sockets close: what a crash looks like to the others);
 - ``nan-contribution``: its own contribution does not decode (NaN): it is left out as a
   sender everywhere, and its reducer still serves the others (nothing is missing).
 """
@@ -12,6 +14,7 @@ Four real averagers on a real hivemind DHT; member 3 breaks in one way per test:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,7 +31,7 @@ from protocol.compression import get_codec
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 MEMBERS = 4
 NUMEL = MEMBERS * 6 * 2**14
-"""Several parts per reducer (each at least 64 KiB)."""
+"""Several parts per reducer (each at least 64 KiB), so that "half its parts" means something."""
 
 
 class GarbageReducer(ExactAllReduceRunner):
@@ -46,6 +49,17 @@ class SilentReducer(ExactAllReduceRunner):
             yield averaging_pb2.AveragingData()
 
 
+class DiesHalfway(ExactAllReduceRunner):
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        half = max(1, self.tensor_part_container.num_parts_by_peer[peer_index] // 2)
+        sent = 0
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield message
+            sent += 1
+            if sent == half:
+                os._exit(1)  # the averaging process dies mid all-reduce
+
+
 class NaNContribution(CodecCompression):
     """Its own contribution does not decode (NaN): nobody, itself included, can count it."""
 
@@ -58,6 +72,7 @@ class NaNContribution(CodecCompression):
 BROKEN: dict[str, type[ExactAllReduceRunner] | type[CodecCompression]] = {
     "garbage": GarbageReducer,
     "silent": SilentReducer,
+    "dies": DiesHalfway,
     "nan-contribution": NaNContribution,
 }
 
@@ -148,5 +163,10 @@ def test_a_broken_member_costs_the_others_only_its_own_contribution(broken: str)
         assert torch.equal(outcome["vector"][kept], first["vector"][kept])  # bit-identical where averaged
         assert any("reducer failed" in why for why in outcome["offences"].values()), outcome["offences"]
     averaged = first["vector"][kept]
-    # as a sender it was honest: its parts count everywhere it was averaged
-    assert bool((averaged == (1 + 2 + 3 + 4) / 4).all())
+    with_broken, without = (1 + 2 + 3 + 4) / 4, (1 + 2 + 3) / 3
+    if broken == "dies":
+        # its parts count where they arrived before it died, and nowhere else
+        assert bool(((averaged == with_broken) | (averaged == without)).all())
+    else:
+        # as a sender it was honest: its parts count everywhere it was averaged
+        assert bool((averaged == with_broken).all())
