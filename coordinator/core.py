@@ -25,13 +25,14 @@ from coordinator.admission import admit, parse_body
 from coordinator.credits import OFFENCE, ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.limits import check_hardware, check_heartbeat, check_report, check_text
+from coordinator.slots import DataSlots
 from coordinator.store import Decision, Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import AdmissionError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage
-from protocol.modelsize import flops_per_sample
+from protocol.modelsize import task_flops_per_sample
 from protocol.spec import RunSpec
 from protocol.tokens import issue_token
 
@@ -81,8 +82,8 @@ class Coordinator:
         self._last_report_at: dict[str, float] = {}
         """When each key's last recorded report arrived (from the store the first time)."""
         self.verifier = MessageVerifier()
-        # import tasks size themselves in the peer; until they declare it, they earn samples only
-        self.flops_per_sample = flops_per_sample(spec.task.model) if spec.task.kind == "bytegpt" else 0.0
+        # the same figure the peers compute (an import task earns FLOPs only if its spec declares them)
+        self.flops_per_sample = task_flops_per_sample(spec)
         first_start = store.run() is None
         store.set_run(spec_digest=self.digest, spec_toml=spec_toml, name=spec.run.name)
         if first_start:  # afterwards the live allowlist (``swarmtrain admin``) is the truth
@@ -97,6 +98,11 @@ class Coordinator:
         self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
         self._losses: dict[int, list[float]] = {}
+        self._val_losses: dict[int, list[float]] = {}
+        self.data_slots = DataSlots(store, spec.data.slots, now=time.time()) if spec.data.source == "tokens" else None
+        """Token runs: who trains which data stream (``coordinator.slots``)."""
+        self.data_epoch = 0.0
+        """Token runs: the furthest data position (in epochs) a recorded report stated (shown only)."""
         self._bans: dict[str, str] | None = None
         """The store's bans, read once and again after every change (this process makes them
         all): each heartbeat and report checks them."""
@@ -163,6 +169,9 @@ class Coordinator:
             now=now,
             local_ranks=max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)),
         )
+        data_slot = None
+        if self.data_slots is not None:
+            data_slot = self.data_slots.assign(key, max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)), now=now)
         token = issue_token(
             self.identity,
             run_digest=self.digest,
@@ -183,6 +192,7 @@ class Coordinator:
             coordinator_public_key=self.identity.public_key.raw,
             server_time=now,
             heartbeat_interval_s=self.health.config.heartbeat_interval_s,
+            data_slot=data_slot,
         )
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
@@ -210,6 +220,11 @@ class Coordinator:
             samples_total=body.samples_total,
             loss=body.loss if math.isfinite(body.loss) else None,
         )
+        if self.data_slots is not None:
+            if body.phase == pb.PEER_PHASE_LEAVING:
+                self.data_slots.release(peer.id)
+            else:
+                self.data_slots.seen(peer.id, now)
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
         try:
             credit = self._credit_cache.get(peer.id)
@@ -239,6 +254,7 @@ class Coordinator:
             except Exception as exc:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
             group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
+        self._check_data_read(peer.id, body)
         duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(peer.id, now))
         account = self._account_of(peer.id)
         claim = RoundClaim(
@@ -270,6 +286,10 @@ class Coordinator:
             self._credit_moved(peer.id, pending=body.samples)
         if recorded and math.isfinite(body.loss):
             self._losses.setdefault(body.round, []).append(body.loss)
+        if recorded and body.HasField("data"):
+            self.data_epoch = max(self.data_epoch, body.data.epoch)
+        if recorded and body.HasField("validation_loss") and math.isfinite(body.validation_loss):
+            self._val_losses.setdefault(body.round, []).append(body.validation_loss)
         reason = "pending: waiting for the other group members' reports" if recorded else "already reported"
         return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
 
@@ -325,11 +345,14 @@ class Coordinator:
             )
         for round_, round_decisions in sorted(by_round.items()):
             losses = self._losses.pop(round_, [])
+            val_losses = sorted(self._val_losses.pop(round_, []))
             self.store.finalize_round(
                 round=round_,
                 decisions=round_decisions,
                 now=now,
                 mean_loss=sum(losses) / len(losses) if losses else None,
+                # the median: one peer's made-up figure does not move it
+                validation_loss=val_losses[len(val_losses) // 2] if val_losses else None,
             )
             for d in round_decisions:  # committed: the heartbeats' figures follow, without a query
                 self._credit_moved(d.key, pending=-claimed[(round_, d.key)], samples=d.granted_samples, flops=d.flops)
@@ -341,7 +364,39 @@ class Coordinator:
             self.store.prune_samples(before=now - self.history_keep_s)
             self._pruned_at = now
 
+    def data_progress(self) -> dict[str, Any] | None:
+        """Token runs: how far the run is through its data (tokens trained: granted samples x
+        sequence length; the data order's position in epochs, as reported); None otherwise."""
+        if self.data_slots is None:
+            return None
+        seq_len = self.spec.sequence_length() or 0
+        granted = sum(c["samples"] for c in self.store.credits_by_peer().values())
+        return {
+            "tokens_trained": granted * seq_len,
+            "epoch": self.data_epoch,
+            "slots": self.spec.data.slots,
+            "slots_held": len(self.data_slots.holders()),
+        }
+
     # --- helpers ----------------------------------------------------------------------------
+
+    def _check_data_read(self, key: str, body: pb.RoundReportBody) -> None:
+        """Token runs: a report that claims samples says what it read, from a stream it holds
+        (``protocol.data_assignment`` lets anyone recompute the ids from it). Raises ValueError."""
+        if self.data_slots is None:
+            if body.HasField("data"):
+                raise ValueError("round report names a data stream, but this run hands out none")
+            return
+        if not body.HasField("data"):
+            if body.samples > 0:
+                raise ValueError("a token run's round report must say what it read (data stream, steps, ids digest)")
+            return
+        held = self.data_slots.held_by(key)
+        if body.data.slot not in held:
+            raise ValueError(f"round report reads data stream {body.data.slot}, but this peer holds {held or 'none'}")
+        inner_steps = self.spec.rounds.inner_steps or 0
+        if not 0 <= body.data.steps <= inner_steps or not 0 <= body.data.round <= body.round + 1:
+            raise ValueError(f"round report's data read is out of range ({body.data.round}, {body.data.steps} steps)")
 
     def _verified(self, envelope: pb.SignedEnvelope, kind: str, body_type: type, now: float):  # type: ignore[no-untyped-def]
         message = SignedMessage.from_proto(envelope)

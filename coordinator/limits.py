@@ -10,6 +10,7 @@ sample counts), sum (credits, swarm samples/s) or metric can overflow, and no te
 from __future__ import annotations
 
 import math
+import re
 
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
@@ -71,6 +72,15 @@ def check_report(body: pb.RoundReportBody) -> None:
     for member in body.group:
         _check_range("round report group weight", member.weight, 0, MAX_SAMPLES)
         check_text("round report group libp2p_peer_id", member.libp2p_peer_id)
+    if body.HasField("validation_loss"):
+        _check_range("round report validation_loss", body.validation_loss, 0, 1e6)
+    if body.HasField("data"):
+        _check_range("round report data round", body.data.round, 0, MAX_ROUND)
+        _check_range("round report data slot", body.data.slot, 0, 65535)
+        _check_range("round report data steps", body.data.steps, 0, 2**31 - 1)
+        _check_range("round report data epoch", body.data.epoch, 0, 1e9)
+        if not re.fullmatch(r"[0-9a-f]{32}", body.data.ids_digest):
+            raise MalformedMessageError("round report data ids_digest must be 32 lowercase hex digits")
 
 
 def check_heartbeat(body: pb.HeartbeatBody) -> None:

@@ -26,7 +26,7 @@ from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_to_server
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity, load_or_create
-from protocol.modelsize import count_params
+from protocol.modelsize import task_params
 from protocol.record_bounds import RunRecordBounds
 from protocol.spec import RunSpec, parse_spec
 from protocol.statesync import run_prefix
@@ -141,8 +141,9 @@ class CoordinatorServer:
         if self.config.archive_every == 0:
             self.archive_off = "off (--archive-every 0)"
             return None, None
-        if spec.task.kind != "bytegpt":
-            self.archive_off = "off (the coordinator knows the size of built-in tasks only)"
+        numel = task_params(spec)
+        if numel is None:
+            self.archive_off = "off (an imported task that declares no task.params)"
             return None, None
         from protocol.averaging import ExactAverager
         from protocol.compression import get_codec
@@ -152,7 +153,7 @@ class CoordinatorServer:
         prefix = run_prefix(spec.digest())
         gate = MemberGate(coordinator_key=identity.public_key, run_digest=spec.digest(), prefix=prefix)
         averager = ExactAverager(
-            count_params(spec.task.model),
+            numel,
             self.dht,
             codec=get_codec("none"),
             prefix=prefix,

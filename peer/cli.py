@@ -60,6 +60,19 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="token runs: where this machine keeps the run's prepared data (default: the spec's data.path)",
+    )
+    parser.add_argument(
+        "--data-slot",
+        type=int,
+        default=None,
+        metavar="N",
+        help="token runs without a coordinator: the data stream this peer trains (the coordinator hands them out)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
         "--rank-timeout",
@@ -102,6 +115,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
+    if args.data_slot is not None and not 0 <= args.data_slot < 65536:
+        raise ConfigError(f"--data-slot must be in 0..65535, got {args.data_slot}")
+    if args.data_slot is not None and args.coordinator:
+        raise ConfigError("--data-slot is for runs without a coordinator (the coordinator hands out data streams)")
     if not 5 <= args.rank_timeout <= 86400:
         raise ConfigError(f"--rank-timeout must be between 5 and 86400 seconds, got {args.rank_timeout}")
 
@@ -173,6 +190,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = load_spec(args.spec)
     shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
+    slot = join_info.data_slot if join_info is not None else args.data_slot
+    if spec.data.source == "tokens":
+        from peer.task.tokens import check_data
+
+        try:
+            check_data(spec, args.data_dir)  # a mismatch is refused before anything starts
+        except ConfigError:
+            if client is not None:
+                client.leave()  # frees the data stream the join gave it
+            raise
+    task_data = {"slot": slot, "data_dir": args.data_dir}
 
     from peer.node import Command
     from peer.swarm import Swarm
@@ -193,14 +221,15 @@ def run(args: argparse.Namespace) -> int:
     numel = known_param_count(spec)
     shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
     if numel is None:
-        task = build_task(spec, shard_seed=shard_seed, device="cpu" if shard else device)
+        task = build_task(spec, shard_seed=shard_seed, device="cpu" if shard else device, **task_data)
         numel = sum(p.numel() for p in task.model.parameters())
         shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
         if shard:
             task.model.to("cpu")
     if local_node is not None:
         spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
-        local_node.share({"spec": spec_text, "seed": shard_seed, "shard": shard})
+        data_dir = str(args.data_dir) if args.data_dir is not None else None
+        local_node.share({"spec": spec_text, "seed": shard_seed, "shard": shard, "slot": slot, "data_dir": data_dir})
     # sharded, the leader keeps a plain full copy of the model in host memory for the round's
     # host passes; the ranks train FSDP2 shards of it on their devices
     model_device = "cpu" if shard else device
@@ -229,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     link = None
     try:
         if task is None:
-            task = build_task(spec, shard_seed=shard_seed, device=model_device)
+            task = build_task(spec, shard_seed=shard_seed, device=model_device, **task_data)
         built = sum(p.numel() for p in task.model.parameters())
         if built != numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {numel}")
@@ -343,11 +372,21 @@ def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
         spec = parse_spec(shared["spec"], source="the spec of this node's leader")
         seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
         shard = bool(shared["shard"])
-        task = build_task(spec, shard_seed=seed, device="cpu" if shard else local_node.device)
+        # a node holds consecutive data streams, one per rank
+        slot = None if shared["slot"] is None else int(shared["slot"]) + node_env.rank
+        device = "cpu" if shard else local_node.device
+        task = build_task(spec, shard_seed=seed, device=device, slot=slot, data_dir=shared["data_dir"])
         run_worker(local_node, spec, task, shard=shard)
     finally:
         local_node.close()
-    return 0
+    # done, cleanly: leave without the interpreter's finalization, which destroys what gloo's
+    # worker threads may still hold (FSDP2's async work) and then aborts the process now and
+    # then ("terminate called without an active exception": a rank killed by SIGABRT after
+    # a clean stop). This rank writes no files; its output is flushed first.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _announce(

@@ -56,6 +56,8 @@ class JoinInfo:
     coordinator_key: PublicKey
     heartbeat_interval_s: float
     current_round: int
+    data_slot: int | None = None
+    """Token runs: the first data stream this node trains (None: the run gives none)."""
 
 
 # a restarted coordinator is found again within seconds (gRPC's default backoff grows to 120 s)
@@ -115,10 +117,19 @@ class CoordinatorClient:
             coordinator_key=PublicKey(bytes(response.coordinator_public_key)),
             heartbeat_interval_s=response.heartbeat_interval_s or 5.0,
             current_round=response.current_round,
+            data_slot=response.data_slot if response.HasField("data_slot") else None,
         )
 
     def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
         return self._call(self.stub.Heartbeat, pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body)))
+
+    def leave(self) -> None:
+        """Tell the coordinator this peer leaves (best effort): it goes offline at once and a
+        token run's data streams are free for others."""
+        try:
+            self.heartbeat(pb.HeartbeatBody(phase=pb.PEER_PHASE_LEAVING))
+        except SwarmtrainError as exc:
+            logger.info("could not tell the coordinator we leave: %s", exc)
 
     def report_round(self, body: pb.RoundReportBody) -> pb.RoundReportResponse:
         return self._call(self.stub.ReportRound, pb.RoundReportRequest(signed=self._sign(kinds.ROUND_REPORT, body)))
@@ -201,19 +212,32 @@ class CoordinatorLink(threading.Thread):
             for m in metrics.get("members", [])
             if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
         ]
-        self.reports.put(
-            pb.RoundReportBody(
-                round=metrics["round"],
-                samples=metrics["samples"],
-                loss=metrics["loss"] if math.isfinite(metrics["loss"]) else math.nan,  # no ±inf on the wire
-                group=group,
-                state_digest=metrics["state_digest"],
-                compute_s=metrics["compute_s"],
-                wait_s=metrics["wait_s"],
-                bytes_sent=metrics["bytes_sent"],
-                bytes_received=metrics["bytes_received"],
-            )
+        body = pb.RoundReportBody(
+            round=metrics["round"],
+            samples=metrics["samples"],
+            loss=metrics["loss"] if math.isfinite(metrics["loss"]) else math.nan,  # no ±inf on the wire
+            group=group,
+            state_digest=metrics["state_digest"],
+            compute_s=metrics["compute_s"],
+            wait_s=metrics["wait_s"],
+            bytes_sent=metrics["bytes_sent"],
+            bytes_received=metrics["bytes_received"],
         )
+        val_loss = metrics.get("val_loss")
+        if isinstance(val_loss, float) and math.isfinite(val_loss):
+            body.validation_loss = val_loss
+        data = metrics.get("data")
+        if isinstance(data, dict):
+            body.data.CopyFrom(
+                pb.DataRead(
+                    round=int(data["round"]),
+                    slot=int(data["slot"]),
+                    steps=int(data["steps"]),
+                    ids_digest=str(data["ids_digest"]),
+                    epoch=float(data.get("epoch", 0.0)),
+                )
+            )
+        self.reports.put(body)
 
     def heartbeat_body(self) -> pb.HeartbeatBody:
         """The next heartbeat: the last round's figures and the trainer's phase now."""

@@ -3,15 +3,22 @@
 With several local ranks the model passed in is wrapped in ``DistributedDataParallel``
 (``peer.node``): its backward averages the gradients across the node's ranks, so every rank
 clips and steps on the same gradient and the ranks' models stay equal.
+
+Precision: parameters stay fp32 masters. On CUDA the forward runs under bf16 autocast where
+the GPU supports bf16, else fp16 autocast with a gradient scaler (``Precision``); on CPU in
+fp32. The learning rate follows the swarm's position (``protocol.schedule``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from peer.task import Task
+from protocol.schedule import inner_lr
 from protocol.spec import RunSpec
 
 
@@ -25,12 +32,40 @@ def inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimi
     )
 
 
-def set_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, step: int) -> None:
-    """The inner learning rate of step ``step`` (linear warmup, then constant)."""
-    warmup = spec.inner.warmup_steps
-    scale = min(1.0, (step + 1) / warmup) if warmup else 1.0
+def set_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, round_: int, step: int) -> None:
+    """The inner learning rate of step ``step`` of round ``round_`` (``protocol.schedule``)."""
+    lr = inner_lr(spec, round_, step)
     for group in optimizer.param_groups:
-        group["lr"] = spec.inner.lr * scale
+        group["lr"] = lr
+
+
+@dataclass
+class Precision:
+    """How a device computes inner steps: the autocast dtype (None: fp32) and, for fp16, the
+    gradient scaler (its scale lives across steps, like the optimizer's state)."""
+
+    device: str
+    dtype: torch.dtype | None = None
+    scaler: Any = field(default=None, repr=False)
+
+    @classmethod
+    def for_device(cls, device: str) -> Precision:
+        if not device.startswith("cuda"):
+            return cls(device)
+        if torch.cuda.is_bf16_supported():
+            return cls(device, torch.bfloat16)
+        return cls(device, torch.float16, torch.amp.GradScaler("cuda"))
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.dtype)
+
+    @property
+    def name(self) -> str:
+        return {None: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling"}[
+            self.dtype
+        ]
 
 
 def inner_step(
@@ -39,18 +74,42 @@ def inner_step(
     task: Task,
     spec: RunSpec,
     *,
+    round_: int,
     step: int,
-    device: str,
+    precision: Precision,
 ) -> float:
-    """Train ``model`` on the task's next batch; the batch's mean loss (this rank's)."""
-    inputs, targets = (t.to(device) for t in next(task.batches))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
-    with autocast:
-        loss = task.loss_fn(model, (inputs, targets))
+    """Train ``model`` on the batch of step ``step`` of round ``round_``; the batch's mean loss
+    (this rank's). The batch runs in ``task.micro_batches`` micro-batches whose gradients add
+    up to the whole batch's (each loss scaled by its share of the samples); with DDP only the
+    last one's backward synchronises the ranks."""
+    inputs, targets = task.next_batch(round_, step)
+    n = inputs.shape[0]
+    chunks = max(1, min(task.micro_batches, n))
+    bounds = [n * i // chunks for i in range(chunks + 1)]
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    no_sync = getattr(model, "no_sync", None)
+    total = 0.0
+    for i in range(chunks):
+        part = slice(bounds[i], bounds[i + 1])
+        share = (bounds[i + 1] - bounds[i]) / n
+        last = i == chunks - 1
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+        with sync:
+            with precision.autocast():
+                loss = task.loss_fn(model, (inputs[part], targets[part]))
+            scaled = loss * share
+            if precision.scaler is not None:
+                scaled = precision.scaler.scale(scaled)
+            scaled.backward()
+        total += float(loss.detach()) * share
+    if precision.scaler is not None:
+        precision.scaler.unscale_(optimizer)
     if spec.inner.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.inner.grad_clip)
-    set_lr(optimizer, spec, step)
-    optimizer.step()
-    return float(loss.detach())
+    set_lr(optimizer, spec, round_, step)
+    if precision.scaler is not None:
+        precision.scaler.step(optimizer)
+        precision.scaler.update()
+    else:
+        optimizer.step()
+    return total

@@ -9,7 +9,8 @@ it runs the ``Trainer`` (θ_g, outer momentum, averager, digests, checkpoints, c
 link) exactly as a one-rank peer does, and drives the others. The other ranks run
 ``run_worker``: a loop over the leader's commands.
 
-- ``STEP n``: one inner step (every rank, its own batch; ``n`` sets the learning rate);
+- ``STEP r s``: inner step ``s`` of round ``r`` (every rank, its own batch; they set the
+  learning rate and, for positional data, which batch);
 - ``SYNC g``: the leader's model goes to every rank (with DDP also its inner-optimizer state;
   with FSDP2 each rank takes its shard of it). The leader sends it before the first step
   after anything but a step touched its model (a round landed and re-based the model, a
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer.inner_step import inner_optimizer, inner_step
+from peer.inner_step import Precision, inner_optimizer, inner_step
 from peer.node_env import HEARTBEAT_ENV, NodeEnv
 from peer.task import Task
 from peer.task.base import derive_seed
@@ -89,7 +90,7 @@ class LocalNode:
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        self._command = torch.zeros(2, dtype=torch.int64, device=device)
+        self._command = torch.zeros(3, dtype=torch.int64, device=device)
         beat = os.environ.get(HEARTBEAT_ENV)
         if beat:
             threading.Thread(target=_heartbeat, args=(Path(beat),), name="rank-heartbeat", daemon=True).start()
@@ -151,15 +152,15 @@ class LocalNode:
             sharded = distribute_tensor(source, shard.device_mesh, shard.placements, src_data_rank=0)  # type: ignore[attr-defined]
             shard.to_local().copy_(sharded.to_local())  # type: ignore[attr-defined]
 
-    def send(self, command: Command, argument: int = 0) -> None:
-        """Leader: tell every other rank what to do next."""
-        self._command[0], self._command[1] = int(command), int(argument)
+    def send(self, command: Command, argument: int = 0, second: int = 0) -> None:
+        """Leader: tell every other rank what to do next (a command and up to two integers)."""
+        self._command[0], self._command[1], self._command[2] = int(command), int(argument), int(second)
         dist.broadcast(self._command, src=0)
 
-    def receive(self) -> tuple[Command, int]:
-        """Other ranks: the leader's next command."""
+    def receive(self) -> tuple[Command, int, int]:
+        """Other ranks: the leader's next command and its two integers."""
         dist.broadcast(self._command, src=0)
-        return Command(int(self._command[0])), int(self._command[1])
+        return Command(int(self._command[0])), int(self._command[1]), int(self._command[2])
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, replica: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -239,10 +240,11 @@ def run_worker(node: LocalNode, spec: RunSpec, task: Task, *, shard: bool = Fals
     model = task.model if shard else task.model.to(node.device)
     forward = node.wrap(model, shard=shard)
     optimizer = inner_optimizer(spec, forward)
+    precision = Precision.for_device(node.device)
     generation = 0
     steps = 0
     while True:
-        command, argument = node.receive()
+        command, argument, second = node.receive()
         if command is Command.STOP:
             logger.info("local rank %d: %d inner steps, stopping", node.rank, steps)
             return
@@ -253,6 +255,6 @@ def run_worker(node: LocalNode, spec: RunSpec, task: Task, *, shard: bool = Fals
         elif command is Command.GATHER:
             node.gather(forward, model)
         elif command is Command.STEP:
-            loss = inner_step(forward, optimizer, task, spec, step=argument, device=node.device)
+            loss = inner_step(forward, optimizer, task, spec, round_=argument, step=second, precision=precision)
             node.mean(loss)
             steps += 1

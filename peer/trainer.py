@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from peer.host_passes import Staging, copy_model_into, land_round, model_is_finite, write_pseudo_gradient
-from peer.inner_step import inner_optimizer, inner_step
+from peer.inner_step import Precision, inner_optimizer, inner_step
 from peer.node import Command, LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.round_metrics import RoundMetrics
@@ -55,6 +55,7 @@ from protocol.checkpoint import Checkpointer
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
 from protocol.identity import Identity
+from protocol.schedule import inner_lr, outer_lr
 from protocol.spec import RunSpec
 from protocol.statesync import RECORD_TTL_S
 
@@ -89,6 +90,9 @@ class _InnerPhase:
     started: float
     deadline: float
     steps: int
+    data_round: int
+    """The round these steps train for (the data they read and their learning rate): the
+    state's round, or the next one while the previous round still averages (overlap)."""
     done: int = 0
     samples: int = 0
     loss_sum: float = 0.0
@@ -116,6 +120,8 @@ class _InFlight:
     prep_s: float = 0.0
     """Host time spent preparing the launch (pseudo-gradient and residual written into the
     averager's vector, hand-over)."""
+    lr: float = 0.0
+    data: dict[str, Any] | None = None
 
 
 @dataclass
@@ -205,6 +211,7 @@ class Trainer:
         """What inner steps run: the model; with several local ranks the model behind DDP, or
         this rank's FSDP2 shard of a copy of it (``peer.node``)."""
         self.optimizer = inner_optimizer(spec, self._forward)
+        self.precision = Precision.for_device(options.device)
         self._optimizer_generation = 0
         """Counts rebuilds of the inner optimizer; the other local ranks rebuild theirs on a change."""
         self._node_synced = False
@@ -279,7 +286,7 @@ class Trainer:
             self._record_landed(wait=False)
             more = not self.options.stop.is_set() and not self._finished(flight)
             if inner is None and more and (flight is None or self.overlap):
-                inner = self._start_inner()
+                inner = self._start_inner(ahead=flight is not None)
             training = inner is not None and not inner.over(self.options.stop)
             if inner is None or not training or (flight is not None and flight.pending.done()):
                 self._host_work_next()
@@ -303,16 +310,16 @@ class Trainer:
             run is not None and self.state.round + pending >= run
         )
 
-    def _start_inner(self) -> _InnerPhase:
+    def _start_inner(self, *, ahead: bool) -> _InnerPhase:
         rounds = self.spec.rounds
         started = time.monotonic()
         deadline = started + rounds.time_budget_s if rounds.time_budget_s else math.inf
         self.model.train()
-        return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62)
+        return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, self.state.round + (1 if ahead else 0))
 
     def _train_step(self, inner: _InnerPhase) -> None:
         self.phase = Phase.TRAINING
-        inner.loss_sum += self._inner_step()
+        inner.loss_sum += self._inner_step(inner)
         inner.samples += self.task.samples_per_batch * (self.node.world_size if self.node is not None else 1)
         inner.done += 1
         if time.monotonic() - self._published_at >= REPUBLISH_S:
@@ -341,17 +348,18 @@ class Trainer:
             self._shards_ahead = False
         self._node_synced = False
 
-    def _inner_step(self) -> float:
+    def _inner_step(self, inner: _InnerPhase) -> float:
         node = self.node
+        round_, step = inner.data_round, inner.done
         if node is not None:
             if not self._node_synced:
                 node.send(Command.SYNC, self._optimizer_generation)
                 node.sync(self.model, self._forward, self.optimizer)
                 self._node_synced = True
-            node.send(Command.STEP, self.inner_steps_done)
+            node.send(Command.STEP, round_, step)
             self._shards_ahead = True
         loss = inner_step(
-            self._forward, self.optimizer, self.task, self.spec, step=self.inner_steps_done, device=self.options.device
+            self._forward, self.optimizer, self.task, self.spec, round_=round_, step=step, precision=self.precision
         )
         self.inner_steps_done += 1
         return node.mean(loss) if node is not None else loss
@@ -390,7 +398,11 @@ class Trainer:
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.matchmaking_timeout(compute_s))
         launched = time.monotonic()
-        return _InFlight(pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started)
+        data = self.task.data_report(inner.data_round) if self.task.data_report is not None else None
+        lr = inner_lr(self.spec, inner.data_round, max(0, inner.done - 1))
+        return _InFlight(
+            pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started, lr, data
+        )
 
     def matchmaking_timeout(self, compute_s: float) -> float:
         """How long a launched round may look for its group. With overlap, waiting costs nothing
@@ -447,6 +459,8 @@ class Trainer:
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(self.timeouts.allreduce_s, 2),
             local_world_size=self.node.world_size if self.node is not None else 1,
+            lr=flight.lr,
+            data=flight.data,
         )
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
         self._landed = _Landed(metrics, checkpoint, flight.prep_s + time.monotonic() - landed)
@@ -467,14 +481,53 @@ class Trainer:
         if landed.checkpoint:
             self.save_checkpoint()
         self._landed = None
+        val_loss = self._validation_loss() if landed.metrics.averaged else None
         metrics = dataclasses.replace(
             landed.metrics,
             state_digest=digest,
+            val_loss=val_loss,
             host_s=round(landed.host_s + time.monotonic() - started, 4),
             digest_s=round(self.state.digest_s, 4),
         )
         self.history.append(metrics)
         self.on_round(metrics.as_dict())
+
+    @torch.no_grad()
+    def _validation_loss(self) -> float | None:
+        """The loss of θ_g (the swarm's model after the round just landed) on the run's held-out
+        batches, on rounds that are a multiple of ``eval.every_rounds``. The model holds θ_g plus
+        this peer's progress since the launch (overlap): it is swapped for θ_g and back."""
+        every = self.spec.eval.every_rounds
+        if not every or self.task.eval_batches is None or self.state.round % every:
+            return None
+        if self._sharded:
+            logger.info("no validation loss on a node sharded over its ranks (the leader holds no device copy)")
+            return None
+        started = time.monotonic()
+        local = flatten(self.model)
+        load_flat(self.model, self.state.params)
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for inputs, targets in self.task.eval_batches():
+                with self.precision.autocast():
+                    loss = self.task.loss_fn(self.model, (inputs, targets))
+                total += float(loss) * inputs.shape[0]
+                count += inputs.shape[0]
+        finally:
+            self.model.train()
+            load_flat(self.model, local)
+        if count == 0:
+            return None
+        value = total / count
+        logger.info(
+            "validation loss after round %d: %.4f (%d sequences, %.2f s)",
+            self.state.round,
+            value,
+            count,
+            time.monotonic() - started,
+        )
+        return value
 
     def _adapt_timeouts(self, result: RoundResult | None) -> None:
         before = self.timeouts.allreduce_s
@@ -509,12 +562,15 @@ class Trainer:
                 self._uncounted = torch.sub(launched, self.state.params)
             self.swarm.saw_group(result.members)
             keep_progress = self.overlap and model_is_finite(self.model)
+            outer = self.spec.outer
+            if self.spec.schedule.outer:  # the same round, hence the same lr, in every member
+                outer = outer.model_copy(update={"lr": outer_lr(self.spec, self.state.round)})
             with self._state_lock:
                 land_round(
                     self.model,
                     self.state,
                     result.averaged,
-                    self.spec.outer,
+                    outer,
                     feedback=self.feedback if flight.compensated and counted else None,
                     launch_point=self._launch_point,
                     keep_progress=keep_progress,

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotocol/coordinator.proto\x12\rswarmtrain.v1\"q\n\x0eSignedEnvelope\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\x12\x0e\n\x06signer\x18\x03 \x01(\x0c\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"\x8f\x01\n\x0f\x41\x63\x63\x65ssTokenBody\x12\x12\n\nrun_digest\x18\x01 \x01(\t\x12\x17\n\x0fpeer_public_key\x18\x02 \x01(\x0c\x12\x11\n\tissued_at\x18\x03 \x01(\x01\x12\x12\n\nexpires_at\x18\x04 \x01(\x01\x12\x10\n\x08token_id\x18\x05 \x01(\x0c\x12\x16\n\x0elibp2p_peer_id\x18\x06 \x01(\t\"\xa8\x01\n\x08Hardware\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65lerator_count\x18\x02 \x01(\x05\x12\x18\n\x10\x61\x63\x63\x65lerator_name\x18\x03 \x01(\t\x12\x1e\n\x16\x61\x63\x63\x65lerator_memory_gib\x18\x04 \x01(\x01\x12\x11\n\tcpu_count\x18\x05 \x01(\x05\x12\x0f\n\x07ram_gib\x18\x06 \x01(\x01\x12\x13\n\x0blocal_ranks\x18\x07 \x01(\x05\"\xdb\x01\n\x08JoinBody\x12\x16\n\x0elibp2p_peer_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12\x13\n\x0bspec_digest\x18\x03 \x01(\t\x12)\n\x08hardware\x18\x04 \x01(\x0b\x32\x17.swarmtrain.v1.Hardware\x12\x0e\n\x06maddrs\x18\x05 \x03(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12:\n\x13\x61\x63\x63ount_endorsement\x18\x07 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"<\n\x0bJoinRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"\xee\x01\n\x0cJoinResponse\x12\x11\n\tspec_toml\x18\x01 \x01(\t\x12\x13\n\x0bspec_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x03 \x01(\x0c\x12\x18\n\x10\x62ootstrap_maddrs\x18\x04 \x03(\t\x12\x15\n\rcurrent_round\x18\x05 \x01(\x03\x12\x1c\n\x14\x63urrent_state_digest\x18\x06 \x01(\t\x12\x1e\n\x16\x63oordinator_public_key\x18\x07 \x01(\x0c\x12\x13\n\x0bserver_time\x18\x08 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\"\x9e\x01\n\rHeartbeatBody\x12\r\n\x05round\x18\x01 \x01(\x03\x12\'\n\x05phase\x18\x02 \x01(\x0e\x32\x18.swarmtrain.v1.PeerPhase\x12\x1a\n\x12samples_per_second\x18\x03 \x01(\x01\x12\x15\n\rsamples_total\x18\x04 \x01(\x03\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x14\n\x0cstate_digest\x18\x06 \x01(\t\"A\n\x10HeartbeatRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"\xff\x01\n\x11HeartbeatResponse\x12\x13\n\x0bserver_time\x18\x01 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x08\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1d\n\x10\x63redited_samples\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0e\x63redited_flops\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x0fpending_samples\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x13\n\x11_credited_samplesB\x11\n\x0f_credited_flopsB\x12\n\x10_pending_samples\"Z\n\x0bGroupMember\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x16\n\x0elibp2p_peer_id\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07offence\x18\x04 \x01(\t\"\xcf\x01\n\x0fRoundReportBody\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12)\n\x05group\x18\x04 \x03(\x0b\x32\x1a.swarmtrain.v1.GroupMember\x12\x14\n\x0cstate_digest\x18\x05 \x01(\t\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x0e\n\x06wait_s\x18\x07 \x01(\x01\x12\x12\n\nbytes_sent\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x03\"C\n\x12RoundReportRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"Q\n\x13RoundReportResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.swarmtrain.v1.ClaimStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\xb8\x01\n\nPeerStatus\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x16\n\x0elibp2p_peer_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1a\n\x12samples_per_second\x18\x04 \x01(\x01\x12\x11\n\treachable\x18\x05 \x01(\x08\x12\x18\n\x10software_version\x18\x06 \x01(\t\x12\x11\n\tlast_seen\x18\x07 \x01(\x01\x12\x13\n\x0blocal_ranks\x18\x08 \x01(\x05\"\xc9\x02\n\x0eStatusResponse\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x13\n\x0bspec_digest\x18\x02 \x01(\t\x12\x15\n\rcurrent_round\x18\x03 \x01(\x03\x12\x1c\n\x14\x63urrent_state_digest\x18\x04 \x01(\t\x12\x14\n\x0cpeers_online\x18\x05 \x01(\x05\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x17\n\x0frounds_per_hour\x18\x07 \x01(\x01\x12\x17\n\x0flast_round_time\x18\x08 \x01(\x01\x12(\n\x05peers\x18\t \x03(\x0b\x32\x19.swarmtrain.v1.PeerStatus\x12\"\n\x15last_checkpoint_round\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x07\x61rchive\x18\x0b \x01(\tB\x18\n\x16_last_checkpoint_round\"T\n\tAdminBody\x12*\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1a.swarmtrain.v1.AdminAction\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\x0c\x41\x64minRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\":\n\x08\x42\x61nEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tbanned_at\x18\x03 \x01(\x01\"r\n\rAdminResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64mission_mode\x18\x02 \x01(\t\x12\x11\n\tallowlist\x18\x03 \x03(\t\x12%\n\x04\x62\x61ns\x18\x04 \x03(\x0b\x32\x17.swarmtrain.v1.BanEntry*\x8a\x01\n\tPeerPhase\x12\x1a\n\x16PEER_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12PEER_PHASE_JOINING\x10\x01\x12\x17\n\x13PEER_PHASE_TRAINING\x10\x02\x12\x18\n\x14PEER_PHASE_AVERAGING\x10\x03\x12\x16\n\x12PEER_PHASE_LEAVING\x10\x04*x\n\x0b\x43laimStatus\x12\x1c\n\x18\x43LAIM_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43LAIM_STATUS_PENDING\x10\x01\x12\x18\n\x14\x43LAIM_STATUS_GRANTED\x10\x02\x12\x17\n\x13\x43LAIM_STATUS_DENIED\x10\x03*\xa3\x01\n\x0b\x41\x64minAction\x12\x1c\n\x18\x41\x44MIN_ACTION_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44MIN_ACTION_LIST\x10\x01\x12\x16\n\x12\x41\x44MIN_ACTION_ALLOW\x10\x02\x12\x19\n\x15\x41\x44MIN_ACTION_DISALLOW\x10\x03\x12\x14\n\x10\x41\x44MIN_ACTION_BAN\x10\x04\x12\x16\n\x12\x41\x44MIN_ACTION_UNBAN\x10\x05\x32\x82\x03\n\x0b\x43oordinator\x12?\n\x04Join\x12\x1a.swarmtrain.v1.JoinRequest\x1a\x1b.swarmtrain.v1.JoinResponse\x12N\n\tHeartbeat\x12\x1f.swarmtrain.v1.HeartbeatRequest\x1a .swarmtrain.v1.HeartbeatResponse\x12T\n\x0bReportRound\x12!.swarmtrain.v1.RoundReportRequest\x1a\".swarmtrain.v1.RoundReportResponse\x12H\n\tGetStatus\x12\x1c.swarmtrain.v1.StatusRequest\x1a\x1d.swarmtrain.v1.StatusResponse\x12\x42\n\x05\x41\x64min\x12\x1b.swarmtrain.v1.AdminRequest\x1a\x1c.swarmtrain.v1.AdminResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotocol/coordinator.proto\x12\rswarmtrain.v1\"q\n\x0eSignedEnvelope\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x62ody\x18\x02 \x01(\x0c\x12\x0e\n\x06signer\x18\x03 \x01(\x0c\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x11\n\ttimestamp\x18\x05 \x01(\x01\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"\x8f\x01\n\x0f\x41\x63\x63\x65ssTokenBody\x12\x12\n\nrun_digest\x18\x01 \x01(\t\x12\x17\n\x0fpeer_public_key\x18\x02 \x01(\x0c\x12\x11\n\tissued_at\x18\x03 \x01(\x01\x12\x12\n\nexpires_at\x18\x04 \x01(\x01\x12\x10\n\x08token_id\x18\x05 \x01(\x0c\x12\x16\n\x0elibp2p_peer_id\x18\x06 \x01(\t\"\xa8\x01\n\x08Hardware\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x19\n\x11\x61\x63\x63\x65lerator_count\x18\x02 \x01(\x05\x12\x18\n\x10\x61\x63\x63\x65lerator_name\x18\x03 \x01(\t\x12\x1e\n\x16\x61\x63\x63\x65lerator_memory_gib\x18\x04 \x01(\x01\x12\x11\n\tcpu_count\x18\x05 \x01(\x05\x12\x0f\n\x07ram_gib\x18\x06 \x01(\x01\x12\x13\n\x0blocal_ranks\x18\x07 \x01(\x05\"\xdb\x01\n\x08JoinBody\x12\x16\n\x0elibp2p_peer_id\x18\x01 \x01(\t\x12\x18\n\x10software_version\x18\x02 \x01(\t\x12\x13\n\x0bspec_digest\x18\x03 \x01(\t\x12)\n\x08hardware\x18\x04 \x01(\x0b\x32\x17.swarmtrain.v1.Hardware\x12\x0e\n\x06maddrs\x18\x05 \x03(\t\x12\x11\n\treachable\x18\x06 \x01(\x08\x12:\n\x13\x61\x63\x63ount_endorsement\x18\x07 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"<\n\x0bJoinRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"\x94\x02\n\x0cJoinResponse\x12\x11\n\tspec_toml\x18\x01 \x01(\t\x12\x13\n\x0bspec_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x03 \x01(\x0c\x12\x18\n\x10\x62ootstrap_maddrs\x18\x04 \x03(\t\x12\x15\n\rcurrent_round\x18\x05 \x01(\x03\x12\x1c\n\x14\x63urrent_state_digest\x18\x06 \x01(\t\x12\x1e\n\x16\x63oordinator_public_key\x18\x07 \x01(\x0c\x12\x13\n\x0bserver_time\x18\x08 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\x12\x16\n\tdata_slot\x18\n \x01(\x05H\x00\x88\x01\x01\x42\x0c\n\n_data_slot\"\x9e\x01\n\rHeartbeatBody\x12\r\n\x05round\x18\x01 \x01(\x03\x12\'\n\x05phase\x18\x02 \x01(\x0e\x32\x18.swarmtrain.v1.PeerPhase\x12\x1a\n\x12samples_per_second\x18\x03 \x01(\x01\x12\x15\n\rsamples_total\x18\x04 \x01(\x03\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x14\n\x0cstate_digest\x18\x06 \x01(\t\"A\n\x10HeartbeatRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"\xff\x01\n\x11HeartbeatResponse\x12\x13\n\x0bserver_time\x18\x01 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x08\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x1d\n\x10\x63redited_samples\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0e\x63redited_flops\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x1c\n\x0fpending_samples\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x13\n\x11_credited_samplesB\x11\n\x0f_credited_flopsB\x12\n\x10_pending_samples\"Z\n\x0bGroupMember\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x16\n\x0elibp2p_peer_id\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07offence\x18\x04 \x01(\t\"\xb6\x02\n\x0fRoundReportBody\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0f\n\x07samples\x18\x02 \x01(\x03\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12)\n\x05group\x18\x04 \x03(\x0b\x32\x1a.swarmtrain.v1.GroupMember\x12\x14\n\x0cstate_digest\x18\x05 \x01(\t\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x12\x0e\n\x06wait_s\x18\x07 \x01(\x01\x12\x12\n\nbytes_sent\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x03\x12\x1c\n\x0fvalidation_loss\x18\n \x01(\x01H\x00\x88\x01\x01\x12*\n\x04\x64\x61ta\x18\x0b \x01(\x0b\x32\x17.swarmtrain.v1.DataReadH\x01\x88\x01\x01\x42\x12\n\x10_validation_lossB\x07\n\x05_data\"Y\n\x08\x44\x61taRead\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x12\n\nids_digest\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x01\"C\n\x12RoundReportRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\"Q\n\x13RoundReportResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.swarmtrain.v1.ClaimStatus\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\xb8\x01\n\nPeerStatus\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x16\n\x0elibp2p_peer_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1a\n\x12samples_per_second\x18\x04 \x01(\x01\x12\x11\n\treachable\x18\x05 \x01(\x08\x12\x18\n\x10software_version\x18\x06 \x01(\t\x12\x11\n\tlast_seen\x18\x07 \x01(\x01\x12\x13\n\x0blocal_ranks\x18\x08 \x01(\x05\"\xc9\x02\n\x0eStatusResponse\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x13\n\x0bspec_digest\x18\x02 \x01(\t\x12\x15\n\rcurrent_round\x18\x03 \x01(\x03\x12\x1c\n\x14\x63urrent_state_digest\x18\x04 \x01(\t\x12\x14\n\x0cpeers_online\x18\x05 \x01(\x05\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x17\n\x0frounds_per_hour\x18\x07 \x01(\x01\x12\x17\n\x0flast_round_time\x18\x08 \x01(\x01\x12(\n\x05peers\x18\t \x03(\x0b\x32\x19.swarmtrain.v1.PeerStatus\x12\"\n\x15last_checkpoint_round\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x0f\n\x07\x61rchive\x18\x0b \x01(\tB\x18\n\x16_last_checkpoint_round\"T\n\tAdminBody\x12*\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1a.swarmtrain.v1.AdminAction\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\x0c\x41\x64minRequest\x12-\n\x06signed\x18\x01 \x01(\x0b\x32\x1d.swarmtrain.v1.SignedEnvelope\":\n\x08\x42\x61nEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tbanned_at\x18\x03 \x01(\x01\"r\n\rAdminResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64mission_mode\x18\x02 \x01(\t\x12\x11\n\tallowlist\x18\x03 \x03(\t\x12%\n\x04\x62\x61ns\x18\x04 \x03(\x0b\x32\x17.swarmtrain.v1.BanEntry*\x8a\x01\n\tPeerPhase\x12\x1a\n\x16PEER_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12PEER_PHASE_JOINING\x10\x01\x12\x17\n\x13PEER_PHASE_TRAINING\x10\x02\x12\x18\n\x14PEER_PHASE_AVERAGING\x10\x03\x12\x16\n\x12PEER_PHASE_LEAVING\x10\x04*x\n\x0b\x43laimStatus\x12\x1c\n\x18\x43LAIM_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43LAIM_STATUS_PENDING\x10\x01\x12\x18\n\x14\x43LAIM_STATUS_GRANTED\x10\x02\x12\x17\n\x13\x43LAIM_STATUS_DENIED\x10\x03*\xa3\x01\n\x0b\x41\x64minAction\x12\x1c\n\x18\x41\x44MIN_ACTION_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44MIN_ACTION_LIST\x10\x01\x12\x16\n\x12\x41\x44MIN_ACTION_ALLOW\x10\x02\x12\x19\n\x15\x41\x44MIN_ACTION_DISALLOW\x10\x03\x12\x14\n\x10\x41\x44MIN_ACTION_BAN\x10\x04\x12\x16\n\x12\x41\x44MIN_ACTION_UNBAN\x10\x05\x32\x82\x03\n\x0b\x43oordinator\x12?\n\x04Join\x12\x1a.swarmtrain.v1.JoinRequest\x1a\x1b.swarmtrain.v1.JoinResponse\x12N\n\tHeartbeat\x12\x1f.swarmtrain.v1.HeartbeatRequest\x1a .swarmtrain.v1.HeartbeatResponse\x12T\n\x0bReportRound\x12!.swarmtrain.v1.RoundReportRequest\x1a\".swarmtrain.v1.RoundReportResponse\x12H\n\tGetStatus\x12\x1c.swarmtrain.v1.StatusRequest\x1a\x1d.swarmtrain.v1.StatusResponse\x12\x42\n\x05\x41\x64min\x12\x1b.swarmtrain.v1.AdminRequest\x1a\x1c.swarmtrain.v1.AdminResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocol.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PEERPHASE']._serialized_start=2804
-  _globals['_PEERPHASE']._serialized_end=2942
-  _globals['_CLAIMSTATUS']._serialized_start=2944
-  _globals['_CLAIMSTATUS']._serialized_end=3064
-  _globals['_ADMINACTION']._serialized_start=3067
-  _globals['_ADMINACTION']._serialized_end=3230
+  _globals['_PEERPHASE']._serialized_start=3036
+  _globals['_PEERPHASE']._serialized_end=3174
+  _globals['_CLAIMSTATUS']._serialized_start=3176
+  _globals['_CLAIMSTATUS']._serialized_end=3296
+  _globals['_ADMINACTION']._serialized_start=3299
+  _globals['_ADMINACTION']._serialized_end=3462
   _globals['_SIGNEDENVELOPE']._serialized_start=45
   _globals['_SIGNEDENVELOPE']._serialized_end=158
   _globals['_ACCESSTOKENBODY']._serialized_start=161
@@ -48,35 +48,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=699
   _globals['_JOINREQUEST']._serialized_end=759
   _globals['_JOINRESPONSE']._serialized_start=762
-  _globals['_JOINRESPONSE']._serialized_end=1000
-  _globals['_HEARTBEATBODY']._serialized_start=1003
-  _globals['_HEARTBEATBODY']._serialized_end=1161
-  _globals['_HEARTBEATREQUEST']._serialized_start=1163
-  _globals['_HEARTBEATREQUEST']._serialized_end=1228
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1231
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1486
-  _globals['_GROUPMEMBER']._serialized_start=1488
-  _globals['_GROUPMEMBER']._serialized_end=1578
-  _globals['_ROUNDREPORTBODY']._serialized_start=1581
-  _globals['_ROUNDREPORTBODY']._serialized_end=1788
-  _globals['_ROUNDREPORTREQUEST']._serialized_start=1790
-  _globals['_ROUNDREPORTREQUEST']._serialized_end=1857
-  _globals['_ROUNDREPORTRESPONSE']._serialized_start=1859
-  _globals['_ROUNDREPORTRESPONSE']._serialized_end=1940
-  _globals['_STATUSREQUEST']._serialized_start=1942
-  _globals['_STATUSREQUEST']._serialized_end=1957
-  _globals['_PEERSTATUS']._serialized_start=1960
-  _globals['_PEERSTATUS']._serialized_end=2144
-  _globals['_STATUSRESPONSE']._serialized_start=2147
-  _globals['_STATUSRESPONSE']._serialized_end=2476
-  _globals['_ADMINBODY']._serialized_start=2478
-  _globals['_ADMINBODY']._serialized_end=2562
-  _globals['_ADMINREQUEST']._serialized_start=2564
-  _globals['_ADMINREQUEST']._serialized_end=2625
-  _globals['_BANENTRY']._serialized_start=2627
-  _globals['_BANENTRY']._serialized_end=2685
-  _globals['_ADMINRESPONSE']._serialized_start=2687
-  _globals['_ADMINRESPONSE']._serialized_end=2801
-  _globals['_COORDINATOR']._serialized_start=3233
-  _globals['_COORDINATOR']._serialized_end=3619
+  _globals['_JOINRESPONSE']._serialized_end=1038
+  _globals['_HEARTBEATBODY']._serialized_start=1041
+  _globals['_HEARTBEATBODY']._serialized_end=1199
+  _globals['_HEARTBEATREQUEST']._serialized_start=1201
+  _globals['_HEARTBEATREQUEST']._serialized_end=1266
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1269
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1524
+  _globals['_GROUPMEMBER']._serialized_start=1526
+  _globals['_GROUPMEMBER']._serialized_end=1616
+  _globals['_ROUNDREPORTBODY']._serialized_start=1619
+  _globals['_ROUNDREPORTBODY']._serialized_end=1929
+  _globals['_DATAREAD']._serialized_start=1931
+  _globals['_DATAREAD']._serialized_end=2020
+  _globals['_ROUNDREPORTREQUEST']._serialized_start=2022
+  _globals['_ROUNDREPORTREQUEST']._serialized_end=2089
+  _globals['_ROUNDREPORTRESPONSE']._serialized_start=2091
+  _globals['_ROUNDREPORTRESPONSE']._serialized_end=2172
+  _globals['_STATUSREQUEST']._serialized_start=2174
+  _globals['_STATUSREQUEST']._serialized_end=2189
+  _globals['_PEERSTATUS']._serialized_start=2192
+  _globals['_PEERSTATUS']._serialized_end=2376
+  _globals['_STATUSRESPONSE']._serialized_start=2379
+  _globals['_STATUSRESPONSE']._serialized_end=2708
+  _globals['_ADMINBODY']._serialized_start=2710
+  _globals['_ADMINBODY']._serialized_end=2794
+  _globals['_ADMINREQUEST']._serialized_start=2796
+  _globals['_ADMINREQUEST']._serialized_end=2857
+  _globals['_BANENTRY']._serialized_start=2859
+  _globals['_BANENTRY']._serialized_end=2917
+  _globals['_ADMINRESPONSE']._serialized_start=2919
+  _globals['_ADMINRESPONSE']._serialized_end=3033
+  _globals['_COORDINATOR']._serialized_start=3465
+  _globals['_COORDINATOR']._serialized_end=3851
 # @@protoc_insertion_point(module_scope)

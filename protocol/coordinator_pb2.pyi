@@ -121,7 +121,7 @@ class JoinRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s")
+    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot")
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class JoinResponse(_message.Message):
     COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_SLOT_FIELD_NUMBER: _ClassVar[int]
     spec_toml: str
     spec_digest: str
     access_token: bytes
@@ -140,7 +141,8 @@ class JoinResponse(_message.Message):
     coordinator_public_key: bytes
     server_time: float
     heartbeat_interval_s: float
-    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    data_slot: int
+    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ...) -> None: ...
 
 class HeartbeatBody(_message.Message):
     __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest")
@@ -195,7 +197,7 @@ class GroupMember(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., weight: _Optional[float] = ..., offence: _Optional[str] = ...) -> None: ...
 
 class RoundReportBody(_message.Message):
-    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received")
+    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received", "validation_loss", "data")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,8 @@ class RoundReportBody(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     round: int
     samples: int
     loss: float
@@ -214,7 +218,23 @@ class RoundReportBody(_message.Message):
     wait_s: float
     bytes_sent: int
     bytes_received: int
-    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    validation_loss: float
+    data: DataRead
+    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., validation_loss: _Optional[float] = ..., data: _Optional[_Union[DataRead, _Mapping]] = ...) -> None: ...
+
+class DataRead(_message.Message):
+    __slots__ = ("round", "slot", "steps", "ids_digest", "epoch")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    IDS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    slot: int
+    steps: int
+    ids_digest: str
+    epoch: float
+    def __init__(self, round: _Optional[int] = ..., slot: _Optional[int] = ..., steps: _Optional[int] = ..., ids_digest: _Optional[str] = ..., epoch: _Optional[float] = ...) -> None: ...
 
 class RoundReportRequest(_message.Message):
     __slots__ = ("signed",)

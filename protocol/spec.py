@@ -64,15 +64,52 @@ class ModelSection(_Section):
         return self
 
 
+class CausalLMSection(_Section):
+    architecture: Literal["llama", "qwen2", "mistral", "gpt2"]
+    """The transformers model type to build (``AutoModelForCausalLM.from_config``)."""
+    config: dict[str, int | float | bool | str]
+    """Keyword arguments of the architecture's transformers config (e.g. hidden_size,
+    num_hidden_layers, vocab_size). The keys its parameter count needs are required
+    (``protocol.modelsize``), so that peers and coordinator agree on its size and FLOPs."""
+    seq_len: Annotated[int, Field(ge=8, le=65536)]
+    """Tokens per training sequence; must equal the prepared data's (its manifest)."""
+    micro_batches: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Gradient accumulation: each inner step's batch runs in this many micro-batches (it
+    must divide inner.batch_size); same step, less activation memory."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass (transformers' gradient checkpointing):
+    about a third more compute for much less activation memory."""
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """transformers' attention implementation."""
+
+    @model_validator(mode="after")
+    def _shape_known(self) -> CausalLMSection:
+        from protocol.modelsize import lm_shape  # the formulas live with the parameter counts
+
+        shape = lm_shape(self.architecture, self.config)
+        if shape.max_positions is not None and self.seq_len > shape.max_positions:
+            raise ValueError(f"seq_len ({self.seq_len}) exceeds the config's maximum positions ({shape.max_positions})")
+        return self
+
+
 class TaskSection(_Section):
-    kind: Literal["bytegpt", "import"] = "bytegpt"
-    """'bytegpt' (built-in byte-level GPT) or 'import' (a user factory, see `factory`)."""
+    kind: Literal["bytegpt", "causal_lm", "import"] = "bytegpt"
+    """'bytegpt' (built-in byte-level GPT), 'causal_lm' (any transformers causal LM from
+    `[task.causal_lm]`, on prepared token data) or 'import' (a user factory, see `factory`)."""
     factory: Annotated[str, Field(pattern=_FACTORY_RE)] | None = None
     """For kind = 'import': 'package.module:function' returning the task."""
     model: ModelSection = ModelSection()
     """Size of the built-in model (ignored by import tasks, which size themselves)."""
+    causal_lm: CausalLMSection | None = None
+    """For kind = 'causal_lm': the architecture, its config and the sequence length."""
     options: dict[str, str | int | float | bool] = {}
     """Keyword arguments passed to an import task's factory."""
+    params: Annotated[int, Field(ge=1, le=10**13)] | None = None
+    """For kind = 'import': the model's parameter count, declared by the operator (a peer
+    whose model differs refuses to start); lets the coordinator archive the run."""
+    flops_per_sample: Annotated[float, Field(gt=0, le=1e24, allow_inf_nan=False)] | None = None
+    """For kind = 'import': training FLOPs per sample, declared by the operator (credits
+    count them); without it, 6 x params x 1 token."""
 
     @model_validator(mode="after")
     def _factory_matches_kind(self) -> TaskSection:
@@ -80,15 +117,34 @@ class TaskSection(_Section):
             raise ValueError("kind = 'import' needs factory = 'package.module:function'")
         if self.kind != "import" and self.factory is not None:
             raise ValueError(f"factory is only used with kind = 'import' (kind is {self.kind!r})")
+        if self.kind == "causal_lm" and self.causal_lm is None:
+            raise ValueError("kind = 'causal_lm' needs a [task.causal_lm] table (architecture, config, seq_len)")
+        if self.kind != "causal_lm" and self.causal_lm is not None:
+            raise ValueError(f"[task.causal_lm] is only used with kind = 'causal_lm' (kind is {self.kind!r})")
+        if self.kind != "import" and (self.params is not None or self.flops_per_sample is not None):
+            raise ValueError(
+                "params and flops_per_sample are declared for kind = 'import' only (built-in tasks know theirs)"
+            )
         return self
 
 
 class DataSection(_Section):
-    source: Literal["stdlib", "dir"] = "stdlib"
+    source: Literal["stdlib", "dir", "tokens"] = "stdlib"
     """'stdlib': the Python standard library's own source files (on every machine, no
-    download); 'dir': the text files under `path`."""
+    download); 'dir': the text files under `path`; 'tokens': token shards prepared by
+    `swarmtrain data prepare` (for kind = 'causal_lm')."""
     path: str | None = None
-    """Directory of text files, for source = 'dir'."""
+    """Directory of text files (source = 'dir') or of prepared token shards (source =
+    'tokens'; a peer may keep them elsewhere: `swarmtrain peer --data-dir`)."""
+    manifest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
+    """source = 'tokens': the digest of the prepared data's manifest (printed by `swarmtrain
+    data prepare`); a peer whose data does not match refuses to start."""
+    tokenizer: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
+    """source = 'tokens': the digest of the tokenizer the data was prepared with."""
+    slots: Annotated[int, Field(ge=1, le=65536)] = 16
+    """Data streams of the run (one per GPU of a peer; the coordinator hands them out):
+    in each round stream k trains the k-th page of the data and no other stream does. The
+    learning-rate schedule counts tokens as if every stream trained (``[schedule]``)."""
     seed: int = 0
     """Base seed of the shuffling; each peer derives its own shard from it."""
     validation_fraction: Annotated[float, Field(ge=0, lt=0.5)] = 0.02
@@ -98,8 +154,14 @@ class DataSection(_Section):
     def _path_matches_source(self) -> DataSection:
         if self.source == "dir" and not self.path:
             raise ValueError("source = 'dir' needs path = '/directory/of/text'")
-        if self.source != "dir" and self.path is not None:
-            raise ValueError(f"path is only used with source = 'dir' (source is {self.source!r})")
+        if self.source == "tokens" and not (self.path and self.manifest and self.tokenizer):
+            raise ValueError(
+                "source = 'tokens' needs path, manifest and tokenizer (`swarmtrain data prepare` prints the digests)"
+            )
+        if self.source == "stdlib" and self.path is not None:
+            raise ValueError(f"path is only used with source = 'dir' or 'tokens' (source is {self.source!r})")
+        if self.source != "tokens" and (self.manifest is not None or self.tokenizer is not None):
+            raise ValueError(f"manifest and tokenizer are only used with source = 'tokens' (source is {self.source!r})")
         return self
 
 
@@ -117,7 +179,8 @@ class InnerSection(_Section):
     grad_clip: NonNegFloat = 1.0
     """Clip the gradient's global norm to this value; 0 disables clipping."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    """Linear warm-up of the inner learning rate, in inner steps."""
+    """Linear warm-up of the inner learning rate, in the swarm's inner steps (round x H +
+    step, so a late joiner does not warm up again); see also ``[schedule]``."""
 
 
 class RoundsSection(_Section):
@@ -208,6 +271,39 @@ class AveragingSection(_Section):
         return self
 
 
+class ScheduleSection(_Section):
+    """The learning rate over the run, by the swarm's position (``protocol.schedule``):
+    tokens = (round x H + step) x data.slots x inner.batch_size x sequence length, the same
+    number on every peer at the same point, whenever it joined."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: constant, or linear / cosine decay to min_lr_ratio x lr at total_tokens."""
+    warmup_tokens: Annotated[int, Field(ge=0, le=10**16)] = 0
+    """Linear warm-up from 0, over this many tokens of the swarm's position."""
+    total_tokens: Annotated[int, Field(ge=1, le=10**16)] | None = None
+    """The run's planned length in tokens (needed by linear and cosine)."""
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """The decayed learning rate's floor, as a fraction of the peak."""
+    outer: bool = False
+    """Scale the outer learning rate by the same schedule (warm-up excluded)."""
+
+    @model_validator(mode="after")
+    def _decay_needs_total(self) -> ScheduleSection:
+        if self.kind != "constant" and self.total_tokens is None:
+            raise ValueError(f"kind = {self.kind!r} needs total_tokens (the run's planned length)")
+        if self.total_tokens is not None and self.warmup_tokens > self.total_tokens:
+            raise ValueError(f"warmup_tokens ({self.warmup_tokens}) exceeds total_tokens ({self.total_tokens})")
+        return self
+
+
+class EvalSection(_Section):
+    every_rounds: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """Validation loss of the swarm's model (θ_g) on the held-out split after every this
+    many rounds (0: never); peers publish it, the coordinator charts it."""
+    batches: Annotated[int, Field(ge=1, le=4096)] = 8
+    """Held-out batches per evaluation (the same ones every time, on every peer)."""
+
+
 class AdmissionSection(_Section):
     mode: Literal["open", "allowlist"] = "open"
     """'open': anyone may join; 'allowlist': only the account keys listed (editable live)."""
@@ -255,8 +351,35 @@ class RunSpec(_Section):
     rounds: RoundsSection = RoundsSection()
     outer: OuterSection = OuterSection()
     averaging: AveragingSection = AveragingSection()
+    schedule: ScheduleSection = ScheduleSection()
+    eval: EvalSection = EvalSection()
     admission: AdmissionSection = AdmissionSection()
     credits: CreditsSection = CreditsSection()
+
+    @model_validator(mode="after")
+    def _task_fits_data(self) -> RunSpec:
+        lm = self.task.causal_lm
+        if self.task.kind == "causal_lm" and self.data.source != "tokens":
+            raise ValueError("kind = 'causal_lm' trains on prepared tokens: [data] source = 'tokens'")
+        if self.task.kind == "bytegpt" and self.data.source == "tokens":
+            raise ValueError("source = 'tokens' is for kind = 'causal_lm' (the byte-level GPT reads raw bytes)")
+        if self.data.source == "tokens" and self.rounds.inner_steps is None:
+            raise ValueError(
+                "source = 'tokens' needs rounds.inner_steps: each stream's page of data per round is H steps long"
+            )
+        if lm is not None and self.inner.batch_size % lm.micro_batches:
+            raise ValueError(
+                f"task.causal_lm.micro_batches ({lm.micro_batches}) must divide inner.batch_size ({self.inner.batch_size})"
+            )
+        return self
+
+    def sequence_length(self) -> int | None:
+        """Tokens per training sample of a built-in task (None for imported ones)."""
+        if self.task.causal_lm is not None:
+            return self.task.causal_lm.seq_len
+        if self.task.kind == "bytegpt":
+            return self.task.model.context
+        return None
 
     def canonical_json(self) -> bytes:
         """Canonical form of everything the digest covers (all but ``admission``)."""

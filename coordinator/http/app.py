@@ -41,6 +41,8 @@ def create_app(
             now = clock()
             summary = core.health.summary(now)
             rounds = core.store.rounds(limit=1)
+            evaluated = next((r for r in core.store.rounds(limit=200) if r["validation_loss"] is not None), None)
+            data = core.data_progress()
         kept = archiver.checkpoints() if archiver is not None else []
         latest_checkpoint = kept[0] if kept else None
         return {
@@ -52,6 +54,9 @@ def create_app(
             "samples_per_second": summary.samples_per_second,
             "last_checkpoint_round": latest_checkpoint.round if latest_checkpoint else None,
             "server_time": now,
+            "validation_loss": evaluated["validation_loss"] if evaluated else None,
+            "validation_round": evaluated["round"] if evaluated else None,
+            "data": data,
         }
 
     @app.get("/api/v1/checkpoints", response_model=schemas.Checkpoints)

@@ -32,4 +32,15 @@ def render_metrics(core: Coordinator, *, now: float) -> str:
     Counter("swarmtrain_credited_flops", "Compute granted as credit (FLOPs)", registry=registry).inc(
         sum(c["flops"] for c in credited.values())
     )
+    evaluated = next((r for r in core.store.rounds(limit=200) if r["validation_loss"] is not None), None)
+    if evaluated is not None:
+        Gauge(
+            "swarmtrain_validation_loss", "Validation loss of the latest evaluated round's state", registry=registry
+        ).set(evaluated["validation_loss"])
+    data = core.data_progress()
+    if data is not None:
+        Counter("swarmtrain_tokens_trained", "Tokens of granted samples (token runs)", registry=registry).inc(
+            data["tokens_trained"]
+        )
+        Gauge("swarmtrain_data_epoch", "The data order's position, in epochs", registry=registry).set(data["epoch"])
     return generate_latest(registry).decode()

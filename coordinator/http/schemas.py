@@ -11,6 +11,13 @@ class Healthz(BaseModel):
     run: str
 
 
+class DataProgress(BaseModel):
+    tokens_trained: int = Field(ge=0, description="granted samples x sequence length")
+    epoch: float = Field(ge=0, description="the data order's position, in epochs (as peers report it)")
+    slots: int = Field(ge=1, description="the run's data streams (data.slots)")
+    slots_held: int = Field(ge=0, description="streams held by live peers")
+
+
 class Status(BaseModel):
     run_name: str
     spec_digest: str
@@ -20,6 +27,9 @@ class Status(BaseModel):
     samples_per_second: float = Field(ge=0)
     last_checkpoint_round: int | None
     server_time: float
+    validation_loss: float | None = Field(None, description="the latest round's validation loss, if any was evaluated")
+    validation_round: int | None = None
+    data: DataProgress | None = Field(None, description="token runs: progress through the data")
 
 
 class Checkpoint(BaseModel):
@@ -59,6 +69,7 @@ class RoundRow(BaseModel):
     group_size: int = Field(ge=0)
     mean_loss: float | None
     samples: int = Field(ge=0)
+    validation_loss: float | None = Field(description="median validation loss its reporters published, if evaluated")
 
 
 class Contribution(BaseModel):

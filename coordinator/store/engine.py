@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, insert, select
+from sqlalchemy import Engine, create_engine, event, insert, select, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
@@ -94,15 +94,29 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
+_MIGRATIONS = {
+    # version 1 -> 2: create_all added the data_slots table; rounds gains a column
+    1: ("ALTER TABLE rounds ADD COLUMN validation_loss FLOAT",),
+}
+"""Statements that take a database from version ``key`` to ``key + 1`` (new tables come from
+``create_all``), run in one transaction with the new version's record."""
+
+
 def _check_version(engine: Engine, shown: str) -> None:
     with engine.begin() as conn:
         versions = list(conn.scalars(select(SchemaVersion.version)))
         if not versions:
             conn.execute(insert(SchemaVersion).values(version=SCHEMA_VERSION, applied_at=time.time()))
-        elif max(versions) != SCHEMA_VERSION:
-            raise ConfigError(
-                f"database {shown} has schema version {max(versions)}; this swarmtrain needs {SCHEMA_VERSION}"
-            )
+            return
+        version = max(versions)
+        while version in _MIGRATIONS and version < SCHEMA_VERSION:
+            for statement in _MIGRATIONS[version]:
+                conn.execute(text(statement))
+            version += 1
+            conn.execute(insert(SchemaVersion).values(version=version, applied_at=time.time()))
+            logger.info("database %s migrated to schema version %d", shown, version)
+        if version != SCHEMA_VERSION:
+            raise ConfigError(f"database {shown} has schema version {version}; this swarmtrain needs {SCHEMA_VERSION}")
 
 
 def _in_memory(parsed: URL) -> bool:

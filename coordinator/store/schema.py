@@ -10,8 +10,10 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
-"""The layout written by this code; recorded in ``schema_version`` on creation."""
+SCHEMA_VERSION = 2
+"""The layout written by this code; recorded in ``schema_version`` on creation. Version 2
+added ``rounds.validation_loss`` and the ``data_slots`` table (``engine`` migrates a
+version-1 database in place)."""
 
 PENDING, GRANTED, DENIED = "pending", "granted", "denied"
 """The values of ``claims.status``."""
@@ -117,6 +119,17 @@ class RoundRecord(Base):
     group_size: Mapped[int] = mapped_column(Integer)
     mean_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples: Mapped[int] = mapped_column(BigInteger)
+    validation_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Median of the validation losses the round's granted reporters published (eval.every_rounds)."""
+
+
+class DataSlot(Base):
+    """A data stream of a token run and the peer holding it (``coordinator.slots``)."""
+
+    __tablename__ = "data_slots"
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    peer_key: Mapped[str] = mapped_column(Text, index=True)
+    assigned_at: Mapped[float] = mapped_column(Float)
 
 
 class SwarmSample(Base):

@@ -23,6 +23,7 @@ from coordinator.store.schema import (
     Base,
     Claim,
     Credit,
+    DataSlot,
     Peer,
     RoundRecord,
     Run,
@@ -57,7 +58,7 @@ _PEER_FIELDS = (
     "first_seen",
     "last_seen",
 )
-_ROUND_FIELDS = ("round", "state_digest", "finalized_at", "group_size", "mean_loss", "samples")
+_ROUND_FIELDS = ("round", "state_digest", "finalized_at", "group_size", "mean_loss", "samples", "validation_loss")
 _SAMPLE_FIELDS = ("at", "peers_online", "samples_per_second")
 
 
@@ -298,7 +299,15 @@ class Store:
         with self._write() as s:
             _decide(s, round, decision, now)
 
-    def finalize_round(self, *, round: int, decisions: list[Decision], mean_loss: float | None, now: float) -> None:
+    def finalize_round(
+        self,
+        *,
+        round: int,
+        decisions: list[Decision],
+        mean_loss: float | None,
+        now: float,
+        validation_loss: float | None = None,
+    ) -> None:
         """Decide ``decisions`` (claims of ``round``) and write the round's record: one transaction.
 
         The record is computed from the round's claims, those decided earlier included: the
@@ -306,7 +315,8 @@ class Store:
         claims (group size) and the granted samples. A round with no granted claim has no
         record: one
         peer's denied report (of round 2**31 - 1, say) is not a round of the swarm, and must
-        not become its current round in status and joins, nor the archive's digest. ``mean_loss`` None keeps a loss recorded earlier. A crash leaves either all of
+        not become its current round in status and joins, nor the archive's digest. ``mean_loss`` and
+        ``validation_loss`` None keep a value recorded earlier. A crash leaves either all of
         it or none of it. Raises ``ValueError`` like ``decide_claim``; nothing is written then.
         """
         with self._write() as s:
@@ -323,10 +333,12 @@ class Store:
             if record is None:
                 record = RoundRecord(round=round)
                 s.add(record)
-            elif mean_loss is None:
-                mean_loss = record.mean_loss
+            else:
+                mean_loss = record.mean_loss if mean_loss is None else mean_loss
+                validation_loss = record.validation_loss if validation_loss is None else validation_loss
             record.state_digest, record.finalized_at, record.group_size = majority, now, len(claims)
             record.mean_loss = mean_loss
+            record.validation_loss = validation_loss
             record.samples = sum(c.granted_samples or 0 for c in granted)
 
     def pending_claims(self) -> list[dict[str, Any]]:
@@ -391,6 +403,23 @@ class Store:
                 {"account_key": a, "samples": int(n), "flops": float(f), "peers": int(p)}
                 for a, n, f, p in s.execute(query)
             ]
+
+    # --- data streams of token runs ---------------------------------------------------------
+
+    def data_slots(self) -> dict[int, str]:
+        """Every assigned data stream and the peer holding it."""
+        with self._read() as s:
+            return {row.slot: row.peer_key for row in s.scalars(select(DataSlot))}
+
+    def assign_data_slots(self, *, peer_key: str, slots: list[int], now: float) -> None:
+        """Give ``slots`` to ``peer_key`` (taking them from whoever held them), in one transaction."""
+        with self._write() as s:
+            for slot in slots:
+                row = s.get(DataSlot, slot)
+                if row is None:
+                    s.add(DataSlot(slot=slot, peer_key=peer_key, assigned_at=now))
+                else:
+                    row.peer_key, row.assigned_at = peer_key, now
 
     # --- rounds and swarm history -----------------------------------------------------------
 

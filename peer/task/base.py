@@ -30,6 +30,19 @@ class Task:
     eval_batches: Callable[[], Iterator[Batch]] | None = None
     """Fresh iterator over the same fixed held-out batches at each call; None if no
     validation data."""
+    batch_at: Callable[[int, int], Batch] | None = None
+    """Positional data (token runs): the batch of inner step ``step`` of round ``round``, as
+    assigned to this peer's data stream (``protocol.data_assignment``); None: ``batches``."""
+    data_report: Callable[[int], dict[str, object] | None] | None = None
+    """What a round read (stream, steps, digest of the sequence ids), for its report."""
+    micro_batches: int = 1
+    """Gradient accumulation: each batch runs in this many micro-batches."""
+
+    def next_batch(self, round_: int, step: int) -> Batch:
+        """The batch of step ``step`` of round ``round_`` (positional data), else the next one."""
+        if self.batch_at is not None:
+            return self.batch_at(round_, step)
+        return next(self.batches)
 
 
 def derive_seed(*parts: object) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peer.task.base import generator
+from peer.task.portable_init import portable_normal_
 from protocol.modelsize import VOCAB_SIZE, count_params, flops_per_sample  # noqa: F401 - re-exported
 from protocol.spec import ModelSection
 
@@ -114,21 +115,6 @@ class ByteGPT(nn.Module):
                     bias.zero_()
                     done += 1
         assert done == len(list(self.parameters())), "a parameter was left uninitialised"
-
-
-@torch.no_grad()
-def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:
-    """Fill ``tensor`` with ~N(0, std²) values that are the same bytes on every machine.
-
-    torch's CPU ``normal_`` runs a vectorised Box-Muller whose log/cos differ between
-    AVX2 and other CPUs (e.g. ARM hosts), which would make replicas differ. Here: the
-    Irwin-Hall sum of 4 uniforms (``rand`` is integers x 2^-24: exact everywhere),
-    centred and scaled with separate element-wise +, -, x ops, each correctly rounded
-    whatever the SIMD width: a bell curve truncated at ±2·sqrt(3)·std.
-    """
-    u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32)
-    total = ((u[0] + u[1]) + u[2]) + u[3]
-    tensor.copy_((total - 2.0) * (std * math.sqrt(3.0)))  # Var(sum of 4 U(0,1)) = 1/3
 
 
 def build_model(cfg: ModelSection, *, seed: int, device: str = "cpu") -> ByteGPT:

@@ -301,7 +301,15 @@ def test_finalize_round_decides_and_records_together(store: Store) -> None:
         ],
     )
     assert store.rounds() == [
-        {"round": 7, "state_digest": "d7", "finalized_at": 30.0, "group_size": 3, "mean_loss": 2.0, "samples": 100},
+        {
+            "round": 7,
+            "state_digest": "d7",
+            "finalized_at": 30.0,
+            "group_size": 3,
+            "mean_loss": 2.0,
+            "samples": 100,
+            "validation_loss": None,
+        },  # fmt: skip
     ]
     # a later decision for the same round adds to the record and keeps the loss
     store.finalize_round(
@@ -458,3 +466,33 @@ def test_denials_by_peer_count_reasons(store: Store) -> None:
         store.decide_claim(key=key, round=round_, status="denied", granted_samples=0, flops=0.0, reason=reason, now=5.0)
     assert store.denials_by_peer("robust averaging") == {"p1": 2}
     assert store.denials_by_peer("50%_") == {}  # LIKE wildcards in the text are escaped
+
+
+def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
+    with Store(store_url) as store:
+        store.set_run(spec_digest="sha256:x", spec_toml="", name="r")
+        store.record_claim(
+            key="a", round=0, samples=5, group_json="[]", state_digest="sha256:d", duration_s=1.0, received_at=1.0
+        )
+        store.finalize_round(round=0, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=2.0)
+    engine = create_engine(store_url)
+    try:  # what version 1 looked like: no validation_loss, no data_slots, version 1 recorded
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE data_slots"))
+            conn.execute(text("ALTER TABLE rounds DROP COLUMN validation_loss"))
+            conn.execute(update(SchemaVersion).values(version=1))
+    finally:
+        engine.dispose()
+    with Store(store_url) as store:
+        assert store.rounds() == [
+            {"round": 0, "state_digest": "sha256:d", "finalized_at": 2.0, "group_size": 1, "mean_loss": 2.0,
+             "samples": 5, "validation_loss": None}
+        ]  # fmt: skip
+        store.assign_data_slots(peer_key="a", slots=[0, 1], now=3.0)
+        assert store.data_slots() == {0: "a", 1: "a"}
+    engine = create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            assert sorted(v for (v,) in conn.execute(text("SELECT version FROM schema_version"))) == [1, 2]
+    finally:
+        engine.dispose()

@@ -112,7 +112,7 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     trainer.optimizer.state[next(trainer.model.parameters())]["exp_avg"] = torch.tensor(float("nan"))
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, done=2, samples=4, loss_sum=2.0))
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, done=2, samples=4, loss_sum=2.0))
     vector, weight = swarm.launched[0]
     assert weight == NEGLIGIBLE_WEIGHT and bool((vector == 0).all())
     assert flight.samples == 0
@@ -130,7 +130,7 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     trainer, swarm = make_trainer(overlap=overlap)
     base = trainer.timeouts.matchmaking_s
     compute_s = 10 * base
-    trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, done=2, samples=4, loss_sum=2.0))
+    trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, done=2, samples=4, loss_sum=2.0))
     (timeout,) = swarm.matchmaking_timeouts
     expected = compute_s if overlap else base
     assert timeout == pytest.approx(expected, rel=0.01)
@@ -140,7 +140,7 @@ def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     trainer, swarm = make_trainer(overlap=True)
     averaged = torch.full_like(trainer.state.params, 1e-3)
     swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, done=2, samples=4, loss_sum=2.0))
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, done=2, samples=4, loss_sum=2.0))
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
     trainer._finish(flight)

@@ -1,0 +1,97 @@
+"""The data streams of a token run, handed out to peers (``protocol.data_assignment``).
+
+A run has ``data.slots`` streams; in each round stream k trains the k-th page of the data and
+no other stream does, so the coordinator must never give one stream to two live peers. A
+node of W local ranks holds W consecutive streams (one per rank). A peer keeps its streams
+while it is seen (joins, heartbeats) and for ``lease_s`` after; a restarted peer gets the
+same ones back by its key. Assignments are in the database (a restarted coordinator hands
+out the same streams); when it starts, every holder is taken as just seen, so nobody loses
+its streams to a newcomer while the swarm reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from coordinator.store import Store
+from protocol.errors import AdmissionError
+
+logger = logging.getLogger(__name__)
+
+LEASE_S = 300.0
+"""How long a peer that stopped heartbeating keeps its data streams."""
+
+
+class DataSlots:
+    """Who holds which of the run's ``slots`` data streams."""
+
+    def __init__(self, store: Store, slots: int, *, now: float, lease_s: float = LEASE_S) -> None:
+        self.store, self.slots, self.lease_s = store, slots, lease_s
+        self._holder: dict[int, str] = store.data_slots()
+        self._seen: dict[str, float] = dict.fromkeys(self._holder.values(), now)
+        self._lock = threading.Lock()
+        """Heartbeats mark peers seen from the servicer's threads, beside joins."""
+
+    def assign(self, key: str, ranks: int, *, now: float) -> int:
+        """The first of the ``ranks`` consecutive streams ``key`` holds: the ones it held (if
+        still the same count), else the lowest free run of them. Raises ``AdmissionError`` when
+        no such run is free (every stream held by a peer seen within the lease)."""
+        with self._lock:
+            self._seen[key] = now
+            held = sorted(slot for slot, holder in self._holder.items() if holder == key)
+            if len(held) == ranks and held == list(range(held[0], held[0] + ranks)):
+                return held[0]
+            start = self._free_run(key, ranks, now)
+            if start is None:
+                raise AdmissionError(
+                    f"all {self.slots} data streams of this run are held by live peers (data.slots); "
+                    "try again later, or the operator raises data.slots"
+                )
+            taken = list(range(start, start + ranks))
+            self.store.assign_data_slots(peer_key=key, slots=taken, now=now)
+            for slot in held:
+                if slot not in taken:
+                    self._holder.pop(slot, None)  # released (the store keeps the row until reassigned)
+            for slot in taken:
+                previous = self._holder.get(slot)
+                if previous is not None and previous != key:
+                    logger.info(
+                        "data stream %d passes from %s (not seen for %.0f s) to %s", slot, previous, self.lease_s, key
+                    )
+                self._holder[slot] = key
+            return start
+
+    def seen(self, key: str, now: float) -> None:
+        """``key`` is alive (a heartbeat): its streams stay its own."""
+        with self._lock:
+            if key in self._seen:
+                self._seen[key] = now
+
+    def release(self, key: str) -> None:
+        """``key`` left: its streams are free now (a later join of it gets the lowest free ones)."""
+        with self._lock:
+            for slot in [slot for slot, holder in self._holder.items() if holder == key]:
+                del self._holder[slot]
+            self._seen.pop(key, None)
+
+    def held_by(self, key: str) -> list[int]:
+        """The streams ``key`` holds, in order."""
+        with self._lock:
+            return sorted(slot for slot, holder in self._holder.items() if holder == key)
+
+    def holders(self) -> set[str]:
+        """Peers holding streams and seen within the lease (as of their last sign of life)."""
+        with self._lock:
+            latest = max(self._seen.values(), default=0.0)
+            return {key for key in self._holder.values() if latest - self._seen.get(key, -float("inf")) <= self.lease_s}
+
+    def _free_run(self, key: str, ranks: int, now: float) -> int | None:
+        def free(slot: int) -> bool:
+            holder = self._holder.get(slot)
+            return holder is None or holder == key or now - self._seen.get(holder, -float("inf")) > self.lease_s
+
+        for start in range(self.slots - ranks + 1):
+            if all(free(slot) for slot in range(start, start + ranks)):
+                return start
+        return None

@@ -1,0 +1,121 @@
+"""The built-in causal-LM task: any language model transformers builds from a config
+(Llama, Qwen2, Mistral, GPT-2), trained on prepared token shards.
+
+- The model is built on CPU from ``[task.causal_lm]`` and initialised with
+  ``peer.task.portable_init`` (seeded by the run's data seed), so every peer starts from the
+  same bytes whatever its CPU or GPU; parameters are fp32 masters (autocast does the rest,
+  ``peer.inner_step``).
+- Its parameter count must equal ``protocol.modelsize``'s formula, which the coordinator
+  uses for credits and the archive: a transformers version that builds another model is
+  refused rather than mis-credited.
+- Data: this peer's data stream's pages (``peer.task.tokens``); validation on the first
+  ``eval.batches`` batches of the held-out split.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from peer.task.base import Batch, Task, derive_seed
+from peer.task.portable_init import portable_init_
+from peer.task.tokens import AssignedBatches, TokenShards, check_data, eval_batches
+from protocol.data_assignment import DataAssignment
+from protocol.errors import ConfigError
+from protocol.modelsize import lm_shape, task_flops_per_sample
+from protocol.spec import CausalLMSection, RunSpec
+
+logger = logging.getLogger(__name__)
+
+_TIED_DEFAULT = {"gpt2": True}
+"""Whether each architecture ties its output head when the config does not say (the
+formula's assumption, passed to transformers explicitly so its defaults cannot drift)."""
+_SCALED_PROJECTIONS = {"gpt2": ("c_proj",)}
+
+
+def build_lm_model(lm: CausalLMSection, *, seed: int) -> torch.nn.Module:
+    """The spec's model, on CPU, initialised from ``seed`` alone (the global RNG untouched)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(lm.config)
+    kwargs.setdefault("tie_word_embeddings", _TIED_DEFAULT.get(lm.architecture, False))
+    kwargs["use_cache"] = False
+    try:
+        config = AutoConfig.for_model(lm.architecture, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"task.causal_lm.config: transformers refuses it ({exc})") from exc
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention)
+    std = float(getattr(config, "initializer_range", 0.02))
+    layers = lm_shape(lm.architecture, lm.config).layers
+    portable_init_(model, std=std, seed=seed, scaled=_SCALED_PROJECTIONS.get(lm.architecture, ()), layers=layers)
+    built = sum(p.numel() for p in model.parameters())
+    expected = lm_shape(lm.architecture, lm.config).params
+    if built != expected:
+        raise ConfigError(
+            f"transformers built a {lm.architecture} of {built:,} parameters; the run's formula says {expected:,} "
+            "(protocol.modelsize): this transformers version builds another model"
+        )
+    if lm.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean next-token cross-entropy of a transformers causal LM, in float32."""
+    inputs, targets = batch
+    device = next(model.parameters()).device
+    logits = model(input_ids=inputs.to(device, non_blocking=True)).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device, non_blocking=True).flatten())
+
+
+def build_causal_lm(spec: RunSpec, *, device: str, slot: int, data_dir: str | Path | None) -> Task:
+    """This peer's causal-LM task: the model, data stream ``slot``'s batches, validation."""
+    lm = spec.task.causal_lm
+    assert lm is not None and spec.rounds.inner_steps is not None  # the spec enforces both
+    directory, manifest = check_data(spec, data_dir)
+    train = TokenShards(directory, manifest, manifest.train)
+    assignment = DataAssignment(
+        sequences=train.sequences,
+        slots=spec.data.slots,
+        steps=spec.rounds.inner_steps,
+        batch=spec.inner.batch_size,
+        seed=spec.data.seed,
+    )
+    if not assignment.round_fits_epoch():
+        raise ConfigError(
+            f"one round of the run reads {spec.data.slots} streams x {assignment.page} sequences, more than the "
+            f"{train.sequences} prepared: fewer data.slots, rounds.inner_steps or inner.batch_size, or more data"
+        )
+    batches = AssignedBatches(train, assignment, slot)
+    model = build_lm_model(lm, seed=derive_seed(spec.data.seed, "model-init")).to(device)
+    evaluate = None
+    if spec.eval.every_rounds and manifest.validation:
+        val = TokenShards(directory, manifest, manifest.validation)
+        evaluate = functools.partial(eval_batches, val, batch_size=spec.inner.batch_size, n_batches=spec.eval.batches)
+    elif spec.eval.every_rounds:
+        logger.warning("the prepared data has no validation split: no validation loss")
+    logger.info(
+        "data: %d training sequences of %d tokens in %s, stream %d of %d (epoch %.3f per round of the run)",
+        train.sequences,
+        manifest.seq_len,
+        directory,
+        slot,
+        spec.data.slots,
+        assignment.epoch(1),
+    )
+    return Task(
+        model=model,
+        batches=iter(()),
+        loss_fn=causal_lm_loss,
+        samples_per_batch=spec.inner.batch_size,
+        flops_per_sample=task_flops_per_sample(spec),
+        eval_batches=evaluate,
+        batch_at=batches.batch_at,
+        data_report=batches.report,
+        micro_batches=lm.micro_batches,
+    )

@@ -1,0 +1,108 @@
+"""Who trains on what: the disjoint, deterministic data assignment of a token run.
+
+The prepared training data is ``N`` sequences (``protocol.manifest``). The run has
+``S = data.slots`` data streams; the coordinator gives each peer's GPUs their streams (a node
+of W GPUs holds W consecutive ones). In round ``r`` stream ``k`` trains *page* ``r x S + k``:
+``H x B`` consecutive positions of the run's data order (H inner steps of B sequences), so
+
+    position(r, k, step, i) = ((r x S + k) x H + step) x B + i
+    sequence = permutation_e(position mod N),  e = position // N (the epoch)
+
+where ``permutation_e`` is a keyed pseudo-random permutation of ``[0, N)`` (a Feistel
+network over the next power of four, cycle-walked into range), keyed by the run's data seed
+and the epoch: each epoch visits every sequence once, in a fresh order, without storing the
+order anywhere. Distinct (round, stream, step, i) are distinct positions, hence distinct
+sequences within an epoch: no two streams train the same sequence in a round as long as a
+round's pages fit in one epoch (``S x H x B <= N``, checked when the task is built).
+
+Anyone holding the spec and the manifest recomputes who trained what from (run, round,
+stream): a peer reports the digest of the sequence ids it read (``ids_digest``); the
+coordinator or an auditor recomputes it. A restarted peer resumes at its checkpoint's round.
+Pure integer arithmetic and BLAKE2b: the same on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+FEISTEL_ROUNDS = 6
+
+
+@dataclass(frozen=True)
+class DataAssignment:
+    """The assignment of one run: ``sequences`` training sequences, ``slots`` streams, rounds
+    of ``steps`` inner steps of ``batch`` sequences, keyed by ``seed``."""
+
+    sequences: int
+    slots: int
+    steps: int
+    batch: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        for name in ("sequences", "slots", "steps", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def page(self) -> int:
+        """Sequences one stream trains in one round."""
+        return self.steps * self.batch
+
+    def round_fits_epoch(self) -> bool:
+        """Whether a round's pages (every stream's) fit in the data once: else some sequence
+        would be trained twice in one round."""
+        return self.slots * self.page <= self.sequences
+
+    def position(self, round_: int, slot: int, step: int, index: int) -> int:
+        """The position in the run's data order of sample ``index`` of ``step`` (see module doc)."""
+        if round_ < 0 or not 0 <= slot < self.slots or not 0 <= step < self.steps or not 0 <= index < self.batch:
+            raise ValueError(f"no sample ({round_}, {slot}, {step}, {index}) in this assignment")
+        return ((round_ * self.slots + slot) * self.steps + step) * self.batch + index
+
+    def sequence(self, position: int) -> int:
+        """The training sequence at ``position`` of the run's data order."""
+        epoch, offset = divmod(position, self.sequences)
+        return permute(offset, self.sequences, key=(self.seed, epoch))
+
+    def batch_ids(self, round_: int, slot: int, step: int) -> list[int]:
+        """The sequence ids of stream ``slot``'s batch at ``step`` of round ``round_``."""
+        return [self.sequence(self.position(round_, slot, step, i)) for i in range(self.batch)]
+
+    def epoch(self, round_: int) -> float:
+        """The data order's position at the start of round ``round_``, in epochs."""
+        return round_ * self.slots * self.page / self.sequences
+
+
+def ids_digest(ids: Iterable[int]) -> str:
+    """A short digest of a list of sequence ids, in order (what a peer reports it trained)."""
+    h = hashlib.blake2b(digest_size=16)
+    for i in ids:
+        h.update(i.to_bytes(8, "little"))
+    return h.hexdigest()
+
+
+def permute(value: int, size: int, *, key: tuple[int, int]) -> int:
+    """A keyed pseudo-random permutation of ``[0, size)``: a balanced Feistel network over
+    ``[0, 4^k)`` (the smallest power of four >= size), repeated on values that fall outside
+    ``[0, size)`` (cycle walking; expected < 4 passes)."""
+    if not 0 <= value < size:
+        raise ValueError(f"{value} is not in [0, {size})")
+    half_bits = max(1, ((size - 1).bit_length() + 1) // 2)
+    prefix = f"swarmtrain/data/{key[0]}/{key[1]}/".encode()
+    x = value
+    while True:
+        x = _feistel(x, half_bits, prefix)
+        if x < size:
+            return x
+
+
+def _feistel(x: int, half_bits: int, prefix: bytes) -> int:
+    mask = (1 << half_bits) - 1
+    left, right = x >> half_bits, x & mask
+    for r in range(FEISTEL_ROUNDS):
+        digest = hashlib.blake2b(prefix + bytes([r]) + right.to_bytes(8, "little"), digest_size=8).digest()
+        left, right = right, left ^ (int.from_bytes(digest, "little") & mask)
+    return (left << half_bits) | right

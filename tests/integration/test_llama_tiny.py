@@ -1,0 +1,174 @@
+"""A real token run, as an operator and volunteers do it (issue #15):
+
+- `swarmtrain data tokenizer` trains a BPE tokenizer on standard-library sources and
+  `swarmtrain data prepare` tokenizes them into shards with a manifest;
+- `examples/llama-tiny.toml` with the printed digests is the run: a coordinator and 3 peers
+  train the transformers Llama on those shards;
+- loss falls, the replicas' digests are identical every round, validation loss is reported
+  (peers' metrics, the coordinator's status and /metrics);
+- every round each peer trained on the sequences its data stream is assigned, recomputed here
+  from (run, round, stream), and no sequence was trained by two peers in the same round;
+- peers whose tokenizer or data differ from the run's are refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peer.task.data import stdlib_files
+from protocol.data_assignment import DataAssignment, ids_digest
+from protocol.manifest import load_manifest
+from protocol.spec import load_spec
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_until
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-tiny.toml"
+ZEROS = "sha256:" + "0" * 64
+ROUNDS = 5
+
+
+def swarmtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*swarmtrain_executable(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def prepared(tmp: Path, name: str, files: list[Path], tokenizer: Path) -> tuple[str, str]:
+    """`swarmtrain data prepare` of ``files``: the (manifest, tokenizer) digests it printed."""
+    done = swarmtrain(
+        "data", "prepare", *map(str, files), "--tokenizer", str(tokenizer), "--seq-len", "64",
+        "--out", str(tmp / name), "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    manifest = re.search(r"^manifest: (sha256:[0-9a-f]{64})$", done.stdout, re.MULTILINE)
+    tok = re.search(r"^tokenizer: (sha256:[0-9a-f]{64})$", done.stdout, re.MULTILINE)
+    assert manifest and tok, done.stdout
+    return manifest.group(1), tok.group(1)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("llama")
+    files = stdlib_files()[:160]
+    made = swarmtrain(
+        "data", "tokenizer", "--vocab-size", "2048", "--out", str(tmp / "tokenizer"), *map(str, files[:80])
+    )
+    assert made.returncode == 0, made.stderr
+    manifest, tokenizer = prepared(tmp, "data", files, tmp / "tokenizer")
+    text = EXAMPLE.read_text()
+    assert text.count(ZEROS) == 2
+    text = text.replace(f'manifest = "{ZEROS}"', f'manifest = "{manifest}"')
+    text = text.replace(f'tokenizer = "{ZEROS}"', f'tokenizer = "{tokenizer}"')
+    text = text.replace('path = "data/llama-tiny"', f'path = "{tmp / "data"}"')
+    text = text.replace("max_rounds = 8", f"max_rounds = {ROUNDS}")
+    spec = tmp / "llama-tiny.toml"
+    spec.write_text(text)
+    return {"tmp": tmp, "spec": spec, "files": files}
+
+
+def peer_args(address: str, key: Path, *extra: str) -> list[str]:
+    return ["--coordinator", address, "--host", "127.0.0.1", "--key", str(key), *extra]
+
+
+def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]) -> None:
+    tmp, spec_file = run_dir["tmp"], run_dir["spec"]
+    spec = load_spec(spec_file)
+    coordinator = LocalCoordinator(spec_file, tmp / "state")
+    peers: list[LocalPeer] = []
+    try:
+        address = coordinator.address()
+        for i in range(3):
+            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}"), tmp, f"peer{i}"))
+        for peer in peers:
+            assert peer.wait(timeout=600) == 0, "\n".join(peer.lines[-30:])
+        rows = {peer.name: [r for r in peer.rounds() if r["averaged"]] for peer in peers}
+        assert all(len(r) >= ROUNDS - 1 for r in rows.values()), {k: len(v) for k, v in rows.items()}
+
+        # the model: transformers' Llama of the formula's size; loss falls
+        assert {r["params"] for rs in rows.values() for r in rs} == {1_262_720}
+        for name, rs in rows.items():  # from ln(2048) = 7.6 at the start; a plateau near 6.4 is next
+            assert min(r["loss"] for r in rs[-2:]) < rs[0]["loss"] - 0.5, (name, [r["loss"] for r in rs])
+
+        # bit-identical replicas: every peer that reached a round holds the same state there
+        by_round: dict[int, set[str]] = {}
+        for rs in rows.values():
+            for r in rs:
+                if r["in_sync"]:
+                    by_round.setdefault(r["round"], set()).add(r["state_digest"])
+        assert by_round and all(len(d) == 1 for d in by_round.values()), by_round
+
+        # validation loss of θ_g, every round (eval.every_rounds = 1), the same on every peer
+        for rs in rows.values():
+            assert all(isinstance(r["val_loss"], float) for r in rs)
+        final = {round(r["val_loss"], 4) for rs in rows.values() for r in rs if r["round"] == ROUNDS}
+        assert len(final) == 1, final
+        first = max(r["val_loss"] for rs in rows.values() for r in rs)
+        assert min(final) < first - 0.3, (first, final)  # it fell
+
+        # the data: recomputed from (run, round, stream) it is what each peer read; disjoint
+        manifest = load_manifest(spec.data.path or "")
+        assignment = DataAssignment(
+            sequences=manifest.train_sequences(),
+            slots=spec.data.slots,
+            steps=spec.rounds.inner_steps or 0,
+            batch=spec.inner.batch_size,
+            seed=spec.data.seed,
+        )
+        slots = {rs[0]["data"]["slot"] for rs in rows.values()}
+        assert len(slots) == 3, slots  # the coordinator gave each peer its own stream
+        trained: dict[int, dict[str, set[int]]] = {}
+        for name, rs in rows.items():
+            for r in rs:
+                data = r["data"]
+                ids = [
+                    i for step in range(data["steps"]) for i in assignment.batch_ids(data["round"], data["slot"], step)
+                ]
+                assert data["steps"] == spec.rounds.inner_steps
+                assert ids_digest(ids) == data["ids_digest"], (name, data)
+                trained.setdefault(data["round"], {})[name] = set(ids)
+        for data_round, per_peer in trained.items():
+            names = sorted(per_peer)
+            for a in range(len(names)):
+                for b in range(a + 1, len(names)):
+                    assert not per_peer[names[a]] & per_peer[names[b]], (data_round, names[a], names[b])
+
+        # the coordinator: validation loss and progress through the data
+        http = coordinator.http()
+        wait_until(lambda: fetch(http, "api/v1/status")["validation_loss"] is not None, 60, "validation loss")
+        status = fetch(http, "api/v1/status")
+        assert status["data"]["tokens_trained"] > 0 and status["data"]["epoch"] > 0, status
+        assert status["data"]["slots"] == spec.data.slots
+        with urllib.request.urlopen(http + "metrics", timeout=30) as response:
+            exposition = response.read().decode()
+        assert re.search(r"^swarmtrain_validation_loss \d", exposition, re.MULTILINE), exposition
+        assert re.search(r"^swarmtrain_tokens_trained_total \d", exposition, re.MULTILINE), exposition
+        rounds = fetch(http, "api/v1/rounds")
+        assert any(r["validation_loss"] is not None for r in rounds)
+
+        # peers whose data differs from the run's are refused, with one line naming the mismatch
+        files = run_dir["files"]
+        other_tok = tmp / "other-tokenizer"
+        made = swarmtrain("data", "tokenizer", "--vocab-size", "1024", "--out", str(other_tok), *map(str, files[:20]))
+        assert made.returncode == 0, made.stderr
+        prepared(tmp, "other-tokens", files[:40], other_tok)
+        prepared(tmp, "other-data", files[:40], tmp / "tokenizer")
+        for data_dir, named in (("other-tokens", "tokenizer mismatch"), ("other-data", "data manifest mismatch")):
+            refused = swarmtrain(
+                "peer", *peer_args(address, tmp / "k-refused", "--data-dir", str(tmp / data_dir)), timeout=120
+            )
+            assert refused.returncode == 1, refused.stdout + refused.stderr
+            lines = refused.stderr.strip().splitlines()
+            assert len(lines) == 1 and named in lines[0] and "Traceback" not in refused.stderr, refused.stderr
+    finally:
+        for peer in peers:
+            peer.kill()
+        coordinator.kill()
+
+
+def fetch(base: str, path: str) -> Any:
+    with urllib.request.urlopen(base + path, timeout=30) as response:
+        return json.loads(response.read())

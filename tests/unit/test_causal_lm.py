@@ -1,0 +1,93 @@
+"""The causal-LM task's model: transformers' architectures at the size the formula says,
+initialised bit-identically from the seed alone; micro-batches add up to the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.inner_step import Precision, inner_optimizer, inner_step
+from peer.task.base import Task
+from peer.task.causal_lm import build_lm_model, causal_lm_loss
+from protocol.errors import SpecError
+from protocol.modelsize import lm_flops_per_sample, lm_shape
+from protocol.spec import CausalLMSection, parse_spec
+
+CONFIGS = {
+    "llama": {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+    "mistral": {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 1},
+    "qwen2": {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "gpt2": {"vocab_size": 300, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+}  # fmt: skip
+
+
+def section(architecture: str) -> CausalLMSection:
+    return CausalLMSection(architecture=architecture, config=CONFIGS[architecture], seq_len=16)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("architecture", sorted(CONFIGS))
+def test_every_architecture_builds_at_the_formulas_size_and_the_same_bytes_from_the_seed(architecture: str) -> None:
+    lm = section(architecture)
+    torch.manual_seed(1)
+    first = build_lm_model(lm, seed=42)
+    torch.manual_seed(2)  # the global RNG plays no part
+    again = build_lm_model(lm, seed=42)
+    other = build_lm_model(lm, seed=43)
+    params = list(first.parameters())
+    assert sum(p.numel() for p in params) == lm_shape(architecture, lm.config).params
+    assert all(p.dtype == torch.float32 for p in params)  # fp32 masters
+    for a, b in zip(first.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(first.parameters(), other.parameters()))
+    tokens = torch.randint(0, 300, (2, 17))
+    loss = causal_lm_loss(first, (tokens[:, :-1], tokens[:, 1:]))
+    assert abs(float(loss.detach()) - torch.log(torch.tensor(300.0)).item()) < 0.5  # a fresh model: about ln(vocab)
+
+
+def test_flops_count_matmuls_and_attention() -> None:
+    shape = lm_shape("llama", CONFIGS["llama"])
+    matmul = shape.params - shape.embedding
+    assert lm_flops_per_sample(shape, 16) == 6 * matmul * 16 + 12 * 2 * 32 * 16 * 16
+
+
+def test_micro_batches_give_the_whole_batchs_step() -> None:
+    spec = parse_spec(
+        "[run]\nname='mb'\n[inner]\nbatch_size=8\noptimizer='sgd'\nweight_decay=0.0\ngrad_clip=0.0\nlr=0.1\n"
+    )
+    tokens = torch.randint(0, 300, (8, 17))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    results = []
+    for micro in (1, 4):
+        model = build_lm_model(section("llama"), seed=7)
+        task = Task(model=model, batches=iter([batch]), loss_fn=causal_lm_loss, samples_per_batch=8,
+                    flops_per_sample=1.0, micro_batches=micro)  # fmt: skip
+        optimizer = inner_optimizer(spec, model)
+        loss = inner_step(model, optimizer, task, spec, round_=0, step=0, precision=Precision("cpu"))
+        results.append((loss, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+def test_the_spec_refuses_what_the_formula_cannot_size() -> None:
+    base = "[run]\nname='lm'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\nseq_len=16\n"
+    data = (
+        "[data]\nsource='tokens'\npath='d'\nmanifest='sha256:" + "0" * 64 + "'\ntokenizer='sha256:" + "0" * 64 + "'\n"
+        "[rounds]\ninner_steps=2\n"
+    )
+    with pytest.raises(SpecError, match="config.hidden_size is required"):
+        parse_spec(base + "[task.causal_lm.config]\nvocab_size=10\n" + data)
+    cfg = "".join(f"{k}={v}\n" for k, v in CONFIGS["llama"].items())
+    with pytest.raises(SpecError, match="seq_len .* exceeds"):
+        parse_spec(base.replace("seq_len=16", "seq_len=512") + "[task.causal_lm.config]\n" + cfg
+                   + "max_position_embeddings=128\n" + data)  # fmt: skip
+    with pytest.raises(SpecError, match="trains on prepared tokens"):
+        parse_spec(base + "[task.causal_lm.config]\n" + cfg)
+    with pytest.raises(SpecError, match="needs rounds.inner_steps"):
+        parse_spec(base + "[task.causal_lm.config]\n" + cfg + data.replace("inner_steps=2", "time_budget_s=5.0"))
+    with pytest.raises(SpecError, match="micro_batches .* must divide"):
+        parse_spec(base + "micro_batches=3\n[task.causal_lm.config]\n" + cfg + data)
+    spec = parse_spec(base + "[task.causal_lm.config]\n" + cfg + data)
+    assert spec.sequence_length() == 16
