@@ -297,7 +297,12 @@ class Coordinator:
         summary = self.health.summary(now)
         rounds = self.store.rounds(limit=50)
         latest = rounds[0] if rounds else None
+        evaluated = next((r for r in rounds if r["validation_loss"] is not None), None)
+        progress = self.data_progress()
         return pb.StatusResponse(
+            validation_loss=evaluated["validation_loss"] if evaluated else None,
+            validation_round=evaluated["round"] if evaluated else 0,
+            data=pb.DataProgress(**progress) if progress is not None else None,
             run_name=self.spec.run.name,
             spec_digest=self.digest,
             current_round=latest["round"] if latest else 0,

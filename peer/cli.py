@@ -67,6 +67,12 @@ def add_parser(commands: Any) -> None:
         help="token runs: where this machine keeps the run's prepared data (default: the spec's data.path)",
     )
     parser.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="continued pretraining: where this machine keeps the run's weights (default: the spec's weights_path)",
+    )
+    parser.add_argument(
         "--data-slot",
         type=int,
         default=None,
@@ -196,11 +202,18 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             check_data(spec, args.data_dir)  # a mismatch is refused before anything starts
+            lm = spec.task.causal_lm
+            if lm is not None and lm.weights is not None:
+                from protocol.manifest import weights_sha256
+
+                weights = args.weights_dir or str(lm.weights_path)
+                if weights_sha256(weights) != lm.weights:
+                    raise ConfigError(f"weights mismatch: the weights in {weights} are not the run's {lm.weights}")
         except ConfigError:
             if client is not None:
                 client.leave()  # frees the data stream the join gave it
             raise
-    task_data = {"slot": slot, "data_dir": args.data_dir}
+    task_data = {"slot": slot, "data_dir": args.data_dir, "weights_dir": args.weights_dir}
 
     from peer.node import Command
     from peer.swarm import Swarm
@@ -228,8 +241,8 @@ def run(args: argparse.Namespace) -> int:
             task.model.to("cpu")
     if local_node is not None:
         spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
-        data_dir = str(args.data_dir) if args.data_dir is not None else None
-        local_node.share({"spec": spec_text, "seed": shard_seed, "shard": shard, "slot": slot, "data_dir": data_dir})
+        paths = {name: str(value) if value is not None else None for name, value in task_data.items() if name != "slot"}
+        local_node.share({"spec": spec_text, "seed": shard_seed, "shard": shard, "slot": slot, **paths})
     # sharded, the leader keeps a plain full copy of the model in host memory for the round's
     # host passes; the ranks train FSDP2 shards of it on their devices
     model_device = "cpu" if shard else device
@@ -375,7 +388,14 @@ def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
         # a node holds consecutive data streams, one per rank
         slot = None if shared["slot"] is None else int(shared["slot"]) + node_env.rank
         device = "cpu" if shard else local_node.device
-        task = build_task(spec, shard_seed=seed, device=device, slot=slot, data_dir=shared["data_dir"])
+        task = build_task(
+            spec,
+            shard_seed=seed,
+            device=device,
+            slot=slot,
+            data_dir=shared["data_dir"],
+            weights_dir=shared["weights_dir"],
+        )
         run_worker(local_node, spec, task, shard=shard)
     finally:
         local_node.close()

@@ -275,7 +275,7 @@ class PeerStatus(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive")
+    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive", "validation_loss", "validation_round", "data")
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,9 @@ class StatusResponse(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
     ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     spec_digest: str
     current_round: int
@@ -298,7 +301,22 @@ class StatusResponse(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
     last_checkpoint_round: int
     archive: str
-    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_checkpoint_round: _Optional[int] = ..., archive: _Optional[str] = ...) -> None: ...
+    validation_loss: float
+    validation_round: int
+    data: DataProgress
+    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_checkpoint_round: _Optional[int] = ..., archive: _Optional[str] = ..., validation_loss: _Optional[float] = ..., validation_round: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ...) -> None: ...
+
+class DataProgress(_message.Message):
+    __slots__ = ("tokens_trained", "epoch", "slots", "slots_held")
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_HELD_FIELD_NUMBER: _ClassVar[int]
+    tokens_trained: int
+    epoch: float
+    slots: int
+    slots_held: int
+    def __init__(self, tokens_trained: _Optional[int] = ..., epoch: _Optional[float] = ..., slots: _Optional[int] = ..., slots_held: _Optional[int] = ...) -> None: ...
 
 class AdminBody(_message.Message):
     __slots__ = ("action", "key", "reason")

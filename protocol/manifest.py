@@ -235,6 +235,19 @@ def file_sha256(path: Path, *, progress: Callable[[int], None] | None = None) ->
     return "sha256:" + digest.hexdigest()
 
 
+def weights_sha256(directory: str | Path) -> str:
+    """``sha256:<hex>`` of a directory's ``*.safetensors`` files (names and bytes, in name order):
+    what a continued-pretraining spec names (``task.causal_lm.weights``). ConfigError if none."""
+    root = Path(directory)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        raise ConfigError(f"{root}: no *.safetensors weights in it")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + file_sha256(path).encode() + b"\n")
+    return "sha256:" + digest.hexdigest()
+
+
 def _describe(err: Any) -> str:
     """One pydantic error as ``field: what is wrong (got ...)``."""
     field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in err["loc"]).lstrip(".")

@@ -81,6 +81,19 @@ class CausalLMSection(_Section):
     about a third more compute for much less activation memory."""
     attention: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention implementation."""
+    weights_path: str | None = None
+    """Continued pretraining: a directory of ``*.safetensors`` weights for this config (e.g. a
+    released checkpoint's) that every peer starts from instead of a fresh init (a peer may keep
+    it elsewhere: `swarmtrain peer --weights-dir`)."""
+    weights: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
+    """The digest of those weights (`swarmtrain data weights-digest DIR` prints it); a peer
+    whose copy differs refuses to start."""
+
+    @model_validator(mode="after")
+    def _weights_named(self) -> CausalLMSection:
+        if (self.weights_path is None) != (self.weights is None):
+            raise ValueError("weights_path and weights (its digest) go together")
+        return self
 
     @model_validator(mode="after")
     def _shape_known(self) -> CausalLMSection:

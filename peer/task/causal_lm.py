@@ -26,6 +26,7 @@ from peer.task.portable_init import portable_init_
 from peer.task.tokens import AssignedBatches, TokenShards, check_data, eval_batches
 from protocol.data_assignment import DataAssignment
 from protocol.errors import ConfigError
+from protocol.manifest import weights_sha256
 from protocol.modelsize import lm_shape, task_flops_per_sample
 from protocol.spec import CausalLMSection, RunSpec
 
@@ -37,8 +38,10 @@ formula's assumption, passed to transformers explicitly so its defaults cannot d
 _SCALED_PROJECTIONS = {"gpt2": ("c_proj",)}
 
 
-def build_lm_model(lm: CausalLMSection, *, seed: int) -> torch.nn.Module:
-    """The spec's model, on CPU, initialised from ``seed`` alone (the global RNG untouched)."""
+def build_lm_model(lm: CausalLMSection, *, seed: int, weights_dir: str | Path | None = None) -> torch.nn.Module:
+    """The spec's model, on CPU, initialised from ``seed`` alone (the global RNG untouched), or
+    loaded from the spec's weights (continued pretraining; ``weights_dir`` overrides where this
+    machine keeps them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(lm.config)
@@ -50,9 +53,12 @@ def build_lm_model(lm: CausalLMSection, *, seed: int) -> torch.nn.Module:
         raise ConfigError(f"task.causal_lm.config: transformers refuses it ({exc})") from exc
     with torch.random.fork_rng(devices=[]):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention)
-    std = float(getattr(config, "initializer_range", 0.02))
-    layers = lm_shape(lm.architecture, lm.config).layers
-    portable_init_(model, std=std, seed=seed, scaled=_SCALED_PROJECTIONS.get(lm.architecture, ()), layers=layers)
+    if lm.weights is not None:
+        _load_weights(model, lm, weights_dir)
+    else:
+        std = float(getattr(config, "initializer_range", 0.02))
+        layers = lm_shape(lm.architecture, lm.config).layers
+        portable_init_(model, std=std, seed=seed, scaled=_SCALED_PROJECTIONS.get(lm.architecture, ()), layers=layers)
     built = sum(p.numel() for p in model.parameters())
     expected = lm_shape(lm.architecture, lm.config).params
     if built != expected:
@@ -65,6 +71,37 @@ def build_lm_model(lm: CausalLMSection, *, seed: int) -> torch.nn.Module:
     return model
 
 
+def _load_weights(model: torch.nn.Module, lm: CausalLMSection, weights_dir: str | Path | None) -> None:
+    """Every parameter from the spec's safetensors weights, checked against their digest (the
+    same bytes on every peer), converted to the fp32 masters. An output head tied to the
+    embedding may be absent from the files; anything else missing or extra is refused."""
+    from safetensors.torch import load_file
+
+    directory = Path(weights_dir if weights_dir is not None else str(lm.weights_path))
+    digest = weights_sha256(directory)
+    if digest != lm.weights:
+        raise ConfigError(f"weights mismatch: the weights in {directory} are {digest}, the run uses {lm.weights}")
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    try:
+        with torch.no_grad():
+            missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes that differ
+        first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+        raise ConfigError(f"the weights in {directory} do not fit the spec's {lm.architecture}: {first}") from exc
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {
+        name for name, _ in model.named_parameters()
+    }
+    missing = [name for name in missing if name not in tied]
+    if missing or unexpected:
+        raise ConfigError(
+            f"the weights in {directory} do not fit the spec's {lm.architecture}: "
+            f"missing {missing[:3]}, unexpected {list(unexpected)[:3]}"
+        )
+    logger.info("model weights loaded from %s (%s)", directory, digest[:19])
+
+
 def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Mean next-token cross-entropy of a transformers causal LM, in float32."""
     inputs, targets = batch
@@ -73,7 +110,14 @@ def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device, non_blocking=True).flatten())
 
 
-def build_causal_lm(spec: RunSpec, *, device: str, slot: int, data_dir: str | Path | None) -> Task:
+def build_causal_lm(
+    spec: RunSpec,
+    *,
+    device: str,
+    slot: int,
+    data_dir: str | Path | None,
+    weights_dir: str | Path | None = None,
+) -> Task:
     """This peer's causal-LM task: the model, data stream ``slot``'s batches, validation."""
     lm = spec.task.causal_lm
     assert lm is not None and spec.rounds.inner_steps is not None  # the spec enforces both
@@ -92,7 +136,7 @@ def build_causal_lm(spec: RunSpec, *, device: str, slot: int, data_dir: str | Pa
             f"{train.sequences} prepared: fewer data.slots, rounds.inner_steps or inner.batch_size, or more data"
         )
     batches = AssignedBatches(train, assignment, slot)
-    model = build_lm_model(lm, seed=derive_seed(spec.data.seed, "model-init")).to(device)
+    model = build_lm_model(lm, seed=derive_seed(spec.data.seed, "model-init"), weights_dir=weights_dir).to(device)
     evaluate = None
     if spec.eval.every_rounds and manifest.validation:
         val = TokenShards(directory, manifest, manifest.validation)

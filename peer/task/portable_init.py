@@ -15,6 +15,9 @@ from torch import nn
 
 from protocol.errors import ConfigError
 
+_CHUNK = 1 << 22
+"""Values drawn at a time (16 MiB of float32)."""
+
 
 @torch.no_grad()
 def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -23,10 +26,19 @@ def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> 
     The Irwin-Hall sum of 4 uniforms (``rand`` is integers x 2^-24: exact everywhere),
     centred and scaled with separate element-wise +, -, x ops, each correctly rounded
     whatever the SIMD width: a bell curve truncated at ±2·sqrt(3)·std.
+
+    The four uniforms of every value are drawn as four passes over the tensor (the generator's
+    stream is the same as one ``rand((4, *shape))``), summed in place in chunks: no temporary
+    beyond one chunk, whatever the size (an embedding of 128K x 8K values is 4 GiB).
     """
-    u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32)
-    total = ((u[0] + u[1]) + u[2]) + u[3]
-    tensor.copy_((total - 2.0) * (std * math.sqrt(3.0)))  # Var(sum of 4 U(0,1)) = 1/3
+    flat = tensor.view(-1)
+    n = flat.numel()
+    for start in range(0, n, _CHUNK):
+        flat[start : start + _CHUNK].copy_(torch.rand(min(_CHUNK, n - start), generator=gen))
+    for _ in range(3):
+        for start in range(0, n, _CHUNK):
+            flat[start : start + _CHUNK].add_(torch.rand(min(_CHUNK, n - start), generator=gen))
+    flat.sub_(2.0).mul_(std * math.sqrt(3.0))  # Var(sum of 4 U(0,1)) = 1/3
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -1,8 +1,9 @@
-"""``swarmtrain data tokenizer|prepare|verify``: make and check a run's token data offline.
+"""``swarmtrain data tokenizer|prepare|verify|weights``: make and check a run's token data offline.
 
 ``tokenizer`` trains a byte-level BPE tokenizer; ``prepare`` tokenizes text into shards and
 prints the ``manifest`` and ``tokenizer`` digests that go into the run spec's ``[data]``
-table; ``verify`` hashes a prepared directory against its manifest. Flags are checked
+table; ``verify`` hashes a prepared directory against its manifest; ``weights`` prints the
+digest of a directory of safetensors weights (continued pretraining). Flags are checked
 before the heavy imports (tokenizers, transformers, datasets), which ``swarmtrain.dataprep``
 pulls in only when it runs.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import ConfigError
-from protocol.manifest import MANIFEST_NAME, load_manifest, tokenizer_sha256, verify_shards
+from protocol.manifest import MANIFEST_NAME, load_manifest, tokenizer_sha256, verify_shards, weights_sha256
 
 MIN_SEQ_LEN = 8
 MAX_SEQ_LEN = 65536
@@ -76,6 +77,19 @@ def add_parser(commands: Any) -> None:
     ver.add_argument("directory", type=Path, metavar="DIR")
     ver.add_argument("--no-progress", action="store_true", help="no progress bar")
     ver.set_defaults(run=run_verify)
+
+    weights = actions.add_parser(
+        "weights",
+        help="print the digest of a directory of safetensors weights (continued pretraining)",
+        description="Print the digest of DIR's *.safetensors files, for task.causal_lm.weights in a run spec.",
+    )
+    weights.add_argument("directory", type=Path, metavar="DIR")
+    weights.set_defaults(run=run_weights)
+
+
+def run_weights(args: argparse.Namespace) -> int:
+    print(f"weights: {weights_sha256(args.directory)}")
+    return 0
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:

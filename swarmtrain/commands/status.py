@@ -45,6 +45,14 @@ def run(args: argparse.Namespace) -> int:
         f"peers online {status.peers_online}  swarm {status.samples_per_second:.1f} samples/s  "
         f"{status.rounds_per_hour:.1f} rounds/h"
     )
+    if status.HasField("validation_loss"):
+        print(f"validation loss {status.validation_loss:.4f} (round {status.validation_round})")
+    if status.HasField("data"):
+        data = status.data
+        print(
+            f"data {data.tokens_trained:,} tokens trained, epoch {data.epoch:.3f}, "
+            f"{data.slots_held} of {data.slots} data streams held"
+        )
     if status.archive:
         newest = status.last_checkpoint_round if status.HasField("last_checkpoint_round") else "none yet"
         print(f"archive {status.archive}; newest archived round: {newest}")

@@ -28,11 +28,13 @@ def no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
 def test_help_lists_the_role_commands() -> None:
     proc = sw("--help")
     assert proc.returncode == 0
-    for command in ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor"]:
+    for command in ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor", "data"]:
         assert f"    {command}" in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor"])
+@pytest.mark.parametrize(
+    "command", ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor", "data"]
+)
 def test_every_command_has_help(command: str) -> None:
     proc = sw(command, "--help")
     assert proc.returncode == 0 and "usage: swarmtrain" in proc.stdout

@@ -148,6 +148,12 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         assert re.search(r"^swarmtrain_tokens_trained_total \d", exposition, re.MULTILINE), exposition
         rounds = fetch(http, "api/v1/rounds")
         assert any(r["validation_loss"] is not None for r in rounds)
+        table = swarmtrain("status", "--coordinator", address, timeout=60)
+        assert table.returncode == 0, table.stderr
+        assert re.search(r"^validation loss \d+\.\d{4} \(round \d+\)$", table.stdout, re.MULTILINE), table.stdout
+        assert re.search(
+            r"^data [\d,]+ tokens trained, epoch \d\.\d{3}, \d of 4 data streams held$", table.stdout, re.MULTILINE
+        )
 
         # peers whose data differs from the run's are refused, with one line naming the mismatch
         files = run_dir["files"]

@@ -91,3 +91,52 @@ def test_the_spec_refuses_what_the_formula_cannot_size() -> None:
         parse_spec(base + "micro_batches=3\n[task.causal_lm.config]\n" + cfg + data)
     spec = parse_spec(base + "[task.causal_lm.config]\n" + cfg + data)
     assert spec.sequence_length() == 16
+
+
+def test_portable_normal_draws_in_chunks_the_same_bytes_as_in_one_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    import math
+
+    import peer.task.portable_init as portable
+
+    def in_one_go(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:
+        u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32)
+        tensor.copy_(((((u[0] + u[1]) + u[2]) + u[3]) - 2.0) * (std * math.sqrt(3.0)))
+
+    monkeypatch.setattr(portable, "_CHUNK", 1000)
+    for shape in ((3,), (64, 64), (1001,), (5000, 3)):
+        expected, got = torch.empty(shape), torch.empty(shape)
+        g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        in_one_go(expected, 0.02, g1)
+        portable.portable_normal_(got, 0.02, g2)
+        assert torch.equal(expected, got)
+        assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))  # same stream position
+
+
+def test_continued_pretraining_starts_every_peer_from_the_named_weights(tmp_path: pytest.TempPathFactory) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from protocol.errors import ConfigError
+    from protocol.manifest import weights_sha256
+
+    base = section("qwen2")  # tied output head: absent from the files, as in released checkpoints
+    released = build_lm_model(base, seed=5)
+    directory = Path(str(tmp_path)) / "weights"
+    directory.mkdir()
+    tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in released.named_parameters()}
+    assert "lm_head.weight" not in tensors
+    save_file(tensors, str(directory / "model.safetensors"))
+    digest = weights_sha256(directory)
+    lm = base.model_copy(update={"weights_path": str(directory), "weights": digest})
+    loaded = build_lm_model(lm, seed=999)  # the seed plays no part now
+    for name, param in loaded.named_parameters():
+        assert param.dtype == torch.float32
+        assert torch.equal(param, tensors[name].float()), name
+    assert torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
+    wrong = lm.model_copy(update={"weights": "sha256:" + "1" * 64})
+    with pytest.raises(ConfigError, match="weights mismatch"):
+        build_lm_model(wrong, seed=0)
+    other = section("llama").model_copy(update={"weights_path": str(directory), "weights": digest})
+    with pytest.raises(ConfigError, match="do not fit the spec's llama"):
+        build_lm_model(other, seed=0)

@@ -1,0 +1,132 @@
+"""Inner-step throughput of a causal-LM spec on this machine: tokens/s, MFU, peak memory.
+
+What one volunteer's GPU contributes between two averaging rounds: the spec's model built
+as a peer builds it (``peer.task.causal_lm.build_lm_model``: portable init, fp32 masters),
+the spec's inner optimizer, micro-batches, activation checkpointing and autocast
+(``peer.inner_step``), on random tokens (the data path is not what is measured). Prints and
+writes a Markdown and JSON result to ``benchmarks/results/``.
+
+    python -m benchmarks.lm_throughput --spec examples/llama-1b.toml --steps 20 --label h100
+    python -m benchmarks.lm_throughput --spec examples/llama-tiny.toml --device cpu --steps 20
+
+MFU = FLOPs per sample (``protocol.modelsize``, the figure credits use) x samples per second /
+the device's peak dense bf16 FLOP/s (``--peak-tflops``; H100 SXM: 989).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.inner_step import Precision, inner_optimizer, inner_step
+from peer.task.base import Task, derive_seed
+from peer.task.causal_lm import build_lm_model, causal_lm_loss
+from protocol.modelsize import task_flops_per_sample, task_params
+from protocol.spec import RunSpec, load_spec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def random_batches(spec: RunSpec, vocab: int) -> Any:
+    lm = spec.task.causal_lm
+    assert lm is not None
+    gen = torch.Generator().manual_seed(0)
+    while True:
+        rows = torch.randint(0, vocab, (spec.inner.batch_size, lm.seq_len + 1), generator=gen)
+        yield rows[:, :-1], rows[:, 1:]
+
+
+def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    lm = spec.task.causal_lm
+    if lm is None:
+        raise SystemExit("the spec's task is not kind = 'causal_lm'")
+    vocab = int(lm.config.get("vocab_size", lm.config.get("n_vocab", 256)))  # type: ignore[arg-type]
+    started = time.perf_counter()
+    model = build_lm_model(lm, seed=derive_seed(spec.data.seed, "model-init"))
+    built_s = time.perf_counter() - started
+    model.to(device)
+    task = Task(
+        model=model,
+        batches=random_batches(spec, vocab),
+        loss_fn=causal_lm_loss,
+        samples_per_batch=spec.inner.batch_size,
+        flops_per_sample=task_flops_per_sample(spec),
+        micro_batches=lm.micro_batches,
+    )
+    optimizer = inner_optimizer(spec, model)
+    precision = Precision.for_device(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    losses = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            timed = time.perf_counter()
+        losses.append(inner_step(model, optimizer, task, spec, round_=0, step=step, precision=precision))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - timed
+    samples = steps * spec.inner.batch_size
+    tokens = samples * lm.seq_len
+    flops = task.flops_per_sample * samples
+    return {
+        "params": task_params(spec),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "precision": precision.name,
+        "seq_len": lm.seq_len,
+        "batch_size": spec.inner.batch_size,
+        "micro_batches": lm.micro_batches,
+        "activation_checkpointing": lm.activation_checkpointing,
+        "steps": steps,
+        "seconds": round(seconds, 3),
+        "step_s": round(seconds / steps, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "tflops_per_s": round(flops / seconds / 1e12, 3),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None,
+        "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "init_s": round(built_s, 2),
+        "first_loss": round(losses[0], 4),
+        "last_loss": round(losses[-1], 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak")
+    parser.add_argument("--label", default="")
+    args = parser.parse_args()
+    spec = load_spec(args.spec)
+    result = measure(spec, device=args.device, steps=args.steps, warmup=args.warmup)
+    result["spec"] = str(args.spec)
+    if args.device.startswith("cuda"):
+        result["mfu"] = round(result["tflops_per_s"] / args.peak_tflops, 4)
+    name = f"lm-throughput-{dt.date.today().isoformat()}{'-' + args.label if args.label else ''}"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [
+        f"# Inner-step throughput: {args.spec.name} on {result['device']}",
+        "",
+        f"Command: `python -m benchmarks.lm_throughput --spec {args.spec} --device {args.device} --steps {args.steps}`",
+        "",
+        "| " + " | ".join(result) + " |",
+        "|" + "---|" * len(result),
+        "| " + " | ".join(str(v) for v in result.values()) + " |",
+    ]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
