@@ -98,11 +98,17 @@ class Coordinator:
         self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
         self._losses: dict[int, list[float]] = {}
-        self._val_losses: dict[int, list[float]] = {}
+        self._val_losses: dict[int, dict[str, float]] = {}
+        """Validation losses reported per round, by reporter (only granted ones count)."""
+        self._epochs: dict[int, dict[str, float]] = {}
+        self._data_read: dict[str, int] = {}
+        """Token runs: the last data round each peer's recorded reports read (strictly rising)."""
         self.data_slots = DataSlots(store, spec.data.slots, now=time.time()) if spec.data.source == "tokens" else None
         """Token runs: who trains which data stream (``coordinator.slots``)."""
         self.data_epoch = 0.0
-        """Token runs: the furthest data position (in epochs) a recorded report stated (shown only)."""
+        """Token runs: the data order's position in epochs, the highest of the rounds' lower
+        medians of what granted reporters stated (shown only; 0 again after a restart until a
+        round is decided)."""
         self._bans: dict[str, str] | None = None
         """The store's bans, read once and again after every change (this process makes them
         all): each heartbeat and report checks them."""
@@ -226,6 +232,10 @@ class Coordinator:
             else:
                 self.data_slots.seen(peer.id, now)
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
+        if self.data_slots is not None:
+            held = self.data_slots.held_by(peer.id)
+            if held:
+                response.data_slot = held[0]
         try:
             credit = self._credit_cache.get(peer.id)
             if credit is None:
@@ -254,7 +264,6 @@ class Coordinator:
             except Exception as exc:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
             group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
-        self._check_data_read(peer.id, body)
         duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(peer.id, now))
         account = self._account_of(peer.id)
         claim = RoundClaim(
@@ -270,6 +279,7 @@ class Coordinator:
         )
         if self.ledger.has(peer.id, body.round):  # a resent report (the store also refuses a second one)
             return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
+        self._check_data_read(peer.id, body)
         self.ledger.check(claim)  # raises ValueError for malformed claims and closed rounds
         recorded = self.store.record_claim(
             key=peer.id,
@@ -287,9 +297,10 @@ class Coordinator:
         if recorded and math.isfinite(body.loss):
             self._losses.setdefault(body.round, []).append(body.loss)
         if recorded and body.HasField("data"):
-            self.data_epoch = max(self.data_epoch, body.data.epoch)
+            self._data_read[peer.id] = body.data.round
+            self._epochs.setdefault(body.round, {})[peer.id] = body.data.epoch
         if recorded and body.HasField("validation_loss") and math.isfinite(body.validation_loss):
-            self._val_losses.setdefault(body.round, []).append(body.validation_loss)
+            self._val_losses.setdefault(body.round, {})[peer.id] = body.validation_loss
         reason = "pending: waiting for the other group members' reports" if recorded else "already reported"
         return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
 
@@ -297,7 +308,7 @@ class Coordinator:
         summary = self.health.summary(now)
         rounds = self.store.rounds(limit=50)
         latest = rounds[0] if rounds else None
-        evaluated = next((r for r in rounds if r["validation_loss"] is not None), None)
+        evaluated = self.store.latest_validation()
         progress = self.data_progress()
         return pb.StatusResponse(
             validation_loss=evaluated["validation_loss"] if evaluated else None,
@@ -350,14 +361,17 @@ class Coordinator:
             )
         for round_, round_decisions in sorted(by_round.items()):
             losses = self._losses.pop(round_, [])
-            val_losses = sorted(self._val_losses.pop(round_, []))
+            granted_keys = {d.key for d in round_decisions if d.status == "granted"}
+            val_loss = _lower_median(self._val_losses.pop(round_, {}), granted_keys)
+            epoch = _lower_median(self._epochs.pop(round_, {}), granted_keys)
+            if epoch is not None:
+                self.data_epoch = max(self.data_epoch, epoch)
             self.store.finalize_round(
                 round=round_,
                 decisions=round_decisions,
                 now=now,
                 mean_loss=sum(losses) / len(losses) if losses else None,
-                # the median: one peer's made-up figure does not move it
-                validation_loss=val_losses[len(val_losses) // 2] if val_losses else None,
+                validation_loss=val_loss,
             )
             for d in round_decisions:  # committed: the heartbeats' figures follow, without a query
                 self._credit_moved(d.key, pending=-claimed[(round_, d.key)], samples=d.granted_samples, flops=d.flops)
@@ -400,8 +414,15 @@ class Coordinator:
         if body.data.slot not in held:
             raise ValueError(f"round report reads data stream {body.data.slot}, but this peer holds {held or 'none'}")
         inner_steps = self.spec.rounds.inner_steps or 0
-        if not 0 <= body.data.steps <= inner_steps or not 0 <= body.data.round <= body.round + 1:
-            raise ValueError(f"round report's data read is out of range ({body.data.round}, {body.data.steps} steps)")
+        if not 0 <= body.data.steps <= inner_steps:
+            raise ValueError(f"round report reads {body.data.steps} steps of data; a round has {inner_steps}")
+        if body.data.round <= self._data_read.get(key, -1):
+            raise ValueError(
+                f"round report reads data round {body.data.round} again (this peer last read {self._data_read[key]})"
+            )
+        most = body.data.steps * self.spec.inner.batch_size * len(held)
+        if body.samples > most:
+            raise ValueError(f"round report claims {body.samples} samples but read {most} sequences")
 
     def _verified(self, envelope: pb.SignedEnvelope, kind: str, body_type: type, now: float):  # type: ignore[no-untyped-def]
         message = SignedMessage.from_proto(envelope)
@@ -564,6 +585,13 @@ class Coordinator:
                 dropped += 1
             self.health.remove(peer)
         return dropped
+
+
+def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
+    """The lower median of ``values`` of ``keys``: none of them can raise it alone, and with
+    three or more reporters no single one can move it at all; None if none reported."""
+    chosen = sorted(value for key, value in values.items() if key in keys)
+    return chosen[(len(chosen) - 1) // 2] if chosen else None
 
 
 def _claim_from_row(row: dict) -> RoundClaim:

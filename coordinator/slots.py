@@ -35,8 +35,9 @@ class DataSlots:
 
     def assign(self, key: str, ranks: int, *, now: float) -> int:
         """The first of the ``ranks`` consecutive streams ``key`` holds: the ones it held (if
-        still the same count), else the lowest free run of them. Raises ``AdmissionError`` when
-        no such run is free (every stream held by a peer seen within the lease)."""
+        still the same count), else the lowest free run of them. A peer whose lease ran out
+        loses *all* its streams to the newcomer that needs one of them (a node never keeps
+        half). Raises ``AdmissionError`` when no such run is free."""
         with self._lock:
             self._seen[key] = now
             held = sorted(slot for slot, holder in self._holder.items() if holder == key)
@@ -49,31 +50,35 @@ class DataSlots:
                     "try again later, or the operator raises data.slots"
                 )
             taken = list(range(start, start + ranks))
-            self.store.assign_data_slots(peer_key=key, slots=taken, now=now)
-            for slot in held:
-                if slot not in taken:
-                    self._holder.pop(slot, None)  # released (the store keeps the row until reassigned)
+            evicted = tuple(sorted({self._holder[slot] for slot in taken if self._holder.get(slot, key) != key}))
+            self.store.assign_data_slots(peer_key=key, slots=taken, now=now, evicted=evicted)
+            for previous in evicted:
+                logger.info("data streams of %s (not seen for %.0f s) pass to %s", previous, self.lease_s, key)
+                self._drop(previous)
+            self._drop(key)
             for slot in taken:
-                previous = self._holder.get(slot)
-                if previous is not None and previous != key:
-                    logger.info(
-                        "data stream %d passes from %s (not seen for %.0f s) to %s", slot, previous, self.lease_s, key
-                    )
                 self._holder[slot] = key
+            self._seen[key] = now
             return start
+
+    def release(self, key: str) -> None:
+        """``key`` left: its streams are free now (in the database too)."""
+        with self._lock:
+            if not any(holder == key for holder in self._holder.values()):
+                return
+            self._drop(key)
+        self.store.release_data_slots(key)
+
+    def _drop(self, key: str) -> None:
+        for slot in [slot for slot, holder in self._holder.items() if holder == key]:
+            del self._holder[slot]
+        self._seen.pop(key, None)
 
     def seen(self, key: str, now: float) -> None:
         """``key`` is alive (a heartbeat): its streams stay its own."""
         with self._lock:
             if key in self._seen:
                 self._seen[key] = now
-
-    def release(self, key: str) -> None:
-        """``key`` left: its streams are free now (a later join of it gets the lowest free ones)."""
-        with self._lock:
-            for slot in [slot for slot, holder in self._holder.items() if holder == key]:
-                del self._holder[slot]
-            self._seen.pop(key, None)
 
     def held_by(self, key: str) -> list[int]:
         """The streams ``key`` holds, in order."""

@@ -294,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
                 on_refused=lambda reason: stop.set(),
                 token=admitted.access_token,
                 on_token=swarm.publish_membership,
+                data_slot=slot if spec.data.source == "tokens" else None,
             )
             link.start()
             print(f"joined through coordinator {args.coordinator}", flush=True)

@@ -171,9 +171,12 @@ class CoordinatorLink(threading.Thread):
         on_refused: Callable[[str], None] | None = None,
         token: bytes = b"",
         on_token: Callable[[bytes], object] | None = None,
+        data_slot: int | None = None,
     ) -> None:
         super().__init__(daemon=True, name="coordinator-link")
         self.client, self.interval_s, self.rejoin = client, interval_s, rejoin
+        self.data_slot = data_slot
+        """Token runs: the first data stream this peer trains; losing it stops the peer."""
         self.on_refused = on_refused or (lambda reason: None)
         """Called once the coordinator refuses this peer (banned, or off the allowlist)."""
         self.on_token = on_token or (lambda token: None)
@@ -253,6 +256,8 @@ class CoordinatorLink(threading.Thread):
             try:
                 response = self.client.heartbeat(self.heartbeat_body())
                 self._note_credit(response)
+                if response.admitted:
+                    self._check_data_slot(response.data_slot if response.HasField("data_slot") else None)
                 if not response.admitted:
                     logger.info("coordinator: %s", response.message)
                     self._rejoin()
@@ -275,8 +280,18 @@ class CoordinatorLink(threading.Thread):
         if response.admitted and response.HasField("credited_samples"):
             self.credit = Credit(response.credited_samples, response.credited_flops, response.pending_samples)
 
+    def _check_data_slot(self, held: int | None) -> None:
+        """Raise ``AdmissionError`` when the coordinator no longer gives this peer its data
+        stream (out of touch past the lease, and another peer took it)."""
+        if self.data_slot is not None and held != self.data_slot:
+            raise AdmissionError(
+                f"the coordinator gave this peer's data stream {self.data_slot} to another peer "
+                f"(it now holds {'none' if held is None else held}); restart the peer to get a free one"
+            )
+
     def _rejoin(self) -> None:
         info = self.client.join(**self.rejoin)
+        self._check_data_slot(info.data_slot)
         self._renew_at = _renewal_time(info.access_token)
         try:
             self.on_token(info.access_token)

@@ -77,12 +77,14 @@ def inner_step(
     round_: int,
     step: int,
     precision: Precision,
+    data_round: int | None = None,
 ) -> float:
-    """Train ``model`` on the batch of step ``step`` of round ``round_``; the batch's mean loss
-    (this rank's). The batch runs in ``task.micro_batches`` micro-batches whose gradients add
+    """Train ``model`` on the batch of step ``step`` of round ``round_`` (of data round
+    ``data_round``, default ``round_``: positional data) at the schedule's learning rate for
+    that point; the batch's mean loss (this rank's). The batch runs in ``task.micro_batches`` micro-batches whose gradients add
     up to the whole batch's (each loss scaled by its share of the samples); with DDP only the
     last one's backward synchronises the ranks."""
-    inputs, targets = task.next_batch(round_, step)
+    inputs, targets = task.next_batch(round_ if data_round is None else data_round, step)
     n = inputs.shape[0]
     chunks = max(1, min(task.micro_batches, n))
     bounds = [n * i // chunks for i in range(chunks + 1)]

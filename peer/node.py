@@ -9,8 +9,8 @@ it runs the ``Trainer`` (θ_g, outer momentum, averager, digests, checkpoints, c
 link) exactly as a one-rank peer does, and drives the others. The other ranks run
 ``run_worker``: a loop over the leader's commands.
 
-- ``STEP r s``: inner step ``s`` of round ``r`` (every rank, its own batch; they set the
-  learning rate and, for positional data, which batch);
+- ``STEP r s d``: inner step ``s`` of round ``r`` (the learning rate) reading data round
+  ``d`` (positional data; every rank its own stream's batch);
 - ``SYNC g``: the leader's model goes to every rank (with DDP also its inner-optimizer state;
   with FSDP2 each rank takes its shard of it). The leader sends it before the first step
   after anything but a step touched its model (a round landed and re-based the model, a
@@ -90,7 +90,7 @@ class LocalNode:
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        self._command = torch.zeros(3, dtype=torch.int64, device=device)
+        self._command = torch.zeros(4, dtype=torch.int64, device=device)
         beat = os.environ.get(HEARTBEAT_ENV)
         if beat:
             threading.Thread(target=_heartbeat, args=(Path(beat),), name="rank-heartbeat", daemon=True).start()
@@ -152,15 +152,18 @@ class LocalNode:
             sharded = distribute_tensor(source, shard.device_mesh, shard.placements, src_data_rank=0)  # type: ignore[attr-defined]
             shard.to_local().copy_(sharded.to_local())  # type: ignore[attr-defined]
 
-    def send(self, command: Command, argument: int = 0, second: int = 0) -> None:
-        """Leader: tell every other rank what to do next (a command and up to two integers)."""
-        self._command[0], self._command[1], self._command[2] = int(command), int(argument), int(second)
+    def send(self, command: Command, *arguments: int) -> None:
+        """Leader: tell every other rank what to do next (a command and up to three integers)."""
+        values = [int(command), *arguments, 0, 0, 0][:4]
+        for i, value in enumerate(values):
+            self._command[i] = int(value)
         dist.broadcast(self._command, src=0)
 
-    def receive(self) -> tuple[Command, int, int]:
-        """Other ranks: the leader's next command and its two integers."""
+    def receive(self) -> tuple[Command, int, int, int]:
+        """Other ranks: the leader's next command and its three integers."""
         dist.broadcast(self._command, src=0)
-        return Command(int(self._command[0])), int(self._command[1]), int(self._command[2])
+        values = [int(v) for v in self._command.tolist()]
+        return Command(values[0]), values[1], values[2], values[3]
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, replica: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -244,7 +247,7 @@ def run_worker(node: LocalNode, spec: RunSpec, task: Task, *, shard: bool = Fals
     generation = 0
     steps = 0
     while True:
-        command, argument, second = node.receive()
+        command, argument, second, third = node.receive()
         if command is Command.STOP:
             logger.info("local rank %d: %d inner steps, stopping", node.rank, steps)
             return
@@ -255,6 +258,8 @@ def run_worker(node: LocalNode, spec: RunSpec, task: Task, *, shard: bool = Fals
         elif command is Command.GATHER:
             node.gather(forward, model)
         elif command is Command.STEP:
-            loss = inner_step(forward, optimizer, task, spec, round_=argument, step=second, precision=precision)
+            loss = inner_step(
+                forward, optimizer, task, spec, round_=argument, step=second, data_round=third, precision=precision
+            )
             node.mean(loss)
             steps += 1

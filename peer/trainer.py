@@ -90,9 +90,14 @@ class _InnerPhase:
     started: float
     deadline: float
     steps: int
+    round: int
+    """The round these steps train for (their learning rate): the state's round, or the next
+    one while the previous round still averages (overlap)."""
     data_round: int
-    """The round these steps train for (the data they read and their learning rate): the
-    state's round, or the next one while the previous round still averages (overlap)."""
+    """The round of the data assignment these steps read (token runs): ``round``, but never
+    one this peer already read (after a failed round the same ``round`` trains again, on the
+    next pages: a failed round's work is folded into the next, so re-reading would count a
+    page twice)."""
     done: int = 0
     samples: int = 0
     loss_sum: float = 0.0
@@ -227,6 +232,8 @@ class Trainer:
         self._uncounted: torch.Tensor | None = None
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
         self.inner_steps_done = 0
+        self._data_round = -1
+        """The last data round an inner phase read (``_InnerPhase.data_round``); checkpointed."""
         self.history: list[RoundMetrics] = []
         self._landed: _Landed | None = None
         self.phase = Phase.RESYNCING
@@ -256,6 +263,7 @@ class Trainer:
         if self.feedback is not None and record.get("residual") is not None:
             self.feedback.load_residual(record["residual"])
         self.inner_steps_done = int(record["inner_steps_done"])
+        self._data_round = int(record.get("data_round", -1))
         logger.info("resumed from the checkpoint of round %d (%s)", self.state.round, self.state.digest()[:19])
 
     def save_checkpoint(self) -> None:
@@ -272,6 +280,7 @@ class Trainer:
                 "inner_optimizer": None if self._sharded else self.optimizer.state_dict(),
                 "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
+                "data_round": self._data_round,
             },
             digest=self.state.digest(),
         )
@@ -315,7 +324,9 @@ class Trainer:
         started = time.monotonic()
         deadline = started + rounds.time_budget_s if rounds.time_budget_s else math.inf
         self.model.train()
-        return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, self.state.round + (1 if ahead else 0))
+        round_ = self.state.round + (1 if ahead else 0)
+        self._data_round = max(round_, self._data_round + 1)
+        return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, round_, self._data_round)
 
     def _train_step(self, inner: _InnerPhase) -> None:
         self.phase = Phase.TRAINING
@@ -350,16 +361,23 @@ class Trainer:
 
     def _inner_step(self, inner: _InnerPhase) -> float:
         node = self.node
-        round_, step = inner.data_round, inner.done
+        round_, step, data_round = inner.round, inner.done, inner.data_round
         if node is not None:
             if not self._node_synced:
                 node.send(Command.SYNC, self._optimizer_generation)
                 node.sync(self.model, self._forward, self.optimizer)
                 self._node_synced = True
-            node.send(Command.STEP, round_, step)
+            node.send(Command.STEP, round_, step, data_round)
             self._shards_ahead = True
         loss = inner_step(
-            self._forward, self.optimizer, self.task, self.spec, round_=round_, step=step, precision=self.precision
+            self._forward,
+            self.optimizer,
+            self.task,
+            self.spec,
+            round_=round_,
+            step=step,
+            data_round=data_round,
+            precision=self.precision,
         )
         self.inner_steps_done += 1
         return node.mean(loss) if node is not None else loss
@@ -399,7 +417,7 @@ class Trainer:
         pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.matchmaking_timeout(compute_s))
         launched = time.monotonic()
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None else None
-        lr = inner_lr(self.spec, inner.data_round, max(0, inner.done - 1))
+        lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
         return _InFlight(
             pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started, lr, data
         )

@@ -167,7 +167,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("server_time", "heartbeat_interval_s", "admitted", "message", "credited_samples", "credited_flops", "pending_samples")
+    __slots__ = ("server_time", "heartbeat_interval_s", "admitted", "message", "credited_samples", "credited_flops", "pending_samples", "data_slot")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class HeartbeatResponse(_message.Message):
     CREDITED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CREDITED_FLOPS_FIELD_NUMBER: _ClassVar[int]
     PENDING_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DATA_SLOT_FIELD_NUMBER: _ClassVar[int]
     server_time: float
     heartbeat_interval_s: float
     admitted: bool
@@ -182,7 +183,8 @@ class HeartbeatResponse(_message.Message):
     credited_samples: int
     credited_flops: float
     pending_samples: int
-    def __init__(self, server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., message: _Optional[str] = ..., credited_samples: _Optional[int] = ..., credited_flops: _Optional[float] = ..., pending_samples: _Optional[int] = ...) -> None: ...
+    data_slot: int
+    def __init__(self, server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., message: _Optional[str] = ..., credited_samples: _Optional[int] = ..., credited_flops: _Optional[float] = ..., pending_samples: _Optional[int] = ..., data_slot: _Optional[int] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("public_key", "libp2p_peer_id", "weight", "offence")

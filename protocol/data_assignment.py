@@ -2,18 +2,21 @@
 
 The prepared training data is ``N`` sequences (``protocol.manifest``). The run has
 ``S = data.slots`` data streams; the coordinator gives each peer's GPUs their streams (a node
-of W GPUs holds W consecutive ones). In round ``r`` stream ``k`` trains *page* ``r x S + k``:
-``H x B`` consecutive positions of the run's data order (H inner steps of B sequences), so
+of W GPUs holds W consecutive ones). A round reads ``S`` *pages* of ``P = H x B`` sequences
+(H inner steps of B sequences), one per stream; an epoch is ``R = N // (S x P)`` whole
+rounds (the ``N - R x S x P`` sequences left over sit out that epoch, other ones each epoch).
+In round ``r`` (epoch ``e = r // R``, round ``q = r mod R`` of it) stream ``k`` trains
 
-    position(r, k, step, i) = ((r x S + k) x H + step) x B + i
-    sequence = permutation_e(position mod N),  e = position // N (the epoch)
+    position(r, k, step, i) = ((q x S + k) x H + step) x B + i        (< R x S x P <= N)
+    sequence = permutation_e(position)
 
 where ``permutation_e`` is a keyed pseudo-random permutation of ``[0, N)`` (a Feistel
 network over the next power of four, cycle-walked into range), keyed by the run's data seed
-and the epoch: each epoch visits every sequence once, in a fresh order, without storing the
-order anywhere. Distinct (round, stream, step, i) are distinct positions, hence distinct
-sequences within an epoch: no two streams train the same sequence in a round as long as a
-round's pages fit in one epoch (``S x H x B <= N``, checked when the task is built).
+and the epoch: each epoch visits each sequence at most once, in a fresh order, without
+storing the order anywhere. Within an epoch distinct (round, stream, step, i) are distinct
+positions, hence distinct sequences: no two streams ever train the same sequence in the
+same round, and no sequence is trained twice in an epoch. A round never straddles two
+epochs (whose orders are unrelated). It needs ``S x P <= N`` (checked when the task is built).
 
 Anyone holding the spec and the manifest recomputes who trained what from (run, round,
 stream): a peer reports the digest of the sequence ids it read (``ids_digest``); the
@@ -56,24 +59,33 @@ class DataAssignment:
         would be trained twice in one round."""
         return self.slots * self.page <= self.sequences
 
-    def position(self, round_: int, slot: int, step: int, index: int) -> int:
-        """The position in the run's data order of sample ``index`` of ``step`` (see module doc)."""
+    @property
+    def rounds_per_epoch(self) -> int:
+        """Whole rounds in an epoch (``R``; 0 when a round does not fit the data)."""
+        return self.sequences // (self.slots * self.page)
+
+    def position(self, round_: int, slot: int, step: int, index: int) -> tuple[int, int]:
+        """(epoch, position in that epoch's order) of sample ``index`` of ``step`` (module doc)."""
         if round_ < 0 or not 0 <= slot < self.slots or not 0 <= step < self.steps or not 0 <= index < self.batch:
             raise ValueError(f"no sample ({round_}, {slot}, {step}, {index}) in this assignment")
-        return ((round_ * self.slots + slot) * self.steps + step) * self.batch + index
-
-    def sequence(self, position: int) -> int:
-        """The training sequence at ``position`` of the run's data order."""
-        epoch, offset = divmod(position, self.sequences)
-        return permute(offset, self.sequences, key=(self.seed, epoch))
+        if not self.round_fits_epoch():
+            raise ValueError(
+                f"a round reads {self.slots * self.page} sequences, more than the {self.sequences} there are"
+            )
+        epoch, in_epoch = divmod(round_, self.rounds_per_epoch)
+        return epoch, ((in_epoch * self.slots + slot) * self.steps + step) * self.batch + index
 
     def batch_ids(self, round_: int, slot: int, step: int) -> list[int]:
         """The sequence ids of stream ``slot``'s batch at ``step`` of round ``round_``."""
-        return [self.sequence(self.position(round_, slot, step, i)) for i in range(self.batch)]
+        ids = []
+        for i in range(self.batch):
+            epoch, position = self.position(round_, slot, step, i)
+            ids.append(permute(position, self.sequences, key=(self.seed, epoch)))
+        return ids
 
     def epoch(self, round_: int) -> float:
         """The data order's position at the start of round ``round_``, in epochs."""
-        return round_ * self.slots * self.page / self.sequences
+        return round_ / self.rounds_per_epoch if self.rounds_per_epoch else 0.0
 
 
 def ids_digest(ids: Iterable[int]) -> str:

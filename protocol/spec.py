@@ -86,8 +86,19 @@ class CausalLMSection(_Section):
     released checkpoint's) that every peer starts from instead of a fresh init (a peer may keep
     it elsewhere: `swarmtrain peer --weights-dir`)."""
     weights: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
-    """The digest of those weights (`swarmtrain data weights-digest DIR` prints it); a peer
+    """The digest of those weights (`swarmtrain data weights DIR` prints it); a peer
     whose copy differs refuses to start."""
+
+    @field_validator("config")
+    @classmethod
+    def _config_is_the_model(cls, value: dict[str, int | float | bool | str]) -> dict[str, int | float | bool | str]:
+        owned = {"torch_dtype", "dtype", "attn_implementation", "_attn_implementation", "use_cache"} & value.keys()
+        if owned:
+            raise ValueError(
+                f"config may not set {sorted(owned)}: parameters are fp32 masters, attention is "
+                "task.causal_lm.attention, and training keeps no cache"
+            )
+        return value
 
     @model_validator(mode="after")
     def _weights_named(self) -> CausalLMSection:
@@ -379,6 +390,11 @@ class RunSpec(_Section):
         if self.data.source == "tokens" and self.rounds.inner_steps is None:
             raise ValueError(
                 "source = 'tokens' needs rounds.inner_steps: each stream's page of data per round is H steps long"
+            )
+        if self.inner.warmup_steps and self.rounds.inner_steps is None:
+            raise ValueError(
+                "inner.warmup_steps counts the swarm's steps (round x rounds.inner_steps + step): set "
+                "rounds.inner_steps, or warm up over schedule.warmup_tokens"
             )
         if lm is not None and self.inner.batch_size % lm.micro_batches:
             raise ValueError(

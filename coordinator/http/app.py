@@ -41,7 +41,7 @@ def create_app(
             now = clock()
             summary = core.health.summary(now)
             rounds = core.store.rounds(limit=1)
-            evaluated = next((r for r in core.store.rounds(limit=200) if r["validation_loss"] is not None), None)
+            evaluated = core.store.latest_validation()
             data = core.data_progress()
         kept = archiver.checkpoints() if archiver is not None else []
         latest_checkpoint = kept[0] if kept else None

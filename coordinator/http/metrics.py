@@ -32,7 +32,7 @@ def render_metrics(core: Coordinator, *, now: float) -> str:
     Counter("swarmtrain_credited_flops", "Compute granted as credit (FLOPs)", registry=registry).inc(
         sum(c["flops"] for c in credited.values())
     )
-    evaluated = next((r for r in core.store.rounds(limit=200) if r["validation_loss"] is not None), None)
+    evaluated = core.store.latest_validation()
     if evaluated is not None:
         Gauge(
             "swarmtrain_validation_loss", "Validation loss of the latest evaluated round's state", registry=registry

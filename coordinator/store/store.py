@@ -411,15 +411,29 @@ class Store:
         with self._read() as s:
             return {row.slot: row.peer_key for row in s.scalars(select(DataSlot))}
 
-    def assign_data_slots(self, *, peer_key: str, slots: list[int], now: float) -> None:
-        """Give ``slots`` to ``peer_key`` (taking them from whoever held them), in one transaction."""
+    def assign_data_slots(self, *, peer_key: str, slots: list[int], now: float, evicted: tuple[str, ...] = ()) -> None:
+        """Give ``slots`` to ``peer_key`` (taking them from whoever held them) and nothing else;
+        ``evicted`` peers lose every stream they held. One transaction."""
         with self._write() as s:
+            s.execute(delete(DataSlot).where(DataSlot.peer_key.in_((peer_key, *evicted)), DataSlot.slot.not_in(slots)))
             for slot in slots:
                 row = s.get(DataSlot, slot)
                 if row is None:
                     s.add(DataSlot(slot=slot, peer_key=peer_key, assigned_at=now))
                 else:
                     row.peer_key, row.assigned_at = peer_key, now
+
+    def release_data_slots(self, peer_key: str) -> None:
+        """``peer_key`` holds no data stream any more."""
+        with self._write() as s:
+            s.execute(delete(DataSlot).where(DataSlot.peer_key == peer_key))
+
+    def latest_validation(self) -> dict[str, Any] | None:
+        """The newest round with a validation loss (as in ``rounds``), or None."""
+        query = select(RoundRecord).where(RoundRecord.validation_loss.is_not(None))
+        with self._read() as s:
+            row = s.scalars(query.order_by(RoundRecord.round.desc()).limit(1)).first()
+            return _as_dict(row, _ROUND_FIELDS) if row is not None else None
 
     # --- rounds and swarm history -----------------------------------------------------------
 

@@ -52,7 +52,7 @@ def build_lm_model(lm: CausalLMSection, *, seed: int, weights_dir: str | Path | 
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"task.causal_lm.config: transformers refuses it ({exc})") from exc
     with torch.random.fork_rng(devices=[]):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention).float()
     if lm.weights is not None:
         _load_weights(model, lm, weights_dir)
     else:
@@ -94,6 +94,16 @@ def _load_weights(model: torch.nn.Module, lm: CausalLMSection, weights_dir: str 
         name for name, _ in model.named_parameters()
     }
     missing = [name for name in missing if name not in tied]
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        given = [state[name] for name in names if name in state]
+        if any(not torch.equal(given[0], other) for other in given[1:]):
+            raise ConfigError(
+                f"the weights in {directory} hold different {' and '.join(names)}, but the spec ties them "
+                "(set config.tie_word_embeddings = false to train them apart)"
+            )
     if missing or unexpected:
         raise ConfigError(
             f"the weights in {directory} do not fit the spec's {lm.architecture}: "
@@ -140,7 +150,11 @@ def build_causal_lm(
     evaluate = None
     if spec.eval.every_rounds and manifest.validation:
         val = TokenShards(directory, manifest, manifest.validation)
-        evaluate = functools.partial(eval_batches, val, batch_size=spec.inner.batch_size, n_batches=spec.eval.batches)
+        # in micro-batches, like training: no more activation memory than a training step
+        micro = spec.inner.batch_size // lm.micro_batches
+        evaluate = functools.partial(
+            eval_batches, val, batch_size=micro, n_batches=spec.eval.batches * lm.micro_batches
+        )
     elif spec.eval.every_rounds:
         logger.warning("the prepared data has no validation split: no validation loss")
     logger.info(

@@ -83,7 +83,8 @@ def split_rows(rows: torch.Tensor) -> Batch:
 
 class AssignedBatches:
     """The batches of data stream ``slot``: step ``step`` of round ``round_`` reads exactly
-    ``assignment.batch_ids(round_, slot, step)``. Remembers what each round read."""
+    ``assignment.batch_ids(round_, slot, step)``. Remembers what the last two rounds read
+    (for ``report``; the other ranks of a node never report, and keep no more)."""
 
     def __init__(self, shards: TokenShards, assignment: DataAssignment, slot: int) -> None:
         if not 0 <= slot < assignment.slots:
@@ -93,6 +94,9 @@ class AssignedBatches:
 
     def batch_at(self, round_: int, step: int) -> Batch:
         ids = self.assignment.batch_ids(round_, self.slot, step)
+        if round_ not in self._read:  # a new round: forget all but the one before (not reported yet)
+            for old in [r for r in self._read if r < round_ - 1]:
+                del self._read[old]
         self._read.setdefault(round_, []).extend(ids)
         return split_rows(self.shards.rows(ids))
 

@@ -140,3 +140,15 @@ def test_continued_pretraining_starts_every_peer_from_the_named_weights(tmp_path
     other = section("llama").model_copy(update={"weights_path": str(directory), "weights": digest})
     with pytest.raises(ConfigError, match="do not fit the spec's llama"):
         build_lm_model(other, seed=0)
+    untied = directory.parent / "untied"
+    untied.mkdir()
+    save_file({**tensors, "lm_head.weight": torch.zeros_like(tensors["model.embed_tokens.weight"])},
+              str(untied / "model.safetensors"))  # fmt: skip
+    split = base.model_copy(update={"weights_path": str(untied), "weights": weights_sha256(untied)})
+    with pytest.raises(ConfigError, match="hold different .* but the spec ties them"):
+        build_lm_model(split, seed=0)
+
+
+def test_a_config_may_not_change_precision_or_attention() -> None:
+    with pytest.raises(ValueError, match="config may not set \\['torch_dtype'\\]"):
+        CausalLMSection(architecture="llama", config={**CONFIGS["llama"], "torch_dtype": "bfloat16"}, seq_len=16)  # type: ignore[arg-type]

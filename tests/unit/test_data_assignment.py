@@ -43,6 +43,41 @@ def test_no_two_streams_share_a_sequence_in_a_round_and_an_epoch_covers_everythi
     assert next_epoch != [i for step in range(a.steps) for i in a.batch_ids(0, 0, step)]
 
 
+@given(
+    sequences=st.integers(1, 400),
+    slots=st.integers(1, 5),
+    steps=st.integers(1, 4),
+    batch=st.integers(1, 4),
+    rounds=st.integers(1, 12),
+)
+@settings(max_examples=60, deadline=None)
+def test_rounds_never_straddle_epochs_whatever_the_sizes(
+    sequences: int, slots: int, steps: int, batch: int, rounds: int
+) -> None:
+    a = DataAssignment(sequences=sequences, slots=slots, steps=steps, batch=batch, seed=3)
+    if not a.round_fits_epoch():
+        with pytest.raises(ValueError, match="more than the"):
+            a.batch_ids(0, 0, 0)
+        return
+    per_epoch: dict[int, list[int]] = {}
+    for round_ in range(rounds):
+        ids = [i for slot in range(slots) for step in range(steps) for i in a.batch_ids(round_, slot, step)]
+        assert len(ids) == len(set(ids))  # no two streams (or steps) share a sequence in a round
+        per_epoch.setdefault(round_ // a.rounds_per_epoch, []).extend(ids)
+    for ids in per_epoch.values():
+        assert len(ids) == len(set(ids))  # nor is any sequence trained twice in an epoch
+
+
+def test_the_collision_a_straddling_round_would_have() -> None:
+    # 10 sequences, 4 streams of 2: a round reads 8; the old order (epoch = position // N) put
+    # round 1's positions 8..15 across two epochs and gave streams 0 and 1 the same sequence
+    a = DataAssignment(sequences=10, slots=4, steps=1, batch=2, seed=0)
+    assert a.rounds_per_epoch == 1
+    for round_ in range(6):
+        ids = [i for slot in range(4) for i in a.batch_ids(round_, slot, 0)]
+        assert len(set(ids)) == 8
+
+
 def test_out_of_range_samples_and_bad_sizes_are_refused() -> None:
     a = DataAssignment(sequences=100, slots=2, steps=2, batch=4, seed=0)
     for bad in ((0, 2, 0, 0), (0, 0, 2, 0), (0, 0, 0, 4), (-1, 0, 0, 0)):

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
+from protocol.checkpoint import Checkpointer
 from protocol.modelsize import count_params
 from protocol.spec import parse_spec
 
@@ -112,7 +114,7 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     trainer.optimizer.state[next(trainer.model.parameters())]["exp_avg"] = torch.tensor(float("nan"))
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, done=2, samples=4, loss_sum=2.0))
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     vector, weight = swarm.launched[0]
     assert weight == NEGLIGIBLE_WEIGHT and bool((vector == 0).all())
     assert flight.samples == 0
@@ -130,7 +132,7 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     trainer, swarm = make_trainer(overlap=overlap)
     base = trainer.timeouts.matchmaking_s
     compute_s = 10 * base
-    trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, done=2, samples=4, loss_sum=2.0))
+    trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     (timeout,) = swarm.matchmaking_timeouts
     expected = compute_s if overlap else base
     assert timeout == pytest.approx(expected, rel=0.01)
@@ -140,7 +142,7 @@ def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     trainer, swarm = make_trainer(overlap=True)
     averaged = torch.full_like(trainer.state.params, 1e-3)
     swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, done=2, samples=4, loss_sum=2.0))
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
     trainer._finish(flight)
@@ -406,3 +408,22 @@ def test_the_digest_record_is_re_signed_while_a_long_round_runs(monkeypatch: Any
     trainer.run()  # 2 inner steps: re-signed at each, without computing a new digest
     steps = [p for p in swarm.published if p == {"round_": 0, "digest": digest}]
     assert len(steps) >= 2
+
+
+def test_a_failed_round_trains_again_on_new_pages_and_the_cursor_is_checkpointed(tmp_path: Path) -> None:
+    trainer, _swarm = make_trainer(overlap=True)
+    first = trainer._start_inner(ahead=False)
+    ahead = trainer._start_inner(ahead=True)  # round 0 averages while round 1's steps run
+    assert (first.round, first.data_round, ahead.round, ahead.data_round) == (0, 0, 1, 1)
+    # round 0 failed (the state stays at round 0): it is relaunched while the next steps run;
+    # they train for round 1 again (its learning rate) but read data round 2, never 1 again
+    again = trainer._start_inner(ahead=True)
+    assert (again.round, again.data_round) == (1, 2)
+    trainer.state.round = 7  # a re-sync jumped ahead: the data follows the swarm
+    assert trainer._start_inner(ahead=False).data_round == 7
+    trainer.checkpointer = Checkpointer(tmp_path, spec_digest=trainer.spec.digest())
+    trainer.save_checkpoint()
+    restarted, _ = make_trainer(overlap=True)
+    restarted.checkpointer = Checkpointer(tmp_path, spec_digest=trainer.spec.digest())
+    restarted._restore()
+    assert restarted._start_inner(ahead=False).data_round == 8
