@@ -18,6 +18,9 @@
 # installed ones. protobuf/grpcio/typing-extensions ARE carried because our generated stubs
 # (protocol/coordinator_pb2*.py) need protobuf>=7.35.1,<8 and grpcio>=1.85.1, and pydantic 2.14
 # needs typing-extensions>=4.16; pip upgrades the image's copies only where they fall short.
+# The same holds for transformers' requirements that an image may hold older copies of (idna,
+# filelock, fsspec, click, safetensors, ...: build_wheels.sh carries all of them but numpy,
+# PyYAML and packaging).
 # The repo itself is not pip-installed: a .pth file (and .device/env.sh, for PYTHONPATH) make
 # `import protocol, peer, swarmtrain` and `python3 -m swarmtrain` work.
 set -Eeuo pipefail
@@ -39,15 +42,22 @@ ls "$WHEELS"/hivemind-1.1.12-*.whl >/dev/null 2>&1 || die "no hivemind-1.1.12 wh
     || die "$PY is older than Python 3.11"
 "$PY" -m pip --version >/dev/null || die "$PY has no pip"
 
-# The same requirement strings as pyproject.toml, minus torch (pre-installed, never carried)
-# and the coordinator-only sqlalchemy/fastapi/uvicorn/prometheus-client (peers don't import them).
+# The same requirement strings as pyproject.toml, minus torch and numpy (pre-installed, never
+# carried), the coordinator-only sqlalchemy/fastapi/uvicorn/prometheus-client (peers don't import
+# them) and HF datasets (only `swarmtrain data prepare` of .jsonl/.parquet inputs imports it; with
+# pyarrow and pandas it is too big to carry). transformers/tokenizers: the causal_lm task and
+# `swarmtrain data tokenizer|prepare`; safetensors/huggingface-hub/regex come with transformers.
 REQS=(
     "hivemind==1.1.12"
     "grpcio>=1.85.1,<2"
     "grpcio-tools>=1.85.1,<2"
     "protobuf>=7.35.1,<8"
     "cryptography>=42"
+    "blake3>=1.0,<2"
     "pydantic>=2.6,<3"
+    "transformers>=5.0,<6"
+    "tokenizers>=0.22,<1"
+    "tqdm>=4.66,<5"
 )
 
 PIP_FLAGS=(--no-index --find-links "$WHEELS" --no-cache-dir --disable-pip-version-check
@@ -88,11 +98,15 @@ try:
 except ImportError:
     from pip._vendor.packaging.requirements import Requirement
 COORDINATOR_ONLY = {"sqlalchemy", "fastapi", "uvicorn", "prometheus-client"}
+NOT_CARRIED = {"datasets"}  # .jsonl/.parquet inputs of `swarmtrain data prepare` only
 deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 bad = []
 for spec in deps:
     req = Requirement(spec)
     if req.name.lower() in COORDINATOR_ONLY:
+        continue
+    if req.name.lower() in NOT_CARRIED:
+        print(f"  --  {req.name}: not carried (skipped)")
         continue
     try:
         have = md.version(req.name)
@@ -125,6 +139,17 @@ for m in (protocol, peer, swarmtrain):
 print("  protocol/peer/swarmtrain from", root, "; stubs import; p2pd at", p2pd)
 EOF
 )
+echo "== causal_lm check (transformers, tokenizers)"
+(cd "$ROOT" && HF_HUB_OFFLINE=1 "$PY" - <<'EOF'
+import tokenizers, transformers, safetensors.torch
+from transformers import AutoConfig, AutoModelForCausalLM
+import peer.task.causal_lm, swarmtrain.dataprep  # the task and `swarmtrain data` import cleanly
+cfg = AutoConfig.for_model("llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+print(f"  transformers {transformers.__version__}, tokenizers {tokenizers.__version__}: a tiny llama of {n} params builds")
+EOF
+) || die "transformers/tokenizers check failed"
 
 echo "== python -m swarmtrain --help"
 (cd "$ROOT" && "$PY" -m swarmtrain --help >/dev/null) || die "'$PY -m swarmtrain --help' failed"
