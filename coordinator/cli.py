@@ -54,6 +54,13 @@ def add_parser(commands: Any) -> None:
         help=f"gRPC requests per second from one source address, bursts of {DEFAULT_BURST:g} "
         f"(0: no limit; default: {DEFAULT_RATE:g})",
     )
+    parser.add_argument(
+        "--log-to",
+        action="append",
+        default=[],
+        metavar="KIND:WHERE",
+        help="also log the swarm's figures per round to tensorboard:DIR or wandb:PROJECT; repeatable",
+    )
     parser.set_defaults(run=run)
 
 
@@ -76,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:
             raise ConfigError(f"--operator {operator!r} is not a public id ({exc})") from exc
 
+    from protocol.experiment_log import parse_target
+
+    for target in args.log_to:
+        parse_target(target)
     load_spec(args.spec)  # fail with the spec's own errors before starting anything
     from coordinator.server import CoordinatorServer, ServerConfig
 
@@ -92,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             archive_keep=args.archive_keep,
             max_requests_per_source=args.max_requests_per_source,
             operators=tuple(args.operator),
+            log_to=tuple(args.log_to),
         )
     )
     server.start()

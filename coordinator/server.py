@@ -23,7 +23,7 @@ from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
-from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_to_server
+from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import task_params
@@ -64,6 +64,8 @@ class ServerConfig:
     """Public ids besides the coordinator's own key that may send admin requests."""
     max_requests_per_source: float = DEFAULT_RATE
     """gRPC requests per second from one source address (``coordinator.ratelimit``; 0: none)."""
+    log_to: tuple[str, ...] = ()
+    """Experiment trackers for the swarm's figures (``protocol.experiment_log``)."""
 
 
 class CoordinatorServer:
@@ -76,6 +78,9 @@ class CoordinatorServer:
         self.archive_off = ""
         self._revoked: set[str] = set()
         self._revoked_published_at = -float("inf")
+        self.experiment: Any = None
+        """``protocol.experiment_log.ExperimentLog`` of ``config.log_to`` (None without)."""
+        self._logged_round: int | None = None
 
     def start(self) -> None:
         from hivemind import DHT
@@ -127,9 +132,14 @@ class CoordinatorServer:
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
         rate = config.max_requests_per_source
         add_to_server(servicer, self.server, limiter=SourceLimiter(rate) if rate > 0 else None)
+        self.health = add_health_service(self.server)
         self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
+        if config.log_to:
+            from protocol.experiment_log import ExperimentLog
+
+            self.experiment = ExperimentLog(config.log_to, name=f"{self.core.spec.run.name}-coordinator")
         self.server.start()
         self.ticker = threading.Thread(target=self._tick_forever, daemon=True)
         self.ticker.start()
@@ -195,9 +205,33 @@ class CoordinatorServer:
                 with self.server_lock():
                     self.core.tick(now=time.time())
                     revoked = self.core.revoked_peers()
+                    figures = self._swarm_figures() if self.config.log_to else None
                 self._publish_revocations(revoked, now=time.time())
+                if figures is not None:
+                    self._log_figures(*figures)
             except Exception:
                 logger.exception("coordinator tick failed")
+
+    def _swarm_figures(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest decided round's figures and the swarm's now, once per round."""
+        rounds = self.core.store.rounds(limit=1)
+        if not rounds or rounds[0]["round"] == self._logged_round:
+            return None
+        latest = rounds[0]
+        self._logged_round = latest["round"]
+        summary = self.core.health.summary(time.time())
+        return latest["round"], {
+            "swarm/mean_loss": latest["mean_loss"],
+            "swarm/validation_loss": latest["validation_loss"],
+            "swarm/group_size": latest["group_size"],
+            "swarm/samples": latest["samples"],
+            "swarm/peers_online": summary.peers_online,
+            "swarm/samples_per_second": summary.samples_per_second,
+        }
+
+    def _log_figures(self, round_: int, figures: dict[str, Any]) -> None:
+        if self.experiment is not None:
+            self.experiment.scalars(round_, figures)
 
     def _publish_revocations(self, revoked: set[str], *, now: float, wait: bool = False) -> None:
         """Sign and store the revocation list when it changed or is due again (peers stop
@@ -221,6 +255,10 @@ class CoordinatorServer:
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.experiment is not None:
+            self.ticker.join(timeout=2 * TICK_S)
+            self.experiment.close()
+        self.health.enter_graceful_shutdown()  # health checks answer NOT_SERVING from here on
         self.http.should_exit = True
         self.http_thread.join(timeout=10)
         self.server.stop(grace=2).wait()

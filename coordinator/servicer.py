@@ -53,6 +53,19 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.Server, *, limiter
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
+def add_health_service(server: grpc.Server) -> Any:
+    """The standard ``grpc.health.v1.Health`` service (what container healthchecks, load
+    balancers and ``grpc_health_probe`` ask): SERVING for the server ("") and for the
+    coordinator's service, NOT_SERVING once the server shuts down. Returns its servicer."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", SERVICE):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
 def _parsing(
     handler: Callable[[Any, grpc.ServicerContext], Any], request_type: type[Message], limiter: SourceLimiter | None
 ) -> Callable[..., Any]:

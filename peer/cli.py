@@ -49,6 +49,14 @@ def add_parser(commands: Any) -> None:
         "endorsed by it, so one key may run many peers",
     )
     parser.add_argument("--metrics-file", type=Path, default=None, help="append one JSON object per round here")
+    parser.add_argument(
+        "--log-to",
+        action="append",
+        default=[],
+        metavar="KIND:WHERE",
+        help="also log each round's figures to tensorboard:DIR or wandb:PROJECT (offline unless "
+        "WANDB_MODE/WANDB_API_KEY say otherwise); repeatable",
+    )
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here; resume from them")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints (default: 1)")
     parser.add_argument(
@@ -121,6 +129,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
+    from protocol.experiment_log import parse_target
+
+    for target in args.log_to:
+        parse_target(target)
     if args.data_slot is not None and not 0 <= args.data_slot < 65536:
         raise ConfigError(f"--data-slot must be in 0..65535, got {args.data_slot}")
     if args.data_slot is not None and args.coordinator:
@@ -313,9 +325,13 @@ def run(args: argparse.Namespace) -> int:
         display = ProgressDisplay(credit=lambda: link.credit if link is not None else None)
         display.guard_logging()
         report = _reporter(args.metrics_file, display)
+        from protocol.experiment_log import ExperimentLog, peer_figures
+
+        experiment = ExperimentLog(args.log_to, name=f"{spec.run.name}-{identity.public_key.id[8:20]}")
 
         def on_round(metrics: dict[str, Any]) -> None:
             report(metrics)
+            experiment.scalars(int(metrics["round"]), peer_figures(metrics))
             if link is not None:
                 link.report(metrics)
 
@@ -325,6 +341,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             trainer.run()
         finally:
+            experiment.close()
             display.clear()
             if local_node is not None:
                 with contextlib.suppress(Exception):  # a lost rank: the launcher names it

@@ -11,7 +11,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.store import Store
@@ -111,6 +113,9 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         )
         assert table.returncode == 0 and "archive every " in table.stdout, table.stdout + table.stderr
         check_http(coordinator.http(), peers=3)
+        with grpc.insecure_channel(address) as channel:  # the standard health check, as a container asks it
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
         store.close()
     finally:
         for peer in peers:

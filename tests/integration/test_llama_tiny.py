@@ -8,7 +8,9 @@
   (peers' metrics, the coordinator's status and /metrics);
 - every round each peer trained on the sequences its data stream is assigned, recomputed here
   from (run, round, stream), and no sequence was trained by two peers in the same round;
-- peers whose tokenizer or data differ from the run's are refused with one line naming it.
+- peers whose tokenizer or data differ from the run's are refused with one line naming it;
+- a peer and the coordinator log their figures to TensorBoard (`--log-to`), read back with
+  tensorboard's own reader (issue #16).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from peer.task.data import stdlib_files
 from protocol.data_assignment import DataAssignment, ids_digest
@@ -77,12 +80,13 @@ def peer_args(address: str, key: Path, *extra: str) -> list[str]:
 def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]) -> None:
     tmp, spec_file = run_dir["tmp"], run_dir["spec"]
     spec = load_spec(spec_file)
-    coordinator = LocalCoordinator(spec_file, tmp / "state")
+    coordinator = LocalCoordinator(spec_file, tmp / "state", extra=["--log-to", f"tensorboard:{tmp / 'tb-swarm'}"])
     peers: list[LocalPeer] = []
     try:
         address = coordinator.address()
         for i in range(3):
-            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}"), tmp, f"peer{i}"))
+            logged = ["--log-to", f"tensorboard:{tmp / 'tb-peer0'}"] if i == 0 else []
+            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged), tmp, f"peer{i}"))
         for peer in peers:
             assert peer.wait(timeout=600) == 0, "\n".join(peer.lines[-30:])
         rows = {peer.name: [r for r in peer.rounds() if r["averaged"]] for peer in peers}
@@ -154,6 +158,23 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         assert re.search(
             r"^data [\d,]+ tokens trained, epoch \d\.\d{3}, \d of 4 data streams held$", table.stdout, re.MULTILINE
         )
+
+        # TensorBoard: the peer's round figures and the coordinator's swarm figures, read back
+        # with tensorboard's own reader
+        peer_events = EventAccumulator(str(tmp / "tb-peer0"))
+        peer_events.Reload()
+        losses = [e.value for e in peer_events.Scalars("peer/loss")]
+        assert len(losses) == len(rows["peer0"]) and losses == pytest.approx([r["loss"] for r in rows["peer0"]])
+        assert {"peer/val_loss", "peer/samples_per_s", "peer/allreduce_s", "peer/lr"} <= set(
+            peer_events.Tags()["scalars"]
+        )
+        swarm_events = EventAccumulator(str(tmp / "tb-swarm"))
+        wait_until(
+            lambda: swarm_events.Reload() and "swarm/validation_loss" in swarm_events.Tags()["scalars"],
+            60,
+            "the coordinator's TensorBoard figures",
+        )
+        assert {"swarm/mean_loss", "swarm/peers_online", "swarm/samples"} <= set(swarm_events.Tags()["scalars"])
 
         # peers whose data differs from the run's are refused, with one line naming the mismatch
         files = run_dir["files"]
