@@ -17,12 +17,13 @@ from typing import Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, PlainTextResponse
+from prometheus_client import generate_latest
 
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.credits import OFFENCE
 from coordinator.http import schemas
-from coordinator.http.metrics import render_metrics
+from coordinator.http.metrics import metrics_registry
 from protocol.identity import PublicKey
 
 
@@ -114,10 +115,16 @@ def create_app(
         with lock:
             return core.store.samples(since=clock() - seconds)
 
+    def archive_round() -> tuple[int | None, float | None]:
+        kept = archiver.checkpoints() if archiver is not None else []
+        return (kept[0].round, kept[0].archived_at) if kept else (None, None)
+
+    registry = metrics_registry(core, clock, archive_round=archive_round if archiver is not None else None)
+
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> PlainTextResponse:
         with lock:
-            text = render_metrics(core, now=clock())
+            text = generate_latest(registry).decode()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", response_class=HTMLResponse)

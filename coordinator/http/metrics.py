@@ -1,46 +1,118 @@
-"""Prometheus text exposition of the swarm's figures (bounded label sets only)."""
+"""Prometheus exposition of the swarm's figures (bounded label sets only).
+
+One ``SwarmCollector`` is registered in one registry for the coordinator's life
+(``metrics_registry``): every scrape reads the core and the store at that moment, and the
+counters keep one ``_created`` time (the coordinator's start), so ``rate()`` and
+``increase()`` work across scrapes. Counters are the raw totals (``_total``); rates are
+Prometheus's to compute.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from coordinator.core import Coordinator
 
 
-def render_metrics(core: Coordinator, *, now: float) -> str:
-    """A fresh registry per scrape: every value is read from the core and the store now."""
-    registry = CollectorRegistry()
-    summary = core.health.summary(now)
-    rounds = core.store.rounds(limit=1)
-    Gauge("swarmtrain_peers_online", "Peers with a recent heartbeat", registry=registry).set(summary.peers_online)
-    Gauge("swarmtrain_swarm_samples_per_second", "Sum of online peers' throughput", registry=registry).set(
-        summary.samples_per_second
-    )
-    Gauge("swarmtrain_round", "Latest finalized round", registry=registry).set(rounds[0]["round"] if rounds else 0)
-    states = Gauge("swarmtrain_peers", "Peers by health state", ["state"], registry=registry)
-    for peer in core.health.peers():
-        states.labels(state=peer.state.value).inc()
-    Gauge(
-        "swarmtrain_peers_flagged",
-        "Peers their groups' robust averaging named in several of their recent claims",
-        registry=registry,
-    ).set(core.health.flagged())
-    credited = core.store.credits_by_peer()
-    Counter("swarmtrain_credited_samples", "Samples granted as credit", registry=registry).inc(
-        sum(c["samples"] for c in credited.values())
-    )
-    Counter("swarmtrain_credited_flops", "Compute granted as credit (FLOPs)", registry=registry).inc(
-        sum(c["flops"] for c in credited.values())
-    )
-    evaluated = core.store.latest_validation()
-    if evaluated is not None:
-        Gauge(
-            "swarmtrain_validation_loss", "Validation loss of the latest evaluated round's state", registry=registry
-        ).set(evaluated["validation_loss"])
-    data = core.data_progress()
-    if data is not None:
-        Counter("swarmtrain_tokens_trained", "Tokens of granted samples (token runs)", registry=registry).inc(
-            data["tokens_trained"]
+class SwarmCollector(Collector):
+    """The swarm's figures, read from ``core`` at each scrape (call it under the core's lock)."""
+
+    def __init__(
+        self,
+        core: Coordinator,
+        clock: Callable[[], float] = time.time,
+        *,
+        archive_round: Callable[[], tuple[int | None, float | None]] | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        self.core, self.clock = core, clock
+        self.archive_round = archive_round
+        """The newest archived round and when it was archived (None, None without an archive)."""
+        self.started_at = clock() if started_at is None else started_at
+
+    def collect(self) -> Iterator[Metric]:
+        core, now = self.core, self.clock()
+        summary = core.health.summary(now)
+        rounds = core.store.rounds(limit=1)
+        latest = rounds[0] if rounds else None
+        yield _gauge("swarmtrain_peers_online", "Peers with a recent heartbeat", summary.peers_online)
+        yield _gauge(
+            "swarmtrain_swarm_samples_per_second", "Sum of online peers' throughput", summary.samples_per_second
         )
-        Gauge("swarmtrain_data_epoch", "The data order's position, in epochs", registry=registry).set(data["epoch"])
-    return generate_latest(registry).decode()
+        yield _gauge("swarmtrain_round", "Latest finalized round", latest["round"] if latest else 0)
+        states = GaugeMetricFamily("swarmtrain_peers", "Peers by health state", labels=["state"])
+        counts: dict[str, int] = {}
+        for peer in core.health.peers():
+            counts[peer.state.value] = counts.get(peer.state.value, 0) + 1
+        for state, count in sorted(counts.items()):
+            states.add_metric([state], count)
+        yield states
+        yield _gauge(
+            "swarmtrain_peers_flagged",
+            "Peers their groups' robust averaging named in several of their recent claims",
+            core.health.flagged(),
+        )
+        credited = core.store.credits_by_peer()
+        yield self._counter(
+            "swarmtrain_credited_samples", "Samples granted as credit", sum(c["samples"] for c in credited.values())
+        )
+        yield self._counter(
+            "swarmtrain_credited_flops", "Compute granted as credit (FLOPs)", sum(c["flops"] for c in credited.values())
+        )
+        claims = CounterMetricFamily("swarmtrain_claims", "Round claims decided, by outcome", labels=["status"])
+        decided = core.store.claim_counts()
+        for status in ("granted", "denied"):
+            claims.add_metric([status], decided.get(status, 0), created=self.started_at)
+        yield claims
+        yield _gauge("swarmtrain_claims_pending", "Round claims not decided yet", decided.get("pending", 0))
+        if latest is not None:
+            yield _gauge("swarmtrain_round_group_size", "Reports of the latest finalized round", latest["group_size"])
+            yield _gauge("swarmtrain_round_samples", "Samples granted in the latest finalized round", latest["samples"])
+            if latest["mean_loss"] is not None:
+                yield _gauge("swarmtrain_round_loss", "Mean training loss its reporters stated", latest["mean_loss"])
+        evaluated = core.store.latest_validation()
+        if evaluated is not None:
+            yield _gauge(
+                "swarmtrain_validation_loss", "Validation loss of the latest evaluated round's state",
+                evaluated["validation_loss"],
+            )  # fmt: skip
+        data = core.data_progress()
+        if data is not None:
+            yield self._counter(
+                "swarmtrain_tokens_trained", "Tokens of granted samples (token runs)", data["tokens_trained"]
+            )
+            yield _gauge("swarmtrain_data_epoch", "The data order's position, in epochs", data["epoch"])
+            yield _gauge("swarmtrain_data_streams_held", "Data streams held by live peers", data["slots_held"])
+        if self.archive_round is not None:
+            archived, at = self.archive_round()
+            if archived is not None:
+                yield _gauge("swarmtrain_archive_round", "Newest round in the coordinator's archive", archived)
+            if at is not None:
+                yield _gauge("swarmtrain_archive_age_seconds", "Seconds since the newest archived checkpoint", now - at)
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, documentation)
+        family.add_metric([], value, created=self.started_at)
+        return family
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def metrics_registry(core: Coordinator, clock: Callable[[], float] = time.time, **kwargs: Any) -> CollectorRegistry:
+    """The coordinator's one registry: ``SwarmCollector`` of ``core``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SwarmCollector(core, clock, **kwargs))
+    return registry
+
+
+def render_metrics(core: Coordinator, *, now: float) -> str:
+    """One exposition of ``core``'s figures at ``now`` (a registry of its own: tests, tools)."""
+    return generate_latest(metrics_registry(core, lambda: now, started_at=now)).decode()

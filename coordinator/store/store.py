@@ -423,6 +423,12 @@ class Store:
                 else:
                     row.peer_key, row.assigned_at = peer_key, now
 
+    def claim_counts(self) -> dict[str, int]:
+        """How many claims are pending, granted and denied."""
+        query = select(Claim.status, func.count()).group_by(Claim.status)
+        with self._read() as s:
+            return {str(status): int(count) for status, count in s.execute(query)}
+
     def release_data_slots(self, peer_key: str) -> None:
         """``peer_key`` holds no data stream any more."""
         with self._write() as s:
