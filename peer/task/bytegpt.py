@@ -11,14 +11,11 @@ so all replicas of a run start bit-identical without downloading anything.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peer.task.base import generator
-from peer.task.portable_init import portable_normal_
+from peer.task.portable_init import portable_init_
 from protocol.modelsize import VOCAB_SIZE, count_params, flops_per_sample  # noqa: F401 - re-exported
 from protocol.spec import ModelSection
 
@@ -92,29 +89,11 @@ class ByteGPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """GPT-2 initialisation, a pure function of ``seed`` (never the global RNG):
-        weights ~N(0, 0.02²) (see ``portable_normal_``), residual output projections
-        scaled by 1/sqrt(2·n_layers), biases 0, LayerNorm scale 1. Every parameter is
-        set (the model may come from ``to_empty``); modules go in registration order."""
-        gen = generator(seed)
-        resid_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
-        done = 0
-        for name, module in self.named_modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-                done += 2
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                std = resid_std if name.endswith(".proj") else INIT_STD
-                portable_normal_(module.weight, std, gen)
-                done += 1
-                bias = getattr(module, "bias", None)
-                if isinstance(bias, torch.Tensor):
-                    bias.zero_()
-                    done += 1
-        assert done == len(list(self.parameters())), "a parameter was left uninitialised"
+        """GPT-2 initialisation, a pure function of ``seed`` (never the global RNG), through
+        ``peer.task.portable_init``: weights ~N(0, 0.02²), residual output projections
+        (``.proj``) scaled by 1/sqrt(2·n_layers), biases 0, LayerNorm scale 1."""
+        portable_init_(self, std=INIT_STD, seed=seed, scaled=(".proj",), layers=self.cfg.n_layers)
 
 
 def build_model(cfg: ModelSection, *, seed: int, device: str = "cpu") -> ByteGPT:

@@ -43,7 +43,7 @@ def portable_normal_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> 
 
 def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__
-    return isinstance(module, nn.LayerNorm) or name.endswith(("RMSNorm", "LayerNorm", "Norm"))
+    return isinstance(module, nn.LayerNorm) or name.endswith("Norm")  # LayerNorm, LlamaRMSNorm, ...
 
 
 def _is_projection(module: nn.Module) -> bool:
