@@ -53,6 +53,8 @@ HISTORY_KEEP_S = 24 * 3600.0
 ``/api/v1/history`` serves (the dashboard's charts ask for the last hour)."""
 PRUNE_EVERY_S = 300.0
 """``tick`` deletes samples older than ``history_keep_s`` at most this often."""
+OUT_OF_SYNC_ROUNDS = 500
+"""``out_of_sync`` judges peers by the agreed digests of this many newest finalized rounds."""
 
 
 class Coordinator:
@@ -225,6 +227,8 @@ class Coordinator:
             samples_per_second=min(body.samples_per_second, self.spec.credits.max_samples_per_second),
             samples_total=body.samples_total,
             loss=body.loss if math.isfinite(body.loss) else None,
+            state_digest=body.state_digest,
+            rounds_failed=body.rounds_failed,
         )
         if self.data_slots is not None:
             if body.phase == pb.PEER_PHASE_LEAVING:
@@ -294,6 +298,9 @@ class Coordinator:
             self.ledger.add(claim)
             self._last_report_at[peer.id] = now
             self._credit_moved(peer.id, pending=body.samples)
+            self.health.record_report(
+                peer.id, allreduce_s=body.allreduce_s, bytes_sent=body.bytes_sent, bytes_received=body.bytes_received
+            )
         if recorded and math.isfinite(body.loss):
             self._losses.setdefault(body.round, []).append(body.loss)
         if recorded and body.HasField("data"):
@@ -396,6 +403,21 @@ class Coordinator:
             "slots": self.spec.data.slots,
             "slots_held": len(self.data_slots.holders()),
         }
+
+    def out_of_sync(self, now: float) -> list[str]:
+        """Keys of the online peers out of sync at ``now``: those whose latest heartbeat names
+        a state (round and digest) of a round the coordinator finalized with an agreed digest
+        (``Store.rounds``, one of the newest ``OUT_OF_SYNC_ROUNDS``), and another digest than
+        that one. A peer at a round not finalized yet, or one that ended in a tie, is not
+        judged. A peer says its state after each round it completes, so one that re-synced
+        since counts until its next round lands."""
+        peers = [p for p in self.health.online(now) if p.state_digest]
+        if not peers:
+            return []
+        agreed = {
+            r["round"]: r["state_digest"] for r in self.store.rounds(limit=OUT_OF_SYNC_ROUNDS) if r["state_digest"]
+        }
+        return [p.key for p in peers if agreed.get(p.round, p.state_digest) != p.state_digest]
 
     # --- helpers ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ and rejected with a ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import math
@@ -93,6 +94,21 @@ class PeerHealth:
     recent_claims: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CLAIMS))
     """Its last decided claims, newest last: True where its group's robust averaging named it
     (the claim was denied for it)."""
+    state_digest: str = ""
+    """The digest of its state at ``round``, as its latest heartbeat said ("" before its first
+    round)."""
+    rounds_failed: int | None = None
+    """Rounds whose averaging failed since the peer's process started, as its latest heartbeat
+    said (None before its first heartbeat)."""
+    allreduce_s: float | None = None
+    """Seconds the all-reduce of its latest recorded round report took (None before one)."""
+    bytes_sent: int = 0
+    """Bytes its recorded round reports said it sent in all-reduces, summed since
+    ``counted_since`` (re-joins keep the sums and the failed rounds)."""
+    bytes_received: int = 0
+    """Bytes its recorded round reports said it received, summed like ``bytes_sent``."""
+    counted_since: float = 0.0
+    """When this tracker first saw the key: the start of ``bytes_sent``/``bytes_received``."""
 
     @property
     def offences(self) -> int:
@@ -178,6 +194,7 @@ class HealthTracker:
         self._lock = threading.RLock()
         self._peers: dict[str, PeerHealth] = {}
         self._swarm_round_cache: int | None = None
+        self._rounds_failed_total = 0
 
     @_locked
     def join(
@@ -203,8 +220,12 @@ class HealthTracker:
             local_ranks=local_ranks,
         )
         old = self._peers.get(key)
+        peer.counted_since = now
         if old is not None:
             peer.last_seen = max(now, old.last_seen)
+            # the same key's traffic and failures go on counting (a token renewal re-joins)
+            peer.counted_since, peer.rounds_failed = old.counted_since, old.rounds_failed
+            peer.bytes_sent, peer.bytes_received, peer.allreduce_s = old.bytes_sent, old.bytes_received, old.allreduce_s
         self._peers[key] = peer
         self._swarm_round_cache = None
         logger.info("peer %s joined (%s)", key, "re-join" if old is not None else "new")
@@ -221,16 +242,29 @@ class HealthTracker:
         samples_per_second: float,
         samples_total: int,
         loss: float | None,
+        state_digest: str = "",
+        rounds_failed: int | None = None,
     ) -> PeerHealth:
         """Apply a heartbeat's figures and phase; ``UnknownPeerError`` for an unknown key,
-        ``ValueError`` naming the field for a malformed value (nothing is changed then)."""
+        ``ValueError`` naming the field for a malformed value (nothing is changed then).
+
+        ``rounds_failed`` is the peer's own running count (None: not said, kept as it was).
+        The swarm's total (``rounds_failed_total``) grows by what it rose since the key's
+        previous heartbeat, or by all of it when it fell (the peer restarted); a key's first
+        heartbeat only sets where its count starts (after a coordinator restart, the rounds a
+        peer failed before are not counted again)."""
         _check_time(now)
-        _check_heartbeat(round, phase, samples_per_second, samples_total, loss)
+        _check_heartbeat(round, phase, samples_per_second, samples_total, loss, state_digest, rounds_failed)
         peer = self._peers.get(key)
         if peer is None:
             raise UnknownPeerError(f"heartbeat from unknown peer {key!r}: join first")
+        if rounds_failed is not None:
+            previous = peer.rounds_failed
+            if previous is not None:
+                self._rounds_failed_total += rounds_failed - previous if rounds_failed >= previous else rounds_failed
+            peer.rounds_failed = int(rounds_failed)
         peer.last_seen = max(peer.last_seen, now)
-        peer.round, peer.phase, peer.loss = int(round), phase, loss
+        peer.round, peer.phase, peer.loss, peer.state_digest = int(round), phase, loss, state_digest
         peer.samples_per_second, peer.samples_total = float(samples_per_second), int(samples_total)
         swarm_round = max(self._swarm_round(), peer.round)
         self._swarm_round_cache = swarm_round
@@ -256,6 +290,27 @@ class HealthTracker:
             if peer.state not in _SILENT:
                 changes.append(self._set(peer, self._target_state(peer, swarm_round)))
         return [c for c in changes if c[1] != c[2]]
+
+    @_locked
+    def record_report(self, key: str, *, allreduce_s: float, bytes_sent: int, bytes_received: int) -> None:
+        """A round report of ``key`` was recorded: keep its all-reduce time, add its bytes
+        (``ValueError`` naming the field for a malformed value, nothing changed then; an
+        unknown key is a no-op)."""
+        if not _is_number(allreduce_s) or not math.isfinite(allreduce_s) or allreduce_s < 0:
+            raise ValueError(f"round report allreduce_s must be finite and >= 0, got {allreduce_s!r}")
+        for name, value in (("bytes_sent", bytes_sent), ("bytes_received", bytes_received)):
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"round report {name} must be a non-negative integer, got {value!r}")
+        peer = self._peers.get(key)
+        if peer is not None:
+            peer.allreduce_s = float(allreduce_s)
+            peer.bytes_sent += bytes_sent
+            peer.bytes_received += bytes_received
+
+    @_locked
+    def rounds_failed_total(self) -> int:
+        """Rounds the peers said failed since this tracker started (see ``heartbeat``)."""
+        return self._rounds_failed_total
 
     @_locked
     def record_claim(self, key: str, *, offence: bool) -> None:
@@ -286,13 +341,18 @@ class HealthTracker:
         return self._peers.get(key)
 
     @_locked
+    def online(self, now: float) -> list[PeerHealth]:
+        """Copies of the peers online at ``now`` (as ``summary`` counts them), sorted by key:
+        each one whole as of one moment, whatever heartbeats arrive meanwhile."""
+        _check_time(now)
+        return [copy.copy(p) for p in self._sorted() if self._online(p, now)]
+
+    @_locked
     def summary(self, now: float) -> SwarmSummary:
         """Figures as of ``now``; a peer silent past the unreachable limit counts as not
         online even before the next ``tick`` records it. Changes nothing."""
         _check_time(now)
-        online = [
-            p for p in self._peers.values() if p.state not in _SILENT and now - p.last_seen <= self.config.unreachable_s
-        ]
+        online = [p for p in self._peers.values() if self._online(p, now)]
         return SwarmSummary(
             peers_online=len(online),
             samples_per_second=sum(p.samples_per_second for p in online),
@@ -303,6 +363,9 @@ class HealthTracker:
 
     def _sorted(self) -> list[PeerHealth]:
         return [self._peers[k] for k in sorted(self._peers)]
+
+    def _online(self, peer: PeerHealth, now: float) -> bool:
+        return peer.state not in _SILENT and now - peer.last_seen <= self.config.unreachable_s
 
     def _swarm_round(self) -> int:
         """The highest round a live peer is at: recomputed at each tick, join and removal, and
@@ -333,7 +396,15 @@ def _check_time(now: float) -> None:
         raise ValueError(f"now must be a finite number of seconds, got {now!r}")
 
 
-def _check_heartbeat(round: int, phase: str, samples_per_second: float, samples_total: int, loss: float | None) -> None:
+def _check_heartbeat(
+    round: int,
+    phase: str,
+    samples_per_second: float,
+    samples_total: int,
+    loss: float | None,
+    state_digest: str = "",
+    rounds_failed: int | None = None,
+) -> None:
     """Raise ``ValueError`` naming the first malformed field of a heartbeat."""
     if not _is_int(round) or round < 0:
         raise ValueError(f"heartbeat round must be a non-negative integer, got {round!r}")
@@ -345,6 +416,10 @@ def _check_heartbeat(round: int, phase: str, samples_per_second: float, samples_
         raise ValueError(f"heartbeat samples_total must be a non-negative integer, got {samples_total!r}")
     if loss is not None and (not _is_number(loss) or not math.isfinite(loss)):
         raise ValueError(f"heartbeat loss must be finite or absent, got {loss!r}")
+    if not isinstance(state_digest, str):
+        raise ValueError(f"heartbeat state_digest must be a string, got {state_digest!r}")
+    if rounds_failed is not None and (not _is_int(rounds_failed) or rounds_failed < 0):
+        raise ValueError(f"heartbeat rounds_failed must be a non-negative integer, got {rounds_failed!r}")
 
 
 def _is_int(value: object) -> bool:

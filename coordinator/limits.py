@@ -64,6 +64,7 @@ def check_report(body: pb.RoundReportBody) -> None:
     _check_range("round report wait_s", body.wait_s, 0, MAX_SECONDS)
     _check_range("round report bytes_sent", body.bytes_sent, 0, MAX_BYTES)
     _check_range("round report bytes_received", body.bytes_received, 0, MAX_BYTES)
+    _check_range("round report allreduce_s", body.allreduce_s, 0, MAX_SECONDS)
     if math.isinf(body.loss):
         raise MalformedMessageError(f"round report loss must be finite or NaN, got {body.loss!r}")
     check_text("round report state_digest", body.state_digest)
@@ -88,6 +89,7 @@ def check_heartbeat(body: pb.HeartbeatBody) -> None:
     _check_range("heartbeat round", body.round, 0, MAX_ROUND)
     _check_range("heartbeat samples_total", body.samples_total, 0, 2**62)
     _check_range("heartbeat samples_per_second", body.samples_per_second, 0, 1e12)
+    _check_range("heartbeat rounds_failed", body.rounds_failed, 0, MAX_ROUND)
     check_text("heartbeat state_digest", body.state_digest)
 
 

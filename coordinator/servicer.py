@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from coordinator.core import Coordinator
+from coordinator.probe import ProbeLimitError, Prober
 from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
@@ -96,6 +97,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         archive: Callable[[], tuple[int | None, str]] | None = None,
     ) -> None:
         self.core = core
+        self.prober = Prober(
+            spec_toml=core.spec_toml, spec_digest=core.digest, bootstrap_maddrs=lambda: list(core.bootstrap_maddrs)
+        )
+        """Answers ``swarmtrain doctor``'s probes (from the core's fixed fields: no lock)."""
         self.clock = clock
         self.archive = archive
         """Returns (newest archived round or None, a line saying how the archive runs)."""
@@ -122,6 +127,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Admin(self, request: pb.AdminRequest, context: grpc.ServicerContext) -> pb.AdminResponse:
         return self._call(context, lambda now: self.core.admin(request.signed, now=now))
+
+    def Probe(self, request: pb.ProbeRequest, context: grpc.ServicerContext) -> pb.ProbeResponse:
+        source = source_host(context.peer())
+        # outside the lock: reads nothing the core changes, and a dial-back may take seconds
+        try:
+            return self.prober.answer(request, source=source)
+        except ProbeLimitError as exc:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, exc)
+        except MalformedMessageError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        raise AssertionError("unreachable")
 
     def _call(self, context: grpc.ServicerContext, handler: Callable[[float], T], *, locked: bool = True) -> T:
         try:

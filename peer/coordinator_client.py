@@ -189,12 +189,19 @@ class CoordinatorLink(threading.Thread):
         self.connected = False
         self.credit: Credit | None = None
         """This peer's credit as the coordinator's last heartbeat answer had it."""
+        self.rounds_failed = 0
+        """Rounds whose averaging failed since this peer started (metrics rows with
+        ``averaged`` false), said in every heartbeat."""
         self._flush_lock = threading.Lock()
         self.phase_of: Callable[[], str] = lambda: "training"
         """The trainer's phase (``peer.trainer.Phase`` value), read at each heartbeat."""
 
     def report(self, metrics: dict[str, Any]) -> None:
-        """Queue a round report from a trainer metrics row; update the heartbeat figures."""
+        """Queue a round report from a trainer metrics row; update the heartbeat figures (a
+        failed round is not reported: it counts in the heartbeats' ``rounds_failed``)."""
+        averaged = bool(metrics.get("averaged"))
+        if not averaged:
+            self.rounds_failed += 1
         self.status = pb.HeartbeatBody(
             round=metrics["round"],
             phase=pb.PEER_PHASE_TRAINING,
@@ -202,8 +209,9 @@ class CoordinatorLink(threading.Thread):
             samples_total=self.status.samples_total + metrics["samples"],
             loss=metrics["loss"],
             state_digest=metrics["state_digest"],
+            rounds_failed=self.rounds_failed,
         )
-        if not metrics.get("averaged"):
+        if not averaged:
             return
         offenders = metrics.get("offenders", {})
         group = [
@@ -225,6 +233,7 @@ class CoordinatorLink(threading.Thread):
             wait_s=metrics["wait_s"],
             bytes_sent=metrics["bytes_sent"],
             bytes_received=metrics["bytes_received"],
+            allreduce_s=_seconds(metrics.get("allreduce_s", 0.0)),
         )
         val_loss = metrics.get("val_loss")
         if isinstance(val_loss, float) and math.isfinite(val_loss):
@@ -315,12 +324,23 @@ class CoordinatorLink(threading.Thread):
         """Send what is queued and say we leave (best effort, bounded by the RPC timeouts)."""
         self.stopping.set()
         self.join(timeout=2 * RPC_TIMEOUT_S)
-        self.status = pb.HeartbeatBody(round=self.status.round, phase=pb.PEER_PHASE_LEAVING)
+        self.status = pb.HeartbeatBody(
+            round=self.status.round, phase=pb.PEER_PHASE_LEAVING, rounds_failed=self.rounds_failed
+        )
         try:
             self._flush_reports()
             self._note_credit(self.client.heartbeat(self.status))
         except SwarmtrainError as exc:
             logger.info("could not tell the coordinator we leave: %s", exc)
+
+
+def _seconds(value: object) -> float:
+    """A duration as a report may carry it: finite, >= 0 (the coordinator refuses others)."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
 
 
 def _renewal_time(token: bytes) -> float:

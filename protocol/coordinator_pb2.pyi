@@ -145,20 +145,22 @@ class JoinResponse(_message.Message):
     def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ...) -> None: ...
 
 class HeartbeatBody(_message.Message):
-    __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest")
+    __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest", "rounds_failed")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
     round: int
     phase: PeerPhase
     samples_per_second: float
     samples_total: int
     loss: float
     state_digest: str
-    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[PeerPhase, str]] = ..., samples_per_second: _Optional[float] = ..., samples_total: _Optional[int] = ..., loss: _Optional[float] = ..., state_digest: _Optional[str] = ...) -> None: ...
+    rounds_failed: int
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[PeerPhase, str]] = ..., samples_per_second: _Optional[float] = ..., samples_total: _Optional[int] = ..., loss: _Optional[float] = ..., state_digest: _Optional[str] = ..., rounds_failed: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("signed",)
@@ -199,7 +201,7 @@ class GroupMember(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., weight: _Optional[float] = ..., offence: _Optional[str] = ...) -> None: ...
 
 class RoundReportBody(_message.Message):
-    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received", "validation_loss", "data")
+    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received", "validation_loss", "data", "allreduce_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +213,7 @@ class RoundReportBody(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     samples: int
     loss: float
@@ -222,7 +225,8 @@ class RoundReportBody(_message.Message):
     bytes_received: int
     validation_loss: float
     data: DataRead
-    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., validation_loss: _Optional[float] = ..., data: _Optional[_Union[DataRead, _Mapping]] = ...) -> None: ...
+    allreduce_s: float
+    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., validation_loss: _Optional[float] = ..., data: _Optional[_Union[DataRead, _Mapping]] = ..., allreduce_s: _Optional[float] = ...) -> None: ...
 
 class DataRead(_message.Message):
     __slots__ = ("round", "slot", "steps", "ids_digest", "epoch")
@@ -357,3 +361,39 @@ class AdminResponse(_message.Message):
     allowlist: _containers.RepeatedScalarFieldContainer[str]
     bans: _containers.RepeatedCompositeFieldContainer[BanEntry]
     def __init__(self, message: _Optional[str] = ..., admission_mode: _Optional[str] = ..., allowlist: _Optional[_Iterable[str]] = ..., bans: _Optional[_Iterable[_Union[BanEntry, _Mapping]]] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("dial_back_port", "payload", "download_bytes")
+    DIAL_BACK_PORT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    dial_back_port: int
+    payload: bytes
+    download_bytes: int
+    def __init__(self, dial_back_port: _Optional[int] = ..., payload: _Optional[bytes] = ..., download_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload")
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_MADDRS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_HOST_FIELD_NUMBER: _ClassVar[int]
+    DIALED_FIELD_NUMBER: _ClassVar[int]
+    DIAL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DIAL_GREETING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    server_time: float
+    software_version: str
+    spec_digest: str
+    spec_toml: str
+    bootstrap_maddrs: _containers.RepeatedScalarFieldContainer[str]
+    observed_host: str
+    dialed: bool
+    dial_error: str
+    dial_greeting: bytes
+    received_bytes: int
+    payload: bytes
+    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...

@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=protocol_dot_coordinator__pb2.AdminRequest.SerializeToString,
                 response_deserializer=protocol_dot_coordinator__pb2.AdminResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/swarmtrain.v1.Coordinator/Probe',
+                request_serializer=protocol_dot_coordinator__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=protocol_dot_coordinator__pb2.ProbeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -94,6 +99,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Admin,
                     request_deserializer=protocol_dot_coordinator__pb2.AdminRequest.FromString,
                     response_serializer=protocol_dot_coordinator__pb2.AdminResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=protocol_dot_coordinator__pb2.ProbeRequest.FromString,
+                    response_serializer=protocol_dot_coordinator__pb2.ProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Coordinator:
             '/swarmtrain.v1.Coordinator/Admin',
             protocol_dot_coordinator__pb2.AdminRequest.SerializeToString,
             protocol_dot_coordinator__pb2.AdminResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.v1.Coordinator/Probe',
+            protocol_dot_coordinator__pb2.ProbeRequest.SerializeToString,
+            protocol_dot_coordinator__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,11 @@ One ``SwarmCollector`` is registered in one registry for the coordinator's life
 counters keep one ``_created`` time (the coordinator's start), so ``rate()`` and
 ``increase()`` work across scrapes. Counters are the raw totals (``_total``); rates are
 Prometheus's to compute.
+
+Per-peer families (``swarmtrain_peer_*``, label ``peer``: the first 20 characters of its
+public id, the whole id where two online peers share them) cover only the peers online at
+the scrape, so their label set stays as small as the swarm. Their figures are the peers'
+own say-so (bounded by ``coordinator.limits``), kept in memory by the health tracker.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from coordinator.core import Coordinator
+from coordinator.health import PeerHealth
+
+PEER_LABEL_CHARS = 20
+"""Characters of a public id in the ``peer`` label (``ed25519:`` and 72 bits of the key)."""
 
 
 class SwarmCollector(Collector):
@@ -95,11 +104,65 @@ class SwarmCollector(Collector):
                 yield _gauge("swarmtrain_archive_round", "Newest round in the coordinator's archive", archived)
             if at is not None:
                 yield _gauge("swarmtrain_archive_age_seconds", "Seconds since the newest archived checkpoint", now - at)
+        yield from self._peer_families(now)
+
+    def _peer_families(self, now: float) -> Iterator[Metric]:
+        core = self.core
+        online = core.health.online(now)
+        labels = _peer_labels(online)
+        allreduce = GaugeMetricFamily(
+            "swarmtrain_peer_allreduce_seconds",
+            "Seconds the all-reduce of the peer's latest round took",
+            labels=["peer"],
+        )
+        sent = CounterMetricFamily(
+            "swarmtrain_peer_sent_bytes",
+            "Bytes the peer sent in all-reduces, as its round reports said",
+            labels=["peer"],
+        )
+        received = CounterMetricFamily(
+            "swarmtrain_peer_received_bytes",
+            "Bytes the peer received in all-reduces, as its round reports said",
+            labels=["peer"],
+        )
+        failed = CounterMetricFamily(
+            "swarmtrain_peer_failed_rounds",
+            "Rounds whose averaging failed since the peer started, as its heartbeats said",
+            labels=["peer"],
+        )
+        for peer in online:
+            label = [labels[peer.key]]
+            if peer.allreduce_s is not None:
+                allreduce.add_metric(label, peer.allreduce_s)
+            sent.add_metric(label, peer.bytes_sent, created=peer.counted_since)
+            received.add_metric(label, peer.bytes_received, created=peer.counted_since)
+            if peer.rounds_failed is not None:
+                failed.add_metric(label, peer.rounds_failed)
+        yield from (allreduce, sent, received, failed)
+        yield self._counter(
+            "swarmtrain_rounds_failed",
+            "Rounds whose averaging failed, summed over the peers' heartbeats since the coordinator started",
+            core.health.rounds_failed_total(),
+        )
+        yield _gauge(
+            "swarmtrain_peers_out_of_sync",
+            "Online peers whose latest state differs from the agreed digest of its round",
+            len(core.out_of_sync(now)),
+        )
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
         family = CounterMetricFamily(name, documentation)
         family.add_metric([], value, created=self.started_at)
         return family
+
+
+def _peer_labels(peers: list[PeerHealth]) -> dict[str, str]:
+    """Each peer's ``peer`` label: its id's first ``PEER_LABEL_CHARS`` characters, or the whole
+    id where several of ``peers`` share them (no two series may have the same labels)."""
+    short: dict[str, int] = {}
+    for peer in peers:
+        short[peer.key[:PEER_LABEL_CHARS]] = short.get(peer.key[:PEER_LABEL_CHARS], 0) + 1
+    return {p.key: p.key[:PEER_LABEL_CHARS] if short[p.key[:PEER_LABEL_CHARS]] == 1 else p.key for p in peers}
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

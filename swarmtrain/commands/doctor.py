@@ -1,107 +1,215 @@
-"""``swarmtrain doctor``: check that this machine can run a peer, and say what is wrong.
+"""``swarmtrain doctor``: is this machine useful for a run, and what to do where it is not.
 
-Checks, each printed as one line: Python version, the installed versions of the libraries
-swarmtrain builds on, the accelerator, the identity key file, the generated protocol stubs,
-and a real two-node hivemind DHT on loopback (which exercises the bundled p2pd daemon).
+One verdict line per check (``ok``, ``warn``, ``FAIL`` with its fix, ``skip`` with why), or
+``--json``; exit status 1 when any check failed. With ``--coordinator`` the run's coordinator
+answers a probe (``coordinator.probe``): versions, spec digest, clock skew, its DHT bootstrap
+peers, a dial-back to ``--port`` and the bandwidth; the run's spec (or ``--spec``) gives the
+model whose memory and speed are checked (``swarmtrain.doctor``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import sys
-import time
-from collections.abc import Callable
+import json
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import SwarmtrainError
-from protocol.identity import Identity, default_key_path
+from protocol.errors import SpecError
+from protocol.footprint import Footprint, estimate
+from protocol.identity import default_key_path
+from protocol.spec import RunSpec, load_spec, parse_spec
+from swarmtrain.doctor import machine, remote
+from swarmtrain.doctor.verdict import Verdict, run_check, skipped
 
-Check = Callable[[], str]
+DEFAULT_PORT = 31337
+"""The port the doctor asks the coordinator to dial back (the peer image's port)."""
 
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "doctor",
-        help="check this machine: libraries, accelerator, identity, a loopback DHT",
-        description="Check that this machine can run a swarmtrain peer.",
+        help="check this machine for a run: libraries, GPU, memory, network, expected contribution",
+        description="Check that this machine can run a swarmtrain peer, and how much it would contribute. "
+        "One line per check; each failure says what to do. Exit status 1 if any check failed.",
+    )
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="the run's coordinator (checks the network too)")
+    parser.add_argument("--spec", type=Path, default=None, help="a run spec (default: the coordinator's)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"TCP port the peer will listen on, for the dial-back check (default: {DEFAULT_PORT})",
     )
     parser.add_argument("--key", type=Path, default=None, help=f"identity key file (default: {default_key_path()})")
-    parser.add_argument("--skip-network", action="store_true", help="do not start a loopback DHT")
+    parser.add_argument("--skip-network", action="store_true", help="no loopback DHT (without --coordinator)")
+    parser.add_argument("--no-benchmark", action="store_true", help="do not time the run's inner steps here")
+    parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    checks: list[tuple[str, Check]] = [
-        ("python", _python),
-        ("packages", _packages),
-        ("protocol stubs", _stubs),
-        ("accelerator", _accelerator),
-        ("identity", lambda: _identity(args.key or default_key_path())),
-    ]
-    if not args.skip_network:
-        checks.append(("loopback DHT", _dht))
-    failures = 0
-    for name, check in checks:
-        try:
-            detail = check()
-            print(f"ok    {name}: {detail}")
-        except Exception as exc:  # noqa: BLE001 - doctor reports every failure, never crashes
-            failures += 1
-            print(f"FAIL  {name}: {exc}")
-    print("all checks passed" if not failures else f"{failures} check(s) failed")
-    return 0 if not failures else 1
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"swarmtrain doctor: error: --port must be 0-65535, got {args.port}")
+    verdicts: list[Verdict] = []
+
+    def add(verdict: Verdict) -> Verdict:
+        verdicts.append(verdict)
+        if not args.json:
+            print(verdict.line(), flush=True)
+        return verdict
+
+    add(run_check("python", machine.python))
+    add(run_check("packages", machine.packages))
+    add(run_check("protocol stubs", machine.stubs))
+    acc = machine.Accelerator(0, [], [], False, None)
+
+    def accelerator() -> tuple[str, dict[str, Any]]:
+        nonlocal acc
+        acc = machine.accelerator()
+        return machine.describe_accelerator(acc)
+
+    add(run_check("accelerator", accelerator))
+    add(run_check("identity", lambda: machine.identity(args.key or default_key_path())))
+    add(run_check("open files", machine.open_files))
+
+    spec, source = _local_spec(args, add)
+    upload: float | None = None
+    if args.coordinator:
+        spec, source, upload = _remote_checks(args, spec, source, add)
+    elif not args.skip_network:
+        add(run_check("loopback DHT", machine.loopback_dht))
+    _model_checks(args, spec, source, acc, upload, add)
+
+    failed = [v for v in verdicts if v.status == "fail"]
+    if args.json:
+        print(json.dumps({"ok": not failed, "checks": [v.as_dict() for v in verdicts]}, indent=2))
+    else:
+        warned = sum(v.status == "warn" for v in verdicts)
+        summary = f"{len(failed)} check(s) failed" if failed else "all checks passed"
+        print(summary + (f", {warned} warning(s)" if warned else ""))
+    return 1 if failed else 0
 
 
-def _python() -> str:
-    if sys.version_info < (3, 11):  # noqa: UP036 - an installed copy run by an older interpreter says so
-        raise SwarmtrainError(f"Python >= 3.11 needed, this is {sys.version.split()[0]}")
-    return sys.version.split()[0]
-
-
-def _packages() -> str:
-    names = ["torch", "hivemind", "grpcio", "protobuf", "pydantic", "cryptography"]
-    return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names)
-
-
-def _stubs() -> str:
-    from protocol import coordinator_pb2, coordinator_pb2_grpc  # noqa: F401
-
-    return "coordinator API importable"
-
-
-def _accelerator() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-        bf16 = "bf16" if torch.cuda.is_bf16_supported() else "no bf16"
-        return f"{torch.cuda.device_count()} x CUDA ({', '.join(sorted(names))}; {bf16})"
-    return "no CUDA device: CPU only (fp32)"
-
-
-def _identity(path: Path) -> str:
-    if not path.exists():
-        return f"no key at {path} yet (a peer creates one on first start, or run `swarmtrain keygen`)"
-    return f"{Identity.load(path).public_key.id} ({path})"
-
-
-def _dht() -> str:
-    from hivemind import DHT
-    from hivemind.utils.timed_storage import get_dht_time
-
-    started = time.monotonic()
-    first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+def _local_spec(args: argparse.Namespace, add: Any) -> tuple[RunSpec | None, str]:
+    if args.spec is None:
+        return None, ""
     try:
-        second = DHT(start=True, initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        try:
-            first.store("swarmtrain-doctor", "ok", get_dht_time() + 30)
-            found = second.get("swarmtrain-doctor", latest=True)
-            if found is None or found.value != "ok":
-                raise SwarmtrainError("two local DHT nodes could not exchange a record")
-        finally:
-            second.shutdown()
+        spec = load_spec(args.spec)
+    except SpecError as exc:
+        add(
+            Verdict("spec", "fail", f"{args.spec}: {'; '.join(exc.problems)}", "fix the spec (`swarmtrain spec check`)")
+        )
+        return None, ""
+    except OSError as exc:
+        add(Verdict("spec", "fail", f"{args.spec}: {exc.strerror}", "check the path"))
+        return None, ""
+    add(Verdict("spec", "ok", f"{args.spec} is valid ({spec.digest()})"))
+    return spec, str(args.spec)
+
+
+def _remote_checks(
+    args: argparse.Namespace, spec: RunSpec | None, source: str, add: Any
+) -> tuple[RunSpec | None, str, float | None]:
+    link: remote.Link | None = None
+
+    def connect() -> tuple[str, dict[str, Any]]:
+        nonlocal link
+        link = remote.connect(args.coordinator)
+        return remote.reachable(link)
+
+    add(run_check("coordinator", connect))
+    dependent = ("version", "spec digest", "clock", "DHT bootstrap", "reachable from outside", "bandwidth")
+    if link is None:
+        for name in dependent:
+            add(skipped(name, "the coordinator did not answer"))
+        return spec, source, None
+    try:
+        add(run_check("version", lambda: remote.versions(link)))
+        run_spec = _run_spec(link, add)
+        if spec is not None:
+            local_digest = spec.digest()
+            add(run_check("spec digest", lambda: remote.spec_digest(link, local_digest, source)))
+        else:
+            add(skipped("spec digest", "no --spec given: a peer uses the run's spec"))
+        if run_spec is not None:
+            spec, source = run_spec, f"the run's spec ({args.coordinator})"
+        add(run_check("clock", lambda: remote.clock(link)))
+        add(run_check("DHT bootstrap", lambda: remote.bootstrap(link)))
+        add(_dial_back(link, args.port))
+        bandwidth = add(run_check("bandwidth", lambda: remote.bandwidth(link)))
+        return spec, source, bandwidth.data.get("upload_bits_per_s")
     finally:
-        first.shutdown()
-    return f"two nodes exchanged a record in {time.monotonic() - started:.1f} s"
+        link.close()
+
+
+def _run_spec(link: remote.Link, add: Any) -> RunSpec | None:
+    try:
+        return parse_spec(link.info.spec_toml, source="the coordinator's spec")
+    except SpecError as exc:
+        add(
+            Verdict("run spec", "fail", "; ".join(exc.problems), "ask the run's operator: its spec does not parse here")
+        )
+        return None
+
+
+def _dial_back(link: remote.Link, port: int) -> Verdict:
+    try:
+        greeter = remote.Greeter(port)
+    except OSError as exc:
+        return Verdict(
+            "reachable from outside",
+            "warn",
+            f"cannot listen on TCP port {port} ({exc.strerror}): is a peer already running there?",
+            "run the doctor with --port set to a free port you can open",
+        )
+    try:
+        return run_check("reachable from outside", lambda: remote.dial_back(link, greeter))
+    finally:
+        greeter.close()
+
+
+def _model_checks(
+    args: argparse.Namespace,
+    spec: RunSpec | None,
+    source: str,
+    acc: machine.Accelerator,
+    upload: float | None,
+    add: Any,
+) -> None:
+    if spec is None:
+        for name in ("memory", "/dev/shm", "expected contribution"):
+            add(skipped(name, "no run spec: pass --coordinator HOST:PORT or --spec FILE"))
+        return
+    fit: machine.Fit | None = None
+
+    def memory() -> tuple[str, dict[str, Any]]:
+        nonlocal fit
+        fit, detail, data = machine.memory(spec, acc)
+        return f"{detail}; {source}", data
+
+    add(run_check("memory", memory))
+    footprint = fit.footprint if fit is not None else _footprint_or_none(spec, acc)
+    add(run_check("/dev/shm", lambda: machine.shm(footprint)))
+    if fit is None:
+        add(skipped("expected contribution", "the model does not fit this machine"))
+    elif args.no_benchmark:
+        add(skipped("expected contribution", "--no-benchmark"))
+    else:
+        from swarmtrain.doctor.contribution import expected
+
+        device = "cuda" if acc.count else "cpu"
+        params = fit.footprint.params
+        gpus = acc.count if acc.count and not fit.sharded else 1
+        add(
+            run_check(
+                "expected contribution",
+                lambda: expected(spec, device=device, params=params, upload_bits_per_s=upload, gpus=gpus),
+            )
+        )
+
+
+def _footprint_or_none(spec: RunSpec, acc: machine.Accelerator) -> Footprint | None:
+    try:
+        return estimate(spec, accelerator=acc.count > 0, local_ranks=max(1, acc.count))
+    except ValueError:  # a task whose size the spec does not give: the memory check said so
+        return None

@@ -77,7 +77,9 @@ def test_random_bytes_to_every_method_get_clear_refusals(channel: grpc.Channel) 
         if i % 3 == 0:  # half-valid: a well-formed envelope field holding garbage
             payload = pb.JoinRequest(signed=pb.SignedEnvelope(kind="x", body=payload)).SerializeToString()
         code = raw_call(channel, method, payload)
-        assert code in ACCEPTED, (method, payload[:40], code)
+        # the doctor's probe has a tighter budget per source (coordinator.probe)
+        limited = method == "Probe" and code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code in ACCEPTED or limited, (method, payload[:40], code)
         seen[code] = seen.get(code, 0) + 1
     assert seen.get(grpc.StatusCode.INVALID_ARGUMENT, 0) > 500, seen
     assert time.monotonic() - started < 300

@@ -22,5 +22,5 @@ def test_stubs_import_and_define_the_api() -> None:
     from protocol import coordinator_pb2, coordinator_pb2_grpc
 
     service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
-    assert {m.name for m in service.methods} == {"Join", "Heartbeat", "ReportRound", "GetStatus", "Admin"}
+    assert {m.name for m in service.methods} == {"Join", "Heartbeat", "ReportRound", "GetStatus", "Admin", "Probe"}
     assert hasattr(coordinator_pb2_grpc, "CoordinatorStub")

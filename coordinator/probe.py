@@ -1,0 +1,114 @@
+"""The coordinator's answer to ``swarmtrain doctor`` (the ``Probe`` RPC).
+
+A volunteer's machine asks before it joins, unauthenticated: the run's spec and digest, the
+software version and the bootstrap peers; the coordinator's clock (for skew); a payload up
+and down (for bandwidth); and a dial-back: the coordinator opens a TCP connection to the
+caller's address *as it saw it* on a port the caller names and returns the first bytes the
+caller served there, so the caller knows its own listener was reached (Petals' is-reachable
+check, without a third party). The coordinator never dials another host than the one the
+request came from, reads at most ``GREETING_BYTES``, gives each dial ``DIAL_TIMEOUT_S``, runs
+at most ``MAX_CONCURRENT_DIALS`` at once and answers each source at most ``PROBES_PER_MINUTE``
+probes (a doctor run sends six): it cannot be used to scan anyone else's ports, and a
+flood of probes costs it bounded bandwidth.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from coordinator.ratelimit import SourceLimiter
+from protocol import coordinator_pb2 as pb
+from protocol.errors import MalformedMessageError, SwarmtrainError
+from protocol.version import __version__
+
+logger = logging.getLogger(__name__)
+
+PROBE_MAX_BYTES = 512 << 10
+"""Largest payload either way (well under the server's request limit)."""
+GREETING_BYTES = 64
+DIAL_TIMEOUT_S = 3.0
+MAX_CONCURRENT_DIALS = 8
+PROBES_PER_MINUTE = 60
+
+
+class ProbeLimitError(SwarmtrainError):
+    """Too many probes from one source, or too many dial-backs at once."""
+
+
+class Prober:
+    """Answers ``ProbeRequest``s; thread-safe (every field it reads is fixed at start)."""
+
+    def __init__(
+        self,
+        *,
+        spec_toml: str,
+        spec_digest: str,
+        bootstrap_maddrs: Callable[[], list[str]],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.spec_toml, self.spec_digest, self.bootstrap_maddrs, self.clock = (
+            spec_toml,
+            spec_digest,
+            bootstrap_maddrs,
+            clock,
+        )
+        self.limiter = SourceLimiter(rate=PROBES_PER_MINUTE / 60, burst=PROBES_PER_MINUTE / 2)
+        self._dials = threading.BoundedSemaphore(MAX_CONCURRENT_DIALS)
+
+    def answer(self, request: pb.ProbeRequest, *, source: str) -> pb.ProbeResponse:
+        """The response to ``request`` from ``source`` (the caller's host, as the server saw it).
+        Raises ``MalformedMessageError`` for out-of-range fields, ``ProbeLimitError`` over the
+        limits; neither changes anything."""
+        port, want = request.dial_back_port, request.download_bytes
+        if not 0 <= port <= 65535:
+            raise MalformedMessageError(f"dial_back_port must be 0 (none) or a TCP port 1-65535, got {port}")
+        if not 0 <= want <= PROBE_MAX_BYTES:
+            raise MalformedMessageError(f"download_bytes must be in [0, {PROBE_MAX_BYTES}], got {want}")
+        if len(request.payload) > PROBE_MAX_BYTES:
+            raise MalformedMessageError(f"payload is {len(request.payload)} bytes, more than {PROBE_MAX_BYTES}")
+        if not self.limiter.allow(source, time.monotonic()):
+            raise ProbeLimitError(f"more than {PROBES_PER_MINUTE} probes a minute from {source}: wait a minute")
+        response = pb.ProbeResponse(
+            software_version=__version__,
+            spec_digest=self.spec_digest,
+            spec_toml=self.spec_toml,
+            bootstrap_maddrs=self.bootstrap_maddrs(),
+            observed_host=source,
+            received_bytes=len(request.payload),
+            payload=bytes(want),
+        )
+        if port:
+            response.dialed = True
+            greeting, error = self._dial(source, port)
+            response.dial_greeting, response.dial_error = greeting, error
+        response.server_time = self.clock()  # last: the caller pairs it with the reply's arrival
+        return response
+
+    def _dial(self, host: str, port: int) -> tuple[bytes, str]:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return b"", f"cannot dial back {host!r}: not an IP address"
+        if not self._dials.acquire(blocking=False):
+            raise ProbeLimitError(f"{MAX_CONCURRENT_DIALS} dial-backs are running: try again in a few seconds")
+        try:
+            with socket.create_connection((host, port), timeout=DIAL_TIMEOUT_S) as conn:
+                conn.settimeout(DIAL_TIMEOUT_S)
+                greeting = b""
+                while len(greeting) < GREETING_BYTES:
+                    chunk = conn.recv(GREETING_BYTES - len(greeting))
+                    if not chunk:
+                        break
+                    greeting += chunk
+                return greeting, ""
+        except TimeoutError:
+            return b"", f"no answer from {host}:{port} within {DIAL_TIMEOUT_S:g} s"
+        except OSError as exc:
+            return b"", f"{host}:{port}: {exc.strerror or exc}"
+        finally:
+            self._dials.release()

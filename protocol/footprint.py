@@ -1,0 +1,148 @@
+"""How much memory a peer needs for a run, from the spec alone (``swarmtrain doctor``).
+
+The per-parameter costs are the buffers a peer really holds (``peer.trainer``'s module
+docstring; ``tests/unit/test_footprint.py`` measures them on a real trainer and checks this
+estimate against what it allocated):
+
+- on the training device, per local rank: the fp32 parameters, their gradients and the inner
+  optimizer's state (AdamW: two moments; SGD: none); sharded over the node's ranks with FSDP2
+  these are divided by the ranks, plus one layer gathered whole;
+- in host memory, in the leader's process: the global parameters θ_g and the outer momentum,
+  the codec residual (lossy codecs with error feedback) and, with overlap, the launch point;
+  with FSDP the leader also keeps a full copy of the model in host memory;
+- in shared memory (``/dev/shm``): the averager's vector, one fp32 value per parameter, which
+  hivemind's averaging process shares with the trainer;
+- transient, host: serving the state to a newcomer copies θ_g and the momentum.
+
+Activations are estimated for one micro-batch (bf16/fp16 autocast on an accelerator, fp32 on
+CPU): about 34 bytes per token per hidden unit per layer without activation checkpointing
+(Korthikanti et al., 2022, with memory-efficient attention), 2 bytes with it plus one layer
+recomputed, and the logits of the micro-batch (fp32 plus the low-precision copy and its
+gradient). Fixed costs: the CUDA context and libraries on the device, the interpreter, torch,
+hivemind and p2pd in host memory. These are estimates, honest to within a few tens of percent;
+the doctor says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from protocol.modelsize import VOCAB_SIZE, task_params
+
+if TYPE_CHECKING:
+    from protocol.spec import RunSpec
+
+GIB = 1 << 30
+DEVICE_BASE_BYTES = 1 * GIB
+"""CUDA context, cuBLAS/cuDNN workspaces and allocator slack on each GPU."""
+HOST_BASE_BYTES = GIB + GIB // 2
+"""Interpreter, torch, hivemind's averaging process and p2pd (measured ~1.1 GiB RSS in all)."""
+FP32 = 4
+LOSSY_CODECS = ("fp16", "int8", "4bit")
+"""Codecs whose residual a peer carries (``protocol.compression``; torch-free here, checked by a test)."""
+
+Where = Literal["device", "host", "shm"]
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+    where: Where
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A peer's memory needs: per accelerator (``device``), host RAM and ``/dev/shm``."""
+
+    params: int
+    items: list[Item] = field(default_factory=list)
+    accelerator: bool = False
+
+    def total(self, where: Where) -> int:
+        """Bytes needed in ``where``; on a CPU peer the device's share is host memory."""
+        if where == "host" and not self.accelerator:
+            return sum(i.bytes for i in self.items if i.where in ("host", "device"))
+        if where == "device" and not self.accelerator:
+            return 0
+        return sum(i.bytes for i in self.items if i.where == where)
+
+    def describe(self, where: Where) -> str:
+        """The largest items of ``where``, e.g. "parameters 4.6 GiB, AdamW moments 9.2 GiB"."""
+        wanted: tuple[str, ...] = ("host", "device") if where == "host" and not self.accelerator else (where,)
+        items = sorted((i for i in self.items if i.where in wanted), key=lambda i: -i.bytes)
+        return ", ".join(f"{i.name} {gib(i.bytes)}" for i in items[:4])
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):.0f} MiB"
+
+
+def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded: bool = False) -> Footprint:
+    """The memory a peer of ``spec`` needs. ``accelerator``: training on GPUs (else CPU);
+    ``local_ranks``: GPUs of the node; ``sharded``: FSDP2 over them (else each holds a replica).
+    Raises ``ValueError`` for a task whose size the spec does not give."""
+    n = task_params(spec)
+    if n is None:
+        raise ValueError("the spec's task declares no parameter count: its memory cannot be estimated")
+    ranks = max(1, local_ranks)
+    per_param = 4 * FP32 if spec.inner.optimizer == "adamw" else 2 * FP32  # params, grads (+ 2 moments)
+    share = ranks if sharded else 1
+    items = [
+        Item("parameters", n * FP32 // share, "device"),
+        Item("gradients", n * FP32 // share, "device"),
+    ]
+    if per_param > 2 * FP32:
+        items.append(Item("AdamW moments", 2 * n * FP32 // share, "device"))
+    items += _activations(spec, accelerator, sharded_layer=(n // max(1, _layers(spec))) * FP32 if sharded else 0)
+    items.append(Item("CUDA context", DEVICE_BASE_BYTES if accelerator else 0, "device"))
+    items += [
+        Item("global parameters", n * FP32, "host"),
+        Item("outer momentum", n * FP32, "host"),
+        Item("serving state to newcomers", 2 * n * FP32, "host"),
+        Item("runtime", HOST_BASE_BYTES, "host"),
+        Item("averager vector", n * FP32, "shm"),
+    ]
+    if spec.averaging.error_feedback and spec.averaging.compression in LOSSY_CODECS:
+        items.append(Item("codec residual", n * FP32, "host"))
+    if spec.averaging.overlap:
+        items.append(Item("launch point", n * FP32, "host"))
+    if sharded and ranks > 1:
+        items.append(Item("leader's full model copy", n * FP32, "host"))
+    return Footprint(params=n, items=[i for i in items if i.bytes > 0], accelerator=accelerator)
+
+
+def _layers(spec: RunSpec) -> int:
+    task = spec.task
+    if task.causal_lm is not None:
+        cfg = task.causal_lm.config
+        value = cfg.get("num_hidden_layers", cfg.get("n_layer", 1))
+        return value if isinstance(value, int) else 1
+    return task.model.n_layers
+
+
+def _activations(spec: RunSpec, accelerator: bool, *, sharded_layer: int) -> list[Item]:
+    task = spec.task
+    if task.causal_lm is not None:
+        lm = task.causal_lm
+        cfg = lm.config
+        hidden = cfg.get("hidden_size", cfg.get("n_embd", 0))
+        vocab = cfg.get("vocab_size", 0)
+        seq, checkpointing = lm.seq_len, lm.activation_checkpointing
+        sequences = max(1, -(-spec.inner.batch_size // lm.micro_batches))
+    else:
+        hidden, vocab = task.model.d_model, VOCAB_SIZE
+        seq, checkpointing, sequences = task.model.context, False, spec.inner.batch_size
+    if not isinstance(hidden, int) or not isinstance(vocab, int):
+        return []
+    layers = _layers(spec)
+    tokens = sequences * seq
+    scale = 1 if accelerator else 2  # fp32 activations on CPU take twice the bytes
+    per_layer = 34 * tokens * hidden * scale
+    body = (2 * tokens * hidden * layers + per_layer) if checkpointing else per_layer * layers
+    logits = tokens * vocab * (FP32 + 2 * (2 if accelerator else FP32))
+    items = [Item("activations", body, "device"), Item("logits", logits, "device")]
+    if sharded_layer:
+        items.append(Item("one layer gathered", sharded_layer, "device"))
+    return items

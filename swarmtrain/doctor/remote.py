@@ -1,0 +1,228 @@
+"""Checks against a run's coordinator (its ``Probe`` RPC): reachable, the same software version
+and spec, clock skew, the DHT's bootstrap peers, whether the coordinator can dial this host
+back, and the bandwidth between them."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protocol import coordinator_pb2 as pb
+from protocol import coordinator_pb2_grpc as pb_grpc
+from protocol.messages import MessageVerifier
+from protocol.version import __version__
+from swarmtrain.doctor.verdict import CheckFailed, CheckWarning
+
+PROBE_TIMEOUT_S = 10.0
+PROBE_BYTES = 512 << 10
+"""Per probe, the coordinator's limit (``coordinator.probe.PROBE_MAX_BYTES``)."""
+TRANSFERS = 2
+"""Probes each way for the bandwidth figure (a doctor run sends 2 + 2 x TRANSFERS probes)."""
+SKEW_WARN_S = 5.0
+SKEW_LIMIT_S = MessageVerifier.max_future_s
+"""Signed messages further ahead of the coordinator's clock than this are refused."""
+SLOW_UPLOAD_BITS = 10e6
+FASTEST_MEASURED = 4e9
+"""Above this, 512 KiB takes less time than the round trip's noise: shown as "> 4 Gbit/s"."""
+
+
+@dataclass
+class Link:
+    """A channel to the coordinator and what its first probe said."""
+
+    address: str
+    channel: grpc.Channel
+    stub: pb_grpc.CoordinatorStub
+    info: pb.ProbeResponse
+    skew_s: float
+    rtt_s: float
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def connect(address: str) -> Link:
+    """Probe the coordinator at ``address``. Raises ``CheckFailed`` when it cannot be reached."""
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 2 * PROBE_BYTES)])
+    stub = pb_grpc.CoordinatorStub(channel)
+    try:
+        sent = time.time()
+        info = stub.Probe(pb.ProbeRequest(), timeout=PROBE_TIMEOUT_S)
+        received = time.time()
+    except grpc.RpcError as exc:
+        channel.close()
+        code = exc.code()
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            raise CheckFailed(
+                f"{address} answers gRPC but not swarmtrain's probe: an older coordinator, or not a coordinator",
+                "check the address; ask the run's operator which version it runs",
+            ) from exc
+        raise CheckFailed(
+            f"coordinator {address} unreachable ({code.name if code else 'error'}: {exc.details() or 'no details'})",
+            f"check HOST:PORT, that the coordinator runs, and that this network allows outgoing TCP to port "
+            f"{address.rsplit(':', 1)[-1]}",
+        ) from exc
+    rtt = received - sent
+    skew = info.server_time - (sent + received) / 2
+    return Link(address, channel, stub, info, skew, rtt)
+
+
+def reachable(link: Link) -> tuple[str, dict[str, Any]]:
+    info = link.info
+    return (
+        f"{link.address} answered in {link.rtt_s * 1000:.0f} ms (run spec {info.spec_digest[:19]}..., "
+        f"{len(info.bootstrap_maddrs)} bootstrap address(es))",
+        {"rtt_s": link.rtt_s, "spec_digest": info.spec_digest},
+    )
+
+
+def versions(link: Link) -> tuple[str, dict[str, Any]]:
+    theirs = link.info.software_version
+    data = {"ours": __version__, "run": theirs}
+    if theirs != __version__:
+        raise CheckFailed(
+            f"this is swarmtrain {__version__}, the run's coordinator runs {theirs}",
+            f"install the run's version: pip install 'swarmtrain=={theirs}' (or the matching docker image tag)",
+            **data,
+        )
+    return f"swarmtrain {__version__}, as the run", data
+
+
+def spec_digest(link: Link, local_digest: str, source: str) -> tuple[str, dict[str, Any]]:
+    theirs = link.info.spec_digest
+    data = {"local": local_digest, "run": theirs}
+    if theirs != local_digest:
+        raise CheckFailed(
+            f"spec digest mismatch: {source} is {local_digest}, the run's is {theirs}",
+            "use the run's spec: drop --spec (a peer joining with --coordinator receives it), or get the file "
+            "from the run's operator",
+            **data,
+        )
+    return f"{source} is the run's spec ({theirs})", data
+
+
+def clock(link: Link) -> tuple[str, dict[str, Any]]:
+    skew, rtt = link.skew_s, link.rtt_s
+    data = {"skew_s": skew, "rtt_s": rtt}
+    detail = f"{abs(skew):.1f} s {'ahead of' if skew < 0 else 'behind'} the coordinator (+/- {rtt / 2:.2f} s)"
+    fix = "synchronise the clock: timedatectl set-ntp true (or run chrony/ntpd)"
+    if abs(skew) > SKEW_LIMIT_S:
+        raise CheckFailed(detail + f": signed messages beyond {SKEW_LIMIT_S:g} s are refused", fix, **data)
+    if abs(skew) > SKEW_WARN_S:
+        raise CheckWarning(detail, fix, **data)
+    return detail, data
+
+
+def bootstrap(link: Link) -> str:
+    """Join the run's DHT through the coordinator's bootstrap addresses, as a client."""
+    from hivemind import DHT
+
+    maddrs = list(link.info.bootstrap_maddrs)
+    if not maddrs:
+        raise CheckFailed("the coordinator gave no DHT bootstrap addresses", "ask the run's operator")
+    started = time.monotonic()
+    try:
+        dht = DHT(start=True, initial_peers=maddrs, client_mode=True)
+    except Exception as exc:
+        raise CheckFailed(
+            f"cannot reach the run's DHT at {', '.join(maddrs)}: {exc}",
+            "allow outgoing TCP to the DHT port in those addresses (the coordinator's --dht-port, default 7600)",
+        ) from exc
+    try:
+        found = dht.get("swarmtrain-doctor-probe", latest=True)  # a round trip through the bootstrap peer
+        del found
+    finally:
+        dht.shutdown()
+    return f"joined through {len(maddrs)} bootstrap address(es) in {time.monotonic() - started:.1f} s"
+
+
+class Greeter:
+    """A TCP listener on ``port`` (all interfaces) that writes ``greeting`` to whoever connects:
+    what the coordinator's dial-back must read back."""
+
+    def __init__(self, port: int) -> None:
+        self.greeting = b"swarmtrain-doctor " + secrets.token_hex(16).encode()
+        self.sock = socket.create_server(("", port), reuse_port=False)
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="doctor-greeter")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.sendall(self.greeting)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self._thread.join(timeout=2)
+
+
+def dial_back(link: Link, greeter: Greeter) -> tuple[str, dict[str, Any]]:
+    """Ask the coordinator to connect back to ``greeter``'s port and read its greeting."""
+    try:
+        info = link.stub.Probe(pb.ProbeRequest(dial_back_port=greeter.port), timeout=PROBE_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise CheckFailed(f"the coordinator refused the dial-back: {exc.details() or exc.code()}") from exc
+    host, port = info.observed_host, greeter.port
+    data = {"observed_host": host, "port": port, "error": info.dial_error}
+    fix = (
+        f"open TCP port {port} to this machine (firewall, cloud security group, NAT port forward) and start the "
+        f"peer with --port {port}; or run it with --client-mode (it still contributes, but others cannot dial it)"
+    )
+    if info.dial_error:
+        raise CheckWarning(f"the coordinator cannot reach {host}:{port} ({info.dial_error})", fix, **data)
+    if info.dial_greeting != greeter.greeting:
+        raise CheckWarning(f"the coordinator reached {host}:{port}, but another program answered there", fix, **data)
+    return f"the coordinator reached this machine at {host}:{port}: peers can dial it", data
+
+
+def bandwidth(link: Link) -> tuple[str, dict[str, Any]]:
+    """Upload and download rates to the coordinator (TRANSFERS probes of PROBE_BYTES each way)."""
+    payload = secrets.token_bytes(PROBE_BYTES)
+    up = _rate(link, lambda: pb.ProbeRequest(payload=payload), PROBE_BYTES)
+    down = _rate(link, lambda: pb.ProbeRequest(download_bytes=PROBE_BYTES), PROBE_BYTES)
+    data = {"upload_bits_per_s": up, "download_bits_per_s": down}
+    detail = f"upload {_mbit(up)}, download {_mbit(down)} (to the coordinator)"
+    if up < SLOW_UPLOAD_BITS:
+        raise CheckWarning(
+            detail + ": averaging a large model will dominate each round",
+            "prefer a run with stronger compression (int8, 4bit) or more inner steps per round, or a better link",
+            **data,
+        )
+    return detail, data
+
+
+def _mbit(bits_per_s: float) -> str:
+    if bits_per_s >= FASTEST_MEASURED:
+        return f"> {FASTEST_MEASURED / 1e9:.0f} Gbit/s"
+    return f"{bits_per_s / 1e6:.0f} Mbit/s"
+
+
+def _rate(link: Link, request: Any, size: int) -> float:
+    best = float("inf")
+    for _ in range(TRANSFERS):
+        started = time.perf_counter()
+        try:
+            link.stub.Probe(request(), timeout=PROBE_TIMEOUT_S * 6)
+        except grpc.RpcError as exc:
+            raise CheckFailed(f"transfer to the coordinator failed: {exc.details() or exc.code()}") from exc
+        best = min(best, time.perf_counter() - started)
+    return min(8 * size / max(best - link.rtt_s, 1e-9), FASTEST_MEASURED)

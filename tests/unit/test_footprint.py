@@ -1,0 +1,99 @@
+"""The doctor's memory estimate (``protocol.footprint``) against what a real trainer holds:
+every float32 storage alive after a round, plus the gradients during an inner step."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from peer.swarm import RoundResult
+from peer.task import build_task
+from peer.trainer import Trainer, TrainerOptions
+from protocol.compression import get_codec
+from protocol.footprint import LOSSY_CODECS, estimate
+from protocol.spec import load_spec, parse_spec
+from tests.unit.test_trainer import RecordingSwarm
+
+SPEC = """
+[run]
+name = "footprint"
+[task.model]
+d_model = 256
+n_layers = 2
+n_heads = 4
+context = 16
+[inner]
+batch_size = 2
+[rounds]
+inner_steps = 2
+[averaging]
+compression = "{codec}"
+overlap = {overlap}
+"""
+SCRATCH = 2 << 20
+"""Chunk buffers of the host passes (``peer.state.CHUNK_VALUES``), not per parameter."""
+AT_REST = ("gradients", "activations", "logits", "runtime", "serving state to newcomers", "CUDA context")
+"""Items that are not allocated between rounds (or not by the trainer's own tensors)."""
+
+
+def _float_storages(skip: set[int]) -> int:
+    gc.collect()
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.dtype == torch.float32 and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in skip:
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(("codec", "overlap"), [("int8", False), ("int8", True), ("none", False)])
+def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool) -> None:
+    spec = parse_spec(SPEC.format(codec=codec, overlap=str(overlap).lower()))
+    swarm = RecordingSwarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=2))  # type: ignore[arg-type]
+    n = trainer.state.params.numel()
+    swarm.vector = torch.full((n,), float("nan"))
+    swarm.next_result = RoundResult(torch.full((n,), 1e-3), 2, [], 10, 10, 0.0)
+    grads: list[int] = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.append(
+            sum(p.grad.nbytes for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        )
+    )
+    trainer.run()
+    assert trainer.history[-1].averaged
+    # the fake swarm's tensors: the averager's vector (counted under shm), what it recorded
+    skip = {swarm.vector.untyped_storage().data_ptr(), swarm.next_result.averaged.untyped_storage().data_ptr()}
+    skip |= {vector.untyped_storage().data_ptr() for vector, _ in swarm.launched}
+    measured = _float_storages(skip)
+
+    footprint = estimate(spec, accelerator=False)
+    expected = sum(i.bytes for i in footprint.items if i.where != "shm" and i.name not in AT_REST)
+    assert abs(measured - expected) <= 0.03 * expected + SCRATCH, (measured / n, expected / n)
+    assert max(grads) == next(i.bytes for i in footprint.items if i.name == "gradients") == 4 * n
+    assert footprint.total("shm") == 4 * n  # the averager's one fp32 vector
+
+
+def test_lossy_codecs_are_the_ones_with_a_residual() -> None:
+    for name in ("none", "fp16", "int8", "4bit"):
+        assert get_codec(name).lossy == (name in LOSSY_CODECS)
+
+
+def test_a_1b_model_needs_tens_of_gib_and_sharding_divides_the_device_share() -> None:
+    spec = load_spec("examples/llama-1b.toml")
+    one = estimate(spec, accelerator=True)
+    assert one.params == 1_235_814_400
+    assert 16 * one.params < one.total("device") < 16 * one.params + 12 * 2**30
+    assert one.total("shm") == 4 * one.params
+    sharded = estimate(spec, accelerator=True, local_ranks=8, sharded=True)
+    assert sharded.total("device") < one.total("device") / 2
+    assert sharded.total("host") == one.total("host") + 4 * one.params  # the leader's full copy
+    cpu = estimate(spec, accelerator=False)
+    assert cpu.total("device") == 0 and cpu.total("host") > one.total("host") + 16 * one.params
