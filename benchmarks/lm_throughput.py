@@ -3,7 +3,8 @@
 What one volunteer's GPU contributes between two averaging rounds: the spec's model built
 as a peer builds it (``peer.task.causal_lm.build_lm_model``: portable init, fp32 masters),
 the spec's inner optimizer, micro-batches, activation checkpointing and autocast
-(``peer.inner_step``), on random tokens (the data path is not what is measured). Prints and
+(``peer.inner_step``), on random tokens (``peer.throughput``, which ``swarmtrain doctor`` uses
+too; the data path is not what is measured). Prints and
 writes a Markdown and JSON result to ``benchmarks/results/``.
 
     python -m benchmarks.lm_throughput --spec examples/llama-1b.toml --steps 20 --label h100
@@ -19,82 +20,43 @@ import argparse
 import datetime as dt
 import json
 import resource
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from peer.inner_step import Precision, inner_optimizer, inner_step
-from peer.task.base import Task, derive_seed
-from peer.task.causal_lm import build_lm_model, causal_lm_loss
-from protocol.modelsize import task_flops_per_sample, task_params
+from peer import throughput
+from protocol.modelsize import task_params
 from protocol.spec import RunSpec, load_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def random_batches(spec: RunSpec, vocab: int) -> Any:
-    lm = spec.task.causal_lm
-    assert lm is not None
-    gen = torch.Generator().manual_seed(0)
-    while True:
-        rows = torch.randint(0, vocab, (spec.inner.batch_size, lm.seq_len + 1), generator=gen)
-        yield rows[:, :-1], rows[:, 1:]
 
 
 def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str, Any]:
     lm = spec.task.causal_lm
     if lm is None:
         raise SystemExit("the spec's task is not kind = 'causal_lm'")
-    vocab = int(lm.config.get("vocab_size", lm.config.get("n_vocab", 256)))  # type: ignore[arg-type]
-    started = time.perf_counter()
-    model = build_lm_model(lm, seed=derive_seed(spec.data.seed, "model-init"))
-    built_s = time.perf_counter() - started
-    model.to(device)
-    task = Task(
-        model=model,
-        batches=random_batches(spec, vocab),
-        loss_fn=causal_lm_loss,
-        samples_per_batch=spec.inner.batch_size,
-        flops_per_sample=task_flops_per_sample(spec),
-        micro_batches=lm.micro_batches,
-    )
-    optimizer = inner_optimizer(spec, model)
-    precision = Precision.for_device(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    losses = []
-    for step in range(warmup + steps):
-        if step == warmup:
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            timed = time.perf_counter()
-        losses.append(inner_step(model, optimizer, task, spec, round_=0, step=step, precision=precision))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - timed
-    samples = steps * spec.inner.batch_size
-    tokens = samples * lm.seq_len
-    flops = task.flops_per_sample * samples
+    speed = throughput.measure(spec, device=device, steps=steps, warmup=warmup)
     return {
         "params": task_params(spec),
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-        "precision": precision.name,
+        "precision": speed.precision,
         "seq_len": lm.seq_len,
         "batch_size": spec.inner.batch_size,
         "micro_batches": lm.micro_batches,
         "activation_checkpointing": lm.activation_checkpointing,
-        "steps": steps,
-        "seconds": round(seconds, 3),
-        "step_s": round(seconds / steps, 4),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "tflops_per_s": round(flops / seconds / 1e12, 3),
+        "steps": speed.steps,
+        "seconds": round(speed.seconds, 3),
+        "step_s": round(speed.seconds / speed.steps, 4),
+        "tokens_per_s": round(speed.tokens_per_s, 1),
+        "tflops_per_s": round(speed.flops_per_s / 1e12, 3),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None,
         "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "init_s": round(built_s, 2),
-        "first_loss": round(losses[0], 4),
-        "last_loss": round(losses[-1], 4),
+        "init_s": round(speed.init_s, 2),
+        "first_loss": round(speed.losses[0], 4),
+        "last_loss": round(speed.losses[-1], 4),
     }
 
 

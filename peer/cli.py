@@ -178,7 +178,14 @@ def run(args: argparse.Namespace) -> int:
     from protocol.identity import default_key_path, load_or_create
     from protocol.spec import load_spec
 
-    account, created = load_or_create(args.key or default_key_path())
+    key_path = args.key or default_key_path()
+    account, created = load_or_create(key_path)
+    if created:
+        print(
+            f"created your account key at {key_path} (mode 0600): it is your identity and holds your credit; "
+            "back it up, and use it on every machine you run peers on",
+            flush=True,
+        )
     node, checkpoint_lock = node_identity(account, args.checkpoint_dir)
     identity = node.node
     client = join_info = None

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.localswarm import LocalCoordinator, swarmtrain_executable
+from protocol.identity import Identity
+from swarmtrain.localswarm import Child, LocalCoordinator, swarmtrain_executable
 from tests.e2e.test_cli import no_traceback, sw
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,3 +148,19 @@ def test_a_small_dev_shm_is_one_fail_line_naming_the_docker_flag(tmp_path: Path)
     assert "/dev/shm has 1 MiB free, the averager needs 5 MiB" in fail["/dev/shm"]
     assert "--shm-size=" in fail["/dev/shm"]
     no_traceback(proc)
+
+
+def test_a_first_peer_needs_only_the_coordinator_and_creates_its_key(coordinator: str, tmp_path: Path) -> None:
+    """`swarmtrain peer --coordinator HOST:PORT` and nothing else: the account key is created
+    under the per-user config directory with a message, and the peer joins the run."""
+    home = tmp_path / "config"
+    peer = Child(["peer", "--coordinator", coordinator], tmp_path / "peer.log", "peer", {"XDG_CONFIG_HOME": str(home)})
+    try:
+        key = home / "swarmtrain" / "identity.key"
+        assert peer.printed(r"^created your account key at (\S+) \(mode 0600\)", 120) == str(key)
+        assert key.stat().st_mode & 0o777 == 0o600
+        account = peer.printed(r"^peer ed25519:\S+ of account (ed25519:\S+) \(new identity\) joining run 'demo'", 120)
+        assert account == Identity.load(key).public_key.id
+        peer.printed(r"^(listening): ", 60)
+    finally:
+        peer.kill()
