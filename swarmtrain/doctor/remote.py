@@ -148,7 +148,9 @@ class Greeter:
 
     def __init__(self, port: int) -> None:
         self.greeting = b"swarmtrain-doctor " + secrets.token_hex(16).encode()
-        self.sock = socket.create_server(("", port), reuse_port=False)
+        dual = socket.has_dualstack_ipv6()  # the coordinator may dial back over IPv6
+        family = socket.AF_INET6 if dual else socket.AF_INET
+        self.sock = socket.create_server(("", port), family=family, dualstack_ipv6=dual)
         self.sock.settimeout(0.5)
         self.port = self.sock.getsockname()[1]
         self._stop = threading.Event()
