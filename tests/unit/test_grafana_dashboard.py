@@ -23,35 +23,12 @@ from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
 from tests.unit.conftest import new_core
+from tests.unit.test_token_reports import SPEC as TOKEN_RUN_SPEC
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 DASHBOARD = DOCKER / "grafana-dashboard.json"
 
-TOKEN_SPEC = """
-[run]
-name = "dashboard"
-[task]
-kind = "causal_lm"
-[task.causal_lm]
-architecture = "llama"
-seq_len = 16
-[task.causal_lm.config]
-vocab_size = 300
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 4
-[data]
-source = "tokens"
-path = "d"
-manifest = "sha256:{zeros}"
-tokenizer = "sha256:{zeros}"
-slots = 2
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 5
-""".replace("{zeros}", "0" * 64)
+TOKEN_SPEC = TOKEN_RUN_SPEC
 """A token run: its coordinator shows the data families too."""
 
 WATCHED = {
