@@ -298,7 +298,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container = container
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = container.get_raw_input_parts(my_index)
-        self.tensor_part_reducer = RobustPartReducer(
+        # hivemind's reducer is replaced unused: marked finished, so that its finalizer does not
+        # log "Reducer: received 0.0% of input tensors" once per fragment per round
+        hivemind_reducer: TensorPartReducer = self.tensor_part_reducer
+        hivemind_reducer.finished.set()
+        self.tensor_part_reducer: TensorPartReducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             robust if robust is not None else RobustRule.off(),

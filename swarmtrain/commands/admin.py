@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import ConfigError, SwarmtrainError
+from protocol.errors import ConfigError
+from swarmtrain.commands import rpc
 
 ACTIONS = ("list", "allow", "disallow", "ban", "unban")
 
@@ -75,21 +76,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _send(args: argparse.Namespace, identity: Any) -> Any:
-    import grpc
 
     from protocol import coordinator_pb2 as pb
-    from protocol import coordinator_pb2_grpc as pb_grpc
     from protocol import kinds
     from protocol.messages import sign_message
 
     action = getattr(pb, f"ADMIN_ACTION_{args.action.upper()}")
     body = pb.AdminBody(action=action, key=args.key, reason=args.reason)
     signed = sign_message(identity, kinds.ADMIN, body.SerializeToString(), now=time.time()).to_proto()
-    with grpc.insecure_channel(args.coordinator) as channel:
-        try:
-            return pb_grpc.CoordinatorStub(channel).Admin(pb.AdminRequest(signed=signed), timeout=args.timeout)
-        except grpc.RpcError as exc:
-            raise SwarmtrainError(f"coordinator {args.coordinator}: {exc.code().name}: {exc.details()}") from exc
+    return rpc.call(args.coordinator, "Admin", pb.AdminRequest(signed=signed), timeout=args.timeout)
 
 
 def _as_dict(response: Any) -> dict[str, Any]:

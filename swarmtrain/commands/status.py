@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from protocol.errors import SwarmtrainError
+from swarmtrain.commands import rpc
 
 
 def add_parser(commands: Any) -> None:
@@ -20,18 +20,12 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
     from google.protobuf.json_format import MessageToDict
 
     from protocol import coordinator_pb2 as pb
-    from protocol import coordinator_pb2_grpc as pb_grpc
     from protocol.identity import PublicKey
 
-    with grpc.insecure_channel(args.coordinator) as channel:
-        try:
-            status = pb_grpc.CoordinatorStub(channel).GetStatus(pb.StatusRequest(), timeout=args.timeout)
-        except grpc.RpcError as exc:
-            raise SwarmtrainError(f"coordinator {args.coordinator}: {exc.code().name}: {exc.details()}") from exc
+    status = rpc.call(args.coordinator, "GetStatus", pb.StatusRequest(), timeout=args.timeout)
     if args.json:
         data = MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         data["current_round"] = int(data.get("current_round", 0))  # proto3 JSON writes int64 as a string

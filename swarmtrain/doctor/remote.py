@@ -132,7 +132,7 @@ def bootstrap(link: Link) -> str:
     except Exception as exc:
         raise CheckFailed(
             f"cannot reach the run's DHT at {', '.join(maddrs)}: {exc}",
-            "allow outgoing TCP to the DHT port in those addresses (the coordinator's --dht-port, default 7600)",
+            "allow outgoing TCP to the port in those addresses (the coordinator's --dht-port)",
         ) from exc
     try:
         found = dht.get("swarmtrain-doctor-probe", latest=True)  # a round trip through the bootstrap peer

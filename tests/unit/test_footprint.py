@@ -39,23 +39,25 @@ AT_REST = ("gradients", "activations", "logits", "runtime", "serving state to ne
 """Items that are not allocated between rounds (or not by the trainer's own tensors)."""
 
 
-def _float_storages(skip: set[int]) -> int:
+def _float_storages() -> dict[int, torch.UntypedStorage]:
+    """Every live float32 CPU tensor storage of this process, by address."""
     gc.collect()
-    seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance on torch's deprecated module aliases warns
         warnings.simplefilter("ignore", FutureWarning)
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in tensors:
-        if obj.dtype == torch.float32 and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in skip:
-                seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    storages = {}
+    for tensor in tensors:
+        if tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr():
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+    return storages
 
 
 @pytest.mark.parametrize(("codec", "overlap"), [("int8", False), ("int8", True), ("none", False)])
 def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool) -> None:
     spec = parse_spec(SPEC.format(codec=codec, overlap=str(overlap).lower()))
+    # what other tests of this process left alive is not the trainer's (held, so that no
+    # storage of the trainer can reuse one of their addresses)
+    before = _float_storages()
     swarm = RecordingSwarm()
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=2))  # type: ignore[arg-type]
     n = trainer.state.params.numel()
@@ -72,7 +74,8 @@ def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool
     # the fake swarm's tensors: the averager's vector (counted under shm), what it recorded
     skip = {swarm.vector.untyped_storage().data_ptr(), swarm.next_result.averaged.untyped_storage().data_ptr()}
     skip |= {vector.untyped_storage().data_ptr() for vector, _ in swarm.launched}
-    measured = _float_storages(skip)
+    skip |= set(before)
+    measured = sum(storage.nbytes() for ptr, storage in _float_storages().items() if ptr not in skip)
 
     footprint = estimate(spec, accelerator=False)
     expected = sum(i.bytes for i in footprint.items if i.where != "shm" and i.name not in AT_REST)
