@@ -54,6 +54,7 @@ BESIDE_SWARMS = {
     "test_broken_member.py",
     "test_checkpoint_crash.py",
     "test_data_prepare.py",
+    "test_doctor.py",
     "test_grpc_fuzz.py",
     "test_record_bounds.py",
     "test_reducer_close.py",
