@@ -17,6 +17,7 @@ from typing import Any
 from protocol.errors import SpecError
 from protocol.footprint import Footprint, estimate
 from protocol.identity import default_key_path
+from protocol.modelsize import task_params
 from protocol.spec import RunSpec, load_spec, parse_spec
 from swarmtrain.doctor import machine, remote
 from swarmtrain.doctor.verdict import Verdict, run_check, skipped
@@ -179,6 +180,10 @@ def _model_checks(
     if spec is None:
         for name in ("memory", "/dev/shm", "expected contribution"):
             add(skipped(name, "no run spec: pass --coordinator HOST:PORT or --spec FILE"))
+        return
+    if task_params(spec) is None:
+        for name in ("memory", "/dev/shm", "expected contribution"):
+            add(skipped(name, "the run's imported task declares no parameter count (task.params)"))
         return
     fit: machine.Fit | None = None
 
