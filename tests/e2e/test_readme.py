@@ -27,6 +27,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -135,7 +136,9 @@ def section(output: str, index: int) -> str:
     return output[start : end if end >= 0 else None]
 
 
-def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(tmp_path: Path) -> None:
+def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if not (Path(sys.prefix) / "bin" / "swarmtrain").exists() or shutil.which("make") is None:
         pytest.skip("needs make and swarmtrain installed in the environment running the tests")
     if not (REPO / ".git").exists():
@@ -144,7 +147,11 @@ def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(tmp_path: Path)
     fresh_copy(copy)
     home = tmp_path / "home"  # the user's home: keygen writes ~/.config/swarmtrain/identity.key
     home.mkdir()
-    (tmp_path / "tmp").mkdir()  # the demo's work directory (mkdtemp) goes here, not in /tmp
+    # the demo's work directory (mkdtemp) and torch's shared-memory manager socket go here:
+    # short, since a Unix socket's path must fit in 108 bytes (pytest's tmp_path under xdist
+    # does not), and removed afterwards
+    scratch = Path(tempfile.mkdtemp(prefix="readme-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     env = {
         key: value
         for key, value in os.environ.items()
@@ -154,7 +161,7 @@ def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(tmp_path: Path)
     env |= {
         "HOME": str(home),
         "PATH": f"{copy / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-        "TMPDIR": str(tmp_path / "tmp"),
+        "TMPDIR": str(scratch),
         "OMP_NUM_THREADS": "1",  # two peers share this machine's cores
         "PYTHONUNBUFFERED": "1",
     }
