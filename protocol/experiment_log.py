@@ -15,13 +15,20 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from protocol.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("tensorboard", "wandb")
+WandbMode = Literal["online", "offline", "disabled", "shared"]
+WANDB_MODES: dict[str, WandbMode] = {
+    "online": "online",
+    "offline": "offline",
+    "disabled": "disabled",
+    "shared": "shared",
+}
 
 
 class _Sink(Protocol):
@@ -68,11 +75,14 @@ class WandbSink:
 
     def __init__(self, project: str, *, name: str) -> None:
         try:
-            import wandb  # type: ignore[import-not-found]
+            import wandb
         except ImportError as exc:
             raise ConfigError("--log-to wandb:... needs the wandb package: pip install wandb") from exc
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self._run = wandb.init(project=project, name=name, mode=mode, reinit=True)
+        chosen = WANDB_MODES.get(mode)
+        if chosen is None:
+            raise ConfigError(f"--log-to wandb:{project}: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
+        self._run = wandb.init(project=project, name=name, mode=chosen, reinit=True)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         self._run.log(dict(values), step=step)
