@@ -61,7 +61,6 @@ def test_wandb_logs_offline_with_no_network_at_all(tmp_path: Path) -> None:
     """A peer's figures go to an offline W&B run (no API key, no WANDB_MODE) in a process
     that has no network (its own network namespace, where this machine allows one); read
     back from the run's file (``wandb sync`` would upload it)."""
-    pytest.importorskip("wandb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env |= {"WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-c", WANDB_PEER]
@@ -113,7 +112,6 @@ def wandb_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_a_bad_wandb_mode_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "sometimes")
     with pytest.raises(ConfigError, match="WANDB_MODE='sometimes' is not one of online, offline, disabled, shared"):
         ExperimentLog(["wandb:project"], name="t")
