@@ -9,6 +9,10 @@ writes a Markdown and JSON result to ``benchmarks/results/``.
 
     python -m benchmarks.lm_throughput --spec examples/llama-1b.toml --steps 20 --label h100
     python -m benchmarks.lm_throughput --spec examples/llama-tiny.toml --device cpu --steps 20
+    python -m benchmarks.lm_throughput --spec examples/llama-1b.toml --micro-batches 2 --activation-checkpointing off
+
+``--micro-batches`` and ``--activation-checkpointing`` override the spec's (to find what a GPU
+of this size should run; the result records what was measured).
 
 MFU = FLOPs per sample (``protocol.modelsize``, the figure credits use) x samples per second /
 the device's peak dense bf16 FLOP/s (``--peak-tflops``; H100 SXM: 989).
@@ -60,6 +64,24 @@ def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str,
     }
 
 
+def with_overrides(spec: RunSpec, *, micro_batches: int | None, checkpointing: str | None) -> RunSpec:
+    """``spec`` with its causal-LM micro-batches and activation checkpointing replaced."""
+    lm = spec.task.causal_lm
+    if lm is None or (micro_batches is None and checkpointing is None):
+        return spec
+    update: dict[str, Any] = {}
+    if micro_batches is not None:
+        if micro_batches < 1 or spec.inner.batch_size % micro_batches:
+            raise SystemExit(
+                f"--micro-batches {micro_batches} does not divide inner.batch_size {spec.inner.batch_size}"
+            )
+        update["micro_batches"] = micro_batches
+    if checkpointing is not None:
+        update["activation_checkpointing"] = checkpointing == "on"
+    task = spec.task.model_copy(update={"causal_lm": lm.model_copy(update=update)})
+    return spec.model_copy(update={"task": task})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, required=True)
@@ -68,8 +90,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak")
     parser.add_argument("--label", default="")
+    parser.add_argument("--micro-batches", type=int, default=None, help="override the spec's micro_batches")
+    parser.add_argument("--activation-checkpointing", choices=("on", "off"), default=None, help="override the spec's")
     args = parser.parse_args()
-    spec = load_spec(args.spec)
+    spec = with_overrides(
+        load_spec(args.spec), micro_batches=args.micro_batches, checkpointing=args.activation_checkpointing
+    )
     result = measure(spec, device=args.device, steps=args.steps, warmup=args.warmup)
     result["spec"] = str(args.spec)
     if args.device.startswith("cuda"):
@@ -80,7 +106,10 @@ def main() -> None:
     lines = [
         f"# Inner-step throughput: {args.spec.name} on {result['device']}",
         "",
-        f"Command: `python -m benchmarks.lm_throughput --spec {args.spec} --device {args.device} --steps {args.steps}`",
+        f"Command: `python -m benchmarks.lm_throughput --spec {args.spec} --device {args.device} --steps {args.steps}"
+        + (f" --micro-batches {args.micro_batches}" if args.micro_batches is not None else "")
+        + (f" --activation-checkpointing {args.activation_checkpointing}" if args.activation_checkpointing else "")
+        + "`",
         "",
         "| " + " | ".join(result) + " |",
         "|" + "---|" * len(result),

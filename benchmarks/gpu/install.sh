@@ -43,7 +43,7 @@ ls "$WHEELS"/hivemind-1.1.12-*.whl >/dev/null 2>&1 || die "no hivemind-1.1.12 wh
 "$PY" -m pip --version >/dev/null || die "$PY has no pip"
 
 # The same requirement strings as pyproject.toml, minus torch and numpy (pre-installed, never
-# carried), the coordinator-only sqlalchemy/fastapi/uvicorn/prometheus-client (peers don't import
+# carried), the coordinator-only sqlalchemy/fastapi/uvicorn/prometheus-client/grpcio-health-checking (peers don't import
 # them) and HF datasets (only `swarmtrain data prepare` of .jsonl/.parquet inputs imports it; with
 # pyarrow and pandas it is too big to carry). transformers/tokenizers: the causal_lm task and
 # `swarmtrain data tokenizer|prepare`; safetensors/huggingface-hub/regex come with transformers.
@@ -97,7 +97,7 @@ try:
     from packaging.requirements import Requirement
 except ImportError:
     from pip._vendor.packaging.requirements import Requirement
-COORDINATOR_ONLY = {"sqlalchemy", "fastapi", "uvicorn", "prometheus-client"}
+COORDINATOR_ONLY = {"sqlalchemy", "fastapi", "uvicorn", "prometheus-client", "grpcio-health-checking"}
 NOT_CARRIED = {"datasets"}  # .jsonl/.parquet inputs of `swarmtrain data prepare` only
 deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 bad = []

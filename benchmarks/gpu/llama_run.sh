@@ -31,6 +31,8 @@
 #   MICRO_BATCHES=               the swarm's micro_batches (default: the spec's, doubled when step a's
 #                                peak GPU memory says two peers would not fit on the GPU)
 #   BUDGET_S=540                 the whole script's deadline (the device allows 600 s a command)
+#   THROUGHPUT_VARIANTS="2:off 1:off"   step a again for each MICRO_BATCHES:CHECKPOINTING (on|off)
+#   DOCTOR=1                     also `swarmtrain doctor --spec $SPEC --skip-network` -> $OUT/doctor.txt
 #   SKIP_INSTALL=1 SKIP_THROUGHPUT=1 SKIP_SWARM=1   leave a step out; PYTHON=python3
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -55,6 +57,8 @@ START=$(date +%s)
 : "${SKIP_INSTALL:=0}"
 : "${SKIP_THROUGHPUT:=0}"
 : "${SKIP_SWARM:=0}"
+: "${THROUGHPUT_VARIANTS:=}"
+: "${DOCTOR:=0}"
 PY=$PYTHON
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
@@ -126,19 +130,35 @@ print("\n".join(map(str, stdlib_corpus(int(sys.argv[1]) if sys.argv[1] else None
 fi
 
 if [ "$SKIP_THROUGHPUT" != 1 ]; then
-    say "a. inner-step throughput: $SPEC, $THROUGHPUT_STEPS steps, label $LABEL"
-    touch "$WORK/.before-throughput"
-    timeout -k 5 "$(cap 240 240)" "$PY" -m benchmarks.lm_throughput --spec "$SPEC" --steps "$THROUGHPUT_STEPS" \
-        --label "$LABEL" --peak-tflops "$PEAK_TFLOPS" >"$OUT/throughput.log" 2>&1
+    # the spec as written first (its result, label $LABEL, also sizes the swarm below), then each
+    # MICRO:CHECKPOINTING variant of THROUGHPUT_VARIANTS (label $LABEL-mbMICRO-ckptCHECKPOINTING)
+    for variant in "" $THROUGHPUT_VARIANTS; do
+        ARGS=() TAG=$LABEL
+        if [ -n "$variant" ]; then
+            ARGS=(--micro-batches "${variant%%:*}" --activation-checkpointing "${variant##*:}")
+            TAG="$LABEL-mb${variant%%:*}-ckpt${variant##*:}"
+        fi
+        say "a. inner-step throughput: $SPEC ${ARGS[*]}, $THROUGHPUT_STEPS steps, label $TAG"
+        touch "$WORK/.before-throughput"
+        timeout -k 5 "$(cap 240 240)" "$PY" -m benchmarks.lm_throughput --spec "$SPEC" --steps "$THROUGHPUT_STEPS" \
+            --label "$TAG" --peak-tflops "$PEAK_TFLOPS" "${ARGS[@]}" >>"$OUT/throughput.log" 2>&1
+        echo "exit $?"
+        # this run's result files (benchmarks/results/lm-throughput-<date>-$TAG.{md,json})
+        mapfile -t MADE < <(find benchmarks/results -maxdepth 1 -name "lm-throughput-*-$TAG.*" -newer "$WORK/.before-throughput")
+        if [ "${#MADE[@]}" -gt 0 ]; then
+            cp "${MADE[@]}" "$OUT/"
+            for f in "${MADE[@]}"; do case "$f" in *.json) tr -d '\n ' <"$f" | head -c 1500; echo ;; esac; done
+        else
+            tail -20 "$OUT/throughput.log"
+        fi
+    done
+fi
+
+if [ "$DOCTOR" = 1 ]; then
+    say "doctor --spec $SPEC --skip-network (the GPU memory verdict and expected contribution)"
+    timeout -k 5 "$(cap 150 60)" "$PY" -m swarmtrain doctor --spec "$SPEC" --skip-network >"$OUT/doctor.txt" 2>&1
     echo "exit $?"
-    # this run's result files (benchmarks/results/lm-throughput-<date>-$LABEL.{md,json})
-    mapfile -t MADE < <(find benchmarks/results -maxdepth 1 -name "lm-throughput-*-$LABEL.*" -newer "$WORK/.before-throughput")
-    if [ "${#MADE[@]}" -gt 0 ]; then
-        cp "${MADE[@]}" "$OUT/"
-        for f in "${MADE[@]}"; do case "$f" in *.json) tr -d '\n ' <"$f" | head -c 1500; echo ;; esac; done
-    else
-        tail -20 "$OUT/throughput.log"
-    fi
+    cat "$OUT/doctor.txt"
 fi
 
 [ "$SKIP_SWARM" = 1 ] && { say "done (swarm skipped)"; exit 0; }
@@ -212,7 +232,7 @@ has_gpu = bool(shutil.which("nvidia-smi")) and subprocess.run(["nvidia-smi", "-L
 # Two peers share the GPU: if step a's peak (one model) says two would not fit, halve the
 # micro-batch (activations) of the swarm's spec, and say so in the result (MICRO_BATCHES forces it).
 micro, micro_note = env.get("MICRO_BATCHES") or None, None
-measured = sorted(OUT.glob("lm-throughput-*.json"))
+measured = sorted(OUT.glob(f"lm-throughput-*-{env['LABEL']}.json"))  # the spec as written
 if micro is None and has_gpu and measured:
     one = json.loads(measured[-1].read_text())
     total_gib = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],

@@ -47,6 +47,31 @@ def test_every_architecture_builds_at_the_formulas_size_and_the_same_bytes_from_
     assert abs(float(loss.detach()) - torch.log(torch.tensor(300.0)).item()) < 0.5  # a fresh model: about ln(vocab)
 
 
+@pytest.mark.parametrize("architecture", sorted(CONFIGS))
+def test_skipping_transformers_init_builds_the_same_model(architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build skips transformers' random init (``portable_init_`` overwrites every parameter):
+    the result must equal a model built with it, buffers (rotary frequencies) and tied heads
+    included."""
+    import contextlib
+
+    from peer.task import causal_lm
+
+    lm = section(architecture)
+    fast = build_lm_model(lm, seed=7)
+    monkeypatch.setattr(causal_lm, "_skip_transformers_init", contextlib.nullcontext)
+    slow = build_lm_model(lm, seed=7)
+    fast_state, slow_state = fast.state_dict(), slow.state_dict()
+    assert list(fast_state) == list(slow_state)
+    for name, value in slow_state.items():
+        assert torch.equal(fast_state[name], value), name
+    fast_buffers, slow_buffers = dict(fast.named_buffers()), dict(slow.named_buffers())
+    assert list(fast_buffers) == list(slow_buffers)
+    for name, value in slow_buffers.items():  # non-persistent ones too (not in the state dict)
+        assert torch.equal(fast_buffers[name], value), name
+    tied = lambda m: {n for n, _ in m.named_parameters(remove_duplicate=False)} - {n for n, _ in m.named_parameters()}  # noqa: E731
+    assert tied(fast) == tied(slow)
+
+
 def test_flops_count_matmuls_and_attention() -> None:
     shape = lm_shape("llama", CONFIGS["llama"])
     matmul = shape.params - shape.embedding
@@ -93,23 +118,41 @@ def test_the_spec_refuses_what_the_formula_cannot_size() -> None:
     assert spec.sequence_length() == 16
 
 
-def test_portable_normal_draws_in_chunks_the_same_bytes_as_in_one_go(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_portable_normal_is_the_formula_per_block_whatever_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     import math
 
     import peer.task.portable_init as portable
 
-    def in_one_go(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:
-        u = torch.rand((4, *tensor.shape), generator=gen, dtype=torch.float32)
-        tensor.copy_(((((u[0] + u[1]) + u[2]) + u[3]) - 2.0) * (std * math.sqrt(3.0)))
+    def reference(n: int, std: float, seed: int) -> torch.Tensor:
+        """Block by block: 4 uniforms per value from the block's own generator, summed in order."""
+        out = []
+        for i, start in enumerate(range(0, n, portable._BLOCK)):
+            size = min(portable._BLOCK, n - start)
+            gen = torch.Generator().manual_seed(portable._derive(seed, "block", i))
+            u = torch.rand((4, size), generator=gen, dtype=torch.float32)
+            out.append(((((u[0] + u[1]) + u[2]) + u[3]) - 2.0) * (std * math.sqrt(3.0)))
+        return torch.cat(out)
 
-    monkeypatch.setattr(portable, "_CHUNK", 1000)
+    monkeypatch.setattr(portable, "_BLOCK", 1000)
     for shape in ((3,), (64, 64), (1001,), (5000, 3)):
-        expected, got = torch.empty(shape), torch.empty(shape)
-        g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
-        in_one_go(expected, 0.02, g1)
-        portable.portable_normal_(got, 0.02, g2)
-        assert torch.equal(expected, got)
-        assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))  # same stream position
+        expected = reference(math.prod(shape), 0.02, 9).view(shape)
+        for workers in (1, 2, 3):
+            got = torch.empty(shape)
+            portable.portable_normal_(got, 0.02, 9, workers=workers)
+            assert torch.equal(expected, got), (shape, workers)
+    short, long = torch.empty(2500), torch.empty(4000)
+    portable.portable_normal_(short, 0.02, 9)
+    portable.portable_normal_(long, 0.02, 9)
+    assert torch.equal(short[:2000], long[:2000])  # a whole block depends on (seed, block) alone
+    other = torch.empty(2500)
+    portable.portable_normal_(other, 0.02, 10)
+    assert not torch.equal(short, other)
+    big = torch.nn.Parameter(torch.empty(200_000))  # a parameter (requires grad), drawn on 2 threads
+    portable.portable_normal_(big, 0.02, 1, workers=2)
+    assert big.requires_grad and big.grad_fn is None
+    values = big.detach()
+    assert abs(float(values.std()) - 0.02) < 0.0005 and abs(float(values.mean())) < 0.0005
+    assert float(values.abs().max()) <= 2 * math.sqrt(3.0) * 0.02
 
 
 def test_continued_pretraining_starts_every_peer_from_the_named_weights(tmp_path: pytest.TempPathFactory) -> None:
