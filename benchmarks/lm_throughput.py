@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from peer import throughput
+from protocol.errors import ConfigError
 from protocol.modelsize import task_params
-from protocol.spec import RunSpec, load_spec
+from protocol.spec import RunSpec, load_spec, local_compute
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,24 +65,6 @@ def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str,
     }
 
 
-def with_overrides(spec: RunSpec, *, micro_batches: int | None, checkpointing: str | None) -> RunSpec:
-    """``spec`` with its causal-LM micro-batches and activation checkpointing replaced."""
-    lm = spec.task.causal_lm
-    if lm is None or (micro_batches is None and checkpointing is None):
-        return spec
-    update: dict[str, Any] = {}
-    if micro_batches is not None:
-        if micro_batches < 1 or spec.inner.batch_size % micro_batches:
-            raise SystemExit(
-                f"--micro-batches {micro_batches} does not divide inner.batch_size {spec.inner.batch_size}"
-            )
-        update["micro_batches"] = micro_batches
-    if checkpointing is not None:
-        update["activation_checkpointing"] = checkpointing == "on"
-    task = spec.task.model_copy(update={"causal_lm": lm.model_copy(update=update)})
-    return spec.model_copy(update={"task": task})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, required=True)
@@ -93,9 +76,11 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=None, help="override the spec's micro_batches")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), default=None, help="override the spec's")
     args = parser.parse_args()
-    spec = with_overrides(
-        load_spec(args.spec), micro_batches=args.micro_batches, checkpointing=args.activation_checkpointing
-    )
+    checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+    try:
+        spec = local_compute(load_spec(args.spec), micro_batches=args.micro_batches, checkpointing=checkpointing)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from exc
     result = measure(spec, device=args.device, steps=args.steps, warmup=args.warmup)
     result["spec"] = str(args.spec)
     if args.device.startswith("cuda"):

@@ -36,6 +36,7 @@ def main() -> None:
     if lm is None or lm.weights is not None:
         raise SystemExit("the spec's task is not a causal_lm task initialised from its seed")
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     seed = derive_seed(spec.data.seed, "model-init")
     result: dict[str, Any] = {"spec": str(args.spec), "params": task_params(spec), "threads": torch.get_num_threads()}
@@ -46,7 +47,7 @@ def main() -> None:
     kwargs["use_cache"] = False
     config = AutoConfig.for_model(lm.architecture, **kwargs)
     t = time.perf_counter()
-    with causal_lm._skip_transformers_init():
+    with no_init_weights():  # as build_lm_model builds it
         AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention).float()
     result["constructor_without_init_s"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()

@@ -16,11 +16,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
 from protocol.errors import AdmissionError, ConfigError
+
+if TYPE_CHECKING:
+    from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +112,21 @@ def add_parser(commands: Any) -> None:
         metavar="N",
         help="local ranks (GPUs) of this node, one member of the swarm (default: every visible GPU; 1 on CPU)",
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="causal_lm runs: split each inner step's batch into N micro-batches on this peer (default: the "
+        "run's; must divide inner.batch_size). Fewer: faster, more GPU memory; the step is the same",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("on", "off"),
+        default=None,
+        help="causal_lm runs: recompute activations in the backward on this peer (default: the run's). "
+        "off: ~25%% faster, much more GPU memory (`swarmtrain doctor --spec` says what fits)",
+    )
     overlap = parser.add_mutually_exclusive_group()
     overlap.add_argument("--overlap", dest="overlap", action="store_true", default=None, help="force overlap on")
     overlap.add_argument("--no-overlap", dest="overlap", action="store_false", help="force overlap off")
@@ -123,6 +141,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
     if not 0 <= args.wait_for_group < 86400:
         raise ConfigError(f"--wait-for-group must be between 0 and 86400 seconds, got {args.wait_for_group}")
+    if args.micro_batches is not None and not 1 <= args.micro_batches <= 1024:
+        raise ConfigError(f"--micro-batches must be in 1..1024, got {args.micro_batches}")
     if args.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
@@ -216,6 +236,12 @@ def run(args: argparse.Namespace) -> int:
         spec = load_spec(args.spec)
     shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
     slot = join_info.data_slot if join_info is not None else args.data_slot
+    try:  # this peer's own micro-batches and checkpointing: its task only, never the run's spec (digest)
+        compute = _local_compute(spec, args)
+    except ConfigError:
+        if client is not None:
+            client.leave()  # frees the data stream the join gave it
+        raise
     if spec.data.source == "tokens":
         from peer.task.tokens import check_data
 
@@ -253,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     numel = known_param_count(spec)
     shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
     if numel is None:
-        task = build_task(spec, shard_seed=shard_seed, device="cpu" if shard else device, **task_data)
+        task = build_task(compute, shard_seed=shard_seed, device="cpu" if shard else device, **task_data)
         numel = sum(p.numel() for p in task.model.parameters())
         shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
         if shard:
@@ -261,7 +287,17 @@ def run(args: argparse.Namespace) -> int:
     if local_node is not None:
         spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
         paths = {name: str(value) if value is not None else None for name, value in task_data.items() if name != "slot"}
-        local_node.share({"spec": spec_text, "seed": shard_seed, "shard": shard, "slot": slot, **paths})
+        local_node.share(
+            {
+                "spec": spec_text,
+                "seed": shard_seed,
+                "shard": shard,
+                "slot": slot,
+                "micro_batches": args.micro_batches,
+                "activation_checkpointing": args.activation_checkpointing,
+                **paths,
+            }
+        )
     # sharded, the leader keeps a plain full copy of the model in host memory for the round's
     # host passes; the ranks train FSDP2 shards of it on their devices
     model_device = "cpu" if shard else device
@@ -290,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     link = None
     try:
         if task is None:
-            task = build_task(spec, shard_seed=shard_seed, device=model_device, **task_data)
+            task = build_task(compute, shard_seed=shard_seed, device=model_device, **task_data)
         built = sum(p.numel() for p in task.model.parameters())
         if built != numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {numel}")
@@ -397,6 +433,15 @@ def use_fsdp(choice: str, numel: int | None, device: str) -> bool:
     return numel * TRAINING_BYTES_PER_PARAM * 1.25 > memory
 
 
+def _local_compute(spec: RunSpec, args: argparse.Namespace) -> RunSpec:
+    """The spec this peer builds its task from: the run's, with ``--micro-batches`` and
+    ``--activation-checkpointing`` applied (``protocol.spec.local_compute``)."""
+    from protocol.spec import local_compute
+
+    checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+    return local_compute(spec, micro_batches=args.micro_batches, checkpointing=checkpointing)
+
+
 def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
     """A local rank other than the leader: it trains what the leader tells it (``peer.node``);
     the leader alone talks to the swarm and the coordinator."""
@@ -408,6 +453,9 @@ def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
     try:
         shared = local_node.share(None)
         spec = parse_spec(shared["spec"], source="the spec of this node's leader")
+        args.micro_batches = shared.get("micro_batches")
+        args.activation_checkpointing = shared.get("activation_checkpointing")
+        spec = _local_compute(spec, args)  # the leader's choice (checked there)
         seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
         shard = bool(shared["shard"])
         # a node holds consecutive data streams, one per rank
@@ -455,6 +503,10 @@ def _announce(
     ranks = f" x {node_env.world_size} local ranks" if node_env is not None else ""
     ranks += " (FSDP2 shards)" if shard else ""
     print(f"model: {numel:,} parameters on {device}{ranks}; {mode}", flush=True)
+    own = [f"{args.micro_batches} micro-batches"] if args.micro_batches is not None else []
+    own += [f"activation checkpointing {args.activation_checkpointing}"] if args.activation_checkpointing else []
+    if own:
+        print(f"this peer computes with {' and '.join(own)} (the run's step, its own memory and speed)", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)
     if not args.initial_peers:

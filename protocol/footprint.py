@@ -14,13 +14,20 @@ estimate against what it allocated):
   hivemind's averaging process shares with the trainer;
 - transient, host: serving the state to a newcomer copies θ_g and the momentum.
 
-Activations are estimated for one micro-batch (bf16/fp16 autocast on an accelerator, fp32 on
-CPU): about 34 bytes per token per hidden unit per layer without activation checkpointing
-(Korthikanti et al., 2022, with memory-efficient attention), 2 bytes with it plus one layer
-recomputed, and the logits of the micro-batch (fp32 plus the low-precision copy and its
-gradient). Fixed costs: the CUDA context and libraries on the device, the interpreter, torch,
-hivemind and p2pd in host memory. These are estimates, honest to within a few tens of percent;
-the doctor says so.
+Activations are estimated for one micro-batch, counted from what a transformers decoder layer
+keeps for its backward with fp32 master weights under bf16/fp16 autocast: the residual stream
+and the RMSNorm/LayerNorm inputs and outputs in fp32 (~24 bytes per token per hidden unit),
+the projections' inputs, q/k/v, rotary and attention outputs in 16 bits (~17 bytes), and the
+MLP's gate, up, activation and product in 16 bits (8 bytes per token per intermediate unit):
+``41·hidden + 8·intermediate`` bytes per token per layer (fp32 on CPU: ``58·hidden +
+16·intermediate``). With activation checkpointing each layer keeps its fp32 input (4·hidden)
+and one layer is recomputed whole. Plus the logits of the micro-batch (fp32 from the loss,
+their 16-bit original and the gradient: 10 bytes per token per vocabulary entry; 12 on CPU)
+and autocast's 16-bit copies of the weights (2 bytes per parameter). Checked against an
+H100's allocator peaks for ``examples/llama-1b.toml`` at four micro-batch/checkpointing
+settings (26 to 72 GiB): 1-8% over (``tests/unit/test_footprint.py``). Fixed costs: the CUDA
+context and libraries on the device, the interpreter, torch, hivemind and p2pd in host memory.
+These are estimates; the doctor says so.
 """
 
 from __future__ import annotations
@@ -96,6 +103,8 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
     if per_param > 2 * FP32:
         items.append(Item("AdamW moments", 2 * n * FP32 // share, "device"))
     items += _activations(spec, accelerator, sharded_layer=(n // max(1, _layers(spec))) * FP32 if sharded else 0)
+    if accelerator:  # autocast's cache of 16-bit weights, kept for the step's backward
+        items.append(Item("autocast weight copies", 2 * n // share, "device"))
     items.append(Item("CUDA context", DEVICE_BASE_BYTES if accelerator else 0, "device"))
     items += [
         Item("global parameters", n * FP32, "host"),
@@ -129,19 +138,25 @@ def _activations(spec: RunSpec, accelerator: bool, *, sharded_layer: int) -> lis
         cfg = lm.config
         hidden = cfg.get("hidden_size", cfg.get("n_embd", 0))
         vocab = cfg.get("vocab_size", 0)
+        intermediate = cfg.get("intermediate_size", cfg.get("n_inner"))
         seq, checkpointing = lm.seq_len, lm.activation_checkpointing
         sequences = max(1, -(-spec.inner.batch_size // lm.micro_batches))
     else:
-        hidden, vocab = task.model.d_model, VOCAB_SIZE
+        hidden, vocab, intermediate = task.model.d_model, VOCAB_SIZE, None
         seq, checkpointing, sequences = task.model.context, False, spec.inner.batch_size
     if not isinstance(hidden, int) or not isinstance(vocab, int):
         return []
+    if not isinstance(intermediate, int):
+        intermediate = 4 * hidden
     layers = _layers(spec)
     tokens = sequences * seq
-    scale = 1 if accelerator else 2  # fp32 activations on CPU take twice the bytes
-    per_layer = 34 * tokens * hidden * scale
-    body = (2 * tokens * hidden * layers + per_layer) if checkpointing else per_layer * layers
-    logits = tokens * vocab * (FP32 + 2 * (2 if accelerator else FP32))
+    if accelerator:
+        per_layer = (41 * hidden + 8 * intermediate) * tokens
+        logits = 10 * tokens * vocab
+    else:  # fp32 throughout, no autocast copies
+        per_layer = (58 * hidden + 16 * intermediate) * tokens
+        logits = 12 * tokens * vocab
+    body = (FP32 * tokens * hidden * layers + per_layer) if checkpointing else per_layer * layers
     items = [Item("activations", body, "device"), Item("logits", logits, "device")]
     if sharded_layer:
         items.append(Item("one layer gathered", sharded_layer, "device"))

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from protocol.errors import IdentityError, SpecError
+from protocol.errors import ConfigError, IdentityError, SpecError
 from protocol.identity import PublicKey
 
 SPEC_VERSION: Literal[1] = 1
@@ -418,6 +418,34 @@ class RunSpec(_Section):
     def digest(self) -> str:
         """``sha256:<hex>`` identifying the run."""
         return "sha256:" + hashlib.sha256(self.canonical_json()).hexdigest()
+
+
+def local_compute(spec: RunSpec, *, micro_batches: int | None = None, checkpointing: bool | None = None) -> RunSpec:
+    """``spec`` as one peer computes it: its causal-LM micro-batches and activation
+    checkpointing replaced (a peer's own choice for its GPU: the step's math is the same, only
+    its memory and speed change). For building the peer's task and estimating its memory only:
+    the run is still ``spec`` (its digest). Raises ``ConfigError`` for a choice the run cannot
+    take (not a causal-LM run, micro-batches that do not divide inner.batch_size)."""
+    if micro_batches is None and checkpointing is None:
+        return spec
+    lm = spec.task.causal_lm
+    if lm is None:
+        raise ConfigError(
+            f"micro-batches and activation checkpointing are the causal_lm task's; this run's task is {spec.task.kind!r}"
+        )
+    update: dict[str, Any] = {}
+    if micro_batches is not None:
+        if not 1 <= micro_batches <= spec.inner.batch_size or spec.inner.batch_size % micro_batches:
+            divisors = [d for d in range(1, spec.inner.batch_size + 1) if spec.inner.batch_size % d == 0]
+            raise ConfigError(
+                f"micro-batches {micro_batches} must divide the run's inner.batch_size {spec.inner.batch_size} "
+                f"(one of {', '.join(map(str, divisors[:12]))})"
+            )
+        update["micro_batches"] = micro_batches
+    if checkpointing is not None:
+        update["activation_checkpointing"] = checkpointing
+    task = spec.task.model_copy(update={"causal_lm": lm.model_copy(update=update)})
+    return spec.model_copy(update={"task": task})
 
 
 def load_spec(path: Path | str) -> RunSpec:

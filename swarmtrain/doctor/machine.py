@@ -14,7 +14,7 @@ from typing import Any
 
 from protocol.footprint import Footprint, estimate, gib
 from protocol.identity import Identity
-from protocol.spec import RunSpec
+from protocol.spec import RunSpec, local_compute
 from swarmtrain.doctor.verdict import CheckFailed, CheckWarning
 
 PACKAGES = ("torch", "hivemind", "grpcio", "protobuf", "pydantic", "cryptography", "transformers")
@@ -160,6 +160,68 @@ class Fit:
     sharded: bool
 
 
+PLAN_HEADROOM = 0.9
+"""A plan the doctor suggests must need at most this share of a GPU's free memory (the
+allocator's cache and fragmentation come on top of the estimate)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one peer computes a causal-LM run's inner steps on its GPU (``--micro-batches``,
+    ``--activation-checkpointing``) and the GPU memory that needs (estimated)."""
+
+    micro_batches: int
+    checkpointing: bool
+    device_bytes: int
+
+    @property
+    def flags(self) -> str:
+        return (
+            f"--micro-batches {self.micro_batches} --activation-checkpointing {'on' if self.checkpointing else 'off'}"
+        )
+
+
+def plans(spec: RunSpec) -> list[Plan]:
+    """Every way a peer may compute ``spec``'s steps, the likely fastest first: without
+    activation checkpointing before with it (it recomputes the forward: ~25% slower on an H100),
+    then fewer micro-batches before more (larger matmuls). Empty for runs of other tasks."""
+    if spec.task.causal_lm is None:
+        return []
+    batch = spec.inner.batch_size
+    out = []
+    for checkpointing in (False, True):
+        for micro in (m for m in range(1, batch + 1) if batch % m == 0):
+            local = local_compute(spec, micro_batches=micro, checkpointing=checkpointing)
+            out.append(Plan(micro, checkpointing, estimate(local, accelerator=True).total("device")))
+    return out
+
+
+def fastest_plan(spec: RunSpec, free_bytes: int) -> Plan | None:
+    """The likely fastest plan that fits ``free_bytes`` of one GPU with headroom, if any."""
+    return next((p for p in plans(spec) if p.device_bytes <= PLAN_HEADROOM * free_bytes), None)
+
+
+def _plan_hint(spec: RunSpec, per_gpu: int) -> str:
+    """ "; likely faster on this GPU: FLAGS (~N GiB)" when a plan that fits is surely no slower
+    than the run's own: no more micro-batches and no checkpointing where the run has none
+    (which of fewer micro-batches with checkpointing and more without is faster depends on the
+    GPU: not suggested)."""
+    lm = spec.task.causal_lm
+    if lm is None:
+        return ""
+    better = [
+        p
+        for p in plans(spec)
+        if p.device_bytes <= PLAN_HEADROOM * per_gpu
+        and p.micro_batches <= lm.micro_batches
+        and (not p.checkpointing or lm.activation_checkpointing)
+        and (p.micro_batches, p.checkpointing) != (lm.micro_batches, lm.activation_checkpointing)
+    ]
+    if not better:
+        return ""
+    return f"; likely faster on this GPU: `swarmtrain peer ... {better[0].flags}` (~{gib(better[0].device_bytes)})"
+
+
 def memory(spec: RunSpec, acc: Accelerator, *, host_bytes: int | None = None) -> tuple[Fit, str, dict[str, Any]]:
     """Whether the run's model fits this GPU(s) and host memory; raises ``CheckFailed`` when not."""
     host = host_available() if host_bytes is None else host_bytes
@@ -170,6 +232,15 @@ def memory(spec: RunSpec, acc: Accelerator, *, host_bytes: int | None = None) ->
         if footprint.total("device") > per_gpu and acc.count > 1:
             footprint, sharded = estimate(spec, accelerator=True, local_ranks=acc.count, sharded=True), True
         need_gpu = footprint.total("device")
+        smaller = fastest_plan(spec, per_gpu) if need_gpu > per_gpu else None
+        if smaller is not None:
+            raise CheckFailed(
+                f"not enough GPU memory for this run's micro-batches and checkpointing ({footprint.params:,} "
+                f"parameters): needs ~{gib(need_gpu)} per GPU ({footprint.describe('device')}), {gib(per_gpu)} free",
+                f"run the peer with `{smaller.flags}` (~{gib(smaller.device_bytes)}: the same steps in less memory)",
+                need_bytes=need_gpu,
+                free_bytes=per_gpu,
+            )
         if need_gpu > per_gpu:
             raise CheckFailed(
                 f"not enough GPU memory for this model ({footprint.params:,} parameters): needs ~{gib(need_gpu)} "
@@ -194,6 +265,8 @@ def memory(spec: RunSpec, acc: Accelerator, *, host_bytes: int | None = None) ->
         else ""
     )
     detail = f"{footprint.params:,} parameters fit: {where}~{gib(need_host)} of {gib(host)} host memory (estimated)"
+    if acc.count and not sharded:
+        detail += _plan_hint(spec, min(acc.memory))
     return Fit(footprint, sharded), detail, data
 
 

@@ -131,12 +131,33 @@ def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
         (["--wait-for-group", "nan"], "--wait-for-group must be between 0 and 86400"),
         (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be in 1..64"),
+        (["--micro-batches", "0"], "--micro-batches must be in 1..1024"),
     ],
-    ids=["negative-wait", "nan-wait", "zero-checkpoint-every", "zero-ranks"],
+    ids=["negative-wait", "nan-wait", "zero-checkpoint-every", "zero-ranks", "zero-micro-batches"],
 )
 def test_peer_bad_flags_are_one_clear_line(tmp_path: Path, flags: list[str], needle: str) -> None:
     proc = sw("peer", "--spec", "examples/demo.toml", "--key", str(tmp_path / "k.key"), *flags)
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr
     assert not (tmp_path / "k.key").exists()  # refused before anything was written
+    no_traceback(proc)
+
+
+@pytest.mark.parametrize(
+    ("spec", "flags", "needle"),
+    [
+        ("examples/llama-tiny.toml", ["--micro-batches", "3"], "micro-batches 3 must divide the run's inner.batch_size 8 (one of 1, 2, 4, 8)"),
+        ("examples/demo.toml", ["--activation-checkpointing", "on"], "are the causal_lm task's; this run's task is 'bytegpt'"),
+    ],
+    ids=["not-a-divisor", "not-a-causal-lm-run"],
+)  # fmt: skip
+def test_peer_compute_flags_the_run_cannot_take_are_one_clear_line(
+    tmp_path: Path, spec: str, flags: list[str], needle: str
+) -> None:
+    """A peer's own micro-batches/checkpointing are checked against the run before anything
+    starts (the data, the swarm)."""
+    proc = sw("peer", "--spec", spec, "--key", str(tmp_path / "k.key"), *flags)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     no_traceback(proc)

@@ -86,9 +86,12 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         address = coordinator.address()
         for i in range(3):
             logged = ["--log-to", f"tensorboard:{tmp / 'tb-peer0'}"] if i == 0 else []
-            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged), tmp, f"peer{i}"))
+            # peer 2 computes the same steps its own way (a GPU's memory/speed choice): same run, same group
+            own = ["--micro-batches", "2", "--activation-checkpointing", "on"] if i == 2 else []
+            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged, *own), tmp, f"peer{i}"))
         for peer in peers:
             assert peer.wait(timeout=600) == 0, "\n".join(peer.lines[-30:])
+        assert any("computes with 2 micro-batches and activation checkpointing on" in line for line in peers[2].lines)
         rows = {peer.name: [r for r in peer.rounds() if r["averaged"]] for peer in peers}
         assert all(len(r) >= ROUNDS - 1 for r in rows.values()), {k: len(v) for k, v in rows.items()}
 
@@ -108,8 +111,9 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         # validation loss of θ_g, every round (eval.every_rounds = 1), the same on every peer
         for rs in rows.values():
             assert all(isinstance(r["val_loss"], float) for r in rs)
-        final = {round(r["val_loss"], 4) for rs in rows.values() for r in rs if r["round"] == ROUNDS}
-        assert len(final) == 1, final
+        # (peer 2 evaluates in micro-batches of its own: the same mean up to float rounding)
+        final = {r["val_loss"] for rs in rows.values() for r in rs if r["round"] == ROUNDS}
+        assert final and max(final) - min(final) < 1e-4, final
         first = max(r["val_loss"] for rs in rows.values() for r in rs)
         assert min(final) < first - 0.3, (first, final)  # it fell
 
