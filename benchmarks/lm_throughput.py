@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.one_row import write_one_row
 from peer import throughput
 from protocol.errors import ConfigError
 from protocol.modelsize import task_params
 from protocol.spec import RunSpec, load_spec, local_compute
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -86,21 +85,14 @@ def main() -> None:
     if args.device.startswith("cuda"):
         result["mfu"] = round(result["tflops_per_s"] / args.peak_tflops, 4)
     name = f"lm-throughput-{dt.date.today().isoformat()}{'-' + args.label if args.label else ''}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [
-        f"# Inner-step throughput: {args.spec.name} on {result['device']}",
-        "",
-        f"Command: `python -m benchmarks.lm_throughput --spec {args.spec} --device {args.device} --steps {args.steps}"
+    command = (
+        f"python -m benchmarks.lm_throughput --spec {args.spec} --device {args.device} --steps {args.steps}"
         + (f" --micro-batches {args.micro_batches}" if args.micro_batches is not None else "")
         + (f" --activation-checkpointing {args.activation_checkpointing}" if args.activation_checkpointing else "")
-        + "`",
-        "",
-        "| " + " | ".join(result) + " |",
-        "|" + "---|" * len(result),
-        "| " + " | ".join(str(v) for v in result.values()) + " |",
-    ]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    )
+    write_one_row(
+        name, title=f"Inner-step throughput: {args.spec.name} on {result['device']}", command=command, result=result
+    )
     print(json.dumps(result, indent=1))
 
 

@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.one_row import write_one_row
 from peer.task import causal_lm
 from peer.task.base import derive_seed
 from peer.task.portable_init import portable_init_
 from protocol.modelsize import lm_shape, task_params
 from protocol.spec import load_spec
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
@@ -70,18 +69,12 @@ def main() -> None:
         torch.cuda.synchronize(args.device)
         result["to_device_s"] = round(time.perf_counter() - t, 2)
     name = f"model-init-{dt.date.today().isoformat()}{'-' + args.label if args.label else ''}"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [
-        f"# Model build time: {args.spec.name} ({result['params']:,} parameters), {result['threads']} threads",
-        "",
-        f"Command: `python -m benchmarks.model_init --spec {args.spec} --device {args.device}`",
-        "",
-        "| " + " | ".join(result) + " |",
-        "|" + "---|" * len(result),
-        "| " + " | ".join(str(v) for v in result.values()) + " |",
-    ]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_one_row(
+        name,
+        title=f"Model build time: {args.spec.name} ({result['params']:,} parameters), {result['threads']} threads",
+        command=f"python -m benchmarks.model_init --spec {args.spec} --device {args.device}",
+        result=result,
+    )
     print(json.dumps(result, indent=1))
 
 
