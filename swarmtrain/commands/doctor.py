@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import SpecError
+from protocol.errors import ConfigError, SpecError
 from protocol.footprint import Footprint, estimate
 from protocol.identity import default_key_path
 from protocol.modelsize import task_params
-from protocol.spec import RunSpec, load_spec, parse_spec
+from protocol.spec import RunSpec, load_spec, local_compute, parse_spec
 from swarmtrain.doctor import machine, remote
 from swarmtrain.doctor.verdict import Verdict, run_check, skipped
 
@@ -44,6 +44,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--key", type=Path, default=None, help=f"identity key file (default: {default_key_path()})")
     parser.add_argument("--skip-network", action="store_true", help="no loopback DHT (without --coordinator)")
     parser.add_argument("--no-benchmark", action="store_true", help="do not time the run's inner steps here")
+    parser.add_argument(
+        "--micro-batches", type=int, default=None, metavar="N", help="check the peer flag of that name (causal_lm runs)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing", choices=("on", "off"), default=None, help="check the peer flag of that name"
+    )
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     parser.set_defaults(run=run)
 
@@ -185,6 +191,18 @@ def _model_checks(
         for name in ("memory", "/dev/shm", "expected contribution"):
             add(skipped(name, "the run's imported task declares no parameter count (task.params)"))
         return
+    if args.micro_batches is not None or args.activation_checkpointing is not None:
+        checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+        try:  # as the peer would compute with these flags (the run's spec and digest are unchanged)
+            spec = local_compute(spec, micro_batches=args.micro_batches, checkpointing=checkpointing)
+        except ConfigError as exc:
+            add(Verdict("memory", "fail", str(exc), "use flags the run can take (or none: the run's own)"))
+            for name in ("/dev/shm", "expected contribution"):
+                add(skipped(name, "the peer flags do not fit the run"))
+            return
+        own = [f"--micro-batches {args.micro_batches}"] if args.micro_batches is not None else []
+        own += [f"--activation-checkpointing {args.activation_checkpointing}"] if args.activation_checkpointing else []
+        source += f", with {' '.join(own)}"
     fit: machine.Fit | None = None
 
     def memory() -> tuple[str, dict[str, Any]]:

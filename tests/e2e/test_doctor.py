@@ -164,3 +164,18 @@ def test_a_first_peer_needs_only_the_coordinator_and_creates_its_key(coordinator
         peer.printed(r"^(listening): ", 60)
     finally:
         peer.kill()
+
+
+def test_the_peers_compute_flags_are_checked_as_the_peer_would_use_them() -> None:
+    """`--micro-batches`/`--activation-checkpointing` as `swarmtrain peer` takes them: a value
+    the run cannot take is one FAIL line; a good one is what the memory line estimates."""
+    proc = sw("doctor", "--spec", str(TINY), "--skip-network", "--no-benchmark", "--micro-batches", "3")
+    assert proc.returncode == 1
+    assert "micro-batches 3 must divide the run's inner.batch_size 8" in lines(proc, "FAIL")["memory"], proc.stdout
+    assert "peer flags do not fit the run" in lines(proc, "skip")["expected contribution"]
+    no_traceback(proc)
+    flags = ["--micro-batches", "2", "--activation-checkpointing", "on"]
+    proc = sw("doctor", "--spec", str(TINY), "--skip-network", "--no-benchmark", *flags)
+    assert proc.returncode == 0, proc.stdout
+    assert "with --micro-batches 2 --activation-checkpointing on" in lines(proc, "ok")["memory"], proc.stdout
+    no_traceback(proc)
