@@ -47,16 +47,12 @@ def test_the_leader_keeps_the_nodes_shard_and_the_other_ranks_get_their_own() ->
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    flags = {
-        "spec": "run.toml",
-        "coordinator": None,
-        "max_rounds": None,
-        "wait_for_group": 60.0,
-        "data_slot": None,
-        "log_to": [],
-    }
-    flags |= {"checkpoint_every": 1, "port": 0, "nproc_per_node": None, "device": None, "rank_timeout": 120.0}
-    return argparse.Namespace(**{**flags, **kw})
+    """`swarmtrain peer --spec run.toml`'s flags as its real parser gives them, then ``kw``."""
+    from peer.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return argparse.Namespace(**{**vars(parser.parse_args(["peer", "--spec", "run.toml"])), **kw})
 
 
 def test_how_many_ranks_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
