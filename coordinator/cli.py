@@ -65,6 +65,9 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from protocol.tmpdir import check_tmpdir
+
+    check_tmpdir()  # the archive averager shares tensors through torch's socket there
     for name in ("grpc_port", "dht_port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(args, name)}")

@@ -186,6 +186,9 @@ def ranks_to_launch(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    from protocol.tmpdir import check_tmpdir
+
+    check_tmpdir()  # hivemind's averager shares tensors through torch's socket there
     from peer.node_env import NodeEnv
 
     node_env = NodeEnv.from_environ()

@@ -161,3 +161,20 @@ def test_peer_compute_flags_the_run_cannot_take_are_one_clear_line(
     assert needle in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     no_traceback(proc)
+
+
+@pytest.mark.parametrize("role", ["peer", "coordinator"])
+def test_a_tmpdir_too_long_for_torchs_socket_is_one_clear_line(tmp_path: Path, role: str) -> None:
+    """Under a TMPDIR longer than 73 bytes torch's shared-memory manager cannot start (its Unix
+    socket path would pass 107 bytes): refused in one line before anything starts, instead of a
+    traceback from inside hivemind."""
+    long_tmp = tmp_path / ("t" * 80)  # need not exist: refused before it is used
+    key = tmp_path / "k.key"
+    args = ["--spec", "examples/demo.toml"]
+    args += ["--key", str(key)] if role == "peer" else ["--state-dir", str(tmp_path / "state")]
+    proc = sw(role, *args, env={"TMPDIR": str(long_tmp)})
+    assert proc.returncode != 0
+    assert "TMPDIR is" in proc.stderr and "107-byte limit of a Unix socket path" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not key.exists() and not (tmp_path / "state").exists()
+    no_traceback(proc)
