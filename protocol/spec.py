@@ -268,9 +268,10 @@ class AveragingSection(_Section):
     weight_cap: Annotated[float, Field(ge=0, le=1e6)] = 2.0
     """Robust averaging: a member's self-reported samples weigh at most this many times the
     median member's (0: off; else >= 1)."""
-    flag: Annotated[float, Field(ge=1, le=1e6)] = 3.0
+    flag: Annotated[float, Field(ge=1, le=1e6)] = 10.0
     """Robust averaging: a member whose norm or weight exceeds its bound this many times over
-    is named an offender (logged, reported, denied credit for the round)."""
+    is named an offender (logged, reported, denied credit for the round) and left out; below
+    that it is only clipped. 3 named an honest member of a clean run under load (3.7x)."""
     leave_out_cosine: Annotated[float, Field(ge=-1, le=1)] = 0.0
     """Robust averaging: in groups of 3 or more, a member's part whose cosine with the others'
     sum is below this is left out of the average (-1: off)."""

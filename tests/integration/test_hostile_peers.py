@@ -141,14 +141,12 @@ def test_one_attacker_of_four_is_bounded_named_and_denied(
         rows = run["rounds"][i]
         assert len(rows) == ROUNDS
         assert sum(1 for row in rows if row["averaged"] and row["group_size"] == PEERS) >= ROUNDS - 1, rows
-    # the honest peers train about as well as in a clean run, and agree on the state. Garbage
-    # (random directions, 1000x a typical norm) is clipped to the median norm and weighted like
-    # one member, but not left out (a random direction does not point against the others): it
-    # adds one member's worth of noise. Measured: 0.9% over the clean loss with the former
-    # initial weights, 1.6-2.1% with the current ones (3 runs; the clean loss itself moved
-    # 1.7% between the two inits). Unclipped it would be orders of magnitude.
-    bound = 0.03 if attack == "garbage" else 0.02
-    assert abs(run["eval_loss"] - clean["eval_loss"]) <= bound * clean["eval_loss"], (attack, run, clean)
+    # the honest peers train about as well as in a clean run, and agree on the state. Every
+    # attacker here is named and left out, so the honest state is the average
+    # of 3 members instead of 4: measured over the clean loss, x100 +1.6%, sign flip +1.3%,
+    # garbage +1.6% (CI once +2.1%), samples +0.9%; with the former initial weights all were
+    # within 0.9%. Unbounded, x100 reached a loss of 120 and garbage 16904.
+    assert abs(run["eval_loss"] - clean["eval_loss"]) <= 0.03 * clean["eval_loss"], (attack, run, clean)
     for round_ in range(1, ROUNDS + 1):
         digests = {row["state_digest"] for i in honest for row in run["rounds"][i] if row["round"] == round_}
         assert len(digests) <= 1, (round_, digests)
