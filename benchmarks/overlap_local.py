@@ -34,7 +34,6 @@ inner_steps = {steps}
 compression = "{codec}"
 overlap = {overlap}
 min_group_size = 3
-target_group_size = 3
 matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 30.0
 """

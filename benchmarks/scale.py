@@ -64,7 +64,6 @@ inner_steps = 2
 compression = "fp16"
 overlap = false
 min_group_size = 2
-target_group_size = 2
 matchmaking_timeout_s = 10.0
 allreduce_timeout_s = 300.0
 """

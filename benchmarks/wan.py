@@ -59,7 +59,6 @@ batch_size = 8
 compression = "{codec}"
 overlap = {overlap}
 min_group_size = {peers}
-target_group_size = {peers}
 matchmaking_timeout_s = 15.0
 allreduce_timeout_s = 120.0
 """

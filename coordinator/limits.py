@@ -38,7 +38,7 @@ MAX_SECONDS = 1e7
 """Compute or wait time of one round (~115 days)."""
 MAX_BYTES = 2**53
 MAX_GROUP = 4096
-"""Members of one group (the spec's largest ``target_group_size``)."""
+"""Members of one group (a round's group is the whole swarm: far above a public run's size)."""
 MAX_TEXT = 512
 """Characters of a digest, id, version or hardware name."""
 

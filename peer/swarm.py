@@ -22,9 +22,10 @@ from hivemind import DHT
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
+from hivemind.utils import get_dht_time
 
 from peer.swarm_port import DownloadedState, StateProvider
-from peer.timeouts import matchmaking_windows
+from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
 from protocol.averaging import ExactAverager
 from protocol.compression import Codec
@@ -33,6 +34,7 @@ from protocol.membership import MemberGate
 from protocol.record_bounds import RunRecordBounds
 from protocol.records import RunRecords
 from protocol.robust import RobustRule
+from protocol.roster import claimed_roster
 from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
 from protocol.tokens import decode_token
@@ -194,7 +196,7 @@ class Swarm:
             prefix=run_prefix(spec.digest()),
             start=True,
             min_group_size=averaging.min_group_size,
-            target_group_size=averaging.target_group_size,
+            target_group_size=None,  # one group per round, of any size (protocol.matchmaking)
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=averaging.allreduce_timeout_s,
@@ -227,12 +229,27 @@ class Swarm:
     def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> PendingRound:
         """Start averaging the outbox's vector with whoever is looking within ``timeout`` s."""
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
-        control = self.averager.step(gather=gather, weight=max(weight, NEGLIGIBLE_WEIGHT), timeout=timeout, wait=False)
+        control = self.averager.step(
+            gather=gather,
+            weight=max(weight, NEGLIGIBLE_WEIGHT),
+            scheduled_time=get_dht_time() + matchmaking_window(timeout),
+            timeout=timeout,
+            wait=False,
+        )
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
 
-    def publish_digest(self, identity: Identity, *, round_: int, digest: str) -> None:
-        """Sign and store this peer's post-round digest in the DHT (does not block)."""
-        self.run_records.publish_digest(identity, round_=round_, digest=digest)
+    def publish_digest(self, identity: Identity, *, round_: int, digest: str, roster: int = 0) -> None:
+        """Sign and store this peer's post-round digest (and the state's roster size as this
+        peer knows it) in the DHT (does not block)."""
+        self.run_records.publish_digest(identity, round_=round_, digest=digest, roster=roster)
+
+    def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> int:
+        """The roster size of the state ``digest`` as the eligible peers holding it published it
+        (``protocol.roster.claimed_roster``; 0 if none did): what a peer that adopted the state
+        by download gathers, so that it cannot help a minority group land."""
+        eligible = self.eligible()
+        claims = [r.roster for r in self.records(exclude=exclude) if r.digest == digest and eligible(r.signer.id)]
+        return claimed_roster(c for c in claims if c > 0)
 
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""

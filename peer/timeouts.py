@@ -84,3 +84,13 @@ def matchmaking_windows(matchmaking_timeout_s: float) -> tuple[float, float]:
     min_matchmaking = matchmaking_timeout_s / 3
     request = min(max(1.0, matchmaking_timeout_s / 10), 0.75 * min_matchmaking)
     return min_matchmaking, request
+
+
+def matchmaking_window(timeout_s: float) -> float:
+    """How long a launched round's leader waits for its group (its declared expiration), for
+    a round launched with ``timeout_s`` to find one: most of it, so that peers launching a
+    phase apart still find the same leader (a complete roster closes the group at once,
+    ``protocol.matchmaking``), less the time its followers need to hear that it began."""
+    if not timeout_s > 0:
+        raise ValueError(f"matchmaking timeout must be positive, got {timeout_s!r}")
+    return max(0.5 * timeout_s, timeout_s - max(1.0, 0.1 * timeout_s))

@@ -45,6 +45,7 @@ from peer.host_passes import Staging, copy_model_into, land_round, model_is_fini
 from peer.inner_step import Precision, inner_optimizer, inner_step
 from peer.node import Command, LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
+from peer.roster_book import RosterBook
 from peer.round_metrics import RoundMetrics
 from peer.state import GlobalState, flatten, load_flat
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
@@ -55,6 +56,7 @@ from protocol.checkpoint import Checkpointer
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
 from protocol.identity import Identity
+from protocol.roster import verdict
 from protocol.schedule import inner_lr, outer_lr
 from protocol.spec import RunSpec
 from protocol.statesync import RECORD_TTL_S
@@ -229,6 +231,11 @@ class Trainer:
         self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
         self.in_sync = True
+        self.roster = RosterBook()
+        """The roster of the state this peer holds (``protocol.roster``): gathered each round."""
+        self._launch_now = False
+        """Set when this peer adopted a downloaded state with no work to carry: its next round
+        launches at once (no samples) so that it is in the round's group and in its roster."""
         self._uncounted: torch.Tensor | None = None
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
         self.inner_steps_done = 0
@@ -325,6 +332,10 @@ class Trainer:
         deadline = started + rounds.time_budget_s if rounds.time_budget_s else math.inf
         self.model.train()
         round_ = self.state.round + (1 if ahead else 0)
+        if self._launch_now and not ahead:
+            # join the round in progress now, with nothing to contribute (no data round read)
+            self._launch_now = False
+            return _InnerPhase(started, started, 0, round_, self._data_round)
         self._data_round = max(round_, self._data_round + 1)
         return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, round_, self._data_round)
 
@@ -412,11 +423,12 @@ class Trainer:
             "round": self.state.round,
             "samples": samples,
             "digest": pre_digest,
+            **self.roster.gather(),
         }
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.matchmaking_timeout(compute_s))
         launched = time.monotonic()
-        data = self.task.data_report(inner.data_round) if self.task.data_report is not None else None
+        data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
         return _InFlight(
             pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started, lr, data
@@ -451,7 +463,7 @@ class Trainer:
         if not flight.pending.done():
             self.phase = Phase.AVERAGING
             self.progress.waiting(self.state.round)
-        result: RoundResult | None = flight.pending.result()
+        result = self._the_rounds_state(flight.pending.result(), flight)
         landed = time.monotonic()
         wait_s = landed - wait_started
         self.phase = Phase.APPLYING
@@ -578,6 +590,8 @@ class Trainer:
                 # its group weighed this round's work 0: carry it into the state it adopts next
                 launched = self._launch_point if self._launch_point is not None else flatten(self.model)
                 self._uncounted = torch.sub(launched, self.state.params)
+            else:
+                self.roster.landed(result.members)
             self.swarm.saw_group(result.members)
             keep_progress = self.overlap and model_is_finite(self.model)
             outer = self.spec.outer
@@ -605,6 +619,30 @@ class Trainer:
             self.catch_up()
         return True
 
+    def _the_rounds_state(self, result: RoundResult | None, flight: _InFlight) -> RoundResult | None:
+        """``result`` if it is the round's one state, else None (the round failed here: its
+        work folds into the next). Not when a reducer failed this peer (another member may hold
+        that reducer's range: landing without it could make a second state), nor when the
+        group holds too few of the roster of its state (``protocol.roster``: another group may
+        be the round's)."""
+        if result is None:
+            return None
+        if result.missing:
+            logger.warning(
+                "round %d: %.1f%% of the vector did not arrive (a reducer failed); not landing it",
+                self.state.round,
+                100 * result.unaveraged(),
+            )
+            return None
+        found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
+        if not found.lands:
+            logger.warning(
+                "round %d: this group is not the round's (%s); not landing it", self.state.round, found.reason
+            )
+            self.roster.refused(found, flight.pre_digest)
+            return None
+        return result
+
     def _swarm_moved_on(self) -> bool:
         """Whether the DHT already shows a later agreed round than this peer's (best effort:
         the others may not have published yet; then the next group spots it)."""
@@ -625,7 +663,7 @@ class Trainer:
     def _republish(self) -> None:
         """Sign and store the served state's digest record again (no new digest computed)."""
         round_, digest = self._snapshot
-        self.swarm.publish_digest(self.identity, round_=round_, digest=digest)
+        self.swarm.publish_digest(self.identity, round_=round_, digest=digest, roster=self.roster.size)
         self._published_at = time.monotonic()
 
     def wait_for_group(self) -> bool:
@@ -701,6 +739,8 @@ class Trainer:
             self.state = state
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.in_sync = True
+        self.roster.adopted(self.swarm.roster_of(state.digest(), exclude=self.identity.public_key))
+        self._launch_now = carried is None
         logger.info(
             "adopted the swarm's state of round %d (%s), digest verified%s",
             round_,

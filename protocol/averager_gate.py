@@ -12,6 +12,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
+from protocol.matchmaking import round_matchmaking
 from protocol.membership import Lookup, MemberGate
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class AdmissionGateMixin:
 
     @_matchmaking.setter
     def _matchmaking(self, matchmaking: Any) -> None:
-        """hivemind creates its Matchmaking inside the averager process: wrap its requests to
-        leaders so this peer never asks a leader that is not admitted (it would fail the round)."""
+        """hivemind creates its Matchmaking inside the averager process: make it the run's
+        one-group matchmaking (``protocol.matchmaking``), and wrap its requests to leaders so
+        this peer never asks a leader that is not admitted (it would fail the round)."""
+        matchmaking = round_matchmaking(matchmaking)
         if self.gate is not None:
             request_join = matchmaking._request_join_group
 

@@ -39,11 +39,19 @@ class RunRecords:
         self.digest_key = digest_key(prefix)
 
     def publish_digest(
-        self, identity: Identity, *, round_: int, digest: str, archive: bool = False, wait: bool = False
+        self,
+        identity: Identity,
+        *,
+        round_: int,
+        digest: str,
+        archive: bool = False,
+        roster: int = 0,
+        wait: bool = False,
     ) -> None:
-        """Sign and store ``identity``'s state digest after ``round_`` (waits only if ``wait``)."""
+        """Sign and store ``identity``'s state digest after ``round_`` (with the state's roster
+        size as it knows it, ``protocol.roster``; waits only if ``wait``)."""
         now = get_dht_time()
-        record = make_digest_record(identity, round_=round_, digest=digest, now=now, archive=archive)
+        record = make_digest_record(identity, round_=round_, digest=digest, now=now, archive=archive, roster=roster)
         future = self.dht.store(
             self.digest_key, record, now + RECORD_TTL_S, subkey=identity.public_key.id, return_future=True
         )

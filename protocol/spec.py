@@ -248,8 +248,6 @@ class AveragingSection(_Section):
     """Carry each lossy codec's rounding error into the next round."""
     min_group_size: Annotated[int, Field(ge=1, le=4096)] = 2
     """Fewest peers for an averaging round; below it the round is retried or skipped."""
-    target_group_size: Annotated[int, Field(ge=1, le=4096)] = 16
-    """Largest averaging group."""
     matchmaking_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 15.0
     """Initial time to form a group, in seconds (adapted to measured rounds, within bounds)."""
     allreduce_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
@@ -287,13 +285,15 @@ class AveragingSection(_Section):
                 raise ValueError(f"{name} = {value} would bound honest members below the median; use 0 (off) or >= 1")
         return self
 
-    @model_validator(mode="after")
-    def _group_sizes(self) -> AveragingSection:
-        if self.min_group_size > self.target_group_size:
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "target_group_size" in data:
             raise ValueError(
-                f"min_group_size ({self.min_group_size}) exceeds target_group_size ({self.target_group_size})"
+                "target_group_size was retired: a round's group is the whole swarm, with no size bound "
+                "(docs/ARCHITECTURE.md, 'One round at any size'); remove the key"
             )
-        return self
+        return data
 
 
 class ScheduleSection(_Section):

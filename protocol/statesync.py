@@ -27,6 +27,7 @@ from protocol.agreement import Vote
 from protocol.errors import MalformedMessageError, VerificationError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage, sign_message
+from protocol.roster import MAX_ROSTER
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class DigestRecord:
     digest: str
     archive: bool = False
     """Published by a checkpoint archive (the coordinator), not by a training peer."""
+    roster: int = 0
+    """The roster size of the state, as its signer knows it (``protocol.roster``; 0: unknown)."""
 
 
 def run_prefix(spec_digest: str) -> str:
@@ -83,10 +86,14 @@ def digest_key(prefix: str) -> str:
     return prefix + ".digests"
 
 
-def make_digest_record(identity: Identity, *, round_: int, digest: str, now: float, archive: bool = False) -> bytes:
+def make_digest_record(
+    identity: Identity, *, round_: int, digest: str, now: float, archive: bool = False, roster: int = 0
+) -> bytes:
     fields: dict[str, Any] = {"round": round_, "digest": digest}
     if archive:
         fields["archive"] = True
+    if roster:
+        fields["roster"] = roster
     body = json.dumps(fields, sort_keys=True).encode()
     return sign_message(identity, DIGEST_KIND, body, now=now).to_bytes()
 
@@ -100,13 +107,16 @@ def parse_digest_record(data: Any, *, now: float, max_age_s: float = RECORD_TTL_
     try:
         body = json.loads(message.body)
         round_, digest, archive = body["round"], body["digest"], body.get("archive", False)
+        roster = body.get("roster", 0)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise MalformedMessageError("digest record body is not {round, digest[, archive]}") from exc
+        raise MalformedMessageError("digest record body is not {round, digest[, archive, roster]}") from exc
     if type(round_) is not int or round_ < 0 or not is_state_digest(digest):
         raise MalformedMessageError("digest record has a bad round or digest")
     if not isinstance(archive, bool):
         raise MalformedMessageError("digest record has a non-boolean archive flag")
-    return DigestRecord(message.signer, round_, digest, archive)
+    if type(roster) is not int or not 0 <= roster <= MAX_ROSTER:
+        raise MalformedMessageError(f"digest record has a bad roster (an integer in [0, {MAX_ROSTER}])")
+    return DigestRecord(message.signer, round_, digest, archive, roster)
 
 
 def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]:

@@ -36,9 +36,9 @@ def expected(
     comm_s = None
     if upload_bits_per_s:
         # a butterfly all-reduce of n members sends 2(n-1)/n of the vector from each (its parts
-        # to the other reducers, then its averaged part back to them): upload-bound
-        n = max(2, spec.averaging.target_group_size)
-        sent = 2 * (n - 1) / n * params * WIRE_BYTES[spec.averaging.compression]
+        # to the other reducers, then its averaged part back to them): upload-bound; a round's
+        # group is the whole swarm, so count the large-n bound, twice the vector
+        sent = 2 * params * WIRE_BYTES[spec.averaging.compression]
         comm_s = 8 * sent / upload_bits_per_s
     round_s = (
         compute_s if comm_s is None else (max(compute_s, comm_s) if spec.averaging.overlap else compute_s + comm_s)

@@ -31,7 +31,6 @@ inner_steps = 3
 compression = "int8"
 overlap = false
 min_group_size = 2
-target_group_size = 2
 matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 20.0
 """

@@ -42,7 +42,6 @@ error_feedback = false
 overlap = false
 robust = false
 min_group_size = 2
-target_group_size = 2
 matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 20.0
 """

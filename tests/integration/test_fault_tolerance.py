@@ -29,7 +29,6 @@ inner_steps = 4
 compression = "int8"
 overlap = false
 min_group_size = 2
-target_group_size = 4
 matchmaking_timeout_s = {MATCHMAKING_S}
 allreduce_timeout_s = {ALLREDUCE_S}
 """

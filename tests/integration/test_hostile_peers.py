@@ -49,7 +49,6 @@ inner_steps = 6
 [averaging]
 overlap = false
 min_group_size = 4
-target_group_size = 4
 matchmaking_timeout_s = 8.0
 allreduce_timeout_s = 30.0
 [credits]

@@ -47,7 +47,6 @@ inner_steps = 5
 compression = "none"
 overlap = false
 min_group_size = 2
-target_group_size = {group}
 matchmaking_timeout_s = 30.0
 allreduce_timeout_s = 60.0
 """

@@ -36,7 +36,6 @@ inner_steps = 3
 compression = "int8"
 overlap = false
 min_group_size = 3
-target_group_size = 3
 matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 20.0
 [credits]

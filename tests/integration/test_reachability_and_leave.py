@@ -30,7 +30,6 @@ inner_steps = 3
 compression = "fp16"
 overlap = false
 min_group_size = {min_group}
-target_group_size = 4
 matchmaking_timeout_s = 6.0
 allreduce_timeout_s = 20.0
 """

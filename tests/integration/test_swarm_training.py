@@ -29,7 +29,6 @@ inner_steps = 6
 compression = "{codec}"
 overlap = {overlap}
 min_group_size = 3
-target_group_size = 3
 matchmaking_timeout_s = 10.0
 allreduce_timeout_s = 60.0
 """

@@ -103,7 +103,7 @@ def test_every_problem_is_reported_on_its_own_line() -> None:
         ("[task]\nkind = 'import'\nfactory = 'not a path'\n", "task.factory"),
         ("[data]\nsource = 'dir'\n", "needs path"),
         ("[rounds]\ninner_steps = 0\n", "rounds.inner_steps"),
-        ("[averaging]\nmin_group_size = 9\ntarget_group_size = 4\n", "exceeds target_group_size"),
+        ("[averaging]\ntarget_group_size = 4\n", "target_group_size was retired"),
         ("[averaging]\nclip = 0.5\n", "use 0 (off) or >= 1"),
         ("[averaging]\nweight_cap = -1\n", "averaging.weight_cap"),
         ("[averaging]\nstreams = 0\n", "averaging.streams"),

@@ -1,0 +1,75 @@
+"""One group per round: hivemind's matchmaking with no size bound and a leader that starts the
+all-reduce as soon as the whole roster is in (``protocol.roster.leader_may_close``).
+
+hivemind's leader (the looking peer with the earliest declared expiration) closes its group
+when ``target_group_size`` peers joined or when its expiration comes. A bound on the size
+splits a swarm larger than it into several groups, each landing another state; so the run's
+group has no bound, and every peer declares an expiration near its deadline
+(``Swarm.start_round``: a long window), so peers that launch a phase apart still find the
+same leader. A long window would make every round wait for it; instead the leader closes as
+soon as every member of the roster of the group's state has joined (torchft's "fast
+quorum": the previous round's members are all back). Only a round whose roster lost a member
+(it left, died, or runs late) waits out the window. Safety does not rest on this: the roster
+rule (``protocol.roster.verdict``) decides which group's state lands.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.utils import MSGPackSerializer
+
+from protocol.roster import leader_may_close
+
+__all__ = ["RoundMatchmaking", "gathered_metadata", "round_matchmaking"]
+
+logger = logging.getLogger(__name__)
+
+
+def gathered_metadata(gather: bytes) -> object:
+    """The swarmtrain metadata inside hivemind's gathered bytes ``[bandwidth, mode, user bytes]``
+    (None if malformed: a follower's bytes are untrusted input)."""
+    try:
+        _bandwidth, _mode, user = MSGPackSerializer.loads(gather)
+        return MSGPackSerializer.loads(user)
+    except Exception:  # noqa: BLE001 - any malformed payload is just "no metadata"
+        return None
+
+
+class RoundMatchmaking(Matchmaking):
+    """hivemind's ``Matchmaking`` whose size bound is read at each join: the group's current
+    size once the roster is complete (hivemind then assembles the group at once), else the
+    bound it was built with (a run's peers: none; a bare averager of a test or benchmark may
+    set one, as in hivemind)."""
+
+    @property
+    def target_group_size(self) -> int | None:
+        bound: int | None = self.__dict__.get("_bound")
+        followers = getattr(self, "current_followers", {})
+        if not followers or getattr(self, "step_control", None) is None:
+            return bound
+        # parse each member's bytes once per round (the bound is read at every join)
+        gathers = [self.step_control.data_for_gather] + [request.gather for request in followers.values()]
+        cache: dict[bytes, object] = self.__dict__.get("_parsed_gathers", {})
+        cache = {data: cache[data] if data in cache else gathered_metadata(data) for data in gathers}
+        self.__dict__["_parsed_gathers"] = cache
+        metadata = [cache[data] for data in gathers]
+        if leader_may_close(metadata):
+            logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
+            return len(metadata)
+        return bound
+
+    @target_group_size.setter
+    def target_group_size(self, value: int | None) -> None:
+        self.__dict__["_bound"] = value
+
+
+def round_matchmaking(matchmaking: Matchmaking) -> RoundMatchmaking:
+    """Turn the ``Matchmaking`` hivemind built inside the averager process into a
+    ``RoundMatchmaking`` (same state; hivemind constructs it itself, so it is re-classed)."""
+    if not isinstance(matchmaking, RoundMatchmaking):
+        bound = matchmaking.__dict__.pop("target_group_size", None)
+        matchmaking.__class__ = RoundMatchmaking
+        matchmaking.__dict__["_bound"] = bound
+    return matchmaking

@@ -1,0 +1,124 @@
+"""The round's roster: which group is *the* round's group, so one state lands per round.
+
+hivemind's matchmaking can form two groups in one round (a peer that launches after the
+leader closed leads a group of its own; a leader killed mid-matchmaking scatters its
+followers), and each group would land a different state. A round's state is the swarm's only
+if its group holds a strict majority of the round's **roster**: the members that were in
+sync in the group that produced the state the round starts from (they all landed it, from
+the same gathered metadata, so they all count the same number). Two disjoint groups cannot
+both hold more than half of one roster, so at most one of them lands; the others keep
+their work (it folds into their next round's pseudo-gradient, as for any failed round) and
+re-sync to the state that did land.
+
+Each member gathers, beside its round and digest (``protocol.agreement``):
+- ``roster``: the roster size of its pre-round state, as it knows it (it landed that state
+  in a group: the in-sync members of that group; it adopted it by download: the size the
+  state's holders published with their digest records; 0 when nobody knows, e.g. the
+  initial state);
+- ``known``: whether it was itself a member of that roster (it landed the state by averaging).
+
+The group's verdict (``verdict``) is computed by every member from the same gathered
+metadata, so all members of a group reach the same one. Newcomers count toward the
+majority (they hold the state too), which is why two groups can both pass only when more
+peers hold the state than its roster had: a split exactly when the swarm grew by more
+than the roster's margin, a case the single-group matchmaking (``leader_may_close``) makes
+rare. A swarm where more than half of the roster left at once would never pass again, so a
+member that failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers
+``roster`` 0 (unknown); a group where nobody claims a roster needs only ``min_group_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from protocol.agreement import agreed_state, gathered_votes
+
+__all__ = ["MAX_ROSTER", "ROSTER_RELEASE_AFTER", "Verdict", "in_sync_count", "leader_may_close", "verdict"]
+
+MAX_ROSTER = 1 << 20
+"""The largest roster a member may claim (claims above it are ignored as malformed)."""
+
+ROSTER_RELEASE_AFTER = 2
+"""Consecutive rounds failed by the roster rule, at the same state, after which a member stops
+claiming a roster (so a swarm that lost more than half of its roster at once moves on)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a group's round is the round's one state (``lands``), and why."""
+
+    lands: bool
+    holders: int
+    """Members of the group that start from the group's agreed state."""
+    roster: int
+    """The roster size the group's holders claim (0: nobody claims one)."""
+    reason: str
+
+
+def _claims(members: Sequence[object], round_: int, digest: str) -> tuple[int, list[int], int]:
+    """(holders of ``(round_, digest)``, their roster claims > 0, how many of them are known)."""
+    holders, claims, known = 0, [], 0
+    for data in members:
+        if not isinstance(data, dict) or data.get("round") != round_ or data.get("digest") != digest:
+            continue
+        holders += 1
+        roster = data.get("roster")
+        if type(roster) is int and 0 < roster <= MAX_ROSTER:
+            claims.append(roster)
+        if data.get("known") is True:
+            known += 1
+    return holders, claims, known
+
+
+def claimed_roster(claims: Iterable[int]) -> int:
+    """The roster the holders claim: the most common claim (a tie: the larger), 0 if none.
+    Honest holders of one state all claim the same number; one liar moves nothing unless the
+    liars are the most common claim."""
+    counts: dict[int, int] = {}
+    for claim in claims:
+        counts[claim] = counts.get(claim, 0) + 1
+    if not counts:
+        return 0
+    return max(counts.items(), key=lambda item: (item[1], item[0]))[0]
+
+
+def verdict(members: Sequence[object], *, min_group_size: int) -> Verdict:
+    """The rule above for a group whose members gathered ``members`` (one entry each)."""
+    votes = gathered_votes((str(i), data) for i, data in enumerate(members))
+    if not votes:  # an honest member always states its own: a group of none is nobody's concern
+        return Verdict(True, 0, 0, "no member states its state")
+    agreed = agreed_state(votes)
+    if agreed is None:
+        return Verdict(False, 0, 0, "the group's members agree on no state")
+    holders, claims, _known = _claims(members, agreed.round, agreed.digest)
+    roster = claimed_roster(claims)
+    if roster == 0:
+        lands = holders >= min_group_size
+        why = f"{holders} members hold its state, no roster claimed (at least {min_group_size} needed)"
+        return Verdict(lands, holders, 0, why)
+    lands = 2 * holders > roster
+    why = f"{holders} members hold its state, of a roster of {roster} (more than half needed)"
+    return Verdict(lands, holders, roster, why)
+
+
+def in_sync_count(members: Sequence[object]) -> int:
+    """How many members of a group started from its agreed state: the roster of the state the
+    group lands (every member that lands it computes the same number)."""
+    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
+    if agreed is None:
+        return 0
+    return _claims(members, agreed.round, agreed.digest)[0]
+
+
+def leader_may_close(members: Sequence[object]) -> bool:
+    """Whether a leader whose group has gathered ``members`` may start the all-reduce before
+    its window ends: every member of the roster of the group's state is in (the roster's
+    ``known`` members, as many as the roster claims). Without a claimed roster the leader
+    waits out its window (the first round, or after a roster release)."""
+    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
+    if agreed is None:
+        return False
+    _holders, claims, known = _claims(members, agreed.round, agreed.digest)
+    roster = claimed_roster(claims)
+    return roster > 0 and known >= roster

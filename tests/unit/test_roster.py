@@ -1,0 +1,122 @@
+"""The roster rule: at most one group's state lands per round (``protocol.roster``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.roster_book import RosterBook
+from protocol.matchmaking import gathered_metadata
+from protocol.roster import ROSTER_RELEASE_AFTER, claimed_roster, in_sync_count, leader_may_close, verdict
+
+D, E = "blake3:" + "d" * 64, "blake3:" + "e" * 64
+
+
+def member(roster: int, known: bool = True, digest: str = D, round_: int = 5) -> dict[str, object]:
+    return {"id": "x", "round": round_, "digest": digest, "samples": 8, "roster": roster, "known": known}
+
+
+def test_a_majority_of_the_roster_lands_a_minority_does_not() -> None:
+    assert verdict([member(10)] * 6, min_group_size=2).lands
+    minority = verdict([member(10)] * 5, min_group_size=2)
+    assert not minority.lands and "roster of 10" in minority.reason
+
+
+@pytest.mark.parametrize("roster", [3, 4, 7, 10])
+def test_no_two_disjoint_groups_of_one_roster_both_land(roster: int) -> None:
+    # every split of the roster's members (and the dead ones) into two groups: at most one lands
+    for size_a in range(1, roster + 1):
+        for size_b in range(1, roster - size_a + 1):
+            a = verdict([member(roster)] * size_a, min_group_size=2).lands
+            b = verdict([member(roster)] * size_b, min_group_size=2).lands
+            assert not (a and b), (roster, size_a, size_b)
+
+
+def test_newcomers_count_toward_the_majority_but_claim_what_the_holders_published() -> None:
+    # 4 of a roster of 10 plus 2 peers that downloaded the state (they gather the published roster)
+    group = [member(10)] * 4 + [member(10, known=False)] * 2
+    assert verdict(group, min_group_size=2).lands
+    # two newcomers alone cannot land a state of a roster of 10
+    assert not verdict([member(10, known=False)] * 2, min_group_size=2).lands
+
+
+def test_stale_members_neither_count_nor_claim() -> None:
+    group = [member(4)] * 2 + [member(1, digest=E, round_=4)] * 3
+    # the agreed state is the stale majority's? no: the newest round decides (round 5, 2 holders)
+    found = verdict(group, min_group_size=2)
+    assert found.holders == 2 and found.roster == 4 and not found.lands
+
+
+def test_without_a_claimed_roster_min_group_size_decides() -> None:
+    assert verdict([member(0, known=False)] * 2, min_group_size=2).lands
+    assert not verdict([member(0, known=False)] * 2, min_group_size=3).lands
+
+
+def test_one_liar_does_not_move_the_claimed_roster() -> None:
+    assert claimed_roster([10, 10, 10, 1]) == 10
+    assert claimed_roster([3, 5]) == 5  # a tie: the larger (never lands a smaller group)
+    assert not verdict([member(10)] * 3 + [member(1)], min_group_size=2).lands
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [None, "text", {"round": 5}, {"round": 5, "digest": D, "roster": -1}, {"round": 5, "digest": D, "roster": 2**40}],
+)
+def test_malformed_metadata_claims_nothing(bad: object) -> None:
+    found = verdict([member(6)] * 4 + [bad], min_group_size=2)
+    assert found.roster == 6 and found.holders in (4, 5)
+
+
+def test_no_agreed_state_lands_nothing() -> None:
+    found = verdict([member(2), member(2, digest=E)], min_group_size=2)
+    assert not found.lands and "agree on no state" in found.reason
+
+
+def test_the_leader_closes_once_every_known_member_is_in() -> None:
+    assert not leader_may_close([member(3)] * 2)
+    assert leader_may_close([member(3)] * 3)
+    assert leader_may_close([member(3)] * 3 + [member(3, known=False)])
+    assert not leader_may_close([member(3)] * 2 + [member(3, known=False)] * 3)  # waits for the third
+    assert not leader_may_close([member(0, known=False)] * 5)  # no roster: the window decides
+
+
+def test_the_roster_of_a_landed_state_is_its_in_sync_members() -> None:
+    group = [member(7)] * 3 + [member(7, digest=E, round_=4)]
+    assert in_sync_count(group) == 3
+
+
+def test_a_peer_releases_its_roster_after_repeated_refusals() -> None:
+    book = RosterBook()
+    book.landed([member(9)] * 9)
+    assert book.gather() == {"roster": 9, "known": True}
+    refusal = verdict([member(9)] * 3, min_group_size=2)
+    for attempt in range(1, ROSTER_RELEASE_AFTER):
+        book.refused(refusal, D)
+        assert book.size == 9, attempt
+    book.refused(refusal, D)
+    assert book.gather() == {"roster": 0, "known": False}
+    book.adopted(4)
+    assert book.gather() == {"roster": 4, "known": False}
+    book.refused(refusal, D)
+    book.refused(refusal, E)  # another state: the count starts again
+    assert book.size == 4
+
+
+def test_a_follower_s_malformed_bytes_are_no_metadata() -> None:
+    from hivemind.utils import MSGPackSerializer
+
+    good = MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(member(2))])
+    assert gathered_metadata(good) == member(2)
+    for bad in (b"", b"\xff\x00", MSGPackSerializer.dumps([1, 2]), MSGPackSerializer.dumps(7)):
+        assert gathered_metadata(bad) is None
+
+
+def test_splits_of_a_grown_swarm_are_the_documented_limit() -> None:
+    # more holders than the roster had (newcomers): two groups can both pass. The rule says so.
+    roster, holders = 4, 7
+    passing = [
+        (a, holders - a)
+        for a in range(1, holders)
+        if verdict([member(roster)] * a, min_group_size=2).lands
+        and verdict([member(roster)] * (holders - a), min_group_size=2).lands
+    ]
+    assert passing == [(3, 4), (4, 3)]
