@@ -22,7 +22,7 @@ from hivemind.utils import MSGPackSerializer
 
 from protocol.roster import leader_may_close
 
-__all__ = ["RoundMatchmaking", "gathered_metadata", "round_matchmaking"]
+__all__ = ["RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ def gathered_metadata(gather: bytes) -> object:
         return MSGPackSerializer.loads(user)
     except Exception:  # noqa: BLE001 - any malformed payload is just "no metadata"
         return None
+
+
+def round_group_bits(round_: int) -> str:
+    """hivemind's group bits (its DHT key is ``PREFIX.0b<bits>``) of the round ``round_``: each
+    round's peers meet under a key of their own."""
+    return format(round_, "b")
 
 
 class RoundMatchmaking(Matchmaking):
