@@ -230,13 +230,23 @@ class Swarm:
         """Start averaging the outbox's vector with whoever is looking within ``timeout`` s."""
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         control = self.averager.step(
-            gather=gather,
+            gather={**gather, "meet": self._meeting_round(gather.get("round"))},
             weight=max(weight, NEGLIGIBLE_WEIGHT),
             scheduled_time=get_dht_time() + matchmaking_window(timeout),
             timeout=timeout,
             wait=False,
         )
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
+
+    def _meeting_round(self, round_: object) -> object:
+        """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,
+        except for a newcomer to an open run, whose electorate is empty so it sees no agreed
+        state to adopt: it meets the newest round the DHT shows, so that its first group (where
+        it is stale, weight 0) is the evidence it re-syncs from (ARCHITECTURE "Differences" 2)."""
+        if self.gate is not None or self.electorate or type(round_) is not int:
+            return round_
+        newest = max((r.round for r in self.records() if not r.archive), default=round_)
+        return max(round_, newest)
 
     def publish_digest(self, identity: Identity, *, round_: int, digest: str, roster: int = 0) -> None:
         """Sign and store this peer's post-round digest (and the state's roster size as this

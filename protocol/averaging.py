@@ -234,16 +234,16 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             # this peer's own parts failed here (a local fault): the others may hold its range
             raise RoundFailedError(f"this peer could not average its own parts: {runner.failed_reducers[self.peer_id]}")
 
-    async def _step(self, *, step: Any, **kwargs: Any) -> None:
+    async def _step(self, *, step: Any, future_for_init: Any) -> None:
         """Look for the group under the key of the round this step averages (its gathered
-        ``round``): each round meets at its own DHT key, so a round's leftover declarations
+        ``meet``, else ``round``): each round meets at its own DHT key, so a round's leftover declarations
         (a long window, ``protocol.matchmaking``) never stand in the next round's way, and a
         peer a round behind meets nobody it would only average stale with."""
         metadata = gathered_metadata(step.data_for_gather)
-        round_ = metadata.get("round") if isinstance(metadata, dict) else None
+        round_ = metadata.get("meet", metadata.get("round")) if isinstance(metadata, dict) else None
         if type(round_) is int and 0 <= round_ < 1 << 62:
             self._matchmaking.group_key_manager.group_bits = round_group_bits(round_)
-        await super()._step(step=step, **kwargs)
+        await super()._step(step=step, future_for_init=future_for_init)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         """Returns ``{"gathered": {peer_id: data}, "stats": {...}}`` to ``step()``'s caller."""

@@ -297,6 +297,22 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
             ("rpc_download_state", "yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)"),
         ),
     ),
+    PrivateUse(
+        AVERAGER,
+        "_step",
+        "overridden coroutine method",
+        f"{AVERAGING} (ExactAverager._step)",
+        "Runs one step in the averager process: our override sets the matchmaking's group_bits "
+        "to the round the step gathers (each round meets under its own DHT key, "
+        "protocol.matchmaking.round_group_bits) before hivemind looks for the group. The public "
+        "Matchmaking members protocol.matchmaking.RoundMatchmaking reads (target_group_size, "
+        "current_followers, step_control.data_for_gather) are read in that step.",
+        params=("step", "future_for_init"),
+        evidence=(
+            ("step", '("_step", [], dict(step=step, future_for_init=future_for_init))'),
+            ("_step", "await self._matchmaking.look_for_group(step)"),
+        ),
+    ),
     # --- hivemind.averaging.matchmaking.Matchmaking ---------------------------------------
     PrivateUse(
         MATCHMAKING,

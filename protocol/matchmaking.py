@@ -20,7 +20,7 @@ import logging
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.utils import MSGPackSerializer
 
-from protocol.roster import leader_may_close
+from protocol.roster import leader_may_close, verdict
 
 __all__ = ["RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
 
@@ -55,12 +55,7 @@ class RoundMatchmaking(Matchmaking):
         followers = getattr(self, "current_followers", {})
         if not followers or getattr(self, "step_control", None) is None:
             return bound
-        # parse each member's bytes once per round (the bound is read at every join)
-        gathers = [self.step_control.data_for_gather] + [request.gather for request in followers.values()]
-        cache: dict[bytes, object] = self.__dict__.get("_parsed_gathers", {})
-        cache = {data: cache[data] if data in cache else gathered_metadata(data) for data in gathers}
-        self.__dict__["_parsed_gathers"] = cache
-        metadata = [cache[data] for data in gathers]
+        metadata = self._metadata()  # parsed once per round (the bound is read at every join)
         if leader_may_close(metadata):
             logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
             return len(metadata)
@@ -70,12 +65,42 @@ class RoundMatchmaking(Matchmaking):
     def target_group_size(self, value: int | None) -> None:
         self.__dict__["_bound"] = value
 
+    def _metadata(self) -> list[object]:
+        """Every current member's gathered metadata (this peer's first), each parsed once per round."""
+        followers = getattr(self, "current_followers", {})
+        gathers = [self.step_control.data_for_gather] + [request.gather for request in followers.values()]
+        cache: dict[bytes, object] = self.__dict__.get("_parsed_gathers", {})
+        cache = {data: cache[data] if data in cache else gathered_metadata(data) for data in gathers}
+        self.__dict__["_parsed_gathers"] = cache
+        return [cache[data] for data in gathers]
+
+    @property
+    def min_group_size(self) -> int:
+        """hivemind assembles a group whose window ended when it holds this many members: the
+        run's ``min_group_size``, unless the group as it stands would fail the roster rule
+        (``protocol.roster.verdict``): then one more than it holds, so the leader disbands it and
+        keeps looking (its followers with it) until its deadline, rather than start a round
+        that cannot land."""
+        base: int = self.__dict__.get("_min_group_size", 1)
+        if getattr(self, "step_control", None) is None:
+            return base
+        members = self._metadata()
+        if verdict(members, min_group_size=base).lands:
+            return base
+        return len(members) + 1
+
+    @min_group_size.setter
+    def min_group_size(self, value: int) -> None:
+        self.__dict__["_min_group_size"] = value
+
 
 def round_matchmaking(matchmaking: Matchmaking) -> RoundMatchmaking:
     """Turn the ``Matchmaking`` hivemind built inside the averager process into a
     ``RoundMatchmaking`` (same state; hivemind constructs it itself, so it is re-classed)."""
     if not isinstance(matchmaking, RoundMatchmaking):
         bound = matchmaking.__dict__.pop("target_group_size", None)
+        smallest = matchmaking.__dict__.pop("min_group_size", 1)
         matchmaking.__class__ = RoundMatchmaking
         matchmaking.__dict__["_bound"] = bound
+        matchmaking.__dict__["_min_group_size"] = smallest
     return matchmaking

@@ -18,13 +18,13 @@ Each member gathers, beside its round and digest (``protocol.agreement``):
 - ``known``: whether it was itself a member of that roster (it landed the state by averaging).
 
 The group's verdict (``verdict``) is computed by every member from the same gathered
-metadata, so all members of a group reach the same one. Newcomers count toward the
-majority (they hold the state too), which is why two groups can both pass only when more
-peers hold the state than its roster had: a split exactly when the swarm grew by more
-than the roster's margin, a case the single-group matchmaking (``leader_may_close``) makes
-rare. A swarm where more than half of the roster left at once would never pass again, so a
-member that failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers
-``roster`` 0 (unknown); a group where nobody claims a roster needs only ``min_group_size``.
+metadata, so all members of a group reach the same one: it lands when more than half of the
+roster (its ``known`` members at the state) are in it. Newcomers and re-synced peers hold the
+state but do not count (else a group of them could pass beside the roster's own). A swarm
+where more than half of the roster left at once would never pass again, so a member that
+failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers ``roster``
+0 (unknown); a group where nobody claims a roster needs only ``min_group_size`` holders
+(the initial state, or after a release: the one case two groups could both land).
 """
 
 from __future__ import annotations
@@ -91,14 +91,14 @@ def verdict(members: Sequence[object], *, min_group_size: int) -> Verdict:
     agreed = agreed_state(votes)
     if agreed is None:
         return Verdict(False, 0, 0, "the group's members agree on no state")
-    holders, claims, _known = _claims(members, agreed.round, agreed.digest)
+    holders, claims, known = _claims(members, agreed.round, agreed.digest)
     roster = claimed_roster(claims)
     if roster == 0:
         lands = holders >= min_group_size
         why = f"{holders} members hold its state, no roster claimed (at least {min_group_size} needed)"
         return Verdict(lands, holders, 0, why)
-    lands = 2 * holders > roster
-    why = f"{holders} members hold its state, of a roster of {roster} (more than half needed)"
+    lands = 2 * known > roster
+    why = f"{known} of its roster of {roster} are in ({holders} members hold its state; more than half needed)"
     return Verdict(lands, holders, roster, why)
 
 

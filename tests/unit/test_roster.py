@@ -31,12 +31,12 @@ def test_no_two_disjoint_groups_of_one_roster_both_land(roster: int) -> None:
             assert not (a and b), (roster, size_a, size_b)
 
 
-def test_newcomers_count_toward_the_majority_but_claim_what_the_holders_published() -> None:
-    # 4 of a roster of 10 plus 2 peers that downloaded the state (they gather the published roster)
-    group = [member(10)] * 4 + [member(10, known=False)] * 2
-    assert verdict(group, min_group_size=2).lands
-    # two newcomers alone cannot land a state of a roster of 10
-    assert not verdict([member(10, known=False)] * 2, min_group_size=2).lands
+def test_newcomers_hold_the_state_but_only_the_roster_counts() -> None:
+    # 6 of a roster of 10 plus 2 peers that downloaded the state (they gather the published roster)
+    assert verdict([member(10)] * 6 + [member(10, known=False)] * 2, min_group_size=2).lands
+    # 4 of them plus 4 newcomers: not the roster's majority (a group of 6 may land beside it)
+    assert not verdict([member(10)] * 4 + [member(10, known=False)] * 4, min_group_size=2).lands
+    assert not verdict([member(10, known=False)] * 9, min_group_size=2).lands
 
 
 def test_stale_members_neither_count_nor_claim() -> None:
@@ -110,13 +110,10 @@ def test_a_follower_s_malformed_bytes_are_no_metadata() -> None:
         assert gathered_metadata(bad) is None
 
 
-def test_splits_of_a_grown_swarm_are_the_documented_limit() -> None:
-    # more holders than the roster had (newcomers): two groups can both pass. The rule says so.
-    roster, holders = 4, 7
-    passing = [
-        (a, holders - a)
-        for a in range(1, holders)
-        if verdict([member(roster)] * a, min_group_size=2).lands
-        and verdict([member(roster)] * (holders - a), min_group_size=2).lands
-    ]
-    assert passing == [(3, 4), (4, 3)]
+def test_a_grown_swarm_still_lands_at_most_one_group() -> None:
+    # a roster of 4 and 3 newcomers, split every way into two groups: at most one lands
+    people = [member(4)] * 4 + [member(4, known=False)] * 3
+    for mask in range(1, 2 ** len(people) - 1):
+        a = [p for i, p in enumerate(people) if mask >> i & 1]
+        b = [p for i, p in enumerate(people) if not mask >> i & 1]
+        assert not (verdict(a, min_group_size=2).lands and verdict(b, min_group_size=2).lands), mask
