@@ -607,7 +607,6 @@ class Trainer:
                     launch_point=self._launch_point,
                     keep_progress=keep_progress,
                     staging=self._staging,
-                    missing=result.missing,
                 )
             if self.overlap and not keep_progress:
                 self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")

@@ -57,7 +57,9 @@ class RoundMatchmaking(Matchmaking):
             return bound
         metadata = self._metadata()  # parsed once per round (the bound is read at every join)
         if leader_may_close(metadata):
-            logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
+            if self.__dict__.get("_closed_step") is not self.step_control:  # hivemind reads the bound twice
+                self.__dict__["_closed_step"] = self.step_control
+                logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
             return len(metadata)
         return bound
 

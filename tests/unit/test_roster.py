@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from peer.roster_book import RosterBook
@@ -117,3 +119,37 @@ def test_a_grown_swarm_still_lands_at_most_one_group() -> None:
         a = [p for i, p in enumerate(people) if mask >> i & 1]
         b = [p for i, p in enumerate(people) if not mask >> i & 1]
         assert not (verdict(a, min_group_size=2).lands and verdict(b, min_group_size=2).lands), mask
+
+
+def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], followers: list[dict[str, object]]) -> Any:
+    """A hivemind ``Matchmaking`` as hivemind leaves it after ``__init__`` (no P2P needed for
+    the bounds), re-classed, leading ``followers``."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.utils import MSGPackSerializer
+
+    from protocol.matchmaking import round_matchmaking
+
+    def wire(data: dict[str, object]) -> bytes:
+        return MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(data)])
+
+    made = object.__new__(Matchmaking)
+    made.__dict__.update(target_group_size=bound, min_group_size=smallest, step_control=None, current_followers={})
+    matchmaking = round_matchmaking(made)
+    matchmaking.step_control = SimpleNamespace(data_for_gather=wire(me))
+    matchmaking.current_followers = {f"p{i}": SimpleNamespace(gather=wire(f)) for i, f in enumerate(followers)}
+    return matchmaking
+
+
+def test_the_leader_closes_when_the_roster_is_in_and_never_starts_a_refused_group() -> None:
+    # a run's peer (no bound): open until the roster of 3 is in, then the group's size
+    assert _matchmaking(None, 2, member(3), [member(3)]).target_group_size is None
+    assert _matchmaking(None, 2, member(3), [member(3)] * 2).target_group_size == 3
+    # 1 of a roster of 3 plus 2 newcomers cannot land: its window's end does not start it
+    refused = _matchmaking(None, 2, member(3), [member(3, known=False)] * 2)
+    assert refused.min_group_size == 4
+    assert _matchmaking(None, 2, member(3), [member(3)]).min_group_size == 2
+    # a bare averager (a test's, a benchmark's) keeps the bound it was built with
+    bare = _matchmaking(4, 2, {"x": 1}, [{"x": 2}])
+    assert (bare.target_group_size, bare.min_group_size) == (4, 2)
