@@ -178,6 +178,8 @@ class Swarm:
         self.gate = gate
         self.electorate: set[str] = set()
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
+        self._meetings = 0
+        """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
         quiet_expected_round_failures()
         self.dht = DHT(
             initial_peers=initial_peers,
@@ -241,12 +243,34 @@ class Swarm:
     def _meeting_round(self, round_: object) -> object:
         """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,
         except for a newcomer to an open run, whose electorate is empty so it sees no agreed
-        state to adopt: it meets the newest round the DHT shows, so that its first group (where
-        it is stale, weight 0) is the evidence it re-syncs from (ARCHITECTURE "Differences" 2)."""
-        if self.gate is not None or self.electorate or type(round_) is not int:
+        state to adopt: it meets a later round the DHT shows, so that its first group (where it
+        is stale, weight 0) is the evidence it re-syncs from (ARCHITECTURE "Differences" 2).
+        It meets the round *after* one the records show (the swarm launches that one within
+        about a phase, and the newcomer, declared first, leads it; the round shown may already
+        be launched). Anyone may sign records for any round, so it tries each such round in
+        turn, those with the most signers first."""
+        if type(round_) is not int:
             return round_
-        newest = max((r.round for r in self.records() if not r.archive), default=round_)
-        return max(round_, newest)
+        candidates = self._meeting_candidates(round_)
+        if not candidates:
+            return round_
+        self._meetings += 1
+        return candidates[(self._meetings - 1) % len(candidates)]
+
+    def _meeting_candidates(self, round_: int) -> list[int]:
+        """An open-run newcomer's rounds to meet at (later than ``round_``; none otherwise)."""
+        if self.gate is not None or self.electorate:
+            return []
+        signers: dict[int, set[str]] = {}
+        for record in self.records():
+            if not record.archive and record.round > round_:
+                signers.setdefault(record.round, set()).add(record.signer.id)
+        return [later + 1 for later in sorted(signers, key=lambda later: (-len(signers[later]), -later))]
+
+    def behind(self, round_: int) -> bool:
+        """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer
+        to an open run, whose first group will weigh it 0 whatever it trains."""
+        return bool(self._meeting_candidates(round_))
 
     def publish_digest(self, identity: Identity, *, round_: int, digest: str, roster: int = 0) -> None:
         """Sign and store this peer's post-round digest (and the state's roster size as this

@@ -234,8 +234,15 @@ class Trainer:
         self.roster = RosterBook()
         """The roster of the state this peer holds (``protocol.roster``): gathered each round."""
         self._launch_now = False
-        """Set when this peer adopted a downloaded state with no work to carry: its next round
-        launches at once (no samples) so that it is in the round's group and in its roster."""
+        """Set when this peer adopted a downloaded state: its next round launches at once (no
+        samples) so that it is in the swarm's next group and so in its roster; the others
+        launch when their phase ends, and a roster that is complete does not wait for a late
+        peer outside it."""
+        self._carry_over: torch.Tensor | None = None
+        """Local work carried onto an adopted state, held out of the round launched at once
+        (it sends nothing) and added back to the model once that round lands."""
+        self._phase_s: float | None = None
+        """How long this peer's last inner phase that trained took (the join round's deadline)."""
         self._uncounted: torch.Tensor | None = None
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
         self.inner_steps_done = 0
@@ -332,8 +339,8 @@ class Trainer:
         deadline = started + rounds.time_budget_s if rounds.time_budget_s else math.inf
         self.model.train()
         round_ = self.state.round + (1 if ahead else 0)
-        if self._launch_now and not ahead:
-            # join the round in progress now, with nothing to contribute (no data round read)
+        if not ahead and (self._launch_now or self.swarm.behind(self.state.round)):
+            # join the swarm's next round now, with nothing to contribute (no data round read)
             self._launch_now = False
             return _InnerPhase(started, started, 0, round_, self._data_round)
         self._data_round = max(round_, self._data_round + 1)
@@ -426,7 +433,10 @@ class Trainer:
             **self.roster.gather(),
         }
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
-        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=self.matchmaking_timeout(compute_s))
+        if inner.steps:
+            self._phase_s = compute_s
+        timeout = self.matchmaking_timeout(compute_s) if inner.steps else self._join_timeout()
+        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=timeout)
         launched = time.monotonic()
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
@@ -443,6 +453,13 @@ class Trainer:
         if self.overlap:
             return max(self.timeouts.matchmaking_s, compute_s)
         return self.timeouts.matchmaking_s
+
+    def _join_timeout(self) -> float:
+        """How long a round launched at once (``_launch_now``) may look for its group: the others
+        launch when their phase ends, up to a whole phase later, so twice a phase (this peer's
+        last, else the spec's time budget), at least the matchmaking deadline."""
+        phase = self._phase_s or self.spec.rounds.time_budget_s or 0.0
+        return max(self.timeouts.matchmaking_s, 2 * phase)
 
     @torch.no_grad()
     def _drop_local_work(self, why: str) -> None:
@@ -575,6 +592,7 @@ class Trainer:
         self._adapt_timeouts(result)
         self._uncounted = None
         if result is None:
+            self._carry_over = None  # still in the model: the next round's Δ holds it
             # θ_g, the momentum and the codec residual are untouched: the round's work folds into
             # the next round's pseudo-gradient
             if self._swarm_moved_on():
@@ -608,6 +626,9 @@ class Trainer:
                     keep_progress=keep_progress,
                     staging=self._staging,
                 )
+                if self._carry_over is not None and counted:  # held out of this round: back in
+                    load_flat(self.model, torch.add(flatten(self.model), self._carry_over))
+                self._carry_over = None  # not counted: ``_uncounted`` holds it (from the launch point)
             if self.overlap and not keep_progress:
                 self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")
             if self.in_sync:
@@ -739,7 +760,7 @@ class Trainer:
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.in_sync = True
         self.roster.adopted(self.swarm.roster_of(state.digest(), exclude=self.identity.public_key))
-        self._launch_now = carried is None
+        self._launch_now, self._carry_over = True, carried
         logger.info(
             "adopted the swarm's state of round %d (%s), digest verified%s",
             round_,

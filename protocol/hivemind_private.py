@@ -305,8 +305,10 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "Runs one step in the averager process: our override sets the matchmaking's group_bits "
         "to the round the step gathers (each round meets under its own DHT key, "
         "protocol.matchmaking.round_group_bits) before hivemind looks for the group. The public "
-        "Matchmaking members protocol.matchmaking.RoundMatchmaking reads (target_group_size, "
-        "current_followers, step_control.data_for_gather) are read in that step.",
+        "Matchmaking members protocol.matchmaking.RoundMatchmaking reads and re-defines "
+        "(target_group_size, min_group_size, current_followers, step_control.data_for_gather, "
+        "potential_leaders' leader_queue, max_assured_time and declared_expiration_time) are "
+        "read in that step.",
         params=("step", "future_for_init"),
         evidence=(
             ("step", '("_step", [], dict(step=step, future_for_init=future_for_init))'),

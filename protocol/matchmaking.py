@@ -56,7 +56,7 @@ class RoundMatchmaking(Matchmaking):
         if not followers or getattr(self, "step_control", None) is None:
             return bound
         metadata = self._metadata()  # parsed once per round (the bound is read at every join)
-        if leader_may_close(metadata):
+        if leader_may_close(metadata) and self._first_in_line():
             if self.__dict__.get("_closed_step") is not self.step_control:  # hivemind reads the bound twice
                 self.__dict__["_closed_step"] = self.step_control
                 logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
@@ -66,6 +66,18 @@ class RoundMatchmaking(Matchmaking):
     @target_group_size.setter
     def target_group_size(self, value: int | None) -> None:
         self.__dict__["_bound"] = value
+
+    def _first_in_line(self) -> bool:
+        """Whether this peer leads: it has read the round's declarations at least once since it
+        declared, and none of them would lead before it (hivemind's order: earliest declared
+        expiration, then peer id). A peer that is itself to follow an earlier leader (a
+        newcomer that launched first, say) must not close its own group: that would split the
+        round, the earlier leader's group and its own."""
+        search = self.potential_leaders
+        if search.max_assured_time == float("-inf"):
+            return False
+        mine = (search.declared_expiration_time, self.peer_id.to_bytes())
+        return all((entry.expiration_time, peer.to_bytes()) > mine for peer, entry in search.leader_queue.items())
 
     def _metadata(self) -> list[object]:
         """Every current member's gathered metadata (this peer's first), each parsed once per round."""

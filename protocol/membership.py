@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 REFRESH_INTERVAL_S = 2.0
 """A peer id not known yet triggers a DHT lookup at most this often."""
 RECHECK_S = 30.0
+MAX_SIGHTED = 10_000
+"""Unknown peer ids a gate remembers having looked up for (then it forgets them all)."""
 """Known members are looked up again (for revocations) at least this often."""
 REVOCATIONS_MAX_AGE_S = 30 * 86400.0 + 60.0
 """A revocation list stays in force at least as long as the longest token a spec allows."""
@@ -115,6 +117,8 @@ class MemberGate:
         self._revoked: frozenset[str] = frozenset()
         self._revoked_at = float("-inf")
         self._last_refresh = float("-inf")
+        self._sighted: set[str] = set()
+        """Unknown peer ids looked up for at least once (``admitted``)."""
 
     def update(self, lookup: Lookup, *, now: float) -> None:
         """Add the peers whose records ({subkey: token bytes}) hold valid tokens; forget expired
@@ -175,11 +179,18 @@ class MemberGate:
 
     async def admitted(self, peer_id: str, fetch: Callable[[], Awaitable[Lookup]]) -> bool:
         """``is_member``, looking the run up again (``fetch``) when ``peer_id`` is unknown and
-        the last lookup is older than ``refresh_interval_s``, or when it is older than
-        ``recheck_s`` (so that a revocation takes effect within that time)."""
+        never looked up for, or the last lookup is older than ``refresh_interval_s``, or when it
+        is older than ``recheck_s`` (so that a revocation takes effect within that time). The
+        first sighting of an unknown peer always looks: a newcomer whose token was stored a
+        moment after the last lookup is not turned away for the rest of a round's window."""
         since = time.monotonic() - self._last_refresh
         known = self.is_member(peer_id, now=time.time())
-        if (known and since < self.recheck_s) or (not known and since < self.refresh_interval_s):
+        first = not known and peer_id not in self._sighted
+        if first:
+            if len(self._sighted) >= MAX_SIGHTED:  # peer ids are free to mint: bounded memory
+                self._sighted.clear()
+            self._sighted.add(peer_id)
+        if (known and since < self.recheck_s) or (not known and not first and since < self.refresh_interval_s):
             return known
         self._last_refresh = time.monotonic()
         try:

@@ -99,6 +99,28 @@ def test_an_unknown_peer_triggers_a_lookup_at_most_once_per_interval() -> None:
     assert len(lookups) == 2
 
 
+def test_a_newcomer_first_seen_within_the_interval_is_looked_up_at_once() -> None:
+    """A token stored just after another peer's lookup must not turn its peer away for the
+    rest of the interval (a round's window): its first request looks again."""
+    records: dict[Any, Any] = {}
+    lookups = []
+
+    async def fetch() -> Lookup:
+        lookups.append(1)
+        return members(dict(records))
+
+    async def scenario() -> list[bool]:
+        g = gate(refresh_interval_s=3600.0)
+        other = await g.admitted("QmA", fetch)  # looks up: nobody yet
+        records["QmB"] = token("QmB")
+        newcomer = await g.admitted("QmB", fetch)  # first sighting: looks again, finds it
+        again = await g.admitted("QmA", fetch)  # QmA was looked up for: the interval holds
+        return [other, newcomer, again]
+
+    assert asyncio.run(scenario()) == [False, True, False]
+    assert len(lookups) == 2
+
+
 def test_a_failed_lookup_admits_nobody_new() -> None:
     async def fetch() -> Lookup:
         return Lookup(None, None)

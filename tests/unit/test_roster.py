@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ from protocol.matchmaking import gathered_metadata
 from protocol.roster import ROSTER_RELEASE_AFTER, claimed_roster, in_sync_count, leader_may_close, verdict
 
 D, E = "blake3:" + "d" * 64, "blake3:" + "e" * 64
+DECLARED = time.time() + 3600.0
+"""When the matchmaking of ``_matchmaking`` declared it would start (DHT time: the wall clock)."""
 
 
 def member(roster: int, known: bool = True, digest: str = D, round_: int = 5) -> dict[str, object]:
@@ -127,7 +130,8 @@ def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], follow
     from types import SimpleNamespace
 
     from hivemind.averaging.matchmaking import Matchmaking
-    from hivemind.utils import MSGPackSerializer
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MSGPackSerializer, TimedStorage
 
     from protocol.matchmaking import round_matchmaking
 
@@ -139,6 +143,11 @@ def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], follow
     matchmaking = round_matchmaking(made)
     matchmaking.step_control = SimpleNamespace(data_for_gather=wire(me))
     matchmaking.current_followers = {f"p{i}": SimpleNamespace(gather=wire(f)) for i, f in enumerate(followers)}
+    # it declared to expire at DECLARED and has read the round's declarations (nobody earlier)
+    matchmaking.peer_id = PeerID(b"me")
+    matchmaking.potential_leaders = SimpleNamespace(
+        max_assured_time=0.0, declared_expiration_time=DECLARED, leader_queue=TimedStorage()
+    )
     return matchmaking
 
 
@@ -153,3 +162,27 @@ def test_the_leader_closes_when_the_roster_is_in_and_never_starts_a_refused_grou
     # a bare averager (a test's, a benchmark's) keeps the bound it was built with
     bare = _matchmaking(4, 2, {"x": 1}, [{"x": 2}])
     assert (bare.target_group_size, bare.min_group_size) == (4, 2)
+
+
+def test_a_peer_with_an_earlier_leader_in_line_does_not_close_its_own_group() -> None:
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils import TimedStorage
+
+    complete = _matchmaking(None, 2, member(3), [member(3)] * 2)
+    assert complete.target_group_size == 3
+    # a newcomer declared to expire before it: it follows that one (hivemind's order)
+    earlier = DECLARED - 1
+    complete.potential_leaders.leader_queue.store(PeerID(b"newcomer"), earlier, earlier)
+    assert complete.target_group_size is None
+    # one declared later does not stop it
+    later = _matchmaking(None, 2, member(3), [member(3)] * 2)
+    later.potential_leaders.leader_queue.store(PeerID(b"late"), DECLARED + 1, DECLARED + 1)
+    assert later.target_group_size == 3
+    # nor may it close before it has read the round's declarations once
+    unread = _matchmaking(None, 2, member(3), [member(3)] * 2)
+    unread.potential_leaders = SimpleNamespace(
+        max_assured_time=float("-inf"), declared_expiration_time=DECLARED, leader_queue=TimedStorage()
+    )
+    assert unread.target_group_size is None

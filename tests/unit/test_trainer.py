@@ -93,6 +93,9 @@ class RecordingSwarm:
     def roster_of(self, digest: str, **kwargs: Any) -> int:
         return 0
 
+    def behind(self, round_: int) -> bool:
+        return False
+
     def saw_group(self, members: list[dict[str, Any]]) -> None:
         self.seen = [m.get("id") for m in members]
 
