@@ -10,7 +10,8 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalPeer, start_peers, wait_until
 
-PEERS, ROUNDS, LATE_ROUNDS = 10, 8, 3
+PEERS, LATE_ROUNDS = 10, 3
+ROUNDS = 500  # the others train on until the late joiner is done, then leave (SIGTERM)
 SPEC = """
 [run]
 name = "one-swarm"
@@ -55,8 +56,12 @@ def test_ten_peers_one_state_per_round_through_a_kill_and_a_late_join(tmp_path: 
         late_args = ["-v", "--spec", str(spec), "--key", str(tmp_path / "late.key"), "--host", "127.0.0.1"]
         late_args += ["--initial-peers", peers[0].wait_for_maddr(), "--max-rounds", str(LATE_ROUNDS)]
         late = LocalPeer(late_args, tmp_path, "late")
-        for peer in [*peers[:-1], late]:
-            assert peer.wait(timeout=400) == 0, "\n".join(peer.lines[-30:])
+        assert late.wait(timeout=240) == 0, "\n".join(late.lines[-30:])
+        for peer in peers[:-1]:
+            peer.leave()  # all at once: each finishes the round in flight, then exits
+        for peer in peers[:-1]:
+            peer.stop(grace_s=90)
+            assert peer.proc.returncode == 0, "\n".join(peer.lines[-30:])
     finally:
         for peer in [*peers, *([late] if late else [])]:
             peer.kill()
