@@ -228,13 +228,17 @@ class Swarm:
         with self.averager.get_tensors() as tensors:
             yield tensors[0]
 
-    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> PendingRound:
-        """Start averaging the outbox's vector with whoever is looking within ``timeout`` s."""
+    def start_round(
+        self, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+    ) -> PendingRound:
+        """Start averaging the outbox's vector with whoever is looking within ``timeout`` s (see
+        ``SwarmPort.start_round``)."""
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
+        window = min(window, matchmaking_window(timeout)) if window else matchmaking_window(timeout)
         control = self.averager.step(
             gather={**gather, "meet": self._meeting_round(gather.get("round"))},
             weight=max(weight, NEGLIGIBLE_WEIGHT),
-            scheduled_time=get_dht_time() + matchmaking_window(timeout),
+            scheduled_time=get_dht_time() + window,
             timeout=timeout,
             wait=False,
         )

@@ -36,8 +36,11 @@ class SwarmPort(Protocol):
         (``RoundResult.averaged`` is this vector, valid until the next write)."""
         ...
 
-    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> PendingAverage:
-        """Average the outbox's vector with whoever is looking within ``timeout`` s."""
+    def start_round(
+        self, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+    ) -> PendingAverage:
+        """Average the outbox's vector with whoever is looking within ``timeout`` s; this peer
+        declares it would lead a group for ``window`` s (default ``matchmaking_window(timeout)``)."""
         ...
 
     def set_allreduce_timeout(self, timeout_s: float) -> None: ...

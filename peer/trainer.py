@@ -51,7 +51,7 @@ from peer.state import GlobalState, flatten, load_flat
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.swarm_port import PendingAverage, SwarmPort
 from peer.task import Task
-from peer.timeouts import AdaptiveTimeouts
+from peer.timeouts import AdaptiveTimeouts, matchmaking_window
 from protocol.checkpoint import Checkpointer
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
@@ -435,8 +435,13 @@ class Trainer:
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         if inner.steps:
             self._phase_s = compute_s
-        timeout = self.matchmaking_timeout(compute_s) if inner.steps else self._join_timeout()
-        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=timeout)
+        if inner.steps:
+            timeout = self.matchmaking_timeout(compute_s)
+            window = matchmaking_window(timeout)
+        else:  # joining: wait up to two phases, but declare the window the others will, so as to lead
+            timeout = self._join_timeout()
+            window = matchmaking_window(self.matchmaking_timeout(self._phase_s or 0.0))
+        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=timeout, window=window)
         launched = time.monotonic()
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))

@@ -7,6 +7,7 @@ stderr, ``swarmtrain <command>: error: ...``; never a bare traceback.
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
@@ -59,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    _whole_lines()
     _configure_logging(args.verbose)
     tie_children_to_this_process()
     leave_with_parent()
@@ -79,6 +81,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def _whole_lines() -> None:
+    """Each line of output in one write, also unbuffered (PYTHONUNBUFFERED, where ``print``
+    writes a line and its newline apart): peers that share a terminal or a log (the README's
+    background peers) finish at the same moment and must not interleave each other's lines."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def _configure_logging(verbose: int) -> None:

@@ -24,7 +24,9 @@ def install(attack: str) -> None:
 
     original = Swarm.start_round
 
-    def start_round(self: Swarm, *, weight: float, gather: dict[str, Any], timeout: float | None = None) -> Any:
+    def start_round(
+        self: Swarm, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+    ) -> Any:
         if attack in ("x100", "sign-flip"):
             with self.outbox() as out:
                 out.mul_(100.0 if attack == "x100" else -1.0)
@@ -34,7 +36,7 @@ def install(attack: str) -> None:
                 out.normal_().mul_(scale)
         elif attack == "samples":
             weight, gather = float(HUGE), {**gather, "samples": HUGE}
-        return original(self, weight=weight, gather=gather, timeout=timeout)
+        return original(self, weight=weight, gather=gather, timeout=timeout, window=window)
 
     Swarm.start_round = start_round  # type: ignore[method-assign]
 

@@ -79,7 +79,7 @@ class RecordingSwarm:
     def download_state(self, accept: set[str], *, timeout: float) -> Any:
         return self.averager.load_verified_state(accept, timeout) if self.averager is not None else None
 
-    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
+    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float, window: float = 0.0) -> _Pending:
         self.launched.append((self.vector.clone(), weight))
         self.matchmaking_timeouts.append(timeout)
         return _Pending(self.next_result)
@@ -339,8 +339,10 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
             return False
 
     class Swarm(RecordingSwarm):
-        def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float) -> _Pending:
-            super().start_round(weight=weight, gather=gather, timeout=timeout)
+        def start_round(
+            self, *, weight: float, gather: dict[str, Any], timeout: float, window: float = 0.0
+        ) -> _Pending:
+            super().start_round(weight=weight, gather=gather, timeout=timeout, window=window)
             return SlowPending(None)
 
     spec = parse_spec(SPEC)
