@@ -24,7 +24,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from coordinator.admission import admit, parse_body
 from coordinator.credits import OFFENCE, ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.health import HealthConfig, HealthTracker
-from coordinator.limits import check_hardware, check_heartbeat, check_report, check_text
+from coordinator.limits import MAX_GROUP, check_hardware, check_heartbeat, check_report, check_text
+from coordinator.round_view import ROUND_WINDOW, RoundFigures, RoundWindow
 from coordinator.slots import DataSlots
 from coordinator.store import Decision, Store
 from protocol import coordinator_pb2 as pb
@@ -128,6 +129,9 @@ class Coordinator:
         """Makes a heartbeat's "nothing changed, cache it" one step against ``_credit_moved``."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
+        self.round_view = RoundWindow(ROUND_WINDOW)
+        """Groups, states and peers averaged of the newest rounds reported (``coordinator.round_view``)."""
+        self.round_view.load(store.recent_claims(ROUND_WINDOW, limit=ROUND_WINDOW * MAX_GROUP))
         self._reload_pending()
 
     def _reload_pending(self) -> None:
@@ -296,6 +300,9 @@ class Coordinator:
         )
         if recorded:
             self.ledger.add(claim)
+            self.round_view.add(
+                round=body.round, reporter=peer.id, members=(m.key for m in group), state_digest=body.state_digest
+            )
             self._last_report_at[peer.id] = now
             self._credit_moved(peer.id, pending=body.samples)
             self.health.record_report(
@@ -329,6 +336,7 @@ class Coordinator:
             samples_per_second=summary.samples_per_second,
             rounds_per_hour=_rounds_per_hour(rounds),
             last_round_time=latest["finalized_at"] if latest else 0.0,
+            rounds=[_round_view(f) for f in self.round_view.figures()],
             peers=[
                 pb.PeerStatus(
                     public_key=PublicKey.from_id(p.key).raw,
@@ -367,6 +375,7 @@ class Coordinator:
                 )
             )
         for round_, round_decisions in sorted(by_round.items()):
+            self.round_view.decided(round_)
             losses = self._losses.pop(round_, [])
             granted_keys = {d.key for d in round_decisions if d.status == "granted"}
             val_loss = _lower_median(self._val_losses.pop(round_, {}), granted_keys)
@@ -614,6 +623,17 @@ def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
     three or more reporters no single one can move it at all; None if none reported."""
     chosen = sorted(value for key, value in values.items() if key in keys)
     return chosen[(len(chosen) - 1) // 2] if chosen else None
+
+
+def _round_view(figures: RoundFigures) -> pb.RoundView:
+    return pb.RoundView(
+        round=figures.round,
+        groups=figures.groups,
+        states=figures.states,
+        peers_averaged=figures.peers_averaged,
+        reports=figures.reports,
+        decided=figures.decided,
+    )
 
 
 def _claim_from_row(row: dict) -> RoundClaim:

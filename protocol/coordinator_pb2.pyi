@@ -281,7 +281,7 @@ class PeerStatus(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive", "validation_loss", "validation_round", "data")
+    __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive", "validation_loss", "validation_round", "data", "rounds")
     RUN_NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,7 @@ class StatusResponse(_message.Message):
     VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_ROUND_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     run_name: str
     spec_digest: str
     current_round: int
@@ -310,7 +311,24 @@ class StatusResponse(_message.Message):
     validation_loss: float
     validation_round: int
     data: DataProgress
-    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_checkpoint_round: _Optional[int] = ..., archive: _Optional[str] = ..., validation_loss: _Optional[float] = ..., validation_round: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ...) -> None: ...
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundView]
+    def __init__(self, run_name: _Optional[str] = ..., spec_digest: _Optional[str] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., peers_online: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., rounds_per_hour: _Optional[float] = ..., last_round_time: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., last_checkpoint_round: _Optional[int] = ..., archive: _Optional[str] = ..., validation_loss: _Optional[float] = ..., validation_round: _Optional[int] = ..., data: _Optional[_Union[DataProgress, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[RoundView, _Mapping]]] = ...) -> None: ...
+
+class RoundView(_message.Message):
+    __slots__ = ("round", "groups", "states", "peers_averaged", "reports", "decided")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_AVERAGED_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    groups: int
+    states: int
+    peers_averaged: int
+    reports: int
+    decided: bool
+    def __init__(self, round: _Optional[int] = ..., groups: _Optional[int] = ..., states: _Optional[int] = ..., peers_averaged: _Optional[int] = ..., reports: _Optional[int] = ..., decided: _Optional[bool] = ...) -> None: ...
 
 class DataProgress(_message.Message):
     __slots__ = ("tokens_trained", "epoch", "slots", "slots_held")

@@ -44,6 +44,7 @@ def create_app(
             rounds = core.store.rounds(limit=1)
             evaluated = core.store.latest_validation()
             data = core.data_progress()
+            round_views = [dataclasses.asdict(f) for f in core.round_view.figures()]
         kept = archiver.checkpoints() if archiver is not None else []
         latest_checkpoint = kept[0] if kept else None
         return {
@@ -58,6 +59,7 @@ def create_app(
             "validation_loss": evaluated["validation_loss"] if evaluated else None,
             "validation_round": evaluated["round"] if evaluated else None,
             "data": data,
+            "rounds": round_views,
         }
 
     @app.get("/api/v1/checkpoints", response_model=schemas.Checkpoints)

@@ -85,6 +85,7 @@ class SwarmCollector(Collector):
             yield _gauge("swarmtrain_round_samples", "Samples granted in the latest finalized round", latest["samples"])
             if latest["mean_loss"] is not None:
                 yield _gauge("swarmtrain_round_loss", "Mean training loss its reporters stated", latest["mean_loss"])
+        yield from _round_view_families(core)
         evaluated = core.store.latest_validation()
         if evaluated is not None:
             yield _gauge(
@@ -154,6 +155,27 @@ class SwarmCollector(Collector):
         family = CounterMetricFamily(name, documentation)
         family.add_metric([], value, created=self.started_at)
         return family
+
+
+def _round_view_families(core: Coordinator) -> Iterator[Metric]:
+    """How the latest decided round averaged (``coordinator.round_view``; no round label: one
+    series each), and how many rounds of the window split."""
+    view = core.round_view
+    latest = view.latest_decided()
+    if latest is not None:
+        yield _gauge("swarmtrain_round_groups", "Averaging groups of the latest decided round", latest.groups)
+        yield _gauge(
+            "swarmtrain_round_states", "Distinct states its averaged peers landed in the latest decided round",
+            latest.states,
+        )  # fmt: skip
+        yield _gauge(
+            "swarmtrain_round_peers_averaged", "Peers that averaged in the latest decided round", latest.peers_averaged
+        )
+    yield _gauge(
+        "swarmtrain_rounds_split",
+        f"Rounds among the last {view.window} reported whose averaged peers landed more than one state",
+        view.split_rounds(),
+    )
 
 
 def _peer_labels(peers: list[PeerHealth]) -> dict[str, str]:

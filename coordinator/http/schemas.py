@@ -18,6 +18,15 @@ class DataProgress(BaseModel):
     slots_held: int = Field(ge=0, description="streams held by live peers")
 
 
+class RoundView(BaseModel):
+    round: int = Field(ge=0, description="the round of the state its reporters landed")
+    groups: int = Field(ge=0, description="distinct member sets of its reports naming two peers or more")
+    states: int = Field(ge=0, description="distinct state digests of those reports (more than 1: the round split)")
+    peers_averaged: int = Field(ge=0, description="distinct members of those groups, reported or not")
+    reports: int = Field(ge=0, description="round reports received, groups of one included")
+    decided: bool = Field(description="the coordinator decided the round's claims")
+
+
 class Status(BaseModel):
     run_name: str
     spec_digest: str
@@ -30,6 +39,7 @@ class Status(BaseModel):
     validation_loss: float | None = Field(None, description="the latest round's validation loss, if any was evaluated")
     validation_round: int | None = None
     data: DataProgress | None = Field(None, description="token runs: progress through the data")
+    rounds: list[RoundView] = Field(default_factory=list, description="the newest rounds reported, highest first")
 
 
 class Checkpoint(BaseModel):

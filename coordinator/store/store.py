@@ -357,6 +357,17 @@ class Store:
         with self._read() as s:
             return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
 
+    def recent_claims(self, rounds: int, *, limit: int) -> list[dict[str, Any]]:
+        """Key, round, group_json, state_digest and status of the claims of the ``rounds``
+        highest rounds claimed, at most ``limit`` rows (the round view's restart)."""
+        fields = ("key", "round", "group_json", "state_digest", "status")
+        with self._read() as s:
+            latest = list(s.scalars(select(Claim.round).distinct().order_by(Claim.round.desc()).limit(rounds)))
+            if not latest:
+                return []
+            query = select(*(getattr(Claim, f) for f in fields)).where(Claim.round.in_(latest)).limit(limit)
+            return [dict(zip(fields, row, strict=True)) for row in s.execute(query)]
+
     def denials_by_peer(self, reason_contains: str) -> dict[str, int]:
         """``{peer_key: count}`` of denied claims whose reason contains ``reason_contains``."""
         query = (

@@ -8,6 +8,9 @@ from typing import Any
 
 from swarmtrain.commands import rpc
 
+SHOWN_ROUNDS = 5
+"""Rounds the table shows (``--json`` carries every round the coordinator sent)."""
+
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
@@ -31,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         data["current_round"] = int(data.get("current_round", 0))  # proto3 JSON writes int64 as a string
         has_checkpoint = status.HasField("last_checkpoint_round")
         data["last_checkpoint_round"] = status.last_checkpoint_round if has_checkpoint else None
+        for view in data["rounds"]:
+            view["round"] = int(view["round"])
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
     print(f"run {status.run_name} ({status.spec_digest})")
@@ -50,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if status.archive:
         newest = status.last_checkpoint_round if status.HasField("last_checkpoint_round") else "none yet"
         print(f"archive {status.archive}; newest archived round: {newest}")
+    print_rounds(status.rounds[:SHOWN_ROUNDS])
     for peer in status.peers:
         print(
             f"  {PublicKey(bytes(peer.public_key)).id}  {peer.state:<11} {peer.samples_per_second:8.1f} samples/s  "
@@ -57,3 +63,16 @@ def run(args: argparse.Namespace) -> int:
             + (f"  {peer.local_ranks} local ranks" if peer.local_ranks > 1 else "")
         )
     return 0
+
+
+def print_rounds(rounds: Any) -> None:
+    """One line per round, highest first: groups, distinct states, peers averaged, reports; a
+    round with more than one state is marked (the swarm split)."""
+    if not rounds:
+        return
+    print("round      groups  states  averaged  reports")
+    for view in rounds:
+        marks = ("  SPLIT" if view.states > 1 else "") + ("" if view.decided else "  (reports coming)")
+        print(
+            f"{view.round:<10} {view.groups:>6}  {view.states:>6}  {view.peers_averaged:>8}  {view.reports:>7}{marks}"
+        )

@@ -1,11 +1,13 @@
 """The dashboard in headless Chromium (Debian's package) against a real coordinator and
-peers: it renders, its charts have data, its peers table lists the running peers. A
-screenshot is saved under tests/artifacts/."""
+peers: it renders, its charts have data, its peers table lists the running peers, its rounds
+table shows how each round averaged (and marks a round that split). A screenshot is saved
+under tests/artifacts/."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,8 +77,26 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
                     timeout=60_000,
                 )
                 assert page.locator("#loss-chart polyline").count() == 1
+                # how each round averaged: two peers of min_group_size 2 form one group, one state
+                page.wait_for_function("document.querySelectorAll('#rounds tbody tr').length >= 3", timeout=30_000)
+                for tr in page.locator("#rounds tbody tr").all():
+                    cells = [td.inner_text().strip() for td in tr.locator("td").all()]
+                    assert cells[1:4] == ["1", "1", "2"], cells  # groups, states, peers averaged
+                assert page.locator("#rounds tbody tr.split").count() == 0
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+                def split_round(route: Any) -> None:  # the real status, its newest round split in two
+                    answer = route.fetch()
+                    body = answer.json()
+                    body["rounds"][0].update(groups=2, states=2)
+                    route.fulfill(response=answer, json=body)
+
+                page.route("**/api/v1/status", split_round)
+                page.wait_for_function(
+                    "document.querySelectorAll('#rounds tbody tr.split').length === 1", timeout=30_000
+                )
+                assert page.locator("#rounds tbody tr").first.locator("td").nth(2).inner_text() == "2 (split)"
             finally:
                 browser.close()
         assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

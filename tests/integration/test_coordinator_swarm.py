@@ -9,6 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -111,7 +112,16 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
             [*swarmtrain_executable(), "status", "--coordinator", address], capture_output=True, text=True, timeout=60
         )
         assert table.returncode == 0 and "archive every " in table.stdout, table.stdout + table.stderr
-        check_http(coordinator.http(), peers=3)
+        # how each round averaged, against the peers' own metrics rows: three peers can form
+        # only one group of min_group_size 3, so every round is one group, one state, 3 peers
+        averaged = Counter(r["round"] for p in peers for r in p.rounds() if r["averaged"])
+        assert final["rounds"] and {v["round"]: v["reports"] for v in final["rounds"]} == dict(averaged)
+        for view in final["rounds"]:
+            assert (view["groups"], view["states"], view["peers_averaged"], view["decided"]) == (1, 1, 3, True), view
+        shown = [line.split() for line in table.stdout.splitlines()]
+        header = shown.index(["round", "groups", "states", "averaged", "reports"])
+        assert shown[header + 1] == [str(v) for v in (max(averaged), 1, 1, 3, averaged[max(averaged)])], table.stdout
+        check_http(coordinator.http(), peers=3, rounds=final["rounds"])
         with grpc.insecure_channel(address) as channel:  # the standard health check, as a container asks it
             answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
@@ -221,11 +231,22 @@ def get(url: str) -> tuple[int, str, str]:
         return response.status, response.headers.get("content-type", ""), response.read().decode()
 
 
-def check_http(base: str, *, peers: int) -> None:
+ROUND_GAUGES = (
+    "swarmtrain_round_groups",
+    "swarmtrain_round_states",
+    "swarmtrain_round_peers_averaged",
+    "swarmtrain_rounds_split",
+)
+
+
+def check_http(base: str, *, peers: int, rounds: list[dict]) -> None:
+    """The HTTP API, ``/metrics`` and the dashboard page of a coordinator whose swarm is done;
+    ``rounds``: its per-round view as ``swarmtrain status --json`` showed it."""
     code, _, body = get(base + "healthz")
     assert code == 200 and json.loads(body)["ok"]
     status_json = json.loads(get(base + "api/v1/status")[2])
     assert status_json["run_name"] == "coord" and status_json["current_round"] >= 1
+    assert status_json["rounds"] == rounds
     assert len(json.loads(get(base + "api/v1/peers")[2])) == peers
     rounds = json.loads(get(base + "api/v1/rounds")[2])
     assert rounds and any(r["mean_loss"] is not None for r in rounds)
@@ -236,6 +257,13 @@ def check_http(base: str, *, peers: int) -> None:
     assert content_type.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
     assert {"swarmtrain_peers_online", "swarmtrain_round", "swarmtrain_credited_samples"} <= set(families)
+    latest = {name: families[name].samples[0].value for name in ROUND_GAUGES}
+    assert latest == {
+        "swarmtrain_round_groups": 1,
+        "swarmtrain_round_states": 1,
+        "swarmtrain_round_peers_averaged": 3,
+        "swarmtrain_rounds_split": 0,
+    }
     _, content_type, page = get(base)
     assert content_type.startswith("text/html") and "loss-chart" in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # no assets from elsewhere (CDNs)

@@ -86,3 +86,6 @@ def test_the_data_behind_the_api_is_there(populated: Coordinator) -> None:
     store = populated.store
     assert len(store.peers()) == 3 and store.denials_by_peer(OFFENCE)
     assert store.credits_by_peer() and store.rounds()
+    assert [(f.round, f.groups, f.states, f.peers_averaged, f.decided) for f in populated.round_view.figures()] == [
+        (r, 1, 1, 3, True) for r in (3, 2, 1)
+    ]  # /api/v1/status's rounds

@@ -202,6 +202,53 @@ def test_per_peer_figures_from_real_heartbeats_and_reports(core: Coordinator) ->
     assert gone["swarmtrain_rounds_failed"]["swarmtrain_rounds_failed_total"] == 2
 
 
+def test_the_latest_decided_round_shows_its_groups_states_and_peers_averaged(core: Coordinator) -> None:
+    """Round 1: one group of three, one state. Round 2: {a, b} and {c, d} (d never reports),
+    two states: the gauges follow the latest decided round, with no round label, and the
+    split round is counted."""
+    clock = [T0 + 1]
+    client = TestClient(create_app(core, threading.Lock(), clock=lambda: clock[0]))
+    a, b, c, d = (joined(core) for _ in range(4))
+    links = {peer: link() for peer in (a, b, c, d)}
+    empty = scrape(client)
+    assert "swarmtrain_round_groups" not in empty and empty["swarmtrain_rounds_split"] == {"swarmtrain_rounds_split": 0}
+    for peer in (a, b, c):
+        links[peer].report(row(1, averaged=True, digest="s1", members=[a, b, c]))
+        send_reports(core, peer, links[peer], T0 + 10)
+    assert "swarmtrain_round_groups" not in scrape(client)  # reported, not decided yet
+    core.tick(now=T0 + 20)  # every member reported: decided
+    one = scrape(client)
+    assert {name: one[name][name] for name in ROUND_GAUGES} == {
+        "swarmtrain_round_groups": 1,
+        "swarmtrain_round_states": 1,
+        "swarmtrain_round_peers_averaged": 3,
+        "swarmtrain_rounds_split": 0,
+    }
+    links[a].report(row(2, averaged=True, digest="s2", members=[a, b]))
+    links[b].report(row(2, averaged=True, digest="s2", members=[a, b]))
+    links[c].report(row(2, averaged=True, digest="s2-other", members=[c, d]))
+    for peer in (a, b, c):
+        send_reports(core, peer, links[peer], T0 + 130)
+    core.tick(now=T0 + 200)  # d never reported: decided 60 s after the first claim
+    clock[0] = T0 + 201
+    split = scrape(client)
+    assert {name: split[name][name] for name in ROUND_GAUGES} == {
+        "swarmtrain_round_groups": 2,
+        "swarmtrain_round_states": 2,
+        "swarmtrain_round_peers_averaged": 4,
+        "swarmtrain_rounds_split": 1,
+    }
+    assert all(len(split[name]) == 1 for name in ROUND_GAUGES)  # one series each: no round label
+
+
+ROUND_GAUGES = (
+    "swarmtrain_round_groups",
+    "swarmtrain_round_states",
+    "swarmtrain_round_peers_averaged",
+    "swarmtrain_rounds_split",
+)
+
+
 def test_a_restarted_peer_counts_its_new_failures_and_a_rejoin_keeps_the_sums(core: Coordinator) -> None:
     peer = joined(core)
     first = link()
