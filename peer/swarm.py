@@ -11,6 +11,7 @@ whom, with what weight, and whether it started from the same state as the others
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,12 @@ logger = logging.getLogger(__name__)
 # A peer whose own pseudo-gradient was refused still takes part (so that it receives the
 # average) but with a weight this small its zeros do not move the result measurably.
 NEGLIGIBLE_WEIGHT = 1e-12
+
+PACE_ROUNDS = 16
+"""Rounds of digest records whose first sightings give the swarm's pace (``Swarm._rounds_ahead``)."""
+DECLARATION_DELAY_S = 1.0
+"""About how long a round's declaration takes to reach the peers that look it up in the DHT."""
+MAX_ROUNDS_AHEAD = 64
 
 
 class _ExpectedRoundFailures(logging.Filter):
@@ -180,6 +187,8 @@ class Swarm:
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
         self._meetings = 0
         """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
+        self._sightings: dict[int, float] = {}
+        """When (monotonic s) this peer first saw a digest record of each round: the swarm's pace."""
         quiet_expected_round_failures()
         self.dht = DHT(
             initial_peers=initial_peers,
@@ -269,7 +278,22 @@ class Swarm:
         for record in self.records():
             if not record.archive and record.round > round_:
                 signers.setdefault(record.round, set()).add(record.signer.id)
-        return [later + 1 for later in sorted(signers, key=lambda later: (-len(signers[later]), -later))]
+        ranked = sorted(signers, key=lambda later: (-len(signers[later]), -later))
+        return [later + self._rounds_ahead(later) for later in ranked]
+
+    def _rounds_ahead(self, shown: int) -> int:
+        """How far past the round ``shown`` (a record's) the swarm will be by the time a
+        declaration made now is seen: 1, plus the rounds it lands meanwhile at the pace this
+        peer saw records of the rounds below ``shown`` appear (unknown: 1). A swarm whose rounds
+        are shorter than the DHT's delay would otherwise always be past the round met."""
+        now = time.monotonic()
+        seen_at = self._sightings.get(shown, now)
+        earlier = [(r, t) for r, t in self._sightings.items() if shown - PACE_ROUNDS <= r < shown and t < seen_at]
+        if not earlier:
+            return 1
+        first, first_at = min(earlier)
+        pace = (seen_at - first_at) / (shown - first)
+        return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + DECLARATION_DELAY_S) / pace))
 
     def behind(self, round_: int) -> bool:
         """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer
@@ -291,7 +315,15 @@ class Swarm:
 
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
-        return [r for r in self.run_records.digest_records() if r.signer != exclude]
+        records = self.run_records.digest_records()
+        now = time.monotonic()
+        for record in records:
+            if not record.archive and record.round not in self._sightings:
+                self._sightings[record.round] = now
+        if len(self._sightings) > 2 * PACE_ROUNDS:  # keep the newest rounds
+            for old in sorted(self._sightings)[:-PACE_ROUNDS]:
+                del self._sightings[old]
+        return [r for r in records if r.signer != exclude]
 
     def eligible(self) -> Callable[[str], bool]:
         """Whose digest records count (``protocol.agreement``, rule 1): in a gated run the

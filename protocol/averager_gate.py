@@ -42,12 +42,16 @@ class AdmissionGateMixin:
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: Any
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's hint
-        if not await self._admitted(context.remote_id):
-            logger.warning("refused a join request from %s: not admitted to this run", context.remote_id)
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
-            yield response
+        self._matchmaking.note_arrival(context)  # before the lookup: its sender's clock runs
+        try:
+            if not await self._admitted(context.remote_id):
+                logger.warning("refused a join request from %s: not admitted to this run", context.remote_id)
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
+                yield response
+        finally:
+            self._matchmaking.forget_arrival(context)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: Any

@@ -330,6 +330,20 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
             ("_request_join_group", "return await self._request_join_group(suggested_leader)"),
         ),
     ),
+    PrivateUse(
+        MATCHMAKING,
+        "_check_reasons_to_reject",
+        "overridden method",
+        "protocol/matchmaking.py (RoundMatchmaking._check_reasons_to_reject)",
+        "Called by a leader's rpc_join_group once it holds lock_request_join_group: our override "
+        "adds a reason, a request that waited there past half of request_timeout (its sender has "
+        "given up on it, yet hivemind would count it in the group). request_timeout is read.",
+        params=("request", "context"),
+        evidence=(
+            ("rpc_join_group", "reason_to_reject = self._check_reasons_to_reject(request, context)"),
+            ("_request_join_group", "message = await asyncio.wait_for(anext(stream), timeout=self.request_timeout)"),
+        ),
+    ),
     # --- hivemind.p2p.servicer.ServicerBase: how RPC handlers are found and named -----------
     PrivateUse(
         SERVICER_BASE,

@@ -16,8 +16,12 @@ rule (``protocol.roster.verdict``) decides which group's state lands.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
 from protocol.roster import leader_may_close, verdict
@@ -25,6 +29,10 @@ from protocol.roster import leader_may_close, verdict
 __all__ = ["RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
 
 logger = logging.getLogger(__name__)
+
+STALE_REQUEST_FRACTION = 0.5
+"""A join request that waited longer than this fraction of ``request_timeout`` before the
+leader could answer it is turned away (``RoundMatchmaking._check_reasons_to_reject``)."""
 
 
 def gathered_metadata(gather: bytes) -> object:
@@ -87,6 +95,50 @@ class RoundMatchmaking(Matchmaking):
         cache = {data: cache[data] if data in cache else gathered_metadata(data) for data in gathers}
         self.__dict__["_parsed_gathers"] = cache
         return [cache[data] for data in gathers]
+
+    def note_arrival(self, context: object) -> None:
+        """The join request of the call ``context`` has just arrived
+        (``AdmissionGateMixin.rpc_join_group`` calls this before anything that may wait, such
+        as its admission lookup; the first note counts)."""
+        self.__dict__.setdefault("_arrivals", {}).setdefault(id(context), time.monotonic())
+
+    def forget_arrival(self, context: object) -> None:
+        """The call ``context`` has ended."""
+        self.__dict__.get("_arrivals", {}).pop(id(context), None)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: Any
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        self.note_arrival(context)
+        try:
+            async for message in super().rpc_join_group(request, context):
+                yield message
+        finally:
+            self.forget_arrival(context)
+
+    def _check_reasons_to_reject(
+        self, request: averaging_pb2.JoinRequest, context: Any
+    ) -> averaging_pb2.MessageFromLeader | None:
+        """hivemind's reasons, and one more: the request waited here (for the admission lookup,
+        or for this peer's own request to a leader to end: hivemind holds one lock for both)
+        more than half of the time its sender waits for an answer (``request_timeout``). Its
+        sender has given up on it or is about to, and hivemind would still count it in the
+        group: a member that never takes part, whose range of the vector fails the round for
+        every other member. Turned away, it asks another leader (or this one again)."""
+        reason = super()._check_reasons_to_reject(request, context)
+        if reason is not None:
+            return reason
+        arrived = self.__dict__.get("_arrivals", {}).get(id(context))
+        waited = time.monotonic() - arrived if arrived is not None else 0.0
+        if waited > STALE_REQUEST_FRACTION * self.request_timeout:
+            logger.info(
+                "turned away %s's join request: it waited %.2f s here, its sender gives up after %.2f s",
+                context.remote_id,
+                waited,
+                self.request_timeout,
+            )
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+        return None
 
     @property
     def min_group_size(self) -> int:

@@ -186,3 +186,38 @@ def test_a_peer_with_an_earlier_leader_in_line_does_not_close_its_own_group() ->
         max_assured_time=float("-inf"), declared_expiration_time=DECLARED, leader_queue=TimedStorage()
     )
     assert unread.target_group_size is None
+
+
+def test_a_join_request_that_waited_past_half_its_senders_timeout_is_turned_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its sender has given up (or is about to) and hivemind would still count it in the group:
+    a member that never takes part, failing the round for every other member."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.proto import averaging_pb2
+
+    import protocol.matchmaking as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    hivemind_reason: list[Any] = [None]
+    monkeypatch.setattr(Matchmaking, "_check_reasons_to_reject", lambda self, request, context: hivemind_reason[0])
+    leader = _matchmaking(None, 2, member(3), [member(3)])
+    leader.request_timeout = 1.0
+    fresh, stale = SimpleNamespace(remote_id="a"), SimpleNamespace(remote_id="b")
+    leader.note_arrival(stale)
+    clock[0] += 0.6
+    leader.note_arrival(fresh)
+    leader.note_arrival(stale)  # noted again further in: the first arrival counts
+    assert leader._check_reasons_to_reject(None, fresh) is None
+    turned = leader._check_reasons_to_reject(None, stale)
+    assert turned is not None and turned.code == averaging_pb2.NOT_LOOKING_FOR_GROUP
+    # hivemind's own reasons come first
+    hivemind_reason[0] = averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+    assert leader._check_reasons_to_reject(None, stale).code == averaging_pb2.BAD_GROUP_KEY
+    # a call that ended leaves nothing behind
+    leader.forget_arrival(stale)
+    leader.forget_arrival(fresh)
+    assert leader.__dict__["_arrivals"] == {}
