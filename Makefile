@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint bench-scale test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint bench-scale bench-rounds test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -73,6 +73,11 @@ bench-scale: $(STAMP)
 	$(PIP) install -e ".[bench]"
 	$(PY) -m benchmarks.scale $(SCALE_ARGS)
 	$(PY) -m benchmarks.allreduce_parts $(PARTS_ARGS)
+
+# Round formation and averaging against the swarm's size (issue #25; not part of `make test`):
+# N swarm members on loopback per size. ROUNDS_ARGS="--sizes 16,64,128 --rounds 8"
+bench-rounds: $(STAMP)
+	$(PY) -m benchmarks.round_formation $(ROUNDS_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

@@ -1,0 +1,383 @@
+"""Round formation and averaging at the size of a public run (issue #25): ``make bench-rounds``.
+
+For each swarm size N, N members average round after round; reported per N: the time to
+form the round, the fraction of rounds that landed exactly one state, the peers averaged,
+bytes per member, the all-reduce time, memory per member, and how each grows with N.
+
+What is real: every member is a swarm member as a peer runs it (``peer.swarm.Swarm``): its
+own hivemind DHT node and p2pd daemon, the ``ExactAverager`` (in its own process) with the
+round's matchmaking (``protocol.matchmaking``: one group of any size, the per-round group
+key, the leader closing once the roster is complete), the exact butterfly all-reduce over
+libp2p on loopback, signed digest records in the DHT, state download to re-sync. Each
+member gathers what a trainer gathers (id, round, samples, pre-round digest, roster) and
+judges its group by the roster rule (``protocol.roster.verdict``) before landing, as the
+trainer does; a member that misses the round's group re-syncs by downloading the landed
+state (verified by its digest) and is in the next round.
+
+What is not: there is no model and no training: a member's pseudo-gradient is a seeded
+random vector of ``--values`` floats, and the inner phase is a random launch offset in
+``[0, --spread)`` s; the members' handles live in one driver process (their DHT nodes,
+averagers and p2pd daemons are separate processes, as in a peer), all on this machine's
+cores, on loopback (no latency or bandwidth limit); a member re-syncs to the digest the
+other members landed (the driver's view) instead of looking the agreed state up in the DHT.
+
+Formation time is from the last member's launch to the group's all-reduce start (what
+matchmaking adds once everyone is looking); the first round is reported apart: with no
+roster yet its leader waits out its window by design (docs/ARCHITECTURE.md §3).
+
+Writes ``benchmarks/results/round-formation.{md,json}``. Usage:
+``python -m benchmarks.round_formation [--sizes 16,64,128] [--rounds 8] [--values 65536] [--timeout 60]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.roster_book import RosterBook
+from peer.swarm import PendingRound, RoundResult, Swarm
+from protocol.compression import get_codec
+from protocol.identity import Identity
+from protocol.roster import verdict
+from protocol.spec import RunSpec, parse_spec
+from protocol.statesync import state_digest
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+SPEC = """
+[run]
+name = "round-formation"
+[task.model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 16
+[averaging]
+compression = "{codec}"
+overlap = false
+min_group_size = 2
+matchmaking_timeout_s = {timeout}
+allreduce_timeout_s = {allreduce_timeout}
+"""
+
+
+def pss_bytes(root: int) -> int:
+    """PSS of ``root`` and every descendant (from /proc; 0 for processes gone meanwhile)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    total, todo = 0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
+def cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) spent so far by ``root``'s descendants (and ``root``)."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += times.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+@dataclass
+class Member:
+    """One member's swarm and the state it holds."""
+
+    index: int
+    swarm: Swarm
+    identity: Identity
+    params: torch.Tensor
+    momentum: torch.Tensor
+    round: int = 0
+    digest: str = ""
+    roster: RosterBook = field(default_factory=RosterBook)
+    pending: PendingRound | None = None
+    launched: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.digest = state_digest(self.round, self.params, self.momentum)
+        self.swarm.serve_state(lambda: (self.round, self.params, self.momentum, self.digest))
+
+    def launch(self, common: torch.Tensor, rng: torch.Generator) -> None:
+        """Write this round's pseudo-gradient: the swarm's common direction plus this member's
+        own noise (as members' pseudo-gradients agree in part: robust averaging keeps them)."""
+        with self.swarm.outbox() as out:
+            torch.randn(out.shape, generator=rng, out=out).mul_(0.5e-3).add_(common)
+        gather = {"id": self.identity.public_key.id, "round": self.round, "samples": 1, "digest": self.digest}
+        self.pending = self.swarm.start_round(weight=1.0, gather={**gather, **self.roster.gather()})
+        self.launched = time.monotonic()
+
+    def land(self, result: RoundResult) -> None:
+        """The trainer's landing, minus the model: θ ← θ − Δ̄ (outer SGD, lr 1), next round."""
+        if result.started_in_sync(self.round, self.digest):
+            self.roster.landed(result.members)
+        self.swarm.saw_group(result.members)
+        self.params.sub_(result.averaged)
+        self.round += 1
+        self.digest = state_digest(self.round, self.params, self.momentum)
+        self.swarm.publish_digest(self.identity, round_=self.round, digest=self.digest, roster=self.roster.size)
+
+    def resync(self, digest: str, timeout: float) -> bool:
+        state = self.swarm.download_state({digest}, timeout=timeout)
+        if state is None:
+            return False
+        self.round, params, momentum = state
+        self.params.copy_(params)
+        self.momentum.copy_(momentum)
+        self.digest = digest
+        self.roster.adopted(self.swarm.roster_of(digest, exclude=self.identity.public_key))
+        return True
+
+
+def start_members(n: int, spec: RunSpec, values: int) -> list[Member]:
+    codec = get_codec(spec.averaging.compression)
+    members: list[Member] = []
+    bootstrap: list[str] = []
+    for i in range(n):
+        swarm = Swarm(spec, values, codec, initial_peers=bootstrap, host_maddrs=LOOPBACK)
+        if i < 3:  # a few bootstrap nodes, as a run's coordinator and first peers would be
+            bootstrap = bootstrap + swarm.visible_maddrs
+        members.append(Member(i, swarm, Identity.generate(), torch.zeros(values), torch.zeros(values)))
+    return members
+
+
+def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Launch every member within ``args.spread`` s, wait for the results, land or re-sync."""
+    rng = random.Random(r)
+    cpu_before = cpu_seconds(os.getpid())
+    offsets = sorted((rng.uniform(0, args.spread), m.index) for m in members)
+    base = time.monotonic() + 0.2
+    common = torch.randn(args.values, generator=torch.Generator().manual_seed(r)).mul_(1e-3)
+    for offset, index in offsets:
+        time.sleep(max(0.0, base + offset - time.monotonic()))
+        members[index].launch(common, torch.Generator().manual_seed(r * 100_003 + index + 1))
+    results: list[RoundResult | None] = []
+    for m in members:
+        assert m.pending is not None
+        results.append(m.pending.result())
+    groups: set[frozenset[str]] = set()
+    landed: list[tuple[Member, RoundResult, float]] = []
+    for m, result in zip(members, results):
+        if result is None:
+            continue
+        groups.add(frozenset(str(d.get("id")) for d in result.members))
+        found = verdict(result.members, min_group_size=2)
+        if result.missing or not found.lands:
+            m.roster.refused(found, m.digest)
+            continue
+        started = m.launched + result.round_s - result.allreduce_s
+        m.land(result)
+        landed.append((m, result, started))
+    states = {m.digest for m, _, _ in landed}
+    done = {m.index for m, _, _ in landed}
+    missed = [m for m in members if m.index not in done]
+    if landed:
+        majority = statistics.mode([m.digest for m, _, _ in landed])
+        for m in missed:
+            if not m.resync(majority, timeout=args.timeout):
+                logger.warning("member %d could not re-sync after round %d", m.index, r)
+    cpu_per_member = (cpu_seconds(os.getpid()) - cpu_before) / len(members)
+    last_launch = max(m.launched for m in members)
+    first_launch = min(m.launched for m in members)
+    allreduce_start = statistics.median(s for _, _, s in landed) if landed else float("nan")
+    return {
+        "round": r,
+        "groups": len(groups),
+        "states": len(states),
+        "averaged": len(landed),
+        "formation_s": round(allreduce_start - last_launch, 3),
+        "first_launch_to_allreduce_s": round(allreduce_start - first_launch, 3),
+        "cpu_s_per_member": round(cpu_per_member, 3),
+        "allreduce_s": round(statistics.median(x.allreduce_s for _, x, _ in landed), 3) if landed else None,
+        "bytes_per_member": int(statistics.mean(x.bytes_sent + x.bytes_received for _, x, _ in landed))
+        if landed
+        else 0,
+    }
+
+
+def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    spec = parse_spec(SPEC.format(codec=args.codec, timeout=args.timeout, allreduce_timeout=max(30.0, args.timeout)))
+    started = time.monotonic()
+    members = start_members(n, spec, args.values)
+    startup_s = time.monotonic() - started
+    memory = pss_bytes(os.getpid())
+    try:
+        rounds = [one_round(members, r, args) for r in range(args.rounds + 1)]
+    finally:
+        for m in members:
+            m.swarm.shutdown()
+    first, steady = rounds[0], rounds[1:]
+    one_state = sum(1 for x in steady if x["states"] == 1 and x["averaged"] > 0)
+    formation = [x["formation_s"] for x in steady if not math.isnan(x["formation_s"])]
+    row = {
+        "members": n,
+        "rounds": len(steady),
+        "one_state_fraction": round(one_state / len(steady), 3),
+        "peer_rounds_averaged": round(sum(x["averaged"] for x in steady) / (n * len(steady)), 3),
+        "formation_s_median": round(statistics.median(formation), 3) if formation else None,
+        "formation_s_max": round(max(formation), 3) if formation else None,
+        "allreduce_s_median": statistics.median(x["allreduce_s"] for x in steady if x["allreduce_s"] is not None),
+        "bytes_per_member": int(statistics.mean(x["bytes_per_member"] for x in steady)),
+        "cpu_s_per_member_round": round(statistics.median(x["cpu_s_per_member"] for x in steady), 3),
+        "first_round_formation_s": first["formation_s"],
+        "startup_s": round(startup_s, 1),
+        "pss_per_member_mb": round(memory / n / 2**20, 1),
+        "per_round": rounds,
+    }
+    print(json.dumps({k: v for k, v in row.items() if k != "per_round"}), flush=True)
+    return row
+
+
+def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each size's formation time and bytes against the smallest size's, beside N's and log N's ratios."""
+    base = rows[0]
+    out = []
+    for row in rows:
+        ratio_n = row["members"] / base["members"]
+        out.append(
+            {
+                "members": row["members"],
+                "n_ratio": round(ratio_n, 2),
+                "log_n_ratio": round(math.log2(row["members"]) / math.log2(base["members"]), 2),
+                "formation_ratio": round(row["formation_s_median"] / base["formation_s_median"], 2)
+                if row["formation_s_median"] and base["formation_s_median"]
+                else None,
+                "bytes_ratio": round(row["bytes_per_member"] / base["bytes_per_member"], 3)
+                if base["bytes_per_member"]
+                else None,
+                "cpu_ratio": round(row["cpu_s_per_member_round"] / base["cpu_s_per_member_round"], 2)
+                if row.get("cpu_s_per_member_round") and base.get("cpu_s_per_member_round")
+                else None,
+            }
+        )
+    return out
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    grown = growth(rows)
+    data = {
+        "command": command,
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
+        "args": vars(args),
+        "sizes": rows,
+        "growth": grown,
+    }
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    cols = [
+        "members",
+        "rounds",
+        "one_state_fraction",
+        "peer_rounds_averaged",
+        "formation_s_median",
+        "formation_s_max",
+        "allreduce_s_median",
+        "bytes_per_member",
+        "cpu_s_per_member_round",
+        "first_round_formation_s",
+        "pss_per_member_mb",
+    ]
+    lines = [
+        "# Round formation and averaging against the swarm's size",
+        "",
+        f"Command: `{command}` ({data['machine']}; {args.values:,} values per member, "
+        f"codec {args.codec}, launches spread over {args.spread} s, matchmaking timeout {args.timeout} s).",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+        *("| " + " | ".join(str(row[c]) for c in cols) + " |" for row in rows),
+        "",
+        "Growth against the smallest size:",
+        "",
+        "| members | N ratio | log N ratio | formation ratio | bytes ratio | CPU per member ratio |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {g['members']} | {g['n_ratio']} | {g['log_n_ratio']} | {g['formation_ratio']} | {g['bytes_ratio']} "
+            f"| {g['cpu_ratio']} |"
+            for g in grown
+        ),
+        "",
+        "Per round (groups, distinct states, members averaged, formation s):",
+        "",
+        *(
+            f"- N={row['members']}: "
+            + ", ".join(
+                f"r{x['round']}: {x['groups']}g/{x['states']}s/{x['averaged']}a/{x['formation_s']}s"
+                for x in row["per_round"]
+            )
+            for row in rows
+        ),
+    ]
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64,128", help="comma-separated swarm sizes")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds per size after the first")
+    parser.add_argument("--values", type=int, default=65_536, help="floats each member averages")
+    parser.add_argument("--codec", default="fp16")
+    parser.add_argument("--spread", type=float, default=1.0, help="members launch within this many s")
+    parser.add_argument("--timeout", type=float, default=60.0, help="matchmaking timeout (s)")
+    parser.add_argument("--name", default="round-formation", help="results file name")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if any(n < 2 for n in sizes) or args.rounds < 1 or args.values < 1 or args.spread < 0 or args.timeout <= 0:
+        parser.error("sizes ≥ 2, rounds ≥ 1, values ≥ 1, spread ≥ 0 and timeout > 0 are required")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    rows = [run_size(n, args) for n in sizes]
+    write(rows, args, "python -m benchmarks.round_formation " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
