@@ -320,6 +320,12 @@ class Trainer:
                 self._train_step(inner)
             elif inner is not None:
                 self._record_landed(wait=True)  # the launch states the digest of the state it starts from
+                if self.options.stop.is_set() and not self.in_sync:
+                    # leaving out of sync (its re-sync was cut short): a round from a state
+                    # the swarm has left would count for nothing; this peer's work goes with it
+                    logger.info("leaving out of sync: not launching round %d", self.state.round)
+                    inner = None
+                    continue
                 flight = self._launch(inner)
                 inner = None
             else:

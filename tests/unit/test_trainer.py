@@ -435,3 +435,24 @@ def test_a_failed_round_trains_again_on_new_pages_and_the_cursor_is_checkpointed
     restarted.checkpointer = Checkpointer(tmp_path, spec_digest=trainer.spec.digest())
     restarted._restore()
     assert restarted._start_inner(ahead=False).data_round == 8
+
+
+def test_a_peer_told_to_leave_while_out_of_sync_launches_no_round_from_its_stale_state() -> None:
+    """Its round failed, the swarm moved on and the leave cut its re-sync short: the round of
+    the inner phase it was training would start from a state the swarm has left."""
+    spec = parse_spec(SPEC)
+    ahead = GlobalState.from_model(build_task(spec, shard_seed=1).model)
+    agreed = Agreement(1, GlobalState(ahead.params + 1.0, ahead.momentum, 1).digest(), 1, 1)
+
+    class Swarm(RecordingSwarm):
+        def accepted_state(self, **kwargs: Any) -> Agreement | None:
+            if self.launched:
+                trainer.options.stop.set()  # the leave arrives while the round fails
+                return agreed
+            return None
+
+    swarm = Swarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=5, overlap=True))  # type: ignore[arg-type]
+    trainer.run()
+    assert len(swarm.launched) == 1, "a second round was launched from the stale state"
+    assert [row.in_sync for row in trainer.history] == [False]
