@@ -56,7 +56,7 @@ from protocol.checkpoint import Checkpointer
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
 from protocol.identity import Identity
-from protocol.roster import verdict
+from protocol.roster import Verdict, verdict
 from protocol.schedule import inner_lr, outer_lr
 from protocol.spec import RunSpec
 from protocol.statesync import RECORD_TTL_S
@@ -655,8 +655,11 @@ class Trainer:
         work folds into the next). Not when a reducer failed this peer (another member may hold
         that reducer's range: landing without it could make a second state), nor when the
         group holds too few of the roster of its state (``protocol.roster``: another group may
-        be the round's)."""
+        be the round's). Every round that does not land here counts toward releasing the
+        roster claim (``RosterBook.refused``): matchmaking never starts a group the roster rule
+        would refuse, so a swarm that lost its roster's majority sees failed rounds, not refusals."""
         if result is None:
+            self.roster.refused(Verdict(False, 0, self.roster.size, "no group formed"), flight.pre_digest)
             return None
         if result.missing:
             logger.warning(
@@ -664,6 +667,7 @@ class Trainer:
                 self.state.round,
                 100 * result.unaveraged(),
             )
+            self.roster.refused(Verdict(False, 0, self.roster.size, "a reducer failed"), flight.pre_digest)
             return None
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if not found.lands:

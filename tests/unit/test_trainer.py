@@ -456,3 +456,18 @@ def test_a_peer_told_to_leave_while_out_of_sync_launches_no_round_from_its_stale
     trainer.run()
     assert len(swarm.launched) == 1, "a second round was launched from the stale state"
     assert [row.in_sync for row in trainer.history] == [False]
+
+
+def test_rounds_that_find_no_group_release_the_roster_claim() -> None:
+    """Matchmaking never starts a group the roster rule would refuse, so a swarm that lost its
+    roster's majority sees failed rounds: after ``ROSTER_RELEASE_AFTER`` of them at one state
+    the peer stops claiming the roster (else two peers, one no longer known, wait forever)."""
+    from protocol.roster import ROSTER_RELEASE_AFTER
+
+    spec = parse_spec(SPEC)
+    swarm = RecordingSwarm()  # every round fails: no group
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=ROSTER_RELEASE_AFTER))  # type: ignore[arg-type]
+    trainer.roster.size, trainer.roster.known = 2, True
+    trainer.run()
+    assert [row.averaged for row in trainer.history] == [False] * ROSTER_RELEASE_AFTER
+    assert (trainer.roster.size, trainer.roster.known) == (0, False)
