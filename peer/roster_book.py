@@ -39,8 +39,9 @@ class RosterBook:
         self.size, self.known, self.failures, self._state = size, False, 0, ""
 
     def refused(self, verdict: Verdict, digest: str) -> None:
-        """This peer's group failed the roster rule at the state ``digest``: after
-        ``ROSTER_RELEASE_AFTER`` such rounds in a row, stop claiming the roster."""
+        """This peer's round did not land at the state ``digest`` (its group failed the roster
+        rule, no group formed, or a reducer failed it): after ``ROSTER_RELEASE_AFTER`` such
+        rounds in a row, stop claiming the roster."""
         self.failures = self.failures + 1 if self._state == digest else 1
         self._state = digest
         if self.size and self.failures >= ROSTER_RELEASE_AFTER:
