@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.scale import process_tree, pss_bytes
 from peer.roster_book import RosterBook
 from peer.swarm import PendingRound, RoundResult, Swarm
 from protocol.compression import get_codec
@@ -77,50 +78,16 @@ allreduce_timeout_s = {allreduce_timeout}
 """
 
 
-def pss_bytes(root: int) -> int:
-    """PSS of ``root`` and every descendant (from /proc; 0 for processes gone meanwhile)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    total, todo = 0, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            continue
-    return total
-
-
 def cpu_seconds(root: int) -> float:
-    """CPU seconds (user + system) spent so far by ``root``'s descendants (and ``root``)."""
-    children: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
+    """CPU seconds (user + system) spent so far by ``root`` and its descendants."""
     tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    total = 0.0
+    for pid in process_tree(root):
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += times.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
+        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -245,7 +212,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     members = start_members(n, spec, args.values)
     startup_s = time.monotonic() - started
-    memory = pss_bytes(os.getpid())
+    memory = pss_bytes(os.getpid(), include_root=False)  # the members' processes, not the driver
     try:
         rounds = [one_round(members, r, args) for r in range(args.rounds + 1)]
     finally:

@@ -73,8 +73,8 @@ FLOOR_SIZE = "tiny"
 """The model (0.14M parameters, 0.1% of the floor) whose peak PSS stands for the runtime floor."""
 
 
-def pss_bytes(root: int) -> int:
-    """PSS of ``root`` and every descendant (from /proc; 0 for processes gone meanwhile)."""
+def process_tree(root: int, *, include_root: bool = True) -> list[int]:
+    """``root``'s descendants (and ``root`` itself unless ``include_root`` is False), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -85,10 +85,19 @@ def pss_bytes(root: int) -> int:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [root]
+    found, todo = [], [root] if include_root else list(children.get(root, []))
     while todo:
         pid = todo.pop()
+        found.append(pid)
         todo.extend(children.get(pid, []))
+    return found
+
+
+def pss_bytes(root: int, *, include_root: bool = True) -> int:
+    """PSS of ``root`` (unless ``include_root`` is False) and every descendant (from /proc; 0
+    for processes gone meanwhile)."""
+    total = 0
+    for pid in process_tree(root, include_root=include_root):
         try:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
