@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint bench-scale bench-rounds test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint bench-scale bench-rounds bench-quality test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -78,6 +78,13 @@ bench-scale: $(STAMP)
 # N swarm members on loopback per size. ROUNDS_ARGS="--sizes 16,64,128 --rounds 8"
 bench-rounds: $(STAMP)
 	$(PY) -m benchmarks.round_formation $(ROUNDS_ARGS)
+
+# Training quality (issue #34; not part of `make test`): the swarm against one peer and
+# synchronous data parallel, in process and (--swarm) as real local swarms.
+# QUALITY_ARGS="--suite headline,outer,hk,codec,overlap,robust --seeds 0,1,2 --rounds 30 --swarm"
+bench-quality: $(STAMP)
+	$(PIP) install -e ".[bench]"
+	$(PY) -m benchmarks.training_quality $(QUALITY_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

@@ -9,10 +9,14 @@ in-place pass), and they set the peak memory.
 
 - ``write_pseudo_gradient`` (launch): the averager's vector ← θ_g − θ_local (+ the codec
   residual), and, with overlap, the launch point ← θ_local;
+- ``start_eagerly`` (launch, overlap with ``overlap_start = "eager"``): θ_local ← θ̂, the
+  outer step θ_g would take if the group's average were this peer's own Δ (``eager_point``);
+  ``undo_eager_start`` takes it back for a round that did not land;
 - ``land_round`` (a successful round): the codec residual of what was sent (error feedback,
   recomputed here from θ_g, the launch point and the old residual, so a failed round needs
   nothing restored; in windows aligned like the wire's blocks), then per slice the outer
-  step in place and θ_local ← θ_g (+ the progress made since the launch, with overlap).
+  step in place and θ_local ← θ_g (+ the progress made since the launch, with overlap: from
+  the launch point, or from θ̂ after an eager start).
   Ranges the group could not average (a reducer failed: ``missing``) land like a failed
   round: θ_g, the momentum and the residual keep their values there and θ_local keeps its
   own, so this peer's work there folds into the next round.
@@ -178,6 +182,57 @@ def update_residual(
             feedback.update_slice(window, kept.start)
 
 
+class EagerBuffers:
+    """Chunk buffers of ``eager_point``: θ̂, a copy of the momentum, Δ and the step's scratch."""
+
+    def __init__(self) -> None:
+        self.values = torch.empty(4, CHUNK_VALUES, dtype=torch.float32)
+
+
+@torch.no_grad()
+def eager_point(
+    theta: torch.Tensor, momentum: torch.Tensor, launch: torch.Tensor, config: OuterSection, buffers: EagerBuffers
+) -> torch.Tensor:
+    """θ̂ of one slice (at most a chunk): where θ_g would go if the group's average were this
+    peer's own Δ = θ_g − launch point (the outer step, momentum included, on copies: θ_g and
+    the momentum are untouched). A pure function of θ_g, the momentum and the launch point, so
+    the landing recomputes it instead of keeping a copy. Valid until the next call."""
+    n = theta.numel()
+    out, moment, delta, scratch = (row[:n] for row in buffers.values)
+    torch.sub(theta, launch, out=delta)
+    moment.copy_(momentum)
+    out.copy_(theta)
+    outer_step_slice(out, moment, delta, config, scratch)
+    return out
+
+
+@torch.no_grad()
+def start_eagerly(
+    model: torch.nn.Module, state: GlobalState, launch_point: torch.Tensor, config: OuterSection, staging: Staging
+) -> None:
+    """θ_local ← θ̂ (``eager_point``): the next inner phase starts near the state the round in
+    flight will land, instead of at this peer's own end point (``averaging.overlap_start``)."""
+    buffers = EagerBuffers()
+    for offset, piece in model_pieces(model):
+        part = slice(offset, offset + piece.numel())
+        piece.copy_(eager_point(state.params[part], state.momentum[part], launch_point[part], config, buffers))
+
+
+@torch.no_grad()
+def undo_eager_start(
+    model: torch.nn.Module, state: GlobalState, launch_point: torch.Tensor, config: OuterSection, staging: Staging
+) -> None:
+    """θ_local ← θ_local − θ̂ + launch point: a round that did not land takes its eager start
+    back, so the model holds the launch point plus the progress since (its work folds into
+    the next round's Δ, as without the eager start)."""
+    buffers = EagerBuffers()
+    for offset, piece in model_pieces(model):
+        part = slice(offset, offset + piece.numel())
+        start = eager_point(state.params[part], state.momentum[part], launch_point[part], config, buffers)
+        local = staging.host(piece)
+        piece.copy_(torch.sub(local, start).add_(launch_point[part]))
+
+
 @torch.no_grad()
 def land_round(
     model: torch.nn.Module,
@@ -190,14 +245,17 @@ def land_round(
     keep_progress: bool,
     staging: Staging,
     missing: Ranges = (),
+    eager: bool = False,
 ) -> None:
     """Apply the group's average: the codec residual of what this peer sent (when
     ``feedback``, ``update_residual``), then per slice the outer step on θ_g and the momentum
     in place and θ_local ← θ_g_new (+ θ_local − launch point when ``keep_progress``).
     ``launch_point=None``: the model has not moved since the launch (no overlap), so it is its
-    own launch point. In the ``missing`` ranges (sorted ``[start, end)`` pairs the group did
-    not average) θ_g, the momentum, the residual and θ_local keep their values. Then the
-    state's round advances."""
+    own launch point. ``eager``: the inner phase since the launch started at θ̂
+    (``start_eagerly``): the progress is measured from there. In the ``missing`` ranges
+    (sorted ``[start, end)`` pairs the group did not average) θ_g, the momentum and the
+    residual keep their values and θ_local its own (less the eager jump). Then the state's
+    round advances."""
     missing = check_ranges(missing, state.params.numel())
     state.wait_for_digest()  # the tensors change in place from here on
     if feedback is not None:
@@ -205,25 +263,37 @@ def land_round(
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
     progress_buffer = torch.empty(CHUNK_VALUES, dtype=torch.float32) if keep_progress or missing else None
     theta, momentum = state.params, state.momentum
+    rebase = keep_progress and launch_point is not None
+    buffers = EagerBuffers() if eager and rebase else None
     for offset, piece in model_pieces(model):
         n = piece.numel()
         part = slice(offset, offset + n)
         present, absent = split_ranges(part.start, part.stop, missing)
+        start = None
+        if buffers is not None:  # θ̂ from θ_g and the momentum before the outer step moves them
+            assert launch_point is not None
+            start = eager_point(theta[part], momentum[part], launch_point[part], config, buffers)
         for kept in present:
             width = kept.stop - kept.start
             outer_step_slice(theta[kept], momentum[kept], averaged[kept], config, scratch[:width])
-        if not absent and not (keep_progress and launch_point is not None):
+        if not absent and not rebase:
             piece.copy_(theta[part])
             continue
         assert progress_buffer is not None
         local = staging.host(piece)
         new = progress_buffer[:n]
-        if keep_progress and launch_point is not None:
-            torch.sub(local, launch_point[part], out=new)
+        if rebase:
+            assert launch_point is not None
+            torch.sub(local, launch_point[part] if start is None else start, out=new)
             new.add_(theta[part])
         else:
             new.copy_(theta[part])
         for left in absent:  # not averaged: θ_local keeps its value (θ_g there did not move)
-            new[left.start - offset : left.stop - offset] = local[left.start - offset : left.stop - offset]
+            window = slice(left.start - offset, left.stop - offset)
+            if start is None:
+                new[window] = local[window]
+            else:
+                assert launch_point is not None
+                new[window] = local[window] - start[window] + launch_point[left]
         piece.copy_(new)
     state.round += 1

@@ -215,15 +215,7 @@ class Swarm:
             client_mode=client_mode,
             gate=gate,
             streams=averaging.streams,
-            robust=RobustRule(
-                clip=averaging.clip,
-                weight_cap=averaging.weight_cap,
-                leave_out_cosine=averaging.leave_out_cosine,
-                min_cosine=averaging.min_cosine,
-                flag=averaging.flag,
-            )
-            if averaging.robust
-            else RobustRule.off(),
+            robust=RobustRule.for_spec(averaging),
         )
         self.run_records = RunRecords(self.dht, self.averager.prefix)
 

@@ -41,7 +41,15 @@ from typing import Any
 
 import torch
 
-from peer.host_passes import Staging, copy_model_into, land_round, model_is_finite, write_pseudo_gradient
+from peer.host_passes import (
+    Staging,
+    copy_model_into,
+    land_round,
+    model_is_finite,
+    start_eagerly,
+    undo_eager_start,
+    write_pseudo_gradient,
+)
 from peer.inner_step import Precision, inner_optimizer, inner_step
 from peer.node import Command, LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
@@ -58,7 +66,7 @@ from protocol.errors import VerificationError
 from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
 from protocol.schedule import inner_lr, outer_lr
-from protocol.spec import RunSpec
+from protocol.spec import OuterSection, RunSpec
 from protocol.statesync import RECORD_TTL_S
 
 logger = logging.getLogger(__name__)
@@ -129,6 +137,8 @@ class _InFlight:
     averager's vector, hand-over)."""
     lr: float = 0.0
     data: dict[str, Any] | None = None
+    eager: bool = False
+    """The next inner phase started at θ̂ (``peer.host_passes.start_eagerly``), not the launch point."""
 
 
 @dataclass
@@ -230,6 +240,8 @@ class Trainer:
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
+        self.eager = self.overlap and spec.averaging.overlap_start == "eager"
+        """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
         self.roster = RosterBook()
         """The roster of the state this peer holds (``protocol.roster``): gathered each round."""
@@ -334,9 +346,11 @@ class Trainer:
 
     def _finished(self, in_flight: _InFlight | None) -> bool:
         local, run = self.options.max_rounds, self.spec.rounds.max_rounds
-        pending = (1 if in_flight is not None else 0) + (1 if self._landed is not None else 0)
-        return (local is not None and len(self.history) + pending >= local) or (
-            run is not None and self.state.round + pending >= run
+        flying = 1 if in_flight is not None else 0
+        # a landed round whose digest is still being hashed is in ``state.round`` already, not yet in ``history``
+        unrecorded = 1 if self._landed is not None else 0
+        return (local is not None and len(self.history) + flying + unrecorded >= local) or (
+            run is not None and self.state.round + flying >= run
         )
 
     def _start_inner(self, *, ahead: bool) -> _InnerPhase:
@@ -430,6 +444,10 @@ class Trainer:
                 if self._launch_point is not None:
                     copy_model_into(self.model, self._launch_point, self._staging)
         compensated = samples > 0 and self.feedback is not None
+        eager = self.eager and samples > 0
+        if eager:
+            assert self._launch_point is not None
+            start_eagerly(self.model, self.state, self._launch_point, self._outer(), self._staging)
         pre_digest = self.state.digest()
         gather = {
             "id": self.identity.public_key.id,
@@ -452,7 +470,17 @@ class Trainer:
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
         return _InFlight(
-            pending, compensated, samples, loss, compute_s, pre_digest, launched, launched - prep_started, lr, data
+            pending,
+            compensated,
+            samples,
+            loss,
+            compute_s,
+            pre_digest,
+            launched,
+            launched - prep_started,
+            lr,
+            data,
+            eager,
         )
 
     def matchmaking_timeout(self, compute_s: float) -> float:
@@ -603,6 +631,10 @@ class Trainer:
         self._adapt_timeouts(result)
         self._uncounted = None
         if result is None:
+            if flight.eager and model_is_finite(self.model):
+                assert self._launch_point is not None
+                with self._state_lock:
+                    undo_eager_start(self.model, self.state, self._launch_point, self._outer(), self._staging)
             self._carry_over = None  # still in the model: the next round's Δ holds it
             # θ_g, the momentum and the codec residual are untouched: the round's work folds into
             # the next round's pseudo-gradient
@@ -623,9 +655,7 @@ class Trainer:
                 self.roster.landed(result.members)
             self.swarm.saw_group(result.members)
             keep_progress = self.overlap and model_is_finite(self.model)
-            outer = self.spec.outer
-            if self.spec.schedule.outer:  # the same round, hence the same lr, in every member
-                outer = outer.model_copy(update={"lr": outer_lr(self.spec, self.state.round)})
+            outer = self._outer()
             with self._state_lock:
                 land_round(
                     self.model,
@@ -636,6 +666,7 @@ class Trainer:
                     launch_point=self._launch_point,
                     keep_progress=keep_progress,
                     staging=self._staging,
+                    eager=flight.eager,
                 )
                 if self._carry_over is not None and counted:  # held out of this round: back in
                     load_flat(self.model, torch.add(flatten(self.model), self._carry_over))
@@ -649,6 +680,12 @@ class Trainer:
         if not self.in_sync:
             self.catch_up()
         return True
+
+    def _outer(self) -> OuterSection:
+        """The outer step's settings for the current round (the same lr in every member)."""
+        if self.spec.schedule.outer:
+            return self.spec.outer.model_copy(update={"lr": outer_lr(self.spec, self.state.round)})
+        return self.spec.outer
 
     def _the_rounds_state(self, result: RoundResult | None, flight: _InFlight) -> RoundResult | None:
         """``result`` if it is the round's one state, else None (the round failed here: its

@@ -55,8 +55,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from protocol.spec import AveragingSection
 
 __all__ = [
     "DEFAULT_CLIP",
@@ -71,7 +75,7 @@ __all__ = [
     "robust_mean",
 ]
 
-DEFAULT_CLIP = 1.0
+DEFAULT_CLIP = 2.0
 DEFAULT_WEIGHT_CAP = 2.0
 DEFAULT_FLAG = 10.0
 DEFAULT_MIN_COSINE = 0.0
@@ -102,6 +106,19 @@ class RobustRule:
     def off(cls) -> RobustRule:
         """The plain weighted mean: no cap, no clipping, no direction check."""
         return cls(clip=0, weight_cap=0, leave_out_cosine=-1, min_cosine=-1)
+
+    @classmethod
+    def for_spec(cls, averaging: AveragingSection) -> RobustRule:
+        """The rule a run's reducers apply: the spec's keys, or ``off`` where ``robust`` is false."""
+        if not averaging.robust:
+            return cls.off()
+        return cls(
+            clip=averaging.clip,
+            weight_cap=averaging.weight_cap,
+            leave_out_cosine=averaging.leave_out_cosine,
+            min_cosine=averaging.min_cosine,
+            flag=averaging.flag,
+        )
 
     def __post_init__(self) -> None:
         if not (self.clip == 0 or self.clip >= 1) or not (self.weight_cap == 0 or self.weight_cap >= 1):
@@ -146,6 +163,10 @@ class Reduced:
     """Senders (by index) whose weight or norm exceeded ``flag`` times its bound, with why."""
     alignment: dict[int, Alignment] = field(default_factory=dict)
     """Senders (by index) whose direction was judged (3 or more contributing members)."""
+    clipped: int = 0
+    """Contributing senders whose part was scaled down to the norm bound."""
+    capped: int = 0
+    """Contributing senders whose weight was lowered to the weight cap."""
 
 
 def direction_offence(alignment: Alignment, rule: RobustRule) -> str:
@@ -178,6 +199,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: R
         return Reduced(total)
     offences: dict[int, str] = {}
     used = [float(weight) if weight > MIN_CONTRIBUTING_WEIGHT else 0.0 for weight in weights]
+    capped = 0
     if rule.weight_cap:
         typical = lower_median([used[i] for i in contributing])
         cap = rule.weight_cap * typical
@@ -189,6 +211,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: R
                         f"{typical:.4g} (left out)"
                     )
                 used[i] = cap
+                capped += 1
     scale = [1.0] * len(parts)
     if rule.clip:
         norms = {i: float(torch.linalg.vector_norm(parts[i].float())) for i in contributing}
@@ -207,6 +230,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: R
     contributing = [i for i in contributing if i not in offences]
     if not contributing:
         return Reduced(total, offences)
+    bounded = {"clipped": sum(1 for i in contributing if scale[i] < 1.0), "capped": capped}
     for i in contributing:
         total.add_(parts[i].float(), alpha=used[i] * scale[i])
     kept = contributing
@@ -236,8 +260,8 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: R
             alignment[i] = seen
         if len(kept) < len(contributing):
             if not kept:
-                return Reduced(torch.zeros_like(total), offences, alignment)
+                return Reduced(torch.zeros_like(total), offences, alignment, **bounded)
             total.zero_()
             for i in kept:
                 total.add_(parts[i].float(), alpha=used[i] * scale[i])
-    return Reduced(total.div_(sum(used[i] for i in kept)), offences, alignment)
+    return Reduced(total.div_(sum(used[i] for i in kept)), offences, alignment, **bounded)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.host_passes import Staging, land_round, write_pseudo_gradient
-from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat
+from peer.host_passes import Staging, land_round, start_eagerly, undo_eager_start, write_pseudo_gradient
+from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat, outer_step
 from protocol.compression import ErrorFeedback, get_codec
 from protocol.spec import OuterSection
 
@@ -112,6 +112,76 @@ def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec
     if feedback:
         assert expected_residual is not None
         assert torch.equal(_bits(feedback.state), _bits(expected_residual))
+
+
+@pytest.mark.parametrize("with_missing", [False, True])
+def test_an_eager_start_is_the_outer_step_on_the_peers_own_delta_and_lands_from_there(with_missing: bool) -> None:
+    """Overlap with ``overlap_start = "eager"``: the next inner phase starts at θ̂ = θ_g after
+    an outer step on this peer's own Δ (θ_g and the momentum untouched); at landing the
+    progress since θ̂ is re-based onto the new θ_g, and in left-out ranges θ_local is its own
+    work from the launch point (the eager jump taken back)."""
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    missing = _missing(numel) if with_missing else []
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    local = flatten(model)
+    theta, momentum = state.params.clone(), state.momentum.clone()
+    launch_point, staging = torch.empty(numel), Staging(model)
+    write_pseudo_gradient(
+        model, state.params, torch.empty(numel), feedback=None, launch_point=launch_point, staging=staging
+    )
+    start_eagerly(model, state, launch_point, config, staging)
+    expected = GlobalState(theta.clone(), momentum.clone(), 2)
+    outer_step(expected, torch.sub(theta, local), config)
+    assert torch.equal(_bits(flatten(model)), _bits(expected.params))
+    assert torch.equal(state.params, theta) and torch.equal(state.momentum, momentum)
+    with torch.no_grad():  # inner steps from θ̂ while the round averages
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    now = flatten(model)
+    progress = torch.sub(now, expected.params)
+    averaged = torch.randn(numel) * 1e-3
+    land_round(
+        model,
+        state,
+        averaged,
+        config,
+        feedback=None,
+        launch_point=launch_point,
+        keep_progress=True,
+        staging=staging,
+        missing=missing,
+        eager=True,
+    )
+    landed = flatten(model)
+    want = torch.add(state.params, progress)
+    for lo, hi in missing:
+        want[lo:hi] = torch.add(local[lo:hi], progress[lo:hi])
+    assert torch.allclose(landed, want, atol=1e-6)
+    assert not with_missing or torch.equal(state.params[:64], theta[:64])
+
+
+def test_a_round_that_does_not_land_takes_the_eager_start_back() -> None:
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    local = flatten(model)
+    launch_point, staging = torch.empty(numel), Staging(model)
+    write_pseudo_gradient(
+        model, state.params, torch.empty(numel), feedback=None, launch_point=launch_point, staging=staging
+    )
+    start_eagerly(model, state, launch_point, config, staging)
+    assert not torch.equal(flatten(model), local)
+    undo_eager_start(model, state, launch_point, config, staging)
+    assert torch.equal(_bits(flatten(model)), _bits(local))  # no progress since: exactly the launch point
 
 
 def test_missing_ranges_that_overlap_or_leave_the_vector_are_refused_before_anything_changes() -> None:

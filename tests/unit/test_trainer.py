@@ -471,3 +471,16 @@ def test_rounds_that_find_no_group_release_the_roster_claim() -> None:
     trainer.run()
     assert [row.averaged for row in trainer.history] == [False] * ROSTER_RELEASE_AFTER
     assert (trainer.roster.size, trainer.roster.known) == (0, False)
+
+
+def test_a_landed_round_still_hashing_counts_once_toward_the_runs_last_round() -> None:
+    """``rounds.max_rounds``: the state's round already counts a landed round whose digest is
+    still being hashed; counting it again stopped a peer one round short of the run's end
+    whenever the hash was slower than the loop (overlap off)."""
+    spec = parse_spec(SPEC.replace("inner_steps = 2", "inner_steps = 2\nmax_rounds = 2"))
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), RecordingSwarm(), TrainerOptions())  # type: ignore[arg-type]
+    trainer.state.round = 1
+    trainer._landed = object()  # type: ignore[assignment]  # round 0 landed, its digest not yet recorded
+    assert not trainer._finished(None)
+    trainer.state.round = 2
+    assert trainer._finished(None)

@@ -1,0 +1,239 @@
+"""An in-process swarm for training-quality sweeps: k real ``Trainer``s, one thread each, whose
+rounds are averaged in memory by the same arithmetic the swarm's all-reduce does.
+
+What is real: the trainer (inner phase, pseudo-gradient, error feedback, overlap's re-basing,
+outer step, roster rule, validation), the task (model, data shards by ``shard_seed``), and the
+reduction: every member's vector goes through the run's codec (``Codec.roundtrip``: what a
+reducer decodes), each fragment (``protocol.fragments``) is cut among the k reducers and into
+parts of ``protocol.allreduce.part_size_bytes`` as the butterfly cuts it, every part is reduced
+by ``protocol.robust.robust_mean`` under the spec's rule, and the average is encoded once,
+unbiased, with a dither seeded by the round (``Codec.encode_unbiased``), as a reducer does.
+
+What is not: no DHT, no matchmaking, no network. Every member is in every round's group, and
+with overlap a round lands exactly ``delay_steps`` inner steps after the member launched it
+(``LoopbackGroup(delay_steps=...)``): the real swarm lands it when the all-reduce is done, a
+wall-clock time. That makes a run a pure function of its spec and seeds (see ``repeatable``
+in ``benchmarks.training_quality``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peer.swarm import RoundResult
+from peer.task.base import derive_seed, generator
+from protocol.allreduce import part_size_bytes
+from protocol.compression import Codec, get_codec
+from protocol.fragments import fragment_bounds
+from protocol.robust import Alignment, RobustRule, direction_offence, robust_mean
+from protocol.spec import AveragingSection
+
+
+@dataclass
+class RobustTally:
+    """What robust averaging did to the members' parts over a run (they are all honest here)."""
+
+    parts: int = 0
+    clipped: int = 0
+    left_out: int = 0
+    weight_capped: int = 0
+    named: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def reducer_ranges(numel: int, members: int, codec: Codec, streams: int) -> list[slice]:
+    """The parts a group of ``members`` reduces: each fragment cut into ``members`` equal
+    contiguous ranges (one per reducer), each range into parts of ``part_size_bytes``."""
+    per_value = codec.bytes_per_value()
+    parts: list[slice] = []
+    for start, end in fragment_bounds(numel, streams):
+        size = end - start
+        part_values = max(1, int(part_size_bytes(size, codec, members) / per_value))
+        for reducer in range(members):
+            lo = start + size * reducer // members
+            hi = start + size * (reducer + 1) // members
+            for p in range(lo, hi, part_values):
+                parts.append(slice(p, min(hi, p + part_values)))
+    return parts
+
+
+def reduce_group(
+    vectors: list[torch.Tensor],
+    weights: list[float],
+    *,
+    codec: Codec,
+    rule: RobustRule,
+    streams: int,
+    seed: int,
+    tally: RobustTally,
+) -> torch.Tensor:
+    """The group's average as every member receives it (the same tensor for all)."""
+    numel = vectors[0].numel()
+    sent = [codec.roundtrip(v) if codec.lossy else v for v in vectors]
+    averaged = torch.empty(numel, dtype=torch.float32)
+    dither = torch.rand(numel + codec.block, generator=generator(seed))
+    alignment: dict[int, Alignment] = {}
+    for part in reducer_ranges(numel, len(vectors), codec, streams):
+        pieces = [s[part] for s in sent]
+        reduced = robust_mean(pieces, weights, rule)
+        tally.parts += len(pieces)
+        tally.clipped += reduced.clipped
+        tally.weight_capped += reduced.capped
+        for index, seen in reduced.alignment.items():
+            tally.left_out += seen.left_out
+            alignment.setdefault(index, Alignment()).add(seen)
+        mean = reduced.mean
+        n = mean.numel()
+        averaged[part] = (
+            codec.decode(codec.encode_unbiased(mean, dither[: n + codec.block]), n) if codec.lossy else mean
+        )
+    tally.named += sum(1 for seen in alignment.values() if direction_offence(seen, rule))
+    return averaged
+
+
+@dataclass
+class LoopbackGroup:
+    """The k members of one in-process swarm; every round's group is all of them."""
+
+    members: int
+    averaging: AveragingSection
+    delay_steps: int = 0
+    """With overlap: inner steps of the next phase before a launched round lands."""
+    seed: int = 0
+    tally: RobustTally = field(default_factory=RobustTally)
+    _lock: threading.Condition = field(default_factory=threading.Condition)
+    _launched: dict[int, dict[int, tuple[torch.Tensor, float, dict[str, Any]]]] = field(default_factory=dict)
+    _results: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.codec = get_codec(self.averaging.compression)
+        self.rule = RobustRule.for_spec(self.averaging)
+
+    def launch(self, index: int, round_: int, vector: torch.Tensor, weight: float, gather: dict[str, Any]) -> None:
+        with self._lock:
+            launched = self._launched.setdefault(round_, {})
+            if index in launched:
+                raise RuntimeError(f"member {index} launched round {round_} twice")
+            launched[index] = (vector, weight, gather)
+            if len(launched) < self.members:
+                return
+            order = sorted(launched)
+            averaged = reduce_group(
+                [launched[i][0] for i in order],
+                [launched[i][1] for i in order],
+                codec=self.codec,
+                rule=self.rule,
+                streams=self.averaging.streams,
+                seed=derive_seed(self.seed, "loopback-dither", round_),
+                tally=self.tally,
+            )
+            for i in order:
+                launched[i][0].copy_(averaged)
+            self._results[round_] = [launched[i][2] for i in order]
+            del self._launched[round_]
+            self._lock.notify_all()
+
+    def wait(self, round_: int) -> list[dict[str, Any]] | None:
+        """What the round's members gathered, once it is reduced; None if the group closed first."""
+        with self._lock:
+            while round_ not in self._results and not self._closed:
+                self._lock.wait(timeout=1.0)
+            return self._results.get(round_)
+
+    def close(self) -> None:
+        """Release members waiting for a round that will never be complete (one failed)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+
+@dataclass
+class _Pending:
+    """A round launched by one member: done once ``delay_steps`` inner steps passed since the
+    launch and the whole group launched (``done`` then waits for the reduction, so where a
+    round lands never depends on thread timing)."""
+
+    swarm: LoopbackSwarm
+    round_: int
+    launched_at_step: int
+
+    def done(self) -> bool:
+        if self.swarm.steps() - self.launched_at_step < self.swarm.group.delay_steps:
+            return False
+        self.result()
+        return True
+
+    def result(self) -> RoundResult | None:
+        members = self.swarm.group.wait(self.round_)
+        if members is None:
+            return None
+        return RoundResult(
+            averaged=self.swarm.vector,
+            group_size=len(members),
+            members=members,
+            bytes_sent=0,
+            bytes_received=0,
+            wait_s=0.0,
+        )
+
+
+class LoopbackSwarm:
+    """Member ``index`` of a ``LoopbackGroup``: the ``peer.swarm_port.SwarmPort`` a trainer uses."""
+
+    def __init__(self, group: LoopbackGroup, index: int, numel: int) -> None:
+        self.group, self.index = group, index
+        self.vector = torch.zeros(numel, dtype=torch.float32)
+        self.steps: Callable[[], int] = lambda: 0
+        """The member trainer's inner steps so far (set once the trainer exists)."""
+        self.ids: set[str] = set()
+
+    @contextmanager
+    def outbox(self) -> Iterator[torch.Tensor]:
+        yield self.vector
+
+    def start_round(
+        self, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+    ) -> _Pending:
+        round_ = int(gather["round"])
+        pending = _Pending(self, round_, self.steps())
+        self.group.launch(self.index, round_, self.vector, weight, dict(gather))
+        return pending
+
+    def set_allreduce_timeout(self, timeout_s: float) -> None:
+        pass
+
+    def saw_group(self, members: list[dict[str, Any]]) -> None:
+        pass
+
+    def publish_digest(self, identity: Any, *, round_: int, digest: str, roster: int = 0) -> None:
+        pass
+
+    def roster_of(self, digest: str, *, exclude: Any = None) -> int:
+        return self.group.members
+
+    def behind(self, round_: int) -> bool:
+        return False
+
+    def accepted_state(self, *, exclude: Any = None) -> None:
+        return None
+
+    def fallback_states(self, *, exclude: Any = None, after_round: int = -1) -> list[Any]:
+        return []
+
+    def peers_at(self, round_: int, *, exclude: Any = None) -> set[str]:
+        return {f"member{i}" for i in range(self.group.members) if i != self.index}
+
+    def serve_state(self, provider: Any) -> None:
+        pass
+
+    def download_state(self, accept: set[str], *, timeout: float) -> None:
+        return None

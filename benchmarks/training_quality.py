@@ -1,0 +1,312 @@
+"""Does the swarm train as well as the DiLoCo papers say? (issue #34): ``make bench-quality``.
+
+The swarm of k peers against two references at equal tokens and inner steps: synchronous data
+parallel (one trainer with k times the batch: AdamW on the mean gradient of k x batch samples
+is what k workers averaging gradients every step compute) and one peer alone (the batch of
+one swarm member, a k-th of the tokens). Each reference is a group of one with outer lr 1 and
+no momentum, no codec, no robust rule: its θ_g is its own model after every H steps.
+
+Suites (``--suite``): ``headline`` (the shipped defaults, and overlap on, robust averaging off
+or at the old clip, the old defaults), ``outer`` (Nesterov 0.7/0.9, plain averaging, outer
+SGD), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
+starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
+one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128).
+
+Every run is in process (``benchmarks.loopback_group``: real trainers, the all-reduce's
+arithmetic, no network), a pure function of spec and seed; ``--swarm`` also runs the headline
+defaults and the old defaults as real local swarms (``swarmtrain peer`` processes, hivemind DHT and all-reduce on
+loopback), to check that the in-process numbers are the swarm's. The model and data are the
+demo's (``examples/demo.toml``: byte-level GPT, 135K parameters, the Python standard library).
+
+Writes ``benchmarks/results/training-quality.{md,json,png}``. Usage:
+``python -m benchmarks.training_quality [--suite headline,outer,...] [--seeds 0,1,2] [--rounds 30] [--swarm]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.quality_runs import Overrides, RunResult, Setup, run_inprocess, run_swarm
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+BASE = REPO / "examples" / "demo.toml"
+BATCH = 8
+"""Each swarm member's batch (the demo's)."""
+H = 20
+"""The demo's inner steps."""
+
+REFERENCE: Overrides = {
+    "outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+    "averaging": {
+        "compression": "none",
+        "robust": False,
+        "overlap": False,
+        "error_feedback": False,
+        "min_group_size": 1,
+    },
+}
+
+
+def merge(*layers: Overrides) -> Overrides:
+    out: Overrides = {}
+    for layer in layers:
+        for section, values in layer.items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+def sync_dp(k: int, h: int = H, shared: Overrides | None = None) -> Setup:
+    batch = {"inner": {"batch_size": k * BATCH}, "rounds": {"inner_steps": h}}
+    return Setup(f"sync DP (batch {k * BATCH})", 1, merge(shared or {}, REFERENCE, batch))
+
+
+def one_peer(h: int = H, shared: Overrides | None = None) -> Setup:
+    return Setup(f"one peer (batch {BATCH})", 1, merge(shared or {}, REFERENCE, {"rounds": {"inner_steps": h}}))
+
+
+OVERLAP_ON: Overrides = {"averaging": {"overlap": True}}
+EAGER: Overrides = {"averaging": {"overlap": True, "overlap_start": "eager"}}
+ROBUST_OFF: Overrides = {"averaging": {"robust": False}}
+CLIP_1: Overrides = {"averaging": {"clip": 1.0}}
+PLAIN_OUTER: Overrides = {"outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False}}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a suite: a swarm setup, the rounds it runs, and its references."""
+
+    setup: Setup
+    rounds_scale: float = 1.0
+    """This row's rounds as a fraction of ``--rounds`` (H and k at fixed tokens)."""
+    k: int = 4
+    h: int = H
+    real: bool = False
+    """With ``--swarm``, also run as real local swarms (the rows the in-process swarm is checked on)."""
+    shared: Overrides = field(default_factory=dict)
+    """Overrides of the row that its references share (the model, for the scale suite)."""
+
+
+def suites() -> dict[str, list[Row]]:
+    """The comparisons, each row against its references. The shipped defaults: overlap off,
+    robust averaging on with clip 2, Nesterov 0.7 / 0.9, int8 with error feedback."""
+    swarm = lambda name, *o, k=4, **kw: Setup(name, k, merge(*o), **kw)  # noqa: E731
+    return {
+        "headline": [
+            Row(swarm("swarm of 4, defaults"), real=True),
+            Row(swarm("overlap on (lands after H steps)", OVERLAP_ON)),
+            Row(swarm("robust off", ROBUST_OFF)),
+            Row(swarm("robust clip 1 (the old default)", CLIP_1)),
+            Row(swarm("the old defaults (overlap on, clip 1)", OVERLAP_ON, CLIP_1), real=True),
+        ],
+        "outer": [
+            Row(swarm("Nesterov 0.7 / 0.9", ROBUST_OFF)),
+            Row(swarm("plain averaging (lr 1, no momentum)", ROBUST_OFF, PLAIN_OUTER)),
+            Row(swarm("outer SGD lr 0.7, no momentum", ROBUST_OFF, {"outer": {"momentum": 0.0, "nesterov": False}})),
+        ],
+        "hk": [
+            *(
+                Row(swarm(f"k=4, H={h}", ROBUST_OFF, {"rounds": {"inner_steps": h}}), H / h, 4, h)
+                for h in (5, 10, 20, 40)
+            ),
+            *(Row(swarm(f"k={k}, H=20", ROBUST_OFF, k=k), 4 / k, k) for k in (2, 8)),
+        ],
+        "codec": [
+            Row(swarm(f"codec {codec}", ROBUST_OFF, {"averaging": {"compression": codec}}))
+            for codec in ("none", "int8", "4bit")
+        ],
+        "overlap": [
+            Row(swarm("overlap off", ROBUST_OFF)),
+            Row(swarm("overlap, lands after H steps", ROBUST_OFF, OVERLAP_ON)),
+            Row(swarm("overlap, eager start, lands after H steps", ROBUST_OFF, EAGER)),
+            Row(swarm("overlap, lands after H/4 steps", ROBUST_OFF, OVERLAP_ON, delay_steps=H // 4)),
+            Row(swarm("overlap, eager start, lands after H/4 steps", ROBUST_OFF, EAGER, delay_steps=H // 4)),
+        ],
+        "scale": [
+            Row(swarm(f"k=4, d_model {d}", ROBUST_OFF, model), shared=model)
+            for d in (32, 64, 128)
+            for model in ({"task.model": {"d_model": d}},)
+        ],
+        "robust": [
+            row
+            for k in (2, 4, 8)
+            for row in (
+                Row(swarm(f"k={k}, robust on", k=k), 1.0, k),
+                Row(swarm(f"k={k}, robust off", ROBUST_OFF, k=k), 1.0, k),
+            )
+        ],
+    }
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run_suite(
+    name: str, rows: list[Row], *, seeds: list[int], rounds: int, base: str, swarm: bool, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Every row and its references over ``seeds``; the suite's summary."""
+    references: dict[tuple[str, int], list[RunResult]] = {}
+
+    def reference(setup: Setup, n_rounds: int) -> list[RunResult]:
+        key = (setup.name + str(setup.overrides), n_rounds)
+        if key not in references:
+            references[key] = [run_inprocess(base, setup, seed=s, rounds=n_rounds) for s in seeds]
+            log(f"  {setup.name}, {n_rounds} rounds: {[round(r.final, 4) for r in references[key]]}")
+        return references[key]
+
+    out_rows = []
+    for row in rows:
+        n_rounds = max(1, round(rounds * row.rounds_scale))
+        runs = [run_inprocess(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
+        log(f"  {row.setup.name}: {[round(r.final, 4) for r in runs]}")
+        dp = reference(sync_dp(row.k, row.h, row.shared), n_rounds)
+        alone = reference(one_peer(row.h, row.shared), n_rounds)
+        entry = _summary(row, n_rounds, runs, dp, alone)
+        if swarm and row.real:
+            real = [run_swarm(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
+            log(f"  {row.setup.name} (real swarm): {[round(r.final, 4) for r in real]}")
+            entry["swarm"] = _summary(row, n_rounds, real, dp, alone)
+        out_rows.append(entry)
+    return {"suite": name, "rows": out_rows}
+
+
+def _summary(
+    row: Row, n_rounds: int, runs: list[RunResult], dp: list[RunResult], alone: list[RunResult]
+) -> dict[str, Any]:
+    mean, sd = _mean_sd([r.final for r in runs])
+    dp_mean, dp_sd = _mean_sd([r.final for r in dp])
+    alone_mean, alone_sd = _mean_sd([r.final for r in alone])
+    # per seed: the same data seed and model init in the swarm and its references
+    vs_dp = [100 * (r.final / d.final - 1) for r, d in zip(runs, dp)]
+    vs_alone = [100 * (r.final / a.final - 1) for r, a in zip(runs, alone)]
+    return {
+        "name": row.setup.name,
+        "k": row.k,
+        "h": row.h,
+        "rounds": n_rounds,
+        "final": mean,
+        "final_sd": sd,
+        "sync_dp": dp_mean,
+        "sync_dp_sd": dp_sd,
+        "one_peer": alone_mean,
+        "one_peer_sd": alone_sd,
+        "vs_sync_dp_pct": _mean_sd(vs_dp),
+        "vs_one_peer_pct": _mean_sd(vs_alone),
+        "better_than_one_peer": sum(v < 0 for v in vs_alone),
+        "runs": [r.as_dict() for r in runs],
+        "references": {"sync_dp": [r.as_dict() for r in dp], "one_peer": [r.as_dict() for r in alone]},
+    }
+
+
+def markdown(results: list[dict[str, Any]], command: str, seeds: list[int]) -> str:
+    lines = [
+        "# Training quality: the swarm against one peer and synchronous data parallel",
+        "",
+        f"Command: `{command}` ({platform.machine()}, {torch.get_num_threads()} torch thread per trainer; "
+        f"data seeds {', '.join(map(str, seeds))}: mean ± sd over seeds; the per-seed ratio's mean ± sd).",
+        "",
+    ]
+    for suite in results:
+        lines += [
+            f"## {suite['suite']}",
+            "",
+            "| run | k | H | rounds | val loss | sync DP | one peer | vs sync DP | vs one peer | seeds better than one peer |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in suite["rows"]:
+            for label, entry in (("", row), (" (real swarm)", row.get("swarm"))):
+                if entry is None:
+                    continue
+                vs_dp, vs_alone = entry["vs_sync_dp_pct"], entry["vs_one_peer_pct"]
+                lines.append(
+                    f"| {entry['name']}{label} | {entry['k']} | {entry['h']} | {entry['rounds']} | "
+                    f"{entry['final']:.4f} ± {entry['final_sd']:.4f} | {entry['sync_dp']:.4f} | {entry['one_peer']:.4f} | "
+                    f"{vs_dp[0]:+.2f}% ± {vs_dp[1]:.2f} | {vs_alone[0]:+.2f}% ± {vs_alone[1]:.2f} | "
+                    f"{entry['better_than_one_peer']} of {len(entry['runs'])} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install .[bench]): no plot")
+        return None
+    headline = next((s for s in results if s["suite"] == "headline"), results[0])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    first = headline["rows"][0]
+    for label, runs in (("sync DP", first["references"]["sync_dp"]), ("one peer", first["references"]["one_peer"])):
+        ax.plot(range(1, len(runs[0]["val_loss"]) + 1), _mean_curve(runs), "--", label=label)
+    for row in headline["rows"]:
+        ax.plot(range(1, len(row["runs"][0]["val_loss"]) + 1), _mean_curve(row["runs"]), label=row["name"])
+    ax.set_xlabel("round")
+    ax.set_ylabel("validation loss (mean over seeds)")
+    ax.set_title(f"suite {headline['suite']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _mean_curve(runs: list[dict[str, Any]]) -> list[float]:
+    n = min(len(r["val_loss"]) for r in runs)
+    return [statistics.fmean(r["val_loss"][i] for r in runs) for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", default="headline", help=f"comma-separated, of: {', '.join(suites())}")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rounds", type=int, default=30, help="rounds of H=20 inner steps (fewer or more for H != 20)")
+    parser.add_argument("--swarm", action="store_true", help="also run the headline swarm rows as real local swarms")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="training-quality")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    known = suites()
+    wanted = [s.strip() for s in args.suite.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in known]
+    if unknown:
+        parser.error(f"unknown suite(s) {unknown}; choose from {list(known)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    torch.set_num_threads(1)  # several trainers share the cores, one thread each (as local peers run)
+    base = BASE.read_text()
+    command = "python -m benchmarks.training_quality " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = []
+    for name in wanted:
+        print(f"suite {name}:", flush=True)
+        results.append(
+            run_suite(name, known[name], seeds=seeds, rounds=args.rounds, base=base, swarm=args.swarm, log=print)
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(
+        json.dumps({"command": command, "seeds": seeds, "suites": results}, indent=1)
+    )
+    (args.out / f"{args.name}.md").write_text(markdown(results, command, seeds))
+    plot(results, args.out / f"{args.name}.png")
+    print(markdown(results, command, seeds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
