@@ -116,6 +116,7 @@ def suites() -> dict[str, list[Row]]:
             Row(swarm("Nesterov 0.7 / 0.9", ROBUST_OFF)),
             Row(swarm("plain averaging (lr 1, no momentum)", ROBUST_OFF, PLAIN_OUTER)),
             Row(swarm("outer SGD lr 0.7, no momentum", ROBUST_OFF, {"outer": {"momentum": 0.0, "nesterov": False}})),
+            Row(swarm("Nesterov 0.8 / 0.8", ROBUST_OFF, {"outer": {"lr": 0.8, "momentum": 0.8}})),
         ],
         "hk": [
             *(
@@ -180,6 +181,10 @@ def run_suite(
             real = [run_swarm(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
             log(f"  {row.setup.name} (real swarm): {[round(r.final, 4) for r in real]}")
             entry["swarm"] = _summary(row, n_rounds, real, dp, alone)
+            # run-to-run noise of the real swarm: the first seed again (in process it is 0)
+            again = run_swarm(base, row.setup, seed=seeds[0], rounds=n_rounds)
+            entry["swarm"]["repeat"] = {"seed": seeds[0], "first": real[0].final, "again": again.final}
+            log(f"  {row.setup.name} (real swarm, seed {seeds[0]} again): {again.final:.4f}")
         out_rows.append(entry)
     return {"suite": name, "rows": out_rows}
 
@@ -239,6 +244,22 @@ def markdown(results: list[dict[str, Any]], command: str, seeds: list[int]) -> s
                     f"{entry['better_than_one_peer']} of {len(entry['runs'])} |"
                 )
         lines.append("")
+        repeats = [(row["name"], row["swarm"]["repeat"]) for row in suite["rows"] if "repeat" in row.get("swarm", {})]
+        for name, rep in repeats:
+            change = 100 * (rep["again"] / rep["first"] - 1)
+            lines.append(
+                f"Run-to-run noise, {name} (real swarm, seed {rep['seed']} twice): "
+                f"{rep['first']:.4f} then {rep['again']:.4f} ({change:+.2f}%)."
+            )
+        if repeats:
+            lines.append("")
+    lines += [
+        "In process a run is a pure function of its spec and data seed (model init and data order",
+        "derive from them; `tests/unit/test_training_quality_bench.py`): the same seed twice gives",
+        "the same curve, so the spread above is the seeds'. A real swarm also depends on timing",
+        "(which members make each round's group, where a time budget or a late start cuts a phase).",
+        "",
+    ]
     return "\n".join(lines)
 
 
