@@ -44,6 +44,8 @@ class RobustTally:
     left_out: int = 0
     weight_capped: int = 0
     named: int = 0
+    dropped: int = 0
+    """Member-rounds whose update was left out (``LoopbackGroup.drop``)."""
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -108,6 +110,12 @@ class LoopbackGroup:
     delay_steps: int = 0
     """With overlap: inner steps of the next phase before a launched round lands."""
     seed: int = 0
+    drop: float = 0.0
+    """Each member's update is left out of a round (weight 0, as the swarm weighs a stale or
+    refused member: it still receives and lands the average) with this probability, drawn
+    from the seed, round and member; one member always counts. DiLoCo's dropped outer
+    gradients (arXiv 2311.08105 Fig. 8); the rounds a late joiner's or a split-off peer's
+    work does not count."""
     tally: RobustTally = field(default_factory=RobustTally)
     _lock: threading.Condition = field(default_factory=threading.Condition)
     _launched: dict[int, dict[int, tuple[torch.Tensor, float, dict[str, Any]]]] = field(default_factory=dict)
@@ -129,7 +137,7 @@ class LoopbackGroup:
             order = sorted(launched)
             averaged = reduce_group(
                 [launched[i][0] for i in order],
-                [launched[i][1] for i in order],
+                self._weights(round_, [launched[i][1] for i in order]),
                 codec=self.codec,
                 rule=self.rule,
                 streams=self.averaging.streams,
@@ -141,6 +149,21 @@ class LoopbackGroup:
             self._results[round_] = [launched[i][2] for i in order]
             del self._launched[round_]
             self._lock.notify_all()
+
+    def _weights(self, round_: int, weights: list[float]) -> list[float]:
+        """The members' weights in ``round_`` with the dropped ones at 0 (``drop``)."""
+        if not self.drop:
+            return weights
+        draws = [
+            torch.rand(1, generator=generator(derive_seed(self.seed, "drop", round_, i))).item()
+            for i in range(len(weights))
+        ]
+        kept = [w if draw >= self.drop else 0.0 for w, draw in zip(weights, draws)]
+        if not any(kept):
+            best = max(range(len(draws)), key=draws.__getitem__)
+            kept[best] = weights[best]
+        self.tally.dropped += sum(1 for w in kept if not w)
+        return kept
 
     def wait(self, round_: int) -> list[dict[str, Any]] | None:
         """What the round's members gathered, once it is reduced; None if the group closed first."""

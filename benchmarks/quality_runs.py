@@ -35,6 +35,9 @@ class Setup:
     delay_steps: int | None = None
     """In process, with overlap: inner steps before a launched round lands (None: H, a whole
     inner phase, the longest delay overlap allows)."""
+    drop: float = 0.0
+    """In process: the probability that a member's update is left out of a round
+    (``LoopbackGroup.drop``)."""
 
 
 def spec_text(base: str, overrides: Overrides) -> dict[str, Any]:
@@ -128,7 +131,11 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
     numel = count_params(spec.task.model) if spec.task.kind == "bytegpt" else None
     h = spec.rounds.inner_steps or 1
     group = LoopbackGroup(
-        setup.members, spec.averaging, delay_steps=h if setup.delay_steps is None else setup.delay_steps, seed=seed
+        setup.members,
+        spec.averaging,
+        delay_steps=h if setup.delay_steps is None else setup.delay_steps,
+        seed=seed,
+        drop=setup.drop,
     )
     trainers: list[Trainer] = []
     for index in range(setup.members):

@@ -10,7 +10,9 @@ Suites (``--suite``): ``headline`` (the shipped defaults, and overlap on, robust
 or at the old clip, the old defaults), ``outer`` (Nesterov 0.7/0.9, plain averaging, outer
 SGD), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
-one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128).
+one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
+``partial`` (groups that form with fewer members: each member's update left out of a share of
+the rounds, as a late joiner's first group or a peer split off a round leaves it out).
 
 Every run is in process (``benchmarks.loopback_group``: real trainers, the all-reduce's
 arithmetic, no network), a pure function of spec and seed; ``--swarm`` also runs the headline
@@ -140,6 +142,9 @@ def suites() -> dict[str, list[Row]]:
             Row(swarm(f"k=4, d_model {d}", ROBUST_OFF, model), shared=model)
             for d in (32, 64, 128)
             for model in ({"task.model": {"d_model": d}},)
+        ],
+        "partial": [
+            Row(swarm(f"each update left out of {int(100 * p)}% of rounds", drop=p)) for p in (0.0, 0.1, 0.3, 0.5)
         ],
         "robust": [
             row

@@ -237,7 +237,7 @@ class Swarm:
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         window = min(window, matchmaking_window(timeout)) if window else matchmaking_window(timeout)
         control = self.averager.step(
-            gather={**gather, "meet": self._meeting_round(gather.get("round"))},
+            gather={**gather, "meet": self._meeting_round(gather.get("round"), window)},
             weight=max(weight, NEGLIGIBLE_WEIGHT),
             scheduled_time=get_dht_time() + window,
             timeout=timeout,
@@ -245,7 +245,7 @@ class Swarm:
         )
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
 
-    def _meeting_round(self, round_: object) -> object:
+    def _meeting_round(self, round_: object, window: float = 0.0) -> object:
         """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,
         except for a newcomer to an open run, whose electorate is empty so it sees no agreed
         state to adopt: it meets a later round the DHT shows, so that its first group (where it
@@ -253,16 +253,17 @@ class Swarm:
         It meets the round *after* one the records show (the swarm launches that one within
         about a phase, and the newcomer, declared first, leads it; the round shown may already
         be launched). Anyone may sign records for any round, so it tries each such round in
-        turn, those with the most signers first."""
+        turn, those with the most signers first. ``window``: how long this peer, leading the
+        round it meets, waits for the swarm to arrive (``_rounds_ahead`` aims at its middle)."""
         if type(round_) is not int:
             return round_
-        candidates = self._meeting_candidates(round_)
+        candidates = self._meeting_candidates(round_, window)
         if not candidates:
             return round_
         self._meetings += 1
         return candidates[(self._meetings - 1) % len(candidates)]
 
-    def _meeting_candidates(self, round_: int) -> list[int]:
+    def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[int]:
         """An open-run newcomer's rounds to meet at (later than ``round_``; none otherwise)."""
         if self.gate is not None or self.electorate:
             return []
@@ -271,13 +272,18 @@ class Swarm:
             if not record.archive and record.round > round_:
                 signers.setdefault(record.round, set()).add(record.signer.id)
         ranked = sorted(signers, key=lambda later: (-len(signers[later]), -later))
-        return [later + self._rounds_ahead(later) for later in ranked]
+        return [later + self._rounds_ahead(later, window) for later in ranked]
 
-    def _rounds_ahead(self, shown: int) -> int:
-        """How far past the round ``shown`` (a record's) the swarm will be by the time a
-        declaration made now is seen: 1, plus the rounds it lands meanwhile at the pace this
-        peer saw records of the rounds below ``shown`` appear (unknown: 1). A swarm whose rounds
-        are shorter than the DHT's delay would otherwise always be past the round met."""
+    def _rounds_ahead(self, shown: int, window: float = 0.0) -> int:
+        """How far past the round ``shown`` (a record's) the swarm will be in the middle of
+        this peer's leader ``window``, from when its declaration is seen to when it closes: 1,
+        plus the rounds the swarm lands meanwhile at the pace this peer saw records of the
+        rounds below ``shown`` appear (unknown: 1). A swarm whose rounds are shorter than the
+        DHT's delay would otherwise always be past the round met; aiming at the window's
+        middle rather than its opening leaves room for a pace misjudged either way (a loaded
+        machine's swarm lands rounds unevenly): a swarm up to half a window faster or slower
+        than measured still arrives while this peer waits for it."""
+        lead = max(DECLARATION_DELAY_S, (DECLARATION_DELAY_S + window) / 2)
         now = time.monotonic()
         seen_at = self._sightings.get(shown, now)
         earlier = [(r, t) for r, t in self._sightings.items() if shown - PACE_ROUNDS <= r < shown and t < seen_at]
@@ -285,7 +291,7 @@ class Swarm:
             return 1
         first, first_at = min(earlier)
         pace = (seen_at - first_at) / (shown - first)
-        return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + DECLARATION_DELAY_S) / pace))
+        return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + lead) / pace))
 
     def behind(self, round_: int) -> bool:
         """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer

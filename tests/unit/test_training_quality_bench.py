@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.loopback_group import RobustTally, reduce_group, reducer_ranges
+from benchmarks.loopback_group import LoopbackGroup, RobustTally, reduce_group, reducer_ranges
 from benchmarks.quality_runs import Setup, build_spec, run_inprocess, spec_text, to_toml
 from benchmarks.training_quality import main, suites
 from protocol.compression import get_codec
@@ -95,4 +95,17 @@ def test_unknown_suites_are_refused_before_anything_runs(capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         main(["--suite", "headline,nonsense"])
     assert "nonsense" in capsys.readouterr().err
-    assert {"headline", "outer", "hk", "codec", "overlap", "robust"} <= set(suites())
+    assert {"headline", "outer", "hk", "codec", "overlap", "robust", "partial", "scale"} <= set(suites())
+
+
+def test_a_dropped_update_weighs_nothing_and_one_member_always_counts() -> None:
+    spec = parse_spec(TINY)
+    group = LoopbackGroup(4, spec.averaging, seed=5, drop=0.5)
+    rounds = [group._weights(r, [1.0, 2.0, 3.0, 4.0]) for r in range(200)]
+    assert all(any(w) for w in rounds)
+    assert all(w in (0.0, original) for ws in rounds for w, original in zip(ws, [1.0, 2.0, 3.0, 4.0]))
+    dropped = sum(w == 0.0 for ws in rounds for w in ws)
+    assert 300 < dropped < 500 and group.tally.dropped == dropped
+    again = LoopbackGroup(4, spec.averaging, seed=5, drop=0.5)
+    assert [again._weights(r, [1.0, 2.0, 3.0, 4.0]) for r in range(200)] == rounds
+    assert LoopbackGroup(4, spec.averaging, seed=5)._weights(0, [1.0, 2.0]) == [1.0, 2.0]
