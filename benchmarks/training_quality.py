@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rounds", type=int, default=30, help="rounds of H=20 inner steps (fewer or more for H != 20)")
     parser.add_argument("--swarm", action="store_true", help="also run the headline swarm rows as real local swarms")
+    parser.add_argument("--row", action="append", default=[], help="run only the rows of this name (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="training-quality")
     args = parser.parse_args(argv)
@@ -314,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in wanted if s not in known]
     if unknown:
         parser.error(f"unknown suite(s) {unknown}; choose from {list(known)}")
+    if args.row:
+        known = {name: [r for r in rows if r.setup.name in args.row] for name, rows in known.items()}
+        missing = set(args.row) - {r.setup.name for name in wanted for r in known[name]}
+        if missing:
+            parser.error(f"no row named {sorted(missing)} in suite(s) {wanted}")
     seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(1)  # several trainers share the cores, one thread each (as local peers run)
     base = BASE.read_text()
