@@ -11,6 +11,7 @@ whom, with what weight, and whether it started from the same state as the others
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,7 +25,6 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
 
-from peer.pace import Sightings
 from peer.swarm_port import DownloadedState, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
@@ -46,8 +46,35 @@ logger = logging.getLogger(__name__)
 # average) but with a weight this small its zeros do not move the result measurably.
 NEGLIGIBLE_WEIGHT = 1e-12
 
+PACE_ROUNDS = 16
+"""Rounds of digest records whose first sightings give the swarm's pace (``Swarm._rounds_ahead``)."""
 DECLARATION_DELAY_S = 1.0
 """About how long a round's declaration takes to reach the peers that look it up in the DHT."""
+MAX_ROUNDS_AHEAD = 64
+
+
+def rounds_ahead(sightings: dict[int, float], shown: int, *, now: float, lead_s: float) -> int:
+    """How far past the round ``shown`` the swarm will be ``lead_s`` seconds from ``now``: 1,
+    plus the rounds it lands meanwhile at the pace at which this peer first saw (``sightings``:
+    round -> monotonic s) the records of the rounds below ``shown`` appear; unknown pace: 1.
+
+    Rounds first seen together (one lookup returned them all) tell nothing about the pace
+    between them: the pace is measured from the newest round of the earliest lookup in the
+    last ``PACE_ROUNDS`` rounds, not its oldest (a newcomer that looks up records once per
+    attempt would otherwise count every round of its first lookup as landed since, and take
+    a swarm for several times faster than it is).
+
+    A newcomer aims at the middle of its leader window (``Swarm._rounds_ahead``): a swarm whose
+    rounds are shorter than the DHT's delay would otherwise always be past the round met, and
+    aiming at the window's opening leaves no room for a pace misjudged on a loaded machine."""
+    seen_at = sightings.get(shown, now)
+    earlier = [(t, r) for r, t in sightings.items() if shown - PACE_ROUNDS <= r < shown and t < seen_at]
+    if not earlier:
+        return 1
+    first_at = min(t for t, _ in earlier)
+    first = max(r for t, r in earlier if t == first_at)
+    pace = (seen_at - first_at) / (shown - first)
+    return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + lead_s) / pace))
 
 
 class _ExpectedRoundFailures(logging.Filter):
@@ -184,7 +211,7 @@ class Swarm:
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
         self._meetings = 0
         """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
-        self._sightings = Sightings()
+        self._sightings: dict[int, float] = {}
         """When (monotonic s) this peer first saw a digest record of each round: the swarm's pace."""
         quiet_expected_round_failures()
         self.dht = DHT(
@@ -277,7 +304,7 @@ class Swarm:
         """How far past the round ``shown`` (a record's) the swarm will be in the middle of
         this peer's leader ``window`` (``rounds_ahead``)."""
         lead = max(DECLARATION_DELAY_S, (DECLARATION_DELAY_S + window) / 2)
-        return self._sightings.rounds_ahead(shown, now=time.monotonic(), lead_s=lead)
+        return rounds_ahead(self._sightings, shown, now=time.monotonic(), lead_s=lead)
 
     def behind(self, round_: int) -> bool:
         """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer
@@ -300,7 +327,13 @@ class Swarm:
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
         records = self.run_records.digest_records()
-        self._sightings.note((r.round for r in records if not r.archive), time.monotonic())
+        now = time.monotonic()
+        for record in records:
+            if not record.archive and record.round not in self._sightings:
+                self._sightings[record.round] = now
+        if len(self._sightings) > 2 * PACE_ROUNDS:  # keep the newest rounds
+            for old in sorted(self._sightings)[:-PACE_ROUNDS]:
+                del self._sightings[old]
         return [r for r in records if r.signer != exclude]
 
     def eligible(self) -> Callable[[str], bool]:
