@@ -53,30 +53,6 @@ DECLARATION_DELAY_S = 1.0
 MAX_ROUNDS_AHEAD = 64
 
 
-def rounds_ahead(sightings: dict[int, float], shown: int, *, now: float, lead_s: float) -> int:
-    """How far past the round ``shown`` the swarm will be ``lead_s`` seconds from ``now``: 1,
-    plus the rounds it lands meanwhile at the pace at which this peer first saw (``sightings``:
-    round -> monotonic s) the records of the rounds below ``shown`` appear; unknown pace: 1.
-
-    Rounds first seen together (one lookup returned them all) tell nothing about the pace
-    between them: the pace is measured from the newest round of the earliest lookup in the
-    last ``PACE_ROUNDS`` rounds, not its oldest (a newcomer that looks up records once per
-    attempt would otherwise count every round of its first lookup as landed since, and take
-    a swarm for several times faster than it is).
-
-    A newcomer aims at the middle of its leader window (``Swarm._rounds_ahead``): a swarm whose
-    rounds are shorter than the DHT's delay would otherwise always be past the round met, and
-    aiming at the window's opening leaves no room for a pace misjudged on a loaded machine."""
-    seen_at = sightings.get(shown, now)
-    earlier = [(t, r) for r, t in sightings.items() if shown - PACE_ROUNDS <= r < shown and t < seen_at]
-    if not earlier:
-        return 1
-    first_at = min(t for t, _ in earlier)
-    first = max(r for t, r in earlier if t == first_at)
-    pace = (seen_at - first_at) / (shown - first)
-    return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + lead_s) / pace))
-
-
 class _ExpectedRoundFailures(logging.Filter):
     """hivemind's averager logs a step that failed the way rounds may fail (no group formed, a
     member gone mid all-reduce) at ERROR with a full traceback, and also hands the error to the
@@ -285,9 +261,7 @@ class Swarm:
         if not candidates:
             return round_
         self._meetings += 1
-        meet = candidates[(self._meetings - 1) % len(candidates)]
-        logger.info("open-run newcomer at round %s: meeting the swarm at round %s (of %s)", round_, meet, candidates)
-        return meet
+        return candidates[(self._meetings - 1) % len(candidates)]
 
     def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[int]:
         """An open-run newcomer's rounds to meet at (later than ``round_``; none otherwise)."""
@@ -302,9 +276,22 @@ class Swarm:
 
     def _rounds_ahead(self, shown: int, window: float = 0.0) -> int:
         """How far past the round ``shown`` (a record's) the swarm will be in the middle of
-        this peer's leader ``window`` (``rounds_ahead``)."""
+        this peer's leader ``window``, from when its declaration is seen to when it closes: 1,
+        plus the rounds the swarm lands meanwhile at the pace this peer saw records of the
+        rounds below ``shown`` appear (unknown: 1). A swarm whose rounds are shorter than the
+        DHT's delay would otherwise always be past the round met; aiming at the window's
+        middle rather than its opening leaves room for a pace misjudged either way (a loaded
+        machine's swarm lands rounds unevenly): a swarm up to half a window faster or slower
+        than measured still arrives while this peer waits for it."""
         lead = max(DECLARATION_DELAY_S, (DECLARATION_DELAY_S + window) / 2)
-        return rounds_ahead(self._sightings, shown, now=time.monotonic(), lead_s=lead)
+        now = time.monotonic()
+        seen_at = self._sightings.get(shown, now)
+        earlier = [(r, t) for r, t in self._sightings.items() if shown - PACE_ROUNDS <= r < shown and t < seen_at]
+        if not earlier:
+            return 1
+        first, first_at = min(earlier)
+        pace = (seen_at - first_at) / (shown - first)
+        return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + lead) / pace))
 
     def behind(self, round_: int) -> bool:
         """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer
