@@ -43,7 +43,7 @@ test: $(STAMP) lint
 	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"
 	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
 		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \
-	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q -n 2 --dist loadgroup tests; code=$$?; \
+	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests; code=$$?; \
 	.ci/postgres.sh stop $(PG_DIR); exit $$code
 
 test-unit: $(STAMP)
