@@ -273,8 +273,8 @@ class AveragingSection(_Section):
     clip: Annotated[float, Field(ge=0, le=1e6)] = 2.0
     """Robust averaging (``protocol.robust``): each member's part of the pseudo-gradient is
     scaled down to at most this many times the median member's norm (0: off; else >= 1).
-    1 scaled down every honest member above the median, every part, and cost 0.3% of
-    validation loss in a clean swarm of 4 (``benchmarks/training_quality.py``); 2 touched none."""
+    1 scaled down the honest members above the median in half of all parts of a clean swarm
+    of 4; 2 touched none (``benchmarks/results/training-quality-headline.md``)."""
     weight_cap: Annotated[float, Field(ge=0, le=1e6)] = 2.0
     """Robust averaging: a member's self-reported samples weigh at most this many times the
     median member's (0: off; else >= 1)."""
