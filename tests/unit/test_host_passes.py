@@ -114,26 +114,33 @@ def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec
         assert torch.equal(_bits(feedback.state), _bits(expected_residual))
 
 
+def _launched(round_: int) -> tuple[torch.nn.Module, GlobalState, torch.Tensor, torch.Tensor, Staging]:
+    """A model at θ_g of round ``round_`` plus some local work, whose round was just launched
+    (no overlap residual): the model, the state, θ_local, the launch point and the staging."""
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, round_)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    launch_point, staging = torch.empty(numel), Staging(model)
+    write_pseudo_gradient(
+        model, state.params, torch.empty(numel), feedback=None, launch_point=launch_point, staging=staging
+    )
+    return model, state, flatten(model), launch_point, staging
+
+
 @pytest.mark.parametrize("with_missing", [False, True])
 def test_an_eager_start_is_the_outer_step_on_the_peers_own_delta_and_lands_from_there(with_missing: bool) -> None:
     """Overlap with ``overlap_start = "eager"``: the next inner phase starts at θ̂ = θ_g after
     an outer step on this peer's own Δ (θ_g and the momentum untouched); at landing the
     progress since θ̂ is re-based onto the new θ_g, and in left-out ranges θ_local is its own
     work from the launch point (the eager jump taken back)."""
-    model = _model()
-    numel = sum(p.numel() for p in model.parameters())
+    model, state, local, launch_point, staging = _launched(round_=2)
+    numel = local.numel()
     missing = _missing(numel) if with_missing else []
     config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
-    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-2)
-    local = flatten(model)
     theta, momentum = state.params.clone(), state.momentum.clone()
-    launch_point, staging = torch.empty(numel), Staging(model)
-    write_pseudo_gradient(
-        model, state.params, torch.empty(numel), feedback=None, launch_point=launch_point, staging=staging
-    )
     start_eagerly(model, state, launch_point, config, staging)
     expected = GlobalState(theta.clone(), momentum.clone(), 2)
     outer_step(expected, torch.sub(theta, local), config)
@@ -166,18 +173,8 @@ def test_an_eager_start_is_the_outer_step_on_the_peers_own_delta_and_lands_from_
 
 
 def test_a_round_that_does_not_land_takes_the_eager_start_back() -> None:
-    model = _model()
-    numel = sum(p.numel() for p in model.parameters())
+    model, state, local, launch_point, staging = _launched(round_=0)
     config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
-    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-2)
-    local = flatten(model)
-    launch_point, staging = torch.empty(numel), Staging(model)
-    write_pseudo_gradient(
-        model, state.params, torch.empty(numel), feedback=None, launch_point=launch_point, staging=staging
-    )
     start_eagerly(model, state, launch_point, config, staging)
     assert not torch.equal(flatten(model), local)
     undo_eager_start(model, state, launch_point, config, staging)
