@@ -8,7 +8,7 @@ no momentum, no codec, no robust rule: its θ_g is its own model after every H s
 
 Suites (``--suite``): ``headline`` (the shipped defaults, and overlap on, robust averaging off
 or at the old clip, the old defaults), ``outer`` (Nesterov 0.7/0.9, plain averaging, outer
-SGD), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
+SGD), ``outer-lr`` (Nesterov's lr at H = 5 and 20, fixed tokens), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
 one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
@@ -119,6 +119,18 @@ def suites() -> dict[str, list[Row]]:
             Row(swarm("plain averaging (lr 1, no momentum)", ROBUST_OFF, PLAIN_OUTER)),
             Row(swarm("outer SGD lr 0.7, no momentum", ROBUST_OFF, {"outer": {"momentum": 0.0, "nesterov": False}})),
             Row(swarm("Nesterov 0.8 / 0.8", ROBUST_OFF, {"outer": {"lr": 0.8, "momentum": 0.8}})),
+        ],
+        "outer-lr": [
+            Row(
+                swarm(
+                    f"H={h}, Nesterov lr {lr} / 0.9", ROBUST_OFF, {"rounds": {"inner_steps": h}, "outer": {"lr": lr}}
+                ),
+                H / h,
+                4,
+                h,
+            )
+            for h in (5, 20)
+            for lr in (0.3, 0.5, 0.7, 1.0)
         ],
         "hk": [
             *(

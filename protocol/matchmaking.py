@@ -9,12 +9,17 @@ group has no bound, and every peer declares an expiration near its deadline
 same leader. A long window would make every round wait for it; instead the leader closes as
 soon as every member of the roster of the group's state has joined (torchft's "fast
 quorum": the previous round's members are all back). Only a round whose roster lost a member
-(it left, died, or runs late) waits out the window. Safety does not rest on this: the roster
-rule (``protocol.roster.verdict``) decides which group's state lands.
+(it left, died, or runs late) waits out the window. A complete roster still waits, up to
+``JOIN_GRACE_S``, for peers declared at the round's key that have not joined yet: a newcomer
+(or a member back from a failure) is declared there before the roster's members arrive, and
+its join request follows their declarations by one DHT lookup; closing on the roster alone
+left it out of every round whose roster completed within that lookup. Safety does not rest on
+this: the roster rule (``protocol.roster.verdict``) decides which group's state lands.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +38,11 @@ logger = logging.getLogger(__name__)
 STALE_REQUEST_FRACTION = 0.5
 """A join request that waited longer than this fraction of ``request_timeout`` before the
 leader could answer it is turned away (``RoundMatchmaking._check_reasons_to_reject``)."""
+JOIN_GRACE_S = 2.0
+"""How long a leader whose roster is complete waits for peers declared at its round's key that
+have not joined (``RoundMatchmaking.target_group_size``): one DHT lookup and one join request
+of theirs. Anyone can declare at a key, so this is also the most a forged declaration delays a
+round."""
 
 
 def gathered_metadata(gather: bytes) -> object:
@@ -65,6 +75,8 @@ class RoundMatchmaking(Matchmaking):
             return bound
         metadata = self._metadata()  # parsed once per round (the bound is read at every join)
         if leader_may_close(metadata) and self._first_in_line():
+            if self._grace_left() > 0:
+                return bound
             if self.__dict__.get("_closed_step") is not self.step_control:  # hivemind reads the bound twice
                 self.__dict__["_closed_step"] = self.step_control
                 logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
@@ -86,6 +98,54 @@ class RoundMatchmaking(Matchmaking):
             return False
         mine = (search.declared_expiration_time, self.peer_id.to_bytes())
         return all((entry.expiration_time, peer.to_bytes()) > mine for peer, entry in search.leader_queue.items())
+
+    def _declared_outsiders(self) -> list[Any]:
+        """Peers declared at this round's key, looking for a group, that are not in this
+        leader's group. A gated run counts them too: a newcomer's token is often newer than the
+        gate's last lookup, and its join request is checked when it comes."""
+        followers = getattr(self, "current_followers", {})
+        return [peer for peer, _entry in self.potential_leaders.leader_queue.items() if peer not in followers]
+
+    def _grace_left(self) -> float:
+        """Seconds this leader, its roster complete, still waits for the declared peers that have
+        not joined (``JOIN_GRACE_S`` from when it first found its roster complete; 0: none
+        declared, or the grace is over). While it waits, a re-check is scheduled for its end."""
+        step = self.step_control
+        outsiders = self._declared_outsiders()
+        if not outsiders:
+            return 0.0
+        since = self.__dict__.get("_complete_since")
+        if since is None or since[0] is not step:
+            since = (step, time.monotonic())
+            self.__dict__["_complete_since"] = since
+            logger.info(
+                "the roster is complete; waiting up to %.1f s for %d peer(s) declared at the round's key to join",
+                JOIN_GRACE_S,
+                len(outsiders),
+            )
+            self._close_after(JOIN_GRACE_S, step)
+        return max(0.0, since[1] + JOIN_GRACE_S - time.monotonic())
+
+    def _close_after(self, delay_s: float, step: object) -> None:
+        """Once ``delay_s`` has passed, start the group's all-reduce if ``step`` still waits with
+        its roster in (no join comes to re-read the bound otherwise)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a unit test reading the bound): nothing to schedule
+            return
+
+        async def close() -> None:
+            async with self.lock_request_join_group:
+                if self.step_control is not step or self.assembled_group.done() or not self.is_looking_for_group:
+                    return
+                size = self.target_group_size
+                if size is not None and len(self.current_followers) + 1 >= size:
+                    await self.leader_assemble_group()
+
+        def start() -> None:
+            self.__dict__["_grace_task"] = loop.create_task(close())  # held: a bare task may be collected
+
+        loop.call_later(delay_s + 0.01, start)
 
     def _metadata(self) -> list[object]:
         """Every current member's gathered metadata (this peer's first), each parsed once per round."""

@@ -109,10 +109,16 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
         assert on_disk() == sorted(c["file"] for c in kept)
         latest = CheckpointArchive(state / "archive", spec_digest=load_spec(spec).digest(), keep=KEEP).load_latest()
         assert latest is not None and (latest.round, latest.state_digest) == (kept[0]["round"], kept[0]["state_digest"])
-        # an archived state is one the swarm agreed on: its digest is the finalized one (once that round is)
-        wait_until(lambda: any(r["round"] == latest.round for r in get(base, "api/v1/rounds")), 60, "finalization")
+        # an archived state is one the swarm agreed on: the state the peers averaged into at that
+        # round, and the finalized one if the coordinator finalized the round (it may not: when
+        # one member's all-reduce failed at its end, the other's claim has no witness, and the
+        # archiver confirmed the round by the peers' digest records instead)
+        averaged = {
+            row["state_digest"] for p in peers for row in p.rounds() if row["averaged"] and row["round"] == latest.round
+        }
+        assert averaged == {latest.state_digest}, averaged
         finalized = {r["round"]: r["state_digest"] for r in get(base, "api/v1/rounds")}
-        assert finalized[latest.round] == latest.state_digest
+        assert finalized.get(latest.round, latest.state_digest) == latest.state_digest
         assert get(base, "api/v1/status")["last_checkpoint_round"] == latest.round
         terminal = status(coordinator.address())
         assert terminal["last_checkpoint_round"] == latest.round

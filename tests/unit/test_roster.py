@@ -142,7 +142,9 @@ def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], follow
     made.__dict__.update(target_group_size=bound, min_group_size=smallest, step_control=None, current_followers={})
     matchmaking = round_matchmaking(made)
     matchmaking.step_control = SimpleNamespace(data_for_gather=wire(me))
-    matchmaking.current_followers = {f"p{i}": SimpleNamespace(gather=wire(f)) for i, f in enumerate(followers)}
+    matchmaking.current_followers = {
+        PeerID(f"p{i}".encode()): SimpleNamespace(gather=wire(f)) for i, f in enumerate(followers)
+    }
     # it declared to expire at DECLARED and has read the round's declarations (nobody earlier)
     matchmaking.peer_id = PeerID(b"me")
     matchmaking.potential_leaders = SimpleNamespace(
@@ -176,9 +178,10 @@ def test_a_peer_with_an_earlier_leader_in_line_does_not_close_its_own_group() ->
     earlier = DECLARED - 1
     complete.potential_leaders.leader_queue.store(PeerID(b"newcomer"), earlier, earlier)
     assert complete.target_group_size is None
-    # one declared later does not stop it
+    # one declared later and already in its group does not stop it
     later = _matchmaking(None, 2, member(3), [member(3)] * 2)
-    later.potential_leaders.leader_queue.store(PeerID(b"late"), DECLARED + 1, DECLARED + 1)
+    follower = next(iter(later.current_followers))
+    later.potential_leaders.leader_queue.store(follower, DECLARED + 1, DECLARED + 1)
     assert later.target_group_size == 3
     # nor may it close before it has read the round's declarations once
     unread = _matchmaking(None, 2, member(3), [member(3)] * 2)
@@ -186,6 +189,36 @@ def test_a_peer_with_an_earlier_leader_in_line_does_not_close_its_own_group() ->
         max_assured_time=float("-inf"), declared_expiration_time=DECLARED, leader_queue=TimedStorage()
     )
     assert unread.target_group_size is None
+
+
+def test_a_complete_roster_waits_a_grace_for_peers_declared_at_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newcomer declared at the round's key joins one DHT lookup after the roster's members:
+    the leader waits up to ``JOIN_GRACE_S`` for it, and no longer (a forged declaration)."""
+    from hivemind.p2p import PeerID
+
+    import protocol.matchmaking as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    leader = _matchmaking(None, 2, member(3), [member(3)] * 2)
+    newcomer = PeerID(b"newcomer")
+    leader.potential_leaders.leader_queue.store(newcomer, DECLARED + 1, DECLARED + 1)
+    assert leader.target_group_size is None
+    clock[0] += module.JOIN_GRACE_S / 2
+    assert leader.target_group_size is None  # the grace runs from the first time the roster was complete
+    clock[0] += module.JOIN_GRACE_S / 2
+    assert leader.target_group_size == 3  # it never came: the roster's group starts
+    # it joins within the grace: the group closes with it at once
+    joined = _matchmaking(None, 2, member(3), [member(3)] * 2)
+    joined.potential_leaders.leader_queue.store(newcomer, DECLARED + 1, DECLARED + 1)
+    assert joined.target_group_size is None
+    joined.current_followers[newcomer] = next(iter(joined.current_followers.values()))
+    assert joined.target_group_size == 4
+    # an incomplete roster waits for its window as before, declared peers or not
+    short = _matchmaking(None, 2, member(3), [member(3)])
+    short.potential_leaders.leader_queue.store(newcomer, DECLARED + 1, DECLARED + 1)
+    clock[0] += 10 * module.JOIN_GRACE_S
+    assert short.target_group_size is None
 
 
 def test_a_join_request_that_waited_past_half_its_senders_timeout_is_turned_away(
