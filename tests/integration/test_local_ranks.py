@@ -47,8 +47,8 @@ inner_steps = 5
 compression = "none"
 overlap = false
 min_group_size = 2
-matchmaking_timeout_s = 30.0
-allreduce_timeout_s = 60.0
+matchmaking_timeout_s = 15.0
+allreduce_timeout_s = 30.0
 """
 PARTNER_SEED, NODE_SEED = 5, 7
 
