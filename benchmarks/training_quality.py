@@ -8,7 +8,9 @@ no momentum, no codec, no robust rule: its θ_g is its own model after every H s
 
 Suites (``--suite``): ``headline`` (the shipped defaults, and overlap on, robust averaging off
 or at the old clip, the old defaults), ``outer`` (Nesterov 0.7/0.9, plain averaging, outer
-SGD), ``outer-lr`` (Nesterov's lr at H = 5 and 20, fixed tokens), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
+SGD), ``outer-lr`` (Nesterov's lr at H = 5 and 20, fixed tokens), ``lr`` (the inner lr, the
+references at the same lr), ``horizon`` (the defaults over 4x the rounds, the gaps read off the
+curves), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
 one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
@@ -87,6 +89,12 @@ CLIP_1: Overrides = {"averaging": {"clip": 1.0}}
 PLAIN_OUTER: Overrides = {"outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False}}
 
 
+HORIZON_SCALE = 4.0
+"""The ``horizon`` suite's row runs this many times ``--rounds``; its table reads the gap off
+the curves at fractions of that (the demo's learning rate is constant, so a curve's point at
+round r is what a run of r rounds ends at)."""
+
+
 @dataclass(frozen=True)
 class Row:
     """One line of a suite: a swarm setup, the rounds it runs, and its references."""
@@ -132,6 +140,12 @@ def suites() -> dict[str, list[Row]]:
             for h in (5, 20)
             for lr in (0.3, 0.5, 0.7, 1.0)
         ],
+        "lr": [
+            Row(swarm(f"inner lr {lr:g}", lr_layer), shared=lr_layer)
+            for lr in (1e-3, 2e-3, 4e-3)
+            for lr_layer in ({"inner": {"lr": lr}},)
+        ],
+        "horizon": [Row(swarm("swarm of 4, defaults"), HORIZON_SCALE)],
         "hk": [
             *(
                 Row(swarm(f"k=4, H={h}", ROBUST_OFF, {"rounds": {"inner_steps": h}}), H / h, 4, h)
@@ -270,6 +284,7 @@ def markdown(results: list[dict[str, Any]], command: str, seeds: list[int]) -> s
             )
         if repeats:
             lines.append("")
+        lines += _gap_over_rounds(suite["rows"])
     lines += [
         "In process a run is a pure function of its spec and data seed (model init and data order",
         "derive from them; `tests/unit/test_training_quality_bench.py`): the same seed twice gives",
@@ -278,6 +293,40 @@ def markdown(results: list[dict[str, Any]], command: str, seeds: list[int]) -> s
         "",
     ]
     return "\n".join(lines)
+
+
+def _gap_over_rounds(rows: list[dict[str, Any]]) -> list[str]:
+    """For rows of 60 rounds or more: the per-seed gaps read off the curves at an eighth, a
+    quarter, half and all of the run."""
+    lines: list[str] = []
+    for row in rows:
+        n = row["rounds"]
+        if n < 60:
+            continue
+        lines += [
+            f"{row['name']}, read off its curves (same seeds):",
+            "",
+            "| round | inner steps | swarm | sync DP | one peer | vs sync DP | vs one peer | one peer vs sync DP |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted({n // 8, n // 4, n // 2, n}):
+            swarm_, dp, alone = (
+                [run["val_loss"][r - 1] for run in runs]
+                for runs in (row["runs"], row["references"]["sync_dp"], row["references"]["one_peer"])
+            )
+            vs_dp, vs_alone, alone_dp = _gap(swarm_, dp), _gap(swarm_, alone), _gap(alone, dp)
+            lines.append(
+                f"| {r} | {r * row['h']} | {statistics.fmean(swarm_):.4f} | {statistics.fmean(dp):.4f} | "
+                f"{statistics.fmean(alone):.4f} | {vs_dp[0]:+.2f}% ± {vs_dp[1]:.2f} | "
+                f"{vs_alone[0]:+.2f}% ± {vs_alone[1]:.2f} | {alone_dp[0]:+.2f}% ± {alone_dp[1]:.2f} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _gap(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and sd over seeds of a's excess over b in percent (seed by seed)."""
+    return _mean_sd([100 * (x / y - 1) for x, y in zip(a, b, strict=True)])
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> Path | None:

@@ -109,3 +109,27 @@ def test_a_dropped_update_weighs_nothing_and_one_member_always_counts() -> None:
     again = LoopbackGroup(4, spec.averaging, seed=5, drop=0.5)
     assert [again._weights(r, [1.0, 2.0, 3.0, 4.0]) for r in range(200)] == rounds
     assert LoopbackGroup(4, spec.averaging, seed=5)._weights(0, [1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_a_long_row_reads_its_gaps_off_the_curves_seed_by_seed() -> None:
+    from benchmarks.training_quality import _gap_over_rounds
+
+    def runs(*curves: list[float]) -> list[dict[str, object]]:
+        return [{"val_loss": c} for c in curves]
+
+    rounds = 64
+    row = {
+        "name": "long",
+        "rounds": rounds,
+        "h": 20,
+        "runs": runs([2.2] * rounds, [1.1] * rounds),
+        "references": {
+            "sync_dp": runs([2.0] * rounds, [1.0] * rounds),
+            "one_peer": runs([2.2] * rounds, [1.1] * rounds),
+        },
+    }
+    lines = _gap_over_rounds([row, {**row, "rounds": 30}])  # a short row has no such table
+    body = [line for line in lines if line.startswith("| ") and not line.startswith("| round")]
+    assert [line.split(" | ")[0] for line in body] == ["| 8", "| 16", "| 32", "| 64"]
+    assert all("+10.00% ± 0.00 | +0.00% ± 0.00 | +10.00% ± 0.00" in line for line in body)
+    assert "| 64 | 1280 |" in body[-1]
