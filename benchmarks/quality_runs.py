@@ -79,7 +79,7 @@ def _toml_value(value: Any) -> str:
 
 def build_spec(base: str, setup: Setup, *, seed: int, rounds: int) -> RunSpec:
     """The run's spec: base + overrides, data seed ``seed``, ``rounds`` rounds, validation every
-    round, no time budget (a round is its H steps whatever the machine's speed)."""
+    round (unless the overrides say otherwise), no time budget (a round is its H steps whatever the machine's speed)."""
     return parse_spec(run_toml(base, setup, seed=seed, rounds=rounds), source=setup.name)
 
 
@@ -88,7 +88,7 @@ def run_toml(base: str, setup: Setup, *, seed: int, rounds: int) -> str:
     overrides = copy.deepcopy(setup.overrides)
     overrides.setdefault("data", {})["seed"] = seed
     overrides.setdefault("rounds", {}).update({"max_rounds": rounds, "time_budget_s": None})
-    overrides.setdefault("eval", {})["every_rounds"] = 1
+    overrides.setdefault("eval", {}).setdefault("every_rounds", 1)
     return to_toml(spec_text(base, overrides))
 
 

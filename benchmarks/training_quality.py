@@ -10,7 +10,8 @@ Suites (``--suite``): ``headline`` (the shipped defaults, and overlap on, robust
 or at the old clip, the old defaults), ``outer`` (Nesterov 0.7/0.9, plain averaging, outer
 SGD), ``outer-lr`` (Nesterov's lr at H = 5 and 20, fixed tokens), ``lr`` (the inner lr, the
 references at the same lr), ``horizon`` (the defaults over 4x the rounds, the gaps read off the
-curves), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
+curves), ``diagnose`` (plain averaging without codec at H = 20 and H = 1: how much of the gap
+to sync DP is each member's own AdamW step rather than how rarely the members meet), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
 one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
@@ -87,6 +88,12 @@ EAGER: Overrides = {"averaging": {"overlap": True, "overlap_start": "eager"}}
 ROBUST_OFF: Overrides = {"averaging": {"robust": False}}
 CLIP_1: Overrides = {"averaging": {"clip": 1.0}}
 PLAIN_OUTER: Overrides = {"outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False}}
+EVAL_20: Overrides = {"eval": {"every_rounds": 20}}
+"""Validation every 20 rounds (rows of 1-step rounds: the loss at the same inner steps as H = 20)."""
+BARE: Overrides = merge(REFERENCE, {"averaging": {"min_group_size": 2}})
+"""The swarm with nothing but the mean of its members' models after each phase (the
+references' settings): at H = 1, each step's update is the mean of k AdamW steps, each on its
+member's batch and moments, where sync DP takes one AdamW step on the mean gradient."""
 
 
 HORIZON_SCALE = 4.0
@@ -146,6 +153,16 @@ def suites() -> dict[str, list[Row]]:
             for lr_layer in ({"inner": {"lr": lr}},)
         ],
         "horizon": [Row(swarm("swarm of 4, defaults"), HORIZON_SCALE)],
+        "diagnose": [
+            Row(swarm("H=20, plain averaging, no codec", BARE)),
+            Row(
+                swarm("H=1, plain averaging, no codec", BARE, {"rounds": {"inner_steps": 1}}, EVAL_20),
+                H,
+                4,
+                1,
+                shared=EVAL_20,
+            ),
+        ],
         "hk": [
             *(
                 Row(swarm(f"k=4, H={h}", ROBUST_OFF, {"rounds": {"inner_steps": h}}), H / h, 4, h)
@@ -301,7 +318,7 @@ def _gap_over_rounds(rows: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for row in rows:
         n = row["rounds"]
-        if n < 60:
+        if n < 60 or any(len(run["val_loss"]) < n for run in row["runs"]):  # long, validated every round
             continue
         lines += [
             f"{row['name']}, read off its curves (same seeds):",
