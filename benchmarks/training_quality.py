@@ -11,7 +11,8 @@ or at the old clip, the old defaults), ``outer`` (Nesterov 0.7/0.9, plain averag
 SGD), ``outer-lr`` (Nesterov's lr at H = 5 and 20, fixed tokens), ``lr`` (the inner lr, the
 references at the same lr), ``horizon`` (the defaults over 4x the rounds, the gaps read off the
 curves), ``diagnose`` (plain averaging without codec at H = 20 and H = 1: how much of the gap
-to sync DP is each member's own AdamW step rather than how rarely the members meet), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
+to sync DP is each member's own AdamW step rather than how rarely the members meet),
+``batch`` (each member's batch 2 / 8 / 32, the references' with it), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
 one), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
@@ -74,13 +75,14 @@ def merge(*layers: Overrides) -> Overrides:
     return out
 
 
-def sync_dp(k: int, h: int = H, shared: Overrides | None = None) -> Setup:
-    batch = {"inner": {"batch_size": k * BATCH}, "rounds": {"inner_steps": h}}
-    return Setup(f"sync DP (batch {k * BATCH})", 1, merge(shared or {}, REFERENCE, batch))
+def sync_dp(k: int, h: int = H, shared: Overrides | None = None, per_member: int = BATCH) -> Setup:
+    batch = {"inner": {"batch_size": k * per_member}, "rounds": {"inner_steps": h}}
+    return Setup(f"sync DP (batch {k * per_member})", 1, merge(shared or {}, REFERENCE, batch))
 
 
-def one_peer(h: int = H, shared: Overrides | None = None) -> Setup:
-    return Setup(f"one peer (batch {BATCH})", 1, merge(shared or {}, REFERENCE, {"rounds": {"inner_steps": h}}))
+def one_peer(h: int = H, shared: Overrides | None = None, per_member: int = BATCH) -> Setup:
+    steps = {"inner": {"batch_size": per_member}, "rounds": {"inner_steps": h}}
+    return Setup(f"one peer (batch {per_member})", 1, merge(shared or {}, REFERENCE, steps))
 
 
 OVERLAP_ON: Overrides = {"averaging": {"overlap": True}}
@@ -113,6 +115,8 @@ class Row:
     h: int = H
     real: bool = False
     """With ``--swarm``, also run as real local swarms (the rows the in-process swarm is checked on)."""
+    batch: int = BATCH
+    """Each member's batch (the references' follow: sync DP k x it, one peer it)."""
     shared: Overrides = field(default_factory=dict)
     """Overrides of the row that its references share (the model, for the scale suite)."""
 
@@ -153,6 +157,9 @@ def suites() -> dict[str, list[Row]]:
             for lr_layer in ({"inner": {"lr": lr}},)
         ],
         "horizon": [Row(swarm("swarm of 4, defaults"), HORIZON_SCALE)],
+        "batch": [
+            Row(swarm(f"defaults, batch {b} per member", {"inner": {"batch_size": b}}), batch=b) for b in (2, 8, 32)
+        ],
         "diagnose": [
             Row(swarm("H=20, plain averaging, no codec", BARE)),
             Row(
@@ -222,8 +229,8 @@ def run_suite(
         n_rounds = max(1, round(rounds * row.rounds_scale))
         runs = [run_inprocess(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
         log(f"  {row.setup.name}: {[round(r.final, 4) for r in runs]}")
-        dp = reference(sync_dp(row.k, row.h, row.shared), n_rounds)
-        alone = reference(one_peer(row.h, row.shared), n_rounds)
+        dp = reference(sync_dp(row.k, row.h, row.shared, row.batch), n_rounds)
+        alone = reference(one_peer(row.h, row.shared, row.batch), n_rounds)
         entry = _summary(row, n_rounds, runs, dp, alone)
         if swarm and row.real:
             real = [run_swarm(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
