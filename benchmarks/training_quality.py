@@ -251,8 +251,7 @@ def _summary(
     dp_mean, dp_sd = _mean_sd([r.final for r in dp])
     alone_mean, alone_sd = _mean_sd([r.final for r in alone])
     # per seed: the same data seed and model init in the swarm and its references
-    vs_dp = [100 * (r.final / d.final - 1) for r, d in zip(runs, dp)]
-    vs_alone = [100 * (r.final / a.final - 1) for r, a in zip(runs, alone)]
+    finals = [r.final for r in runs]
     return {
         "name": row.setup.name,
         "k": row.k,
@@ -264,9 +263,9 @@ def _summary(
         "sync_dp_sd": dp_sd,
         "one_peer": alone_mean,
         "one_peer_sd": alone_sd,
-        "vs_sync_dp_pct": _mean_sd(vs_dp),
-        "vs_one_peer_pct": _mean_sd(vs_alone),
-        "better_than_one_peer": sum(v < 0 for v in vs_alone),
+        "vs_sync_dp_pct": _gap(finals, [d.final for d in dp]),
+        "vs_one_peer_pct": _gap(finals, [a.final for a in alone]),
+        "better_than_one_peer": sum(f < a.final for f, a in zip(finals, alone, strict=True)),
         "runs": [r.as_dict() for r in runs],
         "references": {"sync_dp": [r.as_dict() for r in dp], "one_peer": [r.as_dict() for r in alone]},
     }

@@ -82,39 +82,38 @@ def members() -> Iterator[list[Swarm]]:
             swarm.shutdown()
 
 
-def _round(members: list[Swarm], outsider: Swarm, round_: int) -> tuple[list[int | None], float]:
-    """The outsider declares first (window 9 s), the members 1 s later (window 6 s: one of
-    them leads). Each one's group size (None: failed), and when the members' group started."""
-    outside = outsider.start_round(
-        weight=1.0, gather=_gather("outsider", round_, known=False), timeout=10.0, window=9.0
-    )
-    time.sleep(1.0)
-    launched = time.monotonic()
-    pending = [
-        m.start_round(weight=1.0, gather=_gather(f"m{i}", round_, known=True), timeout=10.0, window=MEMBERS_WINDOW_S)
-        for i, m in enumerate(members)
-    ]
-    results = [p.result() for p in pending]
-    started = time.monotonic() - launched
-    results.append(outside.result())
-    return [None if r is None else r.group_size for r in results], started
+def _round(members: list[Swarm], late_s: float, round_: int) -> tuple[list[int | None], float]:
+    """An outsider whose join requests leave ``late_s`` late declares first (window 9 s), the
+    members 1 s later (window 6 s: one of them leads). Each one's group size (the outsider's
+    last; None: failed), and when the members' group started."""
+    outsider = _late_swarm(late_s, members[0].visible_maddrs)
+    try:
+        outside = outsider.start_round(
+            weight=1.0, gather=_gather("outsider", round_, known=False), timeout=10.0, window=9.0
+        )
+        time.sleep(1.0)
+        launched = time.monotonic()
+        pending = [
+            m.start_round(
+                weight=1.0, gather=_gather(f"m{i}", round_, known=True), timeout=10.0, window=MEMBERS_WINDOW_S
+            )
+            for i, m in enumerate(members)
+        ]
+        results = [p.result() for p in pending]
+        started = time.monotonic() - launched
+        results.append(outside.result())
+        return [None if r is None else r.group_size for r in results], started
+    finally:
+        outsider.shutdown()
 
 
 def test_a_complete_roster_waits_for_a_declared_peer_that_joins_within_the_grace(members: list[Swarm]) -> None:
-    outsider = _late_swarm(0.5, members[0].visible_maddrs)
-    try:
-        sizes, _ = _round(members, outsider, 5)
-    finally:
-        outsider.shutdown()
+    sizes, _ = _round(members, 0.5, 5)
     assert sizes == [3, 3, 3]
 
 
 def test_a_declared_peer_that_never_joins_holds_the_round_at_most_the_grace(members: list[Swarm]) -> None:
-    outsider = _late_swarm(6.0, members[0].visible_maddrs)
-    try:
-        sizes, started = _round(members, outsider, 7)
-    finally:
-        outsider.shutdown()
+    sizes, started = _round(members, 6.0, 7)
     assert sizes == [2, 2, None]
     # the leader closed at the grace's end (its own re-check), not at its window's
     assert started < (JOIN_GRACE_S + MEMBERS_WINDOW_S) / 2, started
