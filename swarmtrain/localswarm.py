@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,14 @@ class LocalPeer(Child):
         return rows
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
+        """Its exit code; raises ``TimeoutError`` naming it, with its last lines, if it runs
+        past ``timeout`` seconds (a test's own deadline should fire before pytest-timeout's,
+        so that what the peer was doing is in the report)."""
+        try:
+            code = self.proc.wait(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            tail = "\n".join(self.lines[-30:])
+            raise TimeoutError(f"{self.name} still running after {timeout:.0f} s:\n{tail}") from None
         self._reader.join(timeout=10)
         return code
 
@@ -171,6 +178,12 @@ class LocalPeer(Child):
             except subprocess.TimeoutExpired:
                 self.kill()
         self._reader.join(timeout=10)
+
+
+def wait_all(peers: Sequence[LocalPeer], deadline_s: float) -> list[int]:
+    """The exit codes of ``peers``, all within one deadline of ``deadline_s`` seconds from now."""
+    deadline = time.monotonic() + deadline_s
+    return [peer.wait(timeout=deadline - time.monotonic()) for peer in peers]
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

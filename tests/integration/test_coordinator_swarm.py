@@ -22,7 +22,7 @@ from protocol.identity import Identity
 from protocol.membership import Lookup, MemberGate
 from protocol.spec import load_spec
 from protocol.statesync import run_prefix
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
 
 SPEC = """
@@ -86,8 +86,8 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
             ]
             peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "3 peers online")
-        for peer in peers:
-            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-20:])
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines[-20:])
         store = Store(db_url)
         wait_for(lambda: len(store.credits_by_peer()) == 3 and not store.pending_claims(), 120, "credits granted")
         credits = store.credits_by_peer()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all, wait_until
 
 SPEC = """
 [run]
@@ -48,8 +48,8 @@ def test_coordinator_and_peers_with_default_hosts_average_every_round(tmp_path: 
         for i in range(2):
             args = ["--coordinator", address, "--key", str(tmp_path / f"k{i}"), "--max-rounds", str(ROUNDS)]
             peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
-        for peer in peers:
-            assert peer.wait(timeout=240) == 0, "\n".join(peer.lines[-20:])
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines[-20:])
         wait_until(lambda: all(len(p.rounds()) == ROUNDS for p in peers), 10, "every round's metrics")
     finally:
         for peer in peers:

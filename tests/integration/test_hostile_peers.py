@@ -27,7 +27,7 @@ from peer.state import load_flat
 from peer.task import build_task
 from protocol.checkpoint import Checkpointer
 from protocol.spec import load_spec
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_until
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_all, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 6
@@ -78,8 +78,8 @@ def swarm_run(workdir: Path, attack: str | None) -> dict[str, Any]:
             checkpoints=True,
         )
         ids = [peer.node_id() for peer in peers]
-        for peer in peers:
-            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-30:])
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines[-30:])
         store = Store(url)
         try:
             wait_until(lambda: not store.pending_claims(), 120, "every claim to be decided")

@@ -29,7 +29,7 @@ from peer.task.data import stdlib_files
 from protocol.data_assignment import DataAssignment, ids_digest
 from protocol.manifest import load_manifest
 from protocol.spec import load_spec
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_until
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all, wait_until
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-tiny.toml"
 ZEROS = "sha256:" + "0" * 64
@@ -89,8 +89,8 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
             # peer 2 computes the same steps its own way (a GPU's memory/speed choice): same run, same group
             own = ["--micro-batches", "2", "--activation-checkpointing", "on"] if i == 2 else []
             peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged, *own), tmp, f"peer{i}"))
-        for peer in peers:
-            assert peer.wait(timeout=600) == 0, "\n".join(peer.lines[-30:])
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines[-30:])
         assert any("computes with 2 micro-batches and activation checkpointing on" in line for line in peers[2].lines)
         rows = {peer.name: [r for r in peer.rounds() if r["averaged"]] for peer in peers}
         assert all(len(r) >= ROUNDS - 1 for r in rows.values()), {k: len(v) for k, v in rows.items()}

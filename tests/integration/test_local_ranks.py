@@ -22,7 +22,7 @@ import torch
 
 from protocol.checkpoint import Checkpointer
 from protocol.spec import load_spec
-from swarmtrain.localswarm import LocalPeer, wait_until
+from swarmtrain.localswarm import LocalPeer, wait_all, wait_until
 
 ROUNDS = 3
 SPEC = """
@@ -76,8 +76,8 @@ def _pair(tmp: Path, repo_root: Path, *, options: str, node_args: list[str]) -> 
         node = _peer(
             spec, tmp, "node", NODE_SEED, env, *rounds, "--initial-peers", partner.wait_for_maddr(), *node_args
         )
-        for peer in (partner, node):
-            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-30:])
+        for peer, code in zip((partner, node), wait_all((partner, node), 240)):
+            assert code == 0, "\n".join(peer.lines[-30:])
     finally:
         for peer in (partner, node):
             if peer is not None:
@@ -167,8 +167,8 @@ def test_losing_a_local_rank_ends_its_node_and_the_swarm_carries_on(
         assert node.wait(timeout=120) != 0
         output = "\n".join(node.lines)
         assert re.search(rf"local rank 1 {how}; the node left the swarm", output), output
-        for peer in peers[:2]:
-            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-30:])
+        for peer, code in zip(peers[:2], wait_all(peers[:2], 240)):
+            assert code == 0, "\n".join(peer.lines[-30:])
         histories = [peer.rounds() for peer in peers[:2]]
         assert all(len(h) == rounds for h in histories)
         # the node is gone: the two others' last rounds averaged together, to the same state

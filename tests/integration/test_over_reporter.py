@@ -18,7 +18,7 @@ from peer.trainer import Trainer, TrainerOptions
 from protocol.compression import get_codec
 from protocol.identity import Identity
 from protocol.spec import parse_spec
-from swarmtrain.localswarm import LocalCoordinator, start_peers, wait_until
+from swarmtrain.localswarm import LocalCoordinator, start_peers, wait_all, wait_until
 
 SPEC = """
 [run]
@@ -92,8 +92,8 @@ def test_over_reporter_is_granted_only_what_its_group_attests(tmp_path: Path, db
         trainer = Trainer(spec, task, swarm, TrainerOptions(identity=cheater, max_rounds=ROUNDS), on_round=link.report)
         thread = threading.Thread(target=trainer.run, daemon=True)
         thread.start()
-        for peer in peers:
-            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines[-20:])
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines[-20:])
         thread.join(timeout=120)
         assert not thread.is_alive()
         link.stop()

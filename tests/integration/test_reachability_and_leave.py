@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
 
 SPEC = """
@@ -48,8 +48,8 @@ def test_client_mode_peer_contributes(tmp_path: Path) -> None:
         maddr = peers[0].wait_for_maddr()
         peers.append(start(tmp_path, 1, spec, ["--max-rounds", "3", "--initial-peers", maddr]))
         peers.append(start(tmp_path, 2, spec, ["--max-rounds", "3", "--client-mode", "--initial-peers", maddr]))
-        for peer in peers:
-            assert peer.wait(timeout=240) == 0, "\n".join(peer.lines[-20:])
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines[-20:])
     finally:
         for peer in peers:
             peer.kill()

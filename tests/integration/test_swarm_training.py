@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from protocol.fragments import fragment_bounds
-from swarmtrain.localswarm import start_peers
+from swarmtrain.localswarm import start_peers, wait_all
 
 ROUNDS = 4
 SPEC = """
@@ -48,8 +48,8 @@ def run_swarm(
     spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower(), d_model=d_model))
     peers = start_peers(spec, 3, tmp_path, extra=["--max-rounds", str(ROUNDS)])
     try:
-        for peer in peers:
-            assert peer.wait(timeout=300) == 0, "\n".join(peer.lines)
+        for peer, code in zip(peers, wait_all(peers, 240)):
+            assert code == 0, "\n".join(peer.lines)
     finally:
         for peer in peers:
             peer.kill()
