@@ -183,6 +183,7 @@ class Swarm:
     ) -> None:
         self.spec = spec
         self.gate = gate
+        self.client_mode = client_mode
         self.electorate: set[str] = set()
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
         self._meetings = 0
@@ -236,6 +237,10 @@ class Swarm:
         ``SwarmPort.start_round``)."""
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         window = min(window, matchmaking_window(timeout)) if window else matchmaking_window(timeout)
+        if self.client_mode:
+            # it cannot lead: when it launched first, its group's leader may launch up to a
+            # timeout later and close a window after that (it waits for them all the same)
+            timeout += window
         control = self.averager.step(
             gather={**gather, "meet": self._meeting_round(gather.get("round"), window)},
             weight=max(weight, NEGLIGIBLE_WEIGHT),

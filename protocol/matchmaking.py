@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from math import isfinite
 from typing import Any
 
 from hivemind.averaging.matchmaking import Matchmaking
@@ -146,6 +147,18 @@ class RoundMatchmaking(Matchmaking):
             self.__dict__["_grace_task"] = loop.create_task(close())  # held: a bare task may be collected
 
         loop.call_later(delay_s + 0.01, start)
+
+    def get_request_expiration_time(self) -> float:
+        """The expiration a join request carries: how long its sender waits in the leader's group.
+        A leader turns away a request whose expiration comes before its own (hivemind's
+        ``BAD_EXPIRATION_TIME``: that sender should lead). A declared peer's is its declaration,
+        as in hivemind. A client-mode peer never declares and cannot lead; hivemind would send
+        its window, which ends before the leader's whenever it launched first, so every leader
+        turned it away and it averaged nothing that round (ARCHITECTURE §3). It sends its real
+        limit instead, the end of its round's search: a leader that closes by then accepts it."""
+        if self.client_mode and isfinite(self.potential_leaders.search_end_time):
+            return float(self.potential_leaders.search_end_time)
+        return float(super().get_request_expiration_time())
 
     def _metadata(self) -> list[object]:
         """Every current member's gathered metadata (this peer's first), each parsed once per round."""

@@ -1,0 +1,74 @@
+"""A client-mode peer (no inbound connections: it can never lead) that launches its round
+before every peer that can lead still averages in that round's group, with real hivemind
+swarms on loopback.
+
+hivemind's leader turns away a join request whose expiration comes before its own (that
+sender should lead instead); a client's request carried its own window, so a client that
+launched first was turned away by every leader and the round, short of its third member,
+failed for everyone (``test_reachability_and_leave.py``'s client, about 1 run in 3 on a loaded
+machine). Its request now carries the end of its search, which lasts its timeout plus a window
+(``Swarm.start_round``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from peer.swarm import Swarm
+from protocol.compression import get_codec
+from protocol.spec import parse_spec
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+SPEC = parse_spec(
+    """
+[run]
+name = "client-first"
+[task.model]
+d_model = 16
+n_layers = 1
+n_heads = 2
+context = 16
+[averaging]
+compression = "none"
+overlap = false
+min_group_size = 3
+matchmaking_timeout_s = 6.0
+allreduce_timeout_s = 20.0
+"""
+)
+DIGEST = "blake3:" + "cd" * 32
+NUMEL = 1000
+CLIENT_AHEAD_S = 2.0
+"""How long before the leaders the client launches: more than the 1 s by which its own
+deadline outlasts a leader's window, less than its timeout."""
+
+
+def _gather(name: str) -> dict[str, Any]:
+    return {"id": name, "round": 0, "samples": 10, "digest": DIGEST}
+
+
+@pytest.fixture
+def swarms() -> Iterator[list[Swarm]]:
+    made: list[Swarm] = []
+    try:
+        made.append(Swarm(SPEC, NUMEL, get_codec("none"), initial_peers=[], host_maddrs=LOOPBACK))
+        first = made[0].visible_maddrs
+        made.append(Swarm(SPEC, NUMEL, get_codec("none"), initial_peers=first, host_maddrs=LOOPBACK))
+        made.append(Swarm(SPEC, NUMEL, get_codec("none"), initial_peers=first, host_maddrs=LOOPBACK, client_mode=True))
+        yield made
+    finally:
+        for swarm in made:
+            swarm.shutdown()
+
+
+def test_a_client_that_launches_before_every_leader_is_in_the_group(swarms: list[Swarm]) -> None:
+    *leaders, client = swarms
+    in_client = client.start_round(weight=1.0, gather=_gather("client"))
+    time.sleep(CLIENT_AHEAD_S)
+    pending = [swarm.start_round(weight=1.0, gather=_gather(f"l{i}")) for i, swarm in enumerate(leaders)]
+    results = [p.result() for p in pending] + [in_client.result()]
+    assert [None if r is None else r.group_size for r in results] == [3, 3, 3]
+    assert all(r is not None and r.bytes_sent > 0 for r in results)
