@@ -23,7 +23,12 @@ other members landed (the driver's view) instead of looking the agreed state up 
 
 Formation time is from the last member's launch to the group's all-reduce start (what
 matchmaking adds once everyone is looking); the first round is reported apart: with no
-roster yet its leader waits out its window by design (docs/ARCHITECTURE.md §3).
+roster yet its leader waits out its window by design (docs/ARCHITECTURE.md §3). All members
+share this machine's cores, so formation time here grows with the whole swarm's work; the
+leader's own part of it is measured apart: the CPU its averager's event loop spends from its
+search's start to assembling the group (``RoundMatchmaking.led``: the join requests, the roster
+rule, serialising the group), and the metadata bytes it sends to start the round (every
+follower receives every member's gathered metadata).
 
 Writes ``benchmarks/results/round-formation.{md,json}``. Usage:
 ``python -m benchmarks.round_formation [--sizes 16,64,128] [--rounds 8] [--values 65536] [--timeout 60]``.
@@ -192,6 +197,7 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
     last_launch = max(m.launched for m in members)
     first_launch = min(m.launched for m in members)
     allreduce_start = statistics.median(s for _, _, s in landed) if landed else float("nan")
+    leaders = [x.led for _, x, _ in landed if x.led is not None]
     return {
         "round": r,
         "groups": len(groups),
@@ -200,6 +206,8 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
         "formation_s": round(allreduce_start - last_launch, 3),
         "first_launch_to_allreduce_s": round(allreduce_start - first_launch, 3),
         "cpu_s_per_member": round(cpu_per_member, 3),
+        "leader_loop_cpu_s": round(max(x["loop_cpu_s"] for x in leaders), 4) if leaders else None,
+        "leader_begin_bytes": int(max(x["begin_bytes"] for x in leaders)) if leaders else None,
         "allreduce_s": round(statistics.median(x.allreduce_s for _, x, _ in landed), 3) if landed else None,
         "bytes_per_member": int(statistics.mean(x.bytes_sent + x.bytes_received for _, x, _ in landed))
         if landed
@@ -231,6 +239,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "allreduce_s_median": statistics.median(x["allreduce_s"] for x in steady if x["allreduce_s"] is not None),
         "bytes_per_member": int(statistics.mean(x["bytes_per_member"] for x in steady)),
         "cpu_s_per_member_round": round(statistics.median(x["cpu_s_per_member"] for x in steady), 3),
+        "leader_loop_cpu_s": _median(x.get("leader_loop_cpu_s") for x in steady),
+        "leader_begin_bytes": _median(x.get("leader_begin_bytes") for x in steady),
         "first_round_formation_s": first["formation_s"],
         "startup_s": round(startup_s, 1),
         "pss_per_member_mb": round(memory / n / 2**20, 1),
@@ -238,6 +248,12 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     }
     print(json.dumps({k: v for k, v in row.items() if k != "per_round"}), flush=True)
     return row
+
+
+def _median(values: Any) -> float | None:
+    """The median of the values that are not None (None if none are)."""
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 4) if present else None
 
 
 def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -259,6 +275,9 @@ def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 else None,
                 "cpu_ratio": round(row["cpu_s_per_member_round"] / base["cpu_s_per_member_round"], 2)
                 if row.get("cpu_s_per_member_round") and base.get("cpu_s_per_member_round")
+                else None,
+                "leader_cpu_ratio": round(row["leader_loop_cpu_s"] / base["leader_loop_cpu_s"], 2)
+                if row.get("leader_loop_cpu_s") and base.get("leader_loop_cpu_s")
                 else None,
             }
         )
@@ -286,6 +305,8 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "allreduce_s_median",
         "bytes_per_member",
         "cpu_s_per_member_round",
+        "leader_loop_cpu_s",
+        "leader_begin_bytes",
         "first_round_formation_s",
         "pss_per_member_mb",
     ]
@@ -301,11 +322,12 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "",
         "Growth against the smallest size:",
         "",
-        "| members | N ratio | log N ratio | formation ratio | bytes ratio | CPU per member ratio |",
-        "|---|---|---|---|---|---|",
+        "| members | N ratio | log N ratio | formation ratio | bytes ratio | CPU per member ratio "
+        "| leader's loop CPU ratio |",
+        "|---|---|---|---|---|---|---|",
         *(
             f"| {g['members']} | {g['n_ratio']} | {g['log_n_ratio']} | {g['formation_ratio']} | {g['bytes_ratio']} "
-            f"| {g['cpu_ratio']} |"
+            f"| {g['cpu_ratio']} | {g['leader_cpu_ratio']} |"
             for g in grown
         ),
         "",

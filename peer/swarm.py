@@ -100,6 +100,9 @@ class RoundResult:
     missing: list[tuple[int, int]] = field(default_factory=list)
     """``[start, end)`` ranges of ``averaged`` that hold no average (their reducer failed): the
     round lands without them (``peer.host_passes.land_round``)."""
+    led: dict[str, float] | None = None
+    """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
+    event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""
 
     def unaveraged(self) -> float:
         """Fraction of the vector left out of this round (``missing``)."""
@@ -152,6 +155,7 @@ class PendingRound:
             round_s=waited,
             offenders=offenders_by_id(stats.get("offences", {}), gathered),
             missing=[(int(lo), int(hi)) for lo, hi in stats.get("missing", [])],
+            led=stats.get("led"),
         )
 
 

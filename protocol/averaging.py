@@ -252,6 +252,9 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             raise RoundFailedError(f"group includes peers not admitted to this run: {sorted(map(str, outsiders))}")
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         stats = self._stats.pop(group_info.group_id, {})
+        led = self._matchmaking.led()  # a RoundMatchmaking (AdmissionGateMixin._matchmaking)
+        if led is not None:
+            stats["led"] = led
         return {"gathered": {str(k): v for k, v in gathered.items()}, "stats": stats}
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:

@@ -148,6 +148,31 @@ class RoundMatchmaking(Matchmaking):
 
         loop.call_later(delay_s + 0.01, start)
 
+    async def look_for_group(self, step: Any) -> Any:
+        """hivemind's search, with the CPU this averager's event loop spends on it noted from
+        its start (``led``)."""
+        self.__dict__["_search_cpu"] = time.thread_time()
+        self.__dict__["_led"] = None
+        return await super().look_for_group(step)
+
+    async def leader_assemble_group(self) -> Any:
+        group = await super().leader_assemble_group()
+        started = self.__dict__.get("_search_cpu")
+        self.__dict__["_led"] = {
+            "members": len(group.peer_ids),
+            "loop_cpu_s": time.thread_time() - started if started is not None else float("nan"),
+            "begin_bytes": (len(group.peer_ids) - 1) * sum(len(data) for data in group.gathered),
+        }
+        return group
+
+    def led(self) -> dict[str, float] | None:
+        """If this peer led the group of its last search: its size, the CPU seconds this
+        averager's event loop spent from the search's start to assembling it (joins, the
+        roster rule, serialising the group), and the bytes of the members' gathered metadata
+        it sent to start the round (each follower gets everyone's: N - 1 times N gathers)."""
+        led: dict[str, float] | None = self.__dict__.get("_led")
+        return led
+
     def get_request_expiration_time(self) -> float:
         """The expiration a join request carries: how long its sender waits in the leader's group.
         A leader turns away a request whose expiration comes before its own (hivemind's
