@@ -37,6 +37,7 @@ import platform
 import statistics
 import sys
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,26 +212,64 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def run_suite(
-    name: str, rows: list[Row], *, seeds: list[int], rounds: int, base: str, swarm: bool, log: Callable[[str], None]
-) -> dict[str, Any]:
-    """Every row and its references over ``seeds``; the suite's summary."""
-    references: dict[tuple[str, int], list[RunResult]] = {}
+def _in_process(job: tuple[str, Setup, int, int]) -> RunResult:
+    base, setup, seed, rounds = job
+    torch.set_num_threads(1)
+    return run_inprocess(base, setup, seed=seed, rounds=rounds)
 
-    def reference(setup: Setup, n_rounds: int) -> list[RunResult]:
+
+def run_suite(
+    name: str,
+    rows: list[Row],
+    *,
+    seeds: list[int],
+    rounds: int,
+    base: str,
+    swarm: bool,
+    log: Callable[[str], None],
+    pool: Executor | None = None,
+) -> dict[str, Any]:
+    """Every row and its references over ``seeds``; the suite's summary. In-process runs go
+    to ``pool`` where given (each is a pure function of its spec and seed, so where it runs
+    changes nothing)."""
+    references: dict[tuple[str, int], list[Future[RunResult]]] = {}
+
+    def submit(setup: Setup, n_rounds: int) -> list[Future[RunResult]]:
+        jobs = [(base, setup, s, n_rounds) for s in seeds]
+        if pool is None:
+            done: list[Future[RunResult]] = []
+            for job in jobs:
+                future: Future[RunResult] = Future()
+                future.set_result(_in_process(job))
+                done.append(future)
+            return done
+        return [pool.submit(_in_process, job) for job in jobs]
+
+    def reference(setup: Setup, n_rounds: int) -> list[Future[RunResult]]:
         key = (setup.name + str(setup.overrides), n_rounds)
         if key not in references:
-            references[key] = [run_inprocess(base, setup, seed=s, rounds=n_rounds) for s in seeds]
-            log(f"  {setup.name}, {n_rounds} rounds: {[round(r.final, 4) for r in references[key]]}")
+            references[key] = submit(setup, n_rounds)
         return references[key]
 
-    out_rows = []
-    for row in rows:
+    planned = []
+    for row in rows:  # everything submitted first: the pool runs a suite's runs side by side
         n_rounds = max(1, round(rounds * row.rounds_scale))
-        runs = [run_inprocess(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
+        dp_setup, alone_setup = sync_dp(row.k, row.h, row.shared, row.batch), one_peer(row.h, row.shared, row.batch)
+        planned.append(
+            (
+                row,
+                n_rounds,
+                submit(row.setup, n_rounds),
+                reference(dp_setup, n_rounds),
+                reference(alone_setup, n_rounds),
+            )
+        )
+    out_rows = []
+    for row, n_rounds, run_futures, dp_futures, alone_futures in planned:
+        runs = [f.result() for f in run_futures]
         log(f"  {row.setup.name}: {[round(r.final, 4) for r in runs]}")
-        dp = reference(sync_dp(row.k, row.h, row.shared, row.batch), n_rounds)
-        alone = reference(one_peer(row.h, row.shared, row.batch), n_rounds)
+        dp = [f.result() for f in dp_futures]
+        alone = [f.result() for f in alone_futures]
         entry = _summary(row, n_rounds, runs, dp, alone)
         if swarm and row.real:
             real = [run_swarm(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
@@ -392,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", action="append", default=[], help="run only the rows of this name (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="training-quality")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="in-process runs side by side (one torch thread each; results unchanged)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     known = suites()
@@ -408,12 +450,28 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # several trainers share the cores, one thread each (as local peers run)
     base = BASE.read_text()
     command = "python -m benchmarks.training_quality " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     results = []
-    for name in wanted:
-        print(f"suite {name}:", flush=True)
-        results.append(
-            run_suite(name, known[name], seeds=seeds, rounds=args.rounds, base=base, swarm=args.swarm, log=print)
-        )
+    pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
+    try:
+        for name in wanted:
+            print(f"suite {name}:", flush=True)
+            results.append(
+                run_suite(
+                    name,
+                    known[name],
+                    seeds=seeds,
+                    rounds=args.rounds,
+                    base=base,
+                    swarm=args.swarm,
+                    log=print,
+                    pool=pool,
+                )
+            )
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(
         json.dumps({"command": command, "seeds": seeds, "suites": results}, indent=1)

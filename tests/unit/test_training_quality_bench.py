@@ -133,3 +133,21 @@ def test_a_long_row_reads_its_gaps_off_the_curves_seed_by_seed() -> None:
     assert [line.split(" | ")[0] for line in body] == ["| 8", "| 16", "| 32", "| 64"]
     assert all("+10.00% ± 0.00 | +0.00% ± 0.00 | +10.00% ± 0.00" in line for line in body)
     assert "| 64 | 1280 |" in body[-1]
+
+
+def test_runs_side_by_side_give_what_runs_one_after_another_give() -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from benchmarks.training_quality import Row, run_suite
+
+    rows = [Row(Setup("tiny", 2, {}), k=2, h=3)]
+    kwargs = {"seeds": [0, 1], "rounds": 2, "base": TINY, "swarm": False, "log": lambda _line: None}
+    serial = run_suite("tiny", rows, **kwargs)  # type: ignore[arg-type]
+    with ProcessPoolExecutor(2) as pool:
+        side_by_side = run_suite("tiny", rows, pool=pool, **kwargs)  # type: ignore[arg-type]
+    for summary in (serial, side_by_side):  # how long each took is the one thing that may differ
+        for row in summary["rows"]:
+            for run in [*row["runs"], *row["references"]["sync_dp"], *row["references"]["one_peer"]]:
+                run.pop("wall_s")
+    assert serial == side_by_side
+    assert serial["rows"][0]["runs"][0]["val_loss"] != serial["rows"][0]["runs"][1]["val_loss"]
