@@ -179,7 +179,7 @@ def run_swarm(base: str, setup: Setup, *, seed: int, rounds: int, timeout_s: flo
     loopback (hivemind DHT, matchmaking, the exact all-reduce), the first bootstrapping the
     rest. The loss per round is the first reported value of each round's θ_g (every in-sync
     member evaluates the same state)."""
-    from swarmtrain.localswarm import start_peers  # the launcher: only for real swarms
+    from swarmtrain.localswarm import start_peers, wait_all  # the launcher: only for real swarms
 
     spec = build_spec(base, setup, seed=seed, rounds=rounds)
     with tempfile.TemporaryDirectory(prefix="swarmtrain-quality-") as tmp:
@@ -189,9 +189,8 @@ def run_swarm(base: str, setup: Setup, *, seed: int, rounds: int, timeout_s: flo
         started = time.monotonic()
         peers = start_peers(path, setup.members, workdir, extra=["--device", "cpu"])
         try:
-            for peer in peers:
-                left = max(1.0, timeout_s - (time.monotonic() - started))
-                if peer.wait(timeout=left) != 0:
+            for peer, code in zip(peers, wait_all(peers, timeout_s)):
+                if code != 0:
                     raise RuntimeError(f"{setup.name}: {peer.name} failed:\n" + "\n".join(peer.lines[-30:]))
         finally:
             for peer in peers:

@@ -46,6 +46,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,7 +251,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def _median(values: Any) -> float | None:
+def _median(values: Iterable[float | None]) -> float | None:
     """The median of the values that are not None (None if none are)."""
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 4) if present else None

@@ -31,13 +31,14 @@ Writes ``benchmarks/results/training-quality.{md,json,png}``. Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import platform
 import statistics
 import sys
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,29 +231,34 @@ def run_suite(
     pool: Executor | None = None,
 ) -> dict[str, Any]:
     """Every row and its references over ``seeds``; the suite's summary. In-process runs go
-    to ``pool`` where given (each is a pure function of its spec and seed, so where it runs
-    changes nothing)."""
-    references: dict[tuple[str, int], list[Future[RunResult]]] = {}
+    to ``pool`` where given, all submitted at once (each is a pure function of its spec and
+    seed, so where it runs changes nothing), else run one after another as they are needed;
+    real swarms run only once every in-process run is done (nothing beside them: they depend
+    on timing)."""
+    references: dict[tuple[str, int], list[Callable[[], RunResult]]] = {}
 
-    def submit(setup: Setup, n_rounds: int) -> list[Future[RunResult]]:
+    def submit(setup: Setup, n_rounds: int) -> list[Callable[[], RunResult]]:
         jobs = [(base, setup, s, n_rounds) for s in seeds]
         if pool is None:
-            done: list[Future[RunResult]] = []
-            for job in jobs:
-                future: Future[RunResult] = Future()
-                future.set_result(_in_process(job))
-                done.append(future)
-            return done
-        return [pool.submit(_in_process, job) for job in jobs]
+            return [functools.cache(functools.partial(_in_process, job)) for job in jobs]
+        return [pool.submit(_in_process, job).result for job in jobs]
 
-    def reference(setup: Setup, n_rounds: int) -> list[Future[RunResult]]:
+    def reference(setup: Setup, n_rounds: int) -> list[Callable[[], RunResult]]:
         key = (setup.name + str(setup.overrides), n_rounds)
         if key not in references:
             references[key] = submit(setup, n_rounds)
         return references[key]
 
+    def collect(label: str, runs: list[Callable[[], RunResult]]) -> list[RunResult]:
+        done = [run() for run in runs]
+        if label not in logged:
+            logged.add(label)
+            log(f"  {label}: {[round(r.final, 4) for r in done]}")
+        return done
+
+    logged: set[str] = set()
     planned = []
-    for row in rows:  # everything submitted first: the pool runs a suite's runs side by side
+    for row in rows:
         n_rounds = max(1, round(rounds * row.rounds_scale))
         dp_setup, alone_setup = sync_dp(row.k, row.h, row.shared, row.batch), one_peer(row.h, row.shared, row.batch)
         planned.append(
@@ -260,26 +266,22 @@ def run_suite(
                 row,
                 n_rounds,
                 submit(row.setup, n_rounds),
-                reference(dp_setup, n_rounds),
-                reference(alone_setup, n_rounds),
+                (f"{dp_setup.name}, {n_rounds} rounds", reference(dp_setup, n_rounds)),
+                (f"{alone_setup.name}, {n_rounds} rounds", reference(alone_setup, n_rounds)),
             )
         )
     out_rows = []
-    for row, n_rounds, run_futures, dp_futures, alone_futures in planned:
-        runs = [f.result() for f in run_futures]
-        log(f"  {row.setup.name}: {[round(r.final, 4) for r in runs]}")
-        dp = [f.result() for f in dp_futures]
-        alone = [f.result() for f in alone_futures]
-        entry = _summary(row, n_rounds, runs, dp, alone)
+    for row, n_rounds, runs, dp, alone in planned:
+        out_rows.append(_summary(row, n_rounds, collect(row.setup.name, runs), collect(*dp), collect(*alone)))
+    for entry, (row, n_rounds, _runs, dp, alone) in zip(out_rows, planned, strict=True):
         if swarm and row.real:
             real = [run_swarm(base, row.setup, seed=s, rounds=n_rounds) for s in seeds]
             log(f"  {row.setup.name} (real swarm): {[round(r.final, 4) for r in real]}")
-            entry["swarm"] = _summary(row, n_rounds, real, dp, alone)
+            entry["swarm"] = _summary(row, n_rounds, real, collect(*dp), collect(*alone))
             # run-to-run noise of the real swarm: the first seed again (in process it is 0)
             again = run_swarm(base, row.setup, seed=seeds[0], rounds=n_rounds)
             entry["swarm"]["repeat"] = {"seed": seeds[0], "first": real[0].final, "again": again.final}
             log(f"  {row.setup.name} (real swarm, seed {seeds[0]} again): {again.final:.4f}")
-        out_rows.append(entry)
     return {"suite": name, "rows": out_rows}
 
 
