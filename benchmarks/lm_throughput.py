@@ -11,8 +11,11 @@ writes a Markdown and JSON result to ``benchmarks/results/``.
     python -m benchmarks.lm_throughput --spec examples/llama-tiny.toml --device cpu --steps 20
     python -m benchmarks.lm_throughput --spec examples/llama-1b.toml --micro-batches 2 --activation-checkpointing off
 
-``--micro-batches`` and ``--activation-checkpointing`` override the spec's (to find what a GPU
-of this size should run; the result records what was measured).
+``--micro-batches``, ``--activation-checkpointing`` and ``--compile`` override the spec's (to
+find what a GPU of this size should run; the result records what was measured). ``--profile``
+records every kernel of the run (warm-up steps too) with torch.profiler and adds the GPU time by
+kind of kernel (matrix products, attention, the rest) to the result; it slows the steps, so
+its throughput is not the one to quote.
 
 MFU = FLOPs per sample (``protocol.modelsize``, the figure credits use) x samples per second /
 the device's peak dense bf16 FLOP/s (``--peak-tflops``; H100 SXM: 989).
@@ -51,6 +54,7 @@ def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str,
         "batch_size": spec.inner.batch_size,
         "micro_batches": lm.micro_batches,
         "activation_checkpointing": lm.activation_checkpointing,
+        "compile": lm.compile,
         "steps": speed.steps,
         "seconds": round(speed.seconds, 3),
         "step_s": round(speed.seconds / speed.steps, 4),
@@ -64,6 +68,44 @@ def measure(spec: RunSpec, *, device: str, steps: int, warmup: int) -> dict[str,
     }
 
 
+_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "cublas", "matmul")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("compiled (triton)", ("triton_",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A GPU kernel's kind, from its name: attention, matmul, optimizer, compiled, elementwise/other."""
+    low = name.lower()
+    return next((kind for kind, marks in _KINDS if any(mark in low for mark in marks)), "elementwise/other")
+
+
+def profiled(run: Any) -> tuple[Any, dict[str, Any]]:
+    """``run()``'s result and the GPU time of the kernels it launched, by kind and the top 12."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = run()
+    by_kind: dict[str, float] = {}
+    top = []
+    for event in prof.key_averages():
+        us = float(getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0))
+        if us <= 0:
+            continue
+        kind = kernel_kind(event.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+        top.append((us / 1e3, event.count, event.key[:90]))
+    total = sum(by_kind.values()) or 1.0
+    top.sort(reverse=True)
+    return result, {
+        "gpu_ms_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "gpu_share_by_kind": {k: round(v / total, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"ms": round(ms, 1), "calls": n, "name": name} for ms, n, name in top[:12]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, required=True)
@@ -74,13 +116,26 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--micro-batches", type=int, default=None, help="override the spec's micro_batches")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), default=None, help="override the spec's")
+    parser.add_argument("--compile", choices=("on", "off"), default=None, help="override the spec's")
+    parser.add_argument("--profile", action="store_true", help="also record GPU time by kind of kernel")
     args = parser.parse_args()
     checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+    compile_blocks = None if args.compile is None else args.compile == "on"
     try:
-        spec = local_compute(load_spec(args.spec), micro_batches=args.micro_batches, checkpointing=checkpointing)
+        spec = local_compute(
+            load_spec(args.spec),
+            micro_batches=args.micro_batches,
+            checkpointing=checkpointing,
+            compile_blocks=compile_blocks,
+        )
     except ConfigError as exc:
         raise SystemExit(str(exc)) from exc
-    result = measure(spec, device=args.device, steps=args.steps, warmup=args.warmup)
+    run = lambda: measure(spec, device=args.device, steps=args.steps, warmup=args.warmup)  # noqa: E731
+    if args.profile:
+        result, kernels = profiled(run)
+        result.update(kernels)
+    else:
+        result = run()
     result["spec"] = str(args.spec)
     if args.device.startswith("cuda"):
         result["mfu"] = round(result["tflops_per_s"] / args.peak_tflops, 4)
@@ -89,6 +144,8 @@ def main() -> None:
         f"python -m benchmarks.lm_throughput --spec {args.spec} --device {args.device} --steps {args.steps}"
         + (f" --micro-batches {args.micro_batches}" if args.micro_batches is not None else "")
         + (f" --activation-checkpointing {args.activation_checkpointing}" if args.activation_checkpointing else "")
+        + (f" --compile {args.compile}" if args.compile else "")
+        + (" --profile" if args.profile else "")
     )
     write_one_row(
         name, title=f"Inner-step throughput: {args.spec.name} on {result['device']}", command=command, result=result

@@ -127,6 +127,13 @@ def add_parser(commands: Any) -> None:
         help="causal_lm runs: recompute activations in the backward on this peer (default: the run's). "
         "off: ~25%% faster, much more GPU memory (`swarmtrain doctor --spec` says what fits)",
     )
+    parser.add_argument(
+        "--compile",
+        choices=("on", "off"),
+        default=None,
+        help="causal_lm runs: torch.compile each decoder block on this peer (default: the run's); "
+        "the first steps compile, the rest run faster on a GPU",
+    )
     overlap = parser.add_mutually_exclusive_group()
     overlap.add_argument("--overlap", dest="overlap", action="store_true", default=None, help="force overlap on")
     overlap.add_argument("--no-overlap", dest="overlap", action="store_false", help="force overlap off")
@@ -161,10 +168,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rank-timeout must be between 5 and 86400 seconds, got {args.rank_timeout}")
 
 
-def ranks_to_launch(args: argparse.Namespace) -> int:
-    """How many local ranks the launcher must start for this command: ``--nproc-per-node``
-    (default: every visible GPU, 1 on CPU); 1 when this process already is a rank (started by
-    the launcher or by torchrun) or the node has one rank."""
+def ranks_to_launch(args: argparse.Namespace) -> int | None:
+    """How many local ranks the launcher must start for this command, or None when this
+    process runs the peer itself: it already is a rank (started by the launcher or by
+    torchrun), or the node has one GPU (or none) and ``--nproc-per-node`` is not given. An
+    explicit ``--nproc-per-node N`` always makes a node of N ranks, one included (torch.distributed
+    and, with ``--fsdp on``, FSDP2 over a single GPU)."""
     check_args(args)
     from peer.node_env import NodeEnv
 
@@ -174,14 +183,15 @@ def ranks_to_launch(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--nproc-per-node {args.nproc_per_node}, but torch.distributed says {node_env.world_size} local ranks"
             )
-        return 1
+        return None
     if args.nproc_per_node is not None:
         return int(args.nproc_per_node)
     if args.device not in (None, "cuda"):
-        return 1
+        return None
     import torch
 
-    return max(1, torch.cuda.device_count())
+    count = torch.cuda.device_count()
+    return count if count > 1 else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
                 "slot": slot,
                 "micro_batches": args.micro_batches,
                 "activation_checkpointing": args.activation_checkpointing,
+                "compile": args.compile,
                 **paths,
             }
         )
@@ -442,7 +453,10 @@ def _local_compute(spec: RunSpec, args: argparse.Namespace) -> RunSpec:
     from protocol.spec import local_compute
 
     checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
-    return local_compute(spec, micro_batches=args.micro_batches, checkpointing=checkpointing)
+    compile_blocks = None if args.compile is None else args.compile == "on"
+    return local_compute(
+        spec, micro_batches=args.micro_batches, checkpointing=checkpointing, compile_blocks=compile_blocks
+    )
 
 
 def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
@@ -458,6 +472,7 @@ def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
         spec = parse_spec(shared["spec"], source="the spec of this node's leader")
         args.micro_batches = shared.get("micro_batches")
         args.activation_checkpointing = shared.get("activation_checkpointing")
+        args.compile = shared.get("compile")
         spec = _local_compute(spec, args)  # the leader's choice (checked there)
         seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
         shard = bool(shared["shard"])
@@ -508,6 +523,7 @@ def _announce(
     print(f"model: {numel:,} parameters on {device}{ranks}; {mode}", flush=True)
     own = [f"{args.micro_batches} micro-batches"] if args.micro_batches is not None else []
     own += [f"activation checkpointing {args.activation_checkpointing}"] if args.activation_checkpointing else []
+    own += [f"compile {args.compile}"] if args.compile else []
     if own:
         print(f"this peer computes with {' and '.join(own)} (the run's step, its own memory and speed)", flush=True)
     for maddr in swarm.visible_maddrs:

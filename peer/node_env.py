@@ -26,7 +26,8 @@ class NodeEnv:
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv | None:
-        """The node this process belongs to, or None outside one (no ``WORLD_SIZE``, or 1)."""
+        """The node this process belongs to, or None outside one (no ``WORLD_SIZE``). A world of
+        one is a node of one rank (``--nproc-per-node 1``, ``torchrun --nproc-per-node 1``)."""
         env = dict(os.environ if environ is None else environ)
         if "WORLD_SIZE" not in env:
             return None
@@ -42,8 +43,6 @@ class NodeEnv:
             "LOCAL_WORLD_SIZE", str(world)
         ) != str(world):
             raise ConfigError("a swarmtrain node is one machine: run torchrun with --nnodes 1")
-        if world == 1:
-            return None
         if not 0 < port < 65536:
             raise ConfigError(f"bad torch.distributed environment: MASTER_PORT {port}")
         return cls(rank, world, env.get("MASTER_ADDR", "127.0.0.1"), port)

@@ -21,11 +21,15 @@ the projections' inputs, q/k/v, rotary and attention outputs in 16 bits (~17 byt
 MLP's gate, up, activation and product in 16 bits (8 bytes per token per intermediate unit):
 ``41·hidden + 8·intermediate`` bytes per token per layer (fp32 on CPU: ``58·hidden +
 16·intermediate``). With activation checkpointing each layer keeps its fp32 input (4·hidden)
-and one layer is recomputed whole. Plus the logits of the micro-batch (fp32 from the loss,
-their 16-bit original and the gradient: 10 bytes per token per vocabulary entry; 12 on CPU)
-and autocast's 16-bit copies of the weights (2 bytes per parameter). Checked against an
-H100's allocator peaks for ``examples/llama-1b.toml`` at four micro-batch/checkpointing
-settings (26 to 72 GiB): 1-8% over (``tests/unit/test_footprint.py``). Fixed costs: the CUDA
+and one layer is recomputed whole. Plus the loss: a causal LM's loss head
+(``peer.task.lm_head``) holds one chunk of at most ``loss_chunk_rows`` tokens' logits (16-bit,
+fp32 log-probabilities and the 16-bit gradient: 8 bytes per token per vocabulary entry; 12 on
+CPU), the head's fp32 weight gradient and its 16-bit copy (6 bytes per head parameter; 4 on
+CPU); the byte-level GPT keeps the micro-batch's logits (fp32 from the loss, their 16-bit
+original and the gradient: 10 bytes per token per vocabulary entry; 12 on CPU). And
+autocast's 16-bit copies of the weights (2 bytes per parameter). Checked against an H200's
+allocator peaks for ``examples/llama-1b.toml`` at four micro-batch/checkpointing settings
+(25 to 52 GiB, eager; compiled blocks need less) (``tests/unit/test_footprint.py``). Fixed costs: the CUDA
 context and libraries on the device, the interpreter, torch, hivemind and p2pd in host memory.
 These are estimates; the doctor says so.
 """
@@ -35,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from protocol.modelsize import VOCAB_SIZE, task_params
+from protocol.modelsize import VOCAB_SIZE, loss_chunk_rows, task_params
 
 if TYPE_CHECKING:
     from protocol.spec import RunSpec
@@ -102,7 +106,11 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
     ]
     if per_param > 2 * FP32:
         items.append(Item("AdamW moments", 2 * n * FP32 // share, "device"))
-    items += _activations(spec, accelerator, sharded_layer=(n // max(1, _layers(spec))) * FP32 if sharded else 0)
+    # one micro-batch: the gradients (set to None between steps) are made as the backward frees
+    # the activations, so the step needs the larger of the two, not their sum
+    overlapping = n * FP32 // share if _micro_batches(spec) == 1 else 0
+    sharded_layer = (n // max(1, _layers(spec))) * FP32 if sharded else 0
+    items += _activations(spec, accelerator, sharded_layer=sharded_layer, freed_for_gradients=overlapping)
     if accelerator:  # autocast's cache of 16-bit weights, kept for the step's backward
         items.append(Item("autocast weight copies", 2 * n // share, "device"))
     items.append(Item("CUDA context", DEVICE_BASE_BYTES if accelerator else 0, "device"))
@@ -122,6 +130,11 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
     return Footprint(params=n, items=[i for i in items if i.bytes > 0], accelerator=accelerator)
 
 
+def _micro_batches(spec: RunSpec) -> int:
+    lm = spec.task.causal_lm
+    return lm.micro_batches if lm is not None else 1
+
+
 def _layers(spec: RunSpec) -> int:
     task = spec.task
     if task.causal_lm is not None:
@@ -131,7 +144,10 @@ def _layers(spec: RunSpec) -> int:
     return task.model.n_layers
 
 
-def _activations(spec: RunSpec, accelerator: bool, *, sharded_layer: int) -> list[Item]:
+def _activations(spec: RunSpec, accelerator: bool, *, sharded_layer: int, freed_for_gradients: int) -> list[Item]:
+    """The activations and logits of one micro-batch; less ``freed_for_gradients`` bytes that the
+    backward gives back before the gradients need them, down to one layer's (the last one
+    backpropagated, or recomputed with checkpointing)."""
     task = spec.task
     if task.causal_lm is not None:
         lm = task.causal_lm
@@ -150,13 +166,17 @@ def _activations(spec: RunSpec, accelerator: bool, *, sharded_layer: int) -> lis
         intermediate = 4 * hidden
     layers = _layers(spec)
     tokens = sequences * seq
+    head = task.causal_lm is not None  # the chunked loss head (peer.task.lm_head)
+    rows = min(tokens, loss_chunk_rows(vocab)) if head else tokens
     if accelerator:
         per_layer = (41 * hidden + 8 * intermediate) * tokens
-        logits = 10 * tokens * vocab
+        logits = 8 * rows * vocab + 6 * vocab * hidden if head else 10 * tokens * vocab
     else:  # fp32 throughout, no autocast copies
         per_layer = (58 * hidden + 16 * intermediate) * tokens
-        logits = 12 * tokens * vocab
+        logits = 12 * rows * vocab + (4 * vocab * hidden if head else 0)
     body = (FP32 * tokens * hidden * layers + per_layer) if checkpointing else per_layer * layers
+    if freed_for_gradients:
+        body = max(body - freed_for_gradients, per_layer)
     items = [Item("activations", body, "device"), Item("logits", logits, "device")]
     if sharded_layer:
         items.append(Item("one layer gathered", sharded_layer, "device"))

@@ -26,6 +26,16 @@ VOCAB_SIZE = 256
 ConfigValues = Mapping[str, int | float | bool | str]
 
 
+LOSS_CHUNK_BYTES = 1 << 30
+"""A causal LM's loss head (``peer.task.lm_head``) holds at most this many bytes of fp32 logits
+at once: one chunk of tokens (~2,000 for a 128k vocabulary)."""
+
+
+def loss_chunk_rows(vocab: int, budget_bytes: int = LOSS_CHUNK_BYTES) -> int:
+    """Most tokens per chunk of a ``vocab``-wide loss head within ``budget_bytes`` of fp32 logits."""
+    return max(1, budget_bytes // (4 * vocab))
+
+
 def count_params(cfg: ModelSection) -> int:
     """Parameters of ``ByteGPT(cfg)``, computed without building it."""
     d = cfg.d_model

@@ -79,6 +79,10 @@ class CausalLMSection(_Section):
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass (transformers' gradient checkpointing):
     about a third more compute for much less activation memory."""
+    compile: bool = False
+    """Compile each decoder block with ``torch.compile`` (fused norms, rotary embeddings and
+    activations; the first steps pay the compilation): same math, a peer's own choice of speed
+    like micro_batches (`swarmtrain peer --compile`)."""
     attention: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention implementation."""
     weights_path: str | None = None
@@ -438,18 +442,25 @@ class RunSpec(_Section):
         return "sha256:" + hashlib.sha256(self.canonical_json()).hexdigest()
 
 
-def local_compute(spec: RunSpec, *, micro_batches: int | None = None, checkpointing: bool | None = None) -> RunSpec:
-    """``spec`` as one peer computes it: its causal-LM micro-batches and activation
-    checkpointing replaced (a peer's own choice for its GPU: the step's math is the same, only
+def local_compute(
+    spec: RunSpec,
+    *,
+    micro_batches: int | None = None,
+    checkpointing: bool | None = None,
+    compile_blocks: bool | None = None,
+) -> RunSpec:
+    """``spec`` as one peer computes it: its causal-LM micro-batches, activation
+    checkpointing and block compilation replaced (a peer's own choice for its GPU: the step's math is the same, only
     its memory and speed change). For building the peer's task and estimating its memory only:
     the run is still ``spec`` (its digest). Raises ``ConfigError`` for a choice the run cannot
     take (not a causal-LM run, micro-batches that do not divide inner.batch_size)."""
-    if micro_batches is None and checkpointing is None:
+    if micro_batches is None and checkpointing is None and compile_blocks is None:
         return spec
     lm = spec.task.causal_lm
     if lm is None:
         raise ConfigError(
-            f"micro-batches and activation checkpointing are the causal_lm task's; this run's task is {spec.task.kind!r}"
+            "micro-batches, activation checkpointing and compilation are the causal_lm task's; "
+            f"this run's task is {spec.task.kind!r}"
         )
     update: dict[str, Any] = {}
     if micro_batches is not None:
@@ -462,6 +473,8 @@ def local_compute(spec: RunSpec, *, micro_batches: int | None = None, checkpoint
         update["micro_batches"] = micro_batches
     if checkpointing is not None:
         update["activation_checkpointing"] = checkpointing
+    if compile_blocks is not None:
+        update["compile"] = compile_blocks
     task = spec.task.model_copy(update={"causal_lm": lm.model_copy(update=update)})
     return spec.model_copy(update={"task": task})
 

@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "peer":
             ranks = peer_cli.ranks_to_launch(args)
-            if ranks > 1:
+            if ranks is not None:
                 return node_launcher.launch(args.argv, ranks, rank_timeout_s=args.rank_timeout)
         return int(args.run(args))
     except SpecError as exc:

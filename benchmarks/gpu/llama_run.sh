@@ -31,7 +31,9 @@
 #   MICRO_BATCHES=               the swarm's micro_batches (default: the spec's, doubled when step a's
 #                                peak GPU memory says two peers would not fit on the GPU)
 #   BUDGET_S=540                 the whole script's deadline (the device allows 600 s a command)
-#   THROUGHPUT_VARIANTS="2:off 1:off"   step a again for each MICRO_BATCHES:CHECKPOINTING (on|off)
+#   THROUGHPUT_VARIANTS="2:off 1:off:on"   step a again for each MICRO_BATCHES:CHECKPOINTING[:COMPILE] (on|off)
+#   PROFILE_VARIANT=1:off:on     step a once more with --profile (GPU time by kind of kernel)
+#   PEER_ARGS="--overlap --compile on"   extra `swarmtrain peer` flags for both peers of step b
 #   DOCTOR=1                     also `swarmtrain doctor --spec $SPEC --skip-network` -> $OUT/doctor.txt
 #   SKIP_INSTALL=1 SKIP_THROUGHPUT=1 SKIP_SWARM=1   leave a step out; PYTHON=python3
 set -uo pipefail
@@ -58,11 +60,13 @@ START=$(date +%s)
 : "${SKIP_THROUGHPUT:=0}"
 : "${SKIP_SWARM:=0}"
 : "${THROUGHPUT_VARIANTS:=}"
+: "${PROFILE_VARIANT:=}"
+: "${PEER_ARGS:=}"
 : "${DOCTOR:=0}"
 PY=$PYTHON
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
-export OUT WORK SPEC SEQ_LEN ROUNDS INNER_STEPS EVAL_BATCHES MATCHMAKING_S ALLREDUCE_S COMPRESSION WARMUP_TOKENS
+export PEER_ARGS OUT WORK SPEC SEQ_LEN ROUNDS INNER_STEPS EVAL_BATCHES MATCHMAKING_S ALLREDUCE_S COMPRESSION WARMUP_TOKENS
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # nothing is downloaded at run time (the device has no network anyway)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
@@ -131,12 +135,18 @@ fi
 
 if [ "$SKIP_THROUGHPUT" != 1 ]; then
     # the spec as written first (its result, label $LABEL, also sizes the swarm below), then each
-    # MICRO:CHECKPOINTING variant of THROUGHPUT_VARIANTS (label $LABEL-mbMICRO-ckptCHECKPOINTING)
-    for variant in "" $THROUGHPUT_VARIANTS; do
+    # MICRO:CHECKPOINTING[:COMPILE] variant of THROUGHPUT_VARIANTS (label
+    # $LABEL-mbMICRO-ckptCHECKPOINTING[-compile]), then PROFILE_VARIANT with --profile
+    for variant in "" $THROUGHPUT_VARIANTS ${PROFILE_VARIANT:+profile:$PROFILE_VARIANT}; do
         ARGS=() TAG=$LABEL
         if [ -n "$variant" ]; then
-            ARGS=(--micro-batches "${variant%%:*}" --activation-checkpointing "${variant##*:}")
-            TAG="$LABEL-mb${variant%%:*}-ckpt${variant##*:}"
+            PROF=""
+            case "$variant" in profile:*) PROF=1 variant=${variant#profile:} ;; esac
+            IFS=: read -r MB CK CO <<<"$variant"
+            ARGS=(--micro-batches "$MB" --activation-checkpointing "$CK")
+            TAG="$LABEL-mb$MB-ckpt$CK"
+            if [ "${CO:-off}" = on ]; then ARGS+=(--compile on); TAG+="-compile"; fi
+            if [ -n "$PROF" ]; then ARGS+=(--profile); TAG+="-profile"; fi
         fi
         say "a. inner-step throughput: $SPEC ${ARGS[*]}, $THROUGHPUT_STEPS steps, label $TAG"
         touch "$WORK/.before-throughput"
@@ -329,7 +339,7 @@ def sample() -> None:
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
 threads = max(1, (os.cpu_count() or 2) // 2)
-common = ["--spec", str(spec_path), "--host", "127.0.0.1", "--wait-for-group", "300"]
+common = ["--spec", str(spec_path), "--host", "127.0.0.1", "--wait-for-group", "300", *env["PEER_ARGS"].split()]
 penv = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 started = time.monotonic()
 try:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.task.base import Batch, Task, derive_seed
+from peer.task.lm_head import LossHead, install_loss_head
 from peer.task.portable_init import portable_init_
 from peer.task.tokens import AssignedBatches, TokenShards, check_data, eval_batches
 from protocol.data_assignment import DataAssignment
@@ -69,9 +70,22 @@ def build_lm_model(lm: CausalLMSection, *, seed: int, weights_dir: str | Path | 
             f"transformers built a {lm.architecture} of {built:,} parameters; the run's formula says {expected:,} "
             "(protocol.modelsize): this transformers version builds another model"
         )
+    install_loss_head(model, compiled=lm.compile)
+    if lm.compile:
+        _compile_blocks(model)
     if lm.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _compile_blocks(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder block in place (lazily: at its first call), the blocks
+    being what every ``ModuleList`` of the model holds; the embedding and the loss head stay
+    eager. One graph serves every block of a shape (dynamo caches it by code, not instance)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                block.compile()
 
 
 @contextlib.contextmanager
@@ -129,11 +143,19 @@ def _load_weights(model: torch.nn.Module, lm: CausalLMSection, weights_dir: str 
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean next-token cross-entropy of a transformers causal LM, in float32."""
+    """Mean next-token cross-entropy of a transformers causal LM, in float32: by the model's
+    ``LossHead`` (chunked, no whole-batch logits) where it has one (every model
+    ``build_lm_model`` builds), else from its logits."""
     inputs, targets = batch
     device = next(model.parameters()).device
-    logits = model(input_ids=inputs.to(device, non_blocking=True)).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device, non_blocking=True).flatten())
+    inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    head = next((module for module in model.modules() if isinstance(module, LossHead)), None)
+    if head is None:
+        logits = model(input_ids=inputs).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    with head.scoring(targets):
+        loss: torch.Tensor = model(input_ids=inputs).logits
+    return loss
 
 
 def build_causal_lm(

@@ -50,6 +50,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--activation-checkpointing", choices=("on", "off"), default=None, help="check the peer flag of that name"
     )
+    parser.add_argument("--compile", choices=("on", "off"), default=None, help="check the peer flag of that name")
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     parser.set_defaults(run=run)
 
@@ -191,10 +192,13 @@ def _model_checks(
         for name in ("memory", "/dev/shm", "expected contribution"):
             add(skipped(name, "the run's imported task declares no parameter count (task.params)"))
         return
-    if args.micro_batches is not None or args.activation_checkpointing is not None:
+    if args.micro_batches is not None or args.activation_checkpointing is not None or args.compile is not None:
         checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
+        compile_blocks = None if args.compile is None else args.compile == "on"
         try:  # as the peer would compute with these flags (the run's spec and digest are unchanged)
-            spec = local_compute(spec, micro_batches=args.micro_batches, checkpointing=checkpointing)
+            spec = local_compute(
+                spec, micro_batches=args.micro_batches, checkpointing=checkpointing, compile_blocks=compile_blocks
+            )
         except ConfigError as exc:
             add(Verdict("memory", "fail", str(exc), "use flags the run can take (or none: the run's own)"))
             for name in ("/dev/shm", "expected contribution"):
@@ -202,6 +206,7 @@ def _model_checks(
             return
         own = [f"--micro-batches {args.micro_batches}"] if args.micro_batches is not None else []
         own += [f"--activation-checkpointing {args.activation_checkpointing}"] if args.activation_checkpointing else []
+        own += [f"--compile {args.compile}"] if args.compile else []
         source += f", with {' '.join(own)}"
     fit: machine.Fit | None = None
 

@@ -14,9 +14,10 @@ from protocol.errors import ConfigError
 from swarmtrain.node_launcher import describe_exit, rank_env
 
 
-def test_outside_a_node_or_in_a_one_rank_node_there_is_no_node() -> None:
+def test_outside_a_node_there_is_none_and_a_world_of_one_is_a_node() -> None:
     assert NodeEnv.from_environ({}) is None
-    assert NodeEnv.from_environ({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    one = NodeEnv.from_environ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": "29500"})
+    assert one is not None and (one.rank, one.world_size) == (0, 1)  # a node of one rank
 
 
 def test_the_launchers_variables_make_the_node_it_meant() -> None:
@@ -59,7 +60,8 @@ def test_how_many_ranks_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     assert ranks_to_launch(_args(nproc_per_node=3)) == 3
-    assert ranks_to_launch(_args(device="cpu")) == 1
+    assert ranks_to_launch(_args(nproc_per_node=1)) == 1  # asked for: a node of one rank
+    assert ranks_to_launch(_args(device="cpu")) is None  # the peer runs in this process
     with pytest.raises(ConfigError, match="--nproc-per-node must be in 1..64"):
         ranks_to_launch(_args(nproc_per_node=0))
     with pytest.raises(ConfigError, match="--rank-timeout must be between 5 and 86400"):
@@ -67,7 +69,7 @@ def test_how_many_ranks_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert ranks_to_launch(_args(nproc_per_node=2)) == 1  # already a rank: never launch again
+    assert ranks_to_launch(_args(nproc_per_node=2)) is None  # already a rank: never launch again
     with pytest.raises(ConfigError, match="torch.distributed says 2 local ranks"):
         ranks_to_launch(_args(nproc_per_node=4))
 
