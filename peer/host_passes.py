@@ -20,6 +20,12 @@ in-place pass), and they set the peak memory.
   Ranges the group could not average (a reducer failed: ``missing``) land like a failed
   round: θ_g, the momentum and the residual keep their values there and θ_local keeps its
   own, so this peer's work there folds into the next round.
+- ``land_global`` + ``rebase_model`` (a successful round, with overlap): the same landing cut in
+  two. ``land_global`` touches host state only (the residual, the outer step on θ_g and the
+  momentum) and turns the launch point, which it no longer needs, into the shift
+  θ_local_new − θ_local (the same for any θ_local: θ_g_new minus the start point), so it runs
+  on a thread of its own while the inner steps go on; ``rebase_model`` then adds the shift to
+  the model between two inner steps, the only part that touches the model.
 
 Parameters on an accelerator are staged through one pinned host buffer of a chunk.
 """
@@ -297,3 +303,58 @@ def land_round(
                 new[window] = local[window] - start[window] + launch_point[left]
         piece.copy_(new)
     state.round += 1
+
+
+@torch.no_grad()
+def land_global(
+    state: GlobalState,
+    averaged: torch.Tensor,
+    config: OuterSection,
+    *,
+    feedback: ErrorFeedback | None,
+    launch_point: torch.Tensor,
+    missing: Ranges = (),
+    eager: bool = False,
+) -> None:
+    """``land_round``'s host half, touching no model: the codec residual (when ``feedback``),
+    the outer step on θ_g and the momentum in place, and ``launch_point`` ← the shift that
+    re-bases the model (``rebase_model``): θ_g_new − start point where the group averaged,
+    start point being the launch point or θ̂ after an eager start; launch point − θ̂ (eager) or 0
+    in the ``missing`` ranges. The state's round does not advance (the caller advances it once
+    the model is re-based)."""
+    missing = check_ranges(missing, state.params.numel())
+    state.wait_for_digest()  # the tensors change in place from here on
+    if feedback is not None:
+        update_residual(_NO_MODEL, state.params, feedback, launch_point, Staging(_NO_MODEL), missing)
+    scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
+    theta, momentum = state.params, state.momentum
+    buffers = EagerBuffers() if eager else None
+    for part in chunks(theta.numel()):
+        present, absent = split_ranges(part.start, part.stop, missing)
+        start = None
+        if buffers is not None:  # θ̂ from θ_g and the momentum before the outer step moves them
+            start = eager_point(theta[part], momentum[part], launch_point[part], config, buffers)
+        for kept in present:
+            width = kept.stop - kept.start
+            outer_step_slice(theta[kept], momentum[kept], averaged[kept], config, scratch[:width])
+        for kept in present:
+            window = slice(kept.start - part.start, kept.stop - part.start)
+            base = launch_point[kept] if start is None else start[window]
+            torch.sub(theta[kept], base, out=launch_point[kept])
+        for left in absent:  # not averaged: θ_local keeps its own value (less the eager jump)
+            window = slice(left.start - part.start, left.stop - part.start)
+            if start is None:
+                launch_point[left].zero_()
+            else:
+                torch.sub(launch_point[left], start[window], out=launch_point[left])
+
+
+_NO_MODEL = torch.nn.Module()
+"""``update_residual`` reads the launch point, never the model, when it is given one."""
+
+
+@torch.no_grad()
+def rebase_model(model: torch.nn.Module, shift: torch.Tensor) -> None:
+    """θ_local ← θ_local + ``shift`` (flat, ``flatten`` order), one piece at a time."""
+    for offset, piece in model_pieces(model):
+        piece.add_(shift[offset : offset + piece.numel()].to(piece.device, non_blocking=False))

@@ -46,6 +46,10 @@ class RoundMetrics:
     digest_s: float = 0.0
     """Seconds hashing the new state took, on a background thread while the next inner steps
     ran (not in ``host_s``)."""
+    landing_s: float = 0.0
+    """With overlap: seconds the landing's host half (residual, outer step, the re-base shift)
+    took on the landing thread while the next inner steps ran (not in ``host_s``; 0 when the
+    round landed on the training thread)."""
     local_world_size: int = 1
     """Local ranks (GPUs) of this node that trained the round (``peer.node``)."""
     members: list[dict[str, Any]] = field(default_factory=list)

@@ -11,7 +11,9 @@ Per round r (see docs/ARCHITECTURE.md, "One round, step by step"):
    applied between two inner steps (one-round delay), otherwise the peer waits;
 4. outer step on the averaged Δ̄ (Nesterov SGD), identical bytes in every member, then
    θ_local ← θ_g + (progress made since the round was launched); the codec residual of what
-   was sent is computed here, when the round is known to have counted.
+   was sent is computed here, when the round is known to have counted. With overlap the host
+   half (residual, outer step, the re-base shift) runs on a landing thread while the inner
+   steps go on, and only the re-base (θ_local += shift) runs between two inner steps.
 
 Steps 2 and 4 are chunked in-place passes (``peer.host_passes``): beyond the training state
 a peer holds θ_g, the outer momentum, the averager's vector, the residual (lossy codecs) and,
@@ -35,6 +37,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +47,10 @@ import torch
 from peer.host_passes import (
     Staging,
     copy_model_into,
+    land_global,
     land_round,
     model_is_finite,
+    rebase_model,
     start_eagerly,
     undo_eager_start,
     write_pseudo_gradient,
@@ -139,6 +144,14 @@ class _InFlight:
     data: dict[str, Any] | None = None
     eager: bool = False
     """The next inner phase started at θ̂ (``peer.host_passes.start_eagerly``), not the launch point."""
+    result: RoundResult | None = None
+    """The round's outcome, once known."""
+    landing: Future[float] | None = None
+    """The landing's host half on the landing thread (its seconds), while the inner steps go on."""
+    counted: bool = False
+    wait_s: float = 0.0
+    host_s: float = 0.0
+    """Host time of the landing on the training thread so far."""
 
 
 @dataclass
@@ -262,6 +275,8 @@ class Trainer:
         """The last data round an inner phase read (``_InnerPhase.data_round``); checkpointed."""
         self.history: list[RoundMetrics] = []
         self._landed: _Landed | None = None
+        self._lander: ThreadPoolExecutor | None = None
+        """The landing thread (overlap), made at the first landing."""
         self.phase = Phase.RESYNCING
         self.identity = options.identity or Identity.generate()
         self.timeouts = AdaptiveTimeouts(spec.averaging.matchmaking_timeout_s, spec.averaging.allreduce_timeout_s)
@@ -323,11 +338,14 @@ class Trainer:
             if inner is None and more and (flight is None or self.overlap):
                 inner = self._start_inner(ahead=flight is not None)
             training = inner is not None and not inner.over(self.options.stop)
-            if inner is None or not training or (flight is not None and flight.pending.done()):
+            due = flight is not None and flight.pending.done() and (flight.landing is None or flight.landing.done())
+            if inner is None or not training or due:
                 self._host_work_next()
-            if flight is not None and (not training or flight.pending.done()):
-                self._finish(flight)
-                flight = None
+            if flight is not None and (not training or due):
+                if self._finish(flight, wait=not training):
+                    flight = None
+                elif inner is not None:  # the landing's host half runs meanwhile
+                    self._train_step(inner)
             elif inner is not None and training:
                 self._train_step(inner)
             elif inner is not None:
@@ -342,10 +360,14 @@ class Trainer:
                 inner = None
             else:
                 self._record_landed(wait=True)
+                if self._lander is not None:
+                    self._lander.shutdown(wait=True)
+                    self._lander = None
                 return self.history
 
     def _finished(self, in_flight: _InFlight | None) -> bool:
         local, run = self.options.max_rounds, self.spec.rounds.max_rounds
+        # a round whose landing's host half runs is not in ``state.round`` yet either
         flying = 1 if in_flight is not None else 0
         # a landed round whose digest is still being hashed is in ``state.round`` already, not yet in ``history``
         unrecorded = 1 if self._landed is not None else 0
@@ -513,17 +535,42 @@ class Trainer:
         self.optimizer = inner_optimizer(self.spec, self._forward)
         self._optimizer_generation += 1
 
-    def _finish(self, flight: _InFlight) -> None:
-        """Land the round in flight (waiting for it if need be): apply or undo it, record it."""
-        wait_started = time.monotonic()
-        if not flight.pending.done():
-            self.phase = Phase.AVERAGING
-            self.progress.waiting(self.state.round)
-        result = self._the_rounds_state(flight.pending.result(), flight)
-        landed = time.monotonic()
-        wait_s = landed - wait_started
-        self.phase = Phase.APPLYING
-        digest_known = self._apply(flight, result)
+    def _finish(self, flight: _InFlight, *, wait: bool) -> bool:
+        """Land the round in flight (waiting for its result if need be): apply or undo it, record
+        it; True once done. With overlap a successful round's host half runs on the landing
+        thread: then, unless ``wait``, False until it is done (the inner steps go on)."""
+        if flight.landing is None:
+            wait_started = time.monotonic()
+            if not flight.pending.done():
+                self.phase = Phase.AVERAGING
+                self.progress.waiting(self.state.round)
+            result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
+            landed = time.monotonic()
+            flight.wait_s = landed - wait_started
+            self.phase = Phase.APPLYING
+            landing = self._apply(flight, result)
+            flight.host_s = time.monotonic() - landed
+            if not isinstance(landing, Future):
+                self._landed_round(flight, digest_known=landing)
+                return True
+            flight.landing = landing
+            if not wait:
+                return False
+        blocked = time.monotonic()
+        if not flight.landing.done():
+            self.phase = Phase.APPLYING
+        flight.landing.result()  # its errors are the training thread's
+        started = time.monotonic()
+        flight.wait_s += started - blocked
+        digest_known = self._rebase(flight)
+        flight.host_s += time.monotonic() - started
+        self._landed_round(flight, digest_known=digest_known)
+        return True
+
+    def _landed_round(self, flight: _InFlight, *, digest_known: bool) -> None:
+        """Record a round that landed (or failed): its metrics, once the new state's digest is known."""
+        result = flight.result
+        landing_s = flight.landing.result() if flight.landing is not None else 0.0
         metrics = RoundMetrics(
             round=self.state.round,
             group_size=result.group_size if result else 1,
@@ -533,7 +580,7 @@ class Trainer:
             bytes_sent=result.bytes_sent if result else 0,
             bytes_received=result.bytes_received if result else 0,
             compute_s=round(flight.compute_s, 4),
-            wait_s=round(wait_s, 4),
+            wait_s=round(flight.wait_s, 4),
             wall_s=round(flight.compute_s + (time.monotonic() - flight.launched_at), 4),
             in_sync=self.in_sync,
             averaged=result is not None,
@@ -547,9 +594,10 @@ class Trainer:
             local_world_size=self.node.world_size if self.node is not None else 1,
             lr=flight.lr,
             data=flight.data,
+            landing_s=round(landing_s, 4),
         )
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
-        self._landed = _Landed(metrics, checkpoint, flight.prep_s + time.monotonic() - landed)
+        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s)
         if digest_known:
             self._record_landed(wait=True)
 
@@ -625,9 +673,11 @@ class Trainer:
             self.swarm.set_allreduce_timeout(self.timeouts.allreduce_s)
 
     @torch.no_grad()
-    def _apply(self, flight: _InFlight, result: RoundResult | None) -> bool:
+    def _apply(self, flight: _InFlight, result: RoundResult | None) -> bool | Future[float]:
         """Land the round; True unless the new state's digest is being computed in the
-        background (a successful round: ``_record_landed`` publishes it)."""
+        background (a successful round: ``_record_landed`` publishes it). With overlap, a
+        successful round's host half goes to the landing thread: its future (``_rebase`` ends
+        the landing)."""
         self._adapt_timeouts(result)
         self._uncounted = None
         if result is None:
@@ -656,6 +706,10 @@ class Trainer:
             self.swarm.saw_group(result.members)
             keep_progress = self.overlap and model_is_finite(self.model)
             outer = self._outer()
+            if keep_progress and self._launch_point is not None and not self._sharded:
+                flight.counted = counted
+                feedback = self.feedback if flight.compensated and counted else None
+                return self._landing_thread().submit(self._land_global, result.averaged, outer, feedback, flight.eager)
             with self._state_lock:
                 land_round(
                     self.model,
@@ -673,13 +727,49 @@ class Trainer:
                 self._carry_over = None  # not counted: ``_uncounted`` holds it (from the launch point)
             if self.overlap and not keep_progress:
                 self._drop_local_work(f"its model went non-finite while round {self.state.round - 1} averaged")
-            if self.in_sync:
-                self.state.start_digest()
-                return False
-            self._publish()
+            return self._landed_state()
         if not self.in_sync:
             self.catch_up()
         return True
+
+    def _landed_state(self) -> bool:
+        """After a successful round's landing: hash the new state in the background (False), or,
+        out of sync, publish it and re-sync (True)."""
+        if self.in_sync:
+            self.state.start_digest()
+            return False
+        self._publish()
+        self.catch_up()
+        return True
+
+    def _landing_thread(self) -> ThreadPoolExecutor:
+        if self._lander is None:
+            self._lander = ThreadPoolExecutor(max_workers=1, thread_name_prefix="landing")
+        return self._lander
+
+    def _land_global(
+        self, averaged: torch.Tensor, outer: OuterSection, feedback: ErrorFeedback | None, eager: bool
+    ) -> float:
+        """The landing's host half (``peer.host_passes.land_global``), on the landing thread: the
+        model is not touched, the launch point becomes the re-base shift. Its seconds."""
+        started = time.monotonic()
+        assert self._launch_point is not None
+        with self._state_lock:
+            land_global(self.state, averaged, outer, feedback=feedback, launch_point=self._launch_point, eager=eager)
+        return time.monotonic() - started
+
+    @torch.no_grad()
+    def _rebase(self, flight: _InFlight) -> bool:
+        """The landing's last part, between two inner steps: θ_local += the shift the landing
+        thread left in the launch point; the round advances. As ``_apply``'s return."""
+        assert self._launch_point is not None
+        rebase_model(self.model, self._launch_point)
+        with self._state_lock:
+            self.state.round += 1
+        if self._carry_over is not None and flight.counted:  # held out of this round: back in
+            load_flat(self.model, torch.add(flatten(self.model), self._carry_over))
+        self._carry_over = None  # not counted: ``_uncounted`` holds it (from the launch point)
+        return self._landed_state()
 
     def _outer(self) -> OuterSection:
         """The outer step's settings for the current round (the same lr in every member)."""

@@ -256,3 +256,56 @@ def test_parameters_outside_host_float32_go_through_the_staging_buffer() -> None
     )
     assert torch.equal(flatten(model), state.params.to(torch.bfloat16).float())
     assert bool(feedback.state.any())
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "eager", "with_missing"),
+    [
+        ("4bit", False, False),
+        ("none", False, False),
+        ("4bit", True, False),
+        ("4bit", False, True),
+        ("none", True, True),
+    ],
+)
+def test_landing_in_two_halves_gives_the_global_state_of_land_round_bit_for_bit(
+    codec_name: str, eager: bool, with_missing: bool
+) -> None:
+    """``land_global`` (host state only, the landing thread) then ``rebase_model`` (between two
+    inner steps): θ_g, the momentum and the residual are land_round's very bytes; the model
+    its value to float rounding (θ_local + (θ_g_new − start) instead of (θ_local − start) + θ_g_new)."""
+    from peer.host_passes import land_global, rebase_model
+
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    codec = get_codec(codec_name)
+    landed = []
+    for halves in (False, True):
+        model, state, _, launch_point, staging = _launched(round_=3)
+        numel = launch_point.numel()
+        missing = _missing(numel) if with_missing else []
+        feedback = ErrorFeedback(codec, numel) if codec.lossy else None
+        if feedback:
+            feedback.load_residual(torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-4)
+        if eager:
+            start_eagerly(model, state, launch_point, config, staging)
+        with torch.no_grad():  # the next round's inner steps while this one averages
+            gen = torch.Generator().manual_seed(2)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+        averaged = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 1e-3
+        common = {"feedback": feedback, "launch_point": launch_point, "missing": missing, "eager": eager}
+        if halves:
+            land_global(state, averaged, config, **common)
+            assert state.round == 3  # advanced by the caller once the model is re-based
+            rebase_model(model, launch_point)
+            state.round += 1
+        else:
+            land_round(model, state, averaged, config, keep_progress=True, staging=staging, **common)
+        landed.append((state, flatten(model), feedback.state.clone() if feedback else None))
+    (one, model_one, residual_one), (two, model_two, residual_two) = landed
+    assert one.round == two.round == 4
+    assert torch.equal(_bits(one.params), _bits(two.params))
+    assert torch.equal(_bits(one.momentum), _bits(two.momentum))
+    if residual_one is not None:
+        assert residual_two is not None and torch.equal(_bits(residual_one), _bits(residual_two))
+    torch.testing.assert_close(model_two, model_one, rtol=0, atol=1e-6)

@@ -126,7 +126,7 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     assert flight.samples == 0
     assert torch.equal(flatten(trainer.model), trainer.state.params)  # θ_g reloaded
     assert not trainer.optimizer.state  # the inner optimizer starts afresh
-    trainer._finish(flight)  # the round fails: nothing changes
+    trainer._finish(flight, wait=True)  # the round fails: nothing changes
     assert trainer.state.digest() == before.digest()
     assert trainer.history[-1].samples == 0
 
@@ -151,7 +151,7 @@ def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
-    trainer._finish(flight)
+    trainer._finish(flight, wait=True)
     trainer._record_landed(wait=True)  # once its digest is known (hashed in the background)
     assert trainer.history[-1].averaged and trainer.state.round == 1
     assert torch.equal(flatten(trainer.model), trainer.state.params)
@@ -179,6 +179,51 @@ def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
     assert trainer.history[-1].state_digest == expected.digest() and trainer.history[-1].digest_s > 0
     assert swarm.published[-1]["digest"] == expected.digest() and swarm.published[-1]["round_"] == 1
     assert torch.equal(flatten(trainer.model), trainer.state.params)
+
+
+def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The landing's host half (residual, outer step, the re-base shift) runs on the landing
+    thread: a slow one holds no inner step back, the round still lands the outer step
+    everyone takes, and the model is re-based onto it with its progress since the launch."""
+    import threading
+
+    import peer.trainer as trainer_module
+
+    real, busy = trainer_module.land_global, threading.Event()
+
+    def slow_land_global(*args: Any, **kwargs: Any) -> None:
+        busy.set()
+        time.sleep(0.5)
+        real(*args, **kwargs)
+        busy.clear()
+
+    monkeypatch.setattr(trainer_module, "land_global", slow_land_global)
+    spec = parse_spec(
+        SPEC.replace("inner_steps = 2", "inner_steps = 100000").replace("[rounds]", "[rounds]\ntime_budget_s = 1.5")
+    )
+    swarm = RecordingSwarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=2, overlap=True))  # type: ignore[arg-type]
+    averaged = torch.full_like(trainer.state.params, 1e-3)
+    swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
+    expected = trainer.state.clone()
+    outer_step(expected, averaged, spec.outer)
+    outer_step(expected, averaged, spec.outer)
+    during: list[int] = []
+    step = trainer._train_step
+
+    def counted_step(inner: _InnerPhase) -> None:
+        if busy.is_set():
+            during.append(inner.done)
+        step(inner)
+
+    trainer._train_step = counted_step  # type: ignore[method-assign]
+    trainer.run()
+    assert len(during) > 10, "the inner steps waited for the landing"
+    first = trainer.history[0]
+    assert first.averaged and first.landing_s >= 0.5 and first.wait_s < 0.25 and first.host_s < 0.5
+    assert trainer.state.round == 2 and trainer.state.digest() == expected.digest()
+    # the model: θ_g plus the progress of the inner steps since the last launch
+    assert not torch.equal(flatten(trainer.model), trainer.state.params)
 
 
 def test_outer_step_matches_torch_nesterov_sgd() -> None:
