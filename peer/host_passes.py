@@ -117,7 +117,16 @@ def write_pseudo_gradient(
     staging: Staging,
 ) -> bool:
     """``out`` ← θ_g − θ_local (+ residual); ``launch_point`` ← θ_local when given. Whether
-    ``out`` is finite."""
+    ``out`` is finite. A model on an accelerator with a launch point is copied into it first,
+    one transfer per parameter, and the rest are host passes over the launch point."""
+    if launch_point is not None and staging.buffer is not None:
+        snapshot_model(model, launch_point)
+        for part in chunks(theta.numel()):
+            sent = out[part]
+            torch.sub(theta[part], launch_point[part], out=sent)
+            if feedback is not None:
+                feedback.add_into(sent, part.start)
+        return all_finite(out)
     for offset, piece in model_pieces(model):
         local = staging.host(piece)
         part = slice(offset, offset + local.numel())
@@ -355,6 +364,26 @@ _NO_MODEL = torch.nn.Module()
 
 @torch.no_grad()
 def rebase_model(model: torch.nn.Module, shift: torch.Tensor) -> None:
-    """θ_local ← θ_local + ``shift`` (flat, ``flatten`` order), one piece at a time."""
-    for offset, piece in model_pieces(model):
-        piece.add_(shift[offset : offset + piece.numel()].to(piece.device, non_blocking=False))
+    """θ_local ← θ_local + ``shift`` (flat, ``flatten`` order): in host memory one chunk at a
+    time, on an accelerator one copy per parameter (a chunk per copy would pay a transfer's
+    fixed cost ~10,000 times per GB)."""
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.device.type == "cpu":
+            flat = p.detach().view(-1)
+            for part in chunks(n):
+                flat[part].add_(shift[offset + part.start : offset + part.stop])
+        else:
+            p.detach().add_(shift[offset : offset + n].view_as(p).to(p.device))
+        offset += n
+
+
+@torch.no_grad()
+def snapshot_model(model: torch.nn.Module, out: torch.Tensor) -> None:
+    """``out`` ← θ_local (flat), one copy per parameter (``copy_model_into`` stages chunks)."""
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        out[offset : offset + n].copy_(p.detach().view(-1))
+        offset += n

@@ -46,6 +46,12 @@ class RoundMetrics:
     digest_s: float = 0.0
     """Seconds hashing the new state took, on a background thread while the next inner steps
     ran (not in ``host_s``)."""
+    launch_s: float = 0.0
+    """Of ``host_s``: preparing the launch (the model read, the pseudo-gradient and the codec
+    residual written into the averager's vector)."""
+    record_s: float = 0.0
+    """Of ``host_s``: recording the landed round (validation loss, publishing the digest, the
+    checkpoint)."""
     landing_s: float = 0.0
     """With overlap: seconds the landing's host half (residual, outer step, the re-base shift)
     took on the landing thread while the next inner steps ran (not in ``host_s``; 0 when the

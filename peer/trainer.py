@@ -594,6 +594,7 @@ class Trainer:
             local_world_size=self.node.world_size if self.node is not None else 1,
             lr=flight.lr,
             data=flight.data,
+            launch_s=round(flight.prep_s, 4),
             landing_s=round(landing_s, 4),
         )
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
@@ -621,6 +622,7 @@ class Trainer:
             state_digest=digest,
             val_loss=val_loss,
             host_s=round(landed.host_s + time.monotonic() - started, 4),
+            record_s=round(time.monotonic() - started, 4),
             digest_s=round(self.state.digest_s, 4),
         )
         self.history.append(metrics)

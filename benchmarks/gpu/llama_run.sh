@@ -260,7 +260,7 @@ edits = {
     "rounds": {"inner_steps": inner, "max_rounds": rounds},
     "eval": {"every_rounds": 1, "batches": int(env["EVAL_BATCHES"])},
     "schedule": {"warmup_tokens": int(env["WARMUP_TOKENS"] or one_round)},
-    "averaging": {"compression": env["COMPRESSION"], "min_group_size": 2, "target_group_size": 2,
+    "averaging": {"compression": env["COMPRESSION"], "min_group_size": 2,
                   "matchmaking_timeout_s": float(env["MATCHMAKING_S"]),
                   "allreduce_timeout_s": float(env["ALLREDUCE_S"])},
 }
