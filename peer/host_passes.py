@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice
+from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
 from protocol.compression import ErrorFeedback, all_finite
 from protocol.spec import OuterSection
 
@@ -367,23 +367,17 @@ def rebase_model(model: torch.nn.Module, shift: torch.Tensor) -> None:
     """θ_local ← θ_local + ``shift`` (flat, ``flatten`` order): in host memory one chunk at a
     time, on an accelerator one copy per parameter (a chunk per copy would pay a transfer's
     fixed cost ~10,000 times per GB)."""
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        if p.device.type == "cpu":
-            flat = p.detach().view(-1)
+    for offset, values in parameter_views(model):
+        n = values.numel()
+        if values.device.type == "cpu":
             for part in chunks(n):
-                flat[part].add_(shift[offset + part.start : offset + part.stop])
+                values[part].add_(shift[offset + part.start : offset + part.stop])
         else:
-            p.detach().add_(shift[offset : offset + n].view_as(p).to(p.device))
-        offset += n
+            values.add_(shift[offset : offset + n].to(values.device))
 
 
 @torch.no_grad()
 def snapshot_model(model: torch.nn.Module, out: torch.Tensor) -> None:
     """``out`` ← θ_local (flat), one copy per parameter (``copy_model_into`` stages chunks)."""
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        out[offset : offset + n].copy_(p.detach().view(-1))
-        offset += n
+    for offset, values in parameter_views(model):
+        out[offset : offset + values.numel()].copy_(values)

@@ -162,20 +162,32 @@ def model_pieces(model: torch.nn.Module, size: int = CHUNK_VALUES) -> Iterator[t
         offset += flat.numel()
 
 
+def parameter_views(model: torch.nn.Module) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(offset, values)``: each parameter whole, as a flat view, in ``flatten`` order."""
+    offset = 0
+    for p in model.parameters():
+        if not p.is_contiguous():
+            raise ValueError("model parameters must be contiguous")
+        yield offset, p.detach().view(-1)
+        offset += p.numel()
+
+
 def flatten(model: torch.nn.Module) -> torch.Tensor:
-    """All parameters as one new float32 CPU vector (parameter order of ``model.parameters()``)."""
+    """All parameters as one new float32 CPU vector (parameter order of ``model.parameters()``);
+    one copy per parameter (from a GPU, one transfer each)."""
     numel = sum(p.numel() for p in model.parameters())
     out = torch.empty(numel, dtype=torch.float32)
-    for offset, piece in model_pieces(model):
-        out[offset : offset + piece.numel()].copy_(piece)
+    for offset, values in parameter_views(model):
+        out[offset : offset + values.numel()].copy_(values)
     return out
 
 
 @torch.no_grad()
 def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat vector (as made by ``flatten``) into the model's parameters."""
+    """Copy a flat vector (as made by ``flatten``) into the model's parameters, one copy per
+    parameter."""
     end = 0
-    for offset, piece in model_pieces(model):
-        end = offset + piece.numel()
-        piece.copy_(flat[offset:end])
+    for offset, values in parameter_views(model):
+        end = offset + values.numel()
+        values.copy_(flat[offset:end])
     assert end == flat.numel(), "flat vector does not match the model"
