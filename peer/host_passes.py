@@ -8,7 +8,9 @@ of a new tensor is faulted in and zeroed: ~0.4 s per GB here, against ~0.05 s pe
 in-place pass), and they set the peak memory.
 
 - ``write_pseudo_gradient`` (launch): the averager's vector ← θ_g − θ_local (+ the codec
-  residual), and, with overlap, the launch point ← θ_local;
+  residual), and, with overlap, the launch point ← θ_local; with overlap the trainer cuts it in
+  two: ``snapshot_model`` (the launch point, on the training thread) and ``write_delta_from``
+  (the vector from the launch point, on the landing thread);
 - ``start_eagerly`` (launch, overlap with ``overlap_start = "eager"``): θ_local ← θ̂, the
   outer step θ_g would take if the group's average were this peer's own Δ (``eager_point``);
   ``undo_eager_start`` takes it back for a round that did not land;
@@ -121,12 +123,7 @@ def write_pseudo_gradient(
     one transfer per parameter, and the rest are host passes over the launch point."""
     if launch_point is not None and staging.buffer is not None:
         snapshot_model(model, launch_point)
-        for part in chunks(theta.numel()):
-            sent = out[part]
-            torch.sub(theta[part], launch_point[part], out=sent)
-            if feedback is not None:
-                feedback.add_into(sent, part.start)
-        return all_finite(out)
+        return write_delta_from(launch_point, theta, out, feedback=feedback)
     for offset, piece in model_pieces(model):
         local = staging.host(piece)
         part = slice(offset, offset + local.numel())
@@ -136,6 +133,21 @@ def write_pseudo_gradient(
             feedback.add_into(sent, offset)
         if launch_point is not None:
             launch_point[part].copy_(local)
+    return all_finite(out)
+
+
+@torch.no_grad()
+def write_delta_from(
+    launch_point: torch.Tensor, theta: torch.Tensor, out: torch.Tensor, *, feedback: ErrorFeedback | None
+) -> bool:
+    """``out`` ← θ_g − launch point (+ residual), chunk by chunk, touching no model (with
+    overlap the landing thread runs it while the next inner steps go on). Whether ``out`` is
+    finite."""
+    for part in chunks(theta.numel()):
+        sent = out[part]
+        torch.sub(theta[part], launch_point[part], out=sent)
+        if feedback is not None:
+            feedback.add_into(sent, part.start)
     return all_finite(out)
 
 

@@ -51,8 +51,10 @@ from peer.host_passes import (
     land_round,
     model_is_finite,
     rebase_model,
+    snapshot_model,
     start_eagerly,
     undo_eager_start,
+    write_delta_from,
     write_pseudo_gradient,
 )
 from peer.inner_step import Precision, inner_optimizer, inner_step
@@ -125,6 +127,19 @@ class _InnerPhase:
         return self.loss_sum / max(self.done, 1)
 
 
+class _NotStarted:
+    """The pending average of a round whose averaging has not started yet."""
+
+    def done(self) -> bool:
+        return False
+
+    def result(self) -> RoundResult | None:
+        raise RuntimeError("the round has not started")
+
+
+_NOT_STARTED: Any = _NotStarted()
+
+
 @dataclass
 class _InFlight:
     """A launched round: what applying its result (or undoing it) needs."""
@@ -146,6 +161,10 @@ class _InFlight:
     """The next inner phase started at θ̂ (``peer.host_passes.start_eagerly``), not the launch point."""
     result: RoundResult | None = None
     """The round's outcome, once known."""
+    start: dict[str, Any] = field(default_factory=dict)
+    """``SwarmPort.start_round``'s arguments."""
+    writing: Future[bool] | None = None
+    """The pseudo-gradient being written on the landing thread; the round starts after it."""
     landing: Future[float] | None = None
     """The landing's host half on the landing thread (its seconds), while the inner steps go on."""
     counted: bool = False
@@ -338,6 +357,8 @@ class Trainer:
             if inner is None and more and (flight is None or self.overlap):
                 inner = self._start_inner(ahead=flight is not None)
             training = inner is not None and not inner.over(self.options.stop)
+            if flight is not None and flight.writing is not None and (flight.writing.done() or not training):
+                self._start_round(flight)
             due = flight is not None and flight.pending.done() and (flight.landing is None or flight.landing.done())
             if inner is None or not training or due:
                 self._host_work_next()
@@ -443,28 +464,39 @@ class Trainer:
         return node.mean(loss) if node is not None else loss
 
     def _launch(self, inner: _InnerPhase) -> _InFlight:
+        """Launch the round of the inner phase just ended. With overlap (unsharded, a finite model,
+        no eager start) only the launch point is read here; the pseudo-gradient is written on the
+        landing thread while the next inner steps run, and the round starts once it is
+        (``_start_round``)."""
         prep_started = time.monotonic()
         samples, loss, compute_s = inner.samples, inner.loss, prep_started - inner.started
         self.optimizer.zero_grad(set_to_none=True)  # the gradients are dead until the next step
         weight = float(samples)
-        with self.swarm.outbox() as out:
-            finite = samples > 0 and write_pseudo_gradient(
-                self.model,
-                self.state.params,
-                out,
-                feedback=self.feedback,
-                launch_point=self._launch_point,
-                staging=self._staging,
-            )
-            if samples and not finite:
-                self._drop_local_work(f"its model went non-finite in round {self.state.round}")
-                samples, loss = 0, float("nan")
-            if samples == 0:
-                # nothing to contribute: take part with zeros (to receive the average) and claim nothing
-                out.zero_()
-                weight = NEGLIGIBLE_WEIGHT
-                if self._launch_point is not None:
-                    copy_model_into(self.model, self._launch_point, self._staging)
+        writing: Future[bool] | None = None
+        off_thread = self._launch_point is not None and not self._sharded and not self.eager
+        if samples > 0 and off_thread and model_is_finite(self.model):
+            assert self._launch_point is not None
+            snapshot_model(self.model, self._launch_point)
+            writing = self._landing_thread().submit(self._write_delta)
+        else:
+            with self.swarm.outbox() as out:
+                finite = samples > 0 and write_pseudo_gradient(
+                    self.model,
+                    self.state.params,
+                    out,
+                    feedback=self.feedback,
+                    launch_point=self._launch_point,
+                    staging=self._staging,
+                )
+                if samples and not finite:
+                    self._drop_local_work(f"its model went non-finite in round {self.state.round}")
+                    samples, loss = 0, float("nan")
+                if samples == 0:
+                    # nothing to contribute: take part with zeros (to receive the average) and claim nothing
+                    out.zero_()
+                    weight = NEGLIGIBLE_WEIGHT
+                    if self._launch_point is not None:
+                        copy_model_into(self.model, self._launch_point, self._staging)
         compensated = samples > 0 and self.feedback is not None
         eager = self.eager and samples > 0
         if eager:
@@ -487,23 +519,57 @@ class Trainer:
         else:  # joining: wait up to two phases, but declare the window the others will, so as to lead
             timeout = self._join_timeout()
             window = matchmaking_window(self.matchmaking_timeout(self._phase_s or 0.0))
-        pending = self.swarm.start_round(weight=weight, gather=gather, timeout=timeout, window=window)
-        launched = time.monotonic()
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
-        return _InFlight(
-            pending,
+        flight = _InFlight(
+            _NOT_STARTED,
             compensated,
             samples,
             loss,
             compute_s,
             pre_digest,
-            launched,
-            launched - prep_started,
+            prep_started,
+            time.monotonic() - prep_started,
             lr,
             data,
             eager,
         )
+        flight.start = {"weight": weight, "gather": gather, "timeout": timeout, "window": window}
+        flight.writing = writing
+        if writing is None:
+            self._start_round(flight)
+        return flight
+
+    def _write_delta(self) -> bool:
+        """On the landing thread: the averager's vector ← θ_g − launch point (+ residual)
+        (``peer.host_passes.write_delta_from``); zeros if that is not finite. Whether it was."""
+        assert self._launch_point is not None
+        with self.swarm.outbox() as out:
+            finite = write_delta_from(self._launch_point, self.state.params, out, feedback=self.feedback)
+            if not finite:
+                out.zero_()
+        return finite
+
+    def _start_round(self, flight: _InFlight) -> None:
+        """Start the launched round's averaging, once its pseudo-gradient is written (waiting
+        for the landing thread if need be)."""
+        started = time.monotonic()
+        if flight.writing is not None:
+            finite = flight.writing.result()
+            flight.writing = None
+            if not finite:  # θ_g, the launch point or the residual: nothing of it can be sent
+                self._drop_local_work(f"its pseudo-gradient went non-finite in round {self.state.round}")
+                assert self._launch_point is not None
+                copy_model_into(self.model, self._launch_point, self._staging)
+                flight.samples, flight.loss, flight.compensated = 0, float("nan"), False
+                flight.start = {
+                    **flight.start,
+                    "weight": NEGLIGIBLE_WEIGHT,
+                    "gather": {**flight.start["gather"], "samples": 0},
+                }
+        flight.pending = self.swarm.start_round(**flight.start)
+        flight.launched_at = time.monotonic()
+        flight.prep_s += flight.launched_at - started
 
     def matchmaking_timeout(self, compute_s: float) -> float:
         """How long a launched round may look for its group. With overlap, waiting costs nothing
@@ -539,6 +605,8 @@ class Trainer:
         """Land the round in flight (waiting for its result if need be): apply or undo it, record
         it; True once done. With overlap a successful round's host half runs on the landing
         thread: then, unless ``wait``, False until it is done (the inner steps go on)."""
+        if flight.writing is not None:
+            self._start_round(flight)
         if flight.landing is None:
             wait_started = time.monotonic()
             if not flight.pending.done():

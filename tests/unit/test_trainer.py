@@ -138,7 +138,12 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     trainer, swarm = make_trainer(overlap=overlap)
     base = trainer.timeouts.matchmaking_s
     compute_s = 10 * base
-    trainer._launch(_InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+    flight = trainer._launch(
+        _InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0)
+    )
+    assert (flight.writing is not None) == overlap  # with overlap Δ is written on the landing thread
+    if flight.writing is not None:
+        trainer._start_round(flight)
     (timeout,) = swarm.matchmaking_timeouts
     expected = compute_s if overlap else base
     assert timeout == pytest.approx(expected, rel=0.01)
@@ -224,6 +229,44 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     assert trainer.state.round == 2 and trainer.state.digest() == expected.digest()
     # the model: θ_g plus the progress of the inner steps since the last launch
     assert not torch.equal(flatten(trainer.model), trainer.state.params)
+
+
+def test_with_overlap_the_pseudo_gradient_is_written_off_the_training_thread_with_the_same_bytes() -> None:
+    """The launch reads the launch point on the training thread and writes Δ = θ_g − launch
+    point (+ the codec residual) on the landing thread while the next inner steps change the
+    model: the vector sent is the launch's, bit for bit, and the round starts only then."""
+    import threading
+
+    sent = {}
+    for overlap in (False, True):
+        trainer, swarm = make_trainer(overlap=overlap)
+        with torch.no_grad():  # an inner phase's progress
+            for p in trainer.model.parameters():
+                p.add_(torch.full_like(p, 0.01))
+        expected = torch.sub(trainer.state.params, flatten(trainer.model))
+        gate = threading.Event()
+        write = trainer._write_delta
+
+        def held_write(write: Any = write, gate: threading.Event = gate) -> bool:
+            assert gate.wait(10)
+            return write()
+
+        trainer._write_delta = held_write  # type: ignore[method-assign]
+        if overlap:
+            flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+            assert not swarm.launched and flight.writing is not None  # not started while Δ is written
+            with torch.no_grad():  # the next inner steps move the model meanwhile
+                for p in trainer.model.parameters():
+                    p.add_(torch.full_like(p, 1.0))
+            gate.set()
+            trainer._start_round(flight)
+        else:
+            trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+        ((vector, weight),) = swarm.launched
+        assert weight == 4.0
+        sent[overlap] = vector
+    assert torch.equal(sent[True].view(torch.int32), sent[False].view(torch.int32))
+    assert torch.allclose(sent[False], expected, atol=1e-6)
 
 
 def test_outer_step_matches_torch_nesterov_sgd() -> None:
