@@ -27,8 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale import REPO, RESULTS, SIZES, baseline_tree, pss_bytes
-from swarmtrain.localswarm import wait_until
+from benchmarks.scale import REPO, RESULTS, SIZES, baseline_tree, run_peers
 
 SPEC = """
 [run]
@@ -53,56 +52,17 @@ KEYS = ("host_s", "launch_s", "record_s", "landing_s", "compute_s", "wait_s", "a
 
 
 def run_pair(tree: Path, workdir: Path, size: str, steps: int, rounds: int) -> list[list[dict[str, Any]]]:
-    """Two peers with the code in ``tree``: their metrics rows."""
-    import os
-    import subprocess
-    import time
-
+    """Two peers with the code in ``tree`` (``benchmarks.scale.run_peers``): their metrics rows."""
     d_model, n_layers = SIZES[size]
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(name=size.lower(), d_model=d_model, n_layers=n_layers, steps=steps))
-    common = ["--spec", str(spec), "--host", "127.0.0.1", "--max-rounds", str(rounds)]
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
-    first_log = workdir / "peer0.log"
-
-    def first_maddr() -> str:
-        lines = first_log.read_text(errors="replace").splitlines() if first_log.exists() else []
-        return next((line.split()[1] for line in lines if line.startswith("listening: /ip4/127.0.0.1/")), "")
-
-    try:
-        for i in range(2):
-            args = [*common, "--key", str(workdir / f"k{i}"), "--shard-seed", str(i)]
-            args += ["--metrics-file", str(workdir / f"peer{i}.jsonl")]
-            if i:
-                wait_until(lambda: bool(first_maddr()) or procs[0].poll() is not None, 600, "peer 0 to listen")
-                args += ["--initial-peers", first_maddr()]
-            with (workdir / f"peer{i}.log").open("wb") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "swarmtrain", "peer", *args],
-                        cwd=tree,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = time.monotonic() + 3600
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            for proc in procs:
-                if proc.poll() is None:
-                    pss_bytes(proc.pid)  # fails loudly if the process tree cannot be read
-            time.sleep(0.5)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-            proc.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"a peer failed: {first_log.read_text(errors='replace')[-2000:]}")
-    return [[json.loads(line) for line in (workdir / f"peer{i}.jsonl").read_text().splitlines()] for i in range(2)]
+    run = run_peers(tree, spec, workdir, rounds, [])
+    if any(run["codes"]):
+        log = (workdir / "peer0.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"a peer failed (exit codes {run['codes']}): {log}")
+    rows: list[list[dict[str, Any]]] = run["rows"]
+    return rows
 
 
 def summarize(code: str, rows: list[list[dict[str, Any]]]) -> dict[str, Any]:

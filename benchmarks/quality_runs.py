@@ -143,7 +143,10 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
         task = build_task(member_spec, shard_seed=index)
         size = numel if numel is not None else sum(p.numel() for p in task.model.parameters())
         swarm = LoopbackSwarm(group, index, size)
-        options = TrainerOptions(identity=Identity.generate(), max_rounds=rounds, wait_for_group_s=0.0)
+        # the landing on the training thread: the step it lands at depends on the group alone
+        options = TrainerOptions(
+            identity=Identity.generate(), max_rounds=rounds, wait_for_group_s=0.0, host_thread=False
+        )
         trainer = Trainer(member_spec, task, swarm, options)  # type: ignore[arg-type]
         swarm.steps = lambda t=trainer: t.inner_steps_done
         trainers.append(trainer)

@@ -127,7 +127,13 @@ def run_pair(tree: Path, name: str, workdir: Path, rounds: int) -> dict[str, Any
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers))
-    common = ["--spec", str(spec), "--host", "127.0.0.1", "--max-rounds", str(rounds), "--no-overlap"]
+    return run_peers(tree, spec, workdir, rounds, ["--no-overlap"])
+
+
+def run_peers(tree: Path, spec: Path, workdir: Path, rounds: int, extra: list[str]) -> dict[str, Any]:
+    """Two ``swarmtrain peer`` processes of ``spec`` with the code in ``tree`` (peer 1 joins peer
+    0), ``rounds`` rounds with ``extra`` flags: peak PSS, metrics rows and exit code of each."""
+    common = ["--spec", str(spec), "--host", "127.0.0.1", "--max-rounds", str(rounds), *extra]
     procs: list[subprocess.Popen[bytes]] = []
     peaks = [0, 0]
     first_log = workdir / "peer0.log"

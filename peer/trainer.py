@@ -196,6 +196,11 @@ class TrainerOptions:
     """Torch device of the inner phase."""
     overlap: bool | None = None
     """Override the spec's averaging.overlap."""
+    host_thread: bool = True
+    """With overlap, write the launch's pseudo-gradient and run the landing's host half on the
+    landing thread while the inner steps go on. False: on the training thread, so that the
+    inner step at which a round lands depends on the swarm alone (in-process benchmarks that
+    must be a pure function of spec and seed, ``benchmarks/quality_runs.py``)."""
     checkpoint_dir: Path | None = None
     """Save a checkpoint here after every ``checkpoint_every`` rounds and resume from it."""
     checkpoint_every: int = 1
@@ -473,7 +478,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the gradients are dead until the next step
         weight = float(samples)
         writing: Future[bool] | None = None
-        off_thread = self._launch_point is not None and not self._sharded and not self.eager
+        off_thread = (
+            self.options.host_thread and self._launch_point is not None and not self._sharded and not self.eager
+        )
         if samples > 0 and off_thread and model_is_finite(self.model):
             assert self._launch_point is not None
             snapshot_model(self.model, self._launch_point)
@@ -776,7 +783,7 @@ class Trainer:
             self.swarm.saw_group(result.members)
             keep_progress = self.overlap and model_is_finite(self.model)
             outer = self._outer()
-            if keep_progress and self._launch_point is not None and not self._sharded:
+            if self.options.host_thread and keep_progress and self._launch_point is not None and not self._sharded:
                 flight.counted = counted
                 feedback = self.feedback if flight.compensated and counted else None
                 return self._landing_thread().submit(self._land_global, result.averaged, outer, feedback, flight.eager)
