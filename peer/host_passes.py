@@ -9,7 +9,7 @@ in-place pass), and they set the peak memory.
 
 - ``write_pseudo_gradient`` (launch): the averager's vector ← θ_g − θ_local (+ the codec
   residual), and, with overlap, the launch point ← θ_local; with overlap the trainer cuts it in
-  two: ``snapshot_model`` (the launch point, on the training thread) and ``write_delta_from``
+  two: ``copy_model_into`` (the launch point, on the training thread) and ``write_delta_from``
   (the vector from the launch point, on the landing thread);
 - ``start_eagerly`` (launch, overlap with ``overlap_start = "eager"``): θ_local ← θ̂, the
   outer step θ_g would take if the group's average were this peer's own Δ (``eager_point``);
@@ -101,11 +101,12 @@ class Staging:
 
 
 @torch.no_grad()
-def copy_model_into(model: torch.nn.Module, out: torch.Tensor, staging: Staging) -> None:
-    """``out`` ← θ_local (flat, as ``flatten`` lays it out)."""
-    for offset, piece in model_pieces(model):
-        local = staging.host(piece)
-        out[offset : offset + local.numel()].copy_(local)
+def copy_model_into(model: torch.nn.Module, out: torch.Tensor) -> None:
+    """``out`` ← θ_local (flat, as ``flatten`` lays it out), one copy per parameter (from an
+    accelerator one transfer each: a chunk per transfer would pay its fixed cost ~10,000 times
+    per GB)."""
+    for offset, values in parameter_views(model):
+        out[offset : offset + values.numel()].copy_(values)
 
 
 @torch.no_grad()
@@ -122,7 +123,7 @@ def write_pseudo_gradient(
     ``out`` is finite. A model on an accelerator with a launch point is copied into it first,
     one transfer per parameter, and the rest are host passes over the launch point."""
     if launch_point is not None and staging.buffer is not None:
-        snapshot_model(model, launch_point)
+        copy_model_into(model, launch_point)
         return write_delta_from(launch_point, theta, out, feedback=feedback)
     for offset, piece in model_pieces(model):
         local = staging.host(piece)
@@ -386,10 +387,3 @@ def rebase_model(model: torch.nn.Module, shift: torch.Tensor) -> None:
                 values[part].add_(shift[offset + part.start : offset + part.stop])
         else:
             values.add_(shift[offset : offset + n].to(values.device))
-
-
-@torch.no_grad()
-def snapshot_model(model: torch.nn.Module, out: torch.Tensor) -> None:
-    """``out`` ← θ_local (flat), one copy per parameter (``copy_model_into`` stages chunks)."""
-    for offset, values in parameter_views(model):
-        out[offset : offset + values.numel()].copy_(values)

@@ -51,7 +51,6 @@ from peer.host_passes import (
     land_round,
     model_is_finite,
     rebase_model,
-    snapshot_model,
     start_eagerly,
     undo_eager_start,
     write_delta_from,
@@ -354,6 +353,14 @@ class Trainer:
         """Re-sync, wait for the group, then train rounds until done; the rounds' metrics."""
         self.catch_up()
         self.wait_for_group()
+        try:
+            return self._rounds()
+        finally:  # the landing thread ends with the run, however it ends
+            if self._lander is not None:
+                self._lander.shutdown(wait=True)
+                self._lander = None
+
+    def _rounds(self) -> list[RoundMetrics]:
         flight: _InFlight | None = None
         inner: _InnerPhase | None = None
         while True:
@@ -386,9 +393,6 @@ class Trainer:
                 inner = None
             else:
                 self._record_landed(wait=True)
-                if self._lander is not None:
-                    self._lander.shutdown(wait=True)
-                    self._lander = None
                 return self.history
 
     def _finished(self, in_flight: _InFlight | None) -> bool:
@@ -483,7 +487,7 @@ class Trainer:
         )
         if samples > 0 and off_thread and model_is_finite(self.model):
             assert self._launch_point is not None
-            snapshot_model(self.model, self._launch_point)
+            copy_model_into(self.model, self._launch_point)
             writing = self._landing_thread().submit(self._write_delta)
         else:
             with self.swarm.outbox() as out:
@@ -503,7 +507,7 @@ class Trainer:
                     out.zero_()
                     weight = NEGLIGIBLE_WEIGHT
                     if self._launch_point is not None:
-                        copy_model_into(self.model, self._launch_point, self._staging)
+                        copy_model_into(self.model, self._launch_point)
         compensated = samples > 0 and self.feedback is not None
         eager = self.eager and samples > 0
         if eager:
@@ -567,7 +571,7 @@ class Trainer:
             if not finite:  # θ_g, the launch point or the residual: nothing of it can be sent
                 self._drop_local_work(f"its pseudo-gradient went non-finite in round {self.state.round}")
                 assert self._launch_point is not None
-                copy_model_into(self.model, self._launch_point, self._staging)
+                copy_model_into(self.model, self._launch_point)
                 flight.samples, flight.loss, flight.compensated = 0, float("nan"), False
                 flight.start = {
                     **flight.start,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from protocol.modelsize import loss_chunk_rows
 
 
-def chunks(n: int, rows: int) -> list[tuple[int, int]]:
+def even_chunks(n: int, rows: int) -> list[tuple[int, int]]:
     """``n`` positions cut into as few chunks of at most ``rows`` as can be, of equal sizes (to
     within one): a compiled chunk step then meets at most two shapes."""
     count = -(-n // rows)
@@ -82,7 +82,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(h)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start, end in chunks(n, rows):
+            for start, end in even_chunks(n, rows):
                 hc = h[start:end]
                 loss, g = step(hc @ w.T, targets[start:end])
                 total += loss
@@ -130,7 +130,7 @@ def linear_cross_entropy(
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     with torch.autocast(device, enabled=False):
         w = weight.to(dtype)
-        for start, end in chunks(hidden.shape[0], rows):
+        for start, end in even_chunks(hidden.shape[0], rows):
             logits = hidden[start:end].to(dtype) @ w.T
             total += F.cross_entropy(logits.float(), targets[start:end], reduction="sum")
     return total / hidden.shape[0]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from peer.task.causal_lm import build_lm_model, causal_lm_loss
-from peer.task.lm_head import LossHead, chunks, linear_cross_entropy, softmax_grad
+from peer.task.lm_head import LossHead, even_chunks, linear_cross_entropy, softmax_grad
 from protocol.spec import CausalLMSection
 from tests.unit.test_causal_lm import CONFIGS, section
 
@@ -34,9 +34,9 @@ def test_chunked_loss_and_gradients_equal_the_whole_batchs(rows: int) -> None:
 
 
 def test_chunks_cover_every_position_once_in_near_equal_parts() -> None:
-    assert chunks(16384, 2093) == [(i * 2048, (i + 1) * 2048) for i in range(8)]
+    assert even_chunks(16384, 2093) == [(i * 2048, (i + 1) * 2048) for i in range(8)]
     for n, rows in ((10, 3), (1, 5), (7, 7), (100, 1)):
-        parts = chunks(n, rows)
+        parts = even_chunks(n, rows)
         assert parts[0][0] == 0 and parts[-1][1] == n and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
         sizes = [end - start for start, end in parts]
         assert max(sizes) <= rows and max(sizes) - min(sizes) <= 1
