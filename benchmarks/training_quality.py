@@ -424,6 +424,17 @@ def _mean_curve(runs: list[dict[str, Any]]) -> list[float]:
     return [statistics.fmean(r["val_loss"][i] for r in runs) for i in range(n)]
 
 
+def worker_pool(jobs: int) -> ProcessPoolExecutor:
+    """``jobs`` worker processes for in-process runs, started fresh (spawn): a process forked
+    from one whose torch already runs threads can crash in its first op (a segfault in an
+    embedding seen in a fresh-clone run), and one torch thread each, as local peers run."""
+    import multiprocessing
+
+    return ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", default="headline", help=f"comma-separated, of: {', '.join(suites())}")
@@ -455,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     results = []
-    pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
+    pool = worker_pool(args.jobs) if args.jobs > 1 else None
     try:
         for name in wanted:
             print(f"suite {name}:", flush=True)

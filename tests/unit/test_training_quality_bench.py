@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.loopback_group import LoopbackGroup, RobustTally, reduce_group, reducer_ranges
 from benchmarks.quality_runs import Setup, build_spec, run_inprocess, spec_text, to_toml
-from benchmarks.training_quality import main, suites
+from benchmarks.training_quality import main, suites, worker_pool
 from protocol.compression import get_codec
 from protocol.robust import RobustRule
 from protocol.spec import parse_spec
@@ -136,14 +136,13 @@ def test_a_long_row_reads_its_gaps_off_the_curves_seed_by_seed() -> None:
 
 
 def test_runs_side_by_side_give_what_runs_one_after_another_give() -> None:
-    from concurrent.futures import ProcessPoolExecutor
 
     from benchmarks.training_quality import Row, run_suite
 
     rows = [Row(Setup("tiny", 2, {}), k=2, h=3)]
     kwargs = {"seeds": [0, 1], "rounds": 2, "base": TINY, "swarm": False, "log": lambda _line: None}
     serial = run_suite("tiny", rows, **kwargs)  # type: ignore[arg-type]
-    with ProcessPoolExecutor(2) as pool:
+    with worker_pool(2) as pool:
         side_by_side = run_suite("tiny", rows, pool=pool, **kwargs)  # type: ignore[arg-type]
     for summary in (serial, side_by_side):  # how long each took is the one thing that may differ
         for row in summary["rows"]:
