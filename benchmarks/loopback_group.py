@@ -32,6 +32,7 @@ from protocol.allreduce import part_size_bytes
 from protocol.compression import Codec, get_codec
 from protocol.fragments import fragment_bounds
 from protocol.robust import Alignment, RobustRule, direction_offence, robust_mean
+from protocol.roster import RosterClaim
 from protocol.spec import AveragingSection
 
 
@@ -240,8 +241,8 @@ class LoopbackSwarm:
     def publish_digest(self, identity: Any, *, round_: int, digest: str, roster: int = 0) -> None:
         pass
 
-    def roster_of(self, digest: str, *, exclude: Any = None) -> int:
-        return self.group.members
+    def roster_of(self, digest: str, *, exclude: Any = None) -> RosterClaim:
+        return RosterClaim(self.group.members, frozenset())
 
     def behind(self, round_: int) -> bool:
         return False

@@ -84,17 +84,35 @@ allreduce_timeout_s = {allreduce_timeout}
 """
 
 
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) spent so far by the process ``pid`` (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(root: int) -> float:
     """CPU seconds (user + system) spent so far by ``root`` and its descendants."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in process_tree(root):
+    return sum(_process_cpu(pid) for pid in process_tree(root))
+
+
+def cpu_by_part(members: list[Member]) -> dict[str, float]:
+    """CPU seconds spent so far by the members' DHT node processes, averager processes and p2pd
+    daemons, each summed over the members (what a member's machine would spend, times N)."""
+    p2pd = 0.0
+    for pid in process_tree(os.getpid(), include_root=False):
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd":
+                p2pd += _process_cpu(pid)
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return {
+        "dht": sum(_process_cpu(m.swarm.dht.pid) for m in members if m.swarm.dht.pid is not None),
+        "averager": sum(_process_cpu(m.swarm.averager.pid) for m in members if m.swarm.averager.pid is not None),
+        "p2pd": p2pd,
+    }
 
 
 @dataclass
@@ -143,7 +161,8 @@ class Member:
         self.params.copy_(params)
         self.momentum.copy_(momentum)
         self.digest = digest
-        self.roster.adopted(self.swarm.roster_of(digest, exclude=self.identity.public_key))
+        claim = self.swarm.roster_of(digest, exclude=self.identity.public_key)
+        self.roster.adopted(claim, round_=self.round, me=self.identity.public_key.id)
         return True
 
 
@@ -162,7 +181,7 @@ def start_members(n: int, spec: RunSpec, values: int) -> list[Member]:
 def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[str, Any]:
     """Launch every member within ``args.spread`` s, wait for the results, land or re-sync."""
     rng = random.Random(r)
-    cpu_before = cpu_seconds(os.getpid())
+    cpu_before, parts_before = cpu_seconds(os.getpid()), cpu_by_part(members)
     offsets = sorted((rng.uniform(0, args.spread), m.index) for m in members)
     base = time.monotonic() + 0.2
     common = torch.randn(args.values, generator=torch.Generator().manual_seed(r)).mul_(1e-3)
@@ -180,7 +199,10 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
             continue
         groups.add(frozenset(str(d.get("id")) for d in result.members))
         found = verdict(result.members, min_group_size=2)
-        if result.missing or not found.lands:
+        if result.missing and found.lands:  # as the trainer: the others land it without m
+            m.roster.missed(m.round, result.members, m.digest)
+            continue
+        if not found.lands:
             m.roster.refused(found, m.digest)
             continue
         started = m.launched + result.round_s - result.allreduce_s
@@ -195,6 +217,7 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
             if not m.resync(majority, timeout=args.timeout):
                 logger.warning("member %d could not re-sync after round %d", m.index, r)
     cpu_per_member = (cpu_seconds(os.getpid()) - cpu_before) / len(members)
+    parts = {k: round((v - parts_before[k]) / len(members), 4) for k, v in cpu_by_part(members).items()}
     last_launch = max(m.launched for m in members)
     first_launch = min(m.launched for m in members)
     allreduce_start = statistics.median(s for _, _, s in landed) if landed else float("nan")
@@ -207,6 +230,7 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
         "formation_s": round(allreduce_start - last_launch, 3),
         "first_launch_to_allreduce_s": round(allreduce_start - first_launch, 3),
         "cpu_s_per_member": round(cpu_per_member, 3),
+        "cpu_s_per_member_by_part": parts,
         "leader_loop_cpu_s": round(max(x["loop_cpu_s"] for x in leaders), 4) if leaders else None,
         "leader_begin_bytes": int(max(x["begin_bytes"] for x in leaders)) if leaders else None,
         "allreduce_s": round(statistics.median(x.allreduce_s for _, x, _ in landed), 3) if landed else None,
@@ -240,6 +264,13 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "allreduce_s_median": statistics.median(x["allreduce_s"] for x in steady if x["allreduce_s"] is not None),
         "bytes_per_member": int(statistics.mean(x["bytes_per_member"] for x in steady)),
         "cpu_s_per_member_round": round(statistics.median(x["cpu_s_per_member"] for x in steady), 3),
+        **{
+            f"{part}_cpu_s_per_member_round": _median(x["cpu_s_per_member_by_part"][part] for x in steady)
+            for part in ("dht", "p2pd", "averager")
+        },
+        "leader_cpu_ms_per_member": round(1000 * leader / n, 2)
+        if (leader := _median(x.get("leader_loop_cpu_s") for x in steady)) is not None
+        else None,
         "leader_loop_cpu_s": _median(x.get("leader_loop_cpu_s") for x in steady),
         "leader_begin_bytes": _median(x.get("leader_begin_bytes") for x in steady),
         "first_round_formation_s": first["formation_s"],
@@ -306,7 +337,11 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "allreduce_s_median",
         "bytes_per_member",
         "cpu_s_per_member_round",
+        "dht_cpu_s_per_member_round",
+        "p2pd_cpu_s_per_member_round",
+        "averager_cpu_s_per_member_round",
         "leader_loop_cpu_s",
+        "leader_cpu_ms_per_member",
         "leader_begin_bytes",
         "first_round_formation_s",
         "pss_per_member_mb",

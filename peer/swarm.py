@@ -35,7 +35,7 @@ from protocol.membership import MemberGate
 from protocol.record_bounds import RunRecordBounds
 from protocol.records import RunRecords
 from protocol.robust import RobustRule
-from protocol.roster import claimed_roster
+from protocol.roster import RosterClaim, claimed_roster
 from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
 from protocol.tokens import decode_token
@@ -312,13 +312,13 @@ class Swarm:
         peer knows it) in the DHT (does not block)."""
         self.run_records.publish_digest(identity, round_=round_, digest=digest, roster=roster)
 
-    def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> int:
+    def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> RosterClaim:
         """The roster size of the state ``digest`` as the eligible peers holding it published it
-        (``protocol.roster.claimed_roster``; 0 if none did): what a peer that adopted the state
-        by download gathers, so that it cannot help a minority group land."""
+        (``protocol.roster.claimed_roster``; 0 if none did), and who they are: what a peer that
+        adopted the state by download gathers, so that it cannot help a minority group land."""
         eligible = self.eligible()
-        claims = [r.roster for r in self.records(exclude=exclude) if r.digest == digest and eligible(r.signer.id)]
-        return claimed_roster(c for c in claims if c > 0)
+        held = [r for r in self.records(exclude=exclude) if r.digest == digest and eligible(r.signer.id)]
+        return RosterClaim(claimed_roster(r.roster for r in held if r.roster > 0), frozenset(r.signer.id for r in held))
 
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""

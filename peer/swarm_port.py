@@ -12,6 +12,7 @@ import torch
 
 from protocol.agreement import Agreement
 from protocol.identity import Identity, PublicKey
+from protocol.roster import RosterClaim
 
 StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
 """Returns the (round, params, momentum, digest) this peer serves to others."""
@@ -49,7 +50,7 @@ class SwarmPort(Protocol):
 
     def publish_digest(self, identity: Identity, *, round_: int, digest: str, roster: int = 0) -> None: ...
 
-    def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> int: ...
+    def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> RosterClaim: ...
 
     def behind(self, round_: int) -> bool: ...
 

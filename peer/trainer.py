@@ -875,7 +875,11 @@ class Trainer:
                 self.state.round,
                 100 * result.unaveraged(),
             )
-            self.roster.refused(Verdict(False, 0, self.roster.size, "a reducer failed"), flight.pre_digest)
+            found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
+            if found.lands:  # the others land it: the state they make has this peer in its roster
+                self.roster.missed(flight.start["gather"]["round"], result.members, flight.pre_digest)
+            else:
+                self.roster.refused(found, flight.pre_digest)
             return None
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if not found.lands:
@@ -982,7 +986,11 @@ class Trainer:
             self.state = state
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.in_sync = True
-        self.roster.adopted(self.swarm.roster_of(state.digest(), exclude=self.identity.public_key))
+        self.roster.adopted(
+            self.swarm.roster_of(state.digest(), exclude=self.identity.public_key),
+            round_=round_,
+            me=self.identity.public_key.id,
+        )
         self._launch_now, self._carry_over = True, carried
         logger.info(
             "adopted the swarm's state of round %d (%s), digest verified%s",

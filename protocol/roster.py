@@ -20,7 +20,12 @@ Each member gathers, beside its round and digest (``protocol.agreement``):
 The group's verdict (``verdict``) is computed by every member from the same gathered
 metadata, so all members of a group reach the same one: it lands when more than half of the
 roster (its ``known`` members at the state) are in it. Newcomers and re-synced peers hold the
-state but do not count (else a group of them could pass beside the roster's own). A swarm
+state but do not count (else a group of them could pass beside the roster's own), but for one:
+a member of the group that produced the state, which a reducer failed (it could not land the
+round itself and took the state by download), is in that roster by the definition above and
+counts again once more than half of the roster, by name, publish that they hold the state it
+took (``peer.roster_book.RosterBook.adopted``): else the next round's leader, missing it, would
+wait out its window. A swarm
 where more than half of the roster left at once would never pass again, so a member that
 failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers ``roster``
 0 (unknown); a group where nobody claims a roster needs only ``min_group_size`` holders
@@ -34,7 +39,16 @@ from dataclasses import dataclass
 
 from protocol.agreement import agreed_state, gathered_votes
 
-__all__ = ["MAX_ROSTER", "ROSTER_RELEASE_AFTER", "Verdict", "in_sync_count", "leader_may_close", "verdict"]
+__all__ = [
+    "MAX_ROSTER",
+    "ROSTER_RELEASE_AFTER",
+    "RosterClaim",
+    "Verdict",
+    "in_sync_count",
+    "in_sync_ids",
+    "leader_may_close",
+    "verdict",
+]
 
 MAX_ROSTER = 1 << 20
 """The largest roster a member may claim (claims above it are ignored as malformed)."""
@@ -54,6 +68,15 @@ class Verdict:
     roster: int
     """The roster size the group's holders claim (0: nobody claims one)."""
     reason: str
+
+
+@dataclass(frozen=True)
+class RosterClaim:
+    """What the eligible holders of a state published about it: its roster size (0: nobody
+    claims one) and who they are (public ids)."""
+
+    size: int
+    holders: frozenset[str]
 
 
 def _claims(members: Sequence[object], round_: int, digest: str) -> tuple[int, list[int], int]:
@@ -109,6 +132,22 @@ def in_sync_count(members: Sequence[object]) -> int:
     if agreed is None:
         return 0
     return _claims(members, agreed.round, agreed.digest)[0]
+
+
+def in_sync_ids(members: Sequence[object]) -> frozenset[str]:
+    """The ids (``"id"``) of a group's members that started from its agreed state: the roster of
+    the state the group lands, by name."""
+    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
+    if agreed is None:
+        return frozenset()
+    return frozenset(
+        str(data["id"])
+        for data in members
+        if isinstance(data, dict)
+        and data.get("round") == agreed.round
+        and data.get("digest") == agreed.digest
+        and isinstance(data.get("id"), str)
+    )
 
 
 def leader_may_close(members: Sequence[object]) -> bool:

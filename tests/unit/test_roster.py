@@ -9,7 +9,15 @@ import pytest
 
 from peer.roster_book import RosterBook
 from protocol.matchmaking import gathered_metadata
-from protocol.roster import ROSTER_RELEASE_AFTER, claimed_roster, in_sync_count, leader_may_close, verdict
+from protocol.roster import (
+    ROSTER_RELEASE_AFTER,
+    RosterClaim,
+    claimed_roster,
+    in_sync_count,
+    in_sync_ids,
+    leader_may_close,
+    verdict,
+)
 
 D, E = "blake3:" + "d" * 64, "blake3:" + "e" * 64
 DECLARED = time.time() + 3600.0
@@ -99,11 +107,64 @@ def test_a_peer_releases_its_roster_after_repeated_refusals() -> None:
         assert book.size == 9, attempt
     book.refused(refusal, D)
     assert book.gather() == {"roster": 0, "known": False}
-    book.adopted(4)
+    book.adopted(RosterClaim(4, frozenset()), round_=6, me="x")
     assert book.gather() == {"roster": 4, "known": False}
     book.refused(refusal, D)
     book.refused(refusal, E)  # another state: the count starts again
     assert book.size == 4
+
+
+def named(i: int, roster: int = 5, digest: str = D, round_: int = 5) -> dict[str, object]:
+    return {**member(roster, digest=digest, round_=round_), "id": f"p{i}"}
+
+
+def test_the_in_sync_ids_are_the_roster_by_name() -> None:
+    group = [named(i) for i in range(4)] + [named(9, digest=E, round_=4)]
+    assert in_sync_ids(group) == {"p0", "p1", "p2", "p3"}
+    assert in_sync_ids([named(0, digest=D), named(1, digest=E)]) == frozenset()  # no agreement: nobody
+
+
+GROUP = [named(i) for i in range(5)] + [named(9, digest=E, round_=4)]  # 5 in sync, 1 stale
+ROSTER = frozenset(f"p{i}" for i in range(5))
+
+
+def test_a_member_a_reducer_failed_is_in_the_roster_of_the_state_its_group_made() -> None:
+    # p0's round did not land here (a reducer failed it); p1..p4 landed it and publish its roster of 5
+    book = RosterBook()
+    book.missed(5, GROUP, D)
+    book.adopted(RosterClaim(5, ROSTER - {"p0"}), round_=6, me="p0")
+    assert book.gather() == {"roster": 5, "known": True}  # the next round's leader need not wait for it
+
+
+@pytest.mark.parametrize(
+    ("claim", "round_", "me", "why"),
+    [
+        (RosterClaim(5, frozenset({"p1", "p2"})), 6, "p0", "only 2 of its 5 hold it: maybe another group's"),
+        (RosterClaim(5, frozenset({"x1", "x2", "x3"})), 6, "p0", "held by strangers"),
+        (RosterClaim(4, ROSTER - {"p0"}), 6, "p0", "another roster: not its group's state"),
+        (RosterClaim(5, ROSTER - {"p0"}), 7, "p0", "a later round: made by a group it was not in"),
+        (RosterClaim(5, ROSTER - {"p0"}), 6, "p9", "it was stale in that group: not in the roster"),
+    ],
+)
+def test_a_downloaded_state_counts_its_taker_only_if_its_own_group_made_it(
+    claim: RosterClaim, round_: int, me: str, why: str
+) -> None:
+    book = RosterBook()
+    book.missed(5, GROUP, D)
+    book.adopted(claim, round_=round_, me=me)
+    assert book.gather() == {"roster": claim.size, "known": False}, why
+
+
+def test_only_the_next_download_after_a_missed_round_can_count() -> None:
+    book = RosterBook()
+    book.missed(5, GROUP, D)
+    book.refused(verdict([named(0)], min_group_size=2), D)  # a later round failed too: the miss is stale
+    book.adopted(RosterClaim(5, ROSTER - {"p0"}), round_=6, me="p0")
+    assert not book.known
+    book.missed(5, GROUP, D)
+    book.landed(GROUP)
+    book.adopted(RosterClaim(5, ROSTER - {"p0"}), round_=6, me="p0")
+    assert not book.known
 
 
 def test_a_follower_s_malformed_bytes_are_no_metadata() -> None:

@@ -21,6 +21,7 @@ from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
 from protocol.checkpoint import Checkpointer
 from protocol.modelsize import count_params
+from protocol.roster import RosterClaim
 from protocol.spec import parse_spec
 
 SPEC = """
@@ -61,6 +62,8 @@ class RecordingSwarm:
     next_result: RoundResult | None = None
     others: set[str] = field(default_factory=lambda: {"ed25519:other"})
     """Peers the DHT shows at the trainer's round."""
+    claim: RosterClaim = RosterClaim(0, frozenset())
+    """What the holders of any state published about its roster."""
 
     def __post_init__(self) -> None:
         self.averager: Any = None
@@ -90,8 +93,8 @@ class RecordingSwarm:
     def publish_digest(self, *args: Any, **kwargs: Any) -> None:
         self.published.append(kwargs)
 
-    def roster_of(self, digest: str, **kwargs: Any) -> int:
-        return 0
+    def roster_of(self, digest: str, **kwargs: Any) -> RosterClaim:
+        return self.claim
 
     def behind(self, round_: int) -> bool:
         return False
@@ -479,6 +482,23 @@ def test_a_stale_member_carries_the_round_its_group_weighed_zero_onto_the_adopte
     assert trainer.state.digest() == theirs.digest() and trainer.in_sync
     [(vector, _)] = swarm.launched
     assert torch.equal(flatten(trainer.model), torch.add(theirs.params, -vector))
+
+
+@pytest.mark.parametrize("holders", [2, 1])
+def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_made(holders: int) -> None:
+    """Its group landed the round without it; it adopts that state by download, and if more
+    than half of the group's roster publish that they hold it, it claims its place in it, so
+    the next round's leader does not wait out its window for it."""
+    trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
+    mine = {"id": trainer.identity.public_key.id, "round": 0, "digest": trainer.state.digest()}
+    others = [{**mine, "id": f"ed25519:{n}"} for n in "ab"]
+    result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [mine, *others], 10, 10, 0.0)
+    result.missing = [(0, 8)]
+    swarm.next_result = result
+    swarm.claim = RosterClaim(3, frozenset(str(m["id"]) for m in others[:holders]))
+    trainer.run()
+    assert trainer.state.digest() == theirs.digest() and not trainer.history[-1].averaged
+    assert trainer.roster.gather() == {"roster": 3, "known": holders == 2}
 
 
 def test_work_more_than_two_rounds_stale_is_dropped() -> None:
