@@ -178,11 +178,19 @@ def start_members(n: int, spec: RunSpec, values: int) -> list[Member]:
     return members
 
 
+def spread(args: argparse.Namespace, n: int) -> float:
+    """Seconds over which the N members launch: ``--spread``, or ``--spread-per-member`` × N if
+    longer (members on machines of their own finish their inner phases at different times; a
+    spread that grows with N keeps this machine's two cores from queueing all N members' work
+    at once, so formation time is the round's own path, not the wait for a core)."""
+    return max(args.spread, args.spread_per_member * n)
+
+
 def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Launch every member within ``args.spread`` s, wait for the results, land or re-sync."""
+    """Launch every member within ``spread(args, N)`` s, wait for the results, land or re-sync."""
     rng = random.Random(r)
     cpu_before, parts_before = cpu_seconds(os.getpid()), cpu_by_part(members)
-    offsets = sorted((rng.uniform(0, args.spread), m.index) for m in members)
+    offsets = sorted((rng.uniform(0, spread(args, len(members))), m.index) for m in members)
     base = time.monotonic() + 0.2
     common = torch.randn(args.values, generator=torch.Generator().manual_seed(r)).mul_(1e-3)
     for offset, index in offsets:
@@ -350,7 +358,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "# Round formation and averaging against the swarm's size",
         "",
         f"Command: `{command}` ({data['machine']}; {args.values:,} values per member, "
-        f"codec {args.codec}, launches spread over {args.spread} s, matchmaking timeout {args.timeout} s).",
+        f"codec {args.codec}, launches spread over {spread_text(args)}, matchmaking timeout {args.timeout} s).",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -381,6 +389,12 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
+def spread_text(args: argparse.Namespace) -> str:
+    if args.spread_per_member > 0:
+        return f"max({args.spread} s, {args.spread_per_member} s × N)"
+    return f"{args.spread} s"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,64,128", help="comma-separated swarm sizes")
@@ -388,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--values", type=int, default=65_536, help="floats each member averages")
     parser.add_argument("--codec", default="fp16")
     parser.add_argument("--spread", type=float, default=1.0, help="members launch within this many s")
+    parser.add_argument(
+        "--spread-per-member", type=float, default=0.0, help="members launch within at least this many s × N"
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="matchmaking timeout (s)")
     parser.add_argument("--name", default="round-formation", help="results file name")
     args = parser.parse_args(argv)
@@ -395,8 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(s) for s in args.sizes.split(",")]
     except ValueError:
         parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    if any(n < 2 for n in sizes) or args.rounds < 1 or args.values < 1 or args.spread < 0 or args.timeout <= 0:
-        parser.error("sizes ≥ 2, rounds ≥ 1, values ≥ 1, spread ≥ 0 and timeout > 0 are required")
+    if (
+        any(n < 2 for n in sizes)
+        or args.rounds < 1
+        or args.values < 1
+        or min(args.spread, args.spread_per_member) < 0
+        or args.timeout <= 0
+    ):
+        parser.error("sizes ≥ 2, rounds ≥ 1, values ≥ 1, spreads ≥ 0 and timeout > 0 are required")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     rows = [run_size(n, args) for n in sizes]

@@ -3,9 +3,11 @@ runs real swarm members: ``make bench-rounds``)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from benchmarks.round_formation import growth, main
+from benchmarks.round_formation import growth, main, spread
 
 
 def test_growth_compares_each_size_with_the_smallest() -> None:
@@ -29,10 +31,24 @@ def test_growth_without_a_formation_time_says_none() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--sizes", "16,x"], ["--sizes", "1"], ["--rounds", "0"], ["--timeout", "0"], ["--spread", "-1"]],
+    [
+        ["--sizes", "16,x"],
+        ["--sizes", "1"],
+        ["--rounds", "0"],
+        ["--timeout", "0"],
+        ["--spread", "-1"],
+        ["--spread-per-member", "-0.1"],
+    ],
 )
 def test_bad_arguments_are_one_clear_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_launch_spread_grows_with_the_swarm_when_asked() -> None:
+    args = argparse.Namespace(spread=1.0, spread_per_member=0.0)
+    assert spread(args, 128) == 1.0
+    args.spread_per_member = 0.1
+    assert (spread(args, 4), spread(args, 128)) == (1.0, 12.8)
