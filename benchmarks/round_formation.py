@@ -209,6 +209,7 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
         found = verdict(result.members, min_group_size=2)
         if result.missing and found.lands:  # as the trainer: the others land it without m
             m.roster.missed(m.round, result.members, m.digest)
+            m.swarm.saw_group(result.members)
             continue
         if not found.lands:
             m.roster.refused(found, m.digest)

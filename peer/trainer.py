@@ -878,6 +878,7 @@ class Trainer:
             found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
             if found.lands:  # the others land it: the state they make has this peer in its roster
                 self.roster.missed(flight.start["gather"]["round"], result.members, flight.pre_digest)
+                self.swarm.saw_group(result.members)  # its members vote: it takes part in their state
             else:
                 self.roster.refused(found, flight.pre_digest)
             return None

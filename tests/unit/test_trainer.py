@@ -499,6 +499,7 @@ def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_
     trainer.run()
     assert trainer.state.digest() == theirs.digest() and not trainer.history[-1].averaged
     assert trainer.roster.gather() == {"roster": 3, "known": holders == 2}
+    assert swarm.seen == [m["id"] for m in [mine, *others]]  # their records count: they are its group
 
 
 def test_work_more_than_two_rounds_stale_is_dropped() -> None:
