@@ -7,7 +7,7 @@ throughput per peer is bytes sent × 8 ÷ all-reduce seconds, as ``make bench-sc
 The ceiling is one libp2p stream between two p2pd daemons carrying 1 MiB messages one way
 with nothing else running: what this machine's transport can move at all.
 
-Writes ``benchmarks/results/allreduce_parts.{md,json}``; ``protocol.allreduce.PART_SIZE_BYTES``
+Writes ``benchmarks/results/allreduce_parts.{md,json}``; ``engine.allreduce.PART_SIZE_BYTES``
 is chosen from it.
 """
 
@@ -38,11 +38,11 @@ def measure_averaging(part_bytes: int, values: int, codec_name: str, rounds: int
     import torch
     from hivemind import DHT
 
-    import protocol.allreduce
-    from protocol.averaging import ExactAverager
-    from protocol.compression import get_codec
+    import engine.allreduce
+    from engine.averager import ExactAverager
+    from engine.compression import get_codec
 
-    protocol.allreduce.part_size_bytes = lambda numel, codec, group_size: part_bytes  # type: ignore[assignment]
+    engine.allreduce.part_size_bytes = lambda numel, codec, group_size: part_bytes  # type: ignore[assignment]
     torch.set_num_threads(1)
     first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     second = DHT(

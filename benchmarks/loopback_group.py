@@ -4,9 +4,9 @@ rounds are averaged in memory by the same arithmetic the swarm's all-reduce does
 What is real: the trainer (inner phase, pseudo-gradient, error feedback, overlap's re-basing,
 outer step, roster rule, validation), the task (model, data shards by ``shard_seed``), and the
 reduction: every member's vector goes through the run's codec (``Codec.roundtrip``: what a
-reducer decodes), each fragment (``protocol.fragments``) is cut among the k reducers and into
-parts of ``protocol.allreduce.part_size_bytes`` as the butterfly cuts it, every part is reduced
-by ``protocol.robust.robust_mean`` under the spec's rule, and the average is encoded once,
+reducer decodes), each fragment (``engine.fragments``) is cut among the k reducers and into
+parts of ``engine.allreduce.part_size_bytes`` as the butterfly cuts it, every part is reduced
+by ``engine.robust.robust_mean`` under the spec's rule, and the average is encoded once,
 unbiased, with a dither seeded by the round (``Codec.encode_unbiased``), as a reducer does.
 
 What is not: no DHT, no matchmaking, no network. Every member is in every round's group, and
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from engine.allreduce import part_size_bytes
+from engine.compression import Codec, get_codec
+from engine.fragments import fragment_bounds
+from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
 from peer.swarm import RoundResult
 from peer.task.base import derive_seed, generator
-from protocol.allreduce import part_size_bytes
-from protocol.compression import Codec, get_codec
-from protocol.fragments import fragment_bounds
-from protocol.robust import Alignment, RobustRule, direction_offence, robust_mean
 from protocol.roster import RosterClaim
 from protocol.spec import AveragingSection
 

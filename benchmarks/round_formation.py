@@ -6,7 +6,7 @@ bytes per member, the all-reduce time, memory per member, and how each grows wit
 
 What is real: every member is a swarm member as a peer runs it (``peer.swarm.Swarm``): its
 own hivemind DHT node and p2pd daemon, the ``ExactAverager`` (in its own process) with the
-round's matchmaking (``protocol.matchmaking``: one group of any size, the per-round group
+round's matchmaking (``engine.matchmaking``: one group of any size, the per-round group
 key, the leader closing once the roster is complete), the exact butterfly all-reduce over
 libp2p on loopback, signed digest records in the DHT, state download to re-sync. Each
 member gathers what a trainer gathers (id, round, samples, pre-round digest, roster) and
@@ -54,9 +54,9 @@ from typing import Any
 import torch
 
 from benchmarks.scale import process_tree, pss_bytes
+from engine.compression import get_codec
 from peer.roster_book import RosterBook
 from peer.swarm import PendingRound, RoundResult, Swarm
-from protocol.compression import get_codec
 from protocol.identity import Identity
 from protocol.roster import verdict
 from protocol.spec import RunSpec, parse_spec

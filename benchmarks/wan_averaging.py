@@ -13,9 +13,9 @@ peers, same links, same rounds, no training:
   all-reduce has two: parts to the reducer, averaged parts back), 1 MiB messages;
 - ``swarmtrain``: ``ExactAverager`` rounds of a vector of ``S`` bytes (the codec's wire size);
   with ``--streams K``, the spec's ``averaging.streams = K``: one group, the vector cut into K
-  fragments (``protocol.fragments``) averaged at once, each over its own streams; with
+  fragments (``engine.fragments``) averaged at once, each over its own streams; with
   ``--robust off on``, one run each without and with the spec's default robust averaging
-  (``protocol.robust``: what bounding every member's contribution costs in averaging time).
+  (``engine.robust``: what bounding every member's contribution costs in averaging time).
   Each host's vector is a shared direction plus its own noise, as members' pseudo-gradients
   are (uncorrelated vectors would have robust averaging leave half of them out).
 
@@ -209,9 +209,9 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
     import torch
     from hivemind import DHT
 
-    from protocol.averaging import ExactAverager
-    from protocol.compression import get_codec
-    from protocol.robust import RobustRule
+    from engine.averager import ExactAverager
+    from engine.compression import get_codec
+    from engine.robust import RobustRule
 
     torch.set_num_threads(1)
     ip = args.ips.split(",")[args.index]

@@ -1,6 +1,6 @@
 """The coordinator's checkpoint archive on disk: the last few verified global states.
 
-Each checkpoint is a peer-format checkpoint file (``protocol.checkpoint.Checkpointer``: written
+Each checkpoint is a peer-format checkpoint file (``engine.checkpoint.Checkpointer``: written
 to a temporary file, fsynced, renamed; its state digest recomputed on load) of the round,
 θ_g and the outer momentum. ``index.json`` (rewritten atomically after each save) lists
 round, digest, size and time of each kept file, so listing the archive reads no tensors;
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from protocol.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer
 from protocol.errors import ConfigError
 from protocol.statesync import state_digest
 

@@ -26,10 +26,10 @@ from typing import Any
 from hivemind.utils.timed_storage import get_dht_time
 
 from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
+from engine.records import RunRecords
 from protocol.agreement import agreed_state
 from protocol.identity import Identity
 from protocol.membership import MemberGate
-from protocol.records import RunRecords
 from protocol.statesync import RECORD_TTL_S, DigestRecord, record_votes, state_digest
 from protocol.tokens import issue_token
 

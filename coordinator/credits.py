@@ -35,7 +35,7 @@ class GroupMemberView:
     """Samples that member contributed to the group's average."""
     offence: str = ""
     """Why the reporter's reducer bounded or refused that member's contribution this round
-    (robust averaging, ``protocol.robust``), or "" if it did not."""
+    (robust averaging, ``engine.robust``), or "" if it did not."""
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from coordinator.core import Coordinator
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
+from engine.record_bounds import RunRecordBounds
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import task_params
-from protocol.record_bounds import RunRecordBounds
 from protocol.spec import RunSpec, parse_spec
 from protocol.statesync import run_prefix
 
@@ -155,8 +155,8 @@ class CoordinatorServer:
         if numel is None:
             self.archive_off = "off (an imported task that declares no task.params)"
             return None, None
-        from protocol.averaging import ExactAverager
-        from protocol.compression import get_codec
+        from engine.averager import ExactAverager
+        from engine.compression import get_codec
         from protocol.membership import MemberGate
 
         self.archive_off = ""
@@ -238,8 +238,8 @@ class CoordinatorServer:
         averaging with revoked peers within ``protocol.membership.RECHECK_S``)."""
         if revoked == self._revoked and now - self._revoked_published_at < REVOCATIONS_REPUBLISH_S:
             return
+        from engine.records import RunRecords
         from protocol.membership import make_revocations
-        from protocol.records import RunRecords
 
         core = self.core
         record = make_revocations(core.identity, revoked, now=now)

@@ -14,6 +14,7 @@ RUN useradd --create-home --uid 10001 swarm
 WORKDIR /opt/swarmtrain
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol
+COPY engine ./engine
 COPY peer ./peer
 COPY coordinator ./coordinator
 COPY swarmtrain ./swarmtrain

@@ -273,11 +273,11 @@ def run(args: argparse.Namespace) -> int:
             raise
     task_data = {"slot": slot, "data_dir": args.data_dir, "weights_dir": args.weights_dir}
 
+    from engine.compression import get_codec
     from peer.node import Command
     from peer.swarm import Swarm
     from peer.task import Task, build_task, known_param_count
     from peer.trainer import Trainer, TrainerOptions
-    from protocol.compression import get_codec
 
     device = _device(args.device, node_env)
     local_node = None

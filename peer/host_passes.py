@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.compression import ErrorFeedback, all_finite
 from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
-from protocol.compression import ErrorFeedback, all_finite
 from protocol.spec import OuterSection
 
 Ranges = Sequence[tuple[int, int]]

@@ -6,7 +6,7 @@ clips and steps on the same gradient and the ranks' models stay equal.
 
 Precision: parameters stay fp32 masters. On CUDA the forward runs under bf16 autocast where
 the GPU supports bf16, else fp16 autocast with a gradient scaler (``Precision``); on CPU in
-fp32. The learning rate follows the swarm's position (``protocol.schedule``).
+fp32. The learning rate follows the swarm's position (``peer.schedule``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from peer.schedule import inner_lr
 from peer.task import Task
-from protocol.schedule import inner_lr
 from protocol.spec import RunSpec
 
 
@@ -39,7 +39,7 @@ def inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimi
 
 
 def set_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, round_: int, step: int) -> None:
-    """The inner learning rate of step ``step`` of round ``round_`` (``protocol.schedule``)."""
+    """The inner learning rate of step ``step`` of round ``round_`` (``peer.schedule``)."""
     lr = inner_lr(spec, round_, step)
     for group in optimizer.param_groups:
         group["lr"] = lr

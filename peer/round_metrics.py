@@ -69,13 +69,13 @@ class RoundMetrics:
     failed): this peer's work there carries into the next round."""
 
     lr: float = 0.0
-    """The inner learning rate of the round's last step (``protocol.schedule``)."""
+    """The inner learning rate of the round's last step (``peer.schedule``)."""
     val_loss: float | None = None
     """Validation loss of the state after the round (θ_g) on the run's held-out batches, on
     rounds that are a multiple of ``eval.every_rounds``; None otherwise."""
     data: dict[str, Any] | None = None
     """Token runs: what the round's inner steps read (``round`` of the data assignment,
-    ``slot``, ``steps``, ``ids_digest``; ``protocol.data_assignment``)."""
+    ``slot``, ``steps``, ``ids_digest``; ``peer.data_assignment``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,16 +25,16 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
 
+from engine.averager import ExactAverager
+from engine.compression import Codec
+from engine.record_bounds import RunRecordBounds
+from engine.records import RunRecords
+from engine.robust import RobustRule
 from peer.swarm_port import DownloadedState, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
-from protocol.averaging import ExactAverager
-from protocol.compression import Codec
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
-from protocol.record_bounds import RunRecordBounds
-from protocol.records import RunRecords
-from protocol.robust import RobustRule
 from protocol.roster import RosterClaim, claimed_roster
 from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
@@ -212,7 +212,7 @@ class Swarm:
             prefix=run_prefix(spec.digest()),
             start=True,
             min_group_size=averaging.min_group_size,
-            target_group_size=None,  # one group per round, of any size (protocol.matchmaking)
+            target_group_size=None,  # one group per round, of any size (engine.matchmaking)
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=averaging.allreduce_timeout_s,

@@ -90,7 +90,7 @@ def matchmaking_window(timeout_s: float) -> float:
     """How long a launched round's leader waits for its group (its declared expiration), for
     a round launched with ``timeout_s`` to find one: most of it, so that peers launching a
     phase apart still find the same leader (a complete roster closes the group at once,
-    ``protocol.matchmaking``), less the time its followers need to hear that it began."""
+    ``engine.matchmaking``), less the time its followers need to hear that it began."""
     if not timeout_s > 0:
         raise ValueError(f"matchmaking timeout must be positive, got {timeout_s!r}")
     return max(0.5 * timeout_s, timeout_s - max(1.0, 0.1 * timeout_s))

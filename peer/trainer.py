@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from engine.checkpoint import Checkpointer
+from engine.compression import ErrorFeedback, get_codec
 from peer.host_passes import (
     Staging,
     copy_model_into,
@@ -61,17 +63,15 @@ from peer.node import Command, LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.roster_book import RosterBook
 from peer.round_metrics import RoundMetrics
+from peer.schedule import inner_lr, outer_lr
 from peer.state import GlobalState, flatten, load_flat
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.swarm_port import PendingAverage, SwarmPort
 from peer.task import Task
 from peer.timeouts import AdaptiveTimeouts, matchmaking_window
-from protocol.checkpoint import Checkpointer
-from protocol.compression import ErrorFeedback, get_codec
 from protocol.errors import VerificationError
 from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
-from protocol.schedule import inner_lr, outer_lr
 from protocol.spec import OuterSection, RunSpec
 from protocol.statesync import RECORD_TTL_S
 

@@ -278,9 +278,9 @@ class AveragingSection(_Section):
     (vectors under 64K values per fragment are cut into fewer): one stream per pair of peers
     caps at what its flow-control window carries."""
     robust: bool = True
-    """Robust averaging (``protocol.robust``, the keys below); false: the plain weighted mean."""
+    """Robust averaging (``engine.robust``, the keys below); false: the plain weighted mean."""
     clip: Annotated[float, Field(ge=0, le=1e6)] = 2.0
-    """Robust averaging (``protocol.robust``): each member's part of the pseudo-gradient is
+    """Robust averaging (``engine.robust``): each member's part of the pseudo-gradient is
     scaled down to at most this many times the median member's norm (0: off; else >= 1).
     1 scaled down the honest members above the median in half of all parts of a clean swarm
     of 4; 2 touched none (``benchmarks/results/training-quality-headline.md``)."""
@@ -318,7 +318,7 @@ class AveragingSection(_Section):
 
 
 class ScheduleSection(_Section):
-    """The learning rate over the run, by the swarm's position (``protocol.schedule``):
+    """The learning rate over the run, by the swarm's position (``peer.schedule``):
     tokens = (round x H + step) x data.slots x inner.batch_size x sequence length, the same
     number on every peer at the same point, whenever it joined."""
 

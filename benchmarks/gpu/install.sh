@@ -128,15 +128,15 @@ if [ "$CUDA" != 1 ] && [ "${SWARMTRAIN_ALLOW_CPU:-0}" != 1 ]; then
     die "torch sees no CUDA device (set SWARMTRAIN_ALLOW_CPU=1 to accept CPU only)"
 fi
 (cd "$ROOT" && "$PY" - <<EOF
-import os, protocol, peer, swarmtrain
+import os, protocol, engine, peer, swarmtrain
 from protocol import coordinator_pb2, coordinator_pb2_grpc  # protobuf gencode/runtime check
 import hivemind.hivemind_cli as c
 p2pd = os.path.join(os.path.dirname(c.__file__), "p2pd")
 assert os.access(p2pd, os.X_OK), f"p2pd not executable: {p2pd}"
 root = os.path.realpath("$ROOT")
-for m in (protocol, peer, swarmtrain):
+for m in (protocol, engine, peer, swarmtrain):
     assert os.path.realpath(m.__file__).startswith(root + os.sep), f"{m.__name__} imported from {m.__file__}, not {root}"
-print("  protocol/peer/swarmtrain from", root, "; stubs import; p2pd at", p2pd)
+print("  protocol/engine/peer/swarmtrain from", root, "; stubs import; p2pd at", p2pd)
 EOF
 )
 echo "== causal_lm check (transformers, tokenizers)"

@@ -32,7 +32,7 @@ class Task:
     validation data."""
     batch_at: Callable[[int, int], Batch] | None = None
     """Positional data (token runs): the batch of inner step ``step`` of round ``round``, as
-    assigned to this peer's data stream (``protocol.data_assignment``); None: ``batches``."""
+    assigned to this peer's data stream (``peer.data_assignment``); None: ``batches``."""
     data_report: Callable[[int], dict[str, object] | None] | None = None
     """What a round read (stream, steps, digest of the sequence ids), for its report."""
     micro_batches: int = 1

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from peer.data_assignment import DataAssignment
 from peer.task.base import Batch, Task, derive_seed
 from peer.task.lm_head import LossHead, install_loss_head
 from peer.task.portable_init import portable_init_
 from peer.task.tokens import AssignedBatches, TokenShards, check_data, eval_batches
-from protocol.data_assignment import DataAssignment
 from protocol.errors import ConfigError
 from protocol.manifest import weights_sha256
 from protocol.modelsize import lm_shape, task_flops_per_sample

@@ -1,7 +1,7 @@
 """Prepared token shards (``swarmtrain data prepare``) read by a peer, and its batches.
 
 The shards are memory-mapped: a peer reads only the rows its batches need, so a corpus of
-any size costs page cache, not process memory. Which rows: ``protocol.data_assignment``
+any size costs page cache, not process memory. Which rows: ``peer.data_assignment``
 (stream ``slot`` of the run trains page ``round x slots + slot``); this module reads them
 and remembers which sequence ids each round read, for the round's report.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peer.data_assignment import DataAssignment, ids_digest
 from peer.task.base import Batch
-from protocol.data_assignment import DataAssignment, ids_digest
 from protocol.errors import ConfigError
 from protocol.manifest import Manifest, ShardEntry, load_manifest
 from protocol.spec import RunSpec
@@ -102,7 +102,7 @@ class AssignedBatches:
 
     def report(self, round_: int) -> dict[str, object] | None:
         """What round ``round_`` read (and forget it): the stream, the steps and the digest of
-        the sequence ids in order (``protocol.data_assignment.ids_digest``)."""
+        the sequence ids in order (``peer.data_assignment.ids_digest``)."""
         ids = self._read.pop(round_, None)
         for stale in [r for r in self._read if r < round_]:
             del self._read[stale]

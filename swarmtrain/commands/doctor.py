@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peer.footprint import Footprint, estimate
 from protocol.errors import ConfigError, SpecError
-from protocol.footprint import Footprint, estimate
 from protocol.identity import default_key_path
 from protocol.modelsize import task_params
 from protocol.spec import RunSpec, load_spec, local_compute, parse_spec

@@ -12,9 +12,9 @@ import torch
 from hivemind import DHT
 from hivemind.proto import runtime_pb2
 
-from protocol.allreduce import CodecCompression, ExactAllReduceRunner
-from protocol.averaging import ExactAverager
-from protocol.compression import get_codec
+from engine.allreduce import CodecCompression, ExactAllReduceRunner
+from engine.averager import ExactAverager
+from engine.compression import get_codec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NUMEL = 5000
@@ -123,7 +123,7 @@ def test_honest_group_averages_exactly() -> None:
 
 
 STREAMED = 4 * 2**16 + 1000
-"""A vector cut into 4 fragments for 4 streams (``protocol.fragments``), the last one longer."""
+"""A vector cut into 4 fragments for 4 streams (``engine.fragments``), the last one longer."""
 
 
 def test_fragments_averaged_at_once_land_in_place_bit_identically() -> None:

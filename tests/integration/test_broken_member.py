@@ -24,9 +24,9 @@ import torch
 from hivemind import DHT
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from protocol.allreduce import CodecCompression, ExactAllReduceRunner
-from protocol.averaging import ExactAverager
-from protocol.compression import get_codec
+from engine.allreduce import CodecCompression, ExactAllReduceRunner
+from engine.averager import ExactAverager
+from engine.compression import get_codec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 MEMBERS = 4

@@ -2,7 +2,7 @@
 kill the newest checkpoint that the writer finished (``save`` returned) loads and verifies, a
 restarted writer resumes from it, and the half-written file the kill left is cleaned up.
 
-The writer is the real ``protocol.checkpoint.Checkpointer`` in a child process. Kills land at
+The writer is the real ``engine.checkpoint.Checkpointer`` in a child process. Kills land at
 three kinds of moment: in the middle of writing the file (the child's file object stops after
 its first megabyte), after the file is written but before it is renamed into place (in
 ``fsync``), and at a seeded random time while it saves in a loop."""
@@ -14,7 +14,7 @@ import re
 import time
 from pathlib import Path
 
-from protocol.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer
 from tests.integration.program_child import ProgramChild
 
 KILLS = 9
@@ -25,7 +25,7 @@ SPEC_DIGEST = "sha256:crashloop"
 CHILD = """
 import os, pathlib, sys, time
 import torch
-from protocol.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer
 
 directory, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
 checkpointer = Checkpointer(directory, spec_digest=%(digest)r, keep=2)

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from engine.compression import get_codec
 from peer.swarm import Swarm
-from protocol.compression import get_codec
 from protocol.spec import parse_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from coordinator.store import Store
-from protocol.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer
 from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalPeer
 from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, status, wait_for

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from engine.compression import get_codec
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
 from protocol.agreement import agreed_states
-from protocol.compression import get_codec
 from protocol.identity import Identity
 from protocol.membership import MemberGate
 from protocol.modelsize import count_params

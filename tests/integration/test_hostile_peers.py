@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from coordinator.store import Store, sqlite_url
+from engine.checkpoint import Checkpointer
 from peer.state import load_flat
 from peer.task import build_task
-from protocol.checkpoint import Checkpointer
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_all, wait_until
 

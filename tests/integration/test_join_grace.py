@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from hivemind.averaging.matchmaking import Matchmaking
 
+from engine.compression import get_codec
+from engine.matchmaking import JOIN_GRACE_S
 from peer.swarm import Swarm
-from protocol.compression import get_codec
-from protocol.matchmaking import JOIN_GRACE_S
 from protocol.spec import parse_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from peer.data_assignment import DataAssignment, ids_digest
 from peer.task.data import stdlib_files
-from protocol.data_assignment import DataAssignment, ids_digest
 from protocol.manifest import load_manifest
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all, wait_until

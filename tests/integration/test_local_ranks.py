@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from protocol.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalPeer, wait_all, wait_until
 

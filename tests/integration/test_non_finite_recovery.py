@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from engine.compression import get_codec
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
-from protocol.compression import get_codec
 from protocol.spec import parse_spec
 
 SPEC = """

@@ -1,7 +1,7 @@
 """One swarm, one state: 10 real peers (more than the old default group of 8) average in one
 group per round, while one of them is SIGKILLed mid-round and a late joiner comes in. Every
 round, all members that averaged hold one digest; no peer is out of sync for more than one
-round; at least 90% of the peer-rounds averaged (``protocol.roster``, ``protocol.matchmaking``)."""
+round; at least 90% of the peer-rounds averaged (``protocol.roster``, ``engine.matchmaking``)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from engine.compression import get_codec
 from peer.coordinator_client import CoordinatorClient, CoordinatorLink
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
-from protocol.compression import get_codec
 from protocol.identity import Identity
 from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalCoordinator, start_peers, wait_all, wait_until

@@ -1,4 +1,4 @@
-"""DHT nodes of a run refuse oversized values under the run's keys (``protocol.record_bounds``):
+"""DHT nodes of a run refuse oversized values under the run's keys (``engine.record_bounds``):
 a real two-node hivemind DHT; the writer's store is refused by both nodes and a reader never
 sees the value, while a record of normal size goes through and other keys are untouched."""
 
@@ -8,8 +8,8 @@ import pytest
 from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
+from engine.record_bounds import MAX_DIGEST_RECORD_BYTES, MAX_SUBKEY_BYTES, RunRecordBounds
 from protocol.identity import Identity
-from protocol.record_bounds import MAX_DIGEST_RECORD_BYTES, MAX_SUBKEY_BYTES, RunRecordBounds
 from protocol.statesync import digest_key, make_digest_record
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -19,9 +19,9 @@ import torch
 from hivemind import DHT
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from protocol.allreduce import ExactAllReduceRunner
-from protocol.averaging import ExactAverager
-from protocol.compression import get_codec
+from engine.allreduce import ExactAllReduceRunner
+from engine.averager import ExactAverager
+from engine.compression import get_codec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NUMEL = 2_000_000  # 8 MB in fp32: 8 parts of 512 KiB per member, far beyond the sockets' buffers

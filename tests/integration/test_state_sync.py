@@ -7,10 +7,10 @@ import threading
 
 import torch
 
+from engine.compression import get_codec
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
-from protocol.compression import get_codec
 from protocol.spec import parse_spec
 
 SPEC = """

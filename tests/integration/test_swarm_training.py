@@ -1,6 +1,6 @@
 """3 real `swarmtrain peer` processes on loopback, each codec: loss falls, digests agree,
 and lossy codecs send a fraction of the fp32 bytes. The overlap case's model is large enough
-to be averaged in several fragments at once (``averaging.streams``, ``protocol.fragments``)."""
+to be averaged in several fragments at once (``averaging.streams``, ``engine.fragments``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.fragments import fragment_bounds
+from engine.fragments import fragment_bounds
 from swarmtrain.localswarm import start_peers, wait_all
 
 ROUNDS = 4

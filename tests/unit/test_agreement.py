@@ -75,7 +75,7 @@ def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:
     callers = {
         "protocol/statesync.py": "Vote",
         "peer/swarm.py": "agreed_state",
-        "protocol/allreduce.py": "agreed_state",
+        "engine/allreduce.py": "agreed_state",
         "coordinator/credits.py": "agreed_state",
         "coordinator/store/store.py": "agreed_state",
         "coordinator/archiver.py": "agreed_state",
@@ -89,7 +89,7 @@ def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:
             for alias in node.names
         }
         assert name in imported, f"{path} does not use protocol.agreement.{name}"
-    for package in ("protocol", "peer", "coordinator"):
+    for package in ("protocol", "engine", "peer", "coordinator"):
         for path in (ROOT / package).rglob("*.py"):
             if path.name == "agreement.py" or path.name.endswith("_pb2.py"):
                 continue

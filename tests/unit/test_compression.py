@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from protocol.compression import CODEC_NAMES, FP16_MAX, Codec, ErrorFeedback, get_codec
+from engine.compression import CODEC_NAMES, FP16_MAX, Codec, ErrorFeedback, get_codec
 from protocol.errors import MalformedTensorError, VerificationError
 
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 1000]
@@ -348,7 +348,7 @@ def test_lossless_and_fp16_codecs_encode_averages_as_usual() -> None:
 
 
 def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> None:
-    from protocol.allreduce import MIN_PART_SIZE_BYTES, PART_SIZE_BYTES, part_size_bytes
+    from engine.allreduce import MIN_PART_SIZE_BYTES, PART_SIZE_BYTES, part_size_bytes
 
     for name in CODEC_NAMES:
         codec = get_codec(name)

@@ -1,4 +1,4 @@
-"""The doctor's memory estimate (``protocol.footprint``) against what a real trainer holds:
+"""The doctor's memory estimate (``peer.footprint``) against what a real trainer holds:
 every float32 storage alive after a round, plus the gradients during an inner step."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import warnings
 import pytest
 import torch
 
+from engine.compression import get_codec
+from peer.footprint import LOSSY_CODECS, estimate
 from peer.swarm import RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
-from protocol.compression import get_codec
-from protocol.footprint import LOSSY_CODECS, estimate
 from protocol.spec import load_spec, parse_spec
 from tests.unit.test_trainer import RecordingSwarm
 
@@ -119,7 +119,7 @@ def test_the_gpu_estimate_covers_what_an_h200_allocated(micro_batches: int, chec
     import json
     from pathlib import Path
 
-    from protocol.footprint import GIB
+    from peer.footprint import GIB
     from protocol.spec import local_compute
 
     name = f"lm-throughput-2026-11-25-h200-llama-1b{H200_RESULTS[(micro_batches, checkpointing)]}.json"

@@ -1,10 +1,10 @@
-"""How the averaged vector is cut for parallel streams (``protocol.fragments``)."""
+"""How the averaged vector is cut for parallel streams (``engine.fragments``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from protocol.fragments import FRAGMENT_ALIGN, MIN_FRAGMENT_VALUES, fragment_bounds, fragment_group_id
+from engine.fragments import FRAGMENT_ALIGN, MIN_FRAGMENT_VALUES, fragment_bounds, fragment_group_id
 
 
 @pytest.mark.parametrize("numel", [0, 1, 63, 5000, MIN_FRAGMENT_VALUES, 4 * MIN_FRAGMENT_VALUES + 1000, 10_400_017])

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
 from coordinator.store import Store, sqlite_url
+from engine.compression import get_codec
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
-from protocol.compression import get_codec
 from protocol.errors import MalformedTensorError, SpecError, SwarmtrainError
 from protocol.identity import Identity
 from protocol.membership import parse_revocations

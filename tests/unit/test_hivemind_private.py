@@ -1,4 +1,4 @@
-"""The private hivemind members we rely on (``protocol.hivemind_private``) are still there and
+"""The private hivemind members we rely on (``engine.hivemind_private``) are still there and
 still behave as we use them; and our packages use no private hivemind member not listed.
 
 Fails on a hivemind upgrade that renames or moves one of them, changes an overridden method's
@@ -20,10 +20,10 @@ import hivemind
 import pytest
 import torch
 
-from protocol.hivemind_private import HIVEMIND_VERSION, MIRRORED_KINDS, PRIVATE_USES, PrivateUse
+from engine.hivemind_private import HIVEMIND_VERSION, MIRRORED_KINDS, PRIVATE_USES, PrivateUse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PRODUCT_PACKAGES = ("protocol", "peer", "coordinator", "swarmtrain", "benchmarks")
+PRODUCT_PACKAGES = ("protocol", "engine", "peer", "coordinator", "swarmtrain", "benchmarks")
 
 NOT_HIVEMIND: dict[tuple[str, str], str] = {
     ("swarmtrain/lifetime.py", "os._exit"): "the standard library's documented exit without cleanup",
@@ -63,7 +63,7 @@ def entry_id(use: PrivateUse) -> str:
 
 def test_hivemind_is_the_version_the_registry_was_read_from() -> None:
     assert hivemind.__version__ == HIVEMIND_VERSION, (
-        f"hivemind {hivemind.__version__} is installed but protocol/hivemind_private.py was read from "
+        f"hivemind {hivemind.__version__} is installed but engine/hivemind_private.py was read from "
         f"{HIVEMIND_VERSION}: re-read every entry against the new source, then bump HIVEMIND_VERSION"
     )
 
@@ -159,7 +159,7 @@ def test_no_unregistered_private_import_from_hivemind() -> None:
                         u.owner == node.module and u.name == alias.name for u in PRIVATE_USES
                     ):
                         found.append(f"{rel(path)}:{node.lineno} from {node.module} import {alias.name}")
-    assert not found, "register these in protocol/hivemind_private.py: " + ", ".join(found)
+    assert not found, "register these in engine/hivemind_private.py: " + ", ".join(found)
 
 
 def test_private_accesses_on_other_objects_are_registered_or_known_not_hivemind() -> None:
@@ -174,7 +174,7 @@ def test_private_accesses_on_other_objects_are_registered_or_known_not_hivemind(
                 elif node.attr not in REGISTERED_NAMES:
                     unknown.append(f"{key[0]}:{node.lineno} {key[1]}")
     assert not unknown, (
-        "private members of other objects, neither in protocol/hivemind_private.py nor in "
+        "private members of other objects, neither in engine/hivemind_private.py nor in "
         "NOT_HIVEMIND: " + ", ".join(unknown)
     )
     assert seen_allowed == set(NOT_HIVEMIND), f"stale NOT_HIVEMIND entries: {set(NOT_HIVEMIND) - seen_allowed}"
@@ -304,7 +304,7 @@ def test_registered_members_are_still_used_where_the_registry_says() -> None:
         for path in paths:
             text = (REPO_ROOT / path).read_text(encoding="utf-8")
             assert re.search(rf"\b{re.escape(use.name)}\b", text), (
-                f"{entry_id(use)} is no longer used in {path}: update protocol/hivemind_private.py"
+                f"{entry_id(use)} is no longer used in {path}: update engine/hivemind_private.py"
             )
 
 
@@ -350,7 +350,7 @@ def test_rpc_overrides_are_found_as_streams_by_hivemind() -> None:
     entry): each is a stream-output handler with the right protobuf types."""
     from hivemind.proto import averaging_pb2
 
-    from protocol.averaging import ExactAverager
+    from engine.averager import ExactAverager
 
     class Probe(ExactAverager):  # a fresh subclass: hivemind caches handlers per class
         _rpc_handlers = None

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.compression import ErrorFeedback, get_codec
 from peer.host_passes import Staging, land_round, start_eagerly, undo_eager_start, write_pseudo_gradient
 from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat, outer_step
-from protocol.compression import ErrorFeedback, get_codec
 from protocol.spec import OuterSection
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
 
-from protocol.allreduce import RobustPartReducer
-from protocol.robust import RobustRule
+from engine.allreduce import RobustPartReducer
+from engine.robust import RobustRule
 
 
 def test_a_cancelled_sender_leaves_the_part_to_the_others() -> None:

@@ -1,11 +1,11 @@
-"""The reducer's robust mean (``protocol.robust``): bounded weights and norms, named offenders."""
+"""The reducer's robust mean (``engine.robust``): bounded weights and norms, named offenders."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from protocol.robust import Alignment, RobustRule, direction_offence, lower_median, robust_mean
+from engine.robust import Alignment, RobustRule, direction_offence, lower_median, robust_mean
 
 RULE = RobustRule(clip=1.0, weight_cap=2.0, flag=3.0)
 OFF = RobustRule.off()

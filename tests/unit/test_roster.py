@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from engine.matchmaking import gathered_metadata
 from peer.roster_book import RosterBook
-from protocol.matchmaking import gathered_metadata
 from protocol.roster import (
     ROSTER_RELEASE_AFTER,
     RosterClaim,
@@ -194,7 +194,7 @@ def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], follow
     from hivemind.p2p import PeerID
     from hivemind.utils import MSGPackSerializer, TimedStorage
 
-    from protocol.matchmaking import round_matchmaking
+    from engine.matchmaking import round_matchmaking
 
     def wire(data: dict[str, object]) -> bytes:
         return MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(data)])
@@ -257,7 +257,7 @@ def test_a_complete_roster_waits_a_grace_for_peers_declared_at_its_key(monkeypat
     the leader waits up to ``JOIN_GRACE_S`` for it, and no longer (a forged declaration)."""
     from hivemind.p2p import PeerID
 
-    import protocol.matchmaking as module
+    import engine.matchmaking as module
 
     clock = [100.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
@@ -292,7 +292,7 @@ def test_a_join_request_that_waited_past_half_its_senders_timeout_is_turned_away
     from hivemind.averaging.matchmaking import Matchmaking
     from hivemind.proto import averaging_pb2
 
-    import protocol.matchmaking as module
+    import engine.matchmaking as module
 
     clock = [100.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])

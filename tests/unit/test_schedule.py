@@ -1,4 +1,4 @@
-"""``protocol.schedule``: the learning rate by the swarm's position."""
+"""``peer.schedule``: the learning rate by the swarm's position."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from peer.schedule import inner_lr, outer_lr, swarm_tokens, tokens_per_swarm_step
 from protocol.errors import SpecError
-from protocol.schedule import inner_lr, outer_lr, swarm_tokens, tokens_per_swarm_step
 from protocol.spec import parse_spec
 
 BASE = """

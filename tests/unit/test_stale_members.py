@@ -8,8 +8,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
+from engine.allreduce import RoundFailedError, stale_members
 from peer.swarm import RoundResult
-from protocol.allreduce import RoundFailedError, stale_members
 
 PEERS = [PeerID(f"peer{i}".encode()) for i in range(4)]
 

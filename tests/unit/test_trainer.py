@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+from engine.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
-from protocol.checkpoint import Checkpointer
 from protocol.modelsize import count_params
 from protocol.roster import RosterClaim
 from protocol.spec import parse_spec
@@ -317,7 +317,7 @@ def test_checkpoint_resume_restores_everything(tmp_path) -> None:  # type: ignor
 
 
 def test_corrupted_or_foreign_checkpoints_are_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from protocol.checkpoint import Checkpointer
+    from engine.checkpoint import Checkpointer
 
     good = Checkpointer(tmp_path, spec_digest="sha256:run")
     params, momentum = torch.ones(10), torch.zeros(10)

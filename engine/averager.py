@@ -1,7 +1,7 @@
 """``ExactAverager``: the run's hivemind averager (DHT matchmaking, libp2p transport) over one
-flat float32 vector, with bit-identical results (``protocol.allreduce``), authorized
-membership (``protocol.averager_gate``) and verified state transfer
-(``protocol.state_transfer``). The vector averaged is whatever the caller puts in it (a
+flat float32 vector, with bit-identical results (``engine.allreduce``), authorized
+membership (``engine.averager_gate``) and verified state transfer
+(``engine.state_transfer``). The vector averaged is whatever the caller puts in it (a
 pseudo-gradient). After a round it holds the average except in the ranges of reducers that
 failed (stats ``missing``: ``[start, end)`` pairs), which the caller leaves out of the round.
 """
@@ -21,20 +21,20 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 
-from protocol.allreduce import (
+from engine.allreduce import (
     PART_SIZE_BYTES,
     CodecCompression,
     ExactAllReduceRunner,
     RoundFailedError,
     stale_members,
 )
-from protocol.averager_gate import AdmissionGateMixin
-from protocol.compression import Codec
-from protocol.fragments import fragment_bounds, fragment_group_id
-from protocol.matchmaking import gathered_metadata, round_group_bits
+from engine.averager_gate import AdmissionGateMixin
+from engine.compression import Codec
+from engine.fragments import fragment_bounds, fragment_group_id
+from engine.matchmaking import gathered_metadata, round_group_bits
+from engine.robust import Alignment, RobustRule, direction_offence
+from engine.state_transfer import StateProvider, StateTransferMixin
 from protocol.membership import MemberGate
-from protocol.robust import Alignment, RobustRule, direction_offence
-from protocol.state_transfer import StateProvider, StateTransferMixin
 
 __all__ = ["ExactAverager", "RoundFailedError", "StateProvider"]
 
@@ -56,7 +56,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
     After a successful ``step`` the vector (``get_tensors()[0]``) holds the weighted
     average of the group's decoded contributions, identical in every member.
 
-    With ``streams`` > 1 the vector is cut into fragments (``protocol.fragments``; every member
+    With ``streams`` > 1 the vector is cut into fragments (``engine.fragments``; every member
     must be given the same ``streams``: it is the spec's ``averaging.streams``), each averaged
     by its own ``ExactAllReduceRunner``, all at once, with the same group, over their own
     libp2p streams: one stream per sender-reducer pair caps at what one stream's flow-control
@@ -82,7 +82,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         self.fragments = fragment_bounds(numel, streams)
         """``[start, end)`` of each fragment averaged at once (one for ``streams`` = 1)."""
         self.robust = robust if robust is not None else RobustRule.off()
-        """How this peer's reducer bounds each member's contribution (``protocol.robust``; the
+        """How this peer's reducer bounds each member's contribution (``engine.robust``; the
         run's spec gives the rule, a bare averager takes the plain weighted mean)."""
         self.gate = gate
         """When set, only the peers it admits may join our groups, lead them or download state."""
@@ -237,7 +237,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
     async def _step(self, *, step: Any, future_for_init: Any) -> None:
         """Look for the group under the key of the round this step averages (its gathered
         ``meet``, else ``round``): each round meets at its own DHT key, so a round's leftover declarations
-        (a long window, ``protocol.matchmaking``) never stand in the next round's way, and a
+        (a long window, ``engine.matchmaking``) never stand in the next round's way, and a
         peer a round behind meets nobody it would only average stale with."""
         metadata = gathered_metadata(step.data_for_gather)
         round_ = metadata.get("meet", metadata.get("round")) if isinstance(metadata, dict) else None

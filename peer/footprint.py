@@ -51,7 +51,7 @@ HOST_BASE_BYTES = GIB + GIB // 2
 """Interpreter, torch, hivemind's averaging process and p2pd (measured ~1.1 GiB RSS in all)."""
 FP32 = 4
 LOSSY_CODECS = ("fp16", "int8", "4bit")
-"""Codecs whose residual a peer carries (``protocol.compression``; torch-free here, checked by a test)."""
+"""Codecs whose residual a peer carries (``engine.compression``; torch-free here, checked by a test)."""
 
 Where = Literal["device", "host", "shm"]
 

@@ -3,7 +3,7 @@
 A member of a public run may send anything that decodes: a pseudo-gradient scaled by 100, or a
 self-reported weight of 1e15. A plain weighted mean lets one such member move the whole swarm
 (issue #14 measured a 4-peer run going from loss 2.67 to 248). The reducer holds every
-member's copy of its part (``protocol.allreduce.RobustPartReducer``), so it bounds each one
+member's copy of its part (``engine.allreduce.RobustPartReducer``), so it bounds each one
 against the others before averaging:
 
 1. **Weights** are capped at ``weight_cap`` (2) times the lower median of the contributing

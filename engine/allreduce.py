@@ -6,7 +6,7 @@ Rounding in those deltas (and in their compression) leaves replicas apart (~2e-7
 uncompressed, ~3e-3 with fp16). ``ExactAllReduceRunner`` changes the return path: the
 reducer encodes its averaged part **once** with the run's codec and sends the *same bytes*
 to every sender (itself included), and every peer writes the decoded part in place of its
-own. Since decoding is a pure function of the bytes (``protocol.compression``), all peers
+own. Since decoding is a pure function of the bytes (``engine.compression``), all peers
 end with bit-identical averages whatever the codec. The reducer rounds the average
 *stochastically* (``Codec.encode_unbiased``, seeded by the group and part): nobody carries
 that leg's rounding error into the next round (the senders' leg has error feedback), so it
@@ -23,7 +23,7 @@ caller leaves the missing ranges out of this round (``peer.host_passes.land_roun
 member that lost that reducer leaves out the same range, so replicas stay identical.
 
 Which members count is decided before the all-reduce from what they gathered
-(``stale_members``, by ``protocol.agreement``). ``protocol.averaging.ExactAverager`` runs it.
+(``stale_members``, by ``protocol.agreement``). ``engine.averager.ExactAverager`` runs it.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
+from engine.compression import Codec
+from engine.robust import Alignment, RobustRule, robust_mean
 from protocol.agreement import agreed_state, gathered_votes
-from protocol.compression import Codec
 from protocol.errors import MalformedTensorError
-from protocol.robust import Alignment, RobustRule, robust_mean
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +190,12 @@ class InPlaceOutputs(TensorPartContainer):
 
 class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer, but it keeps every sender's copy of the part being reduced and, once
-    all arrived, averages them with ``protocol.robust.robust_mean`` (hivemind adds each copy to
+    all arrived, averages them with ``engine.robust.robust_mean`` (hivemind adds each copy to
     a running sum as it arrives, so nothing can be bounded against the others). Holds one part
     per sender at a time. Senders named for a weight or norm are in ``offences`` (sender
     index: the first reason, and in how many parts); ``alignment`` pools each sender's
     direction against the others' over this reducer's parts (the averager pools it over
-    every fragment's reducer before judging it, ``protocol.robust.direction_offence``)."""
+    every fragment's reducer before judging it, ``engine.robust.direction_offence``)."""
 
     current_part_future: asyncio.Future[torch.Tensor]
 

@@ -1,6 +1,6 @@
 """Authorized averaging inside the averager process: only peers the run's ``MemberGate``
 admits (``protocol.membership``) may ask to join our groups, lead a group we join, be in a
-group we average with, or download our state. Mixed into ``protocol.averaging.ExactAverager``
+group we average with, or download our state. Mixed into ``engine.averager.ExactAverager``
 (before hivemind's ``DecentralizedAverager``, whose handlers it wraps)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from protocol.matchmaking import round_matchmaking
+from engine.matchmaking import round_matchmaking
 from protocol.membership import Lookup, MemberGate
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class AdmissionGateMixin:
     @_matchmaking.setter
     def _matchmaking(self, matchmaking: Any) -> None:
         """hivemind creates its Matchmaking inside the averager process: make it the run's
-        one-group matchmaking (``protocol.matchmaking``), and wrap its requests to leaders so
+        one-group matchmaking (``engine.matchmaking``), and wrap its requests to leaders so
         this peer never asks a leader that is not admitted (it would fail the round)."""
         matchmaking = round_matchmaking(matchmaking)
         if self.gate is not None:

@@ -1,6 +1,6 @@
 """Every private member of hivemind (a name starting with ``_``) that swarmtrain relies on.
 
-hivemind's public API cannot do what ``protocol.averaging`` needs (reducers that broadcast one
+hivemind's public API cannot do what ``engine.averager`` needs (reducers that broadcast one
 encoding of each averaged part, validation of every received part, authorized matchmaking,
 an adaptive all-reduce deadline, digest-checked state download), so ``ExactAllReduceRunner``
 and ``ExactAverager`` override, call, read and write hivemind internals. hivemind does not
@@ -32,10 +32,10 @@ AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
 SERVICER_BASE = "hivemind.p2p.servicer.ServicerBase"
 
-AVERAGING = "protocol/averaging.py"
-ALLREDUCE = "protocol/allreduce.py"
-GATE = "protocol/averager_gate.py"
-STATE = "protocol/state_transfer.py"
+AVERAGING = "engine/averager.py"
+ALLREDUCE = "engine/allreduce.py"
+GATE = "engine/averager_gate.py"
+STATE = "engine/state_transfer.py"
 BAD_TENSORS = "tests/integration/test_bad_tensors.py"
 
 
@@ -186,7 +186,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "_register_allreduce_group",
         "overridden context-manager method",
         f"{AVERAGING} (ExactAverager._register_allreduce_group)",
-        "Registers every fragment's group id (protocol.fragments) along with the group, before "
+        "Registers every fragment's group id (engine.fragments) along with the group, before "
         "hivemind's registration wakes rpc_aggregate_part calls that arrived early.",
         params=("group_info",),
         evidence=(
@@ -304,8 +304,8 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         f"{AVERAGING} (ExactAverager._step)",
         "Runs one step in the averager process: our override sets the matchmaking's group_bits "
         "to the round the step gathers (each round meets under its own DHT key, "
-        "protocol.matchmaking.round_group_bits) before hivemind looks for the group. The public "
-        "Matchmaking members protocol.matchmaking.RoundMatchmaking reads and re-defines "
+        "engine.matchmaking.round_group_bits) before hivemind looks for the group. The public "
+        "Matchmaking members engine.matchmaking.RoundMatchmaking reads and re-defines "
         "(target_group_size, min_group_size, current_followers, step_control.data_for_gather, "
         "potential_leaders' leader_queue, max_assured_time and declared_expiration_time) are "
         "read in that step.",
@@ -334,7 +334,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         MATCHMAKING,
         "_check_reasons_to_reject",
         "overridden method",
-        "protocol/matchmaking.py (RoundMatchmaking._check_reasons_to_reject)",
+        "engine/matchmaking.py (RoundMatchmaking._check_reasons_to_reject)",
         "Called by a leader's rpc_join_group once it holds lock_request_join_group: our override "
         "adds a reason, a request that waited there past half of request_timeout (its sender has "
         "given up on it, yet hivemind would count it in the group). request_timeout is read.",

@@ -1,6 +1,6 @@
 """State download and serving between members of a run, verified by digest: a newcomer or a
 peer that fell out of sync downloads (round, θ_g, outer momentum) from an admitted member that
-serves the state the swarm agrees on. Mixed into ``protocol.averaging.ExactAverager``; the
+serves the state the swarm agrees on. Mixed into ``engine.averager.ExactAverager``; the
 host process sets ``state_provider`` to what it serves."""
 
 from __future__ import annotations
