@@ -423,8 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("sizes ≥ 2, rounds ≥ 1, values ≥ 1, spreads ≥ 0 and timeout > 0 are required")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    rows = [run_size(n, args) for n in sizes]
-    write(rows, args, "python -m benchmarks.round_formation " + " ".join(argv if argv is not None else sys.argv[1:]))
+    command = "python -m benchmarks.round_formation " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows: list[dict[str, Any]] = []
+    for n in sizes:  # written after each size: a run cut short keeps what it measured
+        rows.append(run_size(n, args))
+        write(rows, args, command)
     return 0
 
 
