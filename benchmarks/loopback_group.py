@@ -30,7 +30,7 @@ from engine.allreduce import part_size_bytes
 from engine.compression import Codec, get_codec
 from engine.fragments import fragment_bounds
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
-from peer.swarm import RoundResult
+from peer.swarm_port import RoundResult
 from peer.task.base import derive_seed, generator
 from protocol.roster import RosterClaim
 from protocol.spec import AveragingSection

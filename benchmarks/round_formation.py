@@ -56,7 +56,8 @@ import torch
 from benchmarks.scale import process_tree, pss_bytes
 from engine.compression import get_codec
 from peer.roster_book import RosterBook
-from peer.swarm import PendingRound, RoundResult, Swarm
+from peer.swarm import PendingRound, Swarm
+from peer.swarm_port import RoundResult
 from protocol.identity import Identity
 from protocol.roster import verdict
 from protocol.spec import RunSpec, parse_spec

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +30,9 @@ from engine.compression import Codec
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
-from peer.swarm_port import DownloadedState, StateProvider
+from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
-from protocol.agreement import Agreement, agreed_state, agreed_states, gathered_votes
+from protocol.agreement import Agreement, agreed_state, agreed_states
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
 from protocol.roster import RosterClaim, claimed_roster
@@ -42,9 +42,6 @@ from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
 
-# A peer whose own pseudo-gradient was refused still takes part (so that it receives the
-# average) but with a weight this small its zeros do not move the result measurably.
-NEGLIGIBLE_WEIGHT = 1e-12
 
 PACE_ROUNDS = 16
 """Rounds of digest records whose first sightings give the swarm's pace (``Swarm._rounds_ahead``)."""
@@ -75,48 +72,6 @@ def quiet_expected_round_failures() -> None:
     averager_logger = logging.getLogger("hivemind.averaging.averager")
     if _QUIET not in averager_logger.filters:
         averager_logger.addFilter(_QUIET)
-
-
-@dataclass
-class RoundResult:
-    """What a completed averaging round gives the trainer."""
-
-    averaged: torch.Tensor
-    """The group's average: the averager's shared vector itself (no copy), valid until this
-    peer writes its next round into it."""
-    group_size: int
-    members: list[dict[str, Any]]
-    bytes_sent: int
-    bytes_received: int
-    wait_s: float
-    refused_senders: dict[str, str] = field(default_factory=dict)
-    allreduce_s: float = 0.0
-    """Duration of the all-reduce itself (the rest of wait_s was matchmaking)."""
-    round_s: float = 0.0
-    """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
-    offenders: dict[str, str] = field(default_factory=dict)
-    """Members (public id) whose contribution this peer's reducer bounded or refused, or whose
-    reducer failed this peer, with why (``ExactAllReduceRunner.offences``)."""
-    missing: list[tuple[int, int]] = field(default_factory=list)
-    """``[start, end)`` ranges of ``averaged`` that hold no average (their reducer failed): the
-    round lands without them (``peer.host_passes.land_round``)."""
-    led: dict[str, float] | None = None
-    """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
-    event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""
-
-    def unaveraged(self) -> float:
-        """Fraction of the vector left out of this round (``missing``)."""
-        return sum(hi - lo for lo, hi in self.missing) / max(1, self.averaged.numel())
-
-    def started_in_sync(self, round_: int, digest: str) -> bool:
-        """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed
-        state (``protocol.agreement``, as ``stale_members`` decides). True if no member said;
-        False without an agreement, where nobody can tell which state is the swarm's."""
-        votes = gathered_votes((str(i), data) for i, data in enumerate(self.members))
-        if not votes:
-            return True
-        agreed = agreed_state(votes)
-        return agreed is not None and (agreed.round, agreed.digest) == (round_, digest)
 
 
 @dataclass

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from protocol.agreement import Agreement
+from protocol.agreement import Agreement, agreed_state, gathered_votes
 from protocol.identity import Identity, PublicKey
 from protocol.roster import RosterClaim
 
@@ -20,13 +21,61 @@ DownloadedState = tuple[int, torch.Tensor, torch.Tensor]
 """(round, params, momentum) of a state downloaded from a member, digest verified."""
 
 
+NEGLIGIBLE_WEIGHT = 1e-12
+"""The weight of a peer that contributes nothing (its pseudo-gradient was refused, or it has
+no samples): it still takes part, so that it receives the average, but its zeros do not move
+the result measurably."""
+
+
+@dataclass
+class RoundResult:
+    """What a completed averaging round gives the trainer."""
+
+    averaged: torch.Tensor
+    """The group's average: the averager's shared vector itself (no copy), valid until this
+    peer writes its next round into it."""
+    group_size: int
+    members: list[dict[str, Any]]
+    bytes_sent: int
+    bytes_received: int
+    wait_s: float
+    refused_senders: dict[str, str] = field(default_factory=dict)
+    allreduce_s: float = 0.0
+    """Duration of the all-reduce itself (the rest of wait_s was matchmaking)."""
+    round_s: float = 0.0
+    """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
+    offenders: dict[str, str] = field(default_factory=dict)
+    """Members (public id) whose contribution this peer's reducer bounded or refused, or whose
+    reducer failed this peer, with why (``ExactAllReduceRunner.offences``)."""
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` ranges of ``averaged`` that hold no average (their reducer failed): the
+    round lands without them (``peer.host_passes.land_round``)."""
+    led: dict[str, float] | None = None
+    """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
+    event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""
+
+    def unaveraged(self) -> float:
+        """Fraction of the vector left out of this round (``missing``)."""
+        return sum(hi - lo for lo, hi in self.missing) / max(1, self.averaged.numel())
+
+    def started_in_sync(self, round_: int, digest: str) -> bool:
+        """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed
+        state (``protocol.agreement``, as ``stale_members`` decides). True if no member said;
+        False without an agreement, where nobody can tell which state is the swarm's."""
+        votes = gathered_votes((str(i), data) for i, data in enumerate(self.members))
+        if not votes:
+            return True
+        agreed = agreed_state(votes)
+        return agreed is not None and (agreed.round, agreed.digest) == (round_, digest)
+
+
 class PendingAverage(Protocol):
     """An averaging round started in the background."""
 
     def done(self) -> bool: ...
 
-    def result(self) -> Any:
-        """Block until the round ends: a ``peer.swarm.RoundResult``, or None if it failed."""
+    def result(self) -> RoundResult | None:
+        """Block until the round ends: its result, or None if it failed."""
         ...
 
 

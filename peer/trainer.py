@@ -65,8 +65,7 @@ from peer.roster_book import RosterBook
 from peer.round_metrics import RoundMetrics
 from peer.schedule import inner_lr, outer_lr
 from peer.state import GlobalState, flatten, load_flat
-from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
-from peer.swarm_port import PendingAverage, SwarmPort
+from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
 from peer.task import Task
 from peer.timeouts import AdaptiveTimeouts, matchmaking_window
 from protocol.errors import VerificationError

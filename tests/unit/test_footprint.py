@@ -11,7 +11,7 @@ import torch
 
 from engine.compression import get_codec
 from peer.footprint import LOSSY_CODECS, estimate
-from peer.swarm import RoundResult
+from peer.swarm_port import RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
 from protocol.spec import load_spec, parse_spec

@@ -16,7 +16,7 @@ import torch
 
 from engine.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, outer_step
-from peer.swarm import NEGLIGIBLE_WEIGHT, RoundResult
+from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
