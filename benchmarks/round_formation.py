@@ -257,7 +257,10 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     startup_s = time.monotonic() - started
     memory = pss_bytes(os.getpid(), include_root=False)  # the members' processes, not the driver
     try:
-        rounds = [one_round(members, r, args) for r in range(args.rounds + 1)]
+        rounds = []
+        for r in range(args.rounds + 1):  # each round's line as it lands: a run cut short keeps them
+            rounds.append(one_round(members, r, args))
+            print(json.dumps({"members": n, **rounds[-1]}), file=sys.stderr, flush=True)
     finally:
         for m in members:
             m.swarm.shutdown()
