@@ -868,20 +868,19 @@ class Trainer:
         if result is None:
             self.roster.refused(Verdict(False, 0, self.roster.size, "no group formed"), flight.pre_digest)
             return None
+        found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if result.missing:
             logger.warning(
                 "round %d: %.1f%% of the vector did not arrive (a reducer failed); not landing it",
                 self.state.round,
                 100 * result.unaveraged(),
             )
-            found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
             if found.lands:  # the others land it: the state they make has this peer in its roster
                 self.roster.missed(flight.start["gather"]["round"], result.members, flight.pre_digest)
                 self.swarm.saw_group(result.members)  # its members vote: it takes part in their state
             else:
                 self.roster.refused(found, flight.pre_digest)
             return None
-        found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if not found.lands:
             logger.warning(
                 "round %d: this group is not the round's (%s); not landing it", self.state.round, found.reason

@@ -125,29 +125,28 @@ def verdict(members: Sequence[object], *, min_group_size: int) -> Verdict:
     return Verdict(lands, holders, roster, why)
 
 
+def _in_sync(members: Sequence[object]) -> list[dict[str, object]]:
+    """The gathered metadata of a group's members that started from its agreed state."""
+    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
+    if agreed is None:
+        return []
+    return [
+        data
+        for data in members
+        if isinstance(data, dict) and data.get("round") == agreed.round and data.get("digest") == agreed.digest
+    ]
+
+
 def in_sync_count(members: Sequence[object]) -> int:
     """How many members of a group started from its agreed state: the roster of the state the
     group lands (every member that lands it computes the same number)."""
-    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
-    if agreed is None:
-        return 0
-    return _claims(members, agreed.round, agreed.digest)[0]
+    return len(_in_sync(members))
 
 
 def in_sync_ids(members: Sequence[object]) -> frozenset[str]:
     """The ids (``"id"``) of a group's members that started from its agreed state: the roster of
     the state the group lands, by name."""
-    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
-    if agreed is None:
-        return frozenset()
-    return frozenset(
-        str(data["id"])
-        for data in members
-        if isinstance(data, dict)
-        and data.get("round") == agreed.round
-        and data.get("digest") == agreed.digest
-        and isinstance(data.get("id"), str)
-    )
+    return frozenset(key for data in _in_sync(members) if isinstance(key := data.get("id"), str))
 
 
 def leader_may_close(members: Sequence[object]) -> bool:
