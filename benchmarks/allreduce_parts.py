@@ -68,8 +68,8 @@ def measure_averaging(part_bytes: int, values: int, codec_name: str, rounds: int
             controls = [a.step(wait=False, gather={}, timeout=60) for a in averagers]
             outcomes = [c.result() for c in controls]
             for outcome in outcomes:
-                stats = outcome["stats"]
-                rows.append({"allreduce_s": stats["allreduce_s"], "bytes_sent": stats["bytes_sent"]})
+                stats = outcome.stats
+                rows.append({"allreduce_s": stats.allreduce_s, "bytes_sent": stats.bytes_sent})
         return rows
     finally:
         for averager in averagers:

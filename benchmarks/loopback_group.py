@@ -32,6 +32,7 @@ from engine.fragments import fragment_bounds
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
 from peer.swarm_port import RoundResult
 from peer.task.base import derive_seed, generator
+from protocol.gathered import Gathered
 from protocol.roster import RosterClaim
 from protocol.spec import AveragingSection
 
@@ -119,15 +120,15 @@ class LoopbackGroup:
     work does not count."""
     tally: RobustTally = field(default_factory=RobustTally)
     _lock: threading.Condition = field(default_factory=threading.Condition)
-    _launched: dict[int, dict[int, tuple[torch.Tensor, float, dict[str, Any]]]] = field(default_factory=dict)
-    _results: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    _launched: dict[int, dict[int, tuple[torch.Tensor, float, Gathered]]] = field(default_factory=dict)
+    _results: dict[int, list[Gathered]] = field(default_factory=dict)
     _closed: bool = False
 
     def __post_init__(self) -> None:
         self.codec = get_codec(self.averaging.compression)
         self.rule = RobustRule.for_spec(self.averaging)
 
-    def launch(self, index: int, round_: int, vector: torch.Tensor, weight: float, gather: dict[str, Any]) -> None:
+    def launch(self, index: int, round_: int, vector: torch.Tensor, weight: float, gather: Gathered) -> None:
         with self._lock:
             launched = self._launched.setdefault(round_, {})
             if index in launched:
@@ -166,7 +167,7 @@ class LoopbackGroup:
         self.tally.dropped += sum(1 for w in kept if not w)
         return kept
 
-    def wait(self, round_: int) -> list[dict[str, Any]] | None:
+    def wait(self, round_: int) -> list[Gathered] | None:
         """What the round's members gathered, once it is reduced; None if the group closed first."""
         with self._lock:
             while round_ not in self._results and not self._closed:
@@ -225,17 +226,17 @@ class LoopbackSwarm:
         yield self.vector
 
     def start_round(
-        self, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+        self, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
     ) -> _Pending:
-        round_ = int(gather["round"])
-        pending = _Pending(self, round_, self.steps())
-        self.group.launch(self.index, round_, self.vector, weight, dict(gather))
+        assert gather.round is not None, "a trainer states the round it launches"
+        pending = _Pending(self, gather.round, self.steps())
+        self.group.launch(self.index, gather.round, self.vector, weight, gather)
         return pending
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         pass
 
-    def saw_group(self, members: list[dict[str, Any]]) -> None:
+    def saw_group(self, members: list[Gathered]) -> None:
         pass
 
     def publish_digest(self, identity: Any, *, round_: int, digest: str, roster: int = 0) -> None:

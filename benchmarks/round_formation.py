@@ -58,6 +58,7 @@ from engine.compression import get_codec
 from peer.roster_book import RosterBook
 from peer.swarm import PendingRound, Swarm
 from peer.swarm_port import RoundResult
+from protocol.gathered import Gathered
 from protocol.identity import Identity
 from protocol.roster import verdict
 from protocol.spec import RunSpec, parse_spec
@@ -140,8 +141,15 @@ class Member:
         own noise (as members' pseudo-gradients agree in part: robust averaging keeps them)."""
         with self.swarm.outbox() as out:
             torch.randn(out.shape, generator=rng, out=out).mul_(0.5e-3).add_(common)
-        gather = {"id": self.identity.public_key.id, "round": self.round, "samples": 1, "digest": self.digest}
-        self.pending = self.swarm.start_round(weight=1.0, gather={**gather, **self.roster.gather()})
+        gather = Gathered(
+            id=self.identity.public_key.id,
+            round=self.round,
+            digest=self.digest,
+            samples=1,
+            roster=self.roster.size,
+            known=self.roster.known,
+        )
+        self.pending = self.swarm.start_round(weight=1.0, gather=gather)
         self.launched = time.monotonic()
 
     def land(self, result: RoundResult) -> None:
@@ -206,7 +214,7 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
     for m, result in zip(members, results):
         if result is None:
             continue
-        groups.add(frozenset(str(d.get("id")) for d in result.members))
+        groups.add(frozenset(d.id for d in result.members))
         found = verdict(result.members, min_group_size=2)
         if result.missing and found.lands:  # as the trainer: the others land it without m
             m.roster.missed(m.round, result.members, m.digest)

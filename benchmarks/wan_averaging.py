@@ -241,10 +241,10 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
         _barrier(workdir, "listening", args.index, args.peers)
         times = []
         for _ in range(args.rounds):
-            stats = averager.step(gather={}, timeout=args.timeout)["stats"]
-            if stats["streams"] != args.streams[0]:
-                raise RuntimeError(f"averaged in {stats['streams']} streams, asked for {args.streams[0]}")
-            times.append(float(stats["allreduce_s"]))
+            stats = averager.step(gather={}, timeout=args.timeout).stats
+            if stats.streams != args.streams[0]:
+                raise RuntimeError(f"averaged in {stats.streams} streams, asked for {args.streams[0]}")
+            times.append(stats.allreduce_s)
         return times
     finally:
         averager.shutdown()

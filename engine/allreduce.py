@@ -47,8 +47,9 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from engine.compression import Codec
 from engine.robust import Alignment, RobustRule, robust_mean
-from protocol.agreement import agreed_state, gathered_votes
+from protocol.agreement import agreed_state
 from protocol.errors import MalformedTensorError
+from protocol.gathered import Gathered, votes
 
 logger = logging.getLogger(__name__)
 
@@ -566,23 +567,23 @@ def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
     members stated states but agree on none (a tie, e.g. two members of one round with two
     digests): nobody can tell whose pseudo-gradient is the swarm's, so the group averages
     nothing and every member re-checks. Nobody stated a state: nobody is stale."""
-    members: list[tuple[str, object]] = []
+    members: list[tuple[str, Gathered | None]] = []
     for peer, raw in zip(group_info.peer_ids, group_info.gathered):
         try:
             _bandwidth, _mode, user_bytes = serializer.loads(raw)
-            data = serializer.loads(user_bytes)
+            data = Gathered.parse(serializer.loads(user_bytes))
         except Exception:  # noqa: BLE001 - unreadable gather: no vote
             data = None
         members.append((str(peer), data))
-    votes = gathered_votes(members)
-    if not votes:
+    cast = votes(members)
+    if not cast:
         return frozenset()
-    agreed = agreed_state(votes)
+    agreed = agreed_state(cast)
     if agreed is None:
         raise RoundFailedError(
             "the group's members started from different states and no strict majority agrees on one; not averaging"
         )
-    in_sync = {vote.voter for vote in votes if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
+    in_sync = {vote.voter for vote in cast if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
     return frozenset(peer for peer in group_info.peer_ids if str(peer) not in in_sync)
 
 

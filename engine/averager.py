@@ -3,7 +3,7 @@ flat float32 vector, with bit-identical results (``engine.allreduce``), authoriz
 membership (``engine.averager_gate``) and verified state transfer
 (``engine.state_transfer``). The vector averaged is whatever the caller puts in it (a
 pseudo-gradient). After a round it holds the average except in the ranges of reducers that
-failed (stats ``missing``: ``[start, end)`` pairs), which the caller leaves out of the round.
+failed (``AllReduceStats.missing``: ``[start, end)`` pairs), which the caller leaves out of the round.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from engine.averager_gate import AdmissionGateMixin
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
 from engine.matchmaking import gathered_metadata, round_group_bits
+from engine.outcome import AllReduceStats, GroupOutcome
 from engine.robust import Alignment, RobustRule, direction_offence
 from engine.state_transfer import StateProvider, StateTransferMixin
+from protocol.gathered import Gathered
 from protocol.membership import MemberGate
 
-__all__ = ["ExactAverager", "RoundFailedError", "StateProvider"]
+__all__ = ["AllReduceStats", "ExactAverager", "GroupOutcome", "RoundFailedError", "StateProvider"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         run's spec gives the rule, a bare averager takes the plain weighted mean)."""
         self.gate = gate
         """When set, only the peers it admits may join our groups, lead them or download state."""
-        self._stats: dict[bytes, dict[str, Any]] = {}
+        self._stats: dict[bytes, AllReduceStats] = {}
         self.state_provider: StateProvider | None = None
         """Set in the host process: returns the (round, params, momentum, digest) to serve."""
         super().__init__(
@@ -160,16 +162,16 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
                 sorted(failed),
                 100.0 * left_out / max(1, self.numel),
             )
-        self._stats[group_id] = {
-            "bytes_sent": sum(runner.bytes_sent for runner in runners),
-            "bytes_received": sum(runner.bytes_received for runner in runners),
-            "refused_senders": {str(k): v for runner in runners for k, v in runner.refused_senders.items()},
-            "offences": offences,
-            "allreduce_s": time.monotonic() - started,
-            "peer_ids": [str(p) for p in group_info.peer_ids],
-            "streams": len(runners),
-            "missing": missing,
-        }
+        self._stats[group_id] = AllReduceStats(
+            bytes_sent=sum(runner.bytes_sent for runner in runners),
+            bytes_received=sum(runner.bytes_received for runner in runners),
+            refused_senders={str(k): v for runner in runners for k, v in runner.refused_senders.items()},
+            offences=offences,
+            allreduce_s=time.monotonic() - started,
+            peer_ids=[str(p) for p in group_info.peer_ids],
+            streams=len(runners),
+            missing=missing,
+        )
 
     @staticmethod
     def _failed_reducers(runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
@@ -240,22 +242,20 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         (a long window, ``engine.matchmaking``) never stand in the next round's way, and a
         peer a round behind meets nobody it would only average stale with."""
         metadata = gathered_metadata(step.data_for_gather)
-        round_ = metadata.get("meet", metadata.get("round")) if isinstance(metadata, dict) else None
-        if type(round_) is int and 0 <= round_ < 1 << 62:
+        round_ = (metadata.meet if metadata.meet is not None else metadata.round) if metadata is not None else None
+        if round_ is not None:
             self._matchmaking.group_key_manager.group_bits = round_group_bits(round_)
         await super()._step(step=step, future_for_init=future_for_init)
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        """Returns ``{"gathered": {peer_id: data}, "stats": {...}}`` to ``step()``'s caller."""
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> GroupOutcome:
+        """Returns the group's ``GroupOutcome`` to ``step()``'s caller."""
         outsiders = [peer for peer in group_info.peer_ids if not await self._admitted(peer)]
         if outsiders:
             raise RoundFailedError(f"group includes peers not admitted to this run: {sorted(map(str, outsiders))}")
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        stats = self._stats.pop(group_info.group_id, {})
+        stats = self._stats.pop(group_info.group_id, AllReduceStats())
         led = self._matchmaking.led()  # a RoundMatchmaking (AdmissionGateMixin._matchmaking)
-        if led is not None:
-            stats["led"] = led
-        return {"gathered": {str(k): v for k, v in gathered.items()}, "stats": stats}
+        return GroupOutcome({str(k): Gathered.parse(v) for k, v in gathered.items()}, stats, led)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""

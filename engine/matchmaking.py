@@ -30,6 +30,7 @@ from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
+from protocol.gathered import Gathered
 from protocol.roster import leader_may_close, verdict
 
 __all__ = ["RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
@@ -46,12 +47,12 @@ of theirs. Anyone can declare at a key, so this is also the most a forged declar
 round."""
 
 
-def gathered_metadata(gather: bytes) -> object:
-    """The swarmtrain metadata inside hivemind's gathered bytes ``[bandwidth, mode, user bytes]``
-    (None if malformed: a follower's bytes are untrusted input)."""
+def gathered_metadata(gather: bytes) -> Gathered | None:
+    """The member's statement (``protocol.gathered``) inside hivemind's gathered bytes
+    ``[bandwidth, mode, user bytes]`` (None if malformed: a follower's bytes are untrusted input)."""
     try:
         _bandwidth, _mode, user = MSGPackSerializer.loads(gather)
-        return MSGPackSerializer.loads(user)
+        return Gathered.parse(MSGPackSerializer.loads(user))
     except Exception:  # noqa: BLE001 - any malformed payload is just "no metadata"
         return None
 
@@ -75,7 +76,7 @@ class RoundMatchmaking(Matchmaking):
         if not followers or getattr(self, "step_control", None) is None:
             return bound
         metadata = self._metadata()  # parsed once per round (the bound is read at every join)
-        if leader_may_close(metadata) and self._first_in_line():
+        if leader_may_close([data for data in metadata if data is not None]) and self._first_in_line():
             if self._grace_left() > 0:
                 return bound
             if self.__dict__.get("_closed_step") is not self.step_control:  # hivemind reads the bound twice
@@ -185,11 +186,11 @@ class RoundMatchmaking(Matchmaking):
             return float(self.potential_leaders.search_end_time)
         return float(super().get_request_expiration_time())
 
-    def _metadata(self) -> list[object]:
+    def _metadata(self) -> list[Gathered | None]:
         """Every current member's gathered metadata (this peer's first), each parsed once per round."""
         followers = getattr(self, "current_followers", {})
         gathers = [self.step_control.data_for_gather] + [request.gather for request in followers.values()]
-        cache: dict[bytes, object] = self.__dict__.get("_parsed_gathers", {})
+        cache: dict[bytes, Gathered | None] = self.__dict__.get("_parsed_gathers", {})
         cache = {data: cache[data] if data in cache else gathered_metadata(data) for data in gathers}
         self.__dict__["_parsed_gathers"] = cache
         return [cache[data] for data in gathers]
@@ -248,10 +249,10 @@ class RoundMatchmaking(Matchmaking):
         base: int = self.__dict__.get("_min_group_size", 1)
         if getattr(self, "step_control", None) is None:
             return base
-        members = self._metadata()
-        if verdict(members, min_group_size=base).lands:
+        metadata = self._metadata()
+        if verdict([data for data in metadata if data is not None], min_group_size=base).lands:
             return base
-        return len(members) + 1
+        return len(metadata) + 1
 
     @min_group_size.setter
     def min_group_size(self, value: int) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
+from peer.round_metrics import RoundMetrics
 from protocol.errors import AdmissionError, ConfigError
 
 if TYPE_CHECKING:
@@ -386,9 +387,10 @@ def run(args: argparse.Namespace) -> int:
 
         experiment = ExperimentLog(args.log_to, name=f"{spec.run.name}-{identity.public_key.id[8:20]}")
 
-        def on_round(metrics: dict[str, Any]) -> None:
-            report(metrics)
-            experiment.scalars(int(metrics["round"]), peer_figures(metrics))
+        def on_round(metrics: RoundMetrics) -> None:
+            row = metrics.as_dict()
+            report(row)
+            experiment.scalars(metrics.round, peer_figures(row))
             if link is not None:
                 link.report(metrics)
 

@@ -22,10 +22,11 @@ from typing import Any
 import grpc
 
 from peer.progress import Credit
+from peer.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
-from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
+from protocol.errors import AdmissionError, ConfigError, IdentityError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MAX_OFFENCE_CHARS, MAX_REPORTED_SAMPLES, SignedMessage, sign_message
 from protocol.tokens import decode_token
@@ -159,6 +160,50 @@ def reported_weight(samples: object) -> float:
     return min(value, float(MAX_REPORTED_SAMPLES)) if value >= 0 else 0.0
 
 
+def _public_key(public_id: str) -> PublicKey | None:
+    """The key a member stated as its id; None where it is none (another member's say-so)."""
+    try:
+        return PublicKey.from_id(public_id)
+    except IdentityError:
+        logger.debug("leaving a group member with the malformed id %.80r out of the report", public_id)
+        return None
+
+
+def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
+    """The round report of a round this peer averaged (``protocol/swarmtrain.proto``)."""
+    group = [
+        pb.GroupMember(
+            public_key=key.raw,
+            weight=reported_weight(member.samples),
+            offence=str(metrics.offenders.get(member.id, ""))[:MAX_OFFENCE_CHARS],
+        )
+        for member in metrics.members
+        if (key := _public_key(member.id)) is not None
+    ]
+    body = pb.RoundReportBody(
+        round=metrics.round,
+        samples=metrics.samples,
+        loss=metrics.loss if math.isfinite(metrics.loss) else math.nan,  # no ±inf on the wire
+        group=group,
+        state_digest=metrics.state_digest,
+        compute_s=metrics.compute_s,
+        wait_s=metrics.wait_s,
+        bytes_sent=metrics.bytes_sent,
+        bytes_received=metrics.bytes_received,
+        allreduce_s=_seconds(metrics.allreduce_s),
+    )
+    if metrics.val_loss is not None and math.isfinite(metrics.val_loss):
+        body.validation_loss = metrics.val_loss
+    data = metrics.data
+    if data is not None:
+        body.data.CopyFrom(
+            pb.DataRead(
+                round=data.round, slot=data.slot, steps=data.steps, ids_digest=data.ids_digest, epoch=data.epoch
+            )
+        )
+    return body
+
+
 class CoordinatorLink(threading.Thread):
     """Heartbeats and queued round reports in the background; re-joins when told to."""
 
@@ -196,60 +241,22 @@ class CoordinatorLink(threading.Thread):
         self.phase_of: Callable[[], str] = lambda: "training"
         """The trainer's phase (``peer.trainer.Phase`` value), read at each heartbeat."""
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        """Queue a round report from a trainer metrics row; update the heartbeat figures (a
+    def report(self, metrics: RoundMetrics) -> None:
+        """Queue the report of a round the trainer recorded; update the heartbeat figures (a
         failed round is not reported: it counts in the heartbeats' ``rounds_failed``)."""
-        averaged = bool(metrics.get("averaged"))
-        if not averaged:
+        if not metrics.averaged:
             self.rounds_failed += 1
         self.status = pb.HeartbeatBody(
-            round=metrics["round"],
+            round=metrics.round,
             phase=pb.PEER_PHASE_TRAINING,
-            samples_per_second=metrics["samples"] / max(metrics["wall_s"], 1e-9),
-            samples_total=self.status.samples_total + metrics["samples"],
-            loss=metrics["loss"],
-            state_digest=metrics["state_digest"],
+            samples_per_second=metrics.samples / max(metrics.wall_s, 1e-9),
+            samples_total=self.status.samples_total + metrics.samples,
+            loss=metrics.loss,
+            state_digest=metrics.state_digest,
             rounds_failed=self.rounds_failed,
         )
-        if not averaged:
-            return
-        offenders = metrics.get("offenders", {})
-        group = [
-            pb.GroupMember(
-                public_key=PublicKey.from_id(m["id"]).raw,
-                weight=reported_weight(m.get("samples", 0)),
-                offence=str(offenders.get(m["id"], ""))[:MAX_OFFENCE_CHARS],
-            )
-            for m in metrics.get("members", [])
-            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
-        ]
-        body = pb.RoundReportBody(
-            round=metrics["round"],
-            samples=metrics["samples"],
-            loss=metrics["loss"] if math.isfinite(metrics["loss"]) else math.nan,  # no ±inf on the wire
-            group=group,
-            state_digest=metrics["state_digest"],
-            compute_s=metrics["compute_s"],
-            wait_s=metrics["wait_s"],
-            bytes_sent=metrics["bytes_sent"],
-            bytes_received=metrics["bytes_received"],
-            allreduce_s=_seconds(metrics.get("allreduce_s", 0.0)),
-        )
-        val_loss = metrics.get("val_loss")
-        if isinstance(val_loss, float) and math.isfinite(val_loss):
-            body.validation_loss = val_loss
-        data = metrics.get("data")
-        if isinstance(data, dict):
-            body.data.CopyFrom(
-                pb.DataRead(
-                    round=int(data["round"]),
-                    slot=int(data["slot"]),
-                    steps=int(data["steps"]),
-                    ids_digest=str(data["ids_digest"]),
-                    epoch=float(data.get("epoch", 0.0)),
-                )
-            )
-        self.reports.put(body)
+        if metrics.averaged:
+            self.reports.put(report_body(metrics))
 
     def heartbeat_body(self) -> pb.HeartbeatBody:
         """The next heartbeat: the last round's figures and the trainer's phase now."""

@@ -34,6 +34,23 @@ FEISTEL_ROUNDS = 6
 
 
 @dataclass(frozen=True)
+class DataRead:
+    """What one round of one data stream read, as its report states it: anyone holding the
+    spec and the manifest recomputes ``ids_digest`` from (round, slot, steps)."""
+
+    round: int
+    """The round of the data assignment (the round the inner steps trained)."""
+    slot: int
+    """The data stream."""
+    steps: int
+    """Inner steps read (each of the assignment's ``batch`` sequences)."""
+    ids_digest: str
+    """``ids_digest`` of the sequence ids read, in order."""
+    epoch: float = 0.0
+    """The epoch the round is in (fractional: how far through it)."""
+
+
+@dataclass(frozen=True)
 class DataAssignment:
     """The assignment of one run: ``sequences`` training sequences, ``slots`` streams, rounds
     of ``steps`` inner steps of ``batch`` sequences, keyed by ``seed``."""

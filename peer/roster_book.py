@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
+from protocol.gathered import Gathered
 from protocol.roster import ROSTER_RELEASE_AFTER, RosterClaim, Verdict, in_sync_count, in_sync_ids
 
 logger = logging.getLogger(__name__)
@@ -41,15 +41,11 @@ class RosterBook:
     _state: str = ""
     _missed: _Missed | None = None
 
-    def gather(self) -> dict[str, Any]:
-        """The fields this peer adds to its round's gathered metadata."""
-        return {"roster": self.size, "known": self.known}
-
-    def landed(self, members: list[Any]) -> None:
+    def landed(self, members: list[Gathered]) -> None:
         """This peer landed a round of a group that gathered ``members``, from its agreed state."""
         self.size, self.known, self.failures, self._state, self._missed = in_sync_count(members), True, 0, "", None
 
-    def missed(self, round_: int, members: list[Any], digest: str) -> None:
+    def missed(self, round_: int, members: list[Gathered], digest: str) -> None:
         """This peer started round ``round_`` from the state ``digest`` in a group that gathered
         ``members`` and passes the roster rule, but a reducer failed it: the other members land
         the round without it. It counts as a failed round (``refused``), and if this peer was

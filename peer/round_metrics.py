@@ -7,6 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.data_assignment import DataRead
+from protocol.gathered import Gathered
+
 
 @dataclass(frozen=True)
 class RoundMetrics:
@@ -58,8 +61,8 @@ class RoundMetrics:
     round landed on the training thread)."""
     local_world_size: int = 1
     """Local ranks (GPUs) of this node that trained the round (``peer.node``)."""
-    members: list[dict[str, Any]] = field(default_factory=list)
-    """What each group member gathered: id, round, samples, digest."""
+    members: list[Gathered] = field(default_factory=list)
+    """What each group member stated (``protocol.gathered``): id, round, digest, samples, roster."""
     offenders: dict[str, str] = field(default_factory=dict)
     """Members (public id) whose contribution this peer's reducer bounded (robust averaging:
     a capped weight, a clipped part) or refused, with why; reported to the coordinator."""
@@ -73,9 +76,9 @@ class RoundMetrics:
     val_loss: float | None = None
     """Validation loss of the state after the round (θ_g) on the run's held-out batches, on
     rounds that are a multiple of ``eval.every_rounds``; None otherwise."""
-    data: dict[str, Any] | None = None
-    """Token runs: what the round's inner steps read (``round`` of the data assignment,
-    ``slot``, ``steps``, ``ids_digest``; ``peer.data_assignment``)."""
+    data: DataRead | None = None
+    """Token runs: what the round's inner steps read (``peer.data_assignment``)."""
 
     def as_dict(self) -> dict[str, Any]:
+        """The metrics file's row (JSON-ready: the members and data as maps)."""
         return dataclasses.asdict(self)

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,12 +27,14 @@ from hivemind.utils import get_dht_time
 
 from engine.averager import ExactAverager
 from engine.compression import Codec
+from engine.outcome import GroupOutcome
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states
+from protocol.gathered import Gathered
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
 from protocol.roster import RosterClaim, claimed_roster
@@ -90,38 +92,35 @@ class PendingRound:
         except Exception as exc:  # noqa: BLE001 - hivemind raises many kinds; the round just failed
             logger.warning("averaging round failed: %s", exc)
             return None
-        if not outcome:
+        if not isinstance(outcome, GroupOutcome):
             return None
         waited = time.monotonic() - self.started  # since launch
         with self.averager.get_tensors() as tensors:
             averaged = tensors[0]
-        stats = outcome.get("stats", {})
-        gathered = outcome.get("gathered", {})
-        members = [data for data in gathered.values() if isinstance(data, dict)]
+        stats, gathered = outcome.stats, outcome.gathered
         return RoundResult(
             averaged=averaged,
-            group_size=len(outcome.get("gathered", {})),
-            members=members,
-            bytes_sent=int(stats.get("bytes_sent", 0)),
-            bytes_received=int(stats.get("bytes_received", 0)),
+            group_size=len(gathered),
+            members=[data for data in gathered.values() if data is not None],
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
             wait_s=waited,
-            refused_senders=dict(stats.get("refused_senders", {})),
-            allreduce_s=float(stats.get("allreduce_s", 0.0)),
+            refused_senders=dict(stats.refused_senders),
+            allreduce_s=stats.allreduce_s,
             round_s=waited,
-            offenders=offenders_by_id(stats.get("offences", {}), gathered),
-            missing=[(int(lo), int(hi)) for lo, hi in stats.get("missing", [])],
-            led=stats.get("led"),
+            offenders=offenders_by_id(stats.offences, gathered),
+            missing=list(stats.missing),
+            led=outcome.led,
         )
 
 
-def offenders_by_id(offences: dict[str, str], gathered: dict[str, Any]) -> dict[str, str]:
+def offenders_by_id(offences: dict[str, str], gathered: dict[str, Gathered | None]) -> dict[str, str]:
     """``offences`` (libp2p peer id → why) keyed by the public id each member gathered instead
     (its libp2p id where it gathered none)."""
     named = {}
     for peer, reason in offences.items():
         data = gathered.get(peer)
-        key = data.get("id") if isinstance(data, dict) else None
-        named[key if isinstance(key, str) and key else peer] = reason
+        named[data.id if data is not None and data.id else peer] = reason
     return named
 
 
@@ -190,7 +189,7 @@ class Swarm:
             yield tensors[0]
 
     def start_round(
-        self, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+        self, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
     ) -> PendingRound:
         """Start averaging the outbox's vector with whoever is looking within ``timeout`` s (see
         ``SwarmPort.start_round``)."""
@@ -201,7 +200,7 @@ class Swarm:
             # timeout later and close a window after that (it waits for them all the same)
             timeout += window
         control = self.averager.step(
-            gather={**gather, "meet": self._meeting_round(gather.get("round"), window)},
+            gather=replace(gather, meet=self._meeting_round(gather.round, window)).to_wire(),
             weight=max(weight, NEGLIGIBLE_WEIGHT),
             scheduled_time=get_dht_time() + window,
             timeout=timeout,
@@ -209,7 +208,7 @@ class Swarm:
         )
         return PendingRound(control=control, averager=self.averager, started=time.monotonic())
 
-    def _meeting_round(self, round_: object, window: float = 0.0) -> object:
+    def _meeting_round(self, round_: int | None, window: float = 0.0) -> int | None:
         """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,
         except for a newcomer to an open run, whose electorate is empty so it sees no agreed
         state to adopt: it meets a later round the DHT shows, so that its first group (where it
@@ -219,8 +218,8 @@ class Swarm:
         be launched). Anyone may sign records for any round, so it tries each such round in
         turn, those with the most signers first. ``window``: how long this peer, leading the
         round it meets, waits for the swarm to arrive (``_rounds_ahead`` aims at its middle)."""
-        if type(round_) is not int:
-            return round_
+        if round_ is None:
+            return None
         candidates = self._meeting_candidates(round_, window)
         if not candidates:
             return round_
@@ -299,13 +298,10 @@ class Swarm:
         now = time.time()
         return lambda key: gate.is_member_key(key, now=now)
 
-    def saw_group(self, members: list[dict[str, Any]]) -> None:
+    def saw_group(self, members: list[Gathered]) -> None:
         """Remember the public ids of the members of a group this peer averaged with: in an
         open run they are the peers whose digest records count."""
-        for member in members:
-            key = member.get("id") if isinstance(member, dict) else None
-            if isinstance(key, str) and len(key) < 200:
-                self.electorate.add(key)
+        self.electorate.update(member.id for member in members if member.id)
 
     def accepted_state(self, *, exclude: PublicKey | None = None) -> Agreement | None:
         """The swarm's latest state by the votes of its members (but ``exclude``); None if

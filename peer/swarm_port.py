@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from protocol.agreement import Agreement, agreed_state, gathered_votes
+from protocol.agreement import Agreement, agreed_state
+from protocol.gathered import Gathered, votes
 from protocol.identity import Identity, PublicKey
 from protocol.roster import RosterClaim
 
@@ -35,7 +36,9 @@ class RoundResult:
     """The group's average: the averager's shared vector itself (no copy), valid until this
     peer writes its next round into it."""
     group_size: int
-    members: list[dict[str, Any]]
+    members: list[Gathered]
+    """What each member of the group stated (``protocol.gathered``; members whose statement was
+    unreadable are left out)."""
     bytes_sent: int
     bytes_received: int
     wait_s: float
@@ -62,10 +65,10 @@ class RoundResult:
         """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed
         state (``protocol.agreement``, as ``stale_members`` decides). True if no member said;
         False without an agreement, where nobody can tell which state is the swarm's."""
-        votes = gathered_votes((str(i), data) for i, data in enumerate(self.members))
-        if not votes:
+        cast = votes((str(i), data) for i, data in enumerate(self.members))
+        if not cast:
             return True
-        agreed = agreed_state(votes)
+        agreed = agreed_state(cast)
         return agreed is not None and (agreed.round, agreed.digest) == (round_, digest)
 
 
@@ -87,7 +90,7 @@ class SwarmPort(Protocol):
         ...
 
     def start_round(
-        self, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+        self, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
     ) -> PendingAverage:
         """Average the outbox's vector with whoever is looking within ``timeout`` s; this peer
         declares it would lead a group for ``window`` s (default ``matchmaking_window(timeout)``)."""
@@ -95,7 +98,7 @@ class SwarmPort(Protocol):
 
     def set_allreduce_timeout(self, timeout_s: float) -> None: ...
 
-    def saw_group(self, members: list[dict[str, Any]]) -> None: ...
+    def saw_group(self, members: list[Gathered]) -> None: ...
 
     def publish_digest(self, identity: Identity, *, round_: int, digest: str, roster: int = 0) -> None: ...
 

@@ -46,6 +46,7 @@ import torch
 
 from engine.checkpoint import Checkpointer
 from engine.compression import ErrorFeedback, get_codec
+from peer.data_assignment import DataRead
 from peer.host_passes import (
     Staging,
     copy_model_into,
@@ -69,6 +70,7 @@ from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, Swar
 from peer.task import Task
 from peer.timeouts import AdaptiveTimeouts, matchmaking_window
 from protocol.errors import VerificationError
+from protocol.gathered import Gathered
 from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
 from protocol.spec import OuterSection, RunSpec
@@ -138,6 +140,20 @@ class _NotStarted:
 _NOT_STARTED: Any = _NotStarted()
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """``SwarmPort.start_round``'s arguments for a launched round."""
+
+    weight: float
+    gather: Gathered
+    timeout: float
+    window: float
+
+    def claiming_nothing(self) -> _Launch:
+        """The same launch taking part with zeros: weight negligible, no samples claimed."""
+        return dataclasses.replace(self, weight=NEGLIGIBLE_WEIGHT, gather=dataclasses.replace(self.gather, samples=0))
+
+
 @dataclass
 class _InFlight:
     """A launched round: what applying its result (or undoing it) needs."""
@@ -154,12 +170,12 @@ class _InFlight:
     """Host time spent preparing the launch (pseudo-gradient and residual written into the
     averager's vector, hand-over)."""
     lr: float = 0.0
-    data: dict[str, Any] | None = None
+    data: DataRead | None = None
     eager: bool = False
     """The next inner phase started at θ̂ (``peer.host_passes.start_eagerly``), not the launch point."""
     result: RoundResult | None = None
     """The round's outcome, once known."""
-    start: dict[str, Any] = field(default_factory=dict)
+    start: _Launch | None = None
     """``SwarmPort.start_round``'s arguments."""
     writing: Future[bool] | None = None
     """The pseudo-gradient being written on the landing thread; the round starts after it."""
@@ -241,7 +257,7 @@ class Trainer:
         task: Task,
         swarm: SwarmPort,
         options: TrainerOptions,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_round: Callable[[RoundMetrics], None] | None = None,
         progress: ProgressSink | None = None,
     ) -> None:
         self.spec, self.task, self.swarm, self.options = spec, task, swarm, options
@@ -513,13 +529,14 @@ class Trainer:
             assert self._launch_point is not None
             start_eagerly(self.model, self.state, self._launch_point, self._outer(), self._staging)
         pre_digest = self.state.digest()
-        gather = {
-            "id": self.identity.public_key.id,
-            "round": self.state.round,
-            "samples": samples,
-            "digest": pre_digest,
-            **self.roster.gather(),
-        }
+        gather = Gathered(
+            id=self.identity.public_key.id,
+            round=self.state.round,
+            digest=pre_digest,
+            samples=samples,
+            roster=self.roster.size,
+            known=self.roster.known,
+        )
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
         if inner.steps:
             self._phase_s = compute_s
@@ -544,7 +561,7 @@ class Trainer:
             data,
             eager,
         )
-        flight.start = {"weight": weight, "gather": gather, "timeout": timeout, "window": window}
+        flight.start = _Launch(weight, gather, timeout, window)
         flight.writing = writing
         if writing is None:
             self._start_round(flight)
@@ -572,12 +589,13 @@ class Trainer:
                 assert self._launch_point is not None
                 copy_model_into(self.model, self._launch_point)
                 flight.samples, flight.loss, flight.compensated = 0, float("nan"), False
-                flight.start = {
-                    **flight.start,
-                    "weight": NEGLIGIBLE_WEIGHT,
-                    "gather": {**flight.start["gather"], "samples": 0},
-                }
-        flight.pending = self.swarm.start_round(**flight.start)
+                assert flight.start is not None
+                flight.start = flight.start.claiming_nothing()
+        assert flight.start is not None
+        start = flight.start
+        flight.pending = self.swarm.start_round(
+            weight=start.weight, gather=start.gather, timeout=start.timeout, window=start.window
+        )
         flight.launched_at = time.monotonic()
         flight.prep_s += flight.launched_at - started
 
@@ -704,7 +722,7 @@ class Trainer:
             digest_s=round(self.state.digest_s, 4),
         )
         self.history.append(metrics)
-        self.on_round(metrics.as_dict())
+        self.on_round(metrics)
 
     @torch.no_grad()
     def _validation_loss(self) -> float | None:
@@ -876,7 +894,8 @@ class Trainer:
                 100 * result.unaveraged(),
             )
             if found.lands:  # the others land it: the state they make has this peer in its roster
-                self.roster.missed(flight.start["gather"]["round"], result.members, flight.pre_digest)
+                assert flight.start is not None and flight.start.gather.round is not None
+                self.roster.missed(flight.start.gather.round, result.members, flight.pre_digest)
                 self.swarm.saw_group(result.members)  # its members vote: it takes part in their state
             else:
                 self.roster.refused(found, flight.pre_digest)

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Agreement", "Vote", "agreed_state", "agreed_states", "gathered_votes", "majority"]
+__all__ = ["Agreement", "Vote", "agreed_state", "agreed_states", "majority"]
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,3 @@ def agreed_state(votes: Iterable[Vote], *, eligible: Callable[[str], bool] | Non
     newest = max(vote.round for vote in latest)
     states = agreed_states(latest)
     return states[0] if states and states[0].round == newest else None
-
-
-def gathered_votes(gathered: Iterable[tuple[str, object]]) -> list[Vote]:
-    """The votes of an averaging group's members: each member's gathered metadata (a dict with
-    the ``round`` and ``digest`` of the state it started the round from). Members whose
-    metadata does not say both cast no vote."""
-    votes = []
-    for member, data in gathered:
-        if not isinstance(data, dict):
-            continue
-        round_, digest = data.get("round"), data.get("digest")
-        if type(round_) is int and round_ >= 0 and isinstance(digest, str):
-            votes.append(Vote(member, round_, digest))
-    return votes

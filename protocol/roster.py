@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from protocol.agreement import agreed_state, gathered_votes
+from protocol.agreement import agreed_state
+from protocol.gathered import MAX_ROSTER, Gathered, votes
 
 __all__ = [
     "MAX_ROSTER",
@@ -49,9 +50,6 @@ __all__ = [
     "leader_may_close",
     "verdict",
 ]
-
-MAX_ROSTER = 1 << 20
-"""The largest roster a member may claim (claims above it are ignored as malformed)."""
 
 ROSTER_RELEASE_AFTER = 2
 """Consecutive rounds failed by the roster rule, at the same state, after which a member stops
@@ -79,19 +77,11 @@ class RosterClaim:
     holders: frozenset[str]
 
 
-def _claims(members: Sequence[object], round_: int, digest: str) -> tuple[int, list[int], int]:
+def _claims(members: Sequence[Gathered], round_: int, digest: str) -> tuple[int, list[int], int]:
     """(holders of ``(round_, digest)``, their roster claims > 0, how many of them are known)."""
-    holders, claims, known = 0, [], 0
-    for data in members:
-        if not isinstance(data, dict) or data.get("round") != round_ or data.get("digest") != digest:
-            continue
-        holders += 1
-        roster = data.get("roster")
-        if type(roster) is int and 0 < roster <= MAX_ROSTER:
-            claims.append(roster)
-        if data.get("known") is True:
-            known += 1
-    return holders, claims, known
+    holders = [data for data in members if data.holds(round_, digest)]
+    claims = [data.roster for data in holders if data.roster > 0]
+    return len(holders), claims, sum(1 for data in holders if data.known)
 
 
 def claimed_roster(claims: Iterable[int]) -> int:
@@ -106,15 +96,21 @@ def claimed_roster(claims: Iterable[int]) -> int:
     return max(counts.items(), key=lambda item: (item[1], item[0]))[0]
 
 
-def verdict(members: Sequence[object], *, min_group_size: int) -> Verdict:
+def _agreed(members: Sequence[Gathered]) -> tuple[bool, tuple[int, str] | None]:
+    """(whether any member stated a state, the state the members agree on)."""
+    cast = votes((str(i), data) for i, data in enumerate(members))
+    agreed = agreed_state(cast)
+    return bool(cast), (agreed.round, agreed.digest) if agreed is not None else None
+
+
+def verdict(members: Sequence[Gathered], *, min_group_size: int) -> Verdict:
     """The rule above for a group whose members gathered ``members`` (one entry each)."""
-    votes = gathered_votes((str(i), data) for i, data in enumerate(members))
-    if not votes:  # an honest member always states its own: a group of none is nobody's concern
+    stated, agreed = _agreed(members)
+    if not stated:  # an honest member always states its own: a group of none is nobody's concern
         return Verdict(True, 0, 0, "no member states its state")
-    agreed = agreed_state(votes)
     if agreed is None:
         return Verdict(False, 0, 0, "the group's members agree on no state")
-    holders, claims, known = _claims(members, agreed.round, agreed.digest)
+    holders, claims, known = _claims(members, *agreed)
     roster = claimed_roster(claims)
     if roster == 0:
         lands = holders >= min_group_size
@@ -125,38 +121,32 @@ def verdict(members: Sequence[object], *, min_group_size: int) -> Verdict:
     return Verdict(lands, holders, roster, why)
 
 
-def _in_sync(members: Sequence[object]) -> list[dict[str, object]]:
-    """The gathered metadata of a group's members that started from its agreed state."""
-    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
-    if agreed is None:
-        return []
-    return [
-        data
-        for data in members
-        if isinstance(data, dict) and data.get("round") == agreed.round and data.get("digest") == agreed.digest
-    ]
+def _in_sync(members: Sequence[Gathered]) -> list[Gathered]:
+    """The members of a group that started from its agreed state."""
+    _stated, agreed = _agreed(members)
+    return [data for data in members if data.holds(*agreed)] if agreed is not None else []
 
 
-def in_sync_count(members: Sequence[object]) -> int:
+def in_sync_count(members: Sequence[Gathered]) -> int:
     """How many members of a group started from its agreed state: the roster of the state the
     group lands (every member that lands it computes the same number)."""
     return len(_in_sync(members))
 
 
-def in_sync_ids(members: Sequence[object]) -> frozenset[str]:
-    """The ids (``"id"``) of a group's members that started from its agreed state: the roster of
-    the state the group lands, by name."""
-    return frozenset(key for data in _in_sync(members) if isinstance(key := data.get("id"), str))
+def in_sync_ids(members: Sequence[Gathered]) -> frozenset[str]:
+    """The ids of a group's members that started from its agreed state: the roster of the
+    state the group lands, by name."""
+    return frozenset(data.id for data in _in_sync(members) if data.id)
 
 
-def leader_may_close(members: Sequence[object]) -> bool:
+def leader_may_close(members: Sequence[Gathered]) -> bool:
     """Whether a leader whose group has gathered ``members`` may start the all-reduce before
     its window ends: every member of the roster of the group's state is in (the roster's
     ``known`` members, as many as the roster claims). Without a claimed roster the leader
     waits out its window (the first round, or after a roster release)."""
-    agreed = agreed_state(gathered_votes((str(i), data) for i, data in enumerate(members)))
+    _stated, agreed = _agreed(members)
     if agreed is None:
         return False
-    _holders, claims, known = _claims(members, agreed.round, agreed.digest)
+    _holders, claims, known = _claims(members, *agreed)
     roster = claimed_roster(claims)
     return roster > 0 and known >= roster

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from peer.data_assignment import DataRead
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs, targets), CPU tensors; ``loss_fn`` moves them to the model's device."""
 
@@ -33,7 +35,7 @@ class Task:
     batch_at: Callable[[int, int], Batch] | None = None
     """Positional data (token runs): the batch of inner step ``step`` of round ``round``, as
     assigned to this peer's data stream (``peer.data_assignment``); None: ``batches``."""
-    data_report: Callable[[int], dict[str, object] | None] | None = None
+    data_report: Callable[[int], DataRead | None] | None = None
     """What a round read (stream, steps, digest of the sequence ids), for its report."""
     micro_batches: int = 1
     """Gradient accumulation: each batch runs in this many micro-batches."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from peer.data_assignment import DataAssignment, ids_digest
+from peer.data_assignment import DataAssignment, DataRead, ids_digest
 from peer.task.base import Batch
 from protocol.errors import ConfigError
 from protocol.manifest import Manifest, ShardEntry, load_manifest
@@ -100,7 +100,7 @@ class AssignedBatches:
         self._read.setdefault(round_, []).extend(ids)
         return split_rows(self.shards.rows(ids))
 
-    def report(self, round_: int) -> dict[str, object] | None:
+    def report(self, round_: int) -> DataRead | None:
         """What round ``round_`` read (and forget it): the stream, the steps and the digest of
         the sequence ids in order (``peer.data_assignment.ids_digest``)."""
         ids = self._read.pop(round_, None)
@@ -108,13 +108,13 @@ class AssignedBatches:
             del self._read[stale]
         if ids is None:
             return None
-        return {
-            "round": round_,
-            "slot": self.slot,
-            "steps": len(ids) // self.assignment.batch,
-            "ids_digest": ids_digest(ids),
-            "epoch": round(self.assignment.epoch(round_), 6),
-        }
+        return DataRead(
+            round=round_,
+            slot=self.slot,
+            steps=len(ids) // self.assignment.batch,
+            ids_digest=ids_digest(ids),
+            epoch=round(self.assignment.epoch(round_), 6),
+        )
 
 
 def eval_batches(shards: TokenShards, *, batch_size: int, n_batches: int) -> Iterator[Batch]:

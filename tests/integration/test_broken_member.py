@@ -14,6 +14,7 @@ Four real averagers on a real hivemind DHT; member 3 breaks in one way per test:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -121,7 +122,7 @@ def run_group(broken: type[ExactAllReduceRunner] | type[CodecCompression]) -> li
                 return
             if outcome:
                 with averagers[i].get_tensors() as tensors:
-                    outcomes[i] = {"vector": tensors[0].clone(), **outcome["stats"]}
+                    outcomes[i] = {"vector": tensors[0].clone(), **dataclasses.asdict(outcome.stats)}
 
         threads = [threading.Thread(target=step, args=(i,), daemon=True) for i in range(MEMBERS)]
         for thread in threads:

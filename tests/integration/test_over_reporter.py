@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from engine.compression import get_codec
 from peer.coordinator_client import CoordinatorClient, CoordinatorLink
+from peer.round_metrics import RoundMetrics
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
@@ -51,11 +53,9 @@ class InflatingLink(CoordinatorLink):
         super().__init__(*args, **kwargs)
         self.me = me
 
-    def report(self, metrics: dict[str, Any]) -> None:
-        members = [
-            dict(m, samples=m["samples"] * INFLATE) if m.get("id") == self.me else m for m in metrics.get("members", [])
-        ]
-        super().report(dict(metrics, samples=metrics["samples"] * INFLATE, members=members))
+    def report(self, metrics: RoundMetrics) -> None:
+        members = [replace(m, samples=m.samples * INFLATE) if m.id == self.me else m for m in metrics.members]
+        super().report(replace(metrics, samples=metrics.samples * INFLATE, members=members))
 
 
 def get(base: str, path: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from protocol.agreement import Agreement, Vote, agreed_state, agreed_states, gathered_votes, majority
+from protocol.agreement import Agreement, Vote, agreed_state, agreed_states, majority
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,18 +55,6 @@ def test_only_eligible_voters_count() -> None:
 def test_each_voter_has_one_vote_its_newest() -> None:
     cast = votes(("p1", 3, "a"), ("p1", 4, "b"), ("p1", 4, "c"), ("p2", 4, "c"))
     assert agreed_state(cast) == Agreement(4, "c", 2, 2)
-
-
-def test_gathered_votes_need_a_round_and_a_digest() -> None:
-    gathered = [
-        ("a", {"round": 2, "digest": "x"}),
-        ("b", {"digest": "x"}),
-        ("c", {"round": True, "digest": "x"}),
-        ("d", {"round": -1, "digest": "x"}),
-        ("e", "garbage"),
-        ("f", {"round": 2, "digest": 5}),
-    ]
-    assert gathered_votes(gathered) == [Vote("a", 2, "x")]
 
 
 def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:

@@ -7,8 +7,9 @@ from typing import Any
 
 from peer.coordinator_client import CoordinatorLink
 from protocol import coordinator_pb2 as pb
+from tests.unit.test_metrics_exposition import row
 
-METRICS = {"round": 3, "samples": 40, "wall_s": 2.0, "loss": 2.5, "state_digest": "sha256:x", "averaged": False}
+METRICS = row(3, averaged=False, digest="sha256:x", samples=40, wall_s=2.0)
 
 
 def link() -> CoordinatorLink:
@@ -21,7 +22,7 @@ def test_a_joining_peer_says_joining_until_its_first_round() -> None:
 
 def test_the_phase_follows_the_trainer() -> None:
     peer = link()
-    peer.report(dict(METRICS))
+    peer.report(METRICS)
     phase: list[Any] = ["training"]
     peer.phase_of = lambda: phase[0]
     assert peer.heartbeat_body().phase == pb.PEER_PHASE_TRAINING

@@ -25,6 +25,7 @@ from peer.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import MalformedMessageError
+from protocol.gathered import Gathered
 from protocol.identity import Identity
 from protocol.messages import sign_message
 
@@ -85,10 +86,8 @@ def joined(core: Coordinator, now: float = T0) -> Identity:
     return peer
 
 
-def row(
-    round_: int, *, averaged: bool, digest: str, members: Sequence[Identity] = (), **figures: Any
-) -> dict[str, Any]:
-    """A trainer's metrics row (``RoundMetrics``), as ``CoordinatorLink.report`` gets it."""
+def row(round_: int, *, averaged: bool, digest: str, members: Sequence[Identity] = (), **figures: Any) -> RoundMetrics:
+    """A trainer's round (``RoundMetrics``), as ``CoordinatorLink.report`` gets it."""
     values: dict[str, Any] = dict(
         round=round_,
         group_size=len(members) or 1,
@@ -106,10 +105,10 @@ def row(
         allreduce_s=0.0,
         matchmaking_timeout_s=10.0,
         allreduce_timeout_s=10.0,
-        members=[{"id": m.public_key.id, "round": round_ - 1, "samples": 20, "digest": "d0"} for m in members],
+        members=[Gathered(id=m.public_key.id, round=round_ - 1, samples=20, digest="d0") for m in members],
     )
     values.update(figures)
-    return RoundMetrics(**values).as_dict()
+    return RoundMetrics(**values)
 
 
 def link() -> CoordinatorLink:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from engine.matchmaking import gathered_metadata
 from peer.roster_book import RosterBook
+from protocol.gathered import Gathered
 from protocol.roster import (
     ROSTER_RELEASE_AFTER,
     RosterClaim,
@@ -24,8 +26,20 @@ DECLARED = time.time() + 3600.0
 """When the matchmaking of ``_matchmaking`` declared it would start (DHT time: the wall clock)."""
 
 
-def member(roster: int, known: bool = True, digest: str = D, round_: int = 5) -> dict[str, object]:
+def member_map(roster: int, known: bool = True, digest: str = D, round_: int = 5) -> dict[str, object]:
+    """A member's gathered map, as it comes off the wire."""
     return {"id": "x", "round": round_, "digest": digest, "samples": 8, "roster": roster, "known": known}
+
+
+def member(roster: int, known: bool = True, digest: str = D, round_: int = 5) -> Gathered:
+    parsed = Gathered.parse(member_map(roster, known, digest, round_))
+    assert parsed is not None
+    return parsed
+
+
+def statements(*maps: object) -> list[Gathered]:
+    """What the members whose gathered maps are ``maps`` stated (unreadable ones: nothing)."""
+    return [parsed for data in maps if (parsed := Gathered.parse(data)) is not None]
 
 
 def test_a_majority_of_the_roster_lands_a_minority_does_not() -> None:
@@ -75,7 +89,7 @@ def test_one_liar_does_not_move_the_claimed_roster() -> None:
     [None, "text", {"round": 5}, {"round": 5, "digest": D, "roster": -1}, {"round": 5, "digest": D, "roster": 2**40}],
 )
 def test_malformed_metadata_claims_nothing(bad: object) -> None:
-    found = verdict([member(6)] * 4 + [bad], min_group_size=2)
+    found = verdict([member(6)] * 4 + statements(bad), min_group_size=2)
     assert found.roster == 6 and found.holders in (4, 5)
 
 
@@ -100,22 +114,22 @@ def test_the_roster_of_a_landed_state_is_its_in_sync_members() -> None:
 def test_a_peer_releases_its_roster_after_repeated_refusals() -> None:
     book = RosterBook()
     book.landed([member(9)] * 9)
-    assert book.gather() == {"roster": 9, "known": True}
+    assert (book.size, book.known) == (9, True)
     refusal = verdict([member(9)] * 3, min_group_size=2)
     for attempt in range(1, ROSTER_RELEASE_AFTER):
         book.refused(refusal, D)
         assert book.size == 9, attempt
     book.refused(refusal, D)
-    assert book.gather() == {"roster": 0, "known": False}
+    assert (book.size, book.known) == (0, False)
     book.adopted(RosterClaim(4, frozenset()), round_=6, me="x")
-    assert book.gather() == {"roster": 4, "known": False}
+    assert (book.size, book.known) == (4, False)
     book.refused(refusal, D)
     book.refused(refusal, E)  # another state: the count starts again
     assert book.size == 4
 
 
-def named(i: int, roster: int = 5, digest: str = D, round_: int = 5) -> dict[str, object]:
-    return {**member(roster, digest=digest, round_=round_), "id": f"p{i}"}
+def named(i: int, roster: int = 5, digest: str = D, round_: int = 5) -> Gathered:
+    return replace(member(roster, digest=digest, round_=round_), id=f"p{i}")
 
 
 def test_the_in_sync_ids_are_the_roster_by_name() -> None:
@@ -133,7 +147,7 @@ def test_a_member_a_reducer_failed_is_in_the_roster_of_the_state_its_group_made(
     book = RosterBook()
     book.missed(5, GROUP, D)
     book.adopted(RosterClaim(5, ROSTER - {"p0"}), round_=6, me="p0")
-    assert book.gather() == {"roster": 5, "known": True}  # the next round's leader need not wait for it
+    assert (book.size, book.known) == (5, True)  # the next round's leader need not wait for it
 
 
 @pytest.mark.parametrize(
@@ -152,7 +166,7 @@ def test_a_downloaded_state_counts_its_taker_only_if_its_own_group_made_it(
     book = RosterBook()
     book.missed(5, GROUP, D)
     book.adopted(claim, round_=round_, me=me)
-    assert book.gather() == {"roster": claim.size, "known": False}, why
+    assert (book.size, book.known) == (claim.size, False), why
 
 
 def test_only_the_next_download_after_a_missed_round_can_count() -> None:
@@ -170,7 +184,7 @@ def test_only_the_next_download_after_a_missed_round_can_count() -> None:
 def test_a_follower_s_malformed_bytes_are_no_metadata() -> None:
     from hivemind.utils import MSGPackSerializer
 
-    good = MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(member(2))])
+    good = MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(member_map(2))])
     assert gathered_metadata(good) == member(2)
     for bad in (b"", b"\xff\x00", MSGPackSerializer.dumps([1, 2]), MSGPackSerializer.dumps(7)):
         assert gathered_metadata(bad) is None
@@ -185,7 +199,9 @@ def test_a_grown_swarm_still_lands_at_most_one_group() -> None:
         assert not (verdict(a, min_group_size=2).lands and verdict(b, min_group_size=2).lands), mask
 
 
-def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], followers: list[dict[str, object]]) -> Any:
+def _matchmaking(
+    bound: int | None, smallest: int, me: Gathered | dict[str, object], followers: list[Gathered | dict[str, object]]
+) -> Any:
     """A hivemind ``Matchmaking`` as hivemind leaves it after ``__init__`` (no P2P needed for
     the bounds), re-classed, leading ``followers``."""
     from types import SimpleNamespace
@@ -196,8 +212,9 @@ def _matchmaking(bound: int | None, smallest: int, me: dict[str, object], follow
 
     from engine.matchmaking import round_matchmaking
 
-    def wire(data: dict[str, object]) -> bytes:
-        return MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(data)])
+    def wire(data: Gathered | dict[str, object]) -> bytes:
+        raw = data.to_wire() if isinstance(data, Gathered) else data
+        return MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(raw)])
 
     made = object.__new__(Matchmaking)
     made.__dict__.update(target_group_size=bound, min_group_size=smallest, step_control=None, current_followers={})

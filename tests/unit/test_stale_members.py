@@ -10,6 +10,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from engine.allreduce import RoundFailedError, stale_members
 from peer.swarm_port import RoundResult
+from protocol.gathered import Gathered
 
 PEERS = [PeerID(f"peer{i}".encode()) for i in range(4)]
 
@@ -54,7 +55,7 @@ def test_groups_that_gather_no_state_have_no_stale_member() -> None:
 
 
 def _result(*states: object) -> RoundResult:
-    members = [s if isinstance(s, dict) else d(s) for s in states]
+    members = [Gathered.parse(s if isinstance(s, dict) else d(s)) or Gathered() for s in states]
     return RoundResult(
         averaged=torch.zeros(1), group_size=len(members), members=members, bytes_sent=0, bytes_received=0, wait_s=0.0
     )

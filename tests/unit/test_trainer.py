@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
+from protocol.gathered import Gathered
 from protocol.modelsize import count_params
 from protocol.roster import RosterClaim
 from protocol.spec import parse_spec
@@ -82,7 +83,7 @@ class RecordingSwarm:
     def download_state(self, accept: set[str], *, timeout: float) -> Any:
         return self.averager.load_verified_state(accept, timeout) if self.averager is not None else None
 
-    def start_round(self, *, weight: float, gather: dict[str, Any], timeout: float, window: float = 0.0) -> _Pending:
+    def start_round(self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0) -> _Pending:
         self.launched.append((self.vector.clone(), weight))
         self.matchmaking_timeouts.append(timeout)
         return _Pending(self.next_result)
@@ -99,8 +100,8 @@ class RecordingSwarm:
     def behind(self, round_: int) -> bool:
         return False
 
-    def saw_group(self, members: list[dict[str, Any]]) -> None:
-        self.seen = [m.get("id") for m in members]
+    def saw_group(self, members: list[Gathered]) -> None:
+        self.seen = [m.id for m in members]
 
     def peers_at(self, round_: int, **kwargs: Any) -> set[str]:
         return set(self.others)
@@ -434,9 +435,7 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
             return False
 
     class Swarm(RecordingSwarm):
-        def start_round(
-            self, *, weight: float, gather: dict[str, Any], timeout: float, window: float = 0.0
-        ) -> _Pending:
+        def start_round(self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0) -> _Pending:
             super().start_round(weight=weight, gather=gather, timeout=timeout, window=window)
             return SlowPending(None)
 
@@ -475,8 +474,8 @@ def _adopting_trainer(ahead_by: int) -> tuple[Trainer, RecordingSwarm, GlobalSta
 
 def test_a_stale_member_carries_the_round_its_group_weighed_zero_onto_the_adopted_state() -> None:
     trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
-    majority = [{"id": f"ed25519:{n}", "round": 0, "digest": "sha256:theirs"} for n in "ab"]
-    mine = {"id": trainer.identity.public_key.id, "round": 0, "digest": trainer.state.digest()}
+    majority = [Gathered(id=f"ed25519:{n}", round=0, digest="sha256:theirs") for n in "ab"]
+    mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest())
     swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [*majority, mine], 10, 10, 0.0)
     trainer.run()
     assert trainer.state.digest() == theirs.digest() and trainer.in_sync
@@ -490,16 +489,16 @@ def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_
     than half of the group's roster publish that they hold it, it claims its place in it, so
     the next round's leader does not wait out its window for it."""
     trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
-    mine = {"id": trainer.identity.public_key.id, "round": 0, "digest": trainer.state.digest()}
-    others = [{**mine, "id": f"ed25519:{n}"} for n in "ab"]
+    mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest())
+    others = [replace(mine, id=f"ed25519:{n}") for n in "ab"]
     result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [mine, *others], 10, 10, 0.0)
     result.missing = [(0, 8)]
     swarm.next_result = result
-    swarm.claim = RosterClaim(3, frozenset(str(m["id"]) for m in others[:holders]))
+    swarm.claim = RosterClaim(3, frozenset(m.id for m in others[:holders]))
     trainer.run()
     assert trainer.state.digest() == theirs.digest() and not trainer.history[-1].averaged
-    assert trainer.roster.gather() == {"roster": 3, "known": holders == 2}
-    assert swarm.seen == [m["id"] for m in [mine, *others]]  # their records count: they are its group
+    assert (trainer.roster.size, trainer.roster.known) == (3, holders == 2)
+    assert swarm.seen == [m.id for m in [mine, *others]]  # their records count: they are its group
 
 
 def test_work_more_than_two_rounds_stale_is_dropped() -> None:

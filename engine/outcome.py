@@ -1,0 +1,42 @@
+"""What one averaging step gives its caller (``ExactAverager.step``): what each member of the
+group stated, and what this peer's all-reduce did. It crosses from the averager's process to
+the peer's, so it is plain picklable data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.gathered import Gathered
+
+__all__ = ["AllReduceStats", "GroupOutcome"]
+
+
+@dataclass
+class AllReduceStats:
+    """This peer's side of one group's all-reduce, over every fragment."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    refused_senders: dict[str, str] = field(default_factory=dict)
+    """Members (libp2p id) whose parts this peer's reducer refused, with why."""
+    offences: dict[str, str] = field(default_factory=dict)
+    """Members (libp2p id) whose contribution this peer's reducer bounded or refused, or whose
+    reducer failed this peer, with why."""
+    allreduce_s: float = 0.0
+    peer_ids: list[str] = field(default_factory=list)
+    """The group's members (libp2p ids) in the all-reduce's order."""
+    streams: int = 0
+    """All-reduce runners (fragments) the group averaged over."""
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` ranges of the vector that hold no average (their reducer failed)."""
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """A step that completed: the group's statements and this peer's all-reduce."""
+
+    gathered: dict[str, Gathered | None]
+    """Each member (libp2p id) → what it stated (None: nothing readable)."""
+    stats: AllReduceStats
+    led: dict[str, float] | None = None
+    """Set if this peer led the group (``engine.matchmaking.RoundMatchmaking.led``)."""
