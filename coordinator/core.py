@@ -4,14 +4,13 @@ The gRPC servicer (``coordinator.servicer``) is a thin adapter over ``Coordinato
 passed in, so all of this runs in tests without sockets. State lives in three places:
 ``Store`` (everything that must survive a crash: run, allowlist, bans, peers, claims,
 credits, rounds, swarm samples), ``HealthTracker`` (per-peer liveness, rebuilt from
-heartbeats after a restart) and ``RoundLedger`` (undecided claims, re-loaded from the store
-on start). The coordinator is never on the critical path of a training step: peers train
+heartbeats after a restart) and ``RoundBook`` (``coordinator.rounds``: the undecided claims
+and the figures of the rounds reported, re-loaded from the store on start). The coordinator is never on the critical path of a training step: peers train
 and average without it and re-send reports when it is back.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -22,12 +21,13 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from coordinator.admission import admit, parse_body
-from coordinator.credits import OFFENCE, ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
+from coordinator.credits import OFFENCE
 from coordinator.health import HealthConfig, HealthTracker
-from coordinator.limits import MAX_GROUP, check_hardware, check_heartbeat, check_report, check_text
-from coordinator.round_view import ROUND_WINDOW, RoundFigures, RoundWindow
+from coordinator.limits import check_hardware, check_heartbeat, check_report, check_text
+from coordinator.round_view import RoundFigures, RoundWindow
+from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
-from coordinator.store import Decision, Store
+from coordinator.store import Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import AdmissionError, MalformedMessageError
@@ -77,13 +77,7 @@ class Coordinator:
         self.digest = spec.digest()
         self.bootstrap_maddrs = list(bootstrap_maddrs)
         self.health = HealthTracker(health or HealthConfig())
-        self.ledger = RoundLedger(
-            max_samples_per_second=spec.credits.max_samples_per_second,
-            min_attester_age_s=spec.credits.min_attester_age_s,
-        )
         self._owner_since: dict[str, float] = {}
-        self._last_report_at: dict[str, float] = {}
-        """When each key's last recorded report arrived (from the store the first time)."""
         self.verifier = MessageVerifier()
         # the same figure the peers compute (an import task earns FLOPs only if its spec declares them)
         self.flops_per_sample = task_flops_per_sample(spec)
@@ -100,18 +94,10 @@ class Coordinator:
                 )
         self.operators = {identity.public_key.id, *operators}
         self._accounts: dict[str, str] = {}
-        self._losses: dict[int, list[float]] = {}
-        self._val_losses: dict[int, dict[str, float]] = {}
-        """Validation losses reported per round, by reporter (only granted ones count)."""
-        self._epochs: dict[int, dict[str, float]] = {}
-        self._data_read: dict[str, int] = {}
-        """Token runs: the last data round each peer's recorded reports read (strictly rising)."""
         self.data_slots = DataSlots(store, spec.data.slots, now=time.time()) if spec.data.source == "tokens" else None
         """Token runs: who trains which data stream (``coordinator.slots``)."""
-        self.data_epoch = 0.0
-        """Token runs: the data order's position in epochs, the highest of the rounds' lower
-        medians of what granted reporters stated (shown only; 0 again after a restart until a
-        round is decided)."""
+        self.rounds = RoundBook(spec, store, flops_per_sample=self.flops_per_sample, data_slots=self.data_slots)
+        """Every round report from its arrival to its decision (``coordinator.rounds``)."""
         self._bans: dict[str, str] | None = None
         """The store's bans, read once and again after every change (this process makes them
         all): each heartbeat and report checks them."""
@@ -129,22 +115,17 @@ class Coordinator:
         """Makes a heartbeat's "nothing changed, cache it" one step against ``_credit_moved``."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
-        self.round_view = RoundWindow(ROUND_WINDOW)
-        """Groups, states and peers averaged of the newest rounds reported (``coordinator.round_view``)."""
-        self.round_view.load(store.recent_claims(ROUND_WINDOW, limit=ROUND_WINDOW * MAX_GROUP))
-        self._reload_pending()
+        self.rounds.reload(restarted=time.time(), owner_of=self._owner_of)
 
-    def _reload_pending(self) -> None:
-        # restart the finalization clock: peers re-send their reports when we are back
-        restarted = time.time()
-        for row in self.store.pending_claims():
-            claim = _claim_from_row(row)
-            account = self._account_of(claim.key)
-            self.ledger.add(
-                dataclasses.replace(
-                    claim, received_at=restarted, account=account, owner_since=self._first_seen_of(account)
-                )
-            )
+    @property
+    def round_view(self) -> RoundWindow:
+        """How the newest rounds averaged (``coordinator.round_view``), as the reports say."""
+        return self.rounds.view
+
+    @property
+    def data_epoch(self) -> float:
+        """Token runs: the data order's position in epochs (``RoundBook.data_epoch``)."""
+        return self.rounds.data_epoch
 
     # --- RPCs -------------------------------------------------------------------------------
 
@@ -261,61 +242,23 @@ class Coordinator:
         return response
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
+        """Verify a round report, then record it (``RoundBook.record``); it is decided at a
+        later ``tick``."""
         peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now)
         check_report(body)
         if not self._admitted(peer):
             raise AdmissionError(f"{peer.id} is not admitted: join again before reporting")
-        group = []
-        for member in body.group:
-            try:
-                member_key = PublicKey(bytes(member.public_key)).id
-            except Exception as exc:
-                raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
-            group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
-        duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(peer.id, now))
-        account = self._account_of(peer.id)
-        claim = RoundClaim(
-            key=peer.id,
-            account=account,
-            owner_since=self._first_seen_of(account),
-            round=body.round,
-            samples=body.samples,
-            group=tuple(group),
-            state_digest=body.state_digest,
-            duration_s=duration,
-            received_at=now,
-        )
-        if self.ledger.has(peer.id, body.round):  # a resent report (the store also refuses a second one)
+        account, owner_since = self._owner_of(peer.id)
+        claim = self.rounds.claim_of(peer.id, body, now=now, account=account, owner_since=owner_since)
+        if self.rounds.already_reported(peer.id, body.round):  # a resent report (the store refuses it too)
             return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
-        self._check_data_read(peer.id, body)
-        self.ledger.check(claim)  # raises ValueError for malformed claims and closed rounds
-        recorded = self.store.record_claim(
-            key=peer.id,
-            round=body.round,
-            samples=body.samples,
-            group_json=json.dumps([[m.key, m.weight, m.offence] if m.offence else [m.key, m.weight] for m in group]),
-            state_digest=body.state_digest,
-            duration_s=duration,
-            received_at=now,
+        if not self.rounds.record(claim, body):
+            return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
+        self._credit_moved(peer.id, pending=body.samples)
+        self.health.record_report(
+            peer.id, allreduce_s=body.allreduce_s, bytes_sent=body.bytes_sent, bytes_received=body.bytes_received
         )
-        if recorded:
-            self.ledger.add(claim)
-            self.round_view.add(
-                round=body.round, reporter=peer.id, members=(m.key for m in group), state_digest=body.state_digest
-            )
-            self._last_report_at[peer.id] = now
-            self._credit_moved(peer.id, pending=body.samples)
-            self.health.record_report(
-                peer.id, allreduce_s=body.allreduce_s, bytes_sent=body.bytes_sent, bytes_received=body.bytes_received
-            )
-        if recorded and math.isfinite(body.loss):
-            self._losses.setdefault(body.round, []).append(body.loss)
-        if recorded and body.HasField("data"):
-            self._data_read[peer.id] = body.data.round
-            self._epochs.setdefault(body.round, {})[peer.id] = body.data.epoch
-        if recorded and body.HasField("validation_loss") and math.isfinite(body.validation_loss):
-            self._val_losses.setdefault(body.round, {})[peer.id] = body.validation_loss
-        reason = "pending: waiting for the other group members' reports" if recorded else "already reported"
+        reason = "pending: waiting for the other group members' reports"
         return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
 
     def status(self, *, now: float) -> pb.StatusResponse:
@@ -355,42 +298,15 @@ class Coordinator:
     # --- time -------------------------------------------------------------------------------
 
     def tick(self, *, now: float) -> None:
-        """Advance health, decide complete rounds, persist decisions and swarm figures (and,
-        every ``PRUNE_EVERY_S``, drop those older than ``history_keep_s``)."""
+        """Advance health, decide complete rounds (``RoundBook.decide``: decisions and round
+        records committed), persist the swarm's figures (and, every ``PRUNE_EVERY_S``, drop
+        those older than ``history_keep_s``)."""
         self.health.tick(now)
-        decisions = self.ledger.tick(now)
-        by_round: dict[int, list[Decision]] = {}
-        claimed: dict[tuple[int, str], int] = {}
-        for decision in decisions:
-            claimed[(decision.round, decision.key)] = decision.claimed_samples
-            granted = decision.status == ClaimStatus.GRANTED
-            self.health.record_claim(decision.key, offence=not granted and OFFENCE in decision.reason)
-            by_round.setdefault(decision.round, []).append(
-                Decision(
-                    key=decision.key,
-                    status="granted" if granted else "denied",
-                    granted_samples=decision.granted_samples,
-                    flops=decision.granted_samples * self.flops_per_sample,
-                    reason=decision.reason,
-                )
+        for decided in self.rounds.decide(now):  # committed: health and the heartbeats' figures follow
+            self.health.record_claim(decided.key, offence=not decided.granted and OFFENCE in decided.reason)
+            self._credit_moved(
+                decided.key, pending=-decided.claimed_samples, samples=decided.granted_samples, flops=decided.flops
             )
-        for round_, round_decisions in sorted(by_round.items()):
-            self.round_view.decided(round_)
-            losses = self._losses.pop(round_, [])
-            granted_keys = {d.key for d in round_decisions if d.status == "granted"}
-            val_loss = _lower_median(self._val_losses.pop(round_, {}), granted_keys)
-            epoch = _lower_median(self._epochs.pop(round_, {}), granted_keys)
-            if epoch is not None:
-                self.data_epoch = max(self.data_epoch, epoch)
-            self.store.finalize_round(
-                round=round_,
-                decisions=round_decisions,
-                now=now,
-                mean_loss=sum(losses) / len(losses) if losses else None,
-                validation_loss=val_loss,
-            )
-            for d in round_decisions:  # committed: the heartbeats' figures follow, without a query
-                self._credit_moved(d.key, pending=-claimed[(round_, d.key)], samples=d.granted_samples, flops=d.flops)
         summary = self.health.summary(now)
         self.store.record_sample(
             now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second
@@ -430,31 +346,6 @@ class Coordinator:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _check_data_read(self, key: str, body: pb.RoundReportBody) -> None:
-        """Token runs: a report that claims samples says what it read, from a stream it holds
-        (``peer.data_assignment`` lets anyone recompute the ids from it). Raises ValueError."""
-        if self.data_slots is None:
-            if body.HasField("data"):
-                raise ValueError("round report names a data stream, but this run hands out none")
-            return
-        if not body.HasField("data"):
-            if body.samples > 0:
-                raise ValueError("a token run's round report must say what it read (data stream, steps, ids digest)")
-            return
-        held = self.data_slots.held_by(key)
-        if body.data.slot not in held:
-            raise ValueError(f"round report reads data stream {body.data.slot}, but this peer holds {held or 'none'}")
-        inner_steps = self.spec.rounds.inner_steps or 0
-        if not 0 <= body.data.steps <= inner_steps:
-            raise ValueError(f"round report reads {body.data.steps} steps of data; a round has {inner_steps}")
-        if body.data.round <= self._data_read.get(key, -1):
-            raise ValueError(
-                f"round report reads data round {body.data.round} again (this peer last read {self._data_read[key]})"
-            )
-        most = body.data.steps * self.spec.inner.batch_size * len(held)
-        if body.samples > most:
-            raise ValueError(f"round report claims {body.samples} samples but read {most} sequences")
-
     def _verified(self, envelope: pb.SignedEnvelope, kind: str, body_type: type, now: float):  # type: ignore[no-untyped-def]
         message = SignedMessage.from_proto(envelope)
         self.verifier.verify(message, now=now, kind=kind)
@@ -467,6 +358,11 @@ class Coordinator:
         row = self.store.peer(key)
         return (row.get("account_key") if row is not None else None) or key
 
+    def _owner_of(self, key: str) -> tuple[str, float]:
+        """The account ``key`` earns for and when that account was first seen."""
+        account = self._account_of(key)
+        return account, self._first_seen_of(account)
+
     def _first_seen_of(self, owner: str) -> float:
         """When the coordinator first saw ``owner`` (an account: its earliest node key; a key
         without an account: itself), from the store; cached (it only moves earlier when an
@@ -477,22 +373,6 @@ class Coordinator:
             if cached is not None:
                 self._owner_since[owner] = cached
         return cached if cached is not None else math.inf
-
-    def _observed_round_s(self, key: str, now: float) -> float:
-        """The longest a round of ``key`` can have taken by the coordinator's own clock: since
-        its previous round report, or since it was first seen (both kept in the store, so a
-        restart changes nothing). A claim's throughput cap uses this, never less than 1 ms,
-        whatever time the peer says it spent."""
-        since = self._last_report_at.get(key)
-        if since is None:  # this process has not seen it report yet: the store knows
-            previous = self.store.claims(key=key, limit=1)
-            if previous:
-                since = float(previous[0]["received_at"])
-            else:
-                row = self.store.peer(key)
-                since = float(row["first_seen"]) if row is not None else now
-            self._last_report_at[key] = since
-        return max(now - since, 1e-3)
 
     def _credit_moved(self, key: str, *, pending: int = 0, samples: int = 0, flops: float = 0.0) -> None:
         """The core committed a change to ``key``'s credit: move its cached figures by as much
@@ -618,13 +498,6 @@ class Coordinator:
         return dropped
 
 
-def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
-    """The lower median of ``values`` of ``keys``: none of them can raise it alone, and with
-    three or more reporters no single one can move it at all; None if none reported."""
-    chosen = sorted(value for key, value in values.items() if key in keys)
-    return chosen[(len(chosen) - 1) // 2] if chosen else None
-
-
 def _round_view(figures: RoundFigures) -> pb.RoundView:
     return pb.RoundView(
         round=figures.round,
@@ -633,22 +506,6 @@ def _round_view(figures: RoundFigures) -> pb.RoundView:
         peers_averaged=figures.peers_averaged,
         reports=figures.reports,
         decided=figures.decided,
-    )
-
-
-def _claim_from_row(row: dict) -> RoundClaim:
-    group = tuple(
-        GroupMemberView(key=entry[0], weight=entry[1], offence=entry[2] if len(entry) > 2 else "")
-        for entry in json.loads(row["group_json"])
-    )
-    return RoundClaim(
-        key=row["key"],
-        round=row["round"],
-        samples=row["samples"],
-        group=group,
-        state_digest=row["state_digest"],
-        duration_s=row["duration_s"],
-        received_at=row["received_at"],
     )
 
 

@@ -1,0 +1,268 @@
+"""The coordinator's round book: every round report from its arrival to its decision.
+
+A report (``Coordinator.report_round``, already verified: signed, fresh, admitted, in bounds)
+becomes a ``RoundClaim`` here (``claim_of``: the duration bounded by the coordinator's own
+clock), is checked (a token run's data read; the ledger's rules) and **recorded** in one step
+(``record``): the store first (what survives a crash), then, only if the store took it, the
+ledger of undecided claims, the round view and the round's figures (training loss, validation
+loss, data epoch). ``decide(now)`` turns the ledger's verdicts into the store's decisions, one
+transaction per round with the round's record (agreed digest, figures), and returns them so
+that the caller moves what follows from a decision (credits shown in heartbeats, health).
+
+Everything here is rebuilt from the store after a restart (``reload``): the undecided claims
+(their finalisation clock restarts), the round view of the newest rounds, each peer's last
+report time. The figures of rounds not decided yet are lost with the process (a round decided
+after a restart records no loss, as documented in ``Store.finalize_round``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
+from coordinator.credits import Decision as Verdict
+from coordinator.limits import MAX_GROUP
+from coordinator.round_view import ROUND_WINDOW, RoundWindow
+from coordinator.slots import DataSlots
+from coordinator.store import Decision, Store
+from protocol import coordinator_pb2 as pb
+from protocol.errors import MalformedMessageError
+from protocol.identity import PublicKey
+from protocol.spec import RunSpec
+
+__all__ = ["Decided", "RoundBook"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """One claim the book decided and the store committed."""
+
+    round: int
+    key: str
+    granted: bool
+    claimed_samples: int
+    granted_samples: int
+    flops: float
+    reason: str
+
+
+class RoundBook:
+    """The claims, figures and checks of a run's rounds (see the module doc)."""
+
+    def __init__(
+        self, spec: RunSpec, store: Store, *, flops_per_sample: float, data_slots: DataSlots | None = None
+    ) -> None:
+        self.spec, self.store, self.flops_per_sample, self.data_slots = spec, store, flops_per_sample, data_slots
+        self.ledger = RoundLedger(
+            max_samples_per_second=spec.credits.max_samples_per_second,
+            min_attester_age_s=spec.credits.min_attester_age_s,
+        )
+        self.view = RoundWindow(ROUND_WINDOW)
+        """Groups, states and peers averaged of the newest rounds reported (``coordinator.round_view``)."""
+        self._losses: dict[int, list[float]] = {}
+        self._val_losses: dict[int, dict[str, float]] = {}
+        """Validation losses reported per round, by reporter (only granted ones count)."""
+        self._epochs: dict[int, dict[str, float]] = {}
+        self._data_read: dict[str, int] = {}
+        """Token runs: the last data round each peer's recorded reports read (strictly rising)."""
+        self._last_report_at: dict[str, float] = {}
+        """When each key's last recorded report arrived (from the store the first time)."""
+        self.data_epoch = 0.0
+        """Token runs: the data order's position in epochs, the highest of the decided rounds'
+        lower medians of what granted reporters stated (shown only; 0 again after a restart
+        until a round is decided)."""
+
+    def reload(self, *, restarted: float, owner_of: Callable[[str], tuple[str, float]]) -> None:
+        """Rebuild from the store after a start: the round view, and the undecided claims with
+        their finalisation clock restarted at ``restarted`` (peers re-send their reports when the
+        coordinator is back). ``owner_of(key)`` → (its account, when that account was first seen)."""
+        self.view.load(self.store.recent_claims(ROUND_WINDOW, limit=ROUND_WINDOW * MAX_GROUP))
+        for row in self.store.pending_claims():
+            claim = _claim_from_row(row)
+            account, since = owner_of(claim.key)
+            self.ledger.add(dataclasses.replace(claim, received_at=restarted, account=account, owner_since=since))
+
+    # --- a report ---------------------------------------------------------------------------
+
+    def claim_of(
+        self, key: str, body: pb.RoundReportBody, *, now: float, account: str, owner_since: float
+    ) -> RoundClaim:
+        """The claim a verified report of ``key`` makes; raises ``MalformedMessageError`` for a
+        group member that is no public key."""
+        group = []
+        for member in body.group:
+            try:
+                member_key = PublicKey(bytes(member.public_key)).id
+            except Exception as exc:
+                raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
+            group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
+        duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(key, now))
+        return RoundClaim(
+            key=key,
+            account=account,
+            owner_since=owner_since,
+            round=body.round,
+            samples=body.samples,
+            group=tuple(group),
+            state_digest=body.state_digest,
+            duration_s=duration,
+            received_at=now,
+        )
+
+    def already_reported(self, key: str, round_: int) -> bool:
+        """Whether the ledger holds an undecided claim of ``key`` for ``round_``."""
+        return self.ledger.has(key, round_)
+
+    def record(self, claim: RoundClaim, body: pb.RoundReportBody) -> bool:
+        """Check and record one claim (its report ``body`` says the figures): False if the store
+        already holds it (nothing changes). Raises ``ValueError`` for a claim the rules refuse
+        (malformed, a closed round, a data read that does not add up); nothing changes then."""
+        self._check_data_read(claim.key, body)
+        self.ledger.check(claim)
+        recorded = self.store.record_claim(
+            key=claim.key,
+            round=claim.round,
+            samples=claim.samples,
+            group_json=json.dumps(
+                [[m.key, m.weight, m.offence] if m.offence else [m.key, m.weight] for m in claim.group]
+            ),
+            state_digest=claim.state_digest,
+            duration_s=claim.duration_s,
+            received_at=claim.received_at,
+        )
+        if not recorded:
+            return False
+        self.ledger.add(claim)
+        self.view.add(
+            round=claim.round, reporter=claim.key, members=(m.key for m in claim.group), state_digest=claim.state_digest
+        )
+        self._last_report_at[claim.key] = claim.received_at
+        if math.isfinite(body.loss):
+            self._losses.setdefault(claim.round, []).append(body.loss)
+        if body.HasField("data"):
+            self._data_read[claim.key] = body.data.round
+            self._epochs.setdefault(claim.round, {})[claim.key] = body.data.epoch
+        if body.HasField("validation_loss") and math.isfinite(body.validation_loss):
+            self._val_losses.setdefault(claim.round, {})[claim.key] = body.validation_loss
+        return True
+
+    # --- time -------------------------------------------------------------------------------
+
+    def decide(self, now: float) -> list[Decided]:
+        """Decide the rounds the ledger can decide at ``now``; each round's decisions and its
+        record are committed in one transaction (``Store.finalize_round``). What was committed."""
+        verdicts: dict[int, list[Verdict]] = {}
+        for verdict in self.ledger.tick(now):
+            verdicts.setdefault(verdict.round, []).append(verdict)
+        decided: list[Decided] = []
+        for round_, round_verdicts in sorted(verdicts.items()):
+            entries = [self._decided(verdict) for verdict in round_verdicts]
+            self.view.decided(round_)
+            losses = self._losses.pop(round_, [])
+            granted = {entry.key for entry in entries if entry.granted}
+            val_loss = _lower_median(self._val_losses.pop(round_, {}), granted)
+            epoch = _lower_median(self._epochs.pop(round_, {}), granted)
+            if epoch is not None:
+                self.data_epoch = max(self.data_epoch, epoch)
+            self.store.finalize_round(
+                round=round_,
+                decisions=[
+                    Decision(
+                        key=entry.key,
+                        status=ClaimStatus.GRANTED.value if entry.granted else ClaimStatus.DENIED.value,
+                        granted_samples=entry.granted_samples,
+                        flops=entry.flops,
+                        reason=entry.reason,
+                    )
+                    for entry in entries
+                ],
+                now=now,
+                mean_loss=sum(losses) / len(losses) if losses else None,
+                validation_loss=val_loss,
+            )
+            decided.extend(entries)
+        return decided
+
+    def _decided(self, verdict: Verdict) -> Decided:
+        return Decided(
+            round=verdict.round,
+            key=verdict.key,
+            granted=verdict.status == ClaimStatus.GRANTED,
+            claimed_samples=verdict.claimed_samples,
+            granted_samples=verdict.granted_samples,
+            flops=verdict.granted_samples * self.flops_per_sample,
+            reason=verdict.reason,
+        )
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def _check_data_read(self, key: str, body: pb.RoundReportBody) -> None:
+        """Token runs: a report that claims samples says what it read, from a stream it holds
+        (``peer.data_assignment`` lets anyone recompute the ids from it). Raises ValueError."""
+        if self.data_slots is None:
+            if body.HasField("data"):
+                raise ValueError("round report names a data stream, but this run hands out none")
+            return
+        if not body.HasField("data"):
+            if body.samples > 0:
+                raise ValueError("a token run's round report must say what it read (data stream, steps, ids digest)")
+            return
+        held = self.data_slots.held_by(key)
+        if body.data.slot not in held:
+            raise ValueError(f"round report reads data stream {body.data.slot}, but this peer holds {held or 'none'}")
+        inner_steps = self.spec.rounds.inner_steps or 0
+        if not 0 <= body.data.steps <= inner_steps:
+            raise ValueError(f"round report reads {body.data.steps} steps of data; a round has {inner_steps}")
+        if body.data.round <= self._data_read.get(key, -1):
+            raise ValueError(
+                f"round report reads data round {body.data.round} again (this peer last read {self._data_read[key]})"
+            )
+        most = body.data.steps * self.spec.inner.batch_size * len(held)
+        if body.samples > most:
+            raise ValueError(f"round report claims {body.samples} samples but read {most} sequences")
+
+    def _observed_round_s(self, key: str, now: float) -> float:
+        """The longest a round of ``key`` can have taken by the coordinator's own clock: since
+        its previous round report, or since it was first seen (both kept in the store, so a
+        restart changes nothing). A claim's throughput cap uses this, never less than 1 ms,
+        whatever time the peer says it spent."""
+        since = self._last_report_at.get(key)
+        if since is None:  # this process has not seen it report yet: the store knows
+            previous = self.store.claims(key=key, limit=1)
+            if previous:
+                since = float(previous[0]["received_at"])
+            else:
+                row = self.store.peer(key)
+                since = float(row["first_seen"]) if row is not None else now
+            self._last_report_at[key] = since
+        return max(now - since, 1e-3)
+
+
+def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
+    """The lower median of ``values`` of ``keys``: none of them can raise it alone, and with
+    three or more reporters no single one can move it at all; None if none reported."""
+    chosen = sorted(value for key, value in values.items() if key in keys)
+    return chosen[(len(chosen) - 1) // 2] if chosen else None
+
+
+def _claim_from_row(row: dict) -> RoundClaim:
+    group = tuple(
+        GroupMemberView(key=entry[0], weight=entry[1], offence=entry[2] if len(entry) > 2 else "")
+        for entry in json.loads(row["group_json"])
+    )
+    return RoundClaim(
+        key=row["key"],
+        round=row["round"],
+        samples=row["samples"],
+        group=group,
+        state_digest=row["state_digest"],
+        duration_s=row["duration_s"],
+        received_at=row["received_at"],
+    )
