@@ -215,17 +215,17 @@ def one_run(peers: int, args: argparse.Namespace, db_url: str, workdir: Path) ->
             wait_until(lambda: not store.pending_claims(), 180, "every claim decided")
             rows_after = count_rows(db_url)
             keys = set(result.pop("keys"))
-            claims = [c for c in store.claims(limit=10**7) if c["key"] in keys]
+            claims = [c for c in store.claims(limit=10**7) if c.key in keys]
         finally:
             store.close()
         result["rows_per_hour"] = {t: (rows_after[t] - rows_before[t]) * 3600 / wall for t in rows_after}
         result["claims"] = len(claims)
         result["claims_granted_in_full"] = sum(
-            1 for c in claims if c["status"] == "granted" and c["granted_samples"] == SAMPLES
+            1 for c in claims if c.status == "granted" and c.granted_samples == SAMPLES
         )
-        result["claims_not_granted"] = [
-            (c["round"], c["status"], c["reason"][:120]) for c in claims if c["status"] != "granted"
-        ][:5]
+        result["claims_not_granted"] = [(c.round, c.status, c.reason[:120]) for c in claims if c.status != "granted"][
+            :5
+        ]
         return result
     finally:
         coordinator.stop()

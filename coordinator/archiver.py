@@ -26,6 +26,7 @@ from typing import Any
 from hivemind.utils.timed_storage import get_dht_time
 
 from coordinator.archive import ArchivedState, CheckpointArchive, LoadedState
+from coordinator.store import RoundRow
 from engine.records import RunRecords
 from protocol.agreement import agreed_state
 from protocol.identity import Identity
@@ -51,7 +52,7 @@ class Archiver:
         identity: Identity,
         archive: CheckpointArchive,
         every: int,
-        finalized: Callable[[], list[dict[str, Any]]],
+        finalized: Callable[[], list[RoundRow]],
         fetch_timeout_s: float,
         run_digest: str,
         token_ttl_s: float,
@@ -162,14 +163,14 @@ class Archiver:
         admitted peers' records of that round hold. Records of keys without a valid token of
         this coordinator do not count."""
         for row in self.finalized():
-            if row["round"] == round_:
-                return str(row["state_digest"]) or None  # "": the reports tied
+            if row.round == round_:
+                return row.state_digest or None  # "": the reports tied
         agreed = agreed_state(record_votes([r for r in self._records() if r.round == round_]))
         return agreed.digest if agreed is not None else None
 
     def _swarm_round(self, *, after: int) -> int:
         """The newest round the swarm reached, by finalized rounds and the peers' records."""
-        finalized = [row["round"] for row in self.finalized()[:1]]
+        finalized = [row.round for row in self.finalized()[:1]]
         published = [r.round for r in self._records()]
         return max([after, *finalized, *published])
 

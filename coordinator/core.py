@@ -11,12 +11,12 @@ and average without it and re-send reports when it is back.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import threading
 import time
-from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -27,7 +27,8 @@ from coordinator.limits import check_hardware, check_heartbeat, check_report, ch
 from coordinator.round_view import RoundFigures, RoundWindow
 from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
-from coordinator.store import Store
+from coordinator.snapshot import DataProgress, SwarmSnapshot, rounds_per_hour
+from coordinator.store import PeerCredit, Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import AdmissionError, MalformedMessageError
@@ -105,7 +106,7 @@ class Coordinator:
         """The store's allowlist, read like ``_bans``."""
         self._revoked: set[str] | None = None
         """``revoked_peers``, until a ban or an allowlist change."""
-        self._credit_cache: dict[str, dict[str, Any]] = {}
+        self._credit_cache: dict[str, PeerCredit] = {}
         """Each peer's credit as its heartbeat answers it: read from the store once, then moved
         by every committed report and decision (``_credit_moved``)."""
         self._credit_epoch = 0
@@ -180,8 +181,8 @@ class Coordinator:
             spec_digest=self.digest,
             access_token=token.to_bytes(),
             bootstrap_maddrs=self.bootstrap_maddrs,
-            current_round=latest[0]["round"] if latest else 0,
-            current_state_digest=latest[0]["state_digest"] if latest else "",
+            current_round=latest[0].round if latest else 0,
+            current_state_digest=latest[0].state_digest if latest else "",
             coordinator_public_key=self.identity.public_key.raw,
             server_time=now,
             heartbeat_interval_s=self.health.config.heartbeat_interval_s,
@@ -236,9 +237,9 @@ class Coordinator:
         except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
             logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
             return response
-        response.credited_samples = credit["samples"]
-        response.credited_flops = credit["flops"]
-        response.pending_samples = credit["pending_samples"]
+        response.credited_samples = credit.samples
+        response.credited_flops = credit.flops
+        response.pending_samples = credit.pending_samples
         return response
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
@@ -261,25 +262,41 @@ class Coordinator:
         reason = "pending: waiting for the other group members' reports"
         return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
 
-    def status(self, *, now: float) -> pb.StatusResponse:
+    def snapshot(self, *, now: float) -> SwarmSnapshot:
+        """The swarm at ``now``: what every status view shows (``coordinator.snapshot``)."""
         summary = self.health.summary(now)
         rounds = self.store.rounds(limit=50)
-        latest = rounds[0] if rounds else None
-        evaluated = self.store.latest_validation()
-        progress = self.data_progress()
-        return pb.StatusResponse(
-            validation_loss=evaluated["validation_loss"] if evaluated else None,
-            validation_round=evaluated["round"] if evaluated else 0,
-            data=pb.DataProgress(**progress) if progress is not None else None,
+        return SwarmSnapshot(
+            at=now,
             run_name=self.spec.run.name,
             spec_digest=self.digest,
-            current_round=latest["round"] if latest else 0,
-            current_state_digest=latest["state_digest"] if latest else "",
+            latest=rounds[0] if rounds else None,
+            evaluated=self.store.latest_validation(),
             peers_online=summary.peers_online,
             samples_per_second=summary.samples_per_second,
-            rounds_per_hour=_rounds_per_hour(rounds),
-            last_round_time=latest["finalized_at"] if latest else 0.0,
-            rounds=[_round_view(f) for f in self.round_view.figures()],
+            rounds_per_hour=rounds_per_hour(rounds),
+            data=self.data_progress(),
+            rounds=self.round_view.figures(),
+            peers=self.health.peers(),
+        )
+
+    def status(self, *, now: float) -> pb.StatusResponse:
+        """The swarm's status as the gRPC ``Status`` call answers it."""
+        snap = self.snapshot(now=now)
+        evaluated, data = snap.evaluated, snap.data
+        return pb.StatusResponse(
+            validation_loss=evaluated.validation_loss if evaluated else None,
+            validation_round=evaluated.round if evaluated else 0,
+            data=pb.DataProgress(**dataclasses.asdict(data)) if data is not None else None,
+            run_name=snap.run_name,
+            spec_digest=snap.spec_digest,
+            current_round=snap.current_round,
+            current_state_digest=snap.current_state_digest,
+            peers_online=snap.peers_online,
+            samples_per_second=snap.samples_per_second,
+            rounds_per_hour=snap.rounds_per_hour,
+            last_round_time=snap.latest.finalized_at if snap.latest else 0.0,
+            rounds=[_round_view(f) for f in snap.rounds],
             peers=[
                 pb.PeerStatus(
                     public_key=PublicKey.from_id(p.key).raw,
@@ -291,7 +308,7 @@ class Coordinator:
                     last_seen=p.last_seen,
                     local_ranks=p.local_ranks,
                 )
-                for p in self.health.peers()
+                for p in snap.peers
             ],
         )
 
@@ -315,19 +332,19 @@ class Coordinator:
             self.store.prune_samples(before=now - self.history_keep_s)
             self._pruned_at = now
 
-    def data_progress(self) -> dict[str, Any] | None:
+    def data_progress(self) -> DataProgress | None:
         """Token runs: how far the run is through its data (tokens trained: granted samples x
         sequence length; the data order's position in epochs, as reported); None otherwise."""
         if self.data_slots is None:
             return None
         seq_len = self.spec.sequence_length() or 0
-        granted = sum(c["samples"] for c in self.store.credits_by_peer().values())
-        return {
-            "tokens_trained": granted * seq_len,
-            "epoch": self.data_epoch,
-            "slots": self.spec.data.slots,
-            "slots_held": len(self.data_slots.holders()),
-        }
+        granted = sum(c.samples for c in self.store.credits_by_peer().values())
+        return DataProgress(
+            tokens_trained=granted * seq_len,
+            epoch=self.data_epoch,
+            slots=self.spec.data.slots,
+            slots_held=len(self.data_slots.holders()),
+        )
 
     def out_of_sync(self, now: float) -> list[str]:
         """Keys of the online peers out of sync at ``now``: those whose latest heartbeat names
@@ -339,9 +356,7 @@ class Coordinator:
         peers = [p for p in self.health.online(now) if p.state_digest]
         if not peers:
             return []
-        agreed = {
-            r["round"]: r["state_digest"] for r in self.store.rounds(limit=OUT_OF_SYNC_ROUNDS) if r["state_digest"]
-        }
+        agreed = {r.round: r.state_digest for r in self.store.rounds(limit=OUT_OF_SYNC_ROUNDS) if r.state_digest}
         return [p.key for p in peers if agreed.get(p.round, p.state_digest) != p.state_digest]
 
     # --- helpers ----------------------------------------------------------------------------
@@ -376,16 +391,16 @@ class Coordinator:
 
     def _credit_moved(self, key: str, *, pending: int = 0, samples: int = 0, flops: float = 0.0) -> None:
         """The core committed a change to ``key``'s credit: move its cached figures by as much
-        (a new dict: a heartbeat reading the old one beside this sees a whole one)."""
+        (a new record: a heartbeat reading the old one beside this sees a whole one)."""
         with self._credit_lock:
             self._credit_epoch += 1
             cached = self._credit_cache.get(key)
             if cached is not None:
-                self._credit_cache[key] = {
-                    "samples": cached["samples"] + samples,
-                    "flops": cached["flops"] + flops,
-                    "pending_samples": cached["pending_samples"] + pending,
-                }
+                self._credit_cache[key] = PeerCredit(
+                    samples=cached.samples + samples,
+                    flops=cached.flops + flops,
+                    pending_samples=cached.pending_samples + pending,
+                )
 
     def credits_changed(self, key: str | None = None) -> None:
         """Forget the cached credit of ``key`` (of everyone: None): whatever writes claims or
@@ -519,10 +534,3 @@ def _hardware(hw: pb.Hardware) -> dict:
         "ram_gib": hw.ram_gib,
         "local_ranks": max(1, min(hw.local_ranks, MAX_LOCAL_RANKS)),
     }
-
-
-def _rounds_per_hour(rounds: list[dict]) -> float:
-    if len(rounds) < 2:
-        return 0.0
-    span = rounds[0]["finalized_at"] - rounds[-1]["finalized_at"]
-    return 3600.0 * (len(rounds) - 1) / span if span > 0 else 0.0

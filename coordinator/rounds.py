@@ -29,7 +29,7 @@ from coordinator.credits import Decision as Verdict
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
-from coordinator.store import Decision, Store
+from coordinator.store import ClaimRow, Decision, Store
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
 from protocol.identity import PublicKey
@@ -237,7 +237,7 @@ class RoundBook:
         if since is None:  # this process has not seen it report yet: the store knows
             previous = self.store.claims(key=key, limit=1)
             if previous:
-                since = float(previous[0]["received_at"])
+                since = previous[0].received_at
             else:
                 row = self.store.peer(key)
                 since = float(row["first_seen"]) if row is not None else now
@@ -252,17 +252,17 @@ def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
     return chosen[(len(chosen) - 1) // 2] if chosen else None
 
 
-def _claim_from_row(row: dict) -> RoundClaim:
+def _claim_from_row(row: ClaimRow) -> RoundClaim:
     group = tuple(
         GroupMemberView(key=entry[0], weight=entry[1], offence=entry[2] if len(entry) > 2 else "")
-        for entry in json.loads(row["group_json"])
+        for entry in json.loads(row.group_json)
     )
     return RoundClaim(
-        key=row["key"],
-        round=row["round"],
-        samples=row["samples"],
+        key=row.key,
+        round=row.round,
+        samples=row.samples,
         group=group,
-        state_digest=row["state_digest"],
-        duration_s=row["duration_s"],
-        received_at=row["received_at"],
+        state_digest=row.state_digest,
+        duration_s=row.duration_s,
+        received_at=row.received_at,
     )

@@ -215,16 +215,16 @@ class CoordinatorServer:
     def _swarm_figures(self) -> tuple[int, dict[str, Any]] | None:
         """The newest decided round's figures and the swarm's now, once per round."""
         rounds = self.core.store.rounds(limit=1)
-        if not rounds or rounds[0]["round"] == self._logged_round:
+        if not rounds or rounds[0].round == self._logged_round:
             return None
         latest = rounds[0]
-        self._logged_round = latest["round"]
+        self._logged_round = latest.round
         summary = self.core.health.summary(time.time())
-        return latest["round"], {
-            "swarm/mean_loss": latest["mean_loss"],
-            "swarm/validation_loss": latest["validation_loss"],
-            "swarm/group_size": latest["group_size"],
-            "swarm/samples": latest["samples"],
+        return latest.round, {
+            "swarm/mean_loss": latest.mean_loss,
+            "swarm/validation_loss": latest.validation_loss,
+            "swarm/group_size": latest.group_size,
+            "swarm/samples": latest.samples,
             "swarm/peers_online": summary.peers_online,
             "swarm/samples_per_second": summary.samples_per_second,
         }

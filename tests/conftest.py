@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import sys
@@ -22,6 +23,18 @@ limit with nothing to read."""
 _real_stderr: int | None = None
 
 _worker_databases: dict[str, str] = {}
+
+
+def plain(value: object) -> object:
+    """A typed record (a dataclass), or a list or map of them, as plain lists and maps: what
+    a test compares with a literal."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    return value
 
 
 def postgres_url() -> str:

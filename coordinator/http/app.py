@@ -39,27 +39,22 @@ def create_app(
     @app.get("/api/v1/status", response_model=schemas.Status)
     def status() -> dict[str, Any]:
         with lock:
-            now = clock()
-            summary = core.health.summary(now)
-            rounds = core.store.rounds(limit=1)
-            evaluated = core.store.latest_validation()
-            data = core.data_progress()
-            round_views = [dataclasses.asdict(f) for f in core.round_view.figures()]
+            snap = core.snapshot(now=clock())
         kept = archiver.checkpoints() if archiver is not None else []
         latest_checkpoint = kept[0] if kept else None
         return {
-            "run_name": core.spec.run.name,
-            "spec_digest": core.digest,
-            "current_round": rounds[0]["round"] if rounds else 0,
-            "current_state_digest": rounds[0]["state_digest"] if rounds else "",
-            "peers_online": summary.peers_online,
-            "samples_per_second": summary.samples_per_second,
+            "run_name": snap.run_name,
+            "spec_digest": snap.spec_digest,
+            "current_round": snap.current_round,
+            "current_state_digest": snap.current_state_digest,
+            "peers_online": snap.peers_online,
+            "samples_per_second": snap.samples_per_second,
             "last_checkpoint_round": latest_checkpoint.round if latest_checkpoint else None,
-            "server_time": now,
-            "validation_loss": evaluated["validation_loss"] if evaluated else None,
-            "validation_round": evaluated["round"] if evaluated else None,
-            "data": data,
-            "rounds": round_views,
+            "server_time": snap.at,
+            "validation_loss": snap.evaluated.validation_loss if snap.evaluated else None,
+            "validation_round": snap.evaluated.round if snap.evaluated else None,
+            "data": dataclasses.asdict(snap.data) if snap.data is not None else None,
+            "rounds": [dataclasses.asdict(f) for f in snap.rounds],
         }
 
     @app.get("/api/v1/checkpoints", response_model=schemas.Checkpoints)
@@ -104,12 +99,13 @@ def create_app(
     @app.get("/api/v1/rounds", response_model=list[schemas.RoundRow])
     def rounds(limit: int = Query(200, ge=1, le=5000)) -> list[dict[str, Any]]:
         with lock:
-            return core.store.rounds(limit=limit)
+            return [dataclasses.asdict(row) for row in core.store.rounds(limit=limit)]
 
     @app.get("/api/v1/credits", response_model=schemas.Credits)
     def credits(limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
         with lock:
-            return {"leaderboard": core.store.leaderboard(limit=limit), "by_peer": core.store.credits_by_peer()}
+            by_peer = {key: dataclasses.asdict(totals) for key, totals in core.store.credits_by_peer().items()}
+            return {"leaderboard": core.store.leaderboard(limit=limit), "by_peer": by_peer}
 
     @app.get("/api/v1/history", response_model=list[schemas.HistoryPoint])
     def history(seconds: float = Query(3600.0, gt=0, le=core.history_keep_s)) -> list[dict[str, Any]]:

@@ -47,17 +47,14 @@ class SwarmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         core, now = self.core, self.clock()
-        summary = core.health.summary(now)
-        rounds = core.store.rounds(limit=1)
-        latest = rounds[0] if rounds else None
-        yield _gauge("swarmtrain_peers_online", "Peers with a recent heartbeat", summary.peers_online)
-        yield _gauge(
-            "swarmtrain_swarm_samples_per_second", "Sum of online peers' throughput", summary.samples_per_second
-        )
-        yield _gauge("swarmtrain_round", "Latest finalized round", latest["round"] if latest else 0)
+        snap = core.snapshot(now=now)
+        latest = snap.latest
+        yield _gauge("swarmtrain_peers_online", "Peers with a recent heartbeat", snap.peers_online)
+        yield _gauge("swarmtrain_swarm_samples_per_second", "Sum of online peers' throughput", snap.samples_per_second)
+        yield _gauge("swarmtrain_round", "Latest finalized round", snap.current_round)
         states = GaugeMetricFamily("swarmtrain_peers", "Peers by health state", labels=["state"])
         counts: dict[str, int] = {}
-        for peer in core.health.peers():
+        for peer in snap.peers:
             counts[peer.state.value] = counts.get(peer.state.value, 0) + 1
         for state, count in sorted(counts.items()):
             states.add_metric([state], count)
@@ -69,10 +66,10 @@ class SwarmCollector(Collector):
         )
         credited = core.store.credits_by_peer()
         yield self._counter(
-            "swarmtrain_credited_samples", "Samples granted as credit", sum(c["samples"] for c in credited.values())
+            "swarmtrain_credited_samples", "Samples granted as credit", sum(c.samples for c in credited.values())
         )
         yield self._counter(
-            "swarmtrain_credited_flops", "Compute granted as credit (FLOPs)", sum(c["flops"] for c in credited.values())
+            "swarmtrain_credited_flops", "Compute granted as credit (FLOPs)", sum(c.flops for c in credited.values())
         )
         claims = CounterMetricFamily("swarmtrain_claims", "Round claims decided, by outcome", labels=["status"])
         decided = core.store.claim_counts()
@@ -81,24 +78,24 @@ class SwarmCollector(Collector):
         yield claims
         yield _gauge("swarmtrain_claims_pending", "Round claims not decided yet", decided.get("pending", 0))
         if latest is not None:
-            yield _gauge("swarmtrain_round_group_size", "Reports of the latest finalized round", latest["group_size"])
-            yield _gauge("swarmtrain_round_samples", "Samples granted in the latest finalized round", latest["samples"])
-            if latest["mean_loss"] is not None:
-                yield _gauge("swarmtrain_round_loss", "Mean training loss its reporters stated", latest["mean_loss"])
+            yield _gauge("swarmtrain_round_group_size", "Reports of the latest finalized round", latest.group_size)
+            yield _gauge("swarmtrain_round_samples", "Samples granted in the latest finalized round", latest.samples)
+            if latest.mean_loss is not None:
+                yield _gauge("swarmtrain_round_loss", "Mean training loss its reporters stated", latest.mean_loss)
         yield from _round_view_families(core)
-        evaluated = core.store.latest_validation()
-        if evaluated is not None:
+        evaluated = snap.evaluated
+        if evaluated is not None and evaluated.validation_loss is not None:
             yield _gauge(
                 "swarmtrain_validation_loss", "Validation loss of the latest evaluated round's state",
-                evaluated["validation_loss"],
+                evaluated.validation_loss,
             )  # fmt: skip
-        data = core.data_progress()
+        data = snap.data
         if data is not None:
             yield self._counter(
-                "swarmtrain_tokens_trained", "Tokens of granted samples (token runs)", data["tokens_trained"]
+                "swarmtrain_tokens_trained", "Tokens of granted samples (token runs)", data.tokens_trained
             )
-            yield _gauge("swarmtrain_data_epoch", "The data order's position, in epochs", data["epoch"])
-            yield _gauge("swarmtrain_data_streams_held", "Data streams held by live peers", data["slots_held"])
+            yield _gauge("swarmtrain_data_epoch", "The data order's position, in epochs", data.epoch)
+            yield _gauge("swarmtrain_data_streams_held", "Data streams held by live peers", data.slots_held)
         if self.archive_round is not None:
             archived, at = self.archive_round()
             if archived is not None:

@@ -1,11 +1,21 @@
 """The coordinator's persistence: SQLAlchemy 2, SQLite by default, any SQLAlchemy URL.
 
-``Store`` (in ``store.py``) is the API the coordinator uses; ``schema.py`` holds the
-tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
+``Store`` (in ``store.py``) is the API the coordinator uses and ``rows.py`` what its
+round-path queries return; ``schema.py`` holds the tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
 """
 
 from coordinator.store.engine import sqlite_url
+from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, RoundRow
 from coordinator.store.schema import SCHEMA_VERSION
 from coordinator.store.store import Decision, Store
 
-__all__ = ["SCHEMA_VERSION", "Decision", "Store", "sqlite_url"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "ClaimRow",
+    "CreditTotals",
+    "Decision",
+    "PeerCredit",
+    "RoundRow",
+    "Store",
+    "sqlite_url",
+]

@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.store.engine import open_engine
+from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, RoundRow
 from coordinator.store.schema import (
     DENIED,
     GRANTED,
@@ -341,13 +342,13 @@ class Store:
             record.validation_loss = validation_loss
             record.samples = sum(c.granted_samples or 0 for c in granted)
 
-    def pending_claims(self) -> list[dict[str, Any]]:
+    def pending_claims(self) -> list[ClaimRow]:
         """Every undecided claim, oldest first (what the ledger reloads after a restart)."""
         with self._read() as s:
             query = select(Claim).where(Claim.status == PENDING).order_by(Claim.id)
-            return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
+            return [_claim_row(c) for c in s.scalars(query)]
 
-    def claims(self, *, key: str | None = None, round: int | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+    def claims(self, *, key: str | None = None, round: int | None = None, limit: int = 1000) -> list[ClaimRow]:
         """Claims, newest recorded first, optionally of one peer and/or one round."""
         query = select(Claim).order_by(Claim.id.desc()).limit(limit)
         if key is not None:
@@ -355,7 +356,7 @@ class Store:
         if round is not None:
             query = query.where(Claim.round == round)
         with self._read() as s:
-            return [_as_dict(c, _CLAIM_FIELDS) for c in s.scalars(query)]
+            return [_claim_row(c) for c in s.scalars(query)]
 
     def recent_claims(self, rounds: int, *, limit: int) -> list[dict[str, Any]]:
         """Key, round, group_json, state_digest and status of the claims of the ``rounds``
@@ -378,23 +379,23 @@ class Store:
         with self._read() as s:
             return {key: int(count) for key, count in s.execute(query)}
 
-    def credits_by_peer(self) -> dict[str, dict[str, Any]]:
-        """``{peer_key: {"samples": int, "flops": float, "rounds": int}}`` over every granted claim."""
+    def credits_by_peer(self) -> dict[str, CreditTotals]:
+        """Each credited peer's totals over every granted claim."""
         query = select(Credit.key, func.sum(Credit.samples), func.sum(Credit.flops), func.count(Credit.id))
         with self._read() as s:
             return {
-                k: {"samples": int(n), "flops": float(f), "rounds": int(r)}
+                k: CreditTotals(samples=int(n), flops=float(f), rounds=int(r))
                 for k, n, f, r in s.execute(query.group_by(Credit.key))
             }
 
-    def credit_of(self, key: str) -> dict[str, Any]:
-        """One peer's ``{"samples", "flops", "pending_samples"}``: granted so far, and claimed but
-        not decided yet (its heartbeats show it this; both sums use the (key, round) indexes)."""
+    def credit_of(self, key: str) -> PeerCredit:
+        """One peer's credit: granted so far, and claimed but not decided yet (its heartbeats
+        show it this; both sums use the (key, round) indexes)."""
         granted = select(func.coalesce(func.sum(Credit.samples), 0), func.coalesce(func.sum(Credit.flops), 0.0))
         pending = select(func.coalesce(func.sum(Claim.samples), 0)).where(Claim.key == key, Claim.status == PENDING)
         with self._read() as s:
             samples, flops = s.execute(granted.where(Credit.key == key)).one()
-            return {"samples": int(samples), "flops": float(flops), "pending_samples": int(s.scalar(pending) or 0)}
+            return PeerCredit(samples=int(samples), flops=float(flops), pending_samples=int(s.scalar(pending) or 0))
 
     def leaderboard(self, limit: int = 20) -> list[dict[str, Any]]:
         """Accounts by flops (then samples) descending: ``account_key, samples, flops, peers``;
@@ -445,20 +446,20 @@ class Store:
         with self._write() as s:
             s.execute(delete(DataSlot).where(DataSlot.peer_key == peer_key))
 
-    def latest_validation(self) -> dict[str, Any] | None:
+    def latest_validation(self) -> RoundRow | None:
         """The newest round with a validation loss (as in ``rounds``), or None."""
         query = select(RoundRecord).where(RoundRecord.validation_loss.is_not(None))
         with self._read() as s:
             row = s.scalars(query.order_by(RoundRecord.round.desc()).limit(1)).first()
-            return _as_dict(row, _ROUND_FIELDS) if row is not None else None
+            return _round_row(row) if row is not None else None
 
     # --- rounds and swarm history -----------------------------------------------------------
 
-    def rounds(self, limit: int = 500) -> list[dict[str, Any]]:
+    def rounds(self, limit: int = 500) -> list[RoundRow]:
         """The latest ``limit`` rounds, highest round first."""
         query = select(RoundRecord).order_by(RoundRecord.round.desc()).limit(limit)
         with self._read() as s:
-            return [_as_dict(r, _ROUND_FIELDS) for r in s.scalars(query)]
+            return [_round_row(r) for r in s.scalars(query)]
 
     def record_sample(self, *, now: float, peers_online: int, samples_per_second: float) -> None:
         """Append one point of the swarm time series (``at`` = now)."""
@@ -519,6 +520,14 @@ def _decide(session: Session, round: int, decision: Decision, now: float) -> Non
 
 def _find_claim(session: Session, key: str, round: int) -> Claim | None:
     return session.scalars(select(Claim).where(Claim.key == key, Claim.round == round)).one_or_none()
+
+
+def _claim_row(claim: Claim) -> ClaimRow:
+    return ClaimRow(**{name: getattr(claim, name) for name in _CLAIM_FIELDS})
+
+
+def _round_row(record: RoundRecord) -> RoundRow:
+    return RoundRow(**{name: getattr(record, name) for name in _ROUND_FIELDS})
 
 
 def _as_dict(obj: Base, fields: tuple[str, ...]) -> dict[str, Any]:

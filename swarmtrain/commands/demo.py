@@ -87,7 +87,7 @@ def _credits(workdir: Path, node_ids: list[str], deadline_s: float = 90.0) -> di
         deadline = time.monotonic() + deadline_s
         while store.pending_claims() and time.monotonic() < deadline:
             time.sleep(0.5)
-        return {keys[k]: (c["samples"], c["flops"]) for k, c in store.credits_by_peer().items() if k in keys}
+        return {keys[k]: (c.samples, c.flops) for k, c in store.credits_by_peer().items() if k in keys}
     finally:
         store.close()
 

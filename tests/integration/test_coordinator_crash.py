@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 def granted(store: Store) -> set[tuple[str, int]]:
-    return {(c["key"], c["round"]) for c in store.claims(limit=100_000) if c["status"] == "granted"}
+    return {(c.key, c.round) for c in store.claims(limit=100_000) if c.status == "granted"}
 
 
 COORDINATOR_KILLS = 5
@@ -110,9 +110,9 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
             "the killed peer to resume from its checkpoint",
         )
         store = Store(db_url)
-        rounds_before = max(r["round"] for r in store.rounds())
+        rounds_before = max(r.round for r in store.rounds())
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "peers to re-join")
-        wait_for(lambda: max(r["round"] for r in store.rounds()) > rounds_before + 1, 180, "new rounds recorded")
+        wait_for(lambda: max(r.round for r in store.rounds()) > rounds_before + 1, 180, "new rounds recorded")
         store.close()
         check_store()
         for peer in peers:

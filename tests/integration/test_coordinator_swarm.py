@@ -24,6 +24,7 @@ from protocol.spec import load_spec
 from protocol.statesync import run_prefix
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
+from tests.conftest import plain
 
 SPEC = """
 [run]
@@ -90,7 +91,7 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
             assert code == 0, "\n".join(peer.lines[-20:])
         store = Store(db_url)
         wait_for(lambda: len(store.credits_by_peer()) == 3 and not store.pending_claims(), 120, "credits granted")
-        credits = store.credits_by_peer()
+        credits = plain(store.credits_by_peer())
         trained = {p.name: sum(r["samples"] for r in p.rounds() if r["averaged"]) for p in peers}
         assert all(c["samples"] > 0 and c["flops"] > 0 for c in credits.values())
         for i, peer in enumerate(peers):  # each peer heard its credit from its heartbeats and said it

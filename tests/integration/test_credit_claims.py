@@ -20,6 +20,7 @@ from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
 from protocol.spec import parse_spec
+from tests.conftest import plain
 
 SPEC = '[run]\nname = "claims"\n[credits]\nmax_samples_per_second = 1000.0\n'
 
@@ -63,10 +64,10 @@ def test_over_reporter_is_granted_only_what_its_group_attests(served) -> None:  
         seen = dict(honest, **{me.public_key.id: claimed})  # a peer "sees" its own claim
         client.report_round(report(peers, me, claimed, seen))
     core.tick(now=time.time() + ahead[0])
-    credits = store.credits_by_peer()
+    credits = plain(store.credits_by_peer())
     assert credits[liar.public_key.id]["samples"] == 40
     assert all(credits[p.public_key.id]["samples"] == 40 for p in peers)
-    reason = next(c["reason"] for c in store.claims(key=liar.public_key.id))
+    reason = next(c.reason for c in store.claims(key=liar.public_key.id))
     assert "claimed 1000" in reason and "attested 40" in reason
 
 

@@ -28,6 +28,7 @@ from peer.state import load_flat
 from peer.task import build_task
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_all, wait_until
+from tests.conftest import plain
 
 REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 6
@@ -83,7 +84,7 @@ def swarm_run(workdir: Path, attack: str | None) -> dict[str, Any]:
         store = Store(url)
         try:
             wait_until(lambda: not store.pending_claims(), 120, "every claim to be decided")
-            claims = store.claims()
+            claims = plain(store.claims())
         finally:
             store.close()
         with urllib.request.urlopen(coordinator.http() + "api/v1/peers", timeout=30) as response:

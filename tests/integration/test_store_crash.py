@@ -55,8 +55,8 @@ def test_sigkill_loses_no_committed_grant(tmp_path: Path, repo_root: Path, pytho
     assert printed >= KILL_AFTER
 
     with Store(url) as store:
-        credited = store.credits_by_peer()["p1"]["samples"]
-        granted_rounds = {c["round"] for c in store.claims(key="p1", limit=100_000) if c["status"] == "granted"}
+        credited = store.credits_by_peer()["p1"].samples
+        granted_rounds = {c.round for c in store.claims(key="p1", limit=100_000) if c.status == "granted"}
     assert credited >= printed * SAMPLES
     assert set(range(1, printed + 1)) <= granted_rounds
     assert credited == len(granted_rounds) * SAMPLES  # no credit without its granted claim

@@ -18,6 +18,7 @@ from protocol import kinds
 from protocol.errors import MalformedMessageError
 from protocol.identity import Identity
 from protocol.messages import sign_message
+from tests.conftest import plain
 from tests.unit.conftest import new_core
 
 CAP = 100.0
@@ -97,7 +98,7 @@ def test_colluders_get_at_most_the_cap_for_the_time_the_coordinator_saw(core: Co
                 group=group(honest, HONEST_SAMPLES),
             )
         core.tick(now=now + 61)
-    by_peer = core.store.credits_by_peer()
+    by_peer = plain(core.store.credits_by_peer())
     for peer in colluders:
         credit = by_peer[peer.public_key.id]
         assert credit["samples"] <= 3 * CAP * 10 + 1, credit  # 3 rounds of 10 observed seconds
@@ -141,7 +142,7 @@ def test_a_denied_far_future_report_does_not_move_the_current_round(core: Coordi
     for peer in honest:  # the swarm's next rounds are still open and granted
         report(core, peer, T0 + 210, round=8, samples=5, compute_s=5.0, state_digest="good2", group=group(honest, 5))
     core.tick(now=T0 + 300)
-    assert all(c["status"] == "granted" for c in core.store.claims(round=8))
+    assert all(c.status == "granted" for c in core.store.claims(round=8))
 
 
 def test_accounts_younger_than_the_runs_minimum_attest_nobody(tmp_path: Path) -> None:
@@ -158,8 +159,8 @@ def test_accounts_younger_than_the_runs_minimum_attest_nobody(tmp_path: Path) ->
             )
         aged.tick(now=T0 + 4000)
         first = aged.store.claims(round=1)
-        assert [c["status"] for c in first] == ["denied", "denied"]
-        assert all("younger than the run's min_attester_age_s" in c["reason"] for c in first), first
-        assert [c["status"] for c in aged.store.claims(round=2)] == ["granted", "granted"]
+        assert [c.status for c in first] == ["denied", "denied"]
+        assert all("younger than the run's min_attester_age_s" in c.reason for c in first), first
+        assert [c.status for c in aged.store.claims(round=2)] == ["granted", "granted"]
     finally:
         aged.store.close()

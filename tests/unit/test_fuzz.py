@@ -221,4 +221,4 @@ def test_after_the_fuzzing_the_coordinator_still_works(fuzzed: tuple[Coordinator
         envelope = sign_message(peer, kinds.ROUND_REPORT, body.SerializeToString(), now=now + 130)
         core.report_round(envelope.to_proto(), now=now + 130)
     core.tick(now=now + 200)
-    assert all(c["status"] == "granted" for c in core.store.claims(round=round_)), core.store.claims(round=round_)
+    assert all(c.status == "granted" for c in core.store.claims(round=round_)), core.store.claims(round=round_)

@@ -101,7 +101,7 @@ def test_the_figures_follow_reports_and_decisions_without_reading_the_database_a
     granted = heartbeat(core, peers[0])
     assert (granted.credited_samples, granted.pending_samples) == (20, 0)
     assert reads == [peers[0].public_key.id]  # only its first heartbeat read the database
-    assert granted.credited_samples == real(peers[0].public_key.id)["samples"]
+    assert granted.credited_samples == real(peers[0].public_key.id).samples
 
 
 def test_a_resent_report_is_already_reported_before_and_after_a_restart(core: Coordinator) -> None:

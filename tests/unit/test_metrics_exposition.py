@@ -153,7 +153,7 @@ def test_per_peer_figures_from_real_heartbeats_and_reports(core: Coordinator) ->
     for peer, peer_link in links.items():
         send_reports(core, peer, peer_link, T0 + 130)
     core.tick(now=T0 + 200)  # both members reported: round 1 finalized, its agreed digest d1
-    assert core.store.rounds(limit=1)[0]["state_digest"] == "d1"
+    assert core.store.rounds(limit=1)[0].state_digest == "d1"
     for peer, peer_link in links.items():
         beat(core, peer, peer_link, T0 + 200)
     clock[0] = T0 + 201

@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, text, update
 from coordinator.store import SCHEMA_VERSION, Decision, Store, sqlite_url
 from coordinator.store.schema import Base, SchemaVersion
 from protocol.errors import ConfigError
-from tests.conftest import postgres_url
+from tests.conftest import plain, postgres_url
 
 POSTGRES_ENV = "SWARMTRAIN_TEST_POSTGRES_URL"
 
@@ -134,7 +134,7 @@ def test_duplicate_claim_returns_false_and_keeps_the_first(store: Store) -> None
     assert _claim(store, "p2", 3) is True
     assert _claim(store, "p1", 4) is True
     [claim] = store.claims(key="p1", round=3)
-    assert claim["samples"] == 100 and claim["status"] == "pending"
+    assert claim.samples == 100 and claim.status == "pending"
     assert len(store.pending_claims()) == 3
 
 
@@ -161,7 +161,7 @@ def test_grant_updates_claim_and_appends_credit(store: Store) -> None:
     _claim(store, "p1", 1, samples=100, received_at=10.0)
     _grant(store, "p1", 1, 80, 1.5e12, now=20.0)
     [claim] = store.claims()
-    assert claim == {
+    assert plain(claim) == {
         "key": "p1",
         "round": 1,
         "samples": 100,
@@ -176,7 +176,7 @@ def test_grant_updates_claim_and_appends_credit(store: Store) -> None:
         "decided_at": 20.0,
     }
     assert store.pending_claims() == []
-    assert store.credits_by_peer() == {"p1": {"samples": 80, "flops": 1.5e12, "rounds": 1}}
+    assert plain(store.credits_by_peer()) == {"p1": {"samples": 80, "flops": 1.5e12, "rounds": 1}}
 
 
 def test_denial_grants_nothing(store: Store) -> None:
@@ -191,7 +191,7 @@ def test_denial_grants_nothing(store: Store) -> None:
         now=30.0,
     )
     [claim] = store.claims()
-    assert claim["status"] == "denied" and claim["reason"] == "digest disagrees with the group"
+    assert claim.status == "denied" and claim.reason == "digest disagrees with the group"
     assert store.credits_by_peer() == {} and store.leaderboard() == []
 
 
@@ -201,8 +201,8 @@ def test_decide_is_idempotent(store: Store) -> None:
     _grant(store, "p1", 1, 100, 2.0)
     store.decide_claim(key="p1", round=1, status="denied", granted_samples=0, flops=0.0, reason="late", now=99.0)
     [claim] = store.claims()
-    assert claim["status"] == "granted" and claim["decided_at"] == 20.0
-    assert store.credits_by_peer() == {"p1": {"samples": 100, "flops": 2.0, "rounds": 1}}
+    assert claim.status == "granted" and claim.decided_at == 20.0
+    assert plain(store.credits_by_peer()) == {"p1": {"samples": 100, "flops": 2.0, "rounds": 1}}
 
 
 @pytest.mark.parametrize(
@@ -213,7 +213,7 @@ def test_decide_rejects_bad_input(store: Store, status: str, samples: int, flops
     _claim(store, "p1", 1)
     with pytest.raises(ValueError, match=message):
         store.decide_claim(key="p1", round=1, status=status, granted_samples=samples, flops=flops, reason="", now=1.0)
-    assert store.claims()[0]["status"] == "pending"
+    assert store.claims()[0].status == "pending"
 
 
 def test_decide_unknown_claim_raises(store: Store) -> None:
@@ -225,10 +225,10 @@ def test_claims_newest_first_filtered_and_limited(store: Store) -> None:
     for round in range(5):
         _claim(store, "p1", round)
         _claim(store, "p2", round)
-    assert [(c["key"], c["round"]) for c in store.claims(limit=3)] == [("p2", 4), ("p1", 4), ("p2", 3)]
-    assert [c["round"] for c in store.claims(key="p1")] == [4, 3, 2, 1, 0]
-    assert {c["key"] for c in store.claims(round=2)} == {"p1", "p2"}
-    assert [(c["key"], c["round"]) for c in store.pending_claims()][:2] == [("p1", 0), ("p2", 0)]
+    assert [(c.key, c.round) for c in store.claims(limit=3)] == [("p2", 4), ("p1", 4), ("p2", 3)]
+    assert [c.round for c in store.claims(key="p1")] == [4, 3, 2, 1, 0]
+    assert {c.key for c in store.claims(round=2)} == {"p1", "p2"}
+    assert [(c.key, c.round) for c in store.pending_claims()][:2] == [("p1", 0), ("p2", 0)]
 
 
 def test_credits_by_peer_and_by_account_join_through_peers(store: Store) -> None:
@@ -240,7 +240,7 @@ def test_credits_by_peer_and_by_account_join_through_peers(store: Store) -> None
         _grant(store, key, 1, samples, flops)
     _claim(store, "p1", 2)
     _grant(store, "p1", 2, 30, 3.0)
-    assert store.credits_by_peer() == {
+    assert plain(store.credits_by_peer()) == {
         "p1": {"samples": 40, "flops": 4.0, "rounds": 2},
         "p2": {"samples": 20, "flops": 2.0, "rounds": 1},
         "p3": {"samples": 5, "flops": 9.0, "rounds": 1},
@@ -275,8 +275,8 @@ def test_rounds_highest_first_and_limited(store: Store) -> None:
     for round in (1, 3, 2):
         _claim(store, "p1", round)
         store.finalize_round(round=round, now=float(round), mean_loss=None, decisions=granted)
-    assert [(r["round"], r["state_digest"]) for r in store.rounds()] == [(3, "d3"), (2, "d2"), (1, "d1")]
-    assert [r["round"] for r in store.rounds(limit=1)] == [3]
+    assert [(r.round, r.state_digest) for r in store.rounds()] == [(3, "d3"), (2, "d2"), (1, "d1")]
+    assert [r.round for r in store.rounds(limit=1)] == [3]
 
 
 def test_a_round_without_a_granted_claim_has_no_record(store: Store) -> None:
@@ -285,7 +285,7 @@ def test_a_round_without_a_granted_claim_has_no_record(store: Store) -> None:
     denied = [Decision(key="p1", status="denied", granted_samples=0, flops=0.0, reason="averaged with nobody")]
     store.finalize_round(round=2**31 - 1, now=1.0, mean_loss=None, decisions=denied)
     assert store.rounds() == []
-    assert store.claims()[0]["status"] == "denied"
+    assert store.claims()[0].status == "denied"
 
 
 def test_finalize_round_decides_and_records_together(store: Store) -> None:
@@ -300,7 +300,7 @@ def test_finalize_round_decides_and_records_together(store: Store) -> None:
             Decision(key="p2", status="denied", granted_samples=0, flops=0.0, reason="not attested"),
         ],
     )
-    assert store.rounds() == [
+    assert plain(store.rounds()) == [
         {
             "round": 7,
             "state_digest": "d7",
@@ -320,9 +320,9 @@ def test_finalize_round_decides_and_records_together(store: Store) -> None:
             Decision(key="p3", status="granted", granted_samples=60, flops=0.6, reason="attested"),
         ],
     )
-    assert store.rounds()[0]["samples"] == 160
-    assert store.rounds()[0]["mean_loss"] == 2.0
-    assert store.credits_by_peer() == {
+    assert store.rounds()[0].samples == 160
+    assert store.rounds()[0].mean_loss == 2.0
+    assert plain(store.credits_by_peer()) == {
         "p1": {"samples": 100, "flops": 1.0, "rounds": 1},
         "p3": {"samples": 60, "flops": 0.6, "rounds": 1},
     }
@@ -343,7 +343,7 @@ def test_finalize_round_with_a_bad_decision_writes_nothing(store: Store) -> None
         )
     assert store.rounds() == []
     assert store.credits_by_peer() == {}
-    assert [c["status"] for c in store.claims(round=3)] == ["pending", "pending"]
+    assert [c.status for c in store.claims(round=3)] == ["pending", "pending"]
 
 
 def test_samples_since_and_prune(store: Store) -> None:
@@ -370,7 +370,7 @@ def test_reopen_keeps_everything(store_url: str) -> None:
         before = _snapshot(first)
     with Store(store_url) as second:
         assert _snapshot(second) == before
-        assert second.pending_claims()[0]["round"] == 2
+        assert second.pending_claims()[0].round == 2
         assert _claim(second, "p1", 1) is False
 
 
@@ -443,14 +443,14 @@ def _garbage(directory: Path) -> Path:
 
 
 def test_credit_of_one_peer_sums_its_grants_and_its_undecided_claims(store: Store) -> None:
-    assert store.credit_of("p1") == {"samples": 0, "flops": 0.0, "pending_samples": 0}
+    assert plain(store.credit_of("p1")) == {"samples": 0, "flops": 0.0, "pending_samples": 0}
     for round_, samples in ((1, 100), (2, 50), (3, 70)):
         _claim(store, "p1", round_, samples=samples)
     _claim(store, "p2", 1, samples=999)
     _grant(store, "p1", 1, 80, 1.5e12)
     store.decide_claim(key="p1", round=2, status="denied", granted_samples=0, flops=0.0, reason="no", now=30.0)
-    assert store.credit_of("p1") == {"samples": 80, "flops": 1.5e12, "pending_samples": 70}
-    assert store.credit_of("p2") == {"samples": 0, "flops": 0.0, "pending_samples": 999}
+    assert plain(store.credit_of("p1")) == {"samples": 80, "flops": 1.5e12, "pending_samples": 70}
+    assert plain(store.credit_of("p2")) == {"samples": 0, "flops": 0.0, "pending_samples": 999}
 
 
 def test_denials_by_peer_count_reasons(store: Store) -> None:
@@ -484,7 +484,7 @@ def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
     finally:
         engine.dispose()
     with Store(store_url) as store:
-        assert store.rounds() == [
+        assert plain(store.rounds()) == [
             {"round": 0, "state_digest": "sha256:d", "finalized_at": 2.0, "group_size": 1, "mean_loss": 2.0,
              "samples": 5, "validation_loss": None}
         ]  # fmt: skip

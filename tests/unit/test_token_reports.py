@@ -115,7 +115,7 @@ def test_shown_figures_are_the_lower_median_of_granted_reporters(core: Coordinat
         got = report(core, peer, 1, read(0, i, epoch=epochs[i]), validation_loss=losses[i], group=group)
         assert got.startswith("pending"), got
     core.tick(now=time.time() + 1)
-    assert core.store.latest_validation()["validation_loss"] == 2.1  # type: ignore[index]
+    assert core.store.latest_validation().validation_loss == 2.1  # type: ignore[union-attr]
     assert core.data_epoch == 0.2
     progress = core.data_progress()
-    assert progress is not None and progress["slots"] == 3 and progress["tokens_trained"] == 3 * 20 * 16
+    assert progress is not None and progress.slots == 3 and progress.tokens_trained == 3 * 20 * 16

@@ -1,0 +1,62 @@
+"""What the store's round-path queries return: typed, immutable rows (a snapshot of what was
+committed when the query ran; changing one changes nothing stored)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ClaimRow", "CreditTotals", "PeerCredit", "RoundRow"]
+
+
+@dataclass(frozen=True)
+class ClaimRow:
+    """One peer's claim for one round (``claims`` table)."""
+
+    key: str
+    round: int
+    samples: int
+    group_json: str
+    """The reporter's group as it reported it: ``[[key, weight(, offence)], ...]``."""
+    state_digest: str
+    duration_s: float
+    received_at: float
+    status: str
+    """``pending``, ``granted`` or ``denied``."""
+    granted_samples: int
+    flops: float
+    reason: str
+    decided_at: float | None
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """One finalized round (``rounds`` table)."""
+
+    round: int
+    state_digest: str
+    """The digest a strict majority of the round's granted reporters hold ("" on a tie)."""
+    finalized_at: float
+    group_size: int
+    """Claims of the round."""
+    mean_loss: float | None
+    samples: int
+    """Granted samples."""
+    validation_loss: float | None
+
+
+@dataclass(frozen=True)
+class CreditTotals:
+    """A peer's granted credit over every round."""
+
+    samples: int
+    flops: float
+    rounds: int
+
+
+@dataclass(frozen=True)
+class PeerCredit:
+    """A peer's credit as its heartbeat answers it: granted, and claimed but not decided yet."""
+
+    samples: int
+    flops: float
+    pending_samples: int
