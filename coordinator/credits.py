@@ -82,7 +82,7 @@ class ClaimStatus(str, Enum):
 
 
 @dataclass(frozen=True)
-class Decision:
+class ClaimVerdict:
     """The verdict on one claim; ``granted_samples`` is 0 unless GRANTED."""
 
     key: str
@@ -189,9 +189,9 @@ class RoundLedger:
         """How many claims are waiting for a decision."""
         return sum(len(r.pending()) for r in self._rounds.values())
 
-    def tick(self, now: float) -> list[Decision]:
+    def tick(self, now: float) -> list[ClaimVerdict]:
         """Decide every due claim (see the class docstring); each claim is returned once."""
-        decisions: list[Decision] = []
+        decisions: list[ClaimVerdict] = []
         for number in sorted(self._rounds):
             entry = self._rounds[number]
             pending = entry.pending()
@@ -223,7 +223,7 @@ class RoundLedger:
 
 def decide(
     claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_second: float, *, min_attester_age_s: float = 0.0
-) -> Decision:
+) -> ClaimVerdict:
     """Decide ``claim`` against all claims of its round (keyed by reporter); see ``RoundLedger``."""
     if len(claim.group) == 1:
         return _denied(claim, "averaged with nobody: its group lists only itself")
@@ -264,7 +264,7 @@ def decide(
     return _grant(claim, attested, others, max_samples_per_second)
 
 
-def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float) -> Decision:
+def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float) -> ClaimVerdict:
     """Grant the least of the claim, the attested median and the throughput cap."""
     median = math.floor(statistics.median(attested))
     cap = math.floor(max_sps * claim.duration_s)
@@ -281,11 +281,11 @@ def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float
     if granted <= 0:
         return _denied(claim, "nothing to grant: " + ", ".join(parts))
     reason = f"granted {granted} samples: " + ", ".join(parts)
-    return Decision(claim.key, claim.round, ClaimStatus.GRANTED, granted, reason, claim.samples)
+    return ClaimVerdict(claim.key, claim.round, ClaimStatus.GRANTED, granted, reason, claim.samples)
 
 
-def _denied(claim: RoundClaim, reason: str) -> Decision:
-    return Decision(claim.key, claim.round, ClaimStatus.DENIED, 0, reason, claim.samples)
+def _denied(claim: RoundClaim, reason: str) -> ClaimVerdict:
+    return ClaimVerdict(claim.key, claim.round, ClaimStatus.DENIED, 0, reason, claim.samples)
 
 
 def _check_claim(claim: RoundClaim) -> None:

@@ -24,8 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.credits import ClaimStatus, GroupMemberView, RoundClaim, RoundLedger
-from coordinator.credits import Decision as Verdict
+from coordinator.credits import ClaimStatus, ClaimVerdict, GroupMemberView, RoundClaim, RoundLedger
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
@@ -158,7 +157,7 @@ class RoundBook:
     def decide(self, now: float) -> list[Decided]:
         """Decide the rounds the ledger can decide at ``now``; each round's decisions and its
         record are committed in one transaction (``Store.finalize_round``). What was committed."""
-        verdicts: dict[int, list[Verdict]] = {}
+        verdicts: dict[int, list[ClaimVerdict]] = {}
         for verdict in self.ledger.tick(now):
             verdicts.setdefault(verdict.round, []).append(verdict)
         decided: list[Decided] = []
@@ -190,7 +189,7 @@ class RoundBook:
             decided.extend(entries)
         return decided
 
-    def _decided(self, verdict: Verdict) -> Decided:
+    def _decided(self, verdict: ClaimVerdict) -> Decided:
         return Decided(
             round=verdict.round,
             key=verdict.key,

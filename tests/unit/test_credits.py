@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from coordinator.credits import ClaimStatus, Decision, GroupMemberView, RoundClaim, RoundLedger
+from coordinator.credits import ClaimStatus, ClaimVerdict, GroupMemberView, RoundClaim, RoundLedger
 
 GOOD = "sha256:good"
 
@@ -37,7 +37,7 @@ def _ledger(max_sps: float = 1000.0, finalize_after_s: float = 60.0) -> RoundLed
     return RoundLedger(max_samples_per_second=max_sps, finalize_after_s=finalize_after_s)
 
 
-def _by_key(decisions: list[Decision]) -> dict[str, Decision]:
+def _by_key(decisions: list[ClaimVerdict]) -> dict[str, ClaimVerdict]:
     return {d.key: d for d in decisions}
 
 
