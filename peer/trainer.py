@@ -60,7 +60,8 @@ from peer.host_passes import (
     write_pseudo_gradient,
 )
 from peer.inner_step import Precision, inner_optimizer, inner_step
-from peer.node import Command, LocalNode
+from peer.local_ranks import local_ranks
+from peer.node import LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.roster_book import RosterBook
 from peer.round_metrics import RoundMetrics
@@ -274,20 +275,10 @@ class Trainer:
         # a lossless codec has no residual to carry: no feedback (and no full-size zero copies)
         use_feedback = spec.averaging.error_feedback and self.codec.lossy
         self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
-        self.node = options.node
-        self._forward = self.node.wrap(self.model, shard=options.shard) if self.node is not None else self.model
-        """What inner steps run: the model; with several local ranks the model behind DDP, or
-        this rank's FSDP2 shard of a copy of it (``peer.node``)."""
-        self.optimizer = inner_optimizer(spec, self._forward)
+        self.ranks = local_ranks(options.node, self.model, shard=options.shard)
+        """This node's local ranks (``peer.local_ranks``): inner steps run ``ranks.forward``."""
+        self.optimizer = inner_optimizer(spec, self.ranks.forward)
         self.precision = Precision.for_device(options.device)
-        self._optimizer_generation = 0
-        """Counts rebuilds of the inner optimizer; the other local ranks rebuild theirs on a change."""
-        self._node_synced = False
-        """Whether the other local ranks hold this model (and, unsharded, this inner-optimizer state)."""
-        self._shards_ahead = False
-        """Sharded: inner steps moved the shards since ``self.model`` last gathered them."""
-        self._sharded = self.node is not None and self.node.sharded
-        """FSDP2 shards over local ranks: ``self.model`` is the leader's plain copy of them."""
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
         self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
@@ -334,7 +325,7 @@ class Trainer:
             return
         self.state = GlobalState(record["params"], record["momentum"], record["round"])
         self.model.load_state_dict(record["model"])
-        if self._sharded or record.get("inner_optimizer") is None:
+        if self.ranks.sharded or record.get("inner_optimizer") is None:
             # sharded: each rank holds its shard of the optimizer state, and the checkpoint none
             logger.info("the inner optimizer starts afresh (the checkpoint holds no state for it)")
         else:
@@ -356,7 +347,7 @@ class Trainer:
                 "model": self.model.state_dict(),
                 # sharded over local ranks, the state is spread over the ranks: not kept (a
                 # restarted node's inner optimizer starts afresh, as after a dropped model)
-                "inner_optimizer": None if self._sharded else self.optimizer.state_dict(),
+                "inner_optimizer": None if self.ranks.sharded else self.optimizer.state_dict(),
                 "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
                 "data_round": self._data_round,
@@ -436,7 +427,7 @@ class Trainer:
     def _train_step(self, inner: _InnerPhase) -> None:
         self.phase = Phase.TRAINING
         inner.loss_sum += self._inner_step(inner)
-        inner.samples += self.task.samples_per_batch * (self.node.world_size if self.node is not None else 1)
+        inner.samples += self.task.samples_per_batch * self.ranks.world_size
         inner.done += 1
         if time.monotonic() - self._published_at >= REPUBLISH_S:
             self._republish()
@@ -457,25 +448,13 @@ class Trainer:
         """The next step reads or changes ``self.model`` outside an inner step (a launch, a
         landing, a re-sync): with sharded local ranks gather the shards into it first; either
         way the other ranks must take it again before the next inner step."""
-        node = self.node
-        if node is not None and self._sharded and self._shards_ahead:
-            node.send(Command.GATHER)
-            node.gather(self._forward, self.model)
-            self._shards_ahead = False
-        self._node_synced = False
+        self.ranks.host_work_next(self.model)
 
     def _inner_step(self, inner: _InnerPhase) -> float:
-        node = self.node
         round_, step, data_round = inner.round, inner.done, inner.data_round
-        if node is not None:
-            if not self._node_synced:
-                node.send(Command.SYNC, self._optimizer_generation)
-                node.sync(self.model, self._forward, self.optimizer)
-                self._node_synced = True
-            node.send(Command.STEP, round_, step, data_round)
-            self._shards_ahead = True
+        self.ranks.before_step(self.model, self.optimizer, round_=round_, step=step, data_round=data_round)
         loss = inner_step(
-            self._forward,
+            self.ranks.forward,
             self.optimizer,
             self.task,
             self.spec,
@@ -485,7 +464,7 @@ class Trainer:
             precision=self.precision,
         )
         self.inner_steps_done += 1
-        return node.mean(loss) if node is not None else loss
+        return self.ranks.mean(loss)
 
     def _launch(self, inner: _InnerPhase) -> _InFlight:
         """Launch the round of the inner phase just ended. With overlap (unsharded, a finite model,
@@ -498,7 +477,7 @@ class Trainer:
         weight = float(samples)
         writing: Future[bool] | None = None
         off_thread = (
-            self.options.host_thread and self._launch_point is not None and not self._sharded and not self.eager
+            self.options.host_thread and self._launch_point is not None and not self.ranks.sharded and not self.eager
         )
         if samples > 0 and off_thread and model_is_finite(self.model):
             assert self._launch_point is not None
@@ -626,8 +605,8 @@ class Trainer:
             why,
         )
         load_flat(self.model, self.state.params)
-        self.optimizer = inner_optimizer(self.spec, self._forward)
-        self._optimizer_generation += 1
+        self.optimizer = inner_optimizer(self.spec, self.ranks.forward)
+        self.ranks.optimizer_rebuilt()
 
     def _finish(self, flight: _InFlight, *, wait: bool) -> bool:
         """Land the round in flight (waiting for its result if need be): apply or undo it, record
@@ -687,7 +666,7 @@ class Trainer:
             allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(self.timeouts.allreduce_s, 2),
-            local_world_size=self.node.world_size if self.node is not None else 1,
+            local_world_size=self.ranks.world_size,
             lr=flight.lr,
             data=flight.data,
             launch_s=round(flight.prep_s, 4),
@@ -732,7 +711,7 @@ class Trainer:
         every = self.spec.eval.every_rounds
         if not every or self.task.eval_batches is None or self.state.round % every:
             return None
-        if self._sharded:
+        if self.ranks.sharded:
             logger.info("no validation loss on a node sharded over its ranks (the leader holds no device copy)")
             return None
         started = time.monotonic()
@@ -804,7 +783,7 @@ class Trainer:
             self.swarm.saw_group(result.members)
             keep_progress = self.overlap and model_is_finite(self.model)
             outer = self._outer()
-            if self.options.host_thread and keep_progress and self._launch_point is not None and not self._sharded:
+            if self.options.host_thread and keep_progress and self._launch_point is not None and not self.ranks.sharded:
                 flight.counted = counted
                 feedback = self.feedback if flight.compensated and counted else None
                 return self._landing_thread().submit(self._land_global, result.averaged, outer, feedback, flight.eager)
