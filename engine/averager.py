@@ -20,6 +20,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 
 from engine.allreduce import (
     PART_SIZE_BYTES,
@@ -248,13 +249,29 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         await super()._step(step=step, future_for_init=future_for_init)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> GroupOutcome:
-        """Returns the group's ``GroupOutcome`` to ``step()``'s caller."""
+        """Returns the group's ``GroupOutcome`` to ``step()``'s caller.
+
+        A group with a member the run did not admit is refused before anything is sent (an
+        exception: hivemind looks for another group until the step's deadline). Once the
+        all-reduce has begun, its failure here is the round's outcome for this peer
+        (``GroupOutcome.failed``, the whole vector ``missing``), not an exception: hivemind
+        would retry the step, looking for a group at a round key its group has left (the
+        others land without this peer and move on), for up to the whole matchmaking timeout,
+        and with a vector the failed exchange may have partly overwritten."""
         outsiders = [peer for peer in group_info.peer_ids if not await self._admitted(peer)]
         if outsiders:
             raise RoundFailedError(f"group includes peers not admitted to this run: {sorted(map(str, outsiders))}")
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        stats = self._stats.pop(group_info.group_id, AllReduceStats())
         led = self._matchmaking.led()  # a RoundMatchmaking (AdmissionGateMixin._matchmaking)
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        except MatchmakingException as exc:  # hivemind wraps every failure of the all-reduce in it
+            self._stats.pop(group_info.group_id, None)
+            statements = {
+                str(peer): gathered_metadata(raw) for peer, raw in zip(group_info.peer_ids, group_info.gathered)
+            }
+            stats = AllReduceStats(peer_ids=list(statements), missing=[(0, self.numel)])
+            return GroupOutcome(statements, stats, led, failed=str(exc))
+        stats = self._stats.pop(group_info.group_id, AllReduceStats())
         return GroupOutcome({str(k): Gathered.parse(v) for k, v in gathered.items()}, stats, led)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:

@@ -1,5 +1,5 @@
 """What one averaging step gives its caller (``ExactAverager.step``): what each member of the
-group stated, and what this peer's all-reduce did. It crosses from the averager's process to
+group stated, and what this peer's all-reduce did (or why it failed once begun). It crosses from the averager's process to
 the peer's, so it is plain picklable data."""
 
 from __future__ import annotations
@@ -40,3 +40,7 @@ class GroupOutcome:
     stats: AllReduceStats
     led: dict[str, float] | None = None
     """Set if this peer led the group (``engine.matchmaking.RoundMatchmaking.led``)."""
+    failed: str = ""
+    """Why this peer's all-reduce failed once begun ("" if it completed): nothing of the vector
+    is averaged here (``stats.missing`` is all of it); the others may land the round without
+    this peer."""

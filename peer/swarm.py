@@ -86,7 +86,9 @@ class PendingRound:
         return self.control.done()
 
     def result(self) -> RoundResult | None:
-        """Block until the round ends; None if it failed (no group, timeout, missing parts)."""
+        """Block until the round ends; None if it failed before a group formed (no group, a
+        timeout). A group whose all-reduce failed here gives a result with everything
+        ``missing`` (its members may land the round without this peer)."""
         try:
             outcome = self.control.result()
         except Exception as exc:  # noqa: BLE001 - hivemind raises many kinds; the round just failed
@@ -98,6 +100,8 @@ class PendingRound:
         with self.averager.get_tensors() as tensors:
             averaged = tensors[0]
         stats, gathered = outcome.stats, outcome.gathered
+        if outcome.failed:
+            logger.warning("averaging round failed here after its group formed: %s", outcome.failed)
         return RoundResult(
             averaged=averaged,
             group_size=len(gathered),

@@ -51,8 +51,9 @@ class RoundResult:
     """Members (public id) whose contribution this peer's reducer bounded or refused, or whose
     reducer failed this peer, with why (``ExactAllReduceRunner.offences``)."""
     missing: list[tuple[int, int]] = field(default_factory=list)
-    """``[start, end)`` ranges of ``averaged`` that hold no average (their reducer failed): the
-    round lands without them (``peer.host_passes.land_round``)."""
+    """``[start, end)`` ranges of ``averaged`` that hold no average: their reducer failed, or
+    all of it when this peer's own all-reduce failed. This peer does not land such a round
+    (``Trainer._the_rounds_state``); its group's other members may."""
     led: dict[str, float] | None = None
     """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
     event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""

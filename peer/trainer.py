@@ -868,7 +868,8 @@ class Trainer:
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if result.missing:
             logger.warning(
-                "round %d: %.1f%% of the vector did not arrive (a reducer failed); not landing it",
+                "round %d: %.1f%% of the vector did not arrive (a reducer, or this peer's all-reduce, failed); "
+                "not landing it",
                 self.state.round,
                 100 * result.unaveraged(),
             )

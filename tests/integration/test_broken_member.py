@@ -23,11 +23,14 @@ from typing import Any
 import pytest
 import torch
 from hivemind import DHT
+from hivemind.averaging.partition import AllreduceException
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from engine.allreduce import CodecCompression, ExactAllReduceRunner
 from engine.averager import ExactAverager
 from engine.compression import get_codec
+from engine.outcome import GroupOutcome
+from protocol.gathered import Gathered
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 MEMBERS = 4
@@ -70,6 +73,14 @@ class NaNContribution(CodecCompression):
         return runtime_pb2.Tensor(buffer=poisoned.numpy().tobytes(), size=list(tensor.shape), dtype=self.dtype_tag)
 
 
+class FailsHere(ExactAllReduceRunner):
+    """A local fault: its all-reduce raises here as soon as it begins."""
+
+    async def run(self) -> AsyncIterator[torch.Tensor]:
+        raise AllreduceException("a local fault: this member's all-reduce broke")
+        yield torch.empty(0)  # pragma: no cover - makes this an async generator
+
+
 BROKEN: dict[str, type[ExactAllReduceRunner] | type[CodecCompression]] = {
     "garbage": GarbageReducer,
     "silent": SilentReducer,
@@ -82,7 +93,12 @@ def member_vector(index: int) -> torch.Tensor:
     return torch.full((NUMEL,), float(index + 1))
 
 
-def run_group(broken: type[ExactAllReduceRunner] | type[CodecCompression]) -> list[dict[str, Any] | None]:
+def run_group(
+    broken: type[ExactAllReduceRunner] | type[CodecCompression], *, as_a_peer_does: bool = False
+) -> list[dict[str, Any] | None]:
+    """Each member's outcome (its vector and stats; None if its step raised). ``as_a_peer_does``:
+    every member states what it starts from and may retry (``peer.swarm.Swarm.start_round``);
+    the outcome then also holds the ``GroupOutcome`` itself."""
     codec = get_codec("none")
     first = DHT(start=True, host_maddrs=LOOPBACK)
     dhts = [first] + [
@@ -117,12 +133,17 @@ def run_group(broken: type[ExactAllReduceRunner] | type[CodecCompression]) -> li
 
         def step(i: int) -> None:
             try:
-                outcome = averagers[i].step(weight=1.0, timeout=30, allow_retries=False)
+                if as_a_peer_does:
+                    gather = Gathered(id=f"m{i}", round=0, digest="d", samples=1).to_wire()
+                    outcome = averagers[i].step(weight=1.0, timeout=30, gather=gather)
+                else:
+                    outcome = averagers[i].step(weight=1.0, timeout=30, allow_retries=False)
             except Exception:  # noqa: BLE001 - a failed step: no outcome
                 return
             if outcome:
                 with averagers[i].get_tensors() as tensors:
-                    outcomes[i] = {"vector": tensors[0].clone(), **dataclasses.asdict(outcome.stats)}
+                    stats = dataclasses.asdict(outcome.stats)
+                    outcomes[i] = {"vector": tensors[0].clone(), **stats, "outcome": outcome}
 
         threads = [threading.Thread(target=step, args=(i,), daemon=True) for i in range(MEMBERS)]
         for thread in threads:
@@ -171,3 +192,18 @@ def test_a_broken_member_costs_the_others_only_its_own_contribution(broken: str)
     else:
         # as a sender it was honest: its parts count everywhere it was averaged
         assert bool((averaged == with_broken).all())
+
+
+def test_a_member_whose_own_all_reduce_fails_ends_its_round_with_its_group_and_does_not_retry() -> None:
+    """hivemind retries a failed step until its deadline; after a group's all-reduce began, a
+    retry looks for a group at a round key the group has left (the others land without this
+    member and move on), for up to the whole matchmaking timeout. The step ends at once
+    instead, with the statements of the group it was in (``GroupOutcome.failed``): the peer
+    knows which roster the state its group makes will have (``peer.roster_book``)."""
+    outcomes = run_group(FailsHere, as_a_peer_does=True)
+    mine = outcomes[3]
+    assert mine is not None, "the failed member's step raised (it retried until its deadline)"
+    outcome = mine["outcome"]
+    assert isinstance(outcome, GroupOutcome) and "a local fault" in outcome.failed, outcome
+    assert mine["missing"] == [(0, NUMEL)]
+    assert sorted(g.id for g in outcome.gathered.values() if g is not None) == ["m0", "m1", "m2", "m3"]
