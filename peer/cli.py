@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,12 @@ from peer.round_metrics import RoundMetrics
 from protocol.errors import AdmissionError, ConfigError
 
 if TYPE_CHECKING:
+    from peer.coordinator_client import CoordinatorClient, CoordinatorLink, JoinInfo
+    from peer.node import LocalNode
+    from peer.node_env import NodeEnv
+    from peer.swarm import Swarm
+    from peer.task import Task
+    from protocol.identity import Identity
     from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -195,7 +202,45 @@ def ranks_to_launch(args: argparse.Namespace) -> int | None:
     return count if count > 1 else None
 
 
+@dataclass
+class _Joined:
+    """What joining gave this peer: the run's spec and, through a coordinator, the client, the
+    join's answer and the data stream it was given."""
+
+    spec: RunSpec
+    slot: int | None
+    client: CoordinatorClient | None = None
+    info: JoinInfo | None = None
+
+    def leave(self) -> None:
+        """Give back what the join took (the data stream) when the peer stops before training."""
+        if self.client is not None:
+            self.client.leave()
+
+
+@dataclass
+class _Plan:
+    """How this node trains: on which device, over which local ranks, a model of what size."""
+
+    device: str
+    """This process's torch device."""
+    local_node: LocalNode | None
+    numel: int
+    shard: bool
+    """FSDP2 shards over the local ranks: the leader keeps a plain full copy of the model in
+    host memory for the round's host passes, the ranks train shards of it on their devices."""
+    shard_seed: int
+    task: Task | None
+    """Built already when the spec alone does not say the model's size."""
+
+    @property
+    def model_device(self) -> str:
+        return "cpu" if self.shard else self.device
+
+
 def run(args: argparse.Namespace) -> int:
+    """``swarmtrain peer`` as the leader (or only rank) of its node, in named steps; a node's
+    other local ranks run ``_run_worker``."""
     check_args(args)
     from protocol.tmpdir import check_tmpdir
 
@@ -209,8 +254,40 @@ def run(args: argparse.Namespace) -> int:
     # starts must not kill the process with its hivemind children running
     stop = threading.Event()
     _install_signal_handlers(stop)
+    node, created, _checkpoint_lock = _identities(args)  # the lock is held while the peer runs
+    joined = _join(args, node, node_env)
+    compute = _checked_compute(args, joined)
+    plan = _plan(args, joined, compute, node, node_env)
+    swarm = _start_swarm(args, joined, plan)
+    _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
+    link = None
+    try:
+        task = plan.task or _build_task(args, joined, compute, plan.shard_seed, plan.model_device)
+        built = sum(p.numel() for p in task.model.parameters())
+        if built != plan.numel:
+            raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
+        _announce(joined.spec.run.name, node, created, swarm, args, plan.numel, plan.device, node_env, plan.shard)
+        link = _link_to_coordinator(args, joined, swarm, stop)
+        _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
+        if link is not None and link.refused:
+            raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
+    finally:
+        if link is not None:
+            link.stop()
+        swarm.shutdown()
+        if plan.local_node is not None:
+            plan.local_node.close()
+    if link is not None and link.credit is not None:
+        print(f"coordinator: {link.credit.describe()}", flush=True)
+    print("peer stopped cleanly", flush=True)
+    _hold_late_signals()
+    return 0
+
+
+def _identities(args: argparse.Namespace) -> tuple[NodeIdentity, bool, object]:
+    """The account key (created if absent, said once) and this node's key endorsed by it;
+    whether the account was created; the checkpoint directory's lock (one peer per directory)."""
     from protocol.identity import default_key_path, load_or_create
-    from protocol.spec import load_spec
 
     key_path = args.key or default_key_path()
     account, created = load_or_create(key_path)
@@ -221,46 +298,48 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     node, checkpoint_lock = node_identity(account, args.checkpoint_dir)
-    identity = node.node
-    client = join_info = None
-    if args.coordinator:
-        from peer.coordinator_client import CoordinatorClient
-        from protocol.spec import parse_spec
-        from protocol.version import __version__
+    return node, created, checkpoint_lock
 
-        client = CoordinatorClient(
-            args.coordinator,
-            identity,
-            software_version=__version__,
-            endorsement=node.endorsement,
-            local_ranks=node_env.world_size if node_env is not None else 1,
-        )
-        local_digest = load_spec(args.spec).digest() if args.spec else ""
-        join_info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
-        spec = parse_spec(join_info.spec_toml, source=f"spec from {args.coordinator}")
-        if spec.digest() != join_info.spec_digest:
-            raise ConfigError(
-                f"the coordinator's spec does not match the digest it announced ({join_info.spec_digest})"
-            )
-        from peer.bootstrap import bootstrap_for
 
-        # the coordinator's DHT addresses on the host we reached it on (see peer.bootstrap)
-        args.initial_peers = bootstrap_for(join_info.bootstrap_maddrs, args.coordinator) + list(args.initial_peers)
-    else:
-        spec = load_spec(args.spec)
-    shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
-    slot = join_info.data_slot if join_info is not None else args.data_slot
-    try:  # this peer's own micro-batches and checkpointing: its task only, never the run's spec (digest)
+def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None) -> _Joined:
+    """The run: through the coordinator (``--coordinator``: joined; the spec is the
+    coordinator's, and its DHT addresses join ``args.initial_peers``), else ``--spec``."""
+    from protocol.spec import load_spec, parse_spec
+
+    if not args.coordinator:
+        return _Joined(load_spec(args.spec), args.data_slot)
+    from peer.bootstrap import bootstrap_for
+    from peer.coordinator_client import CoordinatorClient
+    from protocol.version import __version__
+
+    client = CoordinatorClient(
+        args.coordinator,
+        node.node,
+        software_version=__version__,
+        endorsement=node.endorsement,
+        local_ranks=node_env.world_size if node_env is not None else 1,
+    )
+    local_digest = load_spec(args.spec).digest() if args.spec else ""
+    info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
+    spec = parse_spec(info.spec_toml, source=f"spec from {args.coordinator}")
+    if spec.digest() != info.spec_digest:
+        raise ConfigError(f"the coordinator's spec does not match the digest it announced ({info.spec_digest})")
+    # the coordinator's DHT addresses on the host we reached it on (see peer.bootstrap)
+    args.initial_peers = bootstrap_for(info.bootstrap_maddrs, args.coordinator) + list(args.initial_peers)
+    return _Joined(spec, info.data_slot, client, info)
+
+
+def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:
+    """The spec this peer builds its task from (its own micro-batches, checkpointing and
+    compilation: never the run's spec or its digest), once a token run's data and weights are
+    checked to be the run's. Refused here, the peer gives its data stream back."""
+    spec = joined.spec
+    try:
         compute = _local_compute(spec, args)
-    except ConfigError:
-        if client is not None:
-            client.leave()  # frees the data stream the join gave it
-        raise
-    if spec.data.source == "tokens":
-        from peer.task.tokens import check_data
+        if spec.data.source == "tokens":
+            from peer.task.tokens import check_data
 
-        try:
-            check_data(spec, args.data_dir)  # a mismatch is refused before anything starts
+            check_data(spec, args.data_dir)
             lm = spec.task.causal_lm
             if lm is not None and lm.weights is not None:
                 from protocol.manifest import weights_sha256
@@ -268,17 +347,35 @@ def run(args: argparse.Namespace) -> int:
                 weights = args.weights_dir or str(lm.weights_path)
                 if weights_sha256(weights) != lm.weights:
                     raise ConfigError(f"weights mismatch: the weights in {weights} are not the run's {lm.weights}")
-        except ConfigError:
-            if client is not None:
-                client.leave()  # frees the data stream the join gave it
-            raise
-    task_data = {"slot": slot, "data_dir": args.data_dir, "weights_dir": args.weights_dir}
+    except ConfigError:
+        joined.leave()
+        raise
+    return compute
 
-    from engine.compression import get_codec
-    from peer.node import Command
-    from peer.swarm import Swarm
-    from peer.task import Task, build_task, known_param_count
-    from peer.trainer import Trainer, TrainerOptions
+
+def _build_task(args: argparse.Namespace, joined: _Joined, compute: RunSpec, shard_seed: int, device: str) -> Task:
+    from peer.task import build_task
+
+    return build_task(
+        compute,
+        shard_seed=shard_seed,
+        device=device,
+        slot=joined.slot,
+        data_dir=args.data_dir,
+        weights_dir=args.weights_dir,
+    )
+
+
+def _plan(
+    args: argparse.Namespace, joined: _Joined, compute: RunSpec, node: NodeIdentity, node_env: NodeEnv | None
+) -> _Plan:
+    """Where and over which local ranks this node trains. The model's size decides whether it
+    shards (``use_fsdp``) and sizes the averager. hivemind's DHT and averager processes are
+    forked from this one, so the model is built after them, or each would keep its first pages
+    (copy-on-write) once training rewrites them: one more copy in host memory. Only a task whose
+    size the spec does not say (``known_param_count``) is built first, to measure it. The other
+    local ranks get what they need to build theirs (``LocalNode.share``)."""
+    from peer.task import known_param_count
 
     device = _device(args.device, node_env)
     local_node = None
@@ -286,138 +383,147 @@ def run(args: argparse.Namespace) -> int:
         from peer.node import LocalNode
 
         local_node = LocalNode(node_env, device=device)
-    # hivemind's DHT and averager processes are forked from this one: fork them before the
-    # model exists, or each keeps the model's first pages (copy-on-write) once training
-    # rewrites them, one more copy of the model in host memory
+    shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
     task: Task | None = None
-    numel = known_param_count(spec)
+    numel = known_param_count(joined.spec)
     shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
     if numel is None:
-        task = build_task(compute, shard_seed=shard_seed, device="cpu" if shard else device, **task_data)
+        task = _build_task(args, joined, compute, shard_seed, "cpu" if shard else device)
         numel = sum(p.numel() for p in task.model.parameters())
         shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
         if shard:
             task.model.to("cpu")
     if local_node is not None:
-        spec_text = join_info.spec_toml if join_info is not None else args.spec.read_text()
-        paths = {name: str(value) if value is not None else None for name, value in task_data.items() if name != "slot"}
+        spec_text = joined.info.spec_toml if joined.info is not None else args.spec.read_text()
+        paths = {
+            name: str(value) if value is not None else None
+            for name, value in (("data_dir", args.data_dir), ("weights_dir", args.weights_dir))
+        }
         local_node.share(
             {
                 "spec": spec_text,
                 "seed": shard_seed,
                 "shard": shard,
-                "slot": slot,
+                "slot": joined.slot,
                 "micro_batches": args.micro_batches,
                 "activation_checkpointing": args.activation_checkpointing,
                 "compile": args.compile,
                 **paths,
             }
         )
-    # sharded, the leader keeps a plain full copy of the model in host memory for the round's
-    # host passes; the ranks train FSDP2 shards of it on their devices
-    model_device = "cpu" if shard else device
-    ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
+    return _Plan(device, local_node, numel, shard, shard_seed, task)
+
+
+def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan) -> Swarm:
+    """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
+    average with it (``protocol.membership.MemberGate``)."""
+    from engine.compression import get_codec
+    from peer.swarm import Swarm
+
     gate = None
-    if join_info is not None:
+    if joined.info is not None:
         from protocol.membership import MemberGate
         from protocol.statesync import run_prefix
 
-        # authorized averaging: only peers holding this coordinator's tokens average with us
         gate = MemberGate(
-            coordinator_key=join_info.coordinator_key,
-            run_digest=join_info.spec_digest,
-            prefix=run_prefix(join_info.spec_digest),
+            coordinator_key=joined.info.coordinator_key,
+            run_digest=joined.info.spec_digest,
+            prefix=run_prefix(joined.info.spec_digest),
         )
-    swarm = Swarm(
-        spec,
-        numel,
-        get_codec(spec.averaging.compression),
+    ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
+    return Swarm(
+        joined.spec,
+        plan.numel,
+        get_codec(joined.spec.averaging.compression),
         initial_peers=list(args.initial_peers),
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,
         gate=gate,
     )
-    _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
-    link = None
+
+
+def _link_to_coordinator(
+    args: argparse.Namespace, joined: _Joined, swarm: Swarm, stop: threading.Event
+) -> CoordinatorLink | None:
+    """Through a coordinator: join again with this peer's swarm addresses (the token now names
+    its libp2p id), publish the membership token, and start the heartbeats and reports."""
+    if joined.client is None or joined.info is None:
+        return None
+    from peer.coordinator_client import CoordinatorLink
+
+    rejoin: dict[str, Any] = {
+        "libp2p_peer_id": str(swarm.dht.peer_id),
+        "maddrs": swarm.visible_maddrs,
+        "reachable": not args.client_mode,
+        "spec_digest": joined.info.spec_digest,
+    }
+    admitted = joined.client.join(**rejoin)
+    swarm.publish_membership(admitted.access_token)
+    link = CoordinatorLink(
+        joined.client,
+        interval_s=joined.info.heartbeat_interval_s,
+        rejoin=rejoin,
+        on_refused=lambda reason: stop.set(),
+        token=admitted.access_token,
+        on_token=swarm.publish_membership,
+        data_slot=joined.slot if joined.spec.data.source == "tokens" else None,
+    )
+    link.start()
+    print(f"joined through coordinator {args.coordinator}", flush=True)
+    return link
+
+
+def _train(
+    args: argparse.Namespace,
+    spec: RunSpec,
+    task: Task,
+    swarm: Swarm,
+    plan: _Plan,
+    link: CoordinatorLink | None,
+    identity: Identity,
+    stop: threading.Event,
+) -> None:
+    """Run the trainer until done or told to leave; each round goes to the progress line, the
+    metrics file, the experiment log and the coordinator."""
+    from peer.node import Command
+    from peer.trainer import Trainer, TrainerOptions
+    from protocol.experiment_log import ExperimentLog, peer_figures
+
+    options = TrainerOptions(
+        identity=identity,
+        max_rounds=args.max_rounds,
+        device=plan.device,
+        overlap=args.overlap,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        wait_for_group_s=args.wait_for_group,
+        stop=stop,
+        node=plan.local_node,
+        shard=plan.shard,
+    )
+    display = ProgressDisplay(credit=lambda: link.credit if link is not None else None)
+    display.guard_logging()
+    report = _reporter(args.metrics_file, display)
+    experiment = ExperimentLog(args.log_to, name=f"{spec.run.name}-{identity.public_key.id[8:20]}")
+
+    def on_round(metrics: RoundMetrics) -> None:
+        row = metrics.as_dict()
+        report(row)
+        experiment.scalars(metrics.round, peer_figures(row))
+        if link is not None:
+            link.report(metrics)
+
+    trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display)
+    if link is not None:
+        link.phase_of = lambda: trainer.phase.value  # heartbeats say when it waits for its group
     try:
-        if task is None:
-            task = build_task(compute, shard_seed=shard_seed, device=model_device, **task_data)
-        built = sum(p.numel() for p in task.model.parameters())
-        if built != numel:
-            raise ConfigError(f"the task's model has {built} parameters, its spec says {numel}")
-        _announce(spec.run.name, node, created, swarm, args, numel, device, node_env, shard)
-        if client is not None and join_info is not None:
-            from peer.coordinator_client import CoordinatorLink
-
-            rejoin: dict[str, Any] = {
-                "libp2p_peer_id": str(swarm.dht.peer_id),
-                "maddrs": swarm.visible_maddrs,
-                "reachable": not args.client_mode,
-                "spec_digest": join_info.spec_digest,
-            }
-            admitted = client.join(**rejoin)
-            swarm.publish_membership(admitted.access_token)
-            link = CoordinatorLink(
-                client,
-                interval_s=join_info.heartbeat_interval_s,
-                rejoin=rejoin,
-                on_refused=lambda reason: stop.set(),
-                token=admitted.access_token,
-                on_token=swarm.publish_membership,
-                data_slot=slot if spec.data.source == "tokens" else None,
-            )
-            link.start()
-            print(f"joined through coordinator {args.coordinator}", flush=True)
-        options = TrainerOptions(
-            identity=identity,
-            max_rounds=args.max_rounds,
-            device=device,
-            overlap=args.overlap,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            wait_for_group_s=args.wait_for_group,
-            stop=stop,
-            node=local_node,
-            shard=shard,
-        )
-        display = ProgressDisplay(credit=lambda: link.credit if link is not None else None)
-        display.guard_logging()
-        report = _reporter(args.metrics_file, display)
-        from protocol.experiment_log import ExperimentLog, peer_figures
-
-        experiment = ExperimentLog(args.log_to, name=f"{spec.run.name}-{identity.public_key.id[8:20]}")
-
-        def on_round(metrics: RoundMetrics) -> None:
-            row = metrics.as_dict()
-            report(row)
-            experiment.scalars(metrics.round, peer_figures(row))
-            if link is not None:
-                link.report(metrics)
-
-        trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display)
-        if link is not None:
-            link.phase_of = lambda: trainer.phase.value  # heartbeats say when it waits for its group
-        try:
-            trainer.run()
-        finally:
-            experiment.close()
-            display.clear()
-            if local_node is not None:
-                with contextlib.suppress(Exception):  # a lost rank: the launcher names it
-                    local_node.send(Command.STOP)
-        if link is not None and link.refused:
-            raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
+        trainer.run()
     finally:
-        if link is not None:
-            link.stop()
-        swarm.shutdown()
-        if local_node is not None:
-            local_node.close()
-    if link is not None and link.credit is not None:
-        print(f"coordinator: {link.credit.describe()}", flush=True)
-    print("peer stopped cleanly", flush=True)
-    _hold_late_signals()
-    return 0
+        experiment.close()
+        display.clear()
+        if plan.local_node is not None:
+            with contextlib.suppress(Exception):  # a lost rank: the launcher names it
+                plan.local_node.send(Command.STOP)
 
 
 def _device(requested: str | None, node_env: Any) -> str:
