@@ -13,27 +13,10 @@ from pathlib import Path
 from coordinator.archive import CheckpointArchive
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_until
+from tests.integration.specs import tiny_spec
 from tests.integration.test_coordinator_swarm import status
 
-SPEC = """
-[run]
-name = "archive"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 3
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec("archive")
 EVERY, KEEP = 2, 2
 ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((blake3:[0-9a-f]+)")
 

@@ -7,26 +7,9 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer
 from swarmtrain.localswarm import wait_until as wait_for
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "gated"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 30
-[averaging]
-compression = "fp16"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec("gated", inner_steps=30, compression="fp16")
 
 
 def test_a_peer_without_a_token_cannot_average_or_download(tmp_path: Path) -> None:

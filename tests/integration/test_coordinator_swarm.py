@@ -25,29 +25,9 @@ from protocol.statesync import run_prefix
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
 from tests.conftest import plain
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "coord"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 3
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 3
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-[admission]
-mode = "{mode}"
-{allowlist}
-"""
+SPEC = tiny_spec("coord", min_group_size=3, extra='[admission]\nmode = "{mode}"\n{allowlist}\n')
 
 
 def CoordinatorProcess(spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> LocalCoordinator:

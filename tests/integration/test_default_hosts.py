@@ -11,26 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all, wait_until
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "hosts"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 16
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 3
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec("hosts", context=16)
 ROUNDS = 4
 
 

@@ -24,26 +24,9 @@ from protocol.modelsize import count_params
 from protocol.spec import parse_spec
 from protocol.statesync import record_votes, run_prefix, state_digest
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "forged"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 16
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 2
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec("forged", context=16, inner_steps=2)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 AHEAD = 1000  # far ahead: the honest swarm trains on until the newcomer is done, never that far
 SYBILS = 3

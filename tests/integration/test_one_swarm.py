@@ -9,28 +9,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from swarmtrain.localswarm import LocalPeer, start_peers, wait_until
+from tests.integration.specs import tiny_spec
 
 PEERS, LATE_ROUNDS = 10, 3
 ROUNDS = 500  # the others train on until the late joiner is done, then leave (SIGTERM)
-SPEC = """
-[run]
-name = "one-swarm"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[inner]
-lr = 3e-3
-batch_size = 4
-[rounds]
-inner_steps = 4
-[averaging]
-compression = "int8"
-min_group_size = 2
-matchmaking_timeout_s = 10.0
-allreduce_timeout_s = 60.0
-"""
+SPEC = tiny_spec(
+    "one-swarm", lr=3e-3, inner_steps=4, overlap=None, matchmaking_timeout_s=10.0, allreduce_timeout_s=60.0
+)
 
 
 def _summary(histories: dict[str, list[dict]]) -> str:

@@ -21,28 +21,9 @@ from peer.trainer import Trainer, TrainerOptions
 from protocol.identity import Identity
 from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalCoordinator, start_peers, wait_all, wait_until
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "cheat"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 3
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 3
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-[credits]
-max_samples_per_second = 100000.0
-"""
+SPEC = tiny_spec("cheat", min_group_size=3, extra="[credits]\nmax_samples_per_second = 100000.0\n")
 ROUNDS, INFLATE = 4, 10
 
 

@@ -13,26 +13,9 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "reach"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 32
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 3
-[averaging]
-compression = "fp16"
-overlap = false
-min_group_size = {min_group}
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec("reach", compression="fp16", min_group_size="{min_group}")
 
 
 def start(tmp_path: Path, i: int, spec: Path, extra: list[str]) -> LocalPeer:

@@ -12,26 +12,9 @@ from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
 from protocol.spec import parse_spec
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "sync"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 16
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 2
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec("sync", context=16, inner_steps=2)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
