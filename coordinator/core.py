@@ -371,7 +371,7 @@ class Coordinator:
         if key in self._accounts:
             return self._accounts[key]
         row = self.store.peer(key)
-        return (row.get("account_key") if row is not None else None) or key
+        return (row.account_key if row is not None else None) or key
 
     def _owner_of(self, key: str) -> tuple[str, float]:
         """The account ``key`` earns for and when that account was first seen."""
@@ -448,7 +448,7 @@ class Coordinator:
     def _compute_revoked(self) -> set[str]:
         banned = set(self.store.banned())
         allowlist = self.store.allowlist() if self.spec.admission.mode == "allowlist" else None
-        accounts = {row["key"]: row.get("account_key") or row["key"] for row in self.store.peers()}
+        accounts = {row.key: row.account_key or row.key for row in self.store.peers()}
         accounts.update(self._accounts)
         revoked = set(banned)
         for peer, account in accounts.items():
@@ -503,7 +503,7 @@ class Coordinator:
 
     def _drop_peers_of(self, key: str) -> int:
         """Forget the peers that are ``key`` or earn for account ``key``; they must join again."""
-        keys = {row["key"] for row in self.store.peers() if key in (row["key"], row.get("account_key"))}
+        keys = {row.key for row in self.store.peers() if key in (row.key, row.account_key)}
         keys |= {peer for peer, account in self._accounts.items() if key in (peer, account)}
         dropped = 0
         for peer in keys:

@@ -32,6 +32,7 @@ read; it grants and denies nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.limits import MAX_GROUP
+from coordinator.store.rows import ClaimRow
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +110,12 @@ class RoundWindow:
                 break
             entry.members.add(key)
 
-    def add_row(self, row: Mapping[str, Any]) -> bool:
+    def add_row(self, row: ClaimRow | Mapping[str, Any]) -> bool:
         """Count one stored claim (``Store.recent_claims``: key, round, group_json, state_digest,
-        status); False, and nothing counted, if the row is malformed."""
+        status); False, and nothing counted, if the row is malformed (what a database holds is
+        checked like anything read back: a row written by another version, or by hand)."""
+        if isinstance(row, ClaimRow):
+            row = dataclasses.asdict(row)
         try:
             round_, reporter, digest = row["round"], row["key"], row["state_digest"]
             entries = json.loads(row["group_json"])
@@ -126,7 +131,7 @@ class RoundWindow:
             self.decided(round_)
         return True
 
-    def load(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def load(self, rows: Iterable[ClaimRow | Mapping[str, Any]]) -> None:
         """Count stored claims (after a restart); malformed rows are skipped and counted in one line."""
         skipped = sum(0 if self.add_row(row) else 1 for row in rows)
         if skipped:

@@ -239,7 +239,7 @@ class RoundBook:
                 since = previous[0].received_at
             else:
                 row = self.store.peer(key)
-                since = float(row["first_seen"]) if row is not None else now
+                since = row.first_seen if row is not None else now
             self._last_report_at[key] = since
         return max(now - since, 1e-3)
 

@@ -77,20 +77,20 @@ def create_app(
             offences = core.store.denials_by_peer(OFFENCE)
         out = []
         for row in stored:
-            h = health.get(row["key"])
+            h = health.get(row.key)
             out.append(
                 {
-                    "key": row["key"],
-                    "account": row.get("account_key"),
-                    "libp2p_peer_id": row["libp2p_peer_id"],
-                    "software_version": row["software_version"],
-                    "reachable": row["reachable"],
+                    "key": row.key,
+                    "account": row.account_key,
+                    "libp2p_peer_id": row.libp2p_peer_id,
+                    "software_version": row.software_version,
+                    "reachable": row.reachable,
                     "state": h.state.value if h else "offline",
                     "round": h.round if h else None,
                     "samples_per_second": h.samples_per_second if h else 0.0,
-                    "last_seen": h.last_seen if h else row["last_seen"],
-                    "local_ranks": h.local_ranks if h else _local_ranks(row["hardware_json"]),
-                    "offences": offences.get(row["key"], 0),
+                    "last_seen": h.last_seen if h else row.last_seen,
+                    "local_ranks": h.local_ranks if h else _local_ranks(row.hardware_json),
+                    "offences": offences.get(row.key, 0),
                     "flagged": bool(h and h.flagged),
                 }
             )

@@ -5,7 +5,7 @@ round-path queries return; ``schema.py`` holds the tables, ``engine.py`` opens a
 """
 
 from coordinator.store.engine import sqlite_url
-from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, RoundRow
+from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow
 from coordinator.store.schema import SCHEMA_VERSION
 from coordinator.store.store import Decision, Store
 
@@ -15,6 +15,7 @@ __all__ = [
     "CreditTotals",
     "Decision",
     "PeerCredit",
+    "PeerRow",
     "RoundRow",
     "Store",
     "sqlite_url",

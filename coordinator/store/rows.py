@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClaimRow", "CreditTotals", "PeerCredit", "RoundRow"]
+__all__ = ["ClaimRow", "CreditTotals", "PeerCredit", "PeerRow", "RoundRow"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,18 @@ class PeerCredit:
     samples: int
     flops: float
     pending_samples: int
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """A peer the coordinator admitted once (``peers`` table)."""
+
+    key: str
+    account_key: str | None
+    """The account it earns for (None: its own key)."""
+    libp2p_peer_id: str
+    software_version: str
+    hardware_json: str
+    reachable: bool
+    first_seen: float
+    last_seen: float

@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.store.engine import open_engine
-from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, RoundRow
+from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow
 from coordinator.store.schema import (
     DENIED,
     GRANTED,
@@ -210,15 +210,11 @@ class Store:
                 for name, value in fields.items():
                     setattr(peer, name, value)
 
-    def peer(self, key: str) -> dict[str, Any] | None:
+    def peer(self, key: str) -> PeerRow | None:
         """One peer's row (as in ``peers``), or None if it was never seen."""
         with self._read() as s:
             row = s.get(Peer, key)
-            if row is None:
-                return None
-            found = _as_dict(row, _PEER_FIELDS)
-        found["reachable"] = bool(found["reachable"])
-        return found
+            return _peer_row(row) if row is not None else None
 
     def first_seen(self, owner: str) -> float | None:
         """When ``owner`` was first seen: the earliest ``first_seen`` of the peers whose account
@@ -228,13 +224,10 @@ class Store:
             found = s.scalar(query)
         return float(found) if found is not None else None
 
-    def peers(self) -> list[dict[str, Any]]:
-        """Every peer ever seen, by key; keys as in ``upsert_peer`` plus ``first_seen``/``last_seen``."""
+    def peers(self) -> list[PeerRow]:
+        """Every peer ever seen, by key."""
         with self._read() as s:
-            rows = [_as_dict(p, _PEER_FIELDS) for p in s.scalars(select(Peer).order_by(Peer.key))]
-        for row in rows:
-            row["reachable"] = bool(row["reachable"])
-        return rows
+            return [_peer_row(p) for p in s.scalars(select(Peer).order_by(Peer.key))]
 
     # --- claims and credits (the ledger) ----------------------------------------------------
 
@@ -358,16 +351,15 @@ class Store:
         with self._read() as s:
             return [_claim_row(c) for c in s.scalars(query)]
 
-    def recent_claims(self, rounds: int, *, limit: int) -> list[dict[str, Any]]:
-        """Key, round, group_json, state_digest and status of the claims of the ``rounds``
-        highest rounds claimed, at most ``limit`` rows (the round view's restart)."""
-        fields = ("key", "round", "group_json", "state_digest", "status")
+    def recent_claims(self, rounds: int, *, limit: int) -> list[ClaimRow]:
+        """The claims of the ``rounds`` highest rounds claimed, at most ``limit`` rows (the round
+        view's restart)."""
         with self._read() as s:
             latest = list(s.scalars(select(Claim.round).distinct().order_by(Claim.round.desc()).limit(rounds)))
             if not latest:
                 return []
-            query = select(*(getattr(Claim, f) for f in fields)).where(Claim.round.in_(latest)).limit(limit)
-            return [dict(zip(fields, row, strict=True)) for row in s.execute(query)]
+            query = select(Claim).where(Claim.round.in_(latest)).limit(limit)
+            return [_claim_row(c) for c in s.scalars(query)]
 
     def denials_by_peer(self, reason_contains: str) -> dict[str, int]:
         """``{peer_key: count}`` of denied claims whose reason contains ``reason_contains``."""
@@ -524,6 +516,11 @@ def _find_claim(session: Session, key: str, round: int) -> Claim | None:
 
 def _claim_row(claim: Claim) -> ClaimRow:
     return ClaimRow(**{name: getattr(claim, name) for name in _CLAIM_FIELDS})
+
+
+def _peer_row(peer: Peer) -> PeerRow:
+    fields = {name: getattr(peer, name) for name in _PEER_FIELDS}
+    return PeerRow(**{**fields, "reachable": bool(fields["reachable"])})
 
 
 def _round_row(record: RoundRecord) -> RoundRow:

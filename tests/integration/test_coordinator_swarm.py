@@ -80,7 +80,7 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
             key = peer.printed(r"^peer (\S+) of account (\S+)", 5)  # credited per node key
             account = Identity.load(tmp_path / f"k{i}").public_key.id
             assert peer.printed(r"^peer \S+ of account (\S+)", 5) == account
-            assert {row["key"]: row.get("account_key") for row in store.peers()}[key] == account
+            assert {row.key: row.account_key for row in store.peers()}[key] == account
             assert int(said.group(1).replace(",", "")) <= credits[key]["samples"]
         assert sum(c["samples"] for c in credits.values()) <= sum(trained.values())
         assert store.rounds()

@@ -28,4 +28,4 @@ def test_status_shows_the_local_ranks_a_node_joined_with(core: Coordinator, said
     (peer,) = core.status(now=time.time()).peers
     assert peer.local_ranks == shown
     (row,) = core.store.peers()
-    assert f'"local_ranks": {shown}' in row["hardware_json"]
+    assert f'"local_ranks": {shown}' in row.hardware_json

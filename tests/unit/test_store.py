@@ -114,8 +114,8 @@ def test_upsert_peer_keeps_first_seen(store: Store) -> None:
     _peer(store, "p1", "acct2", now=9.0, reachable=False)
     _peer(store, "p0", None, now=3.0)
     peers = store.peers()
-    assert [p["key"] for p in peers] == ["p0", "p1"]
-    assert peers[1] == {
+    assert [p.key for p in peers] == ["p0", "p1"]
+    assert plain(peers[1]) == {
         "key": "p1",
         "account_key": "acct2",
         "libp2p_peer_id": "Qmp1",
@@ -125,7 +125,7 @@ def test_upsert_peer_keeps_first_seen(store: Store) -> None:
         "first_seen": 1.0,
         "last_seen": 9.0,
     }
-    assert peers[0]["account_key"] is None and peers[0]["reachable"] is True
+    assert peers[0].account_key is None and peers[0].reachable is True
 
 
 def test_duplicate_claim_returns_false_and_keeps_the_first(store: Store) -> None:
