@@ -18,6 +18,7 @@ from engine.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
+from peer.timeouts import matchmaking_window
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
 from protocol.gathered import Gathered
@@ -70,6 +71,8 @@ class RecordingSwarm:
         self.averager: Any = None
         self.provider: Any = None
         self.matchmaking_timeouts: list[float] = []
+        self.windows: list[float] = []
+        self.newcomer = False
         # the averager's shared vector; NaN until the trainer writes its round into it
         self.vector = torch.full((count_params(parse_spec(SPEC).task.model),), float("nan"))
 
@@ -86,6 +89,7 @@ class RecordingSwarm:
     def start_round(self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0) -> _Pending:
         self.launched.append((self.vector.clone(), weight))
         self.matchmaking_timeouts.append(timeout)
+        self.windows.append(window)
         return _Pending(self.next_result)
 
     def accepted_state(self, **kwargs: Any) -> None:
@@ -98,7 +102,7 @@ class RecordingSwarm:
         return self.claim
 
     def behind(self, round_: int) -> bool:
-        return False
+        return self.newcomer
 
     def saw_group(self, members: list[Gathered]) -> None:
         self.seen = [m.id for m in members]
@@ -151,6 +155,25 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     (timeout,) = swarm.matchmaking_timeouts
     expected = compute_s if overlap else base
     assert timeout == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize("newcomer", [False, True])
+def test_a_joining_round_declares_its_window_for_its_whole_search_only_as_a_newcomer(newcomer: bool) -> None:
+    """A peer that adopted the swarm's state declares the others' window (declared first, it
+    leads); an open-run newcomer meeting a round ahead cannot tell when the swarm arrives, so it
+    stays declared for its whole search, which lasts two matchmaking deadlines when it has no
+    phase of its own to go by."""
+    trainer, swarm = make_trainer(overlap=False)
+    swarm.newcomer = newcomer
+    base = trainer.timeouts.matchmaking_s
+    flight = trainer._launch(_InnerPhase(time.monotonic(), time.monotonic(), 0, 0, 0))
+    if flight.writing is not None:
+        trainer._start_round(flight)
+    (timeout,), (window,) = swarm.matchmaking_timeouts, swarm.windows
+    assert timeout == pytest.approx(2 * base)
+    others = matchmaking_window(base)
+    assert window == pytest.approx(matchmaking_window(timeout) if newcomer else others)
+    assert (window > others) == newcomer
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
