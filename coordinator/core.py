@@ -498,7 +498,7 @@ class Coordinator:
             message=message,
             admission_mode=self.spec.admission.mode,
             allowlist=sorted(self.store.allowlist()),
-            bans=[pb.BanEntry(key=b["key"], reason=b["reason"], banned_at=b["banned_at"]) for b in self.store.bans()],
+            bans=[pb.BanEntry(key=b.key, reason=b.reason, banned_at=b.banned_at) for b in self.store.bans()],
         )
 
     def _drop_peers_of(self, key: str) -> int:

@@ -105,13 +105,14 @@ def create_app(
     def credits(limit: int = Query(20, ge=1, le=1000)) -> dict[str, Any]:
         with lock:
             by_peer = {key: dataclasses.asdict(totals) for key, totals in core.store.credits_by_peer().items()}
-            return {"leaderboard": core.store.leaderboard(limit=limit), "by_peer": by_peer}
+            board = [dataclasses.asdict(row) for row in core.store.leaderboard(limit=limit)]
+            return {"leaderboard": board, "by_peer": by_peer}
 
     @app.get("/api/v1/history", response_model=list[schemas.HistoryPoint])
     def history(seconds: float = Query(3600.0, gt=0, le=core.history_keep_s)) -> list[dict[str, Any]]:
         """Swarm samples of the last ``seconds`` (no longer than the coordinator keeps them)."""
         with lock:
-            return core.store.samples(since=clock() - seconds)
+            return [dataclasses.asdict(point) for point in core.store.samples(since=clock() - seconds)]
 
     def archive_round() -> tuple[int | None, float | None]:
         kept = archiver.checkpoints() if archiver is not None else []

@@ -1,11 +1,21 @@
-"""What the store's round-path queries return: typed, immutable rows (a snapshot of what was
+"""What the store's queries return: typed, immutable rows (a snapshot of what was
 committed when the query ran; changing one changes nothing stored)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ClaimRow", "CreditTotals", "PeerCredit", "PeerRow", "RoundRow"]
+__all__ = [
+    "BanRow",
+    "ClaimRow",
+    "CreditTotals",
+    "LeaderRow",
+    "PeerCredit",
+    "PeerRow",
+    "RoundRow",
+    "RunRow",
+    "SwarmPoint",
+]
 
 
 @dataclass(frozen=True)
@@ -75,3 +85,40 @@ class PeerRow:
     reachable: bool
     first_seen: float
     last_seen: float
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """The run this database belongs to (``run`` table, one row)."""
+
+    spec_digest: str
+    spec_toml: str
+    name: str
+
+
+@dataclass(frozen=True)
+class BanRow:
+    """A banned peer or account key."""
+
+    key: str
+    reason: str
+    banned_at: float
+
+
+@dataclass(frozen=True)
+class LeaderRow:
+    """One account's granted credit (a peer without an account counts as its own)."""
+
+    account_key: str
+    samples: int
+    flops: float
+    peers: int
+
+
+@dataclass(frozen=True)
+class SwarmPoint:
+    """One point of the swarm's time series (one a tick)."""
+
+    at: float
+    peers_online: int
+    samples_per_second: float

@@ -7,21 +7,29 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.store.engine import open_engine
-from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow
+from coordinator.store.rows import (
+    BanRow,
+    ClaimRow,
+    CreditTotals,
+    LeaderRow,
+    PeerCredit,
+    PeerRow,
+    RoundRow,
+    RunRow,
+    SwarmPoint,
+)
 from coordinator.store.schema import (
     DENIED,
     GRANTED,
     PENDING,
     Allowed,
     Ban,
-    Base,
     Claim,
     Credit,
     DataSlot,
@@ -128,11 +136,11 @@ class Store:
                 )
             run.spec_digest, run.spec_toml, run.name = spec_digest, spec_toml, name
 
-    def run(self) -> dict[str, Any] | None:
-        """``{"spec_digest", "spec_toml", "name"}`` of the recorded run, or None."""
+    def run(self) -> RunRow | None:
+        """The recorded run, or None."""
         with self._read() as s:
             run = s.get(Run, _RUN_ID)
-            return None if run is None else _as_dict(run, ("spec_digest", "spec_toml", "name"))
+            return None if run is None else RunRow(spec_digest=run.spec_digest, spec_toml=run.spec_toml, name=run.name)
 
     # --- admission --------------------------------------------------------------------------
 
@@ -167,11 +175,11 @@ class Store:
         with self._write() as s:
             s.execute(delete(Ban).where(Ban.peer_key == peer_key))
 
-    def bans(self) -> list[dict[str, Any]]:
-        """Every ban (``key, reason, banned_at``), oldest first."""
+    def bans(self) -> list[BanRow]:
+        """Every ban, oldest first."""
         with self._read() as s:
             return [
-                {"key": b.peer_key, "reason": b.reason, "banned_at": b.banned_at}
+                BanRow(key=b.peer_key, reason=b.reason, banned_at=b.banned_at)
                 for b in s.scalars(select(Ban).order_by(Ban.banned_at, Ban.peer_key))
             ]
 
@@ -389,9 +397,8 @@ class Store:
             samples, flops = s.execute(granted.where(Credit.key == key)).one()
             return PeerCredit(samples=int(samples), flops=float(flops), pending_samples=int(s.scalar(pending) or 0))
 
-    def leaderboard(self, limit: int = 20) -> list[dict[str, Any]]:
-        """Accounts by flops (then samples) descending: ``account_key, samples, flops, peers``;
-        a peer with no account counts as its own."""
+    def leaderboard(self, limit: int = 20) -> list[LeaderRow]:
+        """Accounts by flops (then samples) descending; a peer with no account counts as its own."""
         account = func.coalesce(Peer.account_key, Credit.key).label("account_key")
         flops, samples = func.sum(Credit.flops), func.sum(Credit.samples)
         query = (
@@ -404,7 +411,7 @@ class Store:
         )
         with self._read() as s:
             return [
-                {"account_key": a, "samples": int(n), "flops": float(f), "peers": int(p)}
+                LeaderRow(account_key=a, samples=int(n), flops=float(f), peers=int(p))
                 for a, n, f, p in s.execute(query)
             ]
 
@@ -458,11 +465,11 @@ class Store:
         with self._write() as s:
             s.add(SwarmSample(at=now, peers_online=peers_online, samples_per_second=samples_per_second))
 
-    def samples(self, since: float) -> list[dict[str, Any]]:
-        """Points with ``at >= since``, oldest first: ``at, peers_online, samples_per_second``."""
+    def samples(self, since: float) -> list[SwarmPoint]:
+        """Points with ``at >= since``, oldest first."""
         query = select(SwarmSample).where(SwarmSample.at >= since).order_by(SwarmSample.at, SwarmSample.id)
         with self._read() as s:
-            return [_as_dict(p, _SAMPLE_FIELDS) for p in s.scalars(query)]
+            return [SwarmPoint(**{name: getattr(p, name) for name in _SAMPLE_FIELDS}) for p in s.scalars(query)]
 
     def prune_samples(self, before: float) -> int:
         """Delete points with ``at < before``; returns how many were deleted."""
@@ -525,7 +532,3 @@ def _peer_row(peer: Peer) -> PeerRow:
 
 def _round_row(record: RoundRecord) -> RoundRow:
     return RoundRow(**{name: getattr(record, name) for name in _ROUND_FIELDS})
-
-
-def _as_dict(obj: Base, fields: tuple[str, ...]) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in fields}

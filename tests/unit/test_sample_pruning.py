@@ -29,7 +29,7 @@ def coordinator(store: Store, **kwargs: float) -> Coordinator:
 
 
 def times(store: Store) -> list[float]:
-    return [s["at"] for s in store.samples(since=float("-inf"))]
+    return [s.at for s in store.samples(since=float("-inf"))]
 
 
 def test_the_default_keeps_the_longest_history_window() -> None:

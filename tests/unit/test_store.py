@@ -88,7 +88,7 @@ def test_run_is_recorded_and_replaced(store: Store) -> None:
     assert store.run() is None
     store.set_run(spec_digest="aa", spec_toml="[run]\nname='x'\n", name="x")
     store.set_run(spec_digest="bb", spec_toml="[run]\nname='y'\n", name="y")
-    assert store.run() == {"spec_digest": "bb", "spec_toml": "[run]\nname='y'\n", "name": "y"}
+    assert plain(store.run()) == {"spec_digest": "bb", "spec_toml": "[run]\nname='y'\n", "name": "y"}
 
 
 def test_allowlist_is_idempotent(store: Store) -> None:
@@ -247,7 +247,7 @@ def test_credits_by_peer_and_by_account_join_through_peers(store: Store) -> None
         "ghost": {"samples": 1, "flops": 0.5, "rounds": 1},
     }
     # a peer with no account (or no peer row) counts as its own account
-    assert {row.pop("account_key"): row for row in store.leaderboard(limit=100)} == {
+    assert {row.pop("account_key"): row for row in plain(store.leaderboard(limit=100))} == {
         "alice": {"samples": 60, "flops": 6.0, "peers": 2},
         "p3": {"samples": 5, "flops": 9.0, "peers": 1},
         "ghost": {"samples": 1, "flops": 0.5, "peers": 1},
@@ -262,12 +262,12 @@ def test_leaderboard_by_flops_per_account(store: Store) -> None:
         _claim(store, key, round)
         _grant(store, key, round, 10, flops)
     board = store.leaderboard()
-    assert [(r["account_key"], r["flops"], r["samples"], r["peers"]) for r in board] == [
+    assert [(r.account_key, r.flops, r.samples, r.peers) for r in board] == [
         ("bob", 5.0, 10, 1),
         ("alice", 4.0, 20, 2),
         ("p4", 0.5, 10, 1),
     ]
-    assert [r["account_key"] for r in store.leaderboard(limit=1)] == ["bob"]
+    assert [r.account_key for r in store.leaderboard(limit=1)] == ["bob"]
 
 
 def test_rounds_highest_first_and_limited(store: Store) -> None:
@@ -349,11 +349,11 @@ def test_finalize_round_with_a_bad_decision_writes_nothing(store: Store) -> None
 def test_samples_since_and_prune(store: Store) -> None:
     for t in range(10):
         store.record_sample(now=float(t), peers_online=t, samples_per_second=t * 1.5)
-    assert [s["at"] for s in store.samples(since=7.0)] == [7.0, 8.0, 9.0]
-    assert store.samples(since=9.0) == [{"at": 9.0, "peers_online": 9, "samples_per_second": 13.5}]
+    assert [s.at for s in store.samples(since=7.0)] == [7.0, 8.0, 9.0]
+    assert plain(store.samples(since=9.0)) == [{"at": 9.0, "peers_online": 9, "samples_per_second": 13.5}]
     assert store.prune_samples(before=5.0) == 5
     assert store.prune_samples(before=5.0) == 0
-    assert [s["at"] for s in store.samples(since=0.0)] == [5.0, 6.0, 7.0, 8.0, 9.0]
+    assert [s.at for s in store.samples(since=0.0)] == [5.0, 6.0, 7.0, 8.0, 9.0]
 
 
 def test_reopen_keeps_everything(store_url: str) -> None:
