@@ -449,15 +449,15 @@ def _link_to_coordinator(
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
     if joined.client is None or joined.info is None:
         return None
-    from peer.coordinator_client import CoordinatorLink
+    from peer.coordinator_client import CoordinatorLink, JoinAs
 
-    rejoin: dict[str, Any] = {
-        "libp2p_peer_id": str(swarm.dht.peer_id),
-        "maddrs": swarm.visible_maddrs,
-        "reachable": not args.client_mode,
-        "spec_digest": joined.info.spec_digest,
-    }
-    admitted = joined.client.join(**rejoin)
+    rejoin = JoinAs(
+        libp2p_peer_id=str(swarm.dht.peer_id),
+        maddrs=tuple(swarm.visible_maddrs),
+        reachable=not args.client_mode,
+        spec_digest=joined.info.spec_digest,
+    )
+    admitted = joined.client.join_as(rejoin)
     swarm.publish_membership(admitted.access_token)
     link = CoordinatorLink(
         joined.client,

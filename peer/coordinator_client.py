@@ -61,6 +61,17 @@ class JoinInfo:
     """Token runs: the first data stream this node trains (None: the run gives none)."""
 
 
+@dataclass(frozen=True)
+class JoinAs:
+    """What a peer says of itself when it joins (again): where it averages, and the run it
+    holds the spec of."""
+
+    libp2p_peer_id: str = ""
+    maddrs: tuple[str, ...] = ()
+    reachable: bool = True
+    spec_digest: str = ""
+
+
 # a restarted coordinator is found again within seconds (gRPC's default backoff grows to 120 s)
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 1000),
@@ -90,6 +101,15 @@ class CoordinatorClient:
         self.local_ranks = local_ranks
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def join_as(self, who: JoinAs) -> JoinInfo:
+        """``join`` saying ``who``."""
+        return self.join(
+            libp2p_peer_id=who.libp2p_peer_id,
+            maddrs=list(who.maddrs),
+            reachable=who.reachable,
+            spec_digest=who.spec_digest,
+        )
 
     def join(
         self,
@@ -212,7 +232,7 @@ class CoordinatorLink(threading.Thread):
         client: CoordinatorClient,
         *,
         interval_s: float,
-        rejoin: dict[str, Any],
+        rejoin: JoinAs,
         on_refused: Callable[[str], None] | None = None,
         token: bytes = b"",
         on_token: Callable[[bytes], object] | None = None,
@@ -306,7 +326,7 @@ class CoordinatorLink(threading.Thread):
             )
 
     def _rejoin(self) -> None:
-        info = self.client.join(**self.rejoin)
+        info = self.client.join_as(self.rejoin)
         self._check_data_slot(info.data_slot)
         self._renew_at = _renewal_time(info.access_token)
         try:

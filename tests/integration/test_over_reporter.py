@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.compression import get_codec
-from peer.coordinator_client import CoordinatorClient, CoordinatorLink
+from peer.coordinator_client import CoordinatorClient, CoordinatorLink, JoinAs
 from peer.round_metrics import RoundMetrics
 from peer.swarm import Swarm
 from peer.task import build_task
@@ -65,8 +65,9 @@ def test_over_reporter_is_granted_only_what_its_group_attests(tmp_path: Path, db
             initial_peers=list(joined.bootstrap_maddrs),
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         )
-        rejoin = {"libp2p_peer_id": str(swarm.dht.peer_id), "maddrs": swarm.visible_maddrs, "reachable": True}
-        swarm.publish_membership(client.join(**rejoin).access_token)  # admitted: it may average
+        rejoin = JoinAs(libp2p_peer_id=str(swarm.dht.peer_id), maddrs=tuple(swarm.visible_maddrs), reachable=True)
+        admitted = client.join_as(rejoin)
+        swarm.publish_membership(admitted.access_token)  # admitted: it may average
         link = InflatingLink(cheater.public_key.id, client, interval_s=joined.heartbeat_interval_s, rejoin=rejoin)
         link.start()
         peers = start_peers(spec_path, 2, tmp_path, extra=["--max-rounds", str(ROUNDS)], coordinator=address)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from peer.coordinator_client import CoordinatorLink
+from peer.coordinator_client import CoordinatorLink, JoinAs
 from protocol import coordinator_pb2 as pb
 from tests.unit.test_metrics_exposition import row
 
@@ -13,7 +13,7 @@ METRICS = row(3, averaged=False, digest="sha256:x", samples=40, wall_s=2.0)
 
 
 def link() -> CoordinatorLink:
-    return CoordinatorLink(object(), interval_s=5.0, rejoin={})  # type: ignore[arg-type]
+    return CoordinatorLink(object(), interval_s=5.0, rejoin=JoinAs())  # type: ignore[arg-type]
 
 
 def test_a_joining_peer_says_joining_until_its_first_round() -> None:

@@ -20,7 +20,7 @@ from coordinator.core import Coordinator
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.http.app import create_app
 from coordinator.store import Decision
-from peer.coordinator_client import CoordinatorLink
+from peer.coordinator_client import CoordinatorLink, JoinAs
 from peer.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
@@ -112,7 +112,7 @@ def row(round_: int, *, averaged: bool, digest: str, members: Sequence[Identity]
 
 
 def link() -> CoordinatorLink:
-    return CoordinatorLink(object(), interval_s=5.0, rejoin={})  # type: ignore[arg-type]
+    return CoordinatorLink(object(), interval_s=5.0, rejoin=JoinAs())  # type: ignore[arg-type]
 
 
 def beat(core: Coordinator, peer: Identity, peer_link: CoordinatorLink, now: float) -> None:
