@@ -523,8 +523,9 @@ class Trainer:
             timeout = self.matchmaking_timeout(compute_s)
             window = matchmaking_window(timeout)
         else:  # joining: wait up to two phases
-            timeout = self._join_timeout()
-            window = self._join_window(timeout)
+            newcomer = self.swarm.behind(self.state.round)
+            timeout = self._join_timeout(newcomer=newcomer)
+            window = self._join_window(timeout, newcomer=newcomer)
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
         flight = _InFlight(
@@ -588,15 +589,18 @@ class Trainer:
             return max(self.timeouts.matchmaking_s, compute_s)
         return self.timeouts.matchmaking_s
 
-    def _join_timeout(self) -> float:
-        """How long a round launched at once (``_launch_now``, or a newcomer's) may look for its
-        group: the others launch when their phase ends, up to a whole phase later, so twice a
-        phase (this peer's last, else the spec's time budget, else as long as the matchmaking
-        deadline: a round whose roster lost a member lasts its leader's window)."""
-        phase = self._phase_s or self.spec.rounds.time_budget_s or self.timeouts.matchmaking_s
+    def _join_timeout(self, *, newcomer: bool = False) -> float:
+        """How long a round launched at once (``_launch_now``, or an open-run newcomer's) may look
+        for its group: the others launch when their phase ends, up to a whole phase later, so
+        twice a phase (this peer's last, else the spec's time budget), at least the matchmaking
+        deadline. A newcomer meeting a round ahead, with no phase of its own, counts a phase as
+        long as the matchmaking deadline: the round it meets may be one whose roster lost a
+        member, which lasts its leader's window."""
+        unknown = self.timeouts.matchmaking_s if newcomer else 0.0
+        phase = self._phase_s or self.spec.rounds.time_budget_s or unknown
         return max(self.timeouts.matchmaking_s, 2 * phase)
 
-    def _join_window(self, timeout: float) -> float:
+    def _join_window(self, timeout: float, *, newcomer: bool) -> float:
         """How long a round launched at once declares it would lead. A peer that adopted the
         swarm's state declares the window the others will: having declared first, it leads the
         round's group. An open-run newcomer meeting a round ahead (``SwarmPort.behind``) cannot
@@ -605,7 +609,7 @@ class Trainer:
         the newcomer there and either joins it (it declared to close first) or its leader waits
         for it (``engine.matchmaking.JOIN_GRACE_S``). A window that ended a second before the
         swarm arrived left it out of the swarm's quick rounds, attempt after attempt."""
-        if self.swarm.behind(self.state.round):
+        if newcomer:
             return matchmaking_window(timeout)
         return matchmaking_window(self.matchmaking_timeout(self._phase_s or 0.0))
 

@@ -160,9 +160,9 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
 @pytest.mark.parametrize("newcomer", [False, True])
 def test_a_joining_round_declares_its_window_for_its_whole_search_only_as_a_newcomer(newcomer: bool) -> None:
     """A peer that adopted the swarm's state declares the others' window (declared first, it
-    leads); an open-run newcomer meeting a round ahead cannot tell when the swarm arrives, so it
-    stays declared for its whole search, which lasts two matchmaking deadlines when it has no
-    phase of its own to go by."""
+    leads) and, with no phase of its own, searches one matchmaking deadline; an open-run
+    newcomer meeting a round ahead cannot tell when the swarm arrives, so it stays declared for
+    its whole search, which lasts two matchmaking deadlines when it has no phase to go by."""
     trainer, swarm = make_trainer(overlap=False)
     swarm.newcomer = newcomer
     base = trainer.timeouts.matchmaking_s
@@ -170,7 +170,7 @@ def test_a_joining_round_declares_its_window_for_its_whole_search_only_as_a_newc
     if flight.writing is not None:
         trainer._start_round(flight)
     (timeout,), (window,) = swarm.matchmaking_timeouts, swarm.windows
-    assert timeout == pytest.approx(2 * base)
+    assert timeout == pytest.approx(2 * base if newcomer else base)
     others = matchmaking_window(base)
     assert window == pytest.approx(matchmaking_window(timeout) if newcomer else others)
     assert (window > others) == newcomer
