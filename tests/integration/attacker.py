@@ -11,6 +11,7 @@ the all-reduce).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -21,11 +22,12 @@ HUGE = 10**15
 def install(attack: str) -> None:
     """Patch this process's ``Swarm.start_round`` to carry out ``attack`` on every round."""
     from peer.swarm import Swarm
+    from protocol.gathered import Gathered
 
     original = Swarm.start_round
 
     def start_round(
-        self: Swarm, *, weight: float, gather: dict[str, Any], timeout: float | None = None, window: float | None = None
+        self: Swarm, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
     ) -> Any:
         if attack in ("x100", "sign-flip"):
             with self.outbox() as out:
@@ -35,7 +37,7 @@ def install(attack: str) -> None:
                 scale = 1e3 * float(out.norm()) / max(out.numel(), 1) ** 0.5
                 out.normal_().mul_(scale)
         elif attack == "samples":
-            weight, gather = float(HUGE), {**gather, "samples": HUGE}
+            weight, gather = float(HUGE), dataclasses.replace(gather, samples=HUGE)
         return original(self, weight=weight, gather=gather, timeout=timeout, window=window)
 
     Swarm.start_round = start_round  # type: ignore[method-assign]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from engine.compression import get_codec
 from peer.swarm import Swarm
+from protocol.gathered import Gathered
 from protocol.spec import parse_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -46,8 +46,8 @@ CLIENT_AHEAD_S = 2.0
 deadline outlasts a leader's window, less than its timeout."""
 
 
-def _gather(name: str) -> dict[str, Any]:
-    return {"id": name, "round": 0, "samples": 10, "digest": DIGEST}
+def _gather(name: str) -> Gathered:
+    return Gathered(id=name, round=0, samples=10, digest=DIGEST)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from hivemind.averaging.matchmaking import Matchmaking
 from engine.compression import get_codec
 from engine.matchmaking import JOIN_GRACE_S
 from peer.swarm import Swarm
+from protocol.gathered import Gathered
 from protocol.spec import parse_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -45,8 +46,8 @@ DIGEST = "blake3:" + "ab" * 32
 NUMEL = 1000
 
 
-def _gather(name: str, round_: int, *, known: bool) -> dict[str, Any]:
-    return {"id": name, "round": round_, "samples": 10 if known else 0, "digest": DIGEST, "roster": 2, "known": known}
+def _gather(name: str, round_: int, *, known: bool) -> Gathered:
+    return Gathered(id=name, round=round_, samples=10 if known else 0, digest=DIGEST, roster=2, known=known)
 
 
 def _late_swarm(delay_s: float, initial: list[str]) -> Swarm:
