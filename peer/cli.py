@@ -518,6 +518,10 @@ def _train(
         link.phase_of = lambda: trainer.phase.value  # heartbeats say when it waits for its group
     try:
         trainer.run()
+        if trainer.missed_end is not None:
+            print(
+                f"the run ended at round {trainer.missed_end} without this peer (it missed the last round)", flush=True
+            )
     finally:
         experiment.close()
         display.clear()

@@ -285,6 +285,9 @@ class Trainer:
         self.eager = self.overlap and spec.averaging.overlap_start == "eager"
         """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
+        self.missed_end: int | None = None
+        """The run's final round, when the swarm landed it without this peer and nobody serves
+        its state any more: the run is over for this peer too (``catch_up``)."""
         self.roster = RosterBook()
         """The roster of the state this peer holds (``protocol.roster``): gathered each round."""
         self._launch_now = False
@@ -358,7 +361,8 @@ class Trainer:
     def run(self) -> list[RoundMetrics]:
         """Re-sync, wait for the group, then train rounds until done; the rounds' metrics."""
         self.catch_up()
-        self.wait_for_group()
+        if self.missed_end is None:
+            self.wait_for_group()
         try:
             return self._rounds()
         finally:  # the landing thread ends with the run, however it ends
@@ -407,8 +411,10 @@ class Trainer:
         flying = 1 if in_flight is not None else 0
         # a landed round whose digest is still being hashed is in ``state.round`` already, not yet in ``history``
         unrecorded = 1 if self._landed is not None else 0
-        return (local is not None and len(self.history) + flying + unrecorded >= local) or (
-            run is not None and self.state.round + flying >= run
+        return (
+            self.missed_end is not None
+            or (local is not None and len(self.history) + flying + unrecorded >= local)
+            or (run is not None and self.state.round + flying >= run)
         )
 
     def _start_inner(self, *, ahead: bool) -> _InnerPhase:
@@ -967,6 +973,8 @@ class Trainer:
                 if downloaded is not None:
                     self._adopt(*downloaded, accepted={agreed.digest})
                     return True
+                if self._run_ended(agreed.round):
+                    return False
                 # nobody serves the latest state: take the newest one somebody still serves
                 # (the coordinator's archive, or a peer a round behind), if newer than ours
                 if self._adopt_fallback(agreed.round, timeout):
@@ -979,6 +987,22 @@ class Trainer:
                 return False
             time.sleep(1.0)
         return False
+
+    def _run_ended(self, latest: int) -> bool:
+        """Whether the swarm's latest agreed round is the run's last (``rounds.max_rounds``) and
+        its state could not be had: the others landed it and left. An older state would only
+        have this peer train rounds alone that nobody averages any more, so it stops."""
+        final = self.spec.rounds.max_rounds
+        if final is None or latest < final:
+            return False
+        self.missed_end = latest
+        logger.warning(
+            "the run ended at round %d without this peer (it missed the last round, and nobody serves its state"
+            " any more); stopping at round %d",
+            latest,
+            self.state.round,
+        )
+        return True
 
     def _adopt_fallback(self, latest: int, timeout: float) -> bool:
         older = self.swarm.fallback_states(exclude=self.identity.public_key, after_round=self.state.round)

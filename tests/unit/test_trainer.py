@@ -619,3 +619,30 @@ def test_a_landed_round_still_hashing_counts_once_toward_the_runs_last_round() -
     assert not trainer._finished(None)
     trainer.state.round = 2
     assert trainer._finished(None)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["missed-the-last-round", "joined-after-the-end"])
+def test_a_peer_the_run_ended_without_stops_instead_of_training_alone(late: bool) -> None:
+    """The swarm landed the run's final round (``rounds.max_rounds``) without this peer and the
+    others left, so nobody serves that state: the peer stops. An older state someone still
+    serves would only have it train rounds that nobody averages any more (it looped so, and
+    never exited, when the others were gone)."""
+    spec = parse_spec(SPEC.replace("inner_steps = 2", "inner_steps = 2\nmax_rounds = 3"))
+    older = Agreement(2, "sha256:round2", 1, 1)
+
+    class Swarm(RecordingSwarm):
+        def accepted_state(self, **kwargs: Any) -> Agreement | None:
+            return Agreement(3, "sha256:final", 2, 2) if late or self.launched else None
+
+        def fallback_states(self, **kwargs: Any) -> list[Agreement]:
+            self.fell_back = True
+            return [older]
+
+    swarm = Swarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(wait_for_group_s=30))  # type: ignore[arg-type]
+    started = time.monotonic()
+    trainer.run()
+    assert trainer.missed_end == 3
+    assert len(swarm.launched) == (0 if late else 1) and not hasattr(swarm, "fell_back")
+    assert [row.averaged for row in trainer.history] == ([] if late else [False])
+    assert trainer.state.round == 0 and time.monotonic() - started < 10
