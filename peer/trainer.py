@@ -64,6 +64,7 @@ from peer.local_ranks import local_ranks
 from peer.node import LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.roster_book import RosterBook
+from peer.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
 from peer.round_metrics import RoundMetrics
 from peer.schedule import inner_lr, outer_lr
 from peer.state import GlobalState, flatten, load_flat
@@ -187,6 +188,10 @@ class _InFlight:
     host_s: float = 0.0
     """Host time of the landing on the training thread so far."""
 
+    def due(self) -> bool:
+        """Whether its result, and its landing's host half if one runs, are ready."""
+        return self.pending.done() and (self.landing is None or self.landing.done())
+
 
 @dataclass
 class _Landed:
@@ -235,7 +240,8 @@ class TrainerOptions:
 class Trainer:
     """Runs rounds until ``max_rounds`` or ``options.stop``; ``on_round`` gets each round's metrics.
 
-    A round is a small state machine (``phase``), driven by ``run`` one step at a time:
+    A round is a small state machine (``phase``), driven by ``_rounds`` one
+    ``peer.round_loop.Step`` per turn:
 
     - ``TRAINING`` owns the model, the inner optimizer, the current ``_InnerPhase`` and
       ``inner_steps_done``. When the inner phase is over, ``_launch`` turns its work into a
@@ -371,35 +377,48 @@ class Trainer:
                 self._lander = None
 
     def _rounds(self) -> list[RoundMetrics]:
+        """The round loop: each turn does what ``peer.round_loop.next_step`` says."""
         flight: _InFlight | None = None
         inner: _InnerPhase | None = None
         while True:
             self._record_landed(wait=False)
             more = not self.options.stop.is_set() and not self._finished(flight)
-            if inner is None and more and (flight is None or self.overlap):
+            if opens_inner(inner=inner is not None, more=more, flight=flight is not None, overlap=self.overlap):
                 inner = self._start_inner(ahead=flight is not None)
             training = inner is not None and not inner.over(self.options.stop)
-            if flight is not None and flight.writing is not None and (flight.writing.done() or not training):
+            writing = flight.writing if flight is not None else None
+            if flight is not None and starts_averaging(
+                writing=writing is not None, written=writing is not None and writing.done(), training=training
+            ):
                 self._start_round(flight)
-            due = flight is not None and flight.pending.done() and (flight.landing is None or flight.landing.done())
-            if inner is None or not training or due:
+            step = next_step(
+                LoopView(
+                    inner=inner is not None,
+                    training=training,
+                    flight=flight is not None,
+                    due=flight is not None and flight.due(),
+                    leaving_out_of_sync=self.options.stop.is_set() and not self.in_sync,
+                )
+            )
+            if step is not Step.TRAIN:
                 self._host_work_next()
-            if flight is not None and (not training or due):
+            if step is Step.LAND:
+                assert flight is not None
                 if self._finish(flight, wait=not training):
                     flight = None
                 elif inner is not None:  # the landing's host half runs meanwhile
                     self._train_step(inner)
-            elif inner is not None and training:
+            elif step is Step.TRAIN:
+                assert inner is not None
                 self._train_step(inner)
-            elif inner is not None:
+            elif step is Step.LAUNCH:
+                assert inner is not None
                 self._record_landed(wait=True)  # the launch states the digest of the state it starts from
-                if self.options.stop.is_set() and not self.in_sync:
-                    # leaving out of sync (its re-sync was cut short): a round from a state
-                    # the swarm has left would count for nothing; this peer's work goes with it
-                    logger.info("leaving out of sync: not launching round %d", self.state.round)
-                    inner = None
-                    continue
-                flight = self._launch(inner)
+                flight, inner = self._launch(inner), None
+            elif step is Step.DISCARD:
+                assert inner is not None
+                logger.info("leaving out of sync: not launching round %d", self.state.round)
+                self._record_landed(wait=True)
                 inner = None
             else:
                 self._record_landed(wait=True)
