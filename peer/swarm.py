@@ -11,7 +11,6 @@ whom, with what weight, and whether it started from the same state as the others
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from engine.outcome import GroupOutcome
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
+from peer.swarm_pace import SwarmPace
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states
@@ -45,11 +45,11 @@ from protocol.tokens import decode_token
 logger = logging.getLogger(__name__)
 
 
-PACE_ROUNDS = 16
-"""Rounds of digest records whose first sightings give the swarm's pace (``Swarm._rounds_ahead``)."""
 DECLARATION_DELAY_S = 1.0
 """About how long a round's declaration takes to reach the peers that look it up in the DHT."""
-MAX_ROUNDS_AHEAD = 64
+PACE_LOOK_S = 1.0
+"""An open-run newcomer that has seen the records only once looks again this much later, to
+measure the swarm's pace before it aims (``Swarm._meeting_round``)."""
 
 
 class _ExpectedRoundFailures(logging.Filter):
@@ -74,6 +74,18 @@ def quiet_expected_round_failures() -> None:
     averager_logger = logging.getLogger("hivemind.averaging.averager")
     if _QUIET not in averager_logger.filters:
         averager_logger.addFilter(_QUIET)
+
+
+@dataclass(frozen=True)
+class _Meeting:
+    """A round an open-run newcomer may meet the swarm at."""
+
+    shown: int
+    """The round a digest record showed."""
+    meet: int
+    """The round it meets at: past ``shown`` by as many as the swarm lands before it arrives."""
+    pace: float | None
+    """Seconds a round, as measured (None: unknown)."""
 
 
 @dataclass
@@ -150,8 +162,8 @@ class Swarm:
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
         self._meetings = 0
         """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
-        self._sightings: dict[int, float] = {}
-        """When (monotonic s) this peer first saw a digest record of each round: the swarm's pace."""
+        self._pace = SwarmPace()
+        """When this peer first saw a digest record of each round: the swarm's pace."""
         quiet_expected_round_failures()
         self.dht = DHT(
             initial_peers=initial_peers,
@@ -221,16 +233,27 @@ class Swarm:
         about a phase, and the newcomer, declared first, leads it; the round shown may already
         be launched). Anyone may sign records for any round, so it tries each such round in
         turn, those with the most signers first. ``window``: how long this peer, leading the
-        round it meets, waits for the swarm to arrive (``_rounds_ahead`` aims at its middle)."""
+        round it meets, waits for the swarm to arrive (``_meeting_candidates`` aims at its middle)."""
         if round_ is None:
             return None
         candidates = self._meeting_candidates(round_, window)
+        if candidates and not self._pace.known(candidates[self._meetings % len(candidates)].shown):
+            # one look shows each member's current round, not how fast they move: look again
+            time.sleep(PACE_LOOK_S)
+            candidates = self._meeting_candidates(round_, window)
         if not candidates:
             return round_
+        meeting = candidates[self._meetings % len(candidates)]
         self._meetings += 1
-        return candidates[(self._meetings - 1) % len(candidates)]
+        logger.info(
+            "a newcomer to an open run: meeting the swarm at round %d (records show round %d, %s)",
+            meeting.meet,
+            meeting.shown,
+            f"{meeting.pace:.2f} s a round" if meeting.pace is not None else "pace unknown",
+        )
+        return meeting.meet
 
-    def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[int]:
+    def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[_Meeting]:
         """An open-run newcomer's rounds to meet at (later than ``round_``; none otherwise)."""
         if self.gate is not None or self.electorate:
             return []
@@ -239,26 +262,15 @@ class Swarm:
             if not record.archive and record.round > round_:
                 signers.setdefault(record.round, set()).add(record.signer.id)
         ranked = sorted(signers, key=lambda later: (-len(signers[later]), -later))
-        return [later + self._rounds_ahead(later, window) for later in ranked]
-
-    def _rounds_ahead(self, shown: int, window: float = 0.0) -> int:
-        """How far past the round ``shown`` (a record's) the swarm will be in the middle of
-        this peer's leader ``window``, from when its declaration is seen to when it closes: 1,
-        plus the rounds the swarm lands meanwhile at the pace this peer saw records of the
-        rounds below ``shown`` appear (unknown: 1). A swarm whose rounds are shorter than the
-        DHT's delay would otherwise always be past the round met; aiming at the window's
-        middle rather than its opening leaves room for a pace misjudged either way (a loaded
-        machine's swarm lands rounds unevenly): a swarm up to half a window faster or slower
-        than measured still arrives while this peer waits for it."""
+        # aim at the middle of this peer's leader window, from when its declaration is seen to
+        # when the window closes: a swarm up to half a window faster or slower than measured
+        # (a loaded machine's swarm lands rounds unevenly) still arrives while it waits
         lead = max(DECLARATION_DELAY_S, (DECLARATION_DELAY_S + window) / 2)
         now = time.monotonic()
-        seen_at = self._sightings.get(shown, now)
-        earlier = [(r, t) for r, t in self._sightings.items() if shown - PACE_ROUNDS <= r < shown and t < seen_at]
-        if not earlier:
-            return 1
-        first, first_at = min(earlier)
-        pace = (seen_at - first_at) / (shown - first)
-        return 1 + min(MAX_ROUNDS_AHEAD, math.ceil((now - seen_at + lead) / pace))
+        return [
+            _Meeting(later, later + self._pace.rounds_ahead(later, lead, now), self._pace.seconds_per_round(later))
+            for later in ranked
+        ]
 
     def behind(self, round_: int) -> bool:
         """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer
@@ -281,13 +293,7 @@ class Swarm:
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
         records = self.run_records.digest_records()
-        now = time.monotonic()
-        for record in records:
-            if not record.archive and record.round not in self._sightings:
-                self._sightings[record.round] = now
-        if len(self._sightings) > 2 * PACE_ROUNDS:  # keep the newest rounds
-            for old in sorted(self._sightings)[:-PACE_ROUNDS]:
-                del self._sightings[old]
+        self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
         return [r for r in records if r.signer != exclude]
 
     def eligible(self) -> Callable[[str], bool]:

@@ -105,3 +105,44 @@ def test_sigkill_mid_round_and_late_join(tmp_path: Path) -> None:
     # then it re-syncs; by its last round it holds the survivors' state
     survivor_digests = {r["state_digest"] for h in survivors for r in h}
     assert late_rows[-1]["state_digest"] in survivor_digests, late_rows
+
+
+def test_a_newcomer_meets_an_open_swarm_that_lands_rounds_faster_than_the_dht_answers(tmp_path: Path) -> None:
+    """An open run's newcomer cannot adopt a state (nobody it trusts yet), so it meets the swarm
+    at a round ahead and its first group is its evidence. The DHT shows each member's latest
+    round only: against a swarm landing several rounds a second, a newcomer that had looked at
+    the records once aimed at the round after the one shown, which the swarm had passed before
+    the newcomer's declaration could be seen, attempt after attempt."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC)
+
+    def start(i: int, initial: list[str], rounds: int) -> LocalPeer:
+        args = ["-v", "--spec", str(spec), "--host", "127.0.0.1", "--key", str(tmp_path / f"k{i}")]
+        args += [
+            "--max-rounds",
+            str(rounds),
+            "--shard-seed",
+            str(i),
+            *(["--initial-peers", *initial] if initial else []),
+        ]
+        return LocalPeer(args, tmp_path, f"peer{i}")
+
+    peers: list[LocalPeer] = []
+    try:
+        peers.append(start(0, [], ROUNDS))
+        maddr = peers[0].wait_for_maddr()
+        peers.append(start(1, [maddr], ROUNDS))
+
+        def racing() -> bool:  # the last 10 rounds landed at more than 2 a second
+            landed = [r for r in rows(tmp_path / "peer0.jsonl") if r["averaged"]]
+            return len(landed) >= 20 and sum(r["wall_s"] for r in landed[-10:]) < 5.0
+
+        wait_for(racing, 180, "the swarm to land rounds faster than 2 a second")
+        late = start(2, [maddr], LATE_ROUNDS)
+        peers.append(late)
+        assert late.wait(timeout=180) == 0, "\n".join(late.lines[-30:])
+    finally:
+        for peer in peers:
+            peer.kill()
+    assert any("adopted the swarm's state of round" in line for line in late.lines), "\n".join(late.lines[-30:])
+    assert len(rows(tmp_path / "peer2.jsonl")) == LATE_ROUNDS

@@ -1,0 +1,65 @@
+"""The swarm's pace as a newcomer measures it from its looks at the digest records
+(``peer.swarm_pace``): the DHT shows each member's latest round only."""
+
+from __future__ import annotations
+
+from peer.swarm_pace import MAX_ROUNDS_AHEAD, PACE_HORIZON_S, SwarmPace
+
+
+def test_one_look_gives_no_pace_however_many_rounds_it_shows() -> None:
+    pace = SwarmPace()
+    pace.saw({40, 41, 42}, now=10.0)  # three members at three rounds, one look
+    assert pace.seconds_per_round(42) is None and not pace.known(42)
+    assert pace.rounds_ahead(42, lead_s=5.0, now=10.0) == 1
+
+
+def test_two_looks_measure_the_pace_between_them_even_when_many_rounds_passed() -> None:
+    """A fast swarm moves tens of rounds between two looks: the rounds between were never shown
+    (the bug this replaced measured only over the 16 rounds below the one shown, all first seen
+    in the same look, so a newcomer always aimed one round ahead and missed the swarm)."""
+    pace = SwarmPace()
+    pace.saw({9, 10}, now=0.0)
+    pace.saw({49, 50}, now=10.0)
+    assert pace.seconds_per_round(50) == 10.0 / 41
+    # 5 s after the look plus a 6 s lead at 41 rounds per 10 s: 46 rounds, +1
+    assert pace.rounds_ahead(50, lead_s=6.0, now=15.0) == 1 + 46
+
+
+def test_two_looks_a_moment_apart_give_no_pace() -> None:
+    pace = SwarmPace()
+    pace.saw({45}, now=10.0)
+    pace.saw({46}, now=10.01)  # the trainer's and the launch's looks: 10 ms apart
+    assert not pace.known(46) and pace.rounds_ahead(46, lead_s=5.0, now=10.02) == 1
+    pace.saw({52}, now=11.0)
+    assert pace.seconds_per_round(52) == 1.0 / 7
+
+
+def test_a_slow_swarm_is_aimed_at_the_round_after_the_one_shown() -> None:
+    pace = SwarmPace()
+    pace.saw({3}, now=0.0)
+    pace.saw({4}, now=120.0)  # two minutes a round
+    assert pace.rounds_ahead(4, lead_s=5.0, now=121.0) == 2
+
+
+def test_a_forged_round_far_ahead_is_aimed_at_no_further_than_the_cap() -> None:
+    pace = SwarmPace()
+    pace.saw({10}, now=0.0)
+    pace.saw({11, 1_000_000}, now=1.0)
+    assert pace.rounds_ahead(1_000_000, lead_s=5.0, now=1.0) == 1 + MAX_ROUNDS_AHEAD
+    assert pace.rounds_ahead(11, lead_s=5.0, now=1.0) == 1 + 5
+
+
+def test_old_sightings_are_forgotten_and_the_memory_is_bounded() -> None:
+    pace = SwarmPace()
+    pace.saw({1}, now=0.0)
+    pace.saw({2}, now=PACE_HORIZON_S + 1)
+    assert 1 not in pace.first_seen and pace.seconds_per_round(2) is None
+    pace.saw(set(range(10_000, 20_000)), now=PACE_HORIZON_S + 2)  # anyone may sign any round
+    assert len(pace.first_seen) == 256
+
+
+def test_a_round_is_first_seen_once() -> None:
+    pace = SwarmPace()
+    pace.saw({5}, now=1.0)
+    pace.saw({5, 6}, now=3.0)
+    assert pace.first_seen == {5: 1.0, 6: 3.0} and pace.seconds_per_round(6) == 2.0
