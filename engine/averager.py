@@ -63,7 +63,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
     must be given the same ``streams``: it is the spec's ``averaging.streams``), each averaged
     by its own ``ExactAllReduceRunner``, all at once, with the same group, over their own
     libp2p streams: one stream per sender-reducer pair caps at what one stream's flow-control
-    window carries (``benchmarks/wan_averaging.py``, ARCHITECTURE "Differences" 3).
+    window carries (``benchmarks/wan_averaging.py``, ARCHITECTURE §3 step 7, "Parallel streams").
     """
 
     runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
