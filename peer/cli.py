@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from peer.announce import Announced, announced, parse_host_port
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
 from peer.round_metrics import RoundMetrics
@@ -51,6 +52,14 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of running peers")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    parser.add_argument(
+        "--announce",
+        default=None,
+        metavar="HOST:PORT",
+        help="the public address others dial this peer at, when it differs from where it listens (a "
+        "rented GPU's or a router's port mapping: external port != --port); default: from vast.ai's or "
+        "RunPod's variables when they map --port, else the addresses this machine sees",
+    )
     parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
     parser.add_argument(
         "--key",
@@ -162,6 +171,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if args.announce is not None:
+        parse_host_port(args.announce)
+        if args.port == 0:
+            raise ConfigError("--announce needs --port: the port its mapping forwards to, where this peer listens")
+        if args.client_mode:
+            raise ConfigError("--announce is for peers others dial; a --client-mode peer is never dialled")
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
     from protocol.experiment_log import parse_target
@@ -258,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     joined = _join(args, node, node_env)
     compute = _checked_compute(args, joined)
     plan = _plan(args, joined, compute, node, node_env)
-    swarm = _start_swarm(args, joined, plan)
+    announce = None if args.client_mode else announced(args.announce, port=args.port, env=os.environ)
+    swarm = _start_swarm(args, joined, plan, announce)
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
     try:
@@ -266,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         built = sum(p.numel() for p in task.model.parameters())
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
-        _announce(joined.spec.run.name, node, created, swarm, args, plan.numel, plan.device, node_env, plan.shard)
+        _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, announce)
         link = _link_to_coordinator(args, joined, swarm, stop)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
@@ -414,9 +430,11 @@ def _plan(
     return _Plan(device, local_node, numel, shard, shard_seed, task)
 
 
-def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan) -> Swarm:
+def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, announce: Announced | None) -> Swarm:
     """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
-    average with it (``protocol.membership.MemberGate``)."""
+    average with it (``protocol.membership.MemberGate``). With an announced address, the
+    daemon advertises it instead of the addresses it sees locally, and takes itself as publicly
+    reachable (libp2p's AutoNAT would otherwise drop a public address it could not confirm)."""
     from engine.compression import get_codec
     from peer.swarm import Swarm
 
@@ -439,6 +457,7 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan) -> Swar
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,
         gate=gate,
+        dht_kwargs={"announce_maddrs": [announce.maddr], "force_reachability": "public"} if announce else None,
     )
 
 
@@ -618,10 +637,9 @@ def _announce(
     created: bool,
     swarm: Any,
     args: argparse.Namespace,
-    numel: int,
-    device: str,
+    plan: _Plan,
     node_env: Any = None,
-    shard: bool = False,
+    announce: Announced | None = None,
 ) -> None:
     mode = (
         "client mode (no inbound connections: --client-mode)"
@@ -631,13 +649,15 @@ def _announce(
     account = f"{node.account.public_key.id}{' (new identity)' if created else ''}"
     print(f"peer {node.node.public_key.id} of account {account} joining run {run_name!r}", flush=True)
     ranks = f" x {node_env.world_size} local ranks" if node_env is not None else ""
-    ranks += " (FSDP2 shards)" if shard else ""
-    print(f"model: {numel:,} parameters on {device}{ranks}; {mode}", flush=True)
+    ranks += " (FSDP2 shards)" if plan.shard else ""
+    print(f"model: {plan.numel:,} parameters on {plan.device}{ranks}; {mode}", flush=True)
     own = [f"{args.micro_batches} micro-batches"] if args.micro_batches is not None else []
     own += [f"activation checkpointing {args.activation_checkpointing}"] if args.activation_checkpointing else []
     own += [f"compile {args.compile}"] if args.compile else []
     if own:
         print(f"this peer computes with {' and '.join(own)} (the run's step, its own memory and speed)", flush=True)
+    if announce is not None:
+        print(f"announcing: {announce.maddr} (from {announce.source}; listening on port {args.port})", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)
     if not args.initial_peers:

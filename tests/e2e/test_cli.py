@@ -132,8 +132,24 @@ def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
         (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be in 1..64"),
         (["--micro-batches", "0"], "--micro-batches must be in 1..1024"),
+        (["--port", "4000", "--announce", "1.2.3.4"], "--announce must be HOST:PORT"),
+        (["--port", "4000", "--announce", "1.2.3.4:70000"], "--announce: port must be 1-65535"),
+        (["--port", "4000", "--announce", "0.0.0.0:4000"], "--announce: 0.0.0.0 cannot be dialled"),
+        (["--announce", "1.2.3.4:40123"], "--announce needs --port"),
+        (["--port", "4000", "--announce", "1.2.3.4:4000", "--client-mode"], "a --client-mode peer is never dialled"),
     ],
-    ids=["negative-wait", "nan-wait", "zero-checkpoint-every", "zero-ranks", "zero-micro-batches"],
+    ids=[
+        "negative-wait",
+        "nan-wait",
+        "zero-checkpoint-every",
+        "zero-ranks",
+        "zero-micro-batches",
+        "announce-no-port",
+        "announce-port-range",
+        "announce-unspecified",
+        "announce-without-port",
+        "announce-client-mode",
+    ],  # fmt: skip
 )
 def test_peer_bad_flags_are_one_clear_line(tmp_path: Path, flags: list[str], needle: str) -> None:
     proc = sw("peer", "--spec", "examples/demo.toml", "--key", str(tmp_path / "k.key"), *flags)
