@@ -76,11 +76,14 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from benchmarks.nat_router import HOST_INNER, ROUTER_INNER, ROUTER_NETNS_TAG, Nat, nft_ruleset
+
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_SUBNET",
     "IFNAMSIZ_MAX",
+    "Nat",
     "NetSimError",
     "NotRootError",
     "SimNames",
@@ -260,17 +263,17 @@ def _require_root() -> None:
         raise NotRootError("the WAN simulator needs root (network namespaces): run it with sudo")
 
 
-def _find_tool(name: str) -> str:
+def _find_tool(name: str, package: str = "iproute2") -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
     if path is None:
-        raise NetSimError(f"the WAN simulator needs '{name}' (iproute2), which is not installed or not on PATH")
+        raise NetSimError(f"the WAN simulator needs '{name}' ({package}), which is not installed or not on PATH")
     return path
 
 
-def _run_cmd(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _run_cmd(argv: Sequence[str], *, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     log.debug("$ %s", " ".join(argv))
     try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+        proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         if check:
             raise NetSimError(f"{' '.join(argv)}: {e}") from e
@@ -389,9 +392,14 @@ class WanSim:
         prefix: str = "stb",
         subnet: str = DEFAULT_SUBNET,
         kill_grace_s: float = KILL_GRACE_S,
+        nat: Mapping[str, Nat] | None = None,
     ) -> None:
         hosts = list(hosts)
         validate_hosts(hosts)
+        self.nat: dict[str, Nat] = dict(nat or {})
+        unknown_nat = sorted(set(self.nat) - set(hosts))
+        if unknown_nat:
+            raise ValueError(f"NAT given for unknown hosts {unknown_nat}; hosts are {hosts}")
         default_bps = parse_rate(rate)
         rates = dict(rates or {})
         unknown = sorted(set(rates) - set(hosts))
@@ -407,6 +415,7 @@ class WanSim:
         _require_root()
         self._ip = _find_tool("ip")
         self._tc = _find_tool("tc")
+        self._nft = _find_tool("nft", "nftables") if self.nat else ""
 
         self._lock = threading.RLock()
         self._active = False
@@ -420,12 +429,22 @@ class WanSim:
     # ----------------------------------------------------------------- public API
 
     def ip(self, host: str) -> str:
-        """The IPv4 address of ``host``."""
+        """The IPv4 address of ``host`` on the bridge: its router's for a host behind NAT."""
         return str(self._addrs[self._check_host(host)].ip)
+
+    def inner_ip(self, host: str) -> str:
+        """The address ``host`` has on its own interface: ``ip(host)``, or its private one behind NAT."""
+        return str(HOST_INNER.ip) if self._check_host(host) in self.nat else self.ip(host)
 
     def netns(self, host: str) -> str:
         """The network namespace of ``host``."""
         return self.names.netns[self._check_host(host)]
+
+    def router_netns(self, host: str) -> str:
+        """The namespace of the NAT router in front of ``host`` (a host given a ``Nat``)."""
+        if self._check_host(host) not in self.nat:
+            raise KeyError(f"host {host!r} is not behind NAT")
+        return self.names.netns[host] + ROUTER_NETNS_TAG
 
     def run(self, host: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside ``host``'s namespace, in a new session (its own process group).
@@ -536,10 +555,14 @@ class WanSim:
         _run_cmd([ip, "link", "set", n.bridge, "alias", alias])
         _run_cmd([ip, "addr", "add", str(self.bridge_addr), "dev", n.bridge])
         _run_cmd([ip, "link", "set", n.bridge, "up"])
-        for host in self.hosts:
+        for i, host in enumerate(self.hosts):
             ns, hif, bif = n.netns[host], n.host_if[host], n.bridge_if[host]
             _run_cmd([ip, "netns", "add", ns])
             self._created_netns.append(ns)
+            if host in self.nat:  # the bridge's veth ends in the router's namespace, the host behind it
+                ns = self.router_netns(host)
+                _run_cmd([ip, "netns", "add", ns])
+                self._created_netns.append(ns)
             _run_cmd([ip, "link", "add", bif, "type", "veth", "peer", "name", hif, "netns", ns])
             self._created_links.append(bif)
             _run_cmd([ip, "link", "set", bif, "alias", alias])
@@ -551,6 +574,8 @@ class WanSim:
             bps = self.rates_bps[host]
             _run_cmd(tbf_command(hif, bps, netns=ns, tc=self._tc))  # upload
             _run_cmd(tbf_command(bif, bps, tc=self._tc))  # download
+            if host in self.nat:
+                self._setup_router(host, i)
         self._active = True
         log.info(
             "WAN simulator up: bridge %s %s; %s",
@@ -559,6 +584,22 @@ class WanSim:
             ", ".join(f"{h}={self.ip(h)}@{self.rates_bps[h]}bit/s" for h in self.hosts),
         )
         self._check_bridge_netfilter()
+
+    def _setup_router(self, host: str, index: int) -> None:
+        """The private link from ``host``'s router to the host, forwarding and the NAT rules."""
+        ip, n = self._ip, self.names
+        router, inside = self.router_netns(host), n.netns[host]
+        rif, lif = f"{n.prefix}{n.suffix}r{index}", f"{n.prefix}{n.suffix}l{index}"
+        _run_cmd([ip, "-n", router, "link", "add", rif, "type", "veth", "peer", "name", lif, "netns", inside])
+        _run_cmd([ip, "-n", router, "addr", "add", str(ROUTER_INNER), "dev", rif])
+        _run_cmd([ip, "-n", router, "link", "set", rif, "up"])
+        _run_cmd([ip, "-n", inside, "link", "set", "lo", "up"])
+        _run_cmd([ip, "-n", inside, "addr", "add", str(HOST_INNER), "dev", lif])
+        _run_cmd([ip, "-n", inside, "link", "set", lif, "up"])
+        _run_cmd([ip, "-n", inside, "route", "add", "default", "via", str(ROUTER_INNER.ip)])
+        _run_cmd([ip, "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        ruleset = nft_ruleset(self.nat[host], public_if=n.host_if[host], inner_if=rif)
+        _run_cmd([ip, "netns", "exec", router, self._nft, "-f", "-"], stdin=ruleset)
 
     def _check_subnet_free(self) -> None:
         net = ipaddress.IPv4Network(self.subnet)

@@ -30,6 +30,15 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=8080, help="dashboard, JSON API, /metrics (0: any free port)")
     parser.add_argument(
+        "--relay-port", type=int, default=7800, help="relay for peers nobody can dial: its port (0: any free port)"
+    )
+    parser.add_argument(
+        "--relay-ports",
+        default="7801-7864",
+        metavar="FIRST-LAST",
+        help="ports the relay grants, one per relayed peer (default: 7801-7864); 'none': no relay",
+    )
+    parser.add_argument(
         "--archive-every",
         type=int,
         default=10,
@@ -64,11 +73,25 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def parse_port_range(text: str) -> range | None:
+    """``FIRST-LAST`` (inclusive, 1..65535) → a range; ``none`` → None; else a ConfigError."""
+    if text.strip().lower() == "none":
+        return None
+    first, sep, last = text.partition("-")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise ConfigError(f"--relay-ports must be FIRST-LAST (e.g. 7801-7864) or none, got {text!r}")
+    low, high = int(first), int(last)
+    if not 1 <= low <= high <= 65535:
+        raise ConfigError(f"--relay-ports must be ports 1..65535 with FIRST <= LAST, got {text!r}")
+    return range(low, high + 1)
+
+
 def run(args: argparse.Namespace) -> int:
     from protocol.tmpdir import check_tmpdir
 
     check_tmpdir()  # the archive averager shares tensors through torch's socket there
-    for name in ("grpc_port", "dht_port", "http_port"):
+    relay_ports = parse_port_range(args.relay_ports)
+    for name in ("grpc_port", "dht_port", "http_port", "relay_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(args, name)}")
     if args.archive_every < 0:
@@ -107,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             max_requests_per_source=args.max_requests_per_source,
             operators=tuple(args.operator),
             log_to=tuple(args.log_to),
+            relay_port=args.relay_port,
+            relay_ports=relay_ports,
         )
     )
     server.start()
@@ -121,6 +146,12 @@ def run(args: argparse.Namespace) -> int:
         or f"every {args.archive_every} rounds, last {args.archive_keep} kept in {args.state_dir / 'archive'}"
     )
     print(f"archive: {archive}", flush=True)
+    relay = (
+        f"port {server.core.relay_port}, granting {relay_ports[0]}-{relay_ports[-1]} to peers nobody can dial"
+        if relay_ports is not None
+        else "off (--relay-ports none): peers nobody can dial average as clients"
+    )
+    print(f"relay: {relay}", flush=True)
     print(f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

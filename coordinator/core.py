@@ -77,6 +77,8 @@ class Coordinator:
         self.spec, self.spec_toml, self.identity, self.store = spec, spec_toml, identity, store
         self.digest = spec.digest()
         self.bootstrap_maddrs = list(bootstrap_maddrs)
+        self.relay_port = 0
+        """The relay's port on this host, told to joining peers (0: no relay)."""
         self.health = HealthTracker(health or HealthConfig())
         self._owner_since: dict[str, float] = {}
         self.verifier = MessageVerifier()
@@ -187,6 +189,7 @@ class Coordinator:
             server_time=now,
             heartbeat_interval_s=self.health.config.heartbeat_interval_s,
             data_slot=data_slot,
+            relay_port=self.relay_port,
         )
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:

@@ -23,9 +23,11 @@ from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
+from coordinator.relay import Relay
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
 from engine.record_bounds import RunRecordBounds
+from protocol.errors import SwarmtrainError
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import task_params
 from protocol.spec import RunSpec, parse_spec
@@ -66,6 +68,10 @@ class ServerConfig:
     """gRPC requests per second from one source address (``coordinator.ratelimit``; 0: none)."""
     log_to: tuple[str, ...] = ()
     """Experiment trackers for the swarm's figures (``protocol.experiment_log``)."""
+    relay_port: int = 0
+    """The relay's control port (``coordinator.relay``; 0: any free port)."""
+    relay_ports: range | None = None
+    """Ports the relay grants to peers nobody can dial (None: no relay)."""
 
 
 class CoordinatorServer:
@@ -75,6 +81,7 @@ class CoordinatorServer:
         self.grpc_port = 0
         self.dht = None
         self.archiver: Archiver | None = None
+        self.relay: Relay | None = None
         self.archive_off = ""
         self._revoked: set[str] = set()
         self._revoked_published_at = -float("inf")
@@ -124,6 +131,11 @@ class CoordinatorServer:
                 gate=gate,
             )
             self.archiver.start()
+        if config.relay_ports is not None:
+            self.relay = Relay(
+                host=config.host, control_port=config.relay_port, ports=config.relay_ports, admit=self._admit_relayed
+            )
+            self.core.relay_port = self.relay.start()
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
         # heartbeats run beside the locked calls (``CoordinatorServicer``): enough threads that
         # they are not all waiting for the lock behind reports
@@ -144,6 +156,22 @@ class CoordinatorServer:
         self.ticker = threading.Thread(target=self._tick_forever, daemon=True)
         self.ticker.start()
         self._start_http(servicer.lock)
+
+    def _admit_relayed(self, token: bytes) -> str:
+        """The relay's admission (``coordinator.relay.Admit``): a valid access token of this run
+        whose peer is not revoked; returns the peer's public id."""
+        from protocol.tokens import decode_token, verify_token
+
+        try:
+            decoded = decode_token(token)
+            verify_token(
+                decoded, coordinator_key=self.core.identity.public_key, run_digest=self.core.digest, now=time.time()
+            )
+        except SwarmtrainError as exc:
+            raise ValueError(f"not a valid access token of this run: {exc}") from exc
+        if decoded.peer_key.id in self._revoked:
+            raise ValueError("this peer's admission was revoked")
+        return decoded.peer_key.id
 
     def _archive_averager(self, spec: RunSpec, identity: Identity) -> tuple[Any, Any]:
         """The run's averager for state download/serving and its member gate, or Nones when
@@ -264,6 +292,8 @@ class CoordinatorServer:
         self.server.stop(grace=2).wait()
         if self.archiver is not None:
             self.archiver.stop()
+        if self.relay is not None:
+            self.relay.stop()
         if self.dht is not None:
             self.dht.shutdown()
         self.store.close()

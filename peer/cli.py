@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from peer.announce import Announced, announced, parse_host_port
+from peer.announce import parse_host_port
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
 from peer.round_metrics import RoundMetrics
@@ -27,6 +27,7 @@ from protocol.errors import AdmissionError, ConfigError
 
 if TYPE_CHECKING:
     from peer.coordinator_client import CoordinatorClient, CoordinatorLink, JoinInfo
+    from peer.network_path import NetworkPath
     from peer.node import LocalNode
     from peer.node_env import NodeEnv
     from peer.swarm import Swarm
@@ -273,8 +274,12 @@ def run(args: argparse.Namespace) -> int:
     joined = _join(args, node, node_env)
     compute = _checked_compute(args, joined)
     plan = _plan(args, joined, compute, node, node_env)
-    announce = None if args.client_mode else announced(args.announce, port=args.port, env=os.environ)
-    swarm = _start_swarm(args, joined, plan, announce)
+    path = _network_path(args, joined)
+    try:
+        swarm = _start_swarm(args, joined, plan, path)
+    except BaseException:
+        path.close()
+        raise
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
     try:
@@ -282,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         built = sum(p.numel() for p in task.model.parameters())
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
-        _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, announce)
+        _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path)
         link = _link_to_coordinator(args, joined, swarm, stop)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
@@ -291,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         if link is not None:
             link.stop()
         swarm.shutdown()
+        path.close()
         if plan.local_node is not None:
             plan.local_node.close()
     if link is not None and link.credit is not None:
@@ -430,7 +436,34 @@ def _plan(
     return _Plan(device, local_node, numel, shard, shard_seed, task)
 
 
-def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, announce: Announced | None) -> Swarm:
+def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
+    """How others reach this peer (``peer.network_path``); ``args.port`` and ``args.client_mode``
+    follow the choice."""
+    from peer.network_path import Coordinated, choose_path
+
+    coordinated = None
+    if joined.client is not None and joined.info is not None:
+        info = joined.info
+        coordinated = Coordinated(
+            address=args.coordinator,
+            stub=joined.client.stub,
+            relay_port=info.relay_port,
+            token=lambda: info.access_token,
+        )
+    host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
+    path = choose_path(
+        client_mode=args.client_mode,
+        announce=args.announce,
+        port=args.port,
+        env=os.environ,
+        coordinated=coordinated,
+        local_host=host,
+    )
+    args.port, args.client_mode = path.port, path.client_mode
+    return path
+
+
+def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: NetworkPath) -> Swarm:
     """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
     average with it (``protocol.membership.MemberGate``). With an announced address, the
     daemon advertises it instead of the addresses it sees locally, and takes itself as publicly
@@ -457,7 +490,7 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, announc
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,
         gate=gate,
-        dht_kwargs={"announce_maddrs": [announce.maddr], "force_reachability": "public"} if announce else None,
+        dht_kwargs=path.dht_kwargs,
     )
 
 
@@ -639,7 +672,7 @@ def _announce(
     args: argparse.Namespace,
     plan: _Plan,
     node_env: Any = None,
-    announce: Announced | None = None,
+    path: NetworkPath | None = None,
 ) -> None:
     mode = (
         "client mode (no inbound connections: --client-mode)"
@@ -656,8 +689,11 @@ def _announce(
     own += [f"compile {args.compile}"] if args.compile else []
     if own:
         print(f"this peer computes with {' and '.join(own)} (the run's step, its own memory and speed)", flush=True)
+    announce = path.announce if path is not None else None
     if announce is not None:
         print(f"announcing: {announce.maddr} (from {announce.source}; listening on port {args.port})", flush=True)
+    if path is not None:
+        print(f"network: {path.describe()}", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)
     if not args.initial_peers:

@@ -59,6 +59,8 @@ class JoinInfo:
     current_round: int
     data_slot: int | None = None
     """Token runs: the first data stream this node trains (None: the run gives none)."""
+    relay_port: int = 0
+    """The coordinator's relay port on its host (``coordinator.relay``); 0: it runs none."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class CoordinatorClient:
             coordinator_key=PublicKey(bytes(response.coordinator_public_key)),
             heartbeat_interval_s=response.heartbeat_interval_s or 5.0,
             current_round=response.current_round,
+            relay_port=response.relay_port,
             data_slot=response.data_slot if response.HasField("data_slot") else None,
         )
 

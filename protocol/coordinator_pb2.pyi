@@ -121,7 +121,7 @@ class JoinRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot")
+    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port")
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class JoinResponse(_message.Message):
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DATA_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     spec_toml: str
     spec_digest: str
     access_token: bytes
@@ -142,7 +143,8 @@ class JoinResponse(_message.Message):
     server_time: float
     heartbeat_interval_s: float
     data_slot: int
-    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatBody(_message.Message):
     __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest", "rounds_failed")

@@ -257,6 +257,8 @@ class LocalCoordinator(Child):
             str(grpc_port),
             "--http-port",
             str(http_port),
+            "--relay-port",  # any free port: several local swarms may run at once
+            "0",
             *(["--db", db_url] if db_url else []),
             *(extra or []),
         ]

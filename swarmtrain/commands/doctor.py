@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peer.dial_back import Greeter
 from peer.footprint import Footprint, estimate
 from protocol.errors import ConfigError, SpecError
 from protocol.identity import default_key_path
@@ -162,7 +163,7 @@ def _run_spec(link: remote.Link, add: Any) -> RunSpec | None:
 
 def _dial_back(link: remote.Link, port: int) -> Verdict:
     try:
-        greeter = remote.Greeter(port)
+        greeter = Greeter(port)
     except OSError as exc:
         return Verdict(
             "reachable from outside",

@@ -5,14 +5,13 @@ back, and the bandwidth between them."""
 from __future__ import annotations
 
 import secrets
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from peer.dial_back import Greeter, ask_dial_back
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.messages import MessageVerifier
@@ -142,57 +141,20 @@ def bootstrap(link: Link) -> str:
     return f"joined through {len(maddrs)} bootstrap address(es) in {time.monotonic() - started:.1f} s"
 
 
-class Greeter:
-    """A TCP listener on ``port`` (all interfaces) that writes ``greeting`` to whoever connects:
-    what the coordinator's dial-back must read back."""
-
-    def __init__(self, port: int) -> None:
-        self.greeting = b"swarmtrain-doctor " + secrets.token_hex(16).encode()
-        dual = socket.has_dualstack_ipv6()  # the coordinator may dial back over IPv6
-        family = socket.AF_INET6 if dual else socket.AF_INET
-        self.sock = socket.create_server(("", port), family=family, dualstack_ipv6=dual)
-        self.sock.settimeout(0.5)
-        self.port = self.sock.getsockname()[1]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="doctor-greeter")
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.sendall(self.greeting)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
-        self._thread.join(timeout=2)
-
-
 def dial_back(link: Link, greeter: Greeter) -> tuple[str, dict[str, Any]]:
     """Ask the coordinator to connect back to ``greeter``'s port and read its greeting."""
     try:
-        info = link.stub.Probe(pb.ProbeRequest(dial_back_port=greeter.port), timeout=PROBE_TIMEOUT_S)
+        seen = ask_dial_back(link.stub, greeter, timeout_s=PROBE_TIMEOUT_S)
     except grpc.RpcError as exc:
         raise CheckFailed(f"the coordinator refused the dial-back: {exc.details() or exc.code()}") from exc
-    host, port = info.observed_host, greeter.port
-    data = {"observed_host": host, "port": port, "error": info.dial_error}
+    host, port = seen.observed_host, greeter.port
+    data = {"observed_host": host, "port": port, "error": seen.error}
     fix = (
         f"open TCP port {port} to this machine (firewall, cloud security group, NAT port forward) and start the "
         f"peer with --port {port}; or run it with --client-mode (it still contributes, but others cannot dial it)"
     )
-    if info.dial_error:
-        raise CheckWarning(f"the coordinator cannot reach {host}:{port} ({info.dial_error})", fix, **data)
-    if info.dial_greeting != greeter.greeting:
-        raise CheckWarning(f"the coordinator reached {host}:{port}, but another program answered there", fix, **data)
+    if not seen.reached:
+        raise CheckWarning(f"the coordinator {seen.why}", fix, **data)
     return f"the coordinator reached this machine at {host}:{port}: peers can dial it", data
 
 

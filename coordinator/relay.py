@@ -1,0 +1,231 @@
+"""The coordinator's relay: a public TCP port for each admitted peer that nobody can dial.
+
+Measured in the NAT lab (``benchmarks/netsim.py``, hivemind 1.1.12): libp2p's circuit relay in
+hivemind's p2pd resets every relayed connection after about 128 KiB each way, whatever its
+``-relayDataLimit`` says, so matchmaking crosses it but no averaging part does; and its hole
+punching (DCUtR) starts only once a host has a public address observed by several directly
+connected peers, which a swarm of NAT'ed volunteers around one coordinator never gives. So
+the relay works below libp2p: the peer's daemon is announced at ``relay-host:port`` and every
+connection there is spliced to a connection the peer opened itself (``protocol.relay_wire``).
+libp2p's session (TLS or noise, then yamux) runs end to end through it; the relay sees only
+ciphertext and can neither read nor forge a part.
+
+Caps: a port range (one port per peer: its size is the most peers relayed at once), a number
+of connections per port, a deadline for the peer to take each connection. A peer keeps its
+port for ``KEEP_S`` after its control connection drops, so a reconnect keeps its address.
+Thread-safe to start and stop; everything else runs on the relay's own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.errors import MalformedMessageError
+from protocol.relay_wire import Granted, Incoming, Open, Ping, Refused, Take, encode, pipe_both, read_message
+
+logger = logging.getLogger(__name__)
+
+FIRST_MESSAGE_S = 10.0
+TAKE_S = 10.0
+PING_S = 15.0
+IDLE_S = 60.0
+KEEP_S = 60.0
+MAX_CONNS_PER_PORT = 64
+
+Admit = Callable[[bytes], str]
+"""Checks a peer's access token; returns its public id, raises ``ValueError`` saying why not."""
+
+
+@dataclass(frozen=True)
+class RelayStats:
+    peers: int
+    """Peers holding a port now."""
+    connections: int
+    """Connections being spliced now."""
+    bytes_relayed: int
+    """Bytes carried both ways since start."""
+
+
+@dataclass
+class _Port:
+    peer: str
+    port: int
+    server: asyncio.Server
+    control: asyncio.StreamWriter | None = None
+    pending: dict[int, asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = field(default_factory=dict)
+    active: int = 0
+    released: asyncio.TimerHandle | None = None
+
+
+class Relay:
+    """Serves ``protocol.relay_wire`` on ``host:control_port``, granting ports from ``ports``."""
+
+    def __init__(self, *, host: str, control_port: int, ports: range, admit: Admit) -> None:
+        if not ports:
+            raise ValueError("the relay needs at least one port to grant")
+        self.host, self.control_port, self.ports, self.admit = host, control_port, ports, admit
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay")
+        self._by_peer: dict[str, _Port] = {}
+        self._pending: dict[int, _Port] = {}
+        self._relayed = 0
+        self._splicing = 0
+        self._server: asyncio.Server | None = None
+
+    def start(self) -> int:
+        """Listen; returns the control port (the one given, or the one picked for 0)."""
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self._listen(), self._loop)
+        return future.result(timeout=10)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self._close_all(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def stats(self) -> RelayStats:
+        return RelayStats(peers=len(self._by_peer), connections=self._splicing, bytes_relayed=self._relayed)
+
+    async def _listen(self) -> int:
+        self._server = await asyncio.start_server(self._on_control, self.host, self.control_port)
+        port: int = self._server.sockets[0].getsockname()[1]
+        logger.info("relay listening on %s:%d, granting ports %d-%d", self.host, port, self.ports[0], self.ports[-1])
+        return port
+
+    async def _close_all(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for held in list(self._by_peer.values()):
+            self._release(held)
+
+    async def _on_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await asyncio.wait_for(read_message(reader), FIRST_MESSAGE_S)
+        except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
+            logger.info("relay: dropped a connection that did not open or take: %s", exc or type(exc).__name__)
+            writer.close()
+            return
+        if isinstance(first, Take):
+            await self._take(first.conn_id, reader, writer)
+        elif isinstance(first, Open):
+            await self._serve_peer(first.token, reader, writer)
+        else:
+            writer.close()
+
+    async def _serve_peer(self, token: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            peer = self.admit(token)
+            held = await self._grant(peer)
+        except ValueError as exc:
+            logger.info("relay: refused a peer: %s", exc)
+            writer.write(encode(Refused(str(exc))))
+            writer.close()
+            return
+        if held.control is not None:
+            held.control.close()  # the same peer opened again: the newer connection wins
+        held.control = writer
+        writer.write(encode(Granted(held.port)))
+        logger.info("relay: %s holds port %d", peer, held.port)
+        pinger = asyncio.ensure_future(self._ping(writer))
+        try:
+            while True:
+                message = await asyncio.wait_for(read_message(reader), IDLE_S)
+                if not isinstance(message, Ping):
+                    raise MalformedMessageError(f"relay: unexpected {type(message).__name__} on a control connection")
+        except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
+            logger.info("relay: %s's control connection ended: %s", peer, exc or type(exc).__name__)
+        finally:
+            pinger.cancel()
+            writer.close()
+            if held.control is writer:
+                held.control = None
+                held.released = self._loop.call_later(KEEP_S, self._release, held)
+
+    async def _ping(self, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await asyncio.sleep(PING_S)
+            writer.write(encode(Ping()))
+            await writer.drain()
+
+    async def _grant(self, peer: str) -> _Port:
+        held = self._by_peer.get(peer)
+        if held is not None:
+            if held.released is not None:
+                held.released.cancel()
+                held.released = None
+            return held
+        taken = {p.port for p in self._by_peer.values()}
+        for port in self.ports:
+            if port in taken:
+                continue
+            box: list[_Port] = []
+            try:
+                server = await asyncio.start_server(self._incoming_to(box), self.host, port)
+            except OSError as exc:
+                logger.info("relay: port %d is not free (%s)", port, exc)
+                continue
+            box.append(_Port(peer=peer, port=port, server=server))
+            self._by_peer[peer] = box[0]
+            return box[0]
+        raise ValueError(f"the relay has no free port ({len(self.ports)} peers are relayed): try again later")
+
+    def _incoming_to(
+        self, box: list[_Port]
+    ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Coroutine[Any, Any, None]]:
+        """The port's connection handler (its ``_Port``, in ``box``, exists once it listens)."""
+
+        async def incoming(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._on_incoming(box[0], reader, writer)
+
+        return incoming
+
+    def _release(self, held: _Port) -> None:
+        if self._by_peer.get(held.peer) is held:
+            del self._by_peer[held.peer]
+        held.server.close()
+        for conn_id, future in list(held.pending.items()):
+            self._pending.pop(conn_id, None)
+            future.cancel()
+        logger.info("relay: released port %d of %s", held.port, held.peer)
+
+    async def _on_incoming(self, held: _Port, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if held.control is None or held.active + len(held.pending) >= MAX_CONNS_PER_PORT:
+            writer.close()
+            return
+        conn_id = secrets.randbits(64)  # not guessable: only the peer told of it takes it
+        future: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = self._loop.create_future()
+        held.pending[conn_id], self._pending[conn_id] = future, held
+        try:
+            held.control.write(encode(Incoming(conn_id)))
+            taken = await asyncio.wait_for(future, TAKE_S)
+        except (TimeoutError, asyncio.CancelledError, ConnectionError):
+            writer.close()
+            return
+        finally:
+            held.pending.pop(conn_id, None)
+            self._pending.pop(conn_id, None)
+        held.active += 1
+        self._splicing += 1
+        counts = ([0], [0])
+        try:
+            await pipe_both((reader, writer), taken, counts)
+        finally:
+            held.active -= 1
+            self._splicing -= 1
+            self._relayed += counts[0][0] + counts[1][0]
+
+    async def _take(self, conn_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held = self._pending.get(conn_id)
+        future = held.pending.get(conn_id) if held is not None else None
+        if future is None or future.done():
+            writer.close()
+            return
+        future.set_result((reader, writer))

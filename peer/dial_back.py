@@ -1,0 +1,81 @@
+"""Can anyone dial this machine? The coordinator's dial-back (its ``Probe`` RPC) answers it:
+it connects to the host it saw the request come from, on a port this machine names, and
+returns the first bytes it read there. A ``Greeter`` on that port writes a random greeting,
+so an answer from another program (or a NAT router's own service) does not count. The
+doctor runs it, and so does a peer before it chooses how it is reached (``peer.network_path``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import coordinator_pb2 as pb
+
+
+@dataclass(frozen=True)
+class DialBack:
+    """What the coordinator's dial-back found."""
+
+    observed_host: str
+    """This machine's address as the coordinator saw it."""
+    port: int
+    reached: bool
+    """Whether it read this greeter's greeting there."""
+    error: str = ""
+
+    @property
+    def why(self) -> str:
+        """What happened, as the end of a sentence that starts "the coordinator ..."."""
+        where = f"{self.observed_host}:{self.port}"
+        if self.reached:
+            return f"reached this machine at {where}"
+        if self.error:
+            return f"cannot reach {where} ({self.error})"
+        return f"reached {where}, but another program answered there"
+
+
+class Greeter:
+    """A TCP listener on ``port`` (all interfaces) that writes ``greeting`` to whoever connects:
+    what the coordinator's dial-back must read back."""
+
+    def __init__(self, port: int) -> None:
+        self.greeting = b"swarmtrain-dial-back " + secrets.token_hex(16).encode()
+        dual = socket.has_dualstack_ipv6()  # the coordinator may dial back over IPv6
+        family = socket.AF_INET6 if dual else socket.AF_INET
+        self.sock = socket.create_server(("", port), family=family, dualstack_ipv6=dual)
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="dial-back-greeter")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.sendall(self.greeting)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        self._thread.join(timeout=2)
+
+
+def ask_dial_back(stub: Any, greeter: Greeter, *, timeout_s: float) -> DialBack:
+    """Ask the coordinator behind ``stub`` to dial ``greeter``'s port back (raises
+    ``grpc.RpcError`` when it refuses the probe)."""
+    info = stub.Probe(pb.ProbeRequest(dial_back_port=greeter.port), timeout=timeout_s)
+    reached = not info.dial_error and info.dial_greeting == greeter.greeting
+    return DialBack(info.observed_host, greeter.port, reached, info.dial_error)

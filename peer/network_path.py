@@ -1,0 +1,126 @@
+"""How other peers reach this one, chosen once at start and printed.
+
+- **announced**: ``--announce`` or a provider's port mapping (``peer.announce``); the daemon
+  advertises that address only.
+- **direct**: the coordinator dialled this machine back on its port (``peer.dial_back``), or
+  the run has no coordinator to ask (the addresses the daemon sees are advertised).
+- **relayed**: the dial-back failed (NAT, firewall) and the coordinator runs a relay: the
+  peer holds a public port there (``peer.relay_client``) and announces it. It is a full
+  member: it leads, reduces its part and serves state like any other; its traffic crosses
+  the relay's host twice.
+- **client**: ``--client-mode``, or nobody can dial it and there is no relay: it sends its
+  parts and receives the averages over connections it opens, and never reduces or leads.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+
+from peer.announce import Announced, announced, parse_host_port
+from peer.dial_back import Greeter, ask_dial_back
+from peer.relay_client import RelayAddress, RelayError, RelayTunnel
+
+logger = logging.getLogger(__name__)
+
+DIAL_BACK_TIMEOUT_S = 15.0
+
+PathKind = Literal["announced", "direct", "relayed", "client"]
+
+
+@dataclass(frozen=True)
+class NetworkPath:
+    kind: PathKind
+    why: str
+    port: int
+    """The port the daemon listens on."""
+    announce: Announced | None = None
+    tunnel: RelayTunnel | None = None
+
+    @property
+    def client_mode(self) -> bool:
+        return self.kind == "client"
+
+    @property
+    def dht_kwargs(self) -> dict[str, Any] | None:
+        """What the DHT's daemon is started with: an announced address is the only one it
+        advertises, and it is reachable there whatever AutoNAT guesses."""
+        if self.announce is None:
+            return None
+        return {"announce_maddrs": [self.announce.maddr], "force_reachability": "public"}
+
+    def describe(self) -> str:
+        where = f" at {self.announce.maddr}" if self.announce is not None else ""
+        return f"{self.kind}{where} ({self.why})"
+
+    def close(self) -> None:
+        if self.tunnel is not None:
+            self.tunnel.close()
+
+
+@dataclass(frozen=True)
+class Coordinated:
+    """What a peer joined through a coordinator knows for the choice."""
+
+    address: str
+    """``HOST:PORT`` it reached the coordinator at."""
+    stub: Any
+    """The coordinator's gRPC stub (for the dial-back)."""
+    relay_port: int
+    token: Callable[[], bytes]
+    """The peer's current access token (the relay admits only admitted peers)."""
+
+
+def free_port() -> int:
+    """A TCP port free on every interface now (the daemon binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def choose_path(
+    *,
+    client_mode: bool,
+    announce: str | None,
+    port: int,
+    env: Mapping[str, str],
+    coordinated: Coordinated | None,
+    local_host: str = "127.0.0.1",
+) -> NetworkPath:
+    """The path for a peer started with these flags (see the module's docstring). ``port``: the
+    ``--port`` flag (0: one is picked here when the choice needs a fixed one)."""
+    if client_mode:
+        return NetworkPath("client", "--client-mode", port)
+    mapped = announced(announce, port=port, env=env)
+    if mapped is not None:
+        return NetworkPath("announced", f"from {mapped.source}", port, announce=mapped)
+    if coordinated is None:
+        return NetworkPath("direct", "no coordinator to ask for a dial-back", port)
+    port = port or free_port()
+    greeter = Greeter(port)
+    try:
+        seen = ask_dial_back(coordinated.stub, greeter, timeout_s=DIAL_BACK_TIMEOUT_S)
+    except grpc.RpcError as exc:  # e.g. rate-limited: the choice must not stop the peer
+        logger.warning("the coordinator's dial-back failed: %s", exc)
+        return NetworkPath("direct", f"the coordinator's dial-back failed ({exc}); assuming reachable", port)
+    finally:
+        greeter.close()
+    if seen.reached:
+        return NetworkPath("direct", f"the coordinator {seen.why}", port)
+    if not coordinated.relay_port:
+        return NetworkPath("client", f"the coordinator {seen.why} and runs no relay", port)
+    host, _ = parse_host_port(coordinated.address, what="--coordinator")
+    tunnel = RelayTunnel(
+        RelayAddress(host, coordinated.relay_port), token=coordinated.token, local_port=port, local_host=local_host
+    )
+    try:
+        granted = tunnel.open()
+    except RelayError as exc:
+        return NetworkPath("client", f"the coordinator {seen.why}, and {exc}", port)
+    relayed = Announced(host=host, port=granted, source="the coordinator's relay")
+    return NetworkPath("relayed", f"the coordinator {seen.why}", port, announce=relayed, tunnel=tunnel)

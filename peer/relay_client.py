@@ -1,0 +1,166 @@
+"""A peer's end of the relay (``coordinator.relay``): a public port for a peer nobody can dial.
+
+``RelayTunnel.open`` asks the relay for a port and returns it; the peer announces
+``relay-host:port`` as its swarm address. Each connection the relay announces is taken on a
+new outbound connection and spliced to the peer's own libp2p daemon on ``local_port``. When
+the control connection drops, the tunnel opens it again (the relay keeps the port for a
+minute), with a growing pause, until ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.errors import MalformedMessageError, SwarmtrainError
+from protocol.relay_wire import Granted, Incoming, Open, Ping, Refused, Take, encode, pipe_both, read_message
+
+logger = logging.getLogger(__name__)
+
+CONNECT_S = 10.0
+PING_S = 15.0
+IDLE_S = 60.0
+RETRY_S = (1.0, 30.0)
+
+
+class RelayError(SwarmtrainError):
+    """The relay refused this peer, or could not be reached."""
+
+
+@dataclass(frozen=True)
+class RelayAddress:
+    host: str
+    port: int
+
+
+class RelayTunnel:
+    """Holds a port on a relay and splices what arrives there to ``127.0.0.1:local_port``."""
+
+    def __init__(
+        self, relay: RelayAddress, *, token: Callable[[], bytes], local_port: int, local_host: str = "127.0.0.1"
+    ) -> None:
+        self.relay, self.token, self.local_port, self.local_host = relay, token, local_port, local_host
+        self.port = 0
+        """The port the relay granted (0 before ``open``)."""
+        self.bytes_relayed = 0
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay-tunnel")
+        self._closed = False
+
+    def open(self) -> int:
+        """Get a port from the relay (raises ``RelayError`` saying why not) and keep it."""
+        self._thread.start()
+        try:
+            first = asyncio.run_coroutine_threadsafe(self._connect(), self._loop).result(timeout=CONNECT_S + 5)
+        except RelayError:
+            self.close()
+            raise
+        self.port = first[2]
+        asyncio.run_coroutine_threadsafe(self._hold(first), self._loop)
+        return self.port
+
+    def close(self) -> None:
+        """Drop the port and every relayed connection; idempotent."""
+        self._closed = True
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout=5)
+            except (TimeoutError, concurrent.futures.CancelledError):
+                logger.warning("relay tunnel: its tasks did not stop within 5 s")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+        where = f"{self.relay.host}:{self.relay.port}"
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.relay.host, self.relay.port), CONNECT_S
+            )
+            writer.write(encode(Open(self.token())))
+            answer = await asyncio.wait_for(read_message(reader), CONNECT_S)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, MalformedMessageError) as exc:
+            raise RelayError(f"relay {where}: {exc or type(exc).__name__}") from exc
+        if isinstance(answer, Refused):
+            writer.close()
+            raise RelayError(f"relay {where} refused this peer: {answer.reason}")
+        if not isinstance(answer, Granted):
+            writer.close()
+            raise RelayError(f"relay {where} answered {type(answer).__name__} instead of a port")
+        return reader, writer, answer.port
+
+    async def _hold(self, first: tuple[asyncio.StreamReader, asyncio.StreamWriter, int]) -> None:
+        control: tuple[asyncio.StreamReader, asyncio.StreamWriter, int] | None = first
+        pause = RETRY_S[0]
+        while not self._closed:
+            if control is None:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_S[1])
+                try:
+                    control = await self._connect()
+                except RelayError as exc:
+                    logger.warning("relay tunnel: %s (retrying in %.0f s)", exc, pause)
+                    continue
+                if control[2] != self.port:
+                    logger.warning(
+                        "the relay granted port %d instead of %d: peers dialling the old one fail",
+                        control[2],
+                        self.port,
+                    )
+                pause = RETRY_S[0]
+            await self._serve(control[0], control[1])
+            control = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pinger = asyncio.ensure_future(self._ping(writer))
+        try:
+            while True:
+                message = await asyncio.wait_for(read_message(reader), IDLE_S)
+                if isinstance(message, Incoming):
+                    asyncio.ensure_future(self._take(message.conn_id))
+                elif not isinstance(message, Ping):
+                    raise MalformedMessageError(f"relay sent {type(message).__name__} on the control connection")
+        except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
+            if not self._closed:
+                logger.warning(
+                    "relay tunnel: the control connection ended (%s): opening it again", exc or type(exc).__name__
+                )
+        finally:
+            pinger.cancel()
+            writer.close()
+
+    async def _ping(self, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await asyncio.sleep(PING_S)
+            writer.write(encode(Ping()))
+            await writer.drain()
+
+    async def _take(self, conn_id: int) -> None:
+        try:
+            local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
+        except (OSError, TimeoutError) as exc:
+            logger.warning("relay tunnel: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
+            return
+        try:
+            relayed = await asyncio.wait_for(asyncio.open_connection(self.relay.host, self.relay.port), CONNECT_S)
+            relayed[1].write(encode(Take(conn_id)))
+        except (OSError, TimeoutError) as exc:
+            logger.info("relay tunnel: could not take a connection: %s", exc)
+            local[1].close()
+            return
+        self.connections += 1
+        counts = ([0], [0])
+        try:
+            await pipe_both(relayed, local, counts)
+        finally:
+            self.bytes_relayed += counts[0][0] + counts[1][0]
