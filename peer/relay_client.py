@@ -51,6 +51,9 @@ class RelayTunnel:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay-tunnel")
         self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._holding: concurrent.futures.Future[None] | None = None
+        """Running splices: held here, since the loop keeps only weak references to tasks."""
 
     def open(self) -> int:
         """Get a port from the relay (raises ``RelayError`` saying why not) and keep it."""
@@ -61,7 +64,7 @@ class RelayTunnel:
             self.close()
             raise
         self.port = first[2]
-        asyncio.run_coroutine_threadsafe(self._hold(first), self._loop)
+        self._holding = asyncio.run_coroutine_threadsafe(self._hold(first), self._loop)
         return self.port
 
     def close(self) -> None:
@@ -127,7 +130,9 @@ class RelayTunnel:
             while True:
                 message = await asyncio.wait_for(read_message(reader), IDLE_S)
                 if isinstance(message, Incoming):
-                    asyncio.ensure_future(self._take(message.conn_id))
+                    task = asyncio.ensure_future(self._take(message.conn_id))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
                 elif not isinstance(message, Ping):
                     raise MalformedMessageError(f"relay sent {type(message).__name__} on the control connection")
         except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
