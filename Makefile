@@ -41,6 +41,7 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"
+	@.ci/nftables.sh || echo "the NAT lab's tests will be skipped"
 	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
 		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \
 	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests; code=$$?; \

@@ -49,7 +49,7 @@ def nft_ruleset(nat: Nat, *, public_if: str, inner_if: str) -> str:
     DNAT'ed to the host, and a forward chain that lets in only replies and forwarded ports."""
     host = HOST_INNER.ip
     dnat = "".join(
-        f'        iifname "{public_if}" tcp dport {ext} dnat to {host}:{internal}\n'
+        f'        iifname "{public_if}" tcp dport {ext} counter dnat to {host}:{internal}\n'
         for ext, internal in sorted(nat.forwards.items())
     )
     return (

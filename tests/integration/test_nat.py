@@ -1,0 +1,142 @@
+"""Volunteers behind NAT, in network namespaces (``benchmarks.netsim``): a public coordinator,
+peers each behind its own router (nftables masquerade; a port-mapping router for a rented GPU).
+
+Needs root (namespaces) and nft; skipped, saying why, without them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from benchmarks.netsim import Nat, WanSim
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+    pytest.mark.skipif(shutil.which("nft") is None, reason="the NAT routers need nft (Debian's nftables)"),
+]
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.toml"
+RUN_S = 240.0
+SW = [sys.executable, "-m", "swarmtrain"]
+
+
+def _spec(tmp_path: Path, rounds: int) -> Path:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(DEMO.read_text().replace("max_rounds = 12", f"max_rounds = {rounds}"))
+    return spec
+
+
+def _coordinator(sim: WanSim, tmp_path: Path, spec: Path) -> str:
+    host = sim.ip("coord")
+    log = tmp_path / "coordinator.log"
+    argv = [*SW, "-v", "coordinator", "--spec", str(spec), "--state-dir", str(tmp_path / "coordinator")]
+    argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+    sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    _wait_for(log, r"^peers join with:", 60)
+    return f"{host}:7500"
+
+
+def _peer(sim: WanSim, tmp_path: Path, name: str, coordinator: str, *extra: str) -> subprocess.Popen[bytes]:
+    argv = [*SW, "peer", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "7700"]
+    argv += ["--key", str(tmp_path / f"{name}.key"), "--checkpoint-dir", str(tmp_path / f"{name}-ckpt")]
+    argv += ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *extra]
+    return sim.run(name, argv, stdout=(tmp_path / f"{name}.log").open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait_for(log: Path, pattern: str, deadline_s: float) -> str:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        found = re.search(pattern, log.read_text() if log.exists() else "", re.MULTILINE)
+        if found:
+            return found.group(0)
+        time.sleep(0.5)
+    raise AssertionError(f"{log.name} never printed {pattern!r}:\n{log.read_text()[-3000:]}")
+
+
+def _finish(peers: dict[str, subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    end = time.monotonic() + RUN_S
+    for name, proc in peers.items():
+        try:
+            code = proc.wait(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not finish:\n{(tmp_path / f'{name}.log').read_text()[-3000:]}") from None
+        assert code == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+
+def _rows(tmp_path: Path, name: str) -> list[dict]:
+    path = tmp_path / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _averaged_and_agreed(tmp_path: Path, names: list[str], rounds: int) -> int:
+    """Peer-rounds averaged in a group of at least 2 (each round once per peer); asserts that
+    every peer that averaged a round holds the same state after it."""
+    digests: dict[int, set[str]] = defaultdict(set)
+    averaged = set()
+    for name in names:
+        for row in _rows(tmp_path, name):
+            if row["averaged"] and row["group_size"] >= 2 and 1 <= row["round"] <= rounds:
+                averaged.add((name, row["round"]))
+                digests[row["round"]].add(row["state_digest"])
+    split = {r: d for r, d in digests.items() if len(d) > 1}
+    assert not split, f"rounds whose averaged members disagree: {split}"
+    return len(averaged)
+
+
+def test_three_peers_each_behind_its_own_nat_train_through_the_coordinators_relay(tmp_path: Path) -> None:
+    rounds, names = 5, ["p0", "p1", "p2"]
+    spec = _spec(tmp_path, rounds)
+    with WanSim(
+        ["coord", *names], rate="100mbit", prefix="natt", subnet="10.79.1.0/24", nat=dict.fromkeys(names, Nat())
+    ) as sim:
+        coordinator = _coordinator(sim, tmp_path, spec)
+        peers = {name: _peer(sim, tmp_path, name, coordinator) for name in names}
+        for name in names:
+            line = _wait_for(tmp_path / f"{name}.log", r"^network: .*$", 90)
+            assert line.startswith(f"network: relayed at /ip4/{sim.ip('coord')}/tcp/"), line
+            assert f"cannot reach {sim.ip(name)}:7700" in line, line
+        _finish(peers, tmp_path)
+    averaged = _averaged_and_agreed(tmp_path, names, rounds)
+    assert averaged >= 0.9 * rounds * len(names), f"{averaged} of {rounds * len(names)} peer-rounds averaged"
+    relay_log = (tmp_path / "coordinator.log").read_text()
+    assert len(set(re.findall(r"relay: (\S+) holds port (\d+)", relay_log))) == len(names), relay_log[-3000:]
+
+
+def test_a_peer_behind_a_port_mapping_router_is_dialled_directly_through_announce(tmp_path: Path) -> None:
+    rounds = 3
+    spec = _spec(tmp_path, rounds)
+    mapped = Nat(forwards={40123: 7700})  # the external port is not the one it listens on, as on vast.ai
+    with WanSim(
+        ["coord", "pub", "gpu"], rate="100mbit", prefix="natm", subnet="10.79.2.0/24", nat={"gpu": mapped}
+    ) as sim:
+        coordinator = _coordinator(sim, tmp_path, spec)
+        public = sim.ip("gpu")
+        peers = {
+            "pub": _peer(sim, tmp_path, "pub", coordinator),
+            "gpu": _peer(sim, tmp_path, "gpu", coordinator, "--announce", f"{public}:40123"),
+        }
+        line = _wait_for(tmp_path / "gpu.log", r"^network: .*$", 90)
+        assert line == f"network: announced at /ip4/{public}/tcp/40123 (from --announce)", line
+        assert _wait_for(tmp_path / "pub.log", r"^network: .*$", 90).startswith(
+            "network: direct (the coordinator reached"
+        )
+        _finish(peers, tmp_path)
+        rules = subprocess.run(
+            ["ip", "netns", "exec", sim.router_netns("gpu"), "nft", "list", "chain", "ip", "swarmnat", "prerouting"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    packets = int(re.search(r"tcp dport 40123 counter packets (\d+)", rules).group(1))  # type: ignore[union-attr]
+    assert packets > 0, rules  # others dialled the mapped port
+    assert _averaged_and_agreed(tmp_path, ["pub", "gpu"], rounds) >= 0.9 * rounds * 2
+    assert "holds port" not in (tmp_path / "coordinator.log").read_text()  # nobody needed the relay

@@ -1,0 +1,166 @@
+"""The relay's wire and its two ends on loopback: a port granted to an admitted peer only,
+connections there spliced to the peer's local listener both ways, malformed messages refused."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator.relay import Relay
+from peer.relay_client import RelayAddress, RelayError, RelayTunnel
+from protocol.errors import MalformedMessageError
+from protocol.relay_wire import (
+    MAX_TOKEN_BYTES,
+    Granted,
+    Incoming,
+    Open,
+    Ping,
+    Refused,
+    Take,
+    encode,
+    read_message,
+)
+
+
+def _read(data: bytes) -> object:
+    async def go() -> object:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_message(reader)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "message", [Open(b"token"), Granted(7801), Incoming(2**64 - 1), Take(0), Ping(), Refused("no free port")]
+)
+def test_every_message_reads_back_as_written(message: object) -> None:
+    assert _read(encode(message)) == message  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"X", "unknown message type"),
+        (b"O\x00\x00", "a token of 0 bytes"),
+        (b"O" + (MAX_TOKEN_BYTES + 1).to_bytes(2, "big"), "a token of 4097 bytes"),
+        (b"G\x00\x00", "granted port 0"),
+        (b"R\x10\x00", "a reason of 4096 bytes"),
+    ],
+)
+def test_malformed_messages_are_refused_with_a_reason(data: bytes, why: str) -> None:
+    with pytest.raises(MalformedMessageError, match=why):
+        _read(data)
+
+
+def test_a_message_cut_short_is_an_incomplete_read() -> None:
+    with pytest.raises(asyncio.IncompleteReadError):
+        _read(encode(Take(5))[:4])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def relay() -> Iterator[Relay]:
+    first = _free_port()
+
+    def admit(token: bytes) -> str:
+        if not token.startswith(b"ok-"):
+            raise ValueError("not a valid access token of this run")
+        return token.decode()
+
+    served = Relay(host="127.0.0.1", control_port=0, ports=range(first, first + 1), admit=admit)
+    served.control_port = served.start()
+    yield served
+    served.stop()
+
+
+class _Echo:
+    """The peer's daemon, standing in: echoes every connection upper-cased."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data.upper())
+
+
+def _exchange(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := conn.recv(1 << 16):
+            got += chunk
+        return got
+
+
+def test_an_admitted_peer_gets_a_port_whose_connections_reach_it_both_ways(relay: Relay) -> None:
+    echo = _Echo()
+    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", local_port=echo.port)
+    try:
+        port = tunnel.open()
+        assert port == relay.ports[0]
+        payload = b"x" * (3 << 20)  # several MiB: more than libp2p's relay lets through
+        assert _exchange(port, payload) == payload.upper()
+        assert _exchange(port, b"again") == b"AGAIN"
+        stats = relay.stats()
+        assert stats.peers == 1 and stats.bytes_relayed >= 2 * len(payload)
+    finally:
+        tunnel.close()
+        echo.sock.close()
+
+
+def test_a_peer_without_a_valid_token_gets_no_port_and_is_told_why(relay: Relay) -> None:
+    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"forged", local_port=1)
+    with pytest.raises(RelayError, match="refused this peer: not a valid access token"):
+        tunnel.open()
+    assert relay.stats().peers == 0
+
+
+def test_when_every_port_is_held_the_next_peer_is_refused(relay: Relay) -> None:
+    first = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", local_port=1)
+    second = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-b", local_port=1)
+    try:
+        first.open()
+        with pytest.raises(RelayError, match="no free port"):
+            second.open()
+    finally:
+        first.close()
+
+
+def test_garbage_on_the_control_port_changes_nothing(relay: Relay) -> None:
+    with socket.create_connection(("127.0.0.1", relay.control_port), timeout=5) as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        conn.settimeout(5)
+        assert conn.recv(100) == b""  # closed without an answer
+    assert relay.stats().peers == 0
+
+
+def test_a_take_for_an_unknown_connection_is_closed(relay: Relay) -> None:
+    with socket.create_connection(("127.0.0.1", relay.control_port), timeout=5) as conn:
+        conn.sendall(encode(Take(12345)))
+        conn.settimeout(5)
+        assert conn.recv(100) == b""
