@@ -49,8 +49,10 @@ class Prober:
         spec_toml: str,
         spec_digest: str,
         bootstrap_maddrs: Callable[[], list[str]],
+        relay_port: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        self.relay_port = relay_port
         self.spec_toml, self.spec_digest, self.bootstrap_maddrs, self.clock = (
             spec_toml,
             spec_digest,
@@ -81,6 +83,7 @@ class Prober:
             observed_host=source,
             received_bytes=len(request.payload),
             payload=bytes(want),
+            relay_port=self.relay_port(),
         )
         if port:
             response.dialed = True

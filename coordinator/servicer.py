@@ -98,7 +98,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     ) -> None:
         self.core = core
         self.prober = Prober(
-            spec_toml=core.spec_toml, spec_digest=core.digest, bootstrap_maddrs=lambda: list(core.bootstrap_maddrs)
+            spec_toml=core.spec_toml,
+            spec_digest=core.digest,
+            bootstrap_maddrs=lambda: list(core.bootstrap_maddrs),
+            relay_port=lambda: core.relay_port,
         )
         """Answers ``swarmtrain doctor``'s probes (from the core's fixed fields: no lock)."""
         self.clock = clock

@@ -26,6 +26,8 @@ class DialBack:
     reached: bool
     """Whether it read this greeter's greeting there."""
     error: str = ""
+    relay_port: int = 0
+    """The coordinator's relay port (0: it runs none)."""
 
     @property
     def why(self) -> str:
@@ -73,9 +75,11 @@ class Greeter:
         self._thread.join(timeout=2)
 
 
-def ask_dial_back(stub: Any, greeter: Greeter, *, timeout_s: float) -> DialBack:
-    """Ask the coordinator behind ``stub`` to dial ``greeter``'s port back (raises
-    ``grpc.RpcError`` when it refuses the probe)."""
-    info = stub.Probe(pb.ProbeRequest(dial_back_port=greeter.port), timeout=timeout_s)
+def ask_dial_back(stub: Any, greeter: Greeter, *, timeout_s: float, port: int = 0) -> DialBack:
+    """Ask the coordinator behind ``stub`` to dial this machine back on ``port`` (default:
+    ``greeter``'s; another one where a port mapping forwards it to the greeter) and read the
+    greeting (raises ``grpc.RpcError`` when it refuses the probe)."""
+    port = port or greeter.port
+    info = stub.Probe(pb.ProbeRequest(dial_back_port=port), timeout=timeout_s)
     reached = not info.dial_error and info.dial_greeting == greeter.greeting
-    return DialBack(info.observed_host, greeter.port, reached, info.dial_error)
+    return DialBack(info.observed_host, port, reached, info.dial_error, info.relay_port)

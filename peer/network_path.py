@@ -98,7 +98,8 @@ def choose_path(
         return NetworkPath("client", "--client-mode", port)
     mapped = announced(announce, port=port, env=env)
     if mapped is not None:
-        return NetworkPath("announced", f"from {mapped.source}", port, announce=mapped)
+        checked = _cross_check(mapped, port, coordinated) if coordinated is not None else ""
+        return NetworkPath("announced", f"from {mapped.source}{checked}", port, announce=mapped)
     if coordinated is None:
         return NetworkPath("direct", "no coordinator to ask for a dial-back", port)
     port = port or free_port()
@@ -124,3 +125,25 @@ def choose_path(
         return NetworkPath("client", f"the coordinator {seen.why}, and {exc}", port)
     relayed = Announced(host=host, port=granted, source="the coordinator's relay")
     return NetworkPath("relayed", f"the coordinator {seen.why}", port, announce=relayed, tunnel=tunnel)
+
+
+def _cross_check(mapped: Announced, port: int, coordinated: Coordinated) -> str:
+    """The coordinator's view of an announced address, said after the path's reason: it
+    dials the announced port on the host it sees this machine as, which the mapping must
+    forward to ``port``. The address is announced whatever it finds (the volunteer said so)."""
+    try:
+        greeter = Greeter(port)
+    except OSError as exc:
+        return f"; not checked: cannot listen on port {port} ({exc.strerror})"
+    try:
+        seen = ask_dial_back(coordinated.stub, greeter, timeout_s=DIAL_BACK_TIMEOUT_S, port=mapped.port)
+    except grpc.RpcError as exc:
+        return f"; not checked: the coordinator's dial-back failed ({exc})"
+    finally:
+        greeter.close()
+    elsewhere = seen.observed_host != mapped.host
+    note = f"; the coordinator sees this machine as {seen.observed_host}, not {mapped.host}" if elsewhere else ""
+    if seen.reached:
+        return f"; the coordinator {seen.why}{note}"
+    logger.warning("the announced address %s may not reach this peer: the coordinator %s", mapped.maddr, seen.why)
+    return f"; WARNING: the coordinator {seen.why}{note}: check the port mapping"

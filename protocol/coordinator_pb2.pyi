@@ -393,7 +393,7 @@ class ProbeRequest(_message.Message):
     def __init__(self, dial_back_port: _Optional[int] = ..., payload: _Optional[bytes] = ..., download_bytes: _Optional[int] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload")
+    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload", "relay_port")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,7 @@ class ProbeResponse(_message.Message):
     DIAL_GREETING_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     server_time: float
     software_version: str
     spec_digest: str
@@ -416,4 +417,5 @@ class ProbeResponse(_message.Message):
     dial_greeting: bytes
     received_bytes: int
     payload: bytes
-    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., relay_port: _Optional[int] = ...) -> None: ...

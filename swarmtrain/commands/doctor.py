@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from peer.announce import Announced, announced, parse_host_port
 from peer.dial_back import Greeter
 from peer.footprint import Footprint, estimate
 from protocol.errors import ConfigError, SpecError
@@ -42,6 +44,12 @@ def add_parser(commands: Any) -> None:
         default=DEFAULT_PORT,
         help=f"TCP port the peer will listen on, for the dial-back check (default: {DEFAULT_PORT})",
     )
+    parser.add_argument(
+        "--announce",
+        metavar="HOST:PORT",
+        default=None,
+        help="the public address the peer will announce (its mapping forwards to --port): dialled back to check it",
+    )
     parser.add_argument("--key", type=Path, default=None, help=f"identity key file (default: {default_key_path()})")
     parser.add_argument("--skip-network", action="store_true", help="no loopback DHT (without --coordinator)")
     parser.add_argument("--no-benchmark", action="store_true", help="do not time the run's inner steps here")
@@ -57,6 +65,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.announce is not None:
+        parse_host_port(args.announce)  # a ConfigError naming what is wrong, before any check
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"swarmtrain doctor: error: --port must be 0-65535, got {args.port}")
     verdicts: list[Verdict] = []
@@ -144,7 +154,7 @@ def _remote_checks(
             spec, source = run_spec, f"the run's spec ({args.coordinator})"
         add(run_check("clock", lambda: remote.clock(link)))
         add(run_check("DHT bootstrap", lambda: remote.bootstrap(link)))
-        add(_dial_back(link, args.port))
+        add(_dial_back(link, args.port, announced(args.announce, port=args.port, env=os.environ)))
         bandwidth = add(run_check("bandwidth", lambda: remote.bandwidth(link)))
         return spec, source, bandwidth.data.get("upload_bits_per_s")
     finally:
@@ -161,7 +171,7 @@ def _run_spec(link: remote.Link, add: Any) -> RunSpec | None:
         return None
 
 
-def _dial_back(link: remote.Link, port: int) -> Verdict:
+def _dial_back(link: remote.Link, port: int, announce: Announced | None) -> Verdict:
     try:
         greeter = Greeter(port)
     except OSError as exc:
@@ -172,7 +182,7 @@ def _dial_back(link: remote.Link, port: int) -> Verdict:
             "run the doctor with --port set to a free port you can open",
         )
     try:
-        return run_check("reachable from outside", lambda: remote.dial_back(link, greeter))
+        return run_check("reachable from outside", lambda: remote.dial_back(link, greeter, announce))
     finally:
         greeter.close()
 

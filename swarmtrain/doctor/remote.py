@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from peer.announce import Announced
 from peer.dial_back import Greeter, ask_dial_back
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
@@ -141,21 +142,40 @@ def bootstrap(link: Link) -> str:
     return f"joined through {len(maddrs)} bootstrap address(es) in {time.monotonic() - started:.1f} s"
 
 
-def dial_back(link: Link, greeter: Greeter) -> tuple[str, dict[str, Any]]:
-    """Ask the coordinator to connect back to ``greeter``'s port and read its greeting."""
+def dial_back(link: Link, greeter: Greeter, announce: Announced | None = None) -> tuple[str, dict[str, Any]]:
+    """Ask the coordinator to connect back to ``greeter``'s port (the announced port, with
+    ``announce``) and read its greeting; say the path a peer on this machine would take
+    (``peer.network_path``) and how to make it direct."""
     try:
-        seen = ask_dial_back(link.stub, greeter, timeout_s=PROBE_TIMEOUT_S)
+        seen = ask_dial_back(link.stub, greeter, timeout_s=PROBE_TIMEOUT_S, port=announce.port if announce else 0)
     except grpc.RpcError as exc:
         raise CheckFailed(f"the coordinator refused the dial-back: {exc.details() or exc.code()}") from exc
     host, port = seen.observed_host, greeter.port
-    data = {"observed_host": host, "port": port, "error": seen.error}
+    path = "relayed" if seen.relay_port else "client"
+    reached = "announced" if announce else "direct"
+    data = {"observed_host": host, "port": port, "error": seen.error, "path": reached if seen.reached else path}
+    if announce is not None and host != announce.host:
+        raise CheckWarning(
+            f"{announce.maddr} is announced ({announce.source}), but the coordinator sees this machine as {host}",
+            f"announce the address others reach this machine at: --announce {host}:{announce.port}",
+            **data,
+        )
+    if seen.reached:
+        forwarded = f" (forwarded to port {port})" if announce and announce.port != port else ""
+        return f"{reached}: the coordinator {seen.why}{forwarded}: peers can dial it", data
     fix = (
-        f"open TCP port {port} to this machine (firewall, cloud security group, NAT port forward) and start the "
-        f"peer with --port {port}; or run it with --client-mode (it still contributes, but others cannot dial it)"
+        f"to be dialled directly, forward TCP port {port} to this machine (router port forward, firewall, cloud "
+        f"security group) and start the peer with --port {port} --announce PUBLIC_IP:EXTERNAL_PORT (on vast.ai "
+        "and RunPod the peer reads its port mapping from the environment)"
     )
-    if not seen.reached:
-        raise CheckWarning(f"the coordinator {seen.why}", fix, **data)
-    return f"the coordinator reached this machine at {host}:{port}: peers can dial it", data
+    if seen.relay_port:
+        how = (
+            f"relayed: a peer here holds a port on the coordinator's relay ({link.address.rsplit(':', 1)[0]}:"
+            f"{seen.relay_port}) and averages as a full member; its traffic crosses the relay's host twice"
+        )
+    else:
+        how = "client: the run has no relay, so a peer here averages as a client (it never leads or reduces a part)"
+    raise CheckWarning(f"the coordinator {seen.why}; {how}", fix, **data)
 
 
 def bandwidth(link: Link) -> tuple[str, dict[str, Any]]:

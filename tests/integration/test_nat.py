@@ -62,6 +62,14 @@ def _wait_for(log: Path, pattern: str, deadline_s: float) -> str:
     raise AssertionError(f"{log.name} never printed {pattern!r}:\n{log.read_text()[-3000:]}")
 
 
+def _reachability(sim: WanSim, host: str, coordinator: str, *extra: str) -> dict:
+    """The doctor's "reachable from outside" verdict, run on ``host`` as a volunteer would."""
+    argv = [*SW, "doctor", "--coordinator", coordinator, "--port", "7700", "--no-benchmark", "--json", *extra]
+    proc = sim.exec(host, argv, timeout=120)
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    return checks["reachable from outside"]
+
+
 def _finish(peers: dict[str, subprocess.Popen[bytes]], tmp_path: Path) -> None:
     end = time.monotonic() + RUN_S
     for name, proc in peers.items():
@@ -99,6 +107,9 @@ def test_three_peers_each_behind_its_own_nat_train_through_the_coordinators_rela
         ["coord", *names], rate="100mbit", prefix="natt", subnet="10.79.1.0/24", nat=dict.fromkeys(names, Nat())
     ) as sim:
         coordinator = _coordinator(sim, tmp_path, spec)
+        verdict = _reachability(sim, "p0", coordinator)
+        assert verdict["status"] == "warn" and verdict["data"]["path"] == "relayed", verdict
+        assert "--announce" in verdict["fix"] and "forward TCP port 7700" in verdict["fix"], verdict
         peers = {name: _peer(sim, tmp_path, name, coordinator) for name in names}
         for name in names:
             line = _wait_for(tmp_path / f"{name}.log", r"^network: .*$", 90)
@@ -120,12 +131,21 @@ def test_a_peer_behind_a_port_mapping_router_is_dialled_directly_through_announc
     ) as sim:
         coordinator = _coordinator(sim, tmp_path, spec)
         public = sim.ip("gpu")
+        verdict = _reachability(sim, "gpu", coordinator, "--announce", f"{public}:40123")
+        assert verdict["status"] == "ok" and verdict["data"]["path"] == "announced", verdict
+        assert "forwarded to port 7700" in verdict["detail"], verdict
+        verdict = _reachability(sim, "gpu", coordinator, "--announce", "10.79.2.99:40123")
+        assert verdict["status"] == "warn" and f"sees this machine as {public}" in verdict["detail"], verdict
+        assert _reachability(sim, "pub", coordinator)["data"]["path"] == "direct"
         peers = {
             "pub": _peer(sim, tmp_path, "pub", coordinator),
             "gpu": _peer(sim, tmp_path, "gpu", coordinator, "--announce", f"{public}:40123"),
         }
         line = _wait_for(tmp_path / "gpu.log", r"^network: .*$", 90)
-        assert line == f"network: announced at /ip4/{public}/tcp/40123 (from --announce)", line
+        expected = (
+            f"network: announced at /ip4/{public}/tcp/40123 (from --announce; the coordinator reached this machine"
+        )
+        assert line.startswith(expected), line  # the coordinator's dial-back of the announced port: the cross-check
         assert _wait_for(tmp_path / "pub.log", r"^network: .*$", 90).startswith(
             "network: direct (the coordinator reached"
         )
