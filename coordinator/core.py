@@ -17,13 +17,15 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from coordinator.admission import admit, parse_body
 from coordinator.credits import OFFENCE
 from coordinator.health import HealthConfig, HealthTracker
-from coordinator.limits import check_hardware, check_heartbeat, check_report, check_text
+from coordinator.limits import check_hardware, check_heartbeat, check_network_path, check_report, check_text
+from coordinator.relay import RelayStats
 from coordinator.round_view import RoundFigures, RoundWindow
 from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
@@ -79,6 +81,8 @@ class Coordinator:
         self.bootstrap_maddrs = list(bootstrap_maddrs)
         self.relay_port = 0
         """The relay's port on this host, told to joining peers (0: no relay)."""
+        self.relay_stats: Callable[[], RelayStats] | None = None
+        """The relay's figures now (``/metrics``); None without a relay."""
         self.health = HealthTracker(health or HealthConfig())
         self._owner_since: dict[str, float] = {}
         self.verifier = MessageVerifier()
@@ -147,6 +151,7 @@ class Coordinator:
         check_text("join libp2p_peer_id", body.libp2p_peer_id)
         check_text("join software_version", body.software_version)
         check_hardware(body.hardware)
+        check_network_path(body.network_path)
         self.store.upsert_peer(
             key=key,
             account_key=admitted.account.id,
@@ -164,6 +169,7 @@ class Coordinator:
             reachable=body.reachable,
             now=now,
             local_ranks=max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)),
+            network_path=body.network_path,
         )
         data_slot = None
         if self.data_slots is not None:
@@ -310,6 +316,7 @@ class Coordinator:
                     software_version=p.software_version,
                     last_seen=p.last_seen,
                     local_ranks=p.local_ranks,
+                    network_path=p.network_path,
                 )
                 for p in snap.peers
             ],

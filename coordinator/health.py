@@ -89,6 +89,8 @@ class PeerHealth:
     loss: float | None = None
     phase: str = "joining"
     """The phase the peer last reported (one of ``PHASES``)."""
+    network_path: str = ""
+    """How others reach it, as it said (``coordinator.limits.NETWORK_PATHS``; "" before it knew)."""
     local_ranks: int = 1
     """Local ranks (GPUs) of the node, as it said when it joined."""
     recent_claims: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CLAIMS))
@@ -206,6 +208,7 @@ class HealthTracker:
         reachable: bool,
         now: float,
         local_ranks: int = 1,
+        network_path: str = "",
     ) -> PeerHealth:
         """Record a (re-)join: the peer starts over in JOINING."""
         _check_time(now)
@@ -214,6 +217,7 @@ class HealthTracker:
             libp2p_peer_id=libp2p_peer_id,
             software_version=software_version,
             reachable=bool(reachable),
+            network_path=network_path,
             joined_at=now,
             last_seen=now,
             state=PeerState.JOINING,

@@ -93,6 +93,16 @@ def check_heartbeat(body: pb.HeartbeatBody) -> None:
     check_text("heartbeat state_digest", body.state_digest)
 
 
+NETWORK_PATHS = ("", "direct", "announced", "relayed", "client")
+"""What a peer may say of how it is reached (``peer.network_path``; "" before it knows)."""
+
+
+def check_network_path(path: str) -> None:
+    """Refuse a join whose network path is not one of ``NETWORK_PATHS``."""
+    if path not in NETWORK_PATHS:
+        raise MalformedMessageError(f"join network_path must be one of {NETWORK_PATHS[1:]} or empty, got {path[:40]!r}")
+
+
 def check_hardware(hardware: pb.Hardware) -> None:
     """Refuse a join's hardware description with text out of bounds."""
     check_text("join hardware device", hardware.device)

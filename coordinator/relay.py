@@ -75,7 +75,9 @@ class Relay:
         self._by_peer: dict[str, _Port] = {}
         self._pending: dict[int, _Port] = {}
         self._relayed = 0
-        self._splicing = 0
+        """Bytes of the splices that ended."""
+        self._live: list[tuple[list[int], list[int]]] = []
+        """Byte counts of the splices running now (libp2p keeps its connections open for hours)."""
         self._server: asyncio.Server | None = None
 
     def start(self) -> int:
@@ -92,7 +94,9 @@ class Relay:
         self._thread.join(timeout=5)
 
     def stats(self) -> RelayStats:
-        return RelayStats(peers=len(self._by_peer), connections=self._splicing, bytes_relayed=self._relayed)
+        live = list(self._live)
+        running = sum(a[0] + b[0] for a, b in live)
+        return RelayStats(peers=len(self._by_peer), connections=len(live), bytes_relayed=self._relayed + running)
 
     async def _listen(self) -> int:
         self._server = await asyncio.start_server(self._on_control, self.host, self.control_port)
@@ -213,13 +217,13 @@ class Relay:
             held.pending.pop(conn_id, None)
             self._pending.pop(conn_id, None)
         held.active += 1
-        self._splicing += 1
-        counts = ([0], [0])
+        counts: tuple[list[int], list[int]] = ([0], [0])
+        self._live.append(counts)
         try:
             await pipe_both((reader, writer), taken, counts)
         finally:
             held.active -= 1
-            self._splicing -= 1
+            self._live.remove(counts)
             self._relayed += counts[0][0] + counts[1][0]
 
     async def _take(self, conn_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

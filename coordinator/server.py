@@ -136,6 +136,7 @@ class CoordinatorServer:
                 host=config.host, control_port=config.relay_port, ports=config.relay_ports, admit=self._admit_relayed
             )
             self.core.relay_port = self.relay.start()
+            self.core.relay_stats = self.relay.stats
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
         # heartbeats run beside the locked calls (``CoordinatorServicer``): enough threads that
         # they are not all waiting for the lock behind reports

@@ -29,7 +29,7 @@ WORKDIR /home/swarm
 RUN mkdir -p /home/swarm/state
 VOLUME ["/home/swarm/state"]
 # gRPC API, DHT bootstrap, dashboard + JSON API + /metrics
-EXPOSE 7500 7600 8080
+EXPOSE 7500 7600 8080 7800-7864
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["curl", "-fsS", "http://127.0.0.1:8080/healthz"]
 ENTRYPOINT ["swarmtrain", "coordinator"]

@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
         _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path)
-        link = _link_to_coordinator(args, joined, swarm, stop)
+        link = _link_to_coordinator(args, joined, swarm, stop, path.kind)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
@@ -495,7 +495,7 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: N
 
 
 def _link_to_coordinator(
-    args: argparse.Namespace, joined: _Joined, swarm: Swarm, stop: threading.Event
+    args: argparse.Namespace, joined: _Joined, swarm: Swarm, stop: threading.Event, network_path: str = ""
 ) -> CoordinatorLink | None:
     """Through a coordinator: join again with this peer's swarm addresses (the token now names
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
@@ -508,6 +508,7 @@ def _link_to_coordinator(
         maddrs=tuple(swarm.visible_maddrs),
         reachable=not args.client_mode,
         spec_digest=joined.info.spec_digest,
+        network_path=network_path,
     )
     admitted = joined.client.join_as(rejoin)
     swarm.publish_membership(admitted.access_token)

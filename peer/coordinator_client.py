@@ -72,6 +72,8 @@ class JoinAs:
     maddrs: tuple[str, ...] = ()
     reachable: bool = True
     spec_digest: str = ""
+    network_path: str = ""
+    """How others reach it (``peer.network_path``): direct, announced, relayed or client."""
 
 
 # a restarted coordinator is found again within seconds (gRPC's default backoff grows to 120 s)
@@ -111,6 +113,7 @@ class CoordinatorClient:
             maddrs=list(who.maddrs),
             reachable=who.reachable,
             spec_digest=who.spec_digest,
+            network_path=who.network_path,
         )
 
     def join(
@@ -120,6 +123,7 @@ class CoordinatorClient:
         maddrs: list[str] | None = None,
         reachable: bool = True,
         spec_digest: str = "",
+        network_path: str = "",
     ) -> JoinInfo:
         body = pb.JoinBody(
             libp2p_peer_id=libp2p_peer_id,
@@ -128,6 +132,7 @@ class CoordinatorClient:
             hardware=_hardware(self.local_ranks),
             maddrs=maddrs or [],
             reachable=reachable,
+            network_path=network_path,
         )
         if self.endorsement is not None:
             body.account_endorsement.CopyFrom(self.endorsement.to_proto())

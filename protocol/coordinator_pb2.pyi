@@ -97,7 +97,7 @@ class Hardware(_message.Message):
     def __init__(self, device: _Optional[str] = ..., accelerator_count: _Optional[int] = ..., accelerator_name: _Optional[str] = ..., accelerator_memory_gib: _Optional[float] = ..., cpu_count: _Optional[int] = ..., ram_gib: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
 
 class JoinBody(_message.Message):
-    __slots__ = ("libp2p_peer_id", "software_version", "spec_digest", "hardware", "maddrs", "reachable", "account_endorsement")
+    __slots__ = ("libp2p_peer_id", "software_version", "spec_digest", "hardware", "maddrs", "reachable", "account_endorsement", "network_path")
     LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class JoinBody(_message.Message):
     MADDRS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_ENDORSEMENT_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_PATH_FIELD_NUMBER: _ClassVar[int]
     libp2p_peer_id: str
     software_version: str
     spec_digest: str
@@ -112,7 +113,8 @@ class JoinBody(_message.Message):
     maddrs: _containers.RepeatedScalarFieldContainer[str]
     reachable: bool
     account_endorsement: SignedEnvelope
-    def __init__(self, libp2p_peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., maddrs: _Optional[_Iterable[str]] = ..., reachable: _Optional[bool] = ..., account_endorsement: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+    network_path: str
+    def __init__(self, libp2p_peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., maddrs: _Optional[_Iterable[str]] = ..., reachable: _Optional[bool] = ..., account_endorsement: _Optional[_Union[SignedEnvelope, _Mapping]] = ..., network_path: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("signed",)
@@ -263,7 +265,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen", "local_ranks")
+    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen", "local_ranks", "network_path")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +274,7 @@ class PeerStatus(_message.Message):
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_PATH_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     libp2p_peer_id: str
     state: str
@@ -280,7 +283,8 @@ class PeerStatus(_message.Message):
     software_version: str
     last_seen: float
     local_ranks: int
-    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
+    network_path: str
+    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ..., network_path: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive", "validation_loss", "validation_round", "data", "rounds")

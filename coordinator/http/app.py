@@ -85,6 +85,7 @@ def create_app(
                     "libp2p_peer_id": row.libp2p_peer_id,
                     "software_version": row.software_version,
                     "reachable": row.reachable,
+                    "network_path": h.network_path if h else "",
                     "state": h.state.value if h else "offline",
                     "round": h.round if h else None,
                     "samples_per_second": h.samples_per_second if h else 0.0,

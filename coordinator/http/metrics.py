@@ -15,6 +15,7 @@ own say-so (bounded by ``coordinator.limits``), kept in memory by the health tra
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -137,6 +138,22 @@ class SwarmCollector(Collector):
             if peer.rounds_failed is not None:
                 failed.add_metric(label, peer.rounds_failed)
         yield from (allreduce, sent, received, failed)
+        paths = GaugeMetricFamily(
+            "swarmtrain_peers_by_network_path",
+            "Online peers by how others reach them (direct, announced, relayed, client; unknown: not said)",
+            labels=["path"],
+        )
+        counts = Counter(peer.network_path or "unknown" for peer in online)
+        for path in ("direct", "announced", "relayed", "client", "unknown"):
+            paths.add_metric([path], counts.get(path, 0))
+        yield paths
+        if core.relay_stats is not None:
+            relay = core.relay_stats()
+            yield _gauge("swarmtrain_relay_peers", "Peers holding a port on the coordinator's relay", relay.peers)
+            yield _gauge("swarmtrain_relay_connections", "Connections the relay is splicing now", relay.connections)
+            yield self._counter(
+                "swarmtrain_relay_bytes", "Bytes the relay carried, both ways, since start", relay.bytes_relayed
+            )
         yield self._counter(
             "swarmtrain_rounds_failed",
             "Rounds whose averaging failed, summed over the peers' heartbeats since the coordinator started",

@@ -63,6 +63,8 @@ class PeerRow(BaseModel):
     libp2p_peer_id: str
     software_version: str
     reachable: bool
+    network_path: str = ""
+    """direct | announced | relayed | client | "" (not said)."""
     state: str = Field(description="online, stale, averaging, ... or offline (not heard from)")
     round: int | None
     samples_per_second: float = Field(ge=0)

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -70,6 +71,24 @@ def _reachability(sim: WanSim, host: str, coordinator: str, *extra: str) -> dict
     return checks["reachable from outside"]
 
 
+def _shown_as_relayed(http: str, n: int) -> None:
+    """The coordinator's peers API and /metrics show ``n`` relayed peers (polled: they say so
+    when they join again with their swarm address)."""
+    end = time.monotonic() + 90
+    paths: list[str] = []
+    while time.monotonic() < end:
+        with urllib.request.urlopen(f"{http}api/v1/peers", timeout=10) as response:
+            paths = [p["network_path"] for p in json.load(response)]
+        if paths.count("relayed") == n:
+            break
+        time.sleep(1)
+    assert paths.count("relayed") == n, paths
+    with urllib.request.urlopen(f"{http}metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert f'swarmtrain_peers_by_network_path{{path="relayed"}} {n}.0' in metrics, metrics
+    assert f"swarmtrain_relay_peers {n}.0" in metrics, metrics
+
+
 def _finish(peers: dict[str, subprocess.Popen[bytes]], tmp_path: Path) -> None:
     end = time.monotonic() + RUN_S
     for name, proc in peers.items():
@@ -115,6 +134,7 @@ def test_three_peers_each_behind_its_own_nat_train_through_the_coordinators_rela
             line = _wait_for(tmp_path / f"{name}.log", r"^network: .*$", 90)
             assert line.startswith(f"network: relayed at /ip4/{sim.ip('coord')}/tcp/"), line
             assert f"cannot reach {sim.ip(name)}:7700" in line, line
+        _shown_as_relayed(f"http://{sim.ip('coord')}:8080/", len(names))
         _finish(peers, tmp_path)
     averaged = _averaged_and_agreed(tmp_path, names, rounds)
     assert averaged >= 0.9 * rounds * len(names), f"{averaged} of {rounds * len(names)} peer-rounds averaged"

@@ -1,0 +1,154 @@
+"""Relayed against direct members of one swarm, on the same links (the NAT lab).
+
+    sudo python -m benchmarks.nat_paths [--rounds 8] [--rate 100mbit] [--direct 2] [--relayed 2]
+
+A coordinator on the public segment, ``--direct`` peers with public addresses and
+``--relayed`` peers each behind its own NAT router (``benchmarks.netsim``), every host's link
+shaped to ``--rate`` both ways, the demo spec for ``--rounds`` rounds. Per path it reports the
+rounds averaged, the mean all-reduce time and bytes per round; and the share of the swarm's
+averaging traffic that crossed the coordinator's relay (its ``swarmtrain_relay_bytes`` over
+the bytes every member sent and received). Writes ``benchmarks/results/nat-paths-DATE.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netsim import Nat, NotRootError, WanSim
+
+ROOT = Path(__file__).resolve().parents[1]
+SW = [sys.executable, "-m", "swarmtrain"]
+
+
+def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if log.exists() and re.search(pattern, log.read_text(), re.MULTILINE):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{log} never printed {pattern!r}")
+
+
+def run(rounds: int, rate: str, n_direct: int, n_relayed: int, workdir: Path) -> dict[str, Any]:
+    direct = [f"d{i}" for i in range(n_direct)]
+    relayed = [f"r{i}" for i in range(n_relayed)]
+    spec = workdir / "spec.toml"
+    spec.write_text((ROOT / "examples" / "demo.toml").read_text().replace("max_rounds = 12", f"max_rounds = {rounds}"))
+    hosts = ["coord", *direct, *relayed]
+    with WanSim(hosts, rate=rate, prefix="natb", subnet="10.79.9.0/24", nat=dict.fromkeys(relayed, Nat())) as sim:
+        host = sim.ip("coord")
+        argv = [*SW, "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator"), "--host", host]
+        argv += ["--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+        sim.run("coord", argv, stdout=(workdir / "coordinator.log").open("w"), stderr=subprocess.STDOUT)
+        _wait_for(workdir / "coordinator.log", r"^peers join with:", 60)
+        procs = {}
+        for name in direct + relayed:
+            argv = [*SW, "peer", "--coordinator", f"{host}:7500", "--host", "0.0.0.0", "--port", "7700"]
+            argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
+            argv += ["--metrics-file", str(workdir / f"{name}.jsonl")]
+            log = (workdir / f"{name}.log").open("w")
+            procs[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
+        relay_bytes = 0.0
+        end = time.monotonic() + 60 * rounds + 120
+        while time.monotonic() < end and any(p.poll() is None for p in procs.values()):
+            try:
+                with urllib.request.urlopen(f"http://{host}:8080/metrics", timeout=5) as response:
+                    found = re.search(r"^swarmtrain_relay_bytes_total ([0-9.e+]+)$", response.read().decode(), re.M)
+                relay_bytes = float(found.group(1)) if found else relay_bytes
+            except OSError:
+                pass
+            time.sleep(2)
+    return _summary(workdir, direct, relayed, relay_bytes, rounds, rate)
+
+
+def _summary(
+    workdir: Path, direct: list[str], relayed: list[str], relay_bytes: float, rounds: int, rate: str
+) -> dict[str, Any]:
+    by_path: dict[str, Any] = {}
+    total_bytes = 0.0
+    for path, names in (("direct", direct), ("relayed", relayed)):
+        rows = []
+        for name in names:
+            file = workdir / f"{name}.jsonl"
+            rows += [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+        done = [r for r in rows if r["averaged"] and r["group_size"] >= 2]
+        total_bytes += sum(r["bytes_sent"] + r["bytes_received"] for r in done)
+        by_path[path] = {
+            "peers": len(names),
+            "rounds_averaged": len({(r["round"]) for r in done}),
+            "peer_rounds_averaged": len(done),
+            "allreduce_s_mean": statistics.fmean(r["allreduce_s"] for r in done) if done else None,
+            "bytes_per_round": statistics.fmean(r["bytes_sent"] + r["bytes_received"] for r in done) if done else None,
+        }
+    # each relayed member's bytes cross the relay twice (in and out), counted once per direction there
+    return {
+        "rounds": rounds,
+        "rate": rate,
+        "paths": by_path,
+        "relay_bytes": relay_bytes,
+        "member_bytes": total_bytes,
+        "relayed_share": relay_bytes / 2 / total_bytes if total_bytes else None,
+    }
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"# Relayed and direct members of one swarm ({date.today()})",
+        "",
+        f"`sudo python -m benchmarks.nat_paths`: demo spec, {result['rounds']} rounds, every link {result['rate']} "
+        "both ways (tbf, no added delay), a public coordinator running the relay.",
+        "",
+        "| path | peers | peer-rounds averaged | all-reduce s (mean) | bytes per member-round |",
+        "|---|---|---|---|---|",
+    ]
+    for path, row in result["paths"].items():
+        mean = f"{row['allreduce_s_mean']:.3f}" if row["allreduce_s_mean"] is not None else "-"
+        per = f"{row['bytes_per_round']:,.0f}" if row["bytes_per_round"] is not None else "-"
+        lines.append(f"| {path} | {row['peers']} | {row['peer_rounds_averaged']} | {mean} | {per} |")
+    share = result["relayed_share"]
+    lines += [
+        "",
+        f"The relay carried {result['relay_bytes']:,.0f} bytes (both directions of its splices) for "
+        f"{result['member_bytes']:,.0f} bytes the members sent and received: "
+        f"{share:.0%} of the swarm's averaging traffic crossed it."
+        if share is not None
+        else "No traffic measured.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.nat_paths", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--direct", type=int, default=2)
+    parser.add_argument("--relayed", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/swarmtrain-nat-paths"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run(args.rounds, args.rate, args.direct, args.relayed, args.workdir)
+    except NotRootError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stem = args.out / f"nat-paths-{date.today()}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(_markdown(result))
+    print(_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
