@@ -39,11 +39,16 @@ def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
     raise RuntimeError(f"{log} never printed {pattern!r}")
 
 
-def run(rounds: int, rate: str, n_direct: int, n_relayed: int, workdir: Path) -> dict[str, Any]:
+def run(
+    rounds: int, rate: str, n_direct: int, n_relayed: int, workdir: Path, d_model: int = 64, n_layers: int = 2
+) -> dict[str, Any]:
     direct = [f"d{i}" for i in range(n_direct)]
     relayed = [f"r{i}" for i in range(n_relayed)]
     spec = workdir / "spec.toml"
-    spec.write_text((ROOT / "examples" / "demo.toml").read_text().replace("max_rounds = 12", f"max_rounds = {rounds}"))
+    text = (ROOT / "examples" / "demo.toml").read_text().replace("max_rounds = 12", f"max_rounds = {rounds}")
+    spec.write_text(
+        text.replace("d_model = 64", f"d_model = {d_model}").replace("n_layers = 2", f"n_layers = {n_layers}")
+    )
     hosts = ["coord", *direct, *relayed]
     with WanSim(hosts, rate=rate, prefix="natb", subnet="10.79.9.0/24", nat=dict.fromkeys(relayed, Nat())) as sim:
         host = sim.ip("coord")
@@ -68,7 +73,9 @@ def run(rounds: int, rate: str, n_direct: int, n_relayed: int, workdir: Path) ->
             except OSError:
                 pass
             time.sleep(2)
-    return _summary(workdir, direct, relayed, relay_bytes, rounds, rate)
+    result = _summary(workdir, direct, relayed, relay_bytes, rounds, rate)
+    result["model"] = {"d_model": d_model, "n_layers": n_layers}
+    return result
 
 
 def _summary(
@@ -90,14 +97,15 @@ def _summary(
             "allreduce_s_mean": statistics.fmean(r["allreduce_s"] for r in done) if done else None,
             "bytes_per_round": statistics.fmean(r["bytes_sent"] + r["bytes_received"] for r in done) if done else None,
         }
-    # each relayed member's bytes cross the relay twice (in and out), counted once per direction there
+    # the members' sent + received counts every averaging byte twice (its sender's and its
+    # receiver's); the relay counts each byte it splices once (it crosses the relay's link twice)
     return {
         "rounds": rounds,
         "rate": rate,
         "paths": by_path,
         "relay_bytes": relay_bytes,
         "member_bytes": total_bytes,
-        "relayed_share": relay_bytes / 2 / total_bytes if total_bytes else None,
+        "relayed_share": relay_bytes / (total_bytes / 2) if total_bytes else None,
     }
 
 
@@ -105,8 +113,9 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Relayed and direct members of one swarm ({date.today()})",
         "",
-        f"`sudo python -m benchmarks.nat_paths`: demo spec, {result['rounds']} rounds, every link {result['rate']} "
-        "both ways (tbf, no added delay), a public coordinator running the relay.",
+        f"`sudo python -m benchmarks.nat_paths`: demo spec with d_model {result['model']['d_model']}, "
+        f"{result['model']['n_layers']} layers, {result['rounds']} rounds, every link {result['rate']} both ways "
+        "(tbf, no added delay), a public coordinator running the relay.",
         "",
         "| path | peers | peer-rounds averaged | all-reduce s (mean) | bytes per member-round |",
         "|---|---|---|---|---|",
@@ -118,9 +127,9 @@ def _markdown(result: dict[str, Any]) -> str:
     share = result["relayed_share"]
     lines += [
         "",
-        f"The relay carried {result['relay_bytes']:,.0f} bytes (both directions of its splices) for "
-        f"{result['member_bytes']:,.0f} bytes the members sent and received: "
-        f"{share:.0%} of the swarm's averaging traffic crossed it."
+        f"The relay spliced {result['relay_bytes']:,.0f} bytes (each crosses its link twice; DHT and "
+        f"matchmaking traffic included) against {result['member_bytes'] / 2:,.0f} averaging bytes on the wire "
+        f"(half the members' sent + received): {share:.0%}."
         if share is not None
         else "No traffic measured.",
         "",
@@ -134,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--direct", type=int, default=2)
     parser.add_argument("--relayed", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layers", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/swarmtrain-nat-paths"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:
-        result = run(args.rounds, args.rate, args.direct, args.relayed, args.workdir)
+        result = run(args.rounds, args.rate, args.direct, args.relayed, args.workdir, args.d_model, args.n_layers)
     except NotRootError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

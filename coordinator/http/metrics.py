@@ -15,7 +15,6 @@ own say-so (bounded by ``coordinator.limits``), kept in memory by the health tra
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -143,9 +142,9 @@ class SwarmCollector(Collector):
             "Online peers by how others reach them (direct, announced, relayed, client; unknown: not said)",
             labels=["path"],
         )
-        counts = Counter(peer.network_path or "unknown" for peer in online)
+        said = [peer.network_path or "unknown" for peer in online]
         for path in ("direct", "announced", "relayed", "client", "unknown"):
-            paths.add_metric([path], counts.get(path, 0))
+            paths.add_metric([path], said.count(path))
         yield paths
         if core.relay_stats is not None:
             relay = core.relay_stats()
