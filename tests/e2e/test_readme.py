@@ -193,7 +193,7 @@ def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(
     assert "examples/demo.toml: ok sha256:" in output
     assert "grpc: 127.0.0.1:7500" in output and "http: http://127.0.0.1:8080/" in output
     doctor = section(output, next(i for i, block in enumerate(blocks) if "swarmtrain doctor" in block))
-    assert "ok    reachable from outside: the coordinator reached this machine" in doctor, doctor
+    assert "ok    reachable from outside: direct: the coordinator reached this machine" in doctor, doctor
     assert "ok    expected contribution:" in doctor and "\nall checks passed" in doctor, doctor
 
     # two volunteers: the keygen account and one whose key the peer created on its first run
