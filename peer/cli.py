@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
         _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path)
-        link = _link_to_coordinator(args, joined, swarm, stop, path.kind)
+        link = _link_to_coordinator(args, joined, swarm, stop, path)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
@@ -494,8 +494,15 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: N
     )
 
 
+def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None) -> None:
+    """A renewed access token goes to the swarm's membership record and to the relay tunnel."""
+    swarm.publish_membership(token)
+    if path is not None and path.tunnel is not None:
+        path.tunnel.use_token(token)
+
+
 def _link_to_coordinator(
-    args: argparse.Namespace, joined: _Joined, swarm: Swarm, stop: threading.Event, network_path: str = ""
+    args: argparse.Namespace, joined: _Joined, swarm: Swarm, stop: threading.Event, path: NetworkPath | None = None
 ) -> CoordinatorLink | None:
     """Through a coordinator: join again with this peer's swarm addresses (the token now names
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
@@ -508,17 +515,17 @@ def _link_to_coordinator(
         maddrs=tuple(swarm.visible_maddrs),
         reachable=not args.client_mode,
         spec_digest=joined.info.spec_digest,
-        network_path=network_path,
+        network_path=path.kind if path is not None else "",
     )
     admitted = joined.client.join_as(rejoin)
-    swarm.publish_membership(admitted.access_token)
+    _renewed(admitted.access_token, swarm, path)
     link = CoordinatorLink(
         joined.client,
         interval_s=joined.info.heartbeat_interval_s,
         rejoin=rejoin,
         on_refused=lambda reason: stop.set(),
         token=admitted.access_token,
-        on_token=swarm.publish_membership,
+        on_token=lambda token: _renewed(token, swarm, path),
         data_slot=joined.slot if joined.spec.data.source == "tokens" else None,
     )
     link.start()

@@ -67,6 +67,11 @@ class RelayTunnel:
         self._holding = asyncio.run_coroutine_threadsafe(self._hold(first), self._loop)
         return self.port
 
+    def use_token(self, token: bytes) -> None:
+        """Open the control connection again with ``token`` from now on (a renewed access token:
+        the relay refuses an expired one)."""
+        self.token = lambda: token
+
     def close(self) -> None:
         """Drop the port and every relayed connection; idempotent."""
         self._closed = True
