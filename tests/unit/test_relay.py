@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -164,3 +165,37 @@ def test_a_take_for_an_unknown_connection_is_closed(relay: Relay) -> None:
         conn.sendall(encode(Take(12345)))
         conn.settimeout(5)
         assert conn.recv(100) == b""
+
+
+def test_a_tunnel_opens_again_with_its_renewed_token_and_keeps_its_port() -> None:
+    allowed = {b"ok-first"}
+
+    def admit(token: bytes) -> str:
+        if token not in allowed:
+            raise ValueError("access token expired")
+        return "the-peer"
+
+    first = _free_port()
+    relay = Relay(host="127.0.0.1", control_port=0, ports=range(first, first + 1), admit=admit)
+    relay.control_port = relay.start()
+    echo = _Echo()
+    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-first", local_port=echo.port)
+    try:
+        port = tunnel.open()
+        allowed.clear()
+        allowed.add(b"ok-renewed")  # the first token expired; the link renewed it
+        tunnel.use_token(b"ok-renewed")
+        held = relay._by_peer["the-peer"]
+        old = held.control
+        assert old is not None
+        relay._loop.call_soon_threadsafe(old.close)  # the control connection drops
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and held.control in (None, old):
+            time.sleep(0.1)
+        assert held.control not in (None, old), "the tunnel did not open its control connection again"
+        assert relay._by_peer.get("the-peer") is held  # the same port, kept across the reconnect
+        assert _exchange(port, b"still here") == b"STILL HERE"
+    finally:
+        tunnel.close()
+        relay.stop()
+        echo.sock.close()
