@@ -27,7 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.errors import MalformedMessageError
-from protocol.relay_wire import Granted, Incoming, Open, Ping, Refused, Take, encode, pipe_both, read_message
+from protocol.relay_wire import (
+    Granted,
+    Incoming,
+    Open,
+    Ping,
+    Refused,
+    Take,
+    encode,
+    ping_every,
+    pipe_both,
+    read_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +149,7 @@ class Relay:
         held.control = writer
         writer.write(encode(Granted(held.port)))
         logger.info("relay: %s holds port %d", peer, held.port)
-        pinger = asyncio.ensure_future(self._ping(writer))
+        pinger = asyncio.ensure_future(ping_every(writer, PING_S))
         try:
             while True:
                 message = await asyncio.wait_for(read_message(reader), IDLE_S)
@@ -152,12 +163,6 @@ class Relay:
             if held.control is writer:
                 held.control = None
                 held.released = self._loop.call_later(KEEP_S, self._release, held)
-
-    async def _ping(self, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await asyncio.sleep(PING_S)
-            writer.write(encode(Ping()))
-            await writer.drain()
 
     async def _grant(self, peer: str) -> _Port:
         held = self._by_peer.get(peer)

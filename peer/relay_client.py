@@ -17,7 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.errors import MalformedMessageError, SwarmtrainError
-from protocol.relay_wire import Granted, Incoming, Open, Ping, Refused, Take, encode, pipe_both, read_message
+from protocol.relay_wire import (
+    Granted,
+    Incoming,
+    Open,
+    Ping,
+    Refused,
+    Take,
+    encode,
+    ping_every,
+    pipe_both,
+    read_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +141,7 @@ class RelayTunnel:
             control = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pinger = asyncio.ensure_future(self._ping(writer))
+        pinger = asyncio.ensure_future(ping_every(writer, PING_S))
         try:
             while True:
                 message = await asyncio.wait_for(read_message(reader), IDLE_S)
@@ -148,12 +159,6 @@ class RelayTunnel:
         finally:
             pinger.cancel()
             writer.close()
-
-    async def _ping(self, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await asyncio.sleep(PING_S)
-            writer.write(encode(Ping()))
-            await writer.drain()
 
     async def _take(self, conn_id: int) -> None:
         try:

@@ -104,6 +104,14 @@ async def read_message(reader: asyncio.StreamReader) -> Message:
     raise MalformedMessageError(f"relay: unknown message type {kind!r}")
 
 
+async def ping_every(writer: asyncio.StreamWriter, seconds: float) -> None:
+    """Keep a control connection alive: a ``Ping`` every ``seconds`` until cancelled."""
+    while True:
+        await asyncio.sleep(seconds)
+        writer.write(encode(Ping()))
+        await writer.drain()
+
+
 async def splice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, count: list[int]) -> None:
     """Copy ``reader`` to ``writer`` until the end of the stream, adding the bytes to ``count[0]``;
     then half-close ``writer`` (the other direction may still be running)."""
