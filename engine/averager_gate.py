@@ -13,6 +13,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
 from engine.matchmaking import round_matchmaking
+from engine.stream_close import until_reader_closes
 from protocol.membership import Lookup, MemberGate
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,15 @@ class AdmissionGateMixin:
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: Any
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads typing's hint
+        """hivemind's, for admitted peers only; the stream ends once the requester has read the
+        leader's last message (``engine.stream_close``: a lost ``BEGIN_ALLREDUCE`` leaves a member
+        in the group that never takes part)."""
+        async for message in until_reader_closes(self._join_group(request, context)):
+            yield message
+
+    async def _join_group(
+        self, request: averaging_pb2.JoinRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
         self._matchmaking.note_arrival(context)  # before the lookup: its sender's clock runs
         try:
             if not await self._admitted(context.remote_id):

@@ -29,12 +29,27 @@ def _fresh_mpfuture_backend() -> None:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The coordinator's database: SQLite under its state dir, or a fresh PostgreSQL schema."""
+    """The coordinator's database: SQLite under its state dir, or a fresh PostgreSQL schema
+    (for what depends on the backend: a crash's durability)."""
     if request.param == "sqlite":
         return sqlite_url(tmp_path / "state")
     url = postgres_url()
     if not url:
         pytest.skip("set SWARMTRAIN_TEST_POSTGRES_URL to run against PostgreSQL (make test does)")
+    return _fresh_schema(url)
+
+
+@pytest.fixture
+def server_db_url(tmp_path: Path) -> str:
+    """The database a public run's coordinator uses: a fresh PostgreSQL schema where one runs
+    here, else SQLite. A swarm scenario whose outcome does not depend on the backend runs once;
+    the store's contract runs against both (``tests/unit/test_store.py``), and most other swarm
+    tests, like ``make demo``, run on SQLite."""
+    url = postgres_url()
+    return _fresh_schema(url) if url else sqlite_url(tmp_path / "state")
+
+
+def _fresh_schema(url: str) -> str:
     engine = sqlalchemy.create_engine(url)
     meta = sqlalchemy.MetaData()
     meta.reflect(engine)

@@ -45,10 +45,10 @@ def status(address: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str) -> None:
+def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, server_db_url: str) -> None:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="open", allowlist=""))
-    coordinator = CoordinatorProcess(spec, tmp_path / "state", db_url)
+    coordinator = CoordinatorProcess(spec, tmp_path / "state", server_db_url)
     peers: list[LocalPeer] = []
     try:
         address = coordinator.address()
@@ -69,7 +69,7 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, db_url: str)
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "3 peers online")
         for peer, code in zip(peers, wait_all(peers, 240)):
             assert code == 0, "\n".join(peer.lines[-20:])
-        store = Store(db_url)
+        store = Store(server_db_url)
         wait_for(lambda: len(store.credits_by_peer()) == 3 and not store.pending_claims(), 120, "credits granted")
         credits = plain(store.credits_by_peer())
         trained = {p.name: sum(r["samples"] for r in p.rounds() if r["averaged"]) for p in peers}
@@ -122,11 +122,11 @@ def admin(address: str, key_file: Path, *args: str) -> subprocess.CompletedProce
     )
 
 
-def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_path: Path, db_url: str) -> None:
+def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_path: Path, server_db_url: str) -> None:
     listed = Identity.generate()
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="allowlist", allowlist=f'allowlist = ["{listed.public_key.id}"]'))
-    coordinator = CoordinatorProcess(spec, tmp_path / "state", db_url)
+    coordinator = CoordinatorProcess(spec, tmp_path / "state", server_db_url)
     operator_key = tmp_path / "state" / "coordinator.key"
     stranger_key = tmp_path / "stranger.key"
     stranger = observer = None

@@ -44,10 +44,10 @@ def get(base: str, path: str) -> Any:
         return json.loads(response.read())
 
 
-def test_over_reporter_is_granted_only_what_its_group_attests(tmp_path: Path, db_url: str) -> None:
+def test_over_reporter_is_granted_only_what_its_group_attests(tmp_path: Path, server_db_url: str) -> None:
     spec_path = tmp_path / "spec.toml"
     spec_path.write_text(SPEC)
-    coordinator = LocalCoordinator(spec_path, tmp_path / "state", db_url=db_url, extra=["--archive-every", "0"])
+    coordinator = LocalCoordinator(spec_path, tmp_path / "state", db_url=server_db_url, extra=["--archive-every", "0"])
     peers = []
     swarm = link = None
     try:
