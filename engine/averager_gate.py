@@ -66,6 +66,15 @@ class AdmissionGateMixin:
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: Any
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, for admitted peers only; the stream ends once the downloader, which
+        closes it as soon as it holds both vectors, has read the last chunk
+        (``engine.stream_close``)."""
+        async for message in until_reader_closes(self._download_state(request, context)):
+            yield message
+
+    async def _download_state(
+        self, request: averaging_pb2.DownloadRequest, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         if not await self._admitted(context.remote_id):
             logger.warning("refused a state download by %s: not admitted to this run", context.remote_id)
             yield averaging_pb2.DownloadData(metadata=self.serializer.dumps({"error": "not admitted to this run"}))

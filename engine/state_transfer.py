@@ -105,22 +105,30 @@ class StateTransferMixin:
         tensors: list[torch.Tensor] = []
         parts: list[runtime_pb2.Tensor] = []
         limit, received = 2 * self.numel * 4 + STATE_OVERHEAD_BYTES, 0
-        async for message in stream:
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-                if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
-                    raise MalformedTensorError(f"it refused: {metadata['error'][:200]}")
-                # the claim comes first: refuse a state we would not accept before its tensors
-                claimed = metadata.get("digest") if isinstance(metadata, dict) else None
-                if not isinstance(claimed, str) or (accept is not None and claimed not in accept):
-                    raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
-            received += len(message.tensor_part.buffer)
-            if received > limit:
-                raise MalformedTensorError(f"state larger than {limit} bytes")
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
+        whole, in_parts = self.numel * 4, 0  # bytes of one float32 vector as served (no compression)
+        try:
+            async for message in stream:
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                    if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
+                        raise MalformedTensorError(f"it refused: {metadata['error'][:200]}")
+                    # the claim comes first: refuse a state we would not accept before its tensors
+                    claimed = metadata.get("digest") if isinstance(metadata, dict) else None
+                    if not isinstance(claimed, str) or (accept is not None and claimed not in accept):
+                        raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
+                received += len(message.tensor_part.buffer)
+                if received > limit:
+                    raise MalformedTensorError(f"state larger than {limit} bytes")
+                if message.tensor_part.dtype and parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+                part_bytes = len(message.tensor_part.buffer)
+                in_parts = part_bytes if message.tensor_part.dtype else in_parts + part_bytes
+                if len(tensors) == 1 and in_parts >= whole:
+                    break  # the whole state is here: close the stream (the server waits for that)
+        finally:
+            await stream.aclose()
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         if not isinstance(metadata, dict) or not isinstance(metadata.get("round"), int):
