@@ -1,6 +1,6 @@
-"""A small WAN simulator for benchmarks: network namespaces, one bridge, tbf rate limits.
+"""A small WAN simulator for benchmarks: network namespaces, one bridge, tbf rate limits, delays.
 
-    python -m benchmarks.netsim --self-check [--rate 10mbit] [--seconds 2]
+    python -m benchmarks.netsim --self-check [--rate 10mbit] [--seconds 2] [--delay-ms 40]
     python -m benchmarks.netsim --cleanup-stale PREFIX [--force]
 
 Design
@@ -25,9 +25,41 @@ receiver). The bridge has an address too, so the root namespace can reach every 
 instance to read an HTTP port of a coordinator running in the simulator); that traffic is
 shaped like any other.
 
-Only bandwidth is simulated. There is no added delay, jitter or loss: those need ``netem``
-(sch_netem), which this machine's kernel does not have, and tbf cannot fake them. The
-``latency`` given to tbf (50 ms) is not a delay: it bounds how long a packet may queue in the
+Delay. ``delay_ms`` (every host) and ``delays`` (per host) add a one-way delay to a host's
+link, in each direction, so a packet from A to B waits delay(A) + delay(B) and the RTT between
+them is 2 * (delay(A) + delay(B)); the bridge itself adds none. There is no jitter or loss.
+This kernel has no ``netem`` (nor ``fq``, which could hold packets to a BPF-set departure
+time), so the delay is made in user space (``benchmarks.delay_link``): a host with a delay
+gets two TAP devices instead of its veth pair, one in its namespace and one on the bridge,
+with the same names, addresses and tbf qdiscs, and a forwarder process (stdlib Python, at
+real-time priority) between them that writes every frame to the other side once it is
+``delay`` old: rate limit first, then the delay. Hosts without a delay keep the plain veth, so
+``delay_ms=0`` changes nothing. Precision: within about 1 ms per link (measured: +0.2-0.8 ms).
+
+Why this and not vde2 (``dpipe vde_plug tap://.. = wirefilter -d MS = vde_plug tap://..``,
+also tried): measured the same way (both hosts at 20 Mbit/s with 40 ms each; 2 cores; one
+TCP stream for 5 s; both at SCHED_RR, without which a busy machine delays either by up to
+90 ms), the two are alike: ping RTT 160.3-161.9 ms (160 configured), goodput 17.0 Mbit/s
+(85%: BBR ramping up over a 160 ms RTT; the veth path gives 96%, the TAPs with no delay 94%),
+5-7% of a core per delayed link. But vde2 takes 4 processes and an apt package per link,
+copies 1514-byte frames through two pipes and leaves zombies behind ``dpipe``, where the
+forwarder is one process per link that takes multi-segment TSO frames (``IFF_VNET_HDR``, half
+the frames at these rates) and whose TAPs vanish when it exits. One process for all links
+(another option) would share wakeups between links but not the per-frame cost, which
+dominates, and would put every link on one core.
+
+Cost and limits. The forwarder's cost goes with frames, not bytes or delay: about 40 us of
+CPU per frame (user 24, system 15: the system part is mostly the kernel delivering the frame,
+work a veth does too, in softirq), about 1,800 frames/s for one 20 Mbit/s TCP stream (data
+frames of 3 KB on average, as many ACKs), and TCP's frames grow with its rate above ~25
+Mbit/s. So a link saturates its forwarder's core at roughly 25,000 frames/s, i.e. some 300
+Mbit/s of one-way TCP (an estimate: nothing above 20 Mbit/s was run here); 4 hosts at 50 Mbit/s
+each way take about 0.6 of a core in forwarders and 8 such hosts about 1.3 cores. A larger
+delay costs memory (rate * delay per direction), not CPU. TCP needs a window of rate * RTT:
+the namespaces' defaults here (tcp_rmem max 32 MB, tcp_wmem max 4 MB, BBR) cover 100 Mbit/s
+at a 300 ms RTT.
+
+tbf's ``latency`` (50 ms) is not a delay either: it bounds how long a packet may queue in the
 bucket before it is dropped, i.e. the queue length.
 
 tbf counts whole Ethernet frames, so a TCP stream reaches about 95% of the configured rate as
@@ -44,8 +76,9 @@ Teardown runs on normal exit, on an exception, on SIGINT/SIGTERM (while inside t
 block, the handlers raise KeyboardInterrupt/SystemExit so ``__exit__`` runs; a signal that
 the process ignored when the simulator started stays ignored) and from ``atexit`` as a last
 resort. It kills the process group of every process started with ``WanSim.run`` (SIGTERM,
-then SIGKILL after a grace period) and reaps it, kills anything else still running in the
-namespaces, deletes the veths, the namespaces and the bridge. It is idempotent and logs
+then SIGKILL after a grace period) and reaps it, stops the delay forwarders (their TAPs go
+with them), kills anything else still running in the namespaces, deletes the veths, the
+namespaces and the bridge. It is idempotent and logs
 instead of raising when something is already gone.
 
 Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN), ``ip`` and ``tc`` (iproute2). Stdlib only.
@@ -76,6 +109,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from benchmarks.delay_link import DelayLink, start_delay_link, validate_delay_ms
 from benchmarks.nat_router import HOST_INNER, ROUTER_INNER, ROUTER_NETNS_TAG, Nat, nft_ruleset
 
 log = logging.getLogger(__name__)
@@ -106,6 +140,8 @@ BURST_DIVISOR = 250  # burst >= what the bucket refills in 1/250 s (at least one
 TBF_LATENCY = "50ms"  # max queueing time in the bucket (the queue length), not a delay
 CMD_TIMEOUT_S = 30.0
 KILL_GRACE_S = 3.0
+SELF_CHECK_RTTS = 25  # the self-check's TCP measurement lasts at least this many round trips
+RTT_SLACK_S = 0.005  # the self-check's allowance for scheduling on top of the configured delay
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,6}$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
@@ -376,11 +412,14 @@ def cleanup_stale(prefix: str, *, force: bool = False) -> list[str]:
 class WanSim:
     """Hosts in network namespaces on one bridge, each link rate limited both ways.
 
-    >>> with WanSim(hosts=["coord", "p0", "p1"], rate="20mbit", rates={"p0": "5mbit"}) as sim:
+    >>> with WanSim(hosts=["coord", "p0", "p1"], rate="20mbit", rates={"p0": "5mbit"}, delay_ms=10) as sim:
     ...     proc = sim.run("p0", ["python3", "-m", "http.server", "--bind", sim.ip("p0")])
     ...     print(sim.exec("p1", ["ip", "-br", "addr"]).stdout)
 
-    ``rate`` applies to every host in both directions unless ``rates`` overrides it for a host.
+    ``rate`` applies to every host in both directions unless ``rates`` overrides it for a host;
+    likewise ``delay_ms``, a one-way delay in milliseconds added on a host's link in each
+    direction, and ``delays`` (0: a plain veth, no forwarder). The RTT between hosts A and B is
+    2 * (delay(A) + delay(B)).
     """
 
     def __init__(
@@ -393,6 +432,8 @@ class WanSim:
         subnet: str = DEFAULT_SUBNET,
         kill_grace_s: float = KILL_GRACE_S,
         nat: Mapping[str, Nat] | None = None,
+        delay_ms: float = 0.0,
+        delays: Mapping[str, float] | None = None,
     ) -> None:
         hosts = list(hosts)
         validate_hosts(hosts)
@@ -405,7 +446,15 @@ class WanSim:
         unknown = sorted(set(rates) - set(hosts))
         if unknown:
             raise ValueError(f"rates given for unknown hosts {unknown}; hosts are {hosts}")
+        default_delay = validate_delay_ms(delay_ms)
+        delays = dict(delays or {})
+        unknown = sorted(set(delays) - set(hosts))
+        if unknown:
+            raise ValueError(f"delays given for unknown hosts {unknown}; hosts are {hosts}")
         self.hosts: list[str] = hosts
+        self.delays_ms: dict[str, float] = {
+            h: validate_delay_ms(delays[h], f"delay for host {h!r}") if h in delays else default_delay for h in hosts
+        }
         self.rates_bps: dict[str, int] = {h: parse_rate(rates[h]) if h in rates else default_bps for h in hosts}
         self.subnet = subnet
         self.bridge_addr, addrs = host_addresses(subnet, len(hosts))
@@ -424,6 +473,7 @@ class WanSim:
         self._created_links: list[str] = []
         self._created_netns: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
+        self._delay_links: dict[str, DelayLink] = {}
         self._prev_handlers: dict[int, Any] = {}
 
     # ----------------------------------------------------------------- public API
@@ -445,6 +495,12 @@ class WanSim:
         if self._check_host(host) not in self.nat:
             raise KeyError(f"host {host!r} is not behind NAT")
         return self.names.netns[host] + ROUTER_NETNS_TAG
+
+    def delay_cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the delay forwarder of each host that has a delay."""
+        with self._lock:
+            links = dict(self._delay_links)
+        return {h: link.cpu_seconds() for h, link in links.items()}
 
     def run(self, host: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside ``host``'s namespace, in a new session (its own process group).
@@ -508,6 +564,7 @@ class WanSim:
         try:
             self._active = False
             self._kill_procs()
+            self._stop_delay_links()  # their TAPs disappear with them
             for ns in self._created_netns:
                 _kill_netns_pids(self._ip, ns)
             # only what this instance created: a name clash at setup must not delete another run's links
@@ -563,7 +620,10 @@ class WanSim:
                 ns = self.router_netns(host)
                 _run_cmd([ip, "netns", "add", ns])
                 self._created_netns.append(ns)
-            _run_cmd([ip, "link", "add", bif, "type", "veth", "peer", "name", hif, "netns", ns])
+            if self.delays_ms[host] > 0:  # two TAPs and a forwarder in ns instead of the veth pair
+                self._start_delay_link(host, ns)
+            else:
+                _run_cmd([ip, "link", "add", bif, "type", "veth", "peer", "name", hif, "netns", ns])
             self._created_links.append(bif)
             _run_cmd([ip, "link", "set", bif, "alias", alias])
             _run_cmd([ip, "link", "set", bif, "master", n.bridge])
@@ -581,9 +641,30 @@ class WanSim:
             "WAN simulator up: bridge %s %s; %s",
             n.bridge,
             self.bridge_addr,
-            ", ".join(f"{h}={self.ip(h)}@{self.rates_bps[h]}bit/s" for h in self.hosts),
+            ", ".join(
+                f"{h}={self.ip(h)}@{self.rates_bps[h]}bit/s"
+                + (f"+{self.delays_ms[h]:g}ms" if self.delays_ms[h] else "")
+                for h in self.hosts
+            ),
         )
         self._check_bridge_netfilter()
+
+    def _start_delay_link(self, host: str, ns: str) -> None:
+        """The forwarder of ``host``: its TAP in ``ns`` and its TAP on the bridge side, both still unconfigured."""
+        n = self.names
+        try:
+            link = start_delay_link(
+                netns=ns,
+                host_tap=n.host_if[host],
+                bridge_tap=n.bridge_if[host],
+                delay_ms=self.delays_ms[host],
+                ip=self._ip,
+                verbose=log.isEnabledFor(logging.DEBUG),
+            )
+        except (OSError, RuntimeError) as e:
+            raise NetSimError(f"delay link of host {host!r}: {e}") from e
+        with self._lock:
+            self._delay_links[host] = link
 
     def _setup_router(self, host: str, index: int) -> None:
         """The private link from ``host``'s router to the host, forwarding and the NAT rules."""
@@ -652,6 +733,13 @@ class WanSim:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 log.warning("process %s did not exit after SIGKILL", proc.pid)
+
+    def _stop_delay_links(self) -> None:
+        with self._lock:
+            links = list(self._delay_links.values())
+            self._delay_links.clear()
+        for link in links:
+            link.stop(self.kill_grace_s)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -732,6 +820,56 @@ s.close()
 """
 
 
+_PING = r"""
+import os, socket, struct, sys, time
+dst, count, timeout, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+ident = os.getpid() & 0xFFFF
+def checksum(b):
+    t = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    t = (t >> 16) + (t & 0xFFFF)
+    return ~(t + (t >> 16)) & 0xFFFF
+for seq in range(count):
+    head = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+    payload = b"netsim-rtt-probe" * 3
+    packet = head[:2] + struct.pack("!H", checksum(head + payload)) + head[4:] + payload
+    t0 = time.monotonic()
+    s.sendto(packet, (dst, 0))
+    rtt = -1.0
+    while (left := t0 + timeout - time.monotonic()) > 0:
+        s.settimeout(left)
+        try:
+            data, addr = s.recvfrom(4096)
+        except socket.timeout:
+            break
+        ihl = (data[0] & 15) * 4
+        kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl : ihl + 8])
+        if kind == 0 and rid == ident and rseq == seq and addr[0] == dst:
+            rtt = time.monotonic() - t0
+            break
+    print(rtt, flush=True)
+    time.sleep(max(0.0, t0 + interval - time.monotonic()))
+"""
+
+
+def measure_rtt(sim: WanSim, a: str, b: str, count: int = 5, *, timeout: float = 2.0) -> list[float | None]:
+    """Round-trip times in seconds of ``count`` ICMP echoes from host ``a`` to host ``b`` (None: lost).
+
+    Stdlib only (a raw socket inside ``a``'s namespace), so it needs no ``ping`` binary. One
+    echo at a time, each waiting up to ``timeout`` for its reply, at most one every 0.2 s.
+    """
+    interval = 0.2
+    proc = sim.exec(
+        a,
+        [sys.executable, "-c", _PING, sim.ip(b), str(count), str(timeout), str(interval)],
+        timeout=count * (timeout + interval) + 30.0,
+    )
+    if proc.returncode != 0:
+        raise NetSimError(f"measure_rtt: the prober on {a} failed (rc {proc.returncode}): {proc.stderr.strip()}")
+    rtts = [float(line) for line in proc.stdout.split()]
+    return [None if r < 0 else r for r in rtts]
+
+
 def measure_rate(sim: WanSim, a: str, b: str, seconds: float = 2.0) -> float:
     """Goodput in bits/s of one TCP stream from host ``a`` to host ``b`` over ``seconds``.
 
@@ -761,21 +899,37 @@ def measure_rate(sim: WanSim, a: str, b: str, seconds: float = 2.0) -> float:
 # --------------------------------------------------------------------------- self-check
 
 
-def _self_check(rate: str, seconds: float, prefix: str) -> int:
+def _self_check(rate: str, seconds: float, prefix: str, delay_ms: float = 0.0) -> int:
     configured = parse_rate(rate)
-    sim = WanSim(hosts=["a", "b"], rate=rate, prefix=prefix)
+    sim = WanSim(hosts=["a", "b"], rate=rate, prefix=prefix, delay_ms=delay_ms)
+    expected_rtt = 4 * sim.delays_ms["a"] / 1e3  # a -> bridge -> b and back: two delayed links, twice each
+    if seconds < SELF_CHECK_RTTS * expected_rtt:  # TCP's ramp-up takes a few RTTs: keep it a small part
+        seconds = SELF_CHECK_RTTS * expected_rtt
+        print(f"measuring {seconds:.1f} s per direction ({SELF_CHECK_RTTS} round trips)")
     ok = True
     with sim:
-        ping = sim.exec("a", ["ping", "-c", "1", "-W", "2", sim.ip("b")]) if shutil.which("ping") else None
-        if ping is not None:
-            print(f"ping a -> b: {'ok' if ping.returncode == 0 else 'FAILED'}")
+        rtts = measure_rtt(sim, "a", "b", count=5)
+        got = sorted(r for r in rtts if r is not None)
+        if not got:
+            print("ping a -> b: FAILED (no reply)")
+            ok = False
+        else:  # the minimum: the first echo also waits for ARP, a loaded machine adds scheduling delays
+            good = expected_rtt * 0.98 <= got[0] <= expected_rtt * 1.10 + RTT_SLACK_S
+            ok &= good
+            print(
+                f"ping a -> b: rtt min/median/max {got[0] * 1e3:.1f}/{got[len(got) // 2] * 1e3:.1f}/{got[-1] * 1e3:.1f} ms, "
+                f"{len(got)}/{len(rtts)} answered (expected {expected_rtt * 1e3:.1f} ms) {'ok' if good else 'OUT OF RANGE'}"
+            )
         for src, dst in (("a", "b"), ("b", "a")):
+            cpu0, t0 = sim.delay_cpu_seconds(), time.monotonic()
             bps = measure_rate(sim, src, dst, seconds)
+            cpu1, elapsed = sim.delay_cpu_seconds(), time.monotonic() - t0
             share = bps / configured
             good = 0.70 <= share <= 1.05
             ok &= good
             verdict = "ok" if good else "OUT OF RANGE"
-            print(f"{src} -> {dst}: {bps / 1e6:.2f} Mbit/s of {configured / 1e6:.2f} ({share:.0%}) {verdict}")
+            cpu = "".join(f", forwarder {h} {(cpu1[h] - cpu0[h]) / elapsed:.0%} CPU" for h in sorted(cpu1))
+            print(f"{src} -> {dst}: {bps / 1e6:.2f} Mbit/s of {configured / 1e6:.2f} ({share:.0%}) {verdict}{cpu}")
     left = sim.leftovers()
     ip = _find_tool("ip")
     others = [n for n in _list_netns(ip) if n.startswith(f"{prefix}-")]
@@ -798,6 +952,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     action.add_argument("--cleanup-stale", metavar="PREFIX", help="remove leftovers of crashed runs with PREFIX")
     parser.add_argument("--rate", default="10mbit")
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added on each host's link")
     parser.add_argument("--prefix", default="stbchk")
     parser.add_argument("--force", action="store_true", help="with --cleanup-stale: also remove live runs' resources")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -810,7 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             removed = cleanup_stale(args.cleanup_stale, force=args.force)
             print(f"removed {len(removed)}: {' '.join(removed)}" if removed else "nothing to remove")
             return 0
-        return _self_check(args.rate, args.seconds, args.prefix)
+        return _self_check(args.rate, args.seconds, args.prefix, args.delay_ms)
     except NotRootError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
