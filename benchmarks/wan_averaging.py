@@ -50,6 +50,7 @@ from typing import Any
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from benchmarks.delay_link import validate_delay_ms
 from benchmarks.netsim import NotRootError, WanSim, parse_rate
 from benchmarks.wan_figures import WIRE_BYTES_PER_VALUE, link_bound_s
 
@@ -269,7 +270,8 @@ def _child(args: argparse.Namespace) -> int:
 def run_transport(transport: str, args: argparse.Namespace, streams: int = 1, robust: str = "off") -> list[float]:
     """Round times (the slowest host's) of ``transport`` over a fresh simulator."""
     hosts = [f"h{i}" for i in range(args.peers)]
-    with tempfile.TemporaryDirectory(prefix="wan-averaging-") as tmp, WanSim(hosts, rate=args.link) as sim:
+    sim_ = WanSim(hosts, rate=args.link, delay_ms=args.delay_ms)
+    with tempfile.TemporaryDirectory(prefix="wan-averaging-") as tmp, sim_ as sim:
         os.chmod(tmp, 0o755)
         ips = ",".join(sim.ip(h) for h in hosts)
         procs = []
@@ -331,6 +333,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--link", default="50mbit", help="each host's link rate, both directions (tc units)")
     parser.add_argument("--values", type=int, default=10_400_000, help="values in the averaged vector")
     parser.add_argument("--codec", default="none", choices=sorted(WIRE_BYTES_PER_VALUE))
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay added on each host's link, each direction (benchmarks.delay_link): "
+        "two hosts are 4x this apart in round-trip time",
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument(
         "--streams",
@@ -362,9 +371,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--values, --rounds and --timeout must be positive, --streams in 1..16")
     try:
         parse_rate(args.link)
+        validate_delay_ms(args.delay_ms)
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def _rtt_text(delay_ms: float) -> str:
+    """How far apart the hosts are, for the result's header."""
+    return f", {4 * delay_ms:g} ms round trip between two hosts ({delay_ms:g} ms one way per link)" if delay_ms else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"swarmtrain averaging alone on the simulated WAN, {label}, {platform.node() or 'this machine'} "
         f"({os.cpu_count()} CPUs), `{command}`\n\n"
-        f"{args.peers} hosts at {args.link} each way, a vector of {args.values} values ({args.codec}): "
+        f"{args.peers} hosts at {args.link} each way{_rtt_text(args.delay_ms)}, a vector of {args.values} values ({args.codec}): "
         f"{per_pair_bytes(args.values, args.codec, args.peers) * (args.peers - 1) / 1e6:.1f} MB on each link "
         f"per round; link bound {bound:.2f} s."
     )

@@ -36,6 +36,9 @@ def test_summary_compares_every_transport_with_the_baselines_of_the_same_run() -
         (["--link", "fast"], "fast"),
         (["--codec", "zip"], "invalid choice"),
         (["--only", "udp"], "invalid choice"),
+        (["--delay-ms", "-5"], "must not be negative"),
+        (["--delay-ms", "nan"], "must be finite"),
+        (["--delay-ms", "soon"], "invalid float value"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_set_up(
