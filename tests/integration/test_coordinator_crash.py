@@ -29,6 +29,10 @@ def granted(store: Store) -> set[tuple[str, int]]:
 
 COORDINATOR_KILLS = 5
 PEER_KILLS = 2
+MAX_ROUNDS = 1_000_000
+"""More than the peers land before the test stops them (it does, at its end): this spec's rounds
+take about 0.07 s, and a loaded run's kills and restarts took long enough for 500 rounds to run
+out before the last restart's peers could re-join."""
 
 
 def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> None:
@@ -58,7 +62,7 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
             "--shard-seed",
             str(i),
             "--max-rounds",
-            "500",
+            str(MAX_ROUNDS),
             "--checkpoint-dir",
             str(tmp_path / f"ckpt{i}"),
         ]
