@@ -267,8 +267,25 @@ def _child(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parent
 
 
-def run_transport(transport: str, args: argparse.Namespace, streams: int = 1, robust: str = "off") -> list[float]:
-    """Round times (the slowest host's) of ``transport`` over a fresh simulator."""
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of this machine so far, all cores (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The machine's CPU use between two ``cpu_ticks`` readings, in % of all its cores."""
+    total = after[1] - before[1]
+    return 100.0 * (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def run_transport(
+    transport: str, args: argparse.Namespace, streams: int = 1, robust: str = "off", cpu: list[float] | None = None
+) -> list[float]:
+    """Round times (the slowest host's) of ``transport`` over a fresh simulator; appends the
+    machine's CPU use while the hosts ran (% of all cores) to ``cpu``."""
     hosts = [f"h{i}" for i in range(args.peers)]
     sim_ = WanSim(hosts, rate=args.link, delay_ms=args.delay_ms)
     with tempfile.TemporaryDirectory(prefix="wan-averaging-") as tmp, sim_ as sim:
@@ -284,6 +301,7 @@ def run_transport(transport: str, args: argparse.Namespace, streams: int = 1, ro
             with open(Path(tmp) / f"{host}.log", "w") as log:
                 procs.append(sim.run(host, argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env))
         per_host = []
+        ticks = cpu_ticks()
         deadline = time.monotonic() + args.timeout * (args.rounds + 1)
         for host, proc in zip(hosts, procs):
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -292,6 +310,8 @@ def run_transport(transport: str, args: argparse.Namespace, streams: int = 1, ro
                 raise RuntimeError(f"{transport}: host {host} exited {proc.returncode}:\n" + "\n".join(tail))
             line = [x for x in out.splitlines() if x.startswith("{")][-1]
             per_host.append(json.loads(line)["times"])
+        if cpu is not None:
+            cpu.append(busy_pct(ticks, cpu_ticks()))
     return [max(round_times) for round_times in zip(*per_host)]
 
 
@@ -309,20 +329,28 @@ def summarize(rounds: dict[str, list[float]], *, bound_s: float) -> dict[str, di
     return out
 
 
-def markdown(summary: dict[str, dict[str, float]], rounds: dict[str, list[float]], header: str) -> str:
+def markdown(
+    summary: dict[str, dict[str, float]],
+    rounds: dict[str, list[float]],
+    header: str,
+    cpu: dict[str, float] | None = None,
+) -> str:
+    """The result table; with ``cpu``, the machine's CPU use (% of all cores) while each ran."""
+    cpu = cpu or {}
     lines = [
         header,
         "",
-        "| transport | median round s | min-max s | % of link bound | % of tcp | % of libp2p | rounds (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| transport | median round s | min-max s | % of link bound | % of tcp | % of libp2p | CPU busy | rounds (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for transport, row in summary.items():
         tcp = f"{row['pct_of_tcp']:.0f}%" if "pct_of_tcp" in row else "-"
         p2p = f"{row['pct_of_libp2p']:.0f}%" if "pct_of_libp2p" in row else "-"
         each = " ".join(f"{t:.2f}" for t in rounds[transport])
+        busy = f"{cpu[transport]:.0f}%" if transport in cpu else "-"
         lines.append(
             f"| {transport} | {row['median_s']:.2f} | {row['min_s']:.2f}-{row['max_s']:.2f} "
-            f"| {row['pct_of_link_bound']:.0f}% | {tcp} | {p2p} | {each} |"
+            f"| {row['pct_of_link_bound']:.0f}% | {tcp} | {p2p} | {busy} | {each} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -392,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wan_averaging: {exc}", file=sys.stderr)
         return 2
     rounds: dict[str, list[float]] = {}
+    cpu: dict[str, float] = {}
     for transport in args.only:
         variants = [(k, r) for k in args.streams for r in args.robust] if transport == "swarmtrain" else [(1, "off")]
         for streams, robust in variants:
@@ -399,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
             details += ["robust"] if robust == "on" else []
             name = f"{transport} ({', '.join(details)})" if details else transport
             print(f"{name}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
-            rounds[name] = run_transport(transport, args, streams, robust)
+            used: list[float] = []
+            rounds[name] = run_transport(transport, args, streams, robust, cpu=used)
+            cpu[name] = used[0]
     bound = link_bound_s(peers=args.peers, params=args.values, codec=args.codec, link_bps=parse_rate(args.link))
     summary = summarize(rounds, bound_s=bound)
     label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")
@@ -411,10 +442,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{per_pair_bytes(args.values, args.codec, args.peers) * (args.peers - 1) / 1e6:.1f} MB on each link "
         f"per round; link bound {bound:.2f} s."
     )
-    text = markdown(summary, rounds, header)
+    text = markdown(summary, rounds, header, cpu)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"wan-averaging-{label}.md").write_text(text)
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "bound_s": bound, "rounds": rounds}
+    payload = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "bound_s": bound,
+        "rounds": rounds,
+        "cpu_busy_pct": cpu,
+    }
     (args.out / f"wan-averaging-{label}.json").write_text(json.dumps({**payload, "summary": summary}, indent=2))
     print(text)
     return 0

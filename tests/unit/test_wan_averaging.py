@@ -48,3 +48,12 @@ def test_bad_arguments_are_refused_before_anything_is_set_up(
         parse_args(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cpu_busy_is_the_share_of_ticks_not_idle_between_two_readings() -> None:
+    from benchmarks.wan_averaging import busy_pct, cpu_ticks
+
+    assert busy_pct((100, 1000), (400, 2000)) == 30.0
+    assert busy_pct((5, 10), (5, 10)) == 0.0
+    busy, total = cpu_ticks()
+    assert 0 <= busy <= total
