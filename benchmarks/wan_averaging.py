@@ -240,9 +240,15 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
             own = torch.randn(args.values, generator=torch.Generator().manual_seed(args.index))
             tensors[0].copy_(shared.add_(own, alpha=0.5))
         _barrier(workdir, "listening", args.index, args.peers)
-        times = []
-        for _ in range(args.rounds):
-            stats = averager.step(gather={}, timeout=args.timeout).stats
+        times: list[float | None] = []
+        for round_ in range(args.rounds):
+            outcome = averager.step(gather={}, timeout=args.timeout)
+            stats = outcome.stats
+            if outcome.failed or stats.missing:  # a failed round: counted as such, not timed
+                why = outcome.failed or f"{len(stats.missing)} ranges missing"
+                print(f"round {round_} failed on host {args.index}: {why}", file=sys.stderr, flush=True)
+                times.append(None)
+                continue
             if stats.streams != args.streams[0]:
                 raise RuntimeError(f"averaged in {stats.streams} streams, asked for {args.streams[0]}")
             times.append(stats.allreduce_s)
@@ -254,6 +260,7 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
 
 def _child(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
+    times: list[float | None] | list[float]
     if args.child == "tcp":
         times = _child_tcp(args, workdir)
     elif args.child == "libp2p":
@@ -283,7 +290,7 @@ def busy_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
 
 def run_transport(
     transport: str, args: argparse.Namespace, streams: int = 1, robust: str = "off", cpu: list[float] | None = None
-) -> list[float]:
+) -> list[float]:  # the rounds that completed on every host
     """Round times (the slowest host's) of ``transport`` over a fresh simulator; appends the
     machine's CPU use while the hosts ran (% of all cores) to ``cpu``."""
     hosts = [f"h{i}" for i in range(args.peers)]
@@ -312,7 +319,14 @@ def run_transport(
             per_host.append(json.loads(line)["times"])
         if cpu is not None:
             cpu.append(busy_pct(ticks, cpu_ticks()))
-    return [max(round_times) for round_times in zip(*per_host)]
+    return slowest_host(per_host)
+
+
+def slowest_host(per_host: list[list[float | None]]) -> list[float]:
+    """Each round's time: the slowest host's; a round that failed on any host (None) is left
+    out (the result counts it in ``failed_rounds``)."""
+    rounds = list(zip(*per_host, strict=True))
+    return [max(t for t in times if t is not None) for times in rounds if None not in times]
 
 
 def summarize(rounds: dict[str, list[float]], *, bound_s: float) -> dict[str, dict[str, float]]:
@@ -421,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rounds: dict[str, list[float]] = {}
     cpu: dict[str, float] = {}
+    failed: dict[str, int] = {}
     for transport in args.only:
         variants = [(k, r) for k in args.streams for r in args.robust] if transport == "swarmtrain" else [(1, "off")]
         for streams, robust in variants:
@@ -431,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
             used: list[float] = []
             rounds[name] = run_transport(transport, args, streams, robust, cpu=used)
             cpu[name] = used[0]
+            failed[name] = args.rounds - len(rounds[name])
+            if not rounds[name]:
+                raise RuntimeError(f"{name}: no round completed on every host")
     bound = link_bound_s(peers=args.peers, params=args.values, codec=args.codec, link_bps=parse_rate(args.link))
     summary = summarize(rounds, bound_s=bound)
     label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")
@@ -443,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         f"per round; link bound {bound:.2f} s."
     )
     text = markdown(summary, rounds, header, cpu)
+    failures = [f"{name}: {n} of {args.rounds}" for name, n in failed.items() if n]
+    text += f"\nRounds that failed on some host (left out above): {', '.join(failures)}.\n" if failures else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"wan-averaging-{label}.md").write_text(text)
     payload = {

@@ -57,3 +57,10 @@ def test_cpu_busy_is_the_share_of_ticks_not_idle_between_two_readings() -> None:
     assert busy_pct((5, 10), (5, 10)) == 0.0
     busy, total = cpu_ticks()
     assert 0 <= busy <= total
+
+
+def test_a_round_is_the_slowest_hosts_and_one_that_failed_anywhere_is_left_out() -> None:
+    from benchmarks.wan_averaging import slowest_host
+
+    assert slowest_host([[1.0, None, 3.0], [2.0, 5.0, 1.0]]) == [2.0, 3.0]
+    assert slowest_host([[None], [1.0]]) == []
