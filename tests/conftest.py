@@ -66,6 +66,7 @@ BESIDE_SWARMS = {
     "test_bad_tensors.py",
     "test_broken_member.py",
     "test_checkpoint_crash.py",
+    "test_cli.py",
     "test_data_prepare.py",
     "test_doctor.py",
     "test_grpc_fuzz.py",
@@ -74,8 +75,9 @@ BESIDE_SWARMS = {
     "test_state_sync.py",
     "test_store_crash.py",
 }
-"""Integration tests that start no swarm of peer processes (a few in-process averagers or DHT
-nodes, or one child process): mostly waiting, they run beside the swarm tests."""
+"""Integration and end-to-end tests that start no swarm of peer processes (a few in-process
+averagers or DHT nodes, or one child process at a time): mostly waiting, they run beside the
+swarm tests."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
