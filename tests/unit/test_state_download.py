@@ -1,0 +1,88 @@
+"""``StateTransferMixin._download_state_from`` against a server that, like ours
+(``engine.stream_close``), ends its stream only once the downloader has closed it: the
+downloader closes as soon as it holds both vectors, and verifies what it got."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from hivemind.compression import NoCompression
+from hivemind.compression.base import CompressionInfo
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+
+from engine.state_transfer import StateTransferMixin
+from protocol.errors import MalformedTensorError
+from protocol.statesync import state_digest
+
+NUMEL = 40_000  # 160 KB a vector: several 64 KiB chunks each
+
+
+class _HeldServer:
+    """Serves (round, params, momentum) as hivemind's ``rpc_download_state`` does, then waits
+    until its reader closes the stream (or a minute)."""
+
+    def __init__(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, digest: str) -> None:
+        self.round, self.tensors, self.digest = round_, [params, momentum], digest
+        self.closed_by_reader = False
+
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest) -> AsyncIterator[Any]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[averaging_pb2.DownloadData]:
+        metadata: bytes | None = MSGPackSerializer.dumps({"round": self.round, "digest": self.digest})
+        try:
+            for i, tensor in enumerate(self.tensors):
+                serialized = NoCompression().compress(tensor, CompressionInfo.from_tensor(tensor, key=i))
+                for part in split_for_streaming(serialized):
+                    yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                    metadata = None
+            await asyncio.sleep(60)
+        except GeneratorExit:
+            self.closed_by_reader = True
+            raise
+
+
+class _Downloader(StateTransferMixin):
+    def __init__(self, server: _HeldServer) -> None:
+        self.numel, self.prefix, self.serializer, self._p2p = NUMEL, "test", MSGPackSerializer, None
+        self.server = server
+
+    def get_stub(self, p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
+        return self.server
+
+
+def _state(round_: int = 7) -> tuple[int, torch.Tensor, torch.Tensor, str]:
+    params = torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
+    momentum = torch.randn(NUMEL, generator=torch.Generator().manual_seed(2))
+    return round_, params, momentum, state_digest(round_, params, momentum)
+
+
+def test_the_downloader_closes_the_stream_once_it_holds_the_state_and_verifies_it() -> None:
+    round_, params, momentum, digest = _state()
+    server = _HeldServer(round_, params, momentum, digest)
+
+    async def download() -> tuple[int, torch.Tensor, torch.Tensor]:
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}), 10)  # type: ignore[arg-type]
+
+    got_round, got_params, got_momentum = asyncio.run(download())
+    assert got_round == round_
+    assert torch.equal(got_params, params) and torch.equal(got_momentum, momentum)
+    assert server.closed_by_reader
+
+
+def test_a_state_other_than_the_one_asked_for_is_refused_and_the_stream_closed() -> None:
+    round_, params, momentum, digest = _state()
+    server = _HeldServer(round_, params, momentum, digest)
+
+    async def download() -> Any:
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {"blake3:other"}), 10)  # type: ignore[arg-type]
+
+    with pytest.raises(MalformedTensorError, match="not the one asked for"):
+        asyncio.run(download())
+    assert server.closed_by_reader
