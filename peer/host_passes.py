@@ -386,4 +386,6 @@ def rebase_model(model: torch.nn.Module, shift: torch.Tensor) -> None:
             for part in chunks(n):
                 values[part].add_(shift[offset + part.start : offset + part.stop])
         else:
-            values.add_(shift[offset : offset + n].to(values.device))
+            # from pinned memory asynchronously: the shift's next writer (the next launch) is
+            # queued after this add or waits for it
+            values.add_(shift[offset : offset + n].to(values.device, non_blocking=shift.is_pinned()))

@@ -47,6 +47,7 @@ import torch
 from engine.checkpoint import Checkpointer
 from engine.compression import ErrorFeedback, get_codec
 from peer.data_assignment import DataRead
+from peer.device_mirror import DeviceMirror, room_for
 from peer.host_passes import (
     Staging,
     copy_model_into,
@@ -235,6 +236,10 @@ class TrainerOptions:
     """This peer's local ranks when it is the leader of several (``peer.node``); None: one rank."""
     shard: bool = False
     """With ``node``: FSDP2-shard the model over the local ranks instead of replicating it (DDP)."""
+    device_mirror: bool | None = None
+    """With overlap, keep the launch point (and θ_g for the validation) on the model's device
+    (``peer.device_mirror``): None where a CUDA device has room once the first inner phase ran,
+    True always (any device: tests), False never."""
 
 
 class Trainer:
@@ -286,8 +291,12 @@ class Trainer:
         self.optimizer = inner_optimizer(spec, self.ranks.forward)
         self.precision = Precision.for_device(options.device)
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
-        self._launch_point = torch.empty_like(self.state.params) if self.overlap else None
+        self._launch_point = self._host_vector() if self.overlap else None
         """With overlap, θ_local at the launch of the round in flight (training moves on meanwhile)."""
+        self._mirror: DeviceMirror | None = None
+        """With overlap, the launch point (and θ_g) on the model's device, where it has room
+        (made at the first launch: ``_mirrored``)."""
+        self._mirror_decided = False
         self.eager = self.overlap and spec.averaging.overlap_start == "eager"
         """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
@@ -506,8 +515,12 @@ class Trainer:
         )
         if samples > 0 and off_thread and model_is_finite(self.model):
             assert self._launch_point is not None
-            copy_model_into(self.model, self._launch_point)
-            writing = self._landing_thread().submit(self._write_delta)
+            mirror = self._mirrored()
+            if mirror is not None:
+                mirror.capture(self.model)  # device to device; the landing thread downloads it
+            else:
+                copy_model_into(self.model, self._launch_point)
+            writing = self._landing_thread().submit(self._write_delta, mirror)
         else:
             with self.swarm.outbox() as out:
                 finite = samples > 0 and write_pseudo_gradient(
@@ -572,10 +585,43 @@ class Trainer:
             self._start_round(flight)
         return flight
 
-    def _write_delta(self) -> bool:
-        """On the landing thread: the averager's vector ← θ_g − launch point (+ residual)
+    def _host_vector(self) -> torch.Tensor:
+        """A flat float32 host vector of the state's size, pinned when the model is on CUDA
+        (its transfers run at the link's speed and may be asynchronous)."""
+        pin = next(self.model.parameters()).device.type == "cuda"
+        return torch.empty(self.state.params.numel(), dtype=torch.float32, pin_memory=pin)
+
+    def _mirrored(self) -> DeviceMirror | None:
+        """The device mirror, decided at the first launch (the inner steps' peak memory is
+        reserved by then): made when ``options.device_mirror`` says so or the device has room."""
+        if not self._mirror_decided:
+            self._mirror_decided = True
+            device = next(self.model.parameters()).device
+            numel = self.state.params.numel()
+            validates = bool(self.spec.eval.every_rounds) and self.task.eval_batches is not None
+            wanted = self.options.device_mirror
+            if wanted is None:
+                wanted = room_for(device, 1, numel)
+                validates = validates and room_for(device, 2, numel)
+            if wanted:
+                self._mirror = DeviceMirror(device, numel, validate=validates)
+                logger.info(
+                    "the launch point%s stays on %s (%.2f GB of its memory)",
+                    " and θ_g" if validates else "",
+                    device,
+                    self._mirror.nbytes / 1e9,
+                )
+            elif device.type == "cuda":
+                logger.info("no room on %s for the launch point: it moves through pinned host memory", device)
+        return self._mirror
+
+    def _write_delta(self, mirror: DeviceMirror | None) -> bool:
+        """On the landing thread: the launch point from the device mirror (when there is one),
+        then the averager's vector ← θ_g − launch point (+ residual)
         (``peer.host_passes.write_delta_from``); zeros if that is not finite. Whether it was."""
         assert self._launch_point is not None
+        if mirror is not None:
+            mirror.download(self._launch_point)
         with self.swarm.outbox() as out:
             finite = write_delta_from(self._launch_point, self.state.params, out, feedback=self.feedback)
             if not finite:
@@ -751,15 +797,22 @@ class Trainer:
         """The loss of θ_g (the swarm's model after the round just landed) on the run's held-out
         batches, on rounds that are a multiple of ``eval.every_rounds``. The model holds θ_g plus
         this peer's progress since the launch (overlap): it is swapped for θ_g and back."""
-        every = self.spec.eval.every_rounds
-        if not every or self.task.eval_batches is None or self.state.round % every:
+        if not self._validates(self.state.round):
             return None
+        assert self.task.eval_batches is not None
         if self.ranks.sharded:
             logger.info("no validation loss on a node sharded over its ranks (the leader holds no device copy)")
             return None
         started = time.monotonic()
-        local = flatten(self.model)
-        load_flat(self.model, self.state.params)
+        mirror = self._mirror
+        if mirror is not None and not mirror.holds_theta(self.state.params, self.state.round):
+            mirror = None
+        local: torch.Tensor | None = None
+        if mirror is not None:  # θ_g is on the device already: swap it in there
+            mirror.swap_in_theta(self.model)
+        else:
+            local = flatten(self.model)
+            load_flat(self.model, self.state.params)
         self.model.eval()
         total, count = 0.0, 0
         try:
@@ -770,7 +823,12 @@ class Trainer:
                 count += inputs.shape[0]
         finally:
             self.model.train()
-            load_flat(self.model, local)
+            if mirror is not None:
+                mirror.swap_back(self.model)
+                mirror.forget_theta()
+            else:
+                assert local is not None
+                load_flat(self.model, local)
         if count == 0:
             return None
         value = total / count
@@ -782,6 +840,11 @@ class Trainer:
             time.monotonic() - started,
         )
         return value
+
+    def _validates(self, round_: int) -> bool:
+        """Whether the state of ``round_`` gets a validation loss (``eval.every_rounds``)."""
+        every = self.spec.eval.every_rounds
+        return bool(every) and self.task.eval_batches is not None and round_ % every == 0
 
     def _adapt_timeouts(self, result: RoundResult | None) -> None:
         before = self.timeouts.allreduce_s
@@ -876,6 +939,10 @@ class Trainer:
         assert self._launch_point is not None
         with self._state_lock:
             land_global(self.state, averaged, outer, feedback=feedback, launch_point=self._launch_point, eager=eager)
+        if self._mirror is not None and not eager:
+            self._mirror.upload_shift(self._launch_point)
+            if self._validates(self.state.round + 1):
+                self._mirror.stage_theta(self.state.params, self.state.round + 1)
         return time.monotonic() - started
 
     @torch.no_grad()
@@ -883,7 +950,10 @@ class Trainer:
         """The landing's last part, between two inner steps: θ_local += the shift the landing
         thread left in the launch point; the round advances. As ``_apply``'s return."""
         assert self._launch_point is not None
-        rebase_model(self.model, self._launch_point)
+        if self._mirror is not None and not flight.eager:
+            self._mirror.rebase(self.model)
+        else:
+            rebase_model(self.model, self._launch_point)
         with self._state_lock:
             self.state.round += 1
         if self._carry_over is not None and flight.counted:  # held out of this round: back in
@@ -1043,6 +1113,8 @@ class Trainer:
         carried = self._work_to_carry(round_)
         with self._state_lock:
             self.state = state
+        if self._mirror is not None:
+            self._mirror.forget_theta()
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.in_sync = True
         self.roster.adopted(
