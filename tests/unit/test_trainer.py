@@ -648,52 +648,66 @@ def test_a_peer_the_run_ended_without_stops_instead_of_training_alone(late: bool
     assert trainer.state.round == 0 and time.monotonic() - started < 10
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _two_mirrored_rounds(
+    device: str, mirror: bool | None, overlap_start: str
+) -> tuple[list[torch.Tensor], str, torch.Tensor, list[float | None], bool]:
+    """Two rounds of an overlapping trainer driven by hand (the same progress, the same
+    averages): the vectors it sent, its digest, its model, its validation losses, whether it
+    made a mirror."""
+    spec = parse_spec(SPEC + f'overlap_start = "{overlap_start}"\n[eval]\nevery_rounds = 1\nbatches = 2\n')
+    swarm = RecordingSwarm()
+    options = TrainerOptions(max_rounds=3, overlap=True, device=device, device_mirror=mirror)
+    trainer = Trainer(spec, build_task(spec, shard_seed=1, device=device), swarm, options)  # type: ignore[arg-type]
+    assert trainer.task.eval_batches is not None
+    val_losses: list[float | None] = []
+    trainer.on_round = lambda metrics: val_losses.append(metrics.val_loss)
+    for round_ in range(2):
+        with torch.no_grad():  # an inner phase's progress
+            for i, p in enumerate(trainer.model.parameters()):
+                p.add_(torch.full_like(p, 0.01 * (i + 1 + round_)))
+        flight = trainer._launch(
+            _InnerPhase(time.monotonic(), math.inf, 2, round_, round_, done=2, samples=4, loss_sum=2.0)
+        )
+        with torch.no_grad():  # the next inner steps move the model meanwhile
+            for p in trainer.model.parameters():
+                p.mul_(1.001)
+        trainer._start_round(flight)
+        averaged = torch.full_like(trainer.state.params, 1e-3 * (round_ + 1))
+        flight.pending = _Pending(RoundResult(averaged, 2, [], 10, 10, 0.0))
+        assert trainer._finish(flight, wait=True)
+        if trainer._mirror is not None:
+            assert trainer._mirror.holds_theta(trainer.state.params, trainer.state.round)
+        before = flatten(trainer.model)
+        trainer._record_landed(wait=True)
+        assert torch.equal(flatten(trainer.model), before)  # the validation swapped θ_g in and back
+    assert trainer.state.round == 2 and all(v is not None for v in val_losses)
+    sent = [v for v, _ in swarm.launched]
+    return sent, trainer.state.digest(), flatten(trainer.model), val_losses, trainer._mirror is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap_start", ["local", "eager"])
-def test_a_device_mirror_lands_the_same_bytes_as_the_host_path(overlap_start: str) -> None:
+def test_a_device_mirror_lands_the_same_bytes_as_the_host_path(device: str, overlap_start: str) -> None:
     """With overlap, a mirror of the launch point on the model's device (``peer.device_mirror``:
     captured device to device at the launch, downloaded and re-based through on the landing
     thread, θ_g staged there for the validation) sends, lands and validates exactly what the
-    host path does; the validation leaves the model as it found it. (On this CPU machine the
-    "device" is the host; an eager start keeps the host path.)"""
-    spec = parse_spec(SPEC + f'overlap_start = "{overlap_start}"\n[eval]\nevery_rounds = 1\nbatches = 2\n')
-    seen: dict[bool, tuple[list[torch.Tensor], str, torch.Tensor, list[float | None]]] = {}
-    for mirrored in (False, True):
-        swarm = RecordingSwarm()
-        options = TrainerOptions(max_rounds=3, overlap=True, device_mirror=mirrored)
-        trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options)  # type: ignore[arg-type]
-        assert trainer.task.eval_batches is not None
-        val_losses: list[float | None] = []
-        trainer.on_round = lambda metrics, out=val_losses: out.append(metrics.val_loss)
-        for round_ in range(2):
-            with torch.no_grad():  # an inner phase's progress
-                for i, p in enumerate(trainer.model.parameters()):
-                    p.add_(torch.full_like(p, 0.01 * (i + 1 + round_)))
-            flight = trainer._launch(
-                _InnerPhase(time.monotonic(), math.inf, 2, round_, round_, done=2, samples=4, loss_sum=2.0)
-            )
-            with torch.no_grad():  # the next inner steps move the model meanwhile
-                for p in trainer.model.parameters():
-                    p.mul_(1.001)
-            trainer._start_round(flight)
-            swarm.next_result = RoundResult(
-                torch.full_like(trainer.state.params, 1e-3 * (round_ + 1)), 2, [], 10, 10, 0.0
-            )
-            flight.pending = _Pending(swarm.next_result)
-            assert trainer._finish(flight, wait=True)
-            if mirrored and overlap_start == "local":
-                assert trainer._mirror is not None
-                assert trainer._mirror.holds_theta(trainer.state.params, trainer.state.round)
-            before = flatten(trainer.model)
-            trainer._record_landed(wait=True)
-            assert torch.equal(flatten(trainer.model), before)  # the validation swapped θ_g in and back
-        assert trainer.state.round == 2 and all(v is not None for v in val_losses)
-        seen[mirrored] = ([v for v, _ in swarm.launched], trainer.state.digest(), flatten(trainer.model), val_losses)
-        assert (trainer._mirror is not None) == (mirrored and overlap_start == "local")
-    (sent_host, digest_host, model_host, val_host), (sent_dev, digest_dev, model_dev, val_dev) = seen[False], seen[True]
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(sent_host, sent_dev, strict=True))
-    assert digest_host == digest_dev
-    assert torch.equal(model_host.view(torch.int32), model_dev.view(torch.int32))
-    assert val_host == val_dev
+    host path does (on a GPU: through the pinned launch point, asynchronously); the validation
+    leaves the model as it found it. On a CPU the "device" is the host; an eager start keeps the
+    host path. Where a GPU is present, the automatic choice is checked too."""
+    modes: list[bool | None] = [False, True] + ([None] if device == "cuda" else [])
+    runs = {mode: _two_mirrored_rounds(device, mode, overlap_start) for mode in modes}
+    sent_host, digest_host, model_host, val_host, made = runs[False]
+    assert not made
+    for mode in modes[1:]:
+        sent, digest, model, val, made = runs[mode]
+        assert made == (overlap_start == "local" and (mode is True or device == "cuda"))
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(sent_host, sent, strict=True))
+        assert digest == digest_host
+        assert torch.equal(model.view(torch.int32), model_host.view(torch.int32))
+        assert val == val_host
 
 
 def test_a_mirror_is_made_only_where_a_cuda_device_has_room() -> None:
