@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
-from math import isfinite
 from typing import Any
 
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
@@ -33,7 +34,7 @@ from hivemind.utils import MSGPackSerializer
 from protocol.gathered import Gathered
 from protocol.roster import leader_may_close, verdict
 
-__all__ = ["RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
+__all__ = ["PacedKeyManager", "RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ JOIN_GRACE_S = 2.0
 have not joined (``RoundMatchmaking.target_group_size``): one DHT lookup and one join request
 of theirs. Anyone can declare at a key, so this is also the most a forged declaration delays a
 round."""
+
+LOOKUP_INTERVAL_S = 0.3
+"""The least time between two lookups of a round's declarations by one averager
+(``PacedKeyManager``)."""
 
 
 def gathered_metadata(gather: bytes) -> Gathered | None:
@@ -61,6 +66,24 @@ def round_group_bits(round_: int) -> str:
     """hivemind's group bits (its DHT key is ``PREFIX.0b<bits>``) of the round ``round_``: each
     round's peers meet under a key of their own."""
     return format(round_, "b")
+
+
+class PacedKeyManager(GroupKeyManager):
+    """hivemind's ``GroupKeyManager`` whose lookups of a round's declarations are at least
+    ``LOOKUP_INTERVAL_S`` apart. hivemind's search looks again as soon as a lookup is read
+    whenever it has no earlier leader to ask (a leader waiting for its group, a follower
+    whose leader has not declared yet), so without a pause every waiting peer spins DHT
+    lookups for its whole window: ~300 a second from one waiting peer of a 3-peer test swarm,
+    which kept its DHT process and p2pd busy; in a public run the few DHT nodes that hold a
+    round's key would take the spins of hundreds. The pause costs a newly declared leader up
+    to that long before its followers see it."""
+
+    async def get_averagers(self, group_key: Any, only_active: bool) -> Any:
+        wait = self.__dict__.get("_last_lookup", -math.inf) + LOOKUP_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.__dict__["_last_lookup"] = time.monotonic()
+        return await super().get_averagers(group_key, only_active)
 
 
 class RoundMatchmaking(Matchmaking):
@@ -182,7 +205,7 @@ class RoundMatchmaking(Matchmaking):
         its window, which ends before the leader's whenever it launched first, so every leader
         turned it away and it averaged nothing that round (ARCHITECTURE §3). It sends its real
         limit instead, the end of its round's search: a leader that closes by then accepts it."""
-        if self.client_mode and isfinite(self.potential_leaders.search_end_time):
+        if self.client_mode and math.isfinite(self.potential_leaders.search_end_time):
             return float(self.potential_leaders.search_end_time)
         return float(super().get_request_expiration_time())
 
@@ -261,7 +284,11 @@ class RoundMatchmaking(Matchmaking):
 
 def round_matchmaking(matchmaking: Matchmaking) -> RoundMatchmaking:
     """Turn the ``Matchmaking`` hivemind built inside the averager process into a
-    ``RoundMatchmaking`` (same state; hivemind constructs it itself, so it is re-classed)."""
+    ``RoundMatchmaking`` (same state; hivemind constructs it itself, so it is re-classed), and
+    its key manager into a ``PacedKeyManager``."""
+    keys = matchmaking.__dict__.get("group_key_manager")  # (a unit test's bare matchmaking has none)
+    if keys is not None and not isinstance(keys, PacedKeyManager):
+        keys.__class__ = PacedKeyManager
     if not isinstance(matchmaking, RoundMatchmaking):
         bound = matchmaking.__dict__.pop("target_group_size", None)
         smallest = matchmaking.__dict__.pop("min_group_size", 1)
