@@ -191,6 +191,16 @@ class _Pending:
     round_: int
     launched_at_step: int
 
+    @property
+    def meets(self) -> int:
+        return self.round_
+
+    def wait(self, timeout: float) -> bool:
+        return True  # ``result`` blocks until the group's reduction (never a real wait)
+
+    def abandon(self) -> bool:
+        return False  # every member of the loopback group is in its round
+
     def done(self) -> bool:
         if self.swarm.steps() - self.launched_at_step < self.swarm.group.delay_steps:
             return False

@@ -93,9 +93,27 @@ class PendingRound:
     control: StepControl
     averager: ExactAverager
     started: float
+    meets: int
 
     def done(self) -> bool:
         return self.control.done()
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.control.result(timeout=timeout)
+        except TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - it ended (``result`` says how)
+            return True
+        return True
+
+    def abandon(self) -> bool:
+        """Cancel the step while it is still matchmaking (hivemind cancels its search; a leader
+        disbands its followers, who look on). Once its all-reduce has begun it is left alone: it
+        may be a member the group needs."""
+        if self.control.done() or self.control.began_allreduce:
+            return False
+        return bool(self.control.cancel())
 
     def result(self) -> RoundResult | None:
         """Block until the round ends; None if it failed before a group formed (no group, a
@@ -215,14 +233,16 @@ class Swarm:
             # it cannot lead: when it launched first, its group's leader may launch up to a
             # timeout later and close a window after that (it waits for them all the same)
             timeout += window
+        meet = self._meeting_round(gather.round, window)
         control = self.averager.step(
-            gather=replace(gather, meet=self._meeting_round(gather.round, window)).to_wire(),
+            gather=replace(gather, meet=meet).to_wire(),
             weight=max(weight, NEGLIGIBLE_WEIGHT),
             scheduled_time=get_dht_time() + window,
             timeout=timeout,
             wait=False,
         )
-        return PendingRound(control=control, averager=self.averager, started=time.monotonic())
+        meets = meet if meet is not None else -1  # (a gather without a round meets none)
+        return PendingRound(control=control, averager=self.averager, started=time.monotonic(), meets=meets)
 
     def _meeting_round(self, round_: int | None, window: float = 0.0) -> int | None:
         """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,

@@ -76,10 +76,23 @@ class RoundResult:
 class PendingAverage(Protocol):
     """An averaging round started in the background."""
 
+    meets: int
+    """The round whose group it looks for (its own, or a later one an open-run newcomer meets)."""
+
     def done(self) -> bool: ...
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the round to end: whether ``result`` would return at once
+        (True where that cannot be told: ``result`` then blocks)."""
+        ...
 
     def result(self) -> RoundResult | None:
         """Block until the round ends: its result, or None if it failed."""
+        ...
+
+    def abandon(self) -> bool:
+        """Give up the round if it is still looking for its group (a group that formed goes on):
+        whether it did (``result`` is then None)."""
         ...
 
 

@@ -85,6 +85,9 @@ logger = logging.getLogger(__name__)
 REPUBLISH_S = RECORD_TTL_S / 4
 """A peer re-signs its digest record this often while a round runs, so that rounds longer than
 the record's lifetime never leave newcomers without votes."""
+LANDED_CHECK_S = 2.0
+"""While a round looks for its group, how often the peer reads the digest records to learn
+whether the swarm landed that round without it (``Trainer._abandon_if_landed``)."""
 MAX_CARRIED_ROUNDS = 2
 """A peer that re-syncs carries its uncounted local work over to the adopted state only if that
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
@@ -133,7 +136,15 @@ class _InnerPhase:
 class _NotStarted:
     """The pending average of a round whose averaging has not started yet."""
 
+    meets = -1
+
     def done(self) -> bool:
+        return False
+
+    def wait(self, timeout: float) -> bool:
+        return False
+
+    def abandon(self) -> bool:
         return False
 
     def result(self) -> RoundResult | None:
@@ -297,6 +308,8 @@ class Trainer:
         """With overlap, the launch point (and θ_g) on the model's device, where it has room
         (made at the first launch: ``_mirrored``)."""
         self._mirror_decided = False
+        self._landed_check_at = 0.0
+        """When ``_abandon_if_landed`` may read the records again."""
         self.eager = self.overlap and spec.averaging.overlap_start == "eager"
         """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
@@ -400,6 +413,8 @@ class Trainer:
                 writing=writing is not None, written=writing is not None and writing.done(), training=training
             ):
                 self._start_round(flight)
+            if flight is not None and training and flight.writing is None:
+                self._abandon_if_landed(flight)
             step = next_step(
                 LoopView(
                     inner=inner is not None,
@@ -708,6 +723,8 @@ class Trainer:
             if not flight.pending.done():
                 self.phase = Phase.AVERAGING
                 self.progress.waiting(self.state.round)
+                while not flight.pending.wait(LANDED_CHECK_S):
+                    self._abandon_if_landed(flight)
             result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
             landed = time.monotonic()
             flight.wait_s = landed - wait_started
@@ -1000,6 +1017,25 @@ class Trainer:
             self.roster.refused(found, flight.pre_digest)
             return None
         return result
+
+    def _abandon_if_landed(self, flight: _InFlight) -> None:
+        """Give up the round in flight if it is still looking for its group and the swarm has
+        landed the round it meets at: its group formed without this peer (a peer that adopted a
+        state while the swarm moved on, one that launched late), and its window, two phases
+        long, would pass at a key nobody comes to any more. The round then fails here as any
+        failed round does: this peer re-syncs and keeps its local work. At most every
+        ``LANDED_CHECK_S`` (it reads the DHT's digest records)."""
+        now = time.monotonic()
+        if now < self._landed_check_at or flight.pending.done():
+            return
+        self._landed_check_at = now + LANDED_CHECK_S
+        agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+        if agreed is not None and agreed.round > flight.pending.meets and flight.pending.abandon():
+            logger.warning(
+                "the swarm landed round %d without this peer (its state is of round %d): giving up the search",
+                flight.pending.meets,
+                agreed.round,
+            )
 
     def _swarm_moved_on(self) -> bool:
         """Whether the DHT already shows a later agreed round than this peer's (best effort:

@@ -47,9 +47,16 @@ overlap = false
 @dataclass
 class _Pending:
     result_value: RoundResult | None
+    meets: int = 0
 
     def done(self) -> bool:
         return True
+
+    def wait(self, timeout: float) -> bool:
+        return True
+
+    def abandon(self) -> bool:
+        return False
 
     def result(self) -> RoundResult | None:
         return self.result_value
@@ -716,3 +723,65 @@ def test_a_mirror_is_made_only_where_a_cuda_device_has_room() -> None:
     assert not room_for(torch.device("cpu"), 1, 10)  # a host "mirror" would be one more host copy
     trainer, _ = make_trainer(overlap=True)
     assert trainer._mirrored() is None and trainer._mirror_decided  # auto on a CPU model: none
+
+
+@dataclass
+class _Searching:
+    """A round still looking for its group until abandoned (then it failed)."""
+
+    meets: int
+    abandoned: bool = False
+
+    def done(self) -> bool:
+        return self.abandoned
+
+    def wait(self, timeout: float) -> bool:
+        time.sleep(min(timeout, 0.01))
+        return self.abandoned
+
+    def result(self) -> RoundResult | None:
+        assert self.abandoned
+        return None
+
+    def abandon(self) -> bool:
+        self.abandoned = True
+        return True
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
+    landed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round whose group formed without this peer (it adopted a state while the swarm moved
+    on, or launched late) is given up as soon as the records show the swarm landed it, not
+    after the window (two phases) at a key nobody comes to: it fails here like any failed
+    round (the work stays in the model, the peer re-syncs). A round not landed yet is left
+    alone, and the records are read at most every ``LANDED_CHECK_S``."""
+    import peer.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "LANDED_CHECK_S", 0.05)
+    trainer, swarm = make_trainer(overlap=False)
+    reads: list[float] = []
+    holders = Agreement(trainer.state.round + (1 if landed else 0), "blake3:theirs", 3, 3)
+
+    def accepted_state(**kwargs: Any) -> Agreement:
+        if not searching.abandoned:  # (the failed round's re-sync reads them too)
+            reads.append(time.monotonic())
+            if len(reads) >= 20:  # a search not given up ends by its window (here: 20 reads)
+                searching.abandoned = True
+        return holders
+
+    swarm.accepted_state = accepted_state  # type: ignore[method-assign, assignment]
+    resyncs: list[int] = []
+    trainer.catch_up = lambda: bool(resyncs.append(trainer.state.round))  # type: ignore[method-assign]
+    searching = _Searching(meets=trainer.state.round)
+    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+    flight.pending = searching
+    before = flatten(trainer.model)
+    trainer._finish(flight, wait=True)
+    assert searching.abandoned
+    assert (len(reads) == 1) == landed  # landed: given up at the first read
+    assert all(b - a >= 0.05 - 1e-3 for a, b in zip(reads, reads[1:]))
+    assert not trainer.history[-1].averaged
+    assert torch.equal(flatten(trainer.model), before)  # the round's work stays in the model
+    assert resyncs == ([0] if landed else [])  # the swarm moved on: re-sync
