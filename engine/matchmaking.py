@@ -47,9 +47,11 @@ have not joined (``RoundMatchmaking.target_group_size``): one DHT lookup and one
 of theirs. Anyone can declare at a key, so this is also the most a forged declaration delays a
 round."""
 
-LOOKUP_INTERVAL_S = 0.3
-"""The least time between two lookups of a round's declarations by one averager
-(``PacedKeyManager``)."""
+FIRST_LOOKUP_PAUSE_S = 0.05
+"""The pause before an averager's second lookup of a round's declarations; each further pause
+doubles, up to ``LOOKUP_PAUSE_MAX_S`` (``PacedKeyManager``)."""
+LOOKUP_PAUSE_MAX_S = 1.0
+"""The longest pause between two lookups of one round's declarations by one averager."""
 
 
 def gathered_metadata(gather: bytes) -> Gathered | None:
@@ -69,20 +71,26 @@ def round_group_bits(round_: int) -> str:
 
 
 class PacedKeyManager(GroupKeyManager):
-    """hivemind's ``GroupKeyManager`` whose lookups of a round's declarations are at least
-    ``LOOKUP_INTERVAL_S`` apart. hivemind's search looks again as soon as a lookup is read
-    whenever it has no earlier leader to ask (a leader waiting for its group, a follower
-    whose leader has not declared yet), so without a pause every waiting peer spins DHT
-    lookups for its whole window: ~300 a second from one waiting peer of a 3-peer test swarm,
-    which kept its DHT process and p2pd busy; in a public run the few DHT nodes that hold a
-    round's key would take the spins of hundreds. The pause costs a newly declared leader up
-    to that long before its followers see it."""
+    """hivemind's ``GroupKeyManager`` whose lookups of one round's declarations back off: the
+    first at once, then after ``FIRST_LOOKUP_PAUSE_S``, each pause twice the last, up to
+    ``LOOKUP_PAUSE_MAX_S``; a new round's key starts over. hivemind's search looks again as
+    soon as a lookup is read whenever it has no earlier leader to ask (a leader waiting for
+    its roster, a follower whose leader has not declared yet), so without a pause every
+    waiting peer spins DHT lookups for its whole window: thousands a minute from one waiting
+    peer of a 3-peer test swarm, which kept its DHT process and p2pd busy; in a public run the
+    few DHT nodes that hold a round's key would take the spins of hundreds. A group that forms
+    quickly sees no pause; a peer waiting long sees a new leader at most a second late."""
 
     async def get_averagers(self, group_key: Any, only_active: bool) -> Any:
-        wait = self.__dict__.get("_last_lookup", -math.inf) + LOOKUP_INTERVAL_S - time.monotonic()
+        state = self.__dict__.get("_paced")
+        if state is None or state[0] != group_key:
+            state = (group_key, -math.inf, 0.0)  # a new key: look at once
+        _key, last, pause = state
+        wait = last + pause - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        self.__dict__["_last_lookup"] = time.monotonic()
+        following = FIRST_LOOKUP_PAUSE_S if pause == 0.0 else min(LOOKUP_PAUSE_MAX_S, 2 * pause)
+        self.__dict__["_paced"] = (group_key, time.monotonic(), following)
         return await super().get_averagers(group_key, only_active)
 
 
