@@ -80,17 +80,33 @@ averagers or DHT nodes, or one child process at a time): mostly waiting, they ru
 swarm tests."""
 
 
+SECOND_LANE = {
+    "test_archive.py",
+    "test_authorized_averaging.py",
+    "test_coordinator_crash.py",
+    "test_fault_tolerance.py",
+    "test_forged_state.py",
+    "test_hostile_peers.py",
+    "test_nat.py",
+}
+"""Swarm tests that run one at a time in a lane of their own, beside the other swarm tests'
+lane (about half of the swarms' time each; the unit and light tests fill in). Two swarms at
+once fit this machine's two cores since a waiting peer no longer spins DHT lookups
+(``engine.matchmaking.PacedKeyManager``)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``), the tests that start
-    swarms of processes (integration, e2e) run one at a time on one worker (they would starve
-    each other of this machine's two cores), while the other worker runs the unit tests and
-    the light integration tests (``BESIDE_SWARMS``)."""
+    swarms of processes (integration, e2e) run in two lanes, one test at a time in each
+    (``SECOND_LANE``), while the unit tests and the light integration tests
+    (``BESIDE_SWARMS``) fill in beside them."""
     for item in items:
         parts = item.path.parts
         if "unit" in parts:
             continue
-        group = "light" if item.path.name in BESIDE_SWARMS else "swarms"
+        name = item.path.name
+        group = "light" if name in BESIDE_SWARMS else "swarms-b" if name in SECOND_LANE else "swarms"
         item.add_marker(pytest.mark.xdist_group(group))
 
 
