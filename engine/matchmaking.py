@@ -50,7 +50,7 @@ round."""
 FIRST_LOOKUP_PAUSE_S = 0.05
 """The pause before an averager's second lookup of a round's declarations; each further pause
 doubles, up to ``LOOKUP_PAUSE_MAX_S`` (``PacedKeyManager``)."""
-LOOKUP_PAUSE_MAX_S = 1.0
+LOOKUP_PAUSE_MAX_S = 0.25
 """The longest pause between two lookups of one round's declarations by one averager."""
 
 
@@ -79,7 +79,9 @@ class PacedKeyManager(GroupKeyManager):
     waiting peer spins DHT lookups for its whole window: thousands a minute from one waiting
     peer of a 3-peer test swarm, which kept its DHT process and p2pd busy; in a public run the
     few DHT nodes that hold a round's key would take the spins of hundreds. A group that forms
-    quickly sees no pause; a peer waiting long sees a new leader at most a second late."""
+    quickly sees no pause; a peer waiting long sees a new leader at most a quarter second late
+    (a 1 s cap made round formation at 64 members ~0.6 s slower, ``benchmarks.round_formation``:
+    members that looked before their leader's declaration arrived found it late)."""
 
     async def get_averagers(self, group_key: Any, only_active: bool) -> Any:
         state = self.__dict__.get("_paced")

@@ -41,7 +41,7 @@ def test_lookups_of_one_key_back_off_and_a_new_key_starts_over() -> None:
     assert len(dht.calls) == 9
     assert dht.calls[0] - started < FIRST_LOOKUP_PAUSE_S  # the first look is at once
     gaps = [later - earlier for earlier, later in zip(dht.calls, dht.calls[1:])]
-    pauses = [min(LOOKUP_PAUSE_MAX_S, FIRST_LOOKUP_PAUSE_S * 2**i) for i in range(6)]  # 0.05 ... 1.0
+    pauses = [min(LOOKUP_PAUSE_MAX_S, FIRST_LOOKUP_PAUSE_S * 2**i) for i in range(6)]  # 0.05 ... the cap
     assert all(gap >= pause - 1e-3 for gap, pause in zip(gaps[:6], pauses)), gaps
     assert gaps[5] < LOOKUP_PAUSE_MAX_S + 0.5  # capped
     assert gaps[6] < FIRST_LOOKUP_PAUSE_S  # the next round's key: at once
