@@ -956,7 +956,7 @@ class Trainer:
         assert self._launch_point is not None
         with self._state_lock:
             land_global(self.state, averaged, outer, feedback=feedback, launch_point=self._launch_point, eager=eager)
-        if self._mirror is not None and not eager:
+        if self._mirror is not None:  # (never made for an eager start: ``_launch``)
             self._mirror.upload_shift(self._launch_point)
             if self._validates(self.state.round + 1):
                 self._mirror.stage_theta(self.state.params, self.state.round + 1)
@@ -967,7 +967,7 @@ class Trainer:
         """The landing's last part, between two inner steps: θ_local += the shift the landing
         thread left in the launch point; the round advances. As ``_apply``'s return."""
         assert self._launch_point is not None
-        if self._mirror is not None and not flight.eager:
+        if self._mirror is not None:
             self._mirror.rebase(self.model)
         else:
             rebase_model(self.model, self._launch_point)
