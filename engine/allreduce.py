@@ -41,12 +41,13 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from engine.compression import Codec
 from engine.robust import Alignment, RobustRule, robust_mean
+from engine.stream_close import until_reader_closes
 from protocol.agreement import agreed_state
 from protocol.errors import MalformedTensorError
 from protocol.gathered import Gathered, votes
@@ -480,6 +481,28 @@ class ExactAllReduceRunner(AllReduceRunner):
             # a peer whose results are delayed (client mode) must end it first to get them at all
             await self._received_all.setdefault(peer_index, asyncio.Event()).wait()
 
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler, but the stream of a sender whose results are delayed (client
+        mode) ends only once that sender closed it, holding every averaged part
+        (``engine.stream_close``: a stream the reducer closed first can be reset before the
+        sender's daemon passed on what it buffered). Such a sender ends its request stream
+        before it gets anything (``_generate_input_for_peer``), so the full members' rule (the
+        request stream ends last) cannot hold for it. With delayed results every averaged part
+        leaves in one burst just before the close: a fresh-clone run lost all of one reducer's
+        parts to a client-mode member (``test_bad_tensors.py``, 1 run)."""
+        sender = context.remote_id
+        delayed = sender in self.sender_peer_ids and self.should_delay_results(sender)
+        messages = super().rpc_aggregate_part(stream, context)
+        try:
+            async for message in until_reader_closes(messages) if delayed else messages:
+                yield message
+        finally:
+            if delayed:
+                self._served.add(sender)
+                self._served_changed.set()
+
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -516,8 +539,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             ended = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            self._served.add(sender)
-            self._served_changed.set()
+            if not self.should_delay_results(sender):  # a delayed sender is served once it closes
+                self._served.add(sender)
+                self._served_changed.set()
             if part_index != self.tensor_part_reducer.num_parts:
                 logger.warning(
                     "served %s only %d of %d averaged parts: %s",

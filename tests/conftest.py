@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -116,6 +117,27 @@ def pytest_configure(config: pytest.Config) -> None:
     from the backstop."""
     global _real_stderr
     _real_stderr = os.dup(2)
+    logging.getLogger("engine").addHandler(ForkedChildStderr())
+
+
+class ForkedChildStderr(logging.Handler):
+    """The engine's warnings from a process forked off a test (hivemind's averager runs in
+    one), written to file descriptor 2: pytest's log capture there is a copy of the parent's,
+    in memory, that nobody reads, while fd 2 is pytest's capture file, printed with the test's
+    failure. Records of the test process itself are left to pytest's own capture."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.parent = os.getpid()
+        self.setFormatter(logging.Formatter("%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if os.getpid() == self.parent:
+            return
+        try:
+            os.write(2, (self.format(record) + "\n").encode(errors="replace"))
+        except OSError:
+            pass
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from engine.allreduce import CodecCompression, ExactAllReduceRunner
 from engine.averager import ExactAverager
 from engine.compression import get_codec
+from engine.outcome import GroupOutcome
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NUMEL = 5000
@@ -60,7 +61,10 @@ def run_group(
     numel: int = NUMEL,
     streams: int = 1,
     next_chunk_timeout: float = 5.0,
+    outcomes: dict[int, GroupOutcome] | None = None,
 ) -> list[torch.Tensor | None]:
+    """Each member's vector after one step (None where its step failed); ``outcomes``, when
+    given, receives each completed step's outcome (what it left out of the round, and why)."""
     codec = get_codec("none")
     first = DHT(start=True, host_maddrs=LOOPBACK)
     dhts = [first] + [DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs()) for _ in range(2)]
@@ -99,6 +103,8 @@ def run_group(
             except Exception:  # noqa: BLE001 - a failed step leaves the vector untouched
                 outcome = None
             if outcome:
+                if outcomes is not None:
+                    outcomes[i] = outcome
                 with averagers[i].get_tensors() as tensors:
                     results[i] = tensors[0].clone()
 
@@ -129,13 +135,15 @@ STREAMED = 4 * 2**16 + 1000
 def test_fragments_averaged_at_once_land_in_place_bit_identically() -> None:
     # all three members are honest here: a sender stalled by a loaded machine must not be
     # dropped from a reducer's part (next_chunk_timeout), which would average it over two
-    results = run_group(None, numel=STREAMED, streams=4, next_chunk_timeout=12.0)
+    outcomes: dict[int, GroupOutcome] = {}
+    results = run_group(None, numel=STREAMED, streams=4, next_chunk_timeout=12.0, outcomes=outcomes)
     assert all(r is not None for r in results), results
     expected = peer_vector(1, STREAMED)  # the mean of peers 0, 1 and 2: peer 1's vector
     for i, result in enumerate(results):
         assert result is not None
         wrong = (result != expected).nonzero().flatten()
-        assert not len(wrong), (i, len(wrong), wrong[:5].tolist(), result[wrong[:5]].tolist())
+        left_out = (outcomes[i].stats.missing, outcomes[i].stats.offences)  # which reducers failed, and why
+        assert not len(wrong), (i, len(wrong), wrong[:5].tolist(), result[wrong[:5]].tolist(), left_out)
 
 
 @pytest.mark.parametrize(
