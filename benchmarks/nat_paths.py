@@ -1,13 +1,20 @@
 """Relayed against direct members of one swarm, on the same links (the NAT lab).
 
     sudo python -m benchmarks.nat_paths [--rounds 8] [--rate 100mbit] [--direct 2] [--relayed 2]
+        [--relay coordinator|volunteers]
+    sudo python -m benchmarks.nat_paths --topology mixed --peers 4 [--relay ...]
 
 A coordinator on the public segment, ``--direct`` peers with public addresses and
 ``--relayed`` peers each behind its own NAT router (``benchmarks.netsim``), every host's link
-shaped to ``--rate`` both ways, the demo spec for ``--rounds`` rounds. Per path it reports the
-rounds averaged, the mean all-reduce time and bytes per round; and the share of the swarm's
-averaging traffic that crossed the coordinator's relay (its ``swarmtrain_relay_bytes`` over
-the bytes every member sent and received). Writes ``benchmarks/results/nat-paths-DATE.{md,json}``.
+shaped to ``--rate`` both ways, the demo spec for ``--rounds`` rounds. ``--relay`` says who
+relays: the coordinator (its direct peers run none: ``--relay-ports none``) or the direct peers
+(volunteers' relays; the coordinator runs none). Per path it reports the rounds averaged, the
+mean all-reduce time and bytes per round; and the share of the swarm's averaging traffic that
+crossed a relay (the coordinator's ``swarmtrain_relay_bytes``, or the volunteers' "relay:
+carried N bytes" lines, over the bytes every member sent and received). With ``--topology``
+the hosts sit where a named topology puts them (``benchmarks.topologies``: home NAT, rented GPUs
+with port mappings, datacenters, with their rates and delays) and each peer's path is the one
+its ``network:`` line names. Writes ``benchmarks/results/nat-paths-DATE[-TOPOLOGY][-volunteers].{md,json}``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.netsim import Nat, NotRootError, WanSim
+from benchmarks.topologies import PEER_PORT, TOPOLOGIES, Topology, rtt_ms, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 SW = [sys.executable, "-m", "swarmtrain"]
@@ -39,28 +47,48 @@ def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
     raise RuntimeError(f"{log} never printed {pattern!r}")
 
 
+def lab(n_direct: int, n_relayed: int) -> Topology:
+    """The plain lab: ``n_direct`` peers with public addresses, ``n_relayed`` each behind its own
+    NAT router, every link at the same rate and no added delay."""
+    places: dict[str, Any] = {f"d{i}": "datacenter" for i in range(n_direct)}
+    places |= {f"r{i}": "home" for i in range(n_relayed)}
+    return Topology("lab", places)
+
+
 def run(
-    rounds: int, rate: str, n_direct: int, n_relayed: int, workdir: Path, d_model: int = 64, n_layers: int = 2
+    rounds: int,
+    rate: str,
+    where: Topology,
+    workdir: Path,
+    d_model: int = 64,
+    n_layers: int = 2,
+    relay: str = "coordinator",
 ) -> dict[str, Any]:
-    direct = [f"d{i}" for i in range(n_direct)]
-    relayed = [f"r{i}" for i in range(n_relayed)]
+    peers = list(where.places)
     spec = workdir / "spec.toml"
     text = (ROOT / "examples" / "demo.toml").read_text().replace("max_rounds = 12", f"max_rounds = {rounds}")
     spec.write_text(
         text.replace("d_model = 64", f"d_model = {d_model}").replace("n_layers = 2", f"n_layers = {n_layers}")
     )
-    hosts = ["coord", *direct, *relayed]
-    with WanSim(hosts, rate=rate, prefix="natb", subnet="10.79.9.0/24", nat=dict.fromkeys(relayed, Nat())) as sim:
+    if where.name == "lab":
+        sim_kwargs: dict[str, Any] = {"nat": {h: Nat() for h, place in where.places.items() if place == "home"}}
+    else:
+        sim_kwargs = where.sim_kwargs()
+    with WanSim(where.hosts, rate=rate, prefix="natb", subnet="10.79.9.0/24", **sim_kwargs) as sim:
         host = sim.ip("coord")
         argv = [*SW, "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator"), "--host", host]
         argv += ["--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+        argv += ["--relay-ports", "none"] if relay == "volunteers" else []
         sim.run("coord", argv, stdout=(workdir / "coordinator.log").open("w"), stderr=subprocess.STDOUT)
         _wait_for(workdir / "coordinator.log", r"^peers join with:", 60)
         procs = {}
-        for name in direct + relayed:
-            argv = [*SW, "peer", "--coordinator", f"{host}:7500", "--host", "0.0.0.0", "--port", "7700"]
+        for name in peers:
+            argv = [*SW, "peer", "--coordinator", f"{host}:7500", "--host", "0.0.0.0", "--port", str(PEER_PORT)]
+            if name in where.announce_ports:
+                argv += ["--announce", f"{sim.ip(name)}:{where.announce_ports[name]}"]
             argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
             argv += ["--metrics-file", str(workdir / f"{name}.jsonl")]
+            argv += ["--relay-ports", "none"] if relay == "coordinator" else []
             log = (workdir / f"{name}.log").open("w")
             procs[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
         relay_bytes = 0.0
@@ -73,17 +101,43 @@ def run(
             except OSError:
                 pass
             time.sleep(2)
-    result = _summary(workdir, direct, relayed, relay_bytes, rounds, rate)
+    if relay == "volunteers":
+        relay_bytes = float(sum(_carried(workdir / f"{name}.log") for name in peers))
+    paths = {name: _path(workdir / f"{name}.log") for name in peers}
+    result = _summary(workdir, paths, relay_bytes, rounds, rate)
     result["model"] = {"d_model": d_model, "n_layers": n_layers}
+    result["relay"] = relay
+    result["topology"] = where.name
+    result["places"] = where.places
+    result["relayed_via"] = {name: _relayed_via(workdir / f"{name}.log") for name in peers if paths[name] == "relayed"}
     return result
 
 
-def _summary(
-    workdir: Path, direct: list[str], relayed: list[str], relay_bytes: float, rounds: int, rate: str
-) -> dict[str, Any]:
+def _path(log: Path) -> str:
+    """The path a peer's ``network:`` line names ("unknown" when it printed none)."""
+    found = re.search(r"^network: (\w+)", log.read_text() if log.exists() else "", re.M)
+    return found.group(1) if found else "unknown"
+
+
+def _carried(log: Path) -> int:
+    """The bytes a volunteer's relay carried, from its last line (0 when it ran none)."""
+    found = re.findall(r"^relay: carried ([0-9,]+) bytes", log.read_text() if log.exists() else "", re.M)
+    return int(found[-1].replace(",", "")) if found else 0
+
+
+def _relayed_via(log: Path) -> str:
+    """Whose relay a relayed peer's network line names ("" when it was not relayed)."""
+    found = re.search(
+        r"^network: relayed at \S+ \(.*; a port on (.*)\)$", log.read_text() if log.exists() else "", re.M
+    )
+    return found.group(1) if found else ""
+
+
+def _summary(workdir: Path, paths: dict[str, str], relay_bytes: float, rounds: int, rate: str) -> dict[str, Any]:
     by_path: dict[str, Any] = {}
     total_bytes = 0.0
-    for path, names in (("direct", direct), ("relayed", relayed)):
+    for path in sorted(set(paths.values())):
+        names = [name for name, its in paths.items() if its == path]
         rows = []
         for name in names:
             file = workdir / f"{name}.jsonl"
@@ -114,8 +168,18 @@ def _markdown(result: dict[str, Any]) -> str:
         f"# Relayed and direct members of one swarm ({date.today()})",
         "",
         f"`sudo python -m benchmarks.nat_paths`: demo spec with d_model {result['model']['d_model']}, "
-        f"{result['model']['n_layers']} layers, {result['rounds']} rounds, every link {result['rate']} both ways "
-        "(tbf, no added delay), a public coordinator running the relay.",
+        f"{result['model']['n_layers']} layers, {result['rounds']} rounds, "
+        + (
+            f"every link {result['rate']} both ways (tbf, no added delay)"
+            if result.get("topology", "lab") == "lab"
+            else f"topology {result['topology']} ({_places(result['places'])})"
+        )
+        + ", a public coordinator; "
+        + (
+            "the direct peers relay (volunteers' relays), the coordinator runs none."
+            if result.get("relay") == "volunteers"
+            else "the coordinator relays, the direct peers run none."
+        ),
         "",
         "| path | peers | peer-rounds averaged | all-reduce s (mean) | bytes per member-round |",
         "|---|---|---|---|---|",
@@ -127,14 +191,26 @@ def _markdown(result: dict[str, Any]) -> str:
     share = result["relayed_share"]
     lines += [
         "",
-        f"The relay spliced {result['relay_bytes']:,.0f} bytes (each crosses its link twice; DHT and "
+        f"The relay{'s' if result.get('relay') == 'volunteers' else ''} spliced {result['relay_bytes']:,.0f} bytes (each crosses its link twice; DHT and "
         f"matchmaking traffic included) against {result['member_bytes'] / 2:,.0f} averaging bytes on the wire "
         f"(half the members' sent + received): {share:.0%}."
         if share is not None
         else "No traffic measured.",
         "",
     ]
+    via = {name: whose for name, whose in result.get("relayed_via", {}).items() if whose}
+    if via:
+        lines += ["Relayed through: " + "; ".join(f"{name}: {whose}" for name, whose in sorted(via.items())), ""]
     return "\n".join(lines)
+
+
+def _places(places: dict[str, str]) -> str:
+    """Where the peers sit, their links and RTTs (``benchmarks.topologies``)."""
+    counts = {place: sum(1 for p in places.values() if p == place) for place in dict.fromkeys(places.values())}
+    sites = ", ".join(f"{n} {place}" for place, n in counts.items())
+    kinds = list(counts)
+    rtts = sorted({rtt_ms(a, b) for a in kinds for b in kinds})  # type: ignore[arg-type]
+    return f"peers: {sites}; RTTs between peers {rtts[0]:g}-{rtts[-1]:g} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,16 +221,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relayed", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--relay", choices=("coordinator", "volunteers"), default="coordinator")
+    parser.add_argument(
+        "--topology", choices=sorted(TOPOLOGIES), default=None, help="a named topology instead of --direct/--relayed"
+    )
+    parser.add_argument("--peers", type=int, default=4, help="peers of --topology")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/swarmtrain-nat-paths"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:
-        result = run(args.rounds, args.rate, args.direct, args.relayed, args.workdir, args.d_model, args.n_layers)
+        where = topology(args.topology, args.peers) if args.topology else lab(args.direct, args.relayed)
+        result = run(args.rounds, args.rate, where, args.workdir, args.d_model, args.n_layers, args.relay)
     except NotRootError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stem = args.out / f"nat-paths-{date.today()}"
+    suffix = (f"-{args.topology}" if args.topology else "") + ("-volunteers" if args.relay == "volunteers" else "")
+    stem = args.out / f"nat-paths-{date.today()}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(_markdown(result))
     print(_markdown(result))

@@ -188,7 +188,7 @@ def run_config(
 ) -> tuple[Figures, list[list[dict[str, Any]]]]:
     spec = _write_spec(workdir, name, codec, overlap, args)
     hosts = [f"p{i}" for i in range(args.peers)]
-    with WanSim(hosts, rate=args.link) as sim:
+    with WanSim(hosts, rate=args.link, delay_ms=args.delay_ms) as sim:
         before = {host: _link_bytes(sim, host) for host in hosts}
         peers: list[_Peer] = []
         for i, host in enumerate(hosts):
@@ -219,7 +219,7 @@ def late_joiner(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
     verified state, from its start and from its first DHT contact, vs. the state's transfer time."""
     spec = _write_spec(workdir, "late-join", "int8", True, args)
     hosts = [f"p{i}" for i in range(args.peers)] + ["late"]
-    with WanSim(hosts, rate=args.link) as sim:
+    with WanSim(hosts, rate=args.link, delay_ms=args.delay_ms) as sim:
         peers: list[_Peer] = []
         for i, host in enumerate(hosts[:-1]):
             argv = _argv("swarmtrain", spec, host, sim.ip(host), i, args, workdir, 10_000)
@@ -292,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--link", default="20mbit", help="each peer's link rate, both directions (tc units)")
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay added on each peer's link, each direction (benchmarks.delay_link): two peers' RTT is 4x it",
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10, help="inner steps per round")
     parser.add_argument(
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        WanSim(["check"], rate=args.link)  # refuses early (not root, no ip/tc) before any work
+        WanSim(["check"], rate=args.link, delay_ms=args.delay_ms)  # refuses early (not root, no ip/tc) before any work
     except NotRootError as exc:
         print(f"benchmarks.wan: error: {exc}", file=sys.stderr)
         return 2
@@ -336,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, kind, codec, overlap in CONFIGS:
             if (args.only and name not in args.only) or (not args.only and name in NODE_RANKS):
                 continue
-            print(f"running {name} ({args.peers} peers, {args.link} links)...", flush=True)
+            print(
+                f"running {name} ({args.peers} peers, {args.link} links, RTT {4 * args.delay_ms:g} ms)...", flush=True
+            )
             runs.append(run_config(name, kind, codec, overlap, args, Path(tmp) / name.replace(" ", "-")))
             print(f"  {runs[-1][0]}", flush=True)
         if not args.only or "late-join" in args.only:
@@ -357,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"swarmtrain WAN benchmark, {stamp}, {platform.node()} ({os.cpu_count()} CPUs, CPU peers, "
         f"OMP_NUM_THREADS=1), `python -m benchmarks.wan {command}`".replace("wan ` ", "wan`")
+        + (f"; links {args.link} with {4 * args.delay_ms:g} ms RTT between peers" if args.delay_ms else "")
     )
     regime = ""
     fp32 = next((r for r in results if r.name == "fp32"), None)
@@ -384,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 "command": command,
                 "peers": args.peers,
                 "link": args.link,
+                "delay_ms": args.delay_ms,
                 "late_joiner": late,
                 "results": [r.as_dict() for r in results],
                 "rounds": {

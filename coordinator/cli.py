@@ -73,23 +73,12 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_port_range(text: str) -> range | None:
-    """``FIRST-LAST`` (inclusive, 1..65535) → a range; ``none`` → None; else a ConfigError."""
-    if text.strip().lower() == "none":
-        return None
-    first, sep, last = text.partition("-")
-    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
-        raise ConfigError(f"--relay-ports must be FIRST-LAST (e.g. 7801-7864) or none, got {text!r}")
-    low, high = int(first), int(last)
-    if not 1 <= low <= high <= 65535:
-        raise ConfigError(f"--relay-ports must be ports 1..65535 with FIRST <= LAST, got {text!r}")
-    return range(low, high + 1)
-
-
 def run(args: argparse.Namespace) -> int:
     from protocol.tmpdir import check_tmpdir
 
     check_tmpdir()  # the archive averager shares tensors through torch's socket there
+    from protocol.relay_server import parse_port_range
+
     relay_ports = parse_port_range(args.relay_ports)
     for name in ("grpc_port", "dht_port", "http_port", "relay_port"):
         if not 0 <= getattr(args, name) <= 65535:

@@ -12,9 +12,11 @@ and average without it and re-send reports when it is back.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +26,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from coordinator.admission import admit, parse_body
 from coordinator.credits import OFFENCE
 from coordinator.health import HealthConfig, HealthTracker
-from coordinator.limits import check_hardware, check_heartbeat, check_network_path, check_report, check_text
-from coordinator.relay import RelayStats
+from coordinator.limits import (
+    check_hardware,
+    check_heartbeat,
+    check_network_path,
+    check_relay_port,
+    check_report,
+    check_text,
+)
 from coordinator.round_view import RoundFigures, RoundWindow
 from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
@@ -37,12 +45,15 @@ from protocol.errors import AdmissionError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage
 from protocol.modelsize import task_flops_per_sample
+from protocol.relay_server import RelayStats
 from protocol.spec import RunSpec
 from protocol.tokens import issue_token
 
 logger = logging.getLogger(__name__)
 
 MAX_LOCAL_RANKS = 64
+MAX_RELAYS_LISTED = 8
+"""Volunteers' relays a join answer lists (``JoinResponse.relays``)."""
 """A node says how many local ranks it runs; more than this is not one machine."""
 
 _PHASES = {
@@ -136,7 +147,10 @@ class Coordinator:
 
     # --- RPCs -------------------------------------------------------------------------------
 
-    def join(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.JoinResponse:
+    def join(self, envelope: pb.SignedEnvelope, *, now: float, source: str = "") -> pb.JoinResponse:
+        """Admit a peer (``coordinator.admission``) and answer with the run, a token and the
+        relays; ``source``: the host the request came from, where a relay the peer offers
+        listens (a relay offered without one is not listed)."""
         admitted = admit(
             envelope,
             verifier=self.verifier,
@@ -152,6 +166,7 @@ class Coordinator:
         check_text("join software_version", body.software_version)
         check_hardware(body.hardware)
         check_network_path(body.network_path)
+        check_relay_port(body.relay_port)
         self.store.upsert_peer(
             key=key,
             account_key=admitted.account.id,
@@ -170,6 +185,7 @@ class Coordinator:
             now=now,
             local_ranks=max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)),
             network_path=body.network_path,
+            relay=_relay_endpoint(source, body.relay_port),
         )
         data_slot = None
         if self.data_slots is not None:
@@ -196,7 +212,14 @@ class Coordinator:
             heartbeat_interval_s=self.health.config.heartbeat_interval_s,
             data_slot=data_slot,
             relay_port=self.relay_port,
+            relays=self._volunteer_relays(key, now),
         )
+
+    def _volunteer_relays(self, key: str, now: float) -> list[str]:
+        """Up to ``MAX_RELAYS_LISTED`` volunteers' relays for ``key``, in a random order: the
+        relayed peers spread over them."""
+        relays = self.health.relays(now, exclude=key)
+        return random.sample(relays, min(len(relays), MAX_RELAYS_LISTED))
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
         """Safe to call beside every other method (the servicer runs heartbeats outside its
@@ -544,3 +567,15 @@ def _hardware(hw: pb.Hardware) -> dict:
         "ram_gib": hw.ram_gib,
         "local_ranks": max(1, min(hw.local_ranks, MAX_LOCAL_RANKS)),
     }
+
+
+def _relay_endpoint(source: str, port: int) -> str:
+    """``HOST:PORT`` of a relay a peer offers on ``port`` of the host its request came from;
+    "" when it offers none or the source is not an IP address (a unix socket, a test)."""
+    try:
+        address = ipaddress.ip_address(source)
+    except ValueError:
+        return ""
+    if not port:
+        return ""
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"

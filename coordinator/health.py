@@ -93,6 +93,8 @@ class PeerHealth:
     """How others reach it, as it said (``coordinator.limits.NETWORK_PATHS``; "" before it knew)."""
     local_ranks: int = 1
     """Local ranks (GPUs) of the node, as it said when it joined."""
+    relay: str = ""
+    """``HOST:PORT`` of the relay it runs for others (the host its join came from), or ""."""
     recent_claims: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CLAIMS))
     """Its last decided claims, newest last: True where its group's robust averaging named it
     (the claim was denied for it)."""
@@ -209,6 +211,7 @@ class HealthTracker:
         now: float,
         local_ranks: int = 1,
         network_path: str = "",
+        relay: str = "",
     ) -> PeerHealth:
         """Record a (re-)join: the peer starts over in JOINING."""
         _check_time(now)
@@ -218,6 +221,7 @@ class HealthTracker:
             software_version=software_version,
             reachable=bool(reachable),
             network_path=network_path,
+            relay=relay,
             joined_at=now,
             last_seen=now,
             state=PeerState.JOINING,
@@ -350,6 +354,13 @@ class HealthTracker:
         each one whole as of one moment, whatever heartbeats arrive meanwhile."""
         _check_time(now)
         return [copy.copy(p) for p in self._sorted() if self._online(p, now)]
+
+    @_locked
+    def relays(self, now: float, *, exclude: str = "") -> list[str]:
+        """The relays (``HOST:PORT``) of the peers online at ``now`` that run one, but
+        ``exclude``'s, sorted by peer key."""
+        _check_time(now)
+        return [p.relay for p in self._sorted() if p.relay and p.key != exclude and self._online(p, now)]
 
     @_locked
     def summary(self, now: float) -> SwarmSummary:

@@ -103,6 +103,12 @@ def check_network_path(path: str) -> None:
         raise MalformedMessageError(f"join network_path must be one of {NETWORK_PATHS[1:]} or empty, got {path[:40]!r}")
 
 
+def check_relay_port(port: int) -> None:
+    """Refuse a join whose relay port is not a TCP port (0: it runs no relay)."""
+    if not 0 <= port <= 65535:
+        raise MalformedMessageError(f"join relay_port must be a TCP port (1..65535) or 0 for none, got {port}")
+
+
 def check_hardware(hardware: pb.Hardware) -> None:
     """Refuse a join's hardware description with text out of bounds."""
     check_text("join hardware device", hardware.device)

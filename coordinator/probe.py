@@ -50,9 +50,10 @@ class Prober:
         spec_digest: str,
         bootstrap_maddrs: Callable[[], list[str]],
         relay_port: Callable[[], int] = lambda: 0,
+        volunteer_relays: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.relay_port = relay_port
+        self.relay_port, self.volunteer_relays = relay_port, volunteer_relays
         self.spec_toml, self.spec_digest, self.bootstrap_maddrs, self.clock = (
             spec_toml,
             spec_digest,
@@ -84,6 +85,7 @@ class Prober:
             received_bytes=len(request.payload),
             payload=bytes(want),
             relay_port=self.relay_port(),
+            volunteer_relays=self.volunteer_relays(),
         )
         if port:
             response.dialed = True

@@ -23,13 +23,12 @@ from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
-from coordinator.relay import Relay
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
 from engine.record_bounds import RunRecordBounds
-from protocol.errors import SwarmtrainError
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import task_params
+from protocol.relay_server import Relay, run_token_admission
 from protocol.spec import RunSpec, parse_spec
 from protocol.statesync import run_prefix
 
@@ -69,7 +68,7 @@ class ServerConfig:
     log_to: tuple[str, ...] = ()
     """Experiment trackers for the swarm's figures (``protocol.experiment_log``)."""
     relay_port: int = 0
-    """The relay's control port (``coordinator.relay``; 0: any free port)."""
+    """The relay's control port (``protocol.relay_server``; 0: any free port)."""
     relay_ports: range | None = None
     """Ports the relay grants to peers nobody can dial (None: no relay)."""
 
@@ -132,9 +131,12 @@ class CoordinatorServer:
             )
             self.archiver.start()
         if config.relay_ports is not None:
-            self.relay = Relay(
-                host=config.host, control_port=config.relay_port, ports=config.relay_ports, admit=self._admit_relayed
+            admit = run_token_admission(
+                coordinator_key=self.core.identity.public_key,
+                run_digest=self.core.digest,
+                revoked=lambda: self._revoked,
             )
+            self.relay = Relay(host=config.host, control_port=config.relay_port, ports=config.relay_ports, admit=admit)
             self.core.relay_port = self.relay.start()
             self.core.relay_stats = self.relay.stats
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
@@ -157,22 +159,6 @@ class CoordinatorServer:
         self.ticker = threading.Thread(target=self._tick_forever, daemon=True)
         self.ticker.start()
         self._start_http(servicer.lock)
-
-    def _admit_relayed(self, token: bytes) -> str:
-        """The relay's admission (``coordinator.relay.Admit``): a valid access token of this run
-        whose peer is not revoked; returns the peer's public id."""
-        from protocol.tokens import decode_token, verify_token
-
-        try:
-            decoded = decode_token(token)
-            verify_token(
-                decoded, coordinator_key=self.core.identity.public_key, run_digest=self.core.digest, now=time.time()
-            )
-        except SwarmtrainError as exc:
-            raise ValueError(f"not a valid access token of this run: {exc}") from exc
-        if decoded.peer_key.id in self._revoked:
-            raise ValueError("this peer's admission was revoked")
-        return decoded.peer_key.id
 
     def _archive_averager(self, spec: RunSpec, identity: Identity) -> tuple[Any, Any]:
         """The run's averager for state download/serving and its member gate, or Nones when

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from coordinator.core import Coordinator
+from coordinator.core import MAX_RELAYS_LISTED, Coordinator
 from coordinator.probe import ProbeLimitError, Prober
 from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
@@ -102,6 +102,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             spec_digest=core.digest,
             bootstrap_maddrs=lambda: list(core.bootstrap_maddrs),
             relay_port=lambda: core.relay_port,
+            volunteer_relays=lambda: min(len(core.health.relays(self.clock())), MAX_RELAYS_LISTED),
         )
         """Answers ``swarmtrain doctor``'s probes (from the core's fixed fields: no lock)."""
         self.clock = clock
@@ -110,7 +111,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.lock = threading.Lock()
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        return self._call(context, lambda now: self.core.join(request.signed, now=now))
+        source = source_host(context.peer())
+        return self._call(context, lambda now: self.core.join(request.signed, now=now, source=source))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         # outside the lock: a heartbeat never waits for a report's or a tick's database writes

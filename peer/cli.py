@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from peer.network_path import NetworkPath
     from peer.node import LocalNode
     from peer.node_env import NodeEnv
+    from peer.relay_service import RelayOffer
     from peer.swarm import Swarm
     from peer.task import Task
     from protocol.identity import Identity
@@ -62,6 +63,14 @@ def add_parser(commands: Any) -> None:
         "RunPod's variables when they map --port, else the addresses this machine sees",
     )
     parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
+    parser.add_argument(
+        "--relay-ports",
+        default="auto",
+        metavar="FIRST-LAST",
+        help="when the coordinator reaches this peer, relay for peers nobody can dial: FIRST is the relay's "
+        "port, the others are granted, one per relayed peer (default auto: the 9 ports after --port); "
+        "'none': no relay",
+    )
     parser.add_argument(
         "--key",
         type=Path,
@@ -180,6 +189,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError("--announce is for peers others dial; a --client-mode peer is never dialled")
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
+    from peer.relay_service import relay_ports
+
+    ports, _ = relay_ports(args.relay_ports, args.port)
+    if ports is not None and args.port in ports:
+        raise ConfigError(f"--relay-ports {args.relay_ports} includes --port {args.port}")
     from protocol.experiment_log import parse_target
 
     for target in args.log_to:
@@ -275,10 +289,14 @@ def run(args: argparse.Namespace) -> int:
     compute = _checked_compute(args, joined)
     plan = _plan(args, joined, compute, node, node_env)
     path = _network_path(args, joined)
+    relay = None
     try:
+        relay = _relay_offer(args, joined, path)
         swarm = _start_swarm(args, joined, plan, path)
     except BaseException:
         path.close()
+        if relay is not None:
+            relay.close()
         raise
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
@@ -287,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
         built = sum(p.numel() for p in task.model.parameters())
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
-        _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path)
-        link = _link_to_coordinator(args, joined, swarm, stop, path)
+        _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path, relay)
+        link = _link_to_coordinator(args, joined, swarm, stop, path, relay)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
@@ -297,6 +315,11 @@ def run(args: argparse.Namespace) -> int:
             link.stop()
         swarm.shutdown()
         path.close()
+        if relay is not None:
+            carried = relay.stats()
+            relay.close()
+            if carried is not None:
+                print(f"relay: carried {carried.bytes_relayed:,} bytes for peers nobody can dial", flush=True)
         if plan.local_node is not None:
             plan.local_node.close()
     if link is not None and link.credit is not None:
@@ -449,6 +472,7 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
             stub=joined.client.stub,
             relay_port=info.relay_port,
             token=lambda: info.access_token,
+            relays=info.relays,
         )
     host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
     path = choose_path(
@@ -461,6 +485,26 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
     )
     args.port, args.client_mode = path.port, path.client_mode
     return path
+
+
+def _relay_offer(args: argparse.Namespace, joined: _Joined, path: NetworkPath) -> RelayOffer | None:
+    """The relay this peer runs for peers nobody can dial (``peer.relay_service``): only a peer
+    the coordinator dialled back; None without a coordinator."""
+    if joined.client is None or joined.info is None:
+        return None
+    from peer.relay_service import RelayOffer, offer_relay, relay_ports
+
+    if not path.dialled_back:
+        return RelayOffer(None, f"this peer is {path.kind}, not dialled back directly")
+    ports, why_not = relay_ports(args.relay_ports, args.port)
+    return offer_relay(
+        ports,
+        why_not,
+        stub=joined.client.stub,
+        coordinator_key=joined.info.coordinator_key,
+        run_digest=joined.info.spec_digest,
+        host=args.host or "0.0.0.0",
+    )
 
 
 def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: NetworkPath) -> Swarm:
@@ -502,7 +546,12 @@ def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None) -> None:
 
 
 def _link_to_coordinator(
-    args: argparse.Namespace, joined: _Joined, swarm: Swarm, stop: threading.Event, path: NetworkPath | None = None
+    args: argparse.Namespace,
+    joined: _Joined,
+    swarm: Swarm,
+    stop: threading.Event,
+    path: NetworkPath | None = None,
+    relay: RelayOffer | None = None,
 ) -> CoordinatorLink | None:
     """Through a coordinator: join again with this peer's swarm addresses (the token now names
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
@@ -516,6 +565,7 @@ def _link_to_coordinator(
         reachable=not args.client_mode,
         spec_digest=joined.info.spec_digest,
         network_path=path.kind if path is not None else "",
+        relay_port=relay.control_port if relay is not None else 0,
     )
     admitted = joined.client.join_as(rejoin)
     _renewed(admitted.access_token, swarm, path)
@@ -681,6 +731,7 @@ def _announce(
     plan: _Plan,
     node_env: Any = None,
     path: NetworkPath | None = None,
+    relay: RelayOffer | None = None,
 ) -> None:
     mode = (
         "client mode (no inbound connections: --client-mode)"
@@ -702,6 +753,8 @@ def _announce(
         print(f"announcing: {announce.maddr} (from {announce.source}; listening on port {args.port})", flush=True)
     if path is not None:
         print(f"network: {path.describe()}", flush=True)
+    if relay is not None:
+        print(f"relay: {relay.describe()}", flush=True)
     for maddr in swarm.visible_maddrs:
         print(f"listening: {maddr}", flush=True)
     if not args.initial_peers:

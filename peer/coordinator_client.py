@@ -15,7 +15,7 @@ import platform
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,10 @@ class JoinInfo:
     data_slot: int | None = None
     """Token runs: the first data stream this node trains (None: the run gives none)."""
     relay_port: int = 0
-    """The coordinator's relay port on its host (``coordinator.relay``); 0: it runs none."""
+    """The coordinator's relay port on its host (``protocol.relay_server``); 0: it runs none."""
+    relays: tuple[tuple[str, int], ...] = ()
+    """Volunteers' relays (host, control port), to try in this order before the coordinator's
+    (entries that are not ``HOST:PORT`` are left out)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class JoinAs:
     spec_digest: str = ""
     network_path: str = ""
     """How others reach it (``peer.network_path``): direct, announced, relayed or client."""
+    relay_port: int = 0
+    """The control port of the relay it runs for others (``peer.relay_service``); 0: none."""
 
 
 # a restarted coordinator is found again within seconds (gRPC's default backoff grows to 120 s)
@@ -82,6 +87,25 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 1000),
     ("grpc.max_reconnect_backoff_ms", 5000),
 ]
+
+
+MAX_RELAYS = 8
+"""Volunteers' relays taken from a join answer."""
+
+
+def _relays(listed: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """The ``HOST:PORT`` entries of a join answer's relays, at most ``MAX_RELAYS``; the rest
+    (malformed: the coordinator is not trusted to send well-formed input) are logged and
+    left out."""
+    from peer.announce import parse_host_port
+
+    relays: list[tuple[str, int]] = []
+    for entry in listed[:MAX_RELAYS]:
+        try:
+            relays.append(parse_host_port(entry, what="a relay in the join answer"))
+        except ConfigError as exc:
+            logger.warning("left out a relay: %s", exc)
+    return tuple(relays)
 
 
 class CoordinatorClient:
@@ -114,6 +138,7 @@ class CoordinatorClient:
             reachable=who.reachable,
             spec_digest=who.spec_digest,
             network_path=who.network_path,
+            relay_port=who.relay_port,
         )
 
     def join(
@@ -124,6 +149,7 @@ class CoordinatorClient:
         reachable: bool = True,
         spec_digest: str = "",
         network_path: str = "",
+        relay_port: int = 0,
     ) -> JoinInfo:
         body = pb.JoinBody(
             libp2p_peer_id=libp2p_peer_id,
@@ -133,6 +159,7 @@ class CoordinatorClient:
             maddrs=maddrs or [],
             reachable=reachable,
             network_path=network_path,
+            relay_port=relay_port,
         )
         if self.endorsement is not None:
             body.account_endorsement.CopyFrom(self.endorsement.to_proto())
@@ -146,6 +173,7 @@ class CoordinatorClient:
             heartbeat_interval_s=response.heartbeat_interval_s or 5.0,
             current_round=response.current_round,
             relay_port=response.relay_port,
+            relays=_relays(response.relays),
             data_slot=response.data_slot if response.HasField("data_slot") else None,
         )
 

@@ -28,6 +28,8 @@ class DialBack:
     error: str = ""
     relay_port: int = 0
     """The coordinator's relay port (0: it runs none)."""
+    volunteer_relays: int = 0
+    """Volunteers' relays a join answer would list now."""
 
     @property
     def why(self) -> str:
@@ -82,4 +84,4 @@ def ask_dial_back(stub: Any, greeter: Greeter, *, timeout_s: float, port: int = 
     port = port or greeter.port
     info = stub.Probe(pb.ProbeRequest(dial_back_port=port), timeout=timeout_s)
     reached = not info.dial_error and info.dial_greeting == greeter.greeting
-    return DialBack(info.observed_host, port, reached, info.dial_error, info.relay_port)
+    return DialBack(info.observed_host, port, reached, info.dial_error, info.relay_port, info.volunteer_relays)

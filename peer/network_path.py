@@ -4,12 +4,13 @@
   advertises that address only.
 - **direct**: the coordinator dialled this machine back on its port (``peer.dial_back``), or
   the run has no coordinator to ask (the addresses the daemon sees are advertised).
-- **relayed**: the dial-back failed (NAT, firewall) and the coordinator runs a relay: the
-  peer holds a public port there (``peer.relay_client``) and announces it. It is a full
-  member: it leads, reduces its part and serves state like any other; its traffic crosses
-  the relay's host twice.
-- **client**: ``--client-mode``, or nobody can dial it and there is no relay: it sends its
-  parts and receives the averages over connections it opens, and never reduces or leads.
+- **relayed**: the dial-back failed (NAT, firewall) and a relay grants it a port: a
+  volunteer's (the coordinator lists the relays of reachable peers, ``peer.relay_service``,
+  tried first) or the coordinator's. The peer holds a public port there
+  (``peer.relay_client``) and announces it. It is a full member: it leads, reduces its part and
+  serves state like any other; its traffic crosses the relay's host twice.
+- **client**: ``--client-mode``, or nobody can dial it and no relay grants it a port: it sends
+  its parts and receives the averages over connections it opens, and never reduces or leads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import grpc
 
 from peer.announce import Announced, announced, parse_host_port
 from peer.dial_back import Greeter, ask_dial_back
-from peer.relay_client import RelayAddress, RelayError, RelayTunnel
+from peer.relay_client import RelayAddress, RelayError, RelayTunnel, open_first
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class NetworkPath:
     """The port the daemon listens on."""
     announce: Announced | None = None
     tunnel: RelayTunnel | None = None
+    dialled_back: bool = False
+    """Whether the coordinator reached ``port`` (a direct peer that may relay for others)."""
 
     @property
     def client_mode(self) -> bool:
@@ -74,6 +77,18 @@ class Coordinated:
     relay_port: int
     token: Callable[[], bytes]
     """The peer's current access token (the relay admits only admitted peers)."""
+    relays: tuple[tuple[str, int], ...] = ()
+    """Volunteers' relays (host, control port) from the join answer, in the order to try."""
+
+    def relay_addresses(self) -> list[RelayAddress]:
+        """The relays to ask for a port, in order: the volunteers', then the coordinator's."""
+        volunteers = [
+            RelayAddress(host, port, whose=f"the relay of volunteer {host}:{port}") for host, port in self.relays
+        ]
+        if not self.relay_port:
+            return volunteers
+        host, _ = parse_host_port(self.address, what="--coordinator")
+        return [*volunteers, RelayAddress(host, self.relay_port)]
 
 
 def free_port() -> int:
@@ -112,19 +127,17 @@ def choose_path(
     finally:
         greeter.close()
     if seen.reached:
-        return NetworkPath("direct", f"the coordinator {seen.why}", port)
-    if not coordinated.relay_port:
-        return NetworkPath("client", f"the coordinator {seen.why} and runs no relay", port)
-    host, _ = parse_host_port(coordinated.address, what="--coordinator")
-    tunnel = RelayTunnel(
-        RelayAddress(host, coordinated.relay_port), token=coordinated.token, local_port=port, local_host=local_host
-    )
+        return NetworkPath("direct", f"the coordinator {seen.why}", port, dialled_back=True)
+    relays = coordinated.relay_addresses()
+    if not relays:
+        return NetworkPath("client", f"the coordinator {seen.why}, runs no relay and lists none", port)
     try:
-        granted = tunnel.open()
+        tunnel, relay = open_first(relays, token=coordinated.token, local_port=port, local_host=local_host)
     except RelayError as exc:
-        return NetworkPath("client", f"the coordinator {seen.why}, and {exc}", port)
-    relayed = Announced(host=host, port=granted, source="the coordinator's relay")
-    return NetworkPath("relayed", f"the coordinator {seen.why}", port, announce=relayed, tunnel=tunnel)
+        return NetworkPath("client", f"the coordinator {seen.why}, and no relay granted a port: {exc}", port)
+    relayed = Announced(host=relay.host, port=tunnel.port, source=relay.whose)
+    why = f"the coordinator {seen.why}; a port on {relay.whose}"
+    return NetworkPath("relayed", why, port, announce=relayed, tunnel=tunnel)
 
 
 def _cross_check(mapped: Announced, port: int, coordinated: Coordinated) -> str:

@@ -1,4 +1,4 @@
-"""A peer's end of the relay (``coordinator.relay``): a public port for a peer nobody can dial.
+"""A peer's end of a relay (``protocol.relay_server``): a public port for a peer nobody can dial.
 
 ``RelayTunnel.open`` asks the relay for a port and returns it; the peer announces
 ``relay-host:port`` as its swarm address. Each connection the relay announces is taken on a
@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from protocol.errors import MalformedMessageError, SwarmtrainError
@@ -46,6 +46,26 @@ class RelayError(SwarmtrainError):
 class RelayAddress:
     host: str
     port: int
+    whose: str = "the coordinator's relay"
+    """Who runs it, as the peer's network line says it."""
+
+
+def open_first(
+    relays: Sequence[RelayAddress], *, token: Callable[[], bytes], local_port: int, local_host: str = "127.0.0.1"
+) -> tuple[RelayTunnel, RelayAddress]:
+    """A tunnel holding a port on the first of ``relays`` that grants one, and that relay;
+    ``RelayError`` saying why each one failed when none does."""
+    failures = []
+    for relay in relays:
+        tunnel = RelayTunnel(relay, token=token, local_port=local_port, local_host=local_host)
+        try:
+            tunnel.open()
+        except RelayError as exc:
+            logger.info("%s: %s", relay.whose, exc)
+            failures.append(str(exc))
+            continue
+        return tunnel, relay
+    raise RelayError("; ".join(failures) if failures else "no relay to ask")
 
 
 class RelayTunnel:

@@ -97,7 +97,7 @@ class Hardware(_message.Message):
     def __init__(self, device: _Optional[str] = ..., accelerator_count: _Optional[int] = ..., accelerator_name: _Optional[str] = ..., accelerator_memory_gib: _Optional[float] = ..., cpu_count: _Optional[int] = ..., ram_gib: _Optional[float] = ..., local_ranks: _Optional[int] = ...) -> None: ...
 
 class JoinBody(_message.Message):
-    __slots__ = ("libp2p_peer_id", "software_version", "spec_digest", "hardware", "maddrs", "reachable", "account_endorsement", "network_path")
+    __slots__ = ("libp2p_peer_id", "software_version", "spec_digest", "hardware", "maddrs", "reachable", "account_endorsement", "network_path", "relay_port")
     LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class JoinBody(_message.Message):
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_ENDORSEMENT_FIELD_NUMBER: _ClassVar[int]
     NETWORK_PATH_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     libp2p_peer_id: str
     software_version: str
     spec_digest: str
@@ -114,7 +115,8 @@ class JoinBody(_message.Message):
     reachable: bool
     account_endorsement: SignedEnvelope
     network_path: str
-    def __init__(self, libp2p_peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., maddrs: _Optional[_Iterable[str]] = ..., reachable: _Optional[bool] = ..., account_endorsement: _Optional[_Union[SignedEnvelope, _Mapping]] = ..., network_path: _Optional[str] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, libp2p_peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., maddrs: _Optional[_Iterable[str]] = ..., reachable: _Optional[bool] = ..., account_endorsement: _Optional[_Union[SignedEnvelope, _Mapping]] = ..., network_path: _Optional[str] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("signed",)
@@ -123,7 +125,7 @@ class JoinRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port")
+    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port", "relays")
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,7 @@ class JoinResponse(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DATA_SLOT_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     spec_toml: str
     spec_digest: str
     access_token: bytes
@@ -146,7 +149,8 @@ class JoinResponse(_message.Message):
     heartbeat_interval_s: float
     data_slot: int
     relay_port: int
-    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ...) -> None: ...
+    relays: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatBody(_message.Message):
     __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest", "rounds_failed")
@@ -397,7 +401,7 @@ class ProbeRequest(_message.Message):
     def __init__(self, dial_back_port: _Optional[int] = ..., payload: _Optional[bytes] = ..., download_bytes: _Optional[int] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload", "relay_port")
+    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload", "relay_port", "volunteer_relays")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +414,7 @@ class ProbeResponse(_message.Message):
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
+    VOLUNTEER_RELAYS_FIELD_NUMBER: _ClassVar[int]
     server_time: float
     software_version: str
     spec_digest: str
@@ -422,4 +427,5 @@ class ProbeResponse(_message.Message):
     received_bytes: int
     payload: bytes
     relay_port: int
-    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., relay_port: _Optional[int] = ...) -> None: ...
+    volunteer_relays: int
+    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., relay_port: _Optional[int] = ..., volunteer_relays: _Optional[int] = ...) -> None: ...

@@ -1,5 +1,5 @@
 """The relay's wire: how a peer behind NAT gets a public port on a relay and takes the
-connections that arrive there (``coordinator.relay`` serves it, ``peer.relay_client`` uses it).
+connections that arrive there (``protocol.relay_server`` serves it, ``peer.relay_client`` uses it).
 
 A peer that nobody can dial keeps one *control* connection open to the relay. It sends
 ``Open(token)`` (its access token: only admitted peers get a port) and the relay answers

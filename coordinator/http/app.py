@@ -86,6 +86,7 @@ def create_app(
                     "software_version": row.software_version,
                     "reachable": row.reachable,
                     "network_path": h.network_path if h else "",
+                    "relay": h.relay if h else "",
                     "state": h.state.value if h else "offline",
                     "round": h.round if h else None,
                     "samples_per_second": h.samples_per_second if h else 0.0,

@@ -146,6 +146,11 @@ class SwarmCollector(Collector):
         for path in ("direct", "announced", "relayed", "client", "unknown"):
             paths.add_metric([path], said.count(path))
         yield paths
+        yield _gauge(
+            "swarmtrain_volunteer_relays",
+            "Online peers that run a relay for peers nobody can dial (listed in join answers)",
+            sum(1 for peer in online if peer.relay),
+        )
         if core.relay_stats is not None:
             relay = core.relay_stats()
             yield _gauge("swarmtrain_relay_peers", "Peers holding a port on the coordinator's relay", relay.peers)

@@ -65,6 +65,8 @@ class PeerRow(BaseModel):
     reachable: bool
     network_path: str = ""
     """direct | announced | relayed | client | "" (not said)."""
+    relay: str = ""
+    """``HOST:PORT`` of the relay it runs for peers nobody can dial ("" none)."""
     state: str = Field(description="online, stale, averaging, ... or offline (not heard from)")
     round: int | None
     samples_per_second: float = Field(ge=0)

@@ -151,7 +151,7 @@ def dial_back(link: Link, greeter: Greeter, announce: Announced | None = None) -
     except grpc.RpcError as exc:
         raise CheckFailed(f"the coordinator refused the dial-back: {exc.details() or exc.code()}") from exc
     host, port = seen.observed_host, greeter.port
-    path = "relayed" if seen.relay_port else "client"
+    path = "relayed" if seen.relay_port or seen.volunteer_relays else "client"
     reached = "announced" if announce else "direct"
     data = {"observed_host": host, "port": port, "error": seen.error, "path": reached if seen.reached else path}
     if announce is not None and host != announce.host:
@@ -168,7 +168,15 @@ def dial_back(link: Link, greeter: Greeter, announce: Announced | None = None) -
         f"security group) and start the peer with --port {port} --announce PUBLIC_IP:EXTERNAL_PORT (on vast.ai "
         "and RunPod the peer reads its port mapping from the environment)"
     )
-    if seen.relay_port:
+    if seen.volunteer_relays:
+        fallback = (
+            f", else the coordinator's ({link.address.rsplit(':', 1)[0]}:{seen.relay_port})" if seen.relay_port else ""
+        )
+        how = (
+            f"relayed: a peer here holds a port on one of the {seen.volunteer_relays} volunteers' relays the "
+            f"coordinator lists{fallback}, and averages as a full member; its traffic crosses the relay's host twice"
+        )
+    elif seen.relay_port:
         how = (
             f"relayed: a peer here holds a port on the coordinator's relay ({link.address.rsplit(':', 1)[0]}:"
             f"{seen.relay_port}) and averages as a full member; its traffic crosses the relay's host twice"

@@ -137,6 +137,9 @@ def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
         (["--port", "4000", "--announce", "0.0.0.0:4000"], "--announce: 0.0.0.0 cannot be dialled"),
         (["--announce", "1.2.3.4:40123"], "--announce needs --port"),
         (["--port", "4000", "--announce", "1.2.3.4:4000", "--client-mode"], "a --client-mode peer is never dialled"),
+        (["--relay-ports", "7801"], "--relay-ports must be FIRST-LAST"),
+        (["--relay-ports", "7801-7801"], "--relay-ports needs a control port and at least one port to grant"),
+        (["--port", "4000", "--relay-ports", "3999-4008"], "--relay-ports 3999-4008 includes --port 4000"),
     ],
     ids=[
         "negative-wait",
@@ -149,6 +152,9 @@ def test_coordinator_with_a_bad_spec_is_one_clear_line(tmp_path: Path) -> None:
         "announce-unspecified",
         "announce-without-port",
         "announce-client-mode",
+        "relay-ports-one",
+        "relay-ports-nothing-to-grant",
+        "relay-ports-include-port",
     ],  # fmt: skip
 )
 def test_peer_bad_flags_are_one_clear_line(tmp_path: Path, flags: list[str], needle: str) -> None:

@@ -39,11 +39,11 @@ def _spec(tmp_path: Path, rounds: int) -> Path:
     return spec
 
 
-def _coordinator(sim: WanSim, tmp_path: Path, spec: Path) -> str:
+def _coordinator(sim: WanSim, tmp_path: Path, spec: Path, *extra: str) -> str:
     host = sim.ip("coord")
     log = tmp_path / "coordinator.log"
     argv = [*SW, "-v", "coordinator", "--spec", str(spec), "--state-dir", str(tmp_path / "coordinator")]
-    argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+    argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080", *extra]
     sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
     _wait_for(log, r"^peers join with:", 60)
     return f"{host}:7500"
@@ -74,7 +74,7 @@ def _reachability(sim: WanSim, host: str, coordinator: str, *extra: str) -> dict
     return checks["reachable from outside"]
 
 
-def _shown_as_relayed(http: str, n: int) -> None:
+def _shown_as_relayed(http: str, n: int, *, coordinator_relay: bool = True) -> None:
     """The coordinator's peers API and /metrics show ``n`` relayed peers (polled: they say so
     when they join again with their swarm address)."""
     end = time.monotonic() + 90
@@ -89,7 +89,10 @@ def _shown_as_relayed(http: str, n: int) -> None:
     with urllib.request.urlopen(f"{http}metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert f'swarmtrain_peers_by_network_path{{path="relayed"}} {n}.0' in metrics, metrics
-    assert f"swarmtrain_relay_peers {n}.0" in metrics, metrics
+    if coordinator_relay:
+        assert f"swarmtrain_relay_peers {n}.0" in metrics, metrics
+    else:
+        assert "swarmtrain_volunteer_relays 1.0" in metrics, metrics
 
 
 def _finish(peers: dict[str, subprocess.Popen[bytes]], tmp_path: Path) -> None:
@@ -183,3 +186,50 @@ def test_a_peer_behind_a_port_mapping_router_is_dialled_directly_through_announc
     assert packets > 0, rules  # others dialled the mapped port
     assert _averaged_and_agreed(tmp_path, ["pub", "gpu"], rounds) >= 0.9 * rounds * 2
     assert "holds port" not in (tmp_path / "coordinator.log").read_text()  # nobody needed the relay
+
+
+def _listed_relays(http: str, n: int) -> list[str]:
+    """The relays the coordinator's peers API shows, once ``n`` peers offer one (polled: a peer
+    names its relay when it joins again with its swarm address)."""
+    end = time.monotonic() + 90
+    relays: list[str] = []
+    while time.monotonic() < end:
+        with urllib.request.urlopen(f"{http}api/v1/peers", timeout=10) as response:
+            relays = [p["relay"] for p in json.load(response) if p["relay"]]
+        if len(relays) == n:
+            return relays
+        time.sleep(0.5)
+    raise AssertionError(f"the coordinator lists {relays}, not {n} relays")
+
+
+def test_peers_behind_nat_train_through_a_volunteers_relay_when_the_coordinator_runs_none(tmp_path: Path) -> None:
+    rounds, behind = 5, ["p1", "p2"]
+    names = ["pub", *behind]
+    spec = _spec(tmp_path, rounds)
+    with WanSim(
+        ["coord", *names], rate="100mbit", prefix="natv", subnet="10.79.3.0/24", nat=dict.fromkeys(behind, Nat())
+    ) as sim:
+        coordinator = _coordinator(sim, tmp_path, spec, "--relay-ports", "none")
+        http = f"http://{sim.ip('coord')}:8080/"
+        verdict = _reachability(sim, "p1", coordinator)
+        assert verdict["status"] == "warn" and verdict["data"]["path"] == "client", verdict  # nobody relays yet
+        peers = {"pub": _peer(sim, tmp_path, "pub", coordinator, "-v")}
+        line = _wait_for(tmp_path / "pub.log", r"^relay: .*$", 90)
+        assert line.startswith("relay: serving peers nobody can dial on port 7701, granting 7702-7709"), line
+        assert _listed_relays(http, 1) == [f"{sim.ip('pub')}:7701"]
+        verdict = _reachability(sim, "p1", coordinator)
+        assert verdict["data"]["path"] == "relayed" and "1 volunteers' relays" in verdict["detail"], verdict
+        peers |= {name: _peer(sim, tmp_path, name, coordinator) for name in behind}
+        for name in behind:
+            line = _wait_for(tmp_path / f"{name}.log", r"^network: .*$", 90)
+            assert line.startswith(f"network: relayed at /ip4/{sim.ip('pub')}/tcp/77"), line
+            assert f"a port on the relay of volunteer {sim.ip('pub')}:7701" in line, line
+            relay_line = _wait_for(tmp_path / f"{name}.log", r"^relay: .*$", 30)
+            assert relay_line == "relay: off (this peer is relayed, not dialled back directly)", relay_line
+        _shown_as_relayed(http, len(behind), coordinator_relay=False)
+        _finish(peers, tmp_path)
+    averaged = _averaged_and_agreed(tmp_path, names, rounds)
+    assert averaged >= 0.9 * rounds * len(names), f"{averaged} of {rounds * len(names)} peer-rounds averaged"
+    held = set(re.findall(r"relay: (\S+) holds port (\d+)", (tmp_path / "pub.log").read_text()))
+    assert len(held) == len(behind) and all(7702 <= int(port) <= 7709 for _, port in held), held
+    assert "holds port" not in (tmp_path / "coordinator.log").read_text()

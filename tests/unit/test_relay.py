@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.relay import Relay
 from peer.relay_client import RelayAddress, RelayError, RelayTunnel
 from protocol.errors import MalformedMessageError
+from protocol.relay_server import Relay
 from protocol.relay_wire import (
     MAX_TOKEN_BYTES,
     Granted,

@@ -1,4 +1,7 @@
-"""The coordinator's relay: a public TCP port for each admitted peer that nobody can dial.
+"""The relay: a public TCP port for each admitted peer that nobody can dial. The coordinator
+runs one (``coordinator.server``), and so does every reachable peer that does not opt out
+(``peer.relay_service``): a relayed peer tries the volunteers' relays the coordinator lists
+before the coordinator's own, so the coordinator's uplink does not carry every relayed peer.
 
 Measured in the NAT lab (``benchmarks/netsim.py``, hivemind 1.1.12): libp2p's circuit relay in
 hivemind's p2pd resets every relayed connection after about 128 KiB each way, whatever its
@@ -10,8 +13,8 @@ connection there is spliced to a connection the peer opened itself (``protocol.r
 libp2p's session (TLS or noise, then yamux) runs end to end through it; the relay sees only
 ciphertext and can neither read nor forge a part.
 
-Caps: a port range (one port per peer: its size is the most peers relayed at once), a number
-of connections per port, a deadline for the peer to take each connection. A peer keeps its
+Caps: a list of ports (one port per peer: their number is the most peers relayed at once), a
+number of connections per port, a deadline for the peer to take each connection. A peer keeps its
 port for ``KEEP_S`` after its control connection drops, so a reconnect keeps its address.
 Thread-safe to start and stop; everything else runs on the relay's own event loop.
 """
@@ -22,11 +25,13 @@ import asyncio
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.errors import MalformedMessageError
+from protocol.errors import ConfigError, MalformedMessageError, SwarmtrainError
+from protocol.identity import PublicKey
 from protocol.relay_wire import (
     Granted,
     Incoming,
@@ -53,6 +58,44 @@ Admit = Callable[[bytes], str]
 """Checks a peer's access token; returns its public id, raises ``ValueError`` saying why not."""
 
 
+def run_token_admission(
+    *,
+    coordinator_key: PublicKey,
+    run_digest: str,
+    revoked: Callable[[], frozenset[str] | set[str]] = frozenset,
+    clock: Callable[[], float] = time.time,
+) -> Admit:
+    """The relay's admission in a coordinator's run: a valid access token of the run (signed by
+    ``coordinator_key``, not expired) whose peer is not in ``revoked()``. Holding a port grants
+    nothing else: who may average is still the swarm's gate (``protocol.membership``)."""
+    from protocol.tokens import decode_token, verify_token
+
+    def admit(token: bytes) -> str:
+        try:
+            decoded = decode_token(token)
+            verify_token(decoded, coordinator_key=coordinator_key, run_digest=run_digest, now=clock())
+        except SwarmtrainError as exc:
+            raise ValueError(f"not a valid access token of this run: {exc}") from exc
+        if decoded.peer_key.id in revoked():
+            raise ValueError("this peer's admission was revoked")
+        return decoded.peer_key.id
+
+    return admit
+
+
+def parse_port_range(text: str, *, flag: str = "--relay-ports") -> range | None:
+    """``FIRST-LAST`` (inclusive, 1..65535) → a range; ``none`` → None; else a ConfigError."""
+    if text.strip().lower() == "none":
+        return None
+    first, sep, last = text.partition("-")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise ConfigError(f"{flag} must be FIRST-LAST (e.g. 7801-7864) or none, got {text!r}")
+    low, high = int(first), int(last)
+    if not 1 <= low <= high <= 65535:
+        raise ConfigError(f"{flag} must be ports 1..65535 with FIRST <= LAST, got {text!r}")
+    return range(low, high + 1)
+
+
 @dataclass(frozen=True)
 class RelayStats:
     peers: int
@@ -74,13 +117,21 @@ class _Port:
     released: asyncio.TimerHandle | None = None
 
 
+def describe_ports(ports: Sequence[int]) -> str:
+    """``7801-7864`` for a run of consecutive ports, else ``7801, 7803``."""
+    ports = list(ports)
+    if ports and ports == list(range(ports[0], ports[0] + len(ports))):
+        return f"{ports[0]}-{ports[-1]}" if len(ports) > 1 else str(ports[0])
+    return ", ".join(map(str, ports))
+
+
 class Relay:
     """Serves ``protocol.relay_wire`` on ``host:control_port``, granting ports from ``ports``."""
 
-    def __init__(self, *, host: str, control_port: int, ports: range, admit: Admit) -> None:
+    def __init__(self, *, host: str, control_port: int, ports: Sequence[int], admit: Admit) -> None:
         if not ports:
             raise ValueError("the relay needs at least one port to grant")
-        self.host, self.control_port, self.ports, self.admit = host, control_port, ports, admit
+        self.host, self.control_port, self.ports, self.admit = host, control_port, list(ports), admit
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay")
         self._by_peer: dict[str, _Port] = {}
@@ -112,7 +163,7 @@ class Relay:
     async def _listen(self) -> int:
         self._server = await asyncio.start_server(self._on_control, self.host, self.control_port)
         port: int = self._server.sockets[0].getsockname()[1]
-        logger.info("relay listening on %s:%d, granting ports %d-%d", self.host, port, self.ports[0], self.ports[-1])
+        logger.info("relay listening on %s:%d, granting ports %s", self.host, port, describe_ports(self.ports))
         return port
 
     async def _close_all(self) -> None:

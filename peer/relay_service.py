@@ -1,0 +1,141 @@
+"""The relay a reachable volunteer runs for peers nobody can dial (``protocol.relay_server``).
+
+A peer whose own port the coordinator dialled back (``peer.network_path``: direct) offers a
+relay unless told not to (``--relay-ports none``): its control port and the ports it grants
+are checked the same way, by the coordinator's dial-back, before the relay starts, and the
+peer's next join names the control port (``JoinBody.relay_port``). The coordinator lists the
+relays of the peers online in its join answers, and a peer nobody can dial asks them for a
+port before it asks the coordinator's relay: relayed traffic spreads over the volunteers'
+uplinks instead of all crossing the coordinator's.
+
+Caps: the ports granted (one per relayed peer) and ``MAX_CONNS_PER_PORT`` connections each.
+Admission: a valid access token of the run (``run_token_admission``); a relayed peer still
+averages only with admitted members (the swarm's gate), and the relay sees only ciphertext.
+A peer reached at an announced address (a port mapping) does not relay: its relay's ports
+would need mappings of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from peer.dial_back import Greeter, ask_dial_back
+from protocol.errors import ConfigError
+from protocol.identity import PublicKey
+from protocol.relay_server import Relay, RelayStats, describe_ports, parse_port_range, run_token_admission
+
+logger = logging.getLogger(__name__)
+
+AUTO_PORTS = 9
+"""``--relay-ports auto`` with ``--port P``: the control port P+1 and 8 ports to grant."""
+
+PROBE_TIMEOUT_S = 15.0
+PROBE_THREADS = 4
+
+
+def relay_ports(flag: str, port: int) -> tuple[range | None, str]:
+    """The ports ``--relay-ports`` asks for (the first is the control port, the others are
+    granted) and, when none, why: ``none`` opts out; ``auto`` takes the ``AUTO_PORTS`` after a
+    fixed ``--port``; ``FIRST-LAST`` names them. A ConfigError for anything else."""
+    text = flag.strip().lower()
+    if text == "auto":
+        if not port:
+            return None, "no fixed --port to put it beside (give --port, or --relay-ports FIRST-LAST)"
+        if port + AUTO_PORTS > 65535:
+            return None, f"no room for {AUTO_PORTS} ports after --port {port}"
+        return range(port + 1, port + 1 + AUTO_PORTS), ""
+    ports = parse_port_range(flag)
+    if ports is None:
+        return None, "--relay-ports none"
+    if len(ports) < 2:
+        raise ConfigError(f"--relay-ports needs a control port and at least one port to grant, got {flag!r}")
+    return ports, ""
+
+
+@dataclass(frozen=True)
+class RelayOffer:
+    """The relay this peer runs (``relay`` None: it runs none, ``why`` says why)."""
+
+    relay: Relay | None
+    why: str
+    control_port: int = 0
+    granted: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        if self.relay is None:
+            return f"off ({self.why})"
+        return (
+            f"serving peers nobody can dial on port {self.control_port}, granting "
+            f"{describe_ports(self.granted)} ({self.why})"
+        )
+
+    def stats(self) -> RelayStats | None:
+        return self.relay.stats() if self.relay is not None else None
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.stop()
+
+
+def offer_relay(
+    ports: Sequence[int] | None,
+    why_not: str,
+    *,
+    stub: Any,
+    coordinator_key: PublicKey,
+    run_digest: str,
+    host: str = "0.0.0.0",
+    probe: Callable[[Any, int], tuple[bool, str]] | None = None,
+) -> RelayOffer:
+    """Start this peer's relay on ``ports`` (see ``relay_ports``) if the coordinator behind
+    ``stub`` reaches them: the control port must answer; the ports to grant that do not are
+    left out. Never raises for the network: a relay that cannot run is an ``off`` offer."""
+    if ports is None:
+        return RelayOffer(None, why_not)
+    check = probe or _dialled_back
+    control, wanted = ports[0], list(ports[1:])
+    reached, why = check(stub, control)
+    if not reached:
+        return RelayOffer(None, f"the coordinator {why}")
+    with ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="relay-probe") as pool:
+        results = list(pool.map(lambda p: check(stub, p), wanted))
+    granted = [port for port, (ok, _) in zip(wanted, results) if ok]
+    if not granted:
+        return RelayOffer(
+            None, f"the coordinator reaches its control port {control} but none of {describe_ports(wanted)}"
+        )
+    closed = [port for port, (ok, _) in zip(wanted, results) if not ok]
+    relay = Relay(
+        host=host,
+        control_port=control,
+        ports=granted,
+        admit=run_token_admission(coordinator_key=coordinator_key, run_digest=run_digest),
+    )
+    try:
+        relay.start()
+    except OSError as exc:
+        relay.stop()
+        return RelayOffer(None, f"cannot listen on port {control}: {exc.strerror or exc}")
+    note = f"; the coordinator cannot reach {describe_ports(closed)}" if closed else ""
+    return RelayOffer(relay, f"the coordinator reached them{note}", control, tuple(granted))
+
+
+def _dialled_back(stub: Any, port: int) -> tuple[bool, str]:
+    """Whether the coordinator's dial-back reaches ``port`` of this machine, and what it found."""
+    try:
+        greeter = Greeter(port)
+    except OSError as exc:
+        return False, f"was not asked: port {port} is taken here ({exc.strerror or exc})"
+    try:
+        seen = ask_dial_back(stub, greeter, timeout_s=PROBE_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        return False, f"was not asked: its dial-back failed ({exc.code().name if hasattr(exc, 'code') else exc})"
+    finally:
+        greeter.close()
+    return seen.reached, seen.why

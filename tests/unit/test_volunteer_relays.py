@@ -1,0 +1,216 @@
+"""Volunteers' relays: a reachable peer offers one (checked by the coordinator's dial-back,
+admitting only the run's tokens), the coordinator lists the relays of peers online in its join
+answers, and a peer nobody can dial asks them, in order, before the coordinator's relay. Bad
+input (a relay port that is not a port, a listed relay that is not HOST:PORT, a token of
+another run) is refused and changes nothing."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.core import Coordinator
+from coordinator.http.metrics import render_metrics
+from coordinator.store import Store, sqlite_url
+from peer.coordinator_client import _relays
+from peer.relay_client import RelayAddress, RelayError, open_first
+from peer.relay_service import offer_relay, relay_ports
+from protocol import coordinator_pb2 as pb
+from protocol import kinds
+from protocol.errors import ConfigError, MalformedMessageError
+from protocol.identity import Identity
+from protocol.messages import sign_message
+from protocol.relay_server import Relay, describe_ports, run_token_admission
+from protocol.spec import parse_spec
+from protocol.tokens import issue_token
+
+SPEC = '[run]\nname = "relays"\n'
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Coordinator]:
+    store = Store(sqlite_url(tmp_path))
+    yield Coordinator(
+        spec=parse_spec(SPEC), spec_toml=SPEC, identity=Identity.generate(), store=store, bootstrap_maddrs=[]
+    )
+    store.close()
+
+
+def _join(core: Coordinator, peer: Identity, *, relay_port: int = 0, source: str = "", now: float) -> pb.JoinResponse:
+    body = pb.JoinBody(libp2p_peer_id="p", software_version="t", spec_digest=core.digest, relay_port=relay_port)
+    return core.join(
+        sign_message(peer, kinds.JOIN, body.SerializeToString(), now=now).to_proto(), now=now, source=source
+    )
+
+
+def test_the_relays_of_peers_online_are_listed_to_the_others(core: Coordinator) -> None:
+    now = time.time()
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    _join(core, a, relay_port=7701, source="203.0.113.5", now=now)
+    _join(core, b, relay_port=7701, source="2001:db8::7", now=now)
+    answer = _join(core, c, now=now)  # nobody can dial c: it asks them
+    assert sorted(answer.relays) == ["203.0.113.5:7701", "[2001:db8::7]:7701"]
+    assert list(_join(core, a, relay_port=7701, source="203.0.113.5", now=now).relays) == ["[2001:db8::7]:7701"]
+    assert "swarmtrain_volunteer_relays 2.0" in render_metrics(core, now=now)
+    # a relay offered from a source that is not an IP address, or on port 0, is not listed
+    _join(core, Identity.generate(), relay_port=7701, source="unix:/tmp/x", now=now)
+    assert sorted(_join(core, c, now=now).relays) == ["203.0.113.5:7701", "[2001:db8::7]:7701"]
+    # b, silent since, is no longer listed; a, heard from again, is
+    later = now + core.health.config.unreachable_s + 1
+    _join(core, a, relay_port=7701, source="203.0.113.5", now=later)
+    assert list(_join(core, c, now=later).relays) == ["203.0.113.5:7701"]
+
+
+@pytest.mark.parametrize("port", [65536, 2**32 - 1])
+def test_a_join_with_a_relay_port_that_is_no_port_is_refused_and_changes_nothing(core: Coordinator, port: int) -> None:
+    with pytest.raises(MalformedMessageError, match="relay_port"):
+        _join(core, Identity.generate(), relay_port=port, source="203.0.113.5", now=time.time())
+    assert not core.store.peers() and not core.health.peers()
+
+
+def test_listed_relays_that_are_not_host_port_are_left_out() -> None:
+    listed = ["203.0.113.5:7701", "nonsense", "1.2.3.4:0", "[2001:db8::1]:9", "x" * 300 + ":1"]
+    assert _relays(listed) == (("203.0.113.5", 7701), ("2001:db8::1", 9))
+    assert len(_relays([f"10.0.0.{i}:7701" for i in range(50)])) == 8
+
+
+@pytest.mark.parametrize(
+    ("flag", "port", "ports", "why"),
+    [
+        ("auto", 7700, range(7701, 7710), ""),
+        ("auto", 0, None, "no fixed --port"),
+        ("none", 7700, None, "--relay-ports none"),
+        ("7801-7804", 0, range(7801, 7805), ""),
+    ],
+)
+def test_relay_ports_from_the_flag(flag: str, port: int, ports: range | None, why: str) -> None:
+    got, why_not = relay_ports(flag, port)
+    assert got == ports and why in why_not
+
+
+@pytest.mark.parametrize("flag", ["7801", "7801-7801", "9-1", "0-5", "lots"])
+def test_a_bad_relay_ports_flag_is_refused(flag: str) -> None:
+    with pytest.raises(ConfigError, match="--relay-ports"):
+        relay_ports(flag, 7700)
+
+
+def test_describe_ports() -> None:
+    assert describe_ports([7801, 7802, 7803]) == "7801-7803"
+    assert describe_ports([7801, 7803]) == "7801, 7803"
+    assert describe_ports([7801]) == "7801"
+
+
+def test_the_relay_admits_the_runs_tokens_only() -> None:
+    coordinator, peer = Identity.generate(), Identity.generate()
+    revoked: set[str] = set()
+    admit = run_token_admission(
+        coordinator_key=coordinator.public_key, run_digest="sha256:run", revoked=lambda: revoked
+    )
+    now = time.time()
+    token = issue_token(coordinator, run_digest="sha256:run", peer_key=peer.public_key, now=now, ttl_s=60).to_bytes()
+    assert admit(token) == peer.public_key.id
+    other = issue_token(coordinator, run_digest="sha256:other", peer_key=peer.public_key, now=now, ttl_s=60)
+    forged = issue_token(Identity.generate(), run_digest="sha256:run", peer_key=peer.public_key, now=now, ttl_s=60)
+    for bad in (other.to_bytes(), forged.to_bytes(), b"garbage"):
+        with pytest.raises(ValueError, match="not a valid access token of this run"):
+            admit(bad)
+    revoked.add(peer.public_key.id)
+    with pytest.raises(ValueError, match="revoked"):
+        admit(token)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _relay(admit_prefix: bytes) -> Relay:
+    def admit(token: bytes) -> str:
+        if not token.startswith(admit_prefix):
+            raise ValueError("not a valid access token of this run")
+        return token.decode()
+
+    relay = Relay(host="127.0.0.1", control_port=0, ports=_free_ports(1), admit=admit)
+    relay.control_port = relay.start()
+    return relay
+
+
+def test_a_peer_takes_a_port_on_the_first_relay_that_grants_one() -> None:
+    refusing, granting = _relay(b"other-"), _relay(b"ok-")
+    gone = _free_ports(1)[0]
+    try:
+        relays = [
+            RelayAddress("127.0.0.1", gone, whose="volunteer A"),
+            RelayAddress("127.0.0.1", refusing.control_port, whose="volunteer B"),
+            RelayAddress("127.0.0.1", granting.control_port, whose="the coordinator's relay"),
+        ]
+        tunnel, relay = open_first(relays, token=lambda: b"ok-peer", local_port=1)
+        try:
+            assert relay.whose == "the coordinator's relay" and tunnel.port == granting.ports[0]
+        finally:
+            tunnel.close()
+        with pytest.raises(RelayError, match="refused this peer") as refused:
+            open_first(relays[:2], token=lambda: b"ok-peer", local_port=1)
+        assert f"127.0.0.1:{gone}" in str(refused.value)  # each failure is said
+    finally:
+        refusing.stop()
+        granting.stop()
+
+
+def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
+    coordinator = Identity.generate()
+    control, *grants = _free_ports(4)
+    reachable = {control, grants[0], grants[2]}
+
+    def probe(stub: object, port: int) -> tuple[bool, str]:
+        return port in reachable, f"{'reached' if port in reachable else 'cannot reach'} 127.0.0.1:{port}"
+
+    offer = offer_relay(
+        range(control, control + 1),  # a control port and nothing to grant: refused by relay_ports already
+        "",
+        stub=None,
+        coordinator_key=coordinator.public_key,
+        run_digest="sha256:run",
+        host="127.0.0.1",
+        probe=probe,
+    )
+    assert offer.relay is None and "none of" in offer.why
+    ports = [control, *grants]
+    offer = offer_relay(
+        ports,
+        "",
+        stub=None,
+        coordinator_key=coordinator.public_key,
+        run_digest="sha256:run",
+        host="127.0.0.1",
+        probe=probe,
+    )
+    try:
+        assert offer.relay is not None and offer.control_port == control
+        assert offer.granted == (grants[0], grants[2]) and f"cannot reach {grants[1]}" in offer.why
+        assert offer.describe().startswith(f"serving peers nobody can dial on port {control}")
+        with socket.create_connection(("127.0.0.1", control), timeout=5):
+            pass  # it listens
+    finally:
+        offer.close()
+    reachable.discard(control)
+    off = offer_relay(
+        ports,
+        "",
+        stub=None,
+        coordinator_key=coordinator.public_key,
+        run_digest="sha256:run",
+        host="127.0.0.1",
+        probe=probe,
+    )
+    assert off.relay is None and off.describe() == f"off (the coordinator cannot reach 127.0.0.1:{control})"
