@@ -55,6 +55,20 @@ def lab(n_direct: int, n_relayed: int) -> Topology:
     return Topology("lab", places)
 
 
+def _wait_for_relays(http: str, n: int, deadline_s: float = 120.0) -> None:
+    """Until the coordinator's peers API shows ``n`` peers offering a relay."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{http}api/v1/peers", timeout=5) as response:
+                if sum(1 for p in json.load(response) if p.get("relay")) >= n:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the coordinator never listed {n} volunteers' relays")
+
+
 def run(
     rounds: int,
     rate: str,
@@ -82,7 +96,12 @@ def run(
         sim.run("coord", argv, stdout=(workdir / "coordinator.log").open("w"), stderr=subprocess.STDOUT)
         _wait_for(workdir / "coordinator.log", r"^peers join with:", 60)
         procs = {}
-        for name in peers:
+        # volunteers' relays first: a peer nobody can dial asks the relays its join answer lists
+        volunteers = [name for name, place in where.places.items() if place == "datacenter"]
+        first = volunteers if relay == "volunteers" else []
+        for name in first + [name for name in peers if name not in first]:
+            if first and name == next((n for n in peers if n not in first), None):
+                _wait_for_relays(f"http://{host}:8080/", len(first))  # before the first of the others
             argv = [*SW, "peer", "--coordinator", f"{host}:7500", "--host", "0.0.0.0", "--port", str(PEER_PORT)]
             if name in where.announce_ports:
                 argv += ["--announce", f"{sim.ip(name)}:{where.announce_ports[name]}"]
@@ -139,15 +158,20 @@ def _summary(workdir: Path, paths: dict[str, str], relay_bytes: float, rounds: i
     for path in sorted(set(paths.values())):
         names = [name for name, its in paths.items() if its == path]
         rows = []
+        since_in = 0  # rounds from each peer's first averaged round to the last, summed
         for name in names:
             file = workdir / f"{name}.jsonl"
-            rows += [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+            its = [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+            firsts = [r["round"] for r in its if r["averaged"] and r["group_size"] >= 2]
+            since_in += rounds - min(firsts) + 1 if firsts else 0
+            rows += its
         done = [r for r in rows if r["averaged"] and r["group_size"] >= 2]
         total_bytes += sum(r["bytes_sent"] + r["bytes_received"] for r in done)
         by_path[path] = {
             "peers": len(names),
             "rounds_averaged": len({(r["round"]) for r in done}),
             "peer_rounds_averaged": len(done),
+            "peer_rounds_since_in": since_in,
             "allreduce_s_mean": statistics.fmean(r["allreduce_s"] for r in done) if done else None,
             "bytes_per_round": statistics.fmean(r["bytes_sent"] + r["bytes_received"] for r in done) if done else None,
         }
@@ -181,13 +205,14 @@ def _markdown(result: dict[str, Any]) -> str:
             else "the coordinator relays, the direct peers run none."
         ),
         "",
-        "| path | peers | peer-rounds averaged | all-reduce s (mean) | bytes per member-round |",
+        "| path | peers | peer-rounds averaged (of those since its first) | all-reduce s (mean) | bytes per member-round |",
         "|---|---|---|---|---|",
     ]
     for path, row in result["paths"].items():
         mean = f"{row['allreduce_s_mean']:.3f}" if row["allreduce_s_mean"] is not None else "-"
         per = f"{row['bytes_per_round']:,.0f}" if row["bytes_per_round"] is not None else "-"
-        lines.append(f"| {path} | {row['peers']} | {row['peer_rounds_averaged']} | {mean} | {per} |")
+        averaged = f"{row['peer_rounds_averaged']} (of {row.get('peer_rounds_since_in', '-')})"
+        lines.append(f"| {path} | {row['peers']} | {averaged} | {mean} | {per} |")
     share = result["relayed_share"]
     lines += [
         "",

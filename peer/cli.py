@@ -68,8 +68,8 @@ def add_parser(commands: Any) -> None:
         default="auto",
         metavar="FIRST-LAST",
         help="when the coordinator reaches this peer, relay for peers nobody can dial: FIRST is the relay's "
-        "port, the others are granted, one per relayed peer (default auto: the 9 ports after --port); "
-        "'none': no relay",
+        "port, the others are granted, one per relayed peer (default auto: any free ports, 8 peers at most, "
+        "where the coordinator reaches a port the system picks); 'none': no relay",
     )
     parser.add_argument(
         "--key",
@@ -191,8 +191,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
     from peer.relay_service import relay_ports
 
-    ports, _ = relay_ports(args.relay_ports, args.port)
-    if ports is not None and args.port in ports:
+    ports, _ = relay_ports(args.relay_ports)
+    if ports is not None and args.port and args.port in ports:
         raise ConfigError(f"--relay-ports {args.relay_ports} includes --port {args.port}")
     from protocol.experiment_log import parse_target
 
@@ -496,7 +496,7 @@ def _relay_offer(args: argparse.Namespace, joined: _Joined, path: NetworkPath) -
 
     if not path.dialled_back:
         return RelayOffer(None, f"this peer is {path.kind}, not dialled back directly")
-    ports, why_not = relay_ports(args.relay_ports, args.port)
+    ports, why_not = relay_ports(args.relay_ports)
     return offer_relay(
         ports,
         why_not,

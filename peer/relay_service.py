@@ -1,9 +1,13 @@
 """The relay a reachable volunteer runs for peers nobody can dial (``protocol.relay_server``).
 
 A peer whose own port the coordinator dialled back (``peer.network_path``: direct) offers a
-relay unless told not to (``--relay-ports none``): its control port and the ports it grants
-are checked the same way, by the coordinator's dial-back, before the relay starts, and the
-peer's next join names the control port (``JoinBody.relay_port``). The coordinator lists the
+relay unless told not to (``--relay-ports none``). By default (``auto``) the relay takes any
+free ports, its control port checked by the coordinator's dial-back: a machine that takes a
+connection on a port the system picked takes them on any, so the ports it grants later need no
+check; a firewall that lets in only some ports fails the check, and the volunteer names ports it
+opened (``--relay-ports FIRST-LAST``: each is checked, the ones the dial-back does not reach are
+left out). Free ports also never collide with another peer's ``--port`` on the same machine.
+The peer's next join names the control port (``JoinBody.relay_port``). The coordinator lists the
 relays of the peers online in its join answers, and a peer nobody can dial asks them for a
 port before it asks the coordinator's relay: relayed traffic spreads over the volunteers'
 uplinks instead of all crossing the coordinator's.
@@ -32,30 +36,26 @@ from protocol.relay_server import Relay, RelayStats, describe_ports, parse_port_
 
 logger = logging.getLogger(__name__)
 
-AUTO_PORTS = 9
-"""``--relay-ports auto`` with ``--port P``: the control port P+1 and 8 ports to grant."""
+AUTO_GRANTS = 8
+"""``--relay-ports auto``: the peers a volunteer relays at most, each on any free port."""
 
 PROBE_TIMEOUT_S = 15.0
 PROBE_THREADS = 4
 
 
-def relay_ports(flag: str, port: int) -> tuple[range | None, str]:
+def relay_ports(flag: str) -> tuple[list[int] | None, str]:
     """The ports ``--relay-ports`` asks for (the first is the control port, the others are
-    granted) and, when none, why: ``none`` opts out; ``auto`` takes the ``AUTO_PORTS`` after a
-    fixed ``--port``; ``FIRST-LAST`` names them. A ConfigError for anything else."""
-    text = flag.strip().lower()
-    if text == "auto":
-        if not port:
-            return None, "no fixed --port to put it beside (give --port, or --relay-ports FIRST-LAST)"
-        if port + AUTO_PORTS > 65535:
-            return None, f"no room for {AUTO_PORTS} ports after --port {port}"
-        return range(port + 1, port + 1 + AUTO_PORTS), ""
+    granted; 0: any free port) and, when none, why: ``none`` opts out; ``auto`` takes any free
+    ports for a control port and ``AUTO_GRANTS`` grants; ``FIRST-LAST`` names them. A
+    ConfigError for anything else."""
+    if flag.strip().lower() == "auto":
+        return [0] * (1 + AUTO_GRANTS), ""
     ports = parse_port_range(flag)
     if ports is None:
         return None, "--relay-ports none"
     if len(ports) < 2:
         raise ConfigError(f"--relay-ports needs a control port and at least one port to grant, got {flag!r}")
-    return ports, ""
+    return list(ports), ""
 
 
 @dataclass(frozen=True)
@@ -91,26 +91,29 @@ def offer_relay(
     coordinator_key: PublicKey,
     run_digest: str,
     host: str = "0.0.0.0",
-    probe: Callable[[Any, int], tuple[bool, str]] | None = None,
+    probe: Callable[[Any, int], tuple[bool, str, int]] | None = None,
 ) -> RelayOffer:
     """Start this peer's relay on ``ports`` (see ``relay_ports``) if the coordinator behind
-    ``stub`` reaches them: the control port must answer; the ports to grant that do not are
-    left out. Never raises for the network: a relay that cannot run is an ``off`` offer."""
+    ``stub`` reaches them: the control port must answer (0: a free port the system picks, then
+    checked); of the named ports to grant, those it does not reach are left out (0s are not
+    checked: a machine reached on a picked port is reached on any). Never raises for the
+    network: a relay that cannot run is an ``off`` offer."""
     if ports is None:
         return RelayOffer(None, why_not)
     check = probe or _dialled_back
     control, wanted = ports[0], list(ports[1:])
-    reached, why = check(stub, control)
+    reached, why, control = check(stub, control)
     if not reached:
         return RelayOffer(None, f"the coordinator {why}")
+    named = [port for port in wanted if port]
     with ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="relay-probe") as pool:
-        results = list(pool.map(lambda p: check(stub, p), wanted))
-    granted = [port for port, (ok, _) in zip(wanted, results) if ok]
+        reaches = dict(zip(named, (r[0] for r in pool.map(lambda p: check(stub, p), named))))
+    granted = [port for port in wanted if reaches.get(port, True)]
     if not granted:
         return RelayOffer(
             None, f"the coordinator reaches its control port {control} but none of {describe_ports(wanted)}"
         )
-    closed = [port for port, (ok, _) in zip(wanted, results) if not ok]
+    closed = [port for port in wanted if not reaches.get(port, True)]
     relay = Relay(
         host=host,
         control_port=control,
@@ -123,19 +126,21 @@ def offer_relay(
         relay.stop()
         return RelayOffer(None, f"cannot listen on port {control}: {exc.strerror or exc}")
     note = f"; the coordinator cannot reach {describe_ports(closed)}" if closed else ""
-    return RelayOffer(relay, f"the coordinator reached them{note}", control, tuple(granted))
+    why = "the coordinator reached it" if not named else f"the coordinator reached them{note}"
+    return RelayOffer(relay, why, control, tuple(granted))
 
 
-def _dialled_back(stub: Any, port: int) -> tuple[bool, str]:
-    """Whether the coordinator's dial-back reaches ``port`` of this machine, and what it found."""
+def _dialled_back(stub: Any, port: int) -> tuple[bool, str, int]:
+    """Whether the coordinator's dial-back reaches ``port`` of this machine (0: a free port the
+    system picks), what it found, and the port checked."""
     try:
         greeter = Greeter(port)
     except OSError as exc:
-        return False, f"was not asked: port {port} is taken here ({exc.strerror or exc})"
+        return False, f"was not asked: port {port} is taken here ({exc.strerror or exc})", port
     try:
         seen = ask_dial_back(stub, greeter, timeout_s=PROBE_TIMEOUT_S)
     except grpc.RpcError as exc:
-        return False, f"was not asked: its dial-back failed ({exc.code().name if hasattr(exc, 'code') else exc})"
+        return False, f"was not asked: its dial-back failed ({exc.code().name if hasattr(exc, 'code') else exc})", port
     finally:
         greeter.close()
-    return seen.reached, seen.why
+    return seen.reached, seen.why, greeter.port

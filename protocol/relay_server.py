@@ -13,8 +13,8 @@ connection there is spliced to a connection the peer opened itself (``protocol.r
 libp2p's session (TLS or noise, then yamux) runs end to end through it; the relay sees only
 ciphertext and can neither read nor forge a part.
 
-Caps: a list of ports (one port per peer: their number is the most peers relayed at once), a
-number of connections per port, a deadline for the peer to take each connection. A peer keeps its
+Caps: a list of ports (one port per peer: their number is the most peers relayed at once; 0
+stands for any free port, picked at the grant), a number of connections per port, a deadline for the peer to take each connection. A peer keeps its
 port for ``KEEP_S`` after its control connection drops, so a reconnect keeps its address.
 Thread-safe to start and stop; everything else runs on the relay's own event loop.
 """
@@ -118,8 +118,11 @@ class _Port:
 
 
 def describe_ports(ports: Sequence[int]) -> str:
-    """``7801-7864`` for a run of consecutive ports, else ``7801, 7803``."""
+    """``7801-7864`` for a run of consecutive ports, else ``7801, 7803``; ``any 8 free ports``
+    for 0s."""
     ports = list(ports)
+    if ports and not any(ports):
+        return f"any {len(ports)} free port{'s' if len(ports) > 1 else ''}"
     if ports and ports == list(range(ports[0], ports[0] + len(ports))):
         return f"{ports[0]}-{ports[-1]}" if len(ports) > 1 else str(ports[0])
     return ", ".join(map(str, ports))
@@ -222,9 +225,11 @@ class Relay:
                 held.released.cancel()
                 held.released = None
             return held
+        if len(self._by_peer) >= len(self.ports):
+            raise ValueError(f"the relay has no free port ({len(self.ports)} peers are relayed): try again later")
         taken = {p.port for p in self._by_peer.values()}
         for port in self.ports:
-            if port in taken:
+            if port and port in taken:
                 continue
             box: list[_Port] = []
             try:
@@ -232,6 +237,7 @@ class Relay:
             except OSError as exc:
                 logger.info("relay: port %d is not free (%s)", port, exc)
                 continue
+            port = server.sockets[0].getsockname()[1]  # the one the system picked for 0
             box.append(_Port(peer=peer, port=port, server=server))
             self._by_peer[peer] = box[0]
             return box[0]

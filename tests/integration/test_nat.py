@@ -215,15 +215,19 @@ def test_peers_behind_nat_train_through_a_volunteers_relay_when_the_coordinator_
         assert verdict["status"] == "warn" and verdict["data"]["path"] == "client", verdict  # nobody relays yet
         peers = {"pub": _peer(sim, tmp_path, "pub", coordinator, "-v")}
         line = _wait_for(tmp_path / "pub.log", r"^relay: .*$", 90)
-        assert line.startswith("relay: serving peers nobody can dial on port 7701, granting 7702-7709"), line
-        assert _listed_relays(http, 1) == [f"{sim.ip('pub')}:7701"]
+        served = re.fullmatch(
+            r"relay: serving peers nobody can dial on port (\d+), granting any 8 free ports \(.*\)", line
+        )
+        assert served is not None, line
+        relay = f"{sim.ip('pub')}:{served.group(1)}"
+        assert _listed_relays(http, 1) == [relay]
         verdict = _reachability(sim, "p1", coordinator)
         assert verdict["data"]["path"] == "relayed" and "1 volunteers' relays" in verdict["detail"], verdict
         peers |= {name: _peer(sim, tmp_path, name, coordinator) for name in behind}
         for name in behind:
             line = _wait_for(tmp_path / f"{name}.log", r"^network: .*$", 90)
-            assert line.startswith(f"network: relayed at /ip4/{sim.ip('pub')}/tcp/77"), line
-            assert f"a port on the relay of volunteer {sim.ip('pub')}:7701" in line, line
+            assert line.startswith(f"network: relayed at /ip4/{sim.ip('pub')}/tcp/"), line
+            assert f"a port on the relay of volunteer {relay}" in line, line
             relay_line = _wait_for(tmp_path / f"{name}.log", r"^relay: .*$", 30)
             assert relay_line == "relay: off (this peer is relayed, not dialled back directly)", relay_line
         _shown_as_relayed(http, len(behind), coordinator_relay=False)
@@ -231,5 +235,5 @@ def test_peers_behind_nat_train_through_a_volunteers_relay_when_the_coordinator_
     averaged = _averaged_and_agreed(tmp_path, names, rounds)
     assert averaged >= 0.9 * rounds * len(names), f"{averaged} of {rounds * len(names)} peer-rounds averaged"
     held = set(re.findall(r"relay: (\S+) holds port (\d+)", (tmp_path / "pub.log").read_text()))
-    assert len(held) == len(behind) and all(7702 <= int(port) <= 7709 for _, port in held), held
+    assert len(held) == len(behind), held
     assert "holds port" not in (tmp_path / "coordinator.log").read_text()

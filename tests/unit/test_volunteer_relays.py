@@ -79,29 +79,29 @@ def test_listed_relays_that_are_not_host_port_are_left_out() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flag", "port", "ports", "why"),
+    ("flag", "ports", "why"),
     [
-        ("auto", 7700, range(7701, 7710), ""),
-        ("auto", 0, None, "no fixed --port"),
-        ("none", 7700, None, "--relay-ports none"),
-        ("7801-7804", 0, range(7801, 7805), ""),
+        ("auto", [0] * 9, ""),  # any free ports: a control port and 8 to grant
+        ("none", None, "--relay-ports none"),
+        ("7801-7804", [7801, 7802, 7803, 7804], ""),
     ],
 )
-def test_relay_ports_from_the_flag(flag: str, port: int, ports: range | None, why: str) -> None:
-    got, why_not = relay_ports(flag, port)
+def test_relay_ports_from_the_flag(flag: str, ports: list[int] | None, why: str) -> None:
+    got, why_not = relay_ports(flag)
     assert got == ports and why in why_not
 
 
 @pytest.mark.parametrize("flag", ["7801", "7801-7801", "9-1", "0-5", "lots"])
 def test_a_bad_relay_ports_flag_is_refused(flag: str) -> None:
     with pytest.raises(ConfigError, match="--relay-ports"):
-        relay_ports(flag, 7700)
+        relay_ports(flag)
 
 
 def test_describe_ports() -> None:
     assert describe_ports([7801, 7802, 7803]) == "7801-7803"
     assert describe_ports([7801, 7803]) == "7801, 7803"
     assert describe_ports([7801]) == "7801"
+    assert describe_ports([0] * 8) == "any 8 free ports"
 
 
 def test_the_relay_admits_the_runs_tokens_only() -> None:
@@ -172,8 +172,8 @@ def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
     control, *grants = _free_ports(4)
     reachable = {control, grants[0], grants[2]}
 
-    def probe(stub: object, port: int) -> tuple[bool, str]:
-        return port in reachable, f"{'reached' if port in reachable else 'cannot reach'} 127.0.0.1:{port}"
+    def probe(stub: object, port: int) -> tuple[bool, str, int]:
+        return port in reachable, f"{'reached' if port in reachable else 'cannot reach'} 127.0.0.1:{port}", port
 
     offer = offer_relay(
         range(control, control + 1),  # a control port and nothing to grant: refused by relay_ports already
@@ -214,3 +214,41 @@ def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
         probe=probe,
     )
     assert off.relay is None and off.describe() == f"off (the coordinator cannot reach 127.0.0.1:{control})"
+
+
+def test_by_default_a_volunteer_relays_on_free_ports_once_its_control_port_is_reached() -> None:
+    coordinator = Identity.generate()
+    asked: list[int] = []
+
+    def probe(stub: object, port: int) -> tuple[bool, str, int]:
+        asked.append(port)
+        picked = _free_ports(1)[0] if port == 0 else port  # as a Greeter on port 0 does
+        return True, f"reached 127.0.0.1:{picked}", picked
+
+    ports, _ = relay_ports("auto")
+    offer = offer_relay(
+        ports,
+        "",
+        stub=None,
+        coordinator_key=coordinator.public_key,
+        run_digest="sha256:run",
+        host="127.0.0.1",
+        probe=probe,
+    )
+    try:
+        assert asked == [0]  # only the control port is checked: the grants take any free port
+        assert offer.relay is not None and offer.control_port != 0
+        assert offer.describe() == (
+            f"serving peers nobody can dial on port {offer.control_port}, granting any 8 free ports "
+            "(the coordinator reached it)"
+        )
+        admitted = issue_token(
+            coordinator, run_digest="sha256:run", peer_key=Identity.generate().public_key, now=time.time(), ttl_s=60
+        ).to_bytes()
+        tunnel, _ = open_first([RelayAddress("127.0.0.1", offer.control_port)], token=lambda: admitted, local_port=1)
+        try:
+            assert tunnel.port not in (0, offer.control_port)  # a port the system picked at the grant
+        finally:
+            tunnel.close()
+    finally:
+        offer.close()
