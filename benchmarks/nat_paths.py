@@ -6,7 +6,8 @@
 
 A coordinator on the public segment, ``--direct`` peers with public addresses and
 ``--relayed`` peers each behind its own NAT router (``benchmarks.netsim``), every host's link
-shaped to ``--rate`` both ways, the demo spec for ``--rounds`` rounds. ``--relay`` says who
+shaped to ``--rate`` both ways, the demo spec for ``--rounds`` rounds, each round's group
+waiting for every peer (``min_group_size``). ``--relay`` says who
 relays: the coordinator (its direct peers run none: ``--relay-ports none``) or the direct peers
 (volunteers' relays; the coordinator runs none). Per path it reports the rounds averaged, the
 mean all-reduce time and bytes per round; and the share of the swarm's averaging traffic that
@@ -81,9 +82,10 @@ def run(
     peers = list(where.places)
     spec = workdir / "spec.toml"
     text = (ROOT / "examples" / "demo.toml").read_text().replace("max_rounds = 12", f"max_rounds = {rounds}")
-    spec.write_text(
-        text.replace("d_model = 64", f"d_model = {d_model}").replace("n_layers = 2", f"n_layers = {n_layers}")
-    )
+    text = text.replace("d_model = 64", f"d_model = {d_model}").replace("n_layers = 2", f"n_layers = {n_layers}")
+    # every round waits for every peer: the paths are compared in the same rounds, and no peer
+    # joins a swarm already running (a join is a download of the state: another measurement)
+    spec.write_text(text.replace("min_group_size = 2", f"min_group_size = {len(peers)}"))
     if where.name == "lab":
         sim_kwargs: dict[str, Any] = {"nat": {h: Nat() for h, place in where.places.items() if place == "home"}}
     else:
