@@ -32,8 +32,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netsim import Nat, NotRootError, WanSim
-from benchmarks.topologies import PEER_PORT, TOPOLOGIES, Topology, rtt_ms, topology
+from benchmarks.netsim import NotRootError, WanSim
+from benchmarks.topologies import PEER_PORT, TOPOLOGIES, Topology, lab, rtt_ms, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 SW = [sys.executable, "-m", "swarmtrain"]
@@ -46,14 +46,6 @@ def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
             return
         time.sleep(0.5)
     raise RuntimeError(f"{log} never printed {pattern!r}")
-
-
-def lab(n_direct: int, n_relayed: int) -> Topology:
-    """The plain lab: ``n_direct`` peers with public addresses, ``n_relayed`` each behind its own
-    NAT router, every link at the same rate and no added delay."""
-    places: dict[str, Any] = {f"d{i}": "datacenter" for i in range(n_direct)}
-    places |= {f"r{i}": "home" for i in range(n_relayed)}
-    return Topology("lab", places)
 
 
 def _wait_for_relays(http: str, n: int, deadline_s: float = 120.0) -> None:
@@ -86,11 +78,7 @@ def run(
     # every round waits for every peer: the paths are compared in the same rounds, and no peer
     # joins a swarm already running (a join is a download of the state: another measurement)
     spec.write_text(text.replace("min_group_size = 2", f"min_group_size = {len(peers)}"))
-    if where.name == "lab":
-        sim_kwargs: dict[str, Any] = {"nat": {h: Nat() for h, place in where.places.items() if place == "home"}}
-    else:
-        sim_kwargs = where.sim_kwargs()
-    with WanSim(where.hosts, rate=rate, prefix="natb", subnet="10.79.9.0/24", **sim_kwargs) as sim:
+    with WanSim(where.hosts, rate=rate, prefix="natb", subnet="10.79.9.0/24", **where.sim_kwargs()) as sim:
         host = sim.ip("coord")
         argv = [*SW, "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator"), "--host", host]
         argv += ["--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]

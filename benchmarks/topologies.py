@@ -51,16 +51,21 @@ class Topology:
     """Each peer host's place (the coordinator, ``coord``, is in a datacenter)."""
     announce_ports: dict[str, int] = field(default_factory=dict)
     """Rented peers: the external port their router maps to ``PEER_PORT``."""
+    shaped: bool = True
+    """Whether each place's link rate and delay apply (else: one rate for all, set by the
+    caller, and no delay)."""
 
     @property
     def hosts(self) -> list[str]:
         return ["coord", *self.places]
 
     def sim_kwargs(self) -> dict[str, object]:
-        """``WanSim`` keyword arguments: rates, delays and NAT routers per host."""
+        """``WanSim`` keyword arguments: rates, delays (when ``shaped``) and NAT routers per host."""
         where: dict[str, Place] = {"coord": "datacenter", **self.places}
         nat = {host: Nat() for host, place in self.places.items() if place == "home"}
         nat |= {host: Nat(forwards={port: PEER_PORT}) for host, port in self.announce_ports.items()}
+        if not self.shaped:
+            return {"nat": nat}
         return {
             "rates": {host: PLACES[place][0] for host, place in where.items()},
             "delays": {host: PLACES[place][1] for host, place in where.items()},
@@ -79,6 +84,14 @@ def topology(name: str, peers: int) -> Topology:
     places: dict[str, Place] = {f"p{i}": order[min(i, len(order) - 1)] for i in range(peers)}
     mapped = {host: MAPPED_BASE + i for i, (host, place) in enumerate(places.items()) if place == "rented"}
     return Topology(name, places, mapped)
+
+
+def lab(n_direct: int, n_relayed: int) -> Topology:
+    """The plain lab: ``n_direct`` peers with public addresses (``d0``, ...), ``n_relayed``
+    each behind its own NAT router (``r0``, ...), every link at one rate, no added delay."""
+    places: dict[str, Place] = {f"d{i}": "datacenter" for i in range(n_direct)}
+    places |= {f"r{i}": "home" for i in range(n_relayed)}
+    return Topology("lab", places, shaped=False)
 
 
 def rtt_ms(a: Place, b: Place) -> float:

@@ -45,15 +45,13 @@ from protocol.errors import AdmissionError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage
 from protocol.modelsize import task_flops_per_sample
-from protocol.relay_server import RelayStats
+from protocol.relay_server import MAX_RELAYS_LISTED, RelayStats
 from protocol.spec import RunSpec
 from protocol.tokens import issue_token
 
 logger = logging.getLogger(__name__)
 
 MAX_LOCAL_RANKS = 64
-MAX_RELAYS_LISTED = 8
-"""Volunteers' relays a join answer lists (``JoinResponse.relays``)."""
 """A node says how many local ranks it runs; more than this is not one machine."""
 
 _PHASES = {

@@ -21,12 +21,13 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from coordinator.core import MAX_RELAYS_LISTED, Coordinator
+from coordinator.core import Coordinator
 from coordinator.probe import ProbeLimitError, Prober
 from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.errors import AdmissionError, MalformedMessageError, VerificationError, WrongRunError
+from protocol.relay_server import MAX_RELAYS_LISTED
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -89,18 +89,15 @@ CHANNEL_OPTIONS = [
 ]
 
 
-MAX_RELAYS = 8
-"""Volunteers' relays taken from a join answer."""
-
-
 def _relays(listed: Sequence[str]) -> tuple[tuple[str, int], ...]:
-    """The ``HOST:PORT`` entries of a join answer's relays, at most ``MAX_RELAYS``; the rest
-    (malformed: the coordinator is not trusted to send well-formed input) are logged and
+    """The ``HOST:PORT`` entries of a join answer's relays, at most ``MAX_RELAYS_LISTED``; the
+    rest (malformed: the coordinator is not trusted to send well-formed input) are logged and
     left out."""
     from peer.announce import parse_host_port
+    from protocol.relay_server import MAX_RELAYS_LISTED
 
     relays: list[tuple[str, int]] = []
-    for entry in listed[:MAX_RELAYS]:
+    for entry in listed[:MAX_RELAYS_LISTED]:
         try:
             relays.append(parse_host_port(entry, what="a relay in the join answer"))
         except ConfigError as exc:

@@ -14,8 +14,9 @@ libp2p's session (TLS or noise, then yamux) runs end to end through it; the rela
 ciphertext and can neither read nor forge a part.
 
 Caps: a list of ports (one port per peer: their number is the most peers relayed at once; 0
-stands for any free port, picked at the grant), a number of connections per port, a deadline for the peer to take each connection. A peer keeps its
-port for ``KEEP_S`` after its control connection drops, so a reconnect keeps its address.
+stands for any free port, picked at the grant), a number of connections per port, a deadline
+for the peer to take each connection. A peer keeps its port for ``KEEP_S`` after its control
+connection drops, so a reconnect keeps its address.
 Thread-safe to start and stop; everything else runs on the relay's own event loop.
 """
 
@@ -53,6 +54,9 @@ PING_S = 15.0
 IDLE_S = 60.0
 KEEP_S = 60.0
 MAX_CONNS_PER_PORT = 64
+MAX_RELAYS_LISTED = 8
+"""Volunteers' relays a coordinator's join answer lists (``JoinResponse.relays``), and the most
+a peer takes from one."""
 
 Admit = Callable[[bytes], str]
 """Checks a peer's access token; returns its public id, raises ``ValueError`` saying why not."""

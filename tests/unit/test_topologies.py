@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.netsim import Nat
-from benchmarks.topologies import MAPPED_BASE, PEER_PORT, rtt_ms, topology
+from benchmarks.topologies import MAPPED_BASE, PEER_PORT, lab, rtt_ms, topology
 
 
 def test_mixed_puts_one_peer_in_a_datacenter_one_on_a_rented_gpu_and_the_rest_at_home() -> None:
@@ -48,3 +48,9 @@ def test_every_peer_of_rented_gpu_has_its_own_mapped_port() -> None:
 def test_bad_topologies_are_refused(name: str, peers: int, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         topology(name, peers)
+
+
+def test_the_plain_lab_puts_nat_routers_only_and_leaves_rate_and_delay_to_the_caller() -> None:
+    where = lab(2, 2)
+    assert where.hosts == ["coord", "d0", "d1", "r0", "r1"]
+    assert where.sim_kwargs() == {"nat": {"r0": Nat(), "r1": Nat()}}

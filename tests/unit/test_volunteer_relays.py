@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,8 +17,9 @@ from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
 from coordinator.store import Store, sqlite_url
 from peer.coordinator_client import _relays
+from peer.network_path import Coordinated
 from peer.relay_client import RelayAddress, RelayError, open_first
-from peer.relay_service import offer_relay, relay_ports
+from peer.relay_service import RelayOffer, offer_relay, relay_ports
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import ConfigError, MalformedMessageError
@@ -29,6 +30,7 @@ from protocol.spec import parse_spec
 from protocol.tokens import issue_token
 
 SPEC = '[run]\nname = "relays"\n'
+Probe = Callable[[object, int], tuple[bool, str, int]]
 
 
 @pytest.fixture
@@ -145,6 +147,18 @@ def _relay(admit_prefix: bytes) -> Relay:
     return relay
 
 
+def test_a_peer_asks_the_volunteers_relays_before_the_coordinators() -> None:
+    coordinated = Coordinated(
+        address="203.0.113.1:7500", stub=None, relay_port=7800, token=lambda: b"", relays=(("198.51.100.7", 41000),)
+    )
+    assert [(r.host, r.port, r.whose) for r in coordinated.relay_addresses()] == [
+        ("198.51.100.7", 41000, "the relay of volunteer 198.51.100.7:41000"),
+        ("203.0.113.1", 7800, "the coordinator's relay"),
+    ]
+    alone = Coordinated(address="203.0.113.1:7500", stub=None, relay_port=0, token=lambda: b"")
+    assert alone.relay_addresses() == []  # a client, then
+
+
 def test_a_peer_takes_a_port_on_the_first_relay_that_grants_one() -> None:
     refusing, granting = _relay(b"other-"), _relay(b"ok-")
     gone = _free_ports(1)[0]
@@ -167,26 +181,9 @@ def test_a_peer_takes_a_port_on_the_first_relay_that_grants_one() -> None:
         granting.stop()
 
 
-def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
-    coordinator = Identity.generate()
-    control, *grants = _free_ports(4)
-    reachable = {control, grants[0], grants[2]}
-
-    def probe(stub: object, port: int) -> tuple[bool, str, int]:
-        return port in reachable, f"{'reached' if port in reachable else 'cannot reach'} 127.0.0.1:{port}", port
-
-    offer = offer_relay(
-        range(control, control + 1),  # a control port and nothing to grant: refused by relay_ports already
-        "",
-        stub=None,
-        coordinator_key=coordinator.public_key,
-        run_digest="sha256:run",
-        host="127.0.0.1",
-        probe=probe,
-    )
-    assert offer.relay is None and "none of" in offer.why
-    ports = [control, *grants]
-    offer = offer_relay(
+def _offer(ports: Sequence[int], coordinator: Identity, probe: Probe) -> RelayOffer:
+    """``offer_relay`` on loopback, the coordinator's dial-back answered by ``probe``."""
+    return offer_relay(
         ports,
         "",
         stub=None,
@@ -195,6 +192,21 @@ def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
         host="127.0.0.1",
         probe=probe,
     )
+
+
+def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
+    coordinator = Identity.generate()
+    control, *grants = _free_ports(4)
+    reachable = {control, grants[0], grants[2]}
+
+    def probe(stub: object, port: int) -> tuple[bool, str, int]:
+        return port in reachable, f"{'reached' if port in reachable else 'cannot reach'} 127.0.0.1:{port}", port
+
+    # a control port and nothing to grant (relay_ports refuses that flag already)
+    offer = _offer(range(control, control + 1), coordinator, probe)
+    assert offer.relay is None and "none of" in offer.why
+    ports = [control, *grants]
+    offer = _offer(ports, coordinator, probe)
     try:
         assert offer.relay is not None and offer.control_port == control
         assert offer.granted == (grants[0], grants[2]) and f"cannot reach {grants[1]}" in offer.why
@@ -204,15 +216,7 @@ def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
     finally:
         offer.close()
     reachable.discard(control)
-    off = offer_relay(
-        ports,
-        "",
-        stub=None,
-        coordinator_key=coordinator.public_key,
-        run_digest="sha256:run",
-        host="127.0.0.1",
-        probe=probe,
-    )
+    off = _offer(ports, coordinator, probe)
     assert off.relay is None and off.describe() == f"off (the coordinator cannot reach 127.0.0.1:{control})"
 
 
@@ -226,15 +230,7 @@ def test_by_default_a_volunteer_relays_on_free_ports_once_its_control_port_is_re
         return True, f"reached 127.0.0.1:{picked}", picked
 
     ports, _ = relay_ports("auto")
-    offer = offer_relay(
-        ports,
-        "",
-        stub=None,
-        coordinator_key=coordinator.public_key,
-        run_digest="sha256:run",
-        host="127.0.0.1",
-        probe=probe,
-    )
+    offer = _offer(ports, coordinator, probe)
     try:
         assert asked == [0]  # only the control port is checked: the grants take any free port
         assert offer.relay is not None and offer.control_port != 0
