@@ -137,7 +137,7 @@ def _carried(log: Path) -> int:
 def _relayed_via(log: Path) -> str:
     """Whose relay a relayed peer's network line names ("" when it was not relayed)."""
     found = re.search(
-        r"^network: relayed at \S+ \(.*; a port on (.*)\)$", log.read_text() if log.exists() else "", re.M
+        r"^network: relayed at .+? \(.*; a port on (.*)\)$", log.read_text() if log.exists() else "", re.M
     )
     return found.group(1) if found else ""
 

@@ -539,10 +539,10 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: N
 
 
 def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None) -> None:
-    """A renewed access token goes to the swarm's membership record and to the relay tunnel."""
+    """A renewed access token goes to the swarm's membership record and to the relays it holds ports on."""
     swarm.publish_membership(token)
-    if path is not None and path.tunnel is not None:
-        path.tunnel.use_token(token)
+    if path is not None:
+        path.use_token(token)
 
 
 def _link_to_coordinator(
@@ -748,8 +748,7 @@ def _announce(
     own += [f"compile {args.compile}"] if args.compile else []
     if own:
         print(f"this peer computes with {' and '.join(own)} (the run's step, its own memory and speed)", flush=True)
-    announce = path.announce if path is not None else None
-    if announce is not None:
+    for announce in path.announced if path is not None else ():
         print(f"announcing: {announce.maddr} (from {announce.source}; listening on port {args.port})", flush=True)
     if path is not None:
         print(f"network: {path.describe()}", flush=True)

@@ -4,11 +4,12 @@
   advertises that address only.
 - **direct**: the coordinator dialled this machine back on its port (``peer.dial_back``), or
   the run has no coordinator to ask (the addresses the daemon sees are advertised).
-- **relayed**: the dial-back failed (NAT, firewall) and a relay grants it a port: a
-  volunteer's (the coordinator lists the relays of reachable peers, ``peer.relay_service``,
-  tried first) or the coordinator's. The peer holds a public port there
-  (``peer.relay_client``) and announces it. It is a full member: it leads, reduces its part and
-  serves state like any other; its traffic crosses the relay's host twice.
+- **relayed**: the dial-back failed (NAT, firewall) and relays grant it ports: volunteers'
+  (the coordinator lists the relays of reachable peers, ``peer.relay_service``, tried first)
+  or the coordinator's. The peer holds a public port on up to ``RELAYS_HELD`` of them, on
+  different hosts (``peer.relay_client``), and announces them all: when one relay leaves, the
+  others dial it at the next. It is a full member: it leads, reduces its part and serves state
+  like any other; its traffic crosses a relay's host twice.
 - **client**: ``--client-mode``, or nobody can dial it and no relay grants it a port: it sends
   its parts and receives the averages over connections it opens, and never reduces or leads.
 """
@@ -25,7 +26,7 @@ import grpc
 
 from peer.announce import Announced, announced, parse_host_port
 from peer.dial_back import Greeter, ask_dial_back
-from peer.relay_client import RelayAddress, RelayError, RelayTunnel, open_first
+from peer.relay_client import RelayAddress, RelayError, RelayTunnel, open_several
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,10 @@ class NetworkPath:
     why: str
     port: int
     """The port the daemon listens on."""
-    announce: Announced | None = None
-    tunnel: RelayTunnel | None = None
+    announced: tuple[Announced, ...] = ()
+    """What the daemon advertises instead of the addresses it sees (none: those)."""
+    tunnels: tuple[RelayTunnel, ...] = ()
+    """A relayed peer's ports on relays, one per address in ``announced``."""
     dialled_back: bool = False
     """Whether the coordinator reached ``port`` (a direct peer that may relay for others)."""
 
@@ -53,17 +56,22 @@ class NetworkPath:
     def dht_kwargs(self) -> dict[str, Any] | None:
         """What the DHT's daemon is started with: an announced address is the only one it
         advertises, and it is reachable there whatever AutoNAT guesses."""
-        if self.announce is None:
+        if not self.announced:
             return None
-        return {"announce_maddrs": [self.announce.maddr], "force_reachability": "public"}
+        return {"announce_maddrs": [a.maddr for a in self.announced], "force_reachability": "public"}
 
     def describe(self) -> str:
-        where = f" at {self.announce.maddr}" if self.announce is not None else ""
+        where = f" at {' and '.join(a.maddr for a in self.announced)}" if self.announced else ""
         return f"{self.kind}{where} ({self.why})"
 
+    def use_token(self, token: bytes) -> None:
+        """A renewed access token for the relays (they refuse an expired one on a reconnect)."""
+        for tunnel in self.tunnels:
+            tunnel.use_token(token)
+
     def close(self) -> None:
-        if self.tunnel is not None:
-            self.tunnel.close()
+        for tunnel in self.tunnels:
+            tunnel.close()
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ def choose_path(
     mapped = announced(announce, port=port, env=env)
     if mapped is not None:
         checked = _cross_check(mapped, port, coordinated) if coordinated is not None else ""
-        return NetworkPath("announced", f"from {mapped.source}{checked}", port, announce=mapped)
+        return NetworkPath("announced", f"from {mapped.source}{checked}", port, announced=(mapped,))
     if coordinated is None:
         return NetworkPath("direct", "no coordinator to ask for a dial-back", port)
     port = port or free_port()
@@ -132,12 +140,13 @@ def choose_path(
     if not relays:
         return NetworkPath("client", f"the coordinator {seen.why}, runs no relay and lists none", port)
     try:
-        tunnel, relay = open_first(relays, token=coordinated.token, local_port=port, local_host=local_host)
+        held = open_several(relays, token=coordinated.token, local_port=port, local_host=local_host)
     except RelayError as exc:
         return NetworkPath("client", f"the coordinator {seen.why}, and no relay granted a port: {exc}", port)
-    relayed = Announced(host=relay.host, port=tunnel.port, source=relay.whose)
-    why = f"the coordinator {seen.why}; a port on {relay.whose}"
-    return NetworkPath("relayed", why, port, announce=relayed, tunnel=tunnel)
+    relayed = tuple(Announced(host=relay.host, port=tunnel.port, source=relay.whose) for tunnel, relay in held)
+    why = f"the coordinator {seen.why}; a port on {' and '.join(relay.whose for _, relay in held)}"
+    tunnels = tuple(tunnel for tunnel, _ in held)
+    return NetworkPath("relayed", why, port, announced=relayed, tunnels=tunnels)
 
 
 def _cross_check(mapped: Announced, port: int, coordinated: Coordinated) -> str:

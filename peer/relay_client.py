@@ -50,13 +50,30 @@ class RelayAddress:
     """Who runs it, as the peer's network line says it."""
 
 
-def open_first(
-    relays: Sequence[RelayAddress], *, token: Callable[[], bytes], local_port: int, local_host: str = "127.0.0.1"
-) -> tuple[RelayTunnel, RelayAddress]:
-    """A tunnel holding a port on the first of ``relays`` that grants one, and that relay;
-    ``RelayError`` saying why each one failed when none does."""
-    failures = []
+RELAYS_HELD = 2
+"""How many relays a relayed peer holds a port on and announces at once: when one relay leaves
+(its volunteer stopped, its machine vanished), the others dial the peer at the next address its
+daemon announced, with no restart. libp2p's auto-relay keeps several reservations for the same reason."""
+
+
+def open_several(
+    relays: Sequence[RelayAddress],
+    *,
+    token: Callable[[], bytes],
+    local_port: int,
+    local_host: str = "127.0.0.1",
+    count: int = RELAYS_HELD,
+) -> list[tuple[RelayTunnel, RelayAddress]]:
+    """Tunnels holding a port on each of the first ``count`` of ``relays`` that grant one, on
+    different hosts (two relays on one host fail together), with their relays, in ``relays``'s
+    order; ``RelayError`` saying why each one failed when none does."""
+    failures: list[str] = []
+    held: list[tuple[RelayTunnel, RelayAddress]] = []
     for relay in relays:
+        if len(held) == count:
+            break
+        if any(relay.host == other.host for _, other in held):
+            continue
         tunnel = RelayTunnel(relay, token=token, local_port=local_port, local_host=local_host)
         try:
             tunnel.open()
@@ -64,8 +81,10 @@ def open_first(
             logger.info("%s: %s", relay.whose, exc)
             failures.append(str(exc))
             continue
-        return tunnel, relay
-    raise RelayError("; ".join(failures) if failures else "no relay to ask")
+        held.append((tunnel, relay))
+    if not held:
+        raise RelayError("; ".join(failures) if failures else "no relay to ask")
+    return held
 
 
 class RelayTunnel:

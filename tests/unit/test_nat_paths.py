@@ -27,6 +27,13 @@ def test_the_path_and_the_relay_come_from_the_peers_own_lines(tmp_path: Path) ->
     assert _path(relayed) == "relayed"
     assert _relayed_via(relayed) == "the relay of volunteer 10.0.0.3:38623"
     assert _carried(relayed) == 0
+    twice = _log(
+        tmp_path,
+        "r1",
+        "network: relayed at /ip4/10.0.0.3/tcp/41234 and /ip4/10.0.0.4/tcp/40001 (the coordinator cannot reach "
+        "10.0.0.6:7700 (refused); a port on the relay of volunteer 10.0.0.3:38623 and the coordinator's relay)\n",
+    )
+    assert _relayed_via(twice) == "the relay of volunteer 10.0.0.3:38623 and the coordinator's relay"
     volunteer = _log(
         tmp_path,
         "d0",

@@ -18,7 +18,7 @@ from coordinator.http.metrics import render_metrics
 from coordinator.store import Store, sqlite_url
 from peer.coordinator_client import _relays
 from peer.network_path import Coordinated
-from peer.relay_client import RelayAddress, RelayError, open_first
+from peer.relay_client import RelayAddress, RelayError, open_several
 from peer.relay_service import RelayOffer, offer_relay, relay_ports
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
@@ -136,13 +136,13 @@ def _free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def _relay(admit_prefix: bytes) -> Relay:
+def _relay(admit_prefix: bytes, host: str = "127.0.0.1") -> Relay:
     def admit(token: bytes) -> str:
         if not token.startswith(admit_prefix):
             raise ValueError("not a valid access token of this run")
         return token.decode()
 
-    relay = Relay(host="127.0.0.1", control_port=0, ports=_free_ports(1), admit=admit)
+    relay = Relay(host=host, control_port=0, ports=_free_ports(1), admit=admit)
     relay.control_port = relay.start()
     return relay
 
@@ -159,26 +159,40 @@ def test_a_peer_asks_the_volunteers_relays_before_the_coordinators() -> None:
     assert alone.relay_addresses() == []  # a client, then
 
 
-def test_a_peer_takes_a_port_on_the_first_relay_that_grants_one() -> None:
-    refusing, granting = _relay(b"other-"), _relay(b"ok-")
+def test_a_peer_holds_ports_on_the_first_two_relays_that_grant_one_on_different_hosts() -> None:
+    refusing, first, same_host, second = (
+        _relay(b"other-", "127.0.0.2"),
+        _relay(b"ok-", "127.0.0.3"),
+        _relay(b"ok-", "127.0.0.3"),
+        _relay(b"ok-", "127.0.0.4"),
+    )
     gone = _free_ports(1)[0]
+    relays = [
+        RelayAddress("127.0.0.5", gone, whose="volunteer A"),
+        RelayAddress("127.0.0.2", refusing.control_port, whose="volunteer B"),
+        RelayAddress("127.0.0.3", first.control_port, whose="volunteer C"),
+        RelayAddress("127.0.0.3", same_host.control_port, whose="volunteer C's neighbour"),
+        RelayAddress("127.0.0.4", second.control_port, whose="the coordinator's relay"),
+    ]
     try:
-        relays = [
-            RelayAddress("127.0.0.1", gone, whose="volunteer A"),
-            RelayAddress("127.0.0.1", refusing.control_port, whose="volunteer B"),
-            RelayAddress("127.0.0.1", granting.control_port, whose="the coordinator's relay"),
-        ]
-        tunnel, relay = open_first(relays, token=lambda: b"ok-peer", local_port=1)
+        held = open_several(relays, token=lambda: b"ok-peer", local_port=1)
         try:
-            assert relay.whose == "the coordinator's relay" and tunnel.port == granting.ports[0]
+            assert [(relay.whose, tunnel.port) for tunnel, relay in held] == [
+                ("volunteer C", first.ports[0]),
+                ("the coordinator's relay", second.ports[0]),  # C's neighbour shares its host: skipped
+            ]
         finally:
-            tunnel.close()
+            for tunnel, _ in held:
+                tunnel.close()
+        only = open_several(relays, token=lambda: b"ok-peer", local_port=1, count=1)
+        assert [relay.whose for _, relay in only] == ["volunteer C"]
+        only[0][0].close()
         with pytest.raises(RelayError, match="refused this peer") as refused:
-            open_first(relays[:2], token=lambda: b"ok-peer", local_port=1)
-        assert f"127.0.0.1:{gone}" in str(refused.value)  # each failure is said
+            open_several(relays[:2], token=lambda: b"ok-peer", local_port=1)
+        assert f"127.0.0.5:{gone}" in str(refused.value)  # each failure is said
     finally:
-        refusing.stop()
-        granting.stop()
+        for relay in (refusing, first, same_host, second):
+            relay.stop()
 
 
 def _offer(ports: Sequence[int], coordinator: Identity, probe: Probe) -> RelayOffer:
@@ -241,7 +255,9 @@ def test_by_default_a_volunteer_relays_on_free_ports_once_its_control_port_is_re
         admitted = issue_token(
             coordinator, run_digest="sha256:run", peer_key=Identity.generate().public_key, now=time.time(), ttl_s=60
         ).to_bytes()
-        tunnel, _ = open_first([RelayAddress("127.0.0.1", offer.control_port)], token=lambda: admitted, local_port=1)
+        ((tunnel, _),) = open_several(
+            [RelayAddress("127.0.0.1", offer.control_port)], token=lambda: admitted, local_port=1
+        )
         try:
             assert tunnel.port not in (0, offer.control_port)  # a port the system picked at the grant
         finally:
