@@ -1,8 +1,8 @@
 """Relayed against direct members of one swarm, on the same links (the NAT lab).
 
     sudo python -m benchmarks.nat_paths [--rounds 8] [--rate 100mbit] [--direct 2] [--relayed 2]
-        [--relay coordinator|volunteers]
-    sudo python -m benchmarks.nat_paths --topology mixed --peers 4 [--relay ...]
+        [--relay coordinator|volunteers] [--hole-punch on|off]
+    sudo python -m benchmarks.nat_paths --topology mixed --peers 4 [--relay ...] [--hole-punch ...]
 
 A coordinator on the public segment, ``--direct`` peers with public addresses and
 ``--relayed`` peers each behind its own NAT router (``benchmarks.netsim``), every host's link
@@ -15,7 +15,10 @@ crossed a relay (the coordinator's ``swarmtrain_relay_bytes``, or the volunteers
 carried N bytes" lines, over the bytes every member sent and received). With ``--topology``
 the hosts sit where a named topology puts them (``benchmarks.topologies``: home NAT, rented GPUs
 with port mappings, datacenters, with their rates and delays) and each peer's path is the one
-its ``network:`` line names. Writes ``benchmarks/results/nat-paths-DATE[-TOPOLOGY][-volunteers].{md,json}``.
+its ``network:`` line names. With ``--hole-punch on`` the peers hole-punch direct connections
+to relayed peers (``peer.puncher``); the punched connections and the bytes they carried come
+from the peers' lines at exit. Writes
+``benchmarks/results/nat-paths-DATE[-TOPOLOGY][-volunteers][-punched].{md,json}``.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def run(
     d_model: int = 64,
     n_layers: int = 2,
     relay: str = "coordinator",
+    hole_punch: bool = False,
 ) -> dict[str, Any]:
     peers = list(where.places)
     spec = workdir / "spec.toml"
@@ -98,6 +102,7 @@ def run(
             argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
             argv += ["--metrics-file", str(workdir / f"{name}.jsonl")]
             argv += ["--relay-ports", "none"] if relay == "coordinator" else []
+            argv += ["--hole-punch"] if hole_punch else []
             log = (workdir / f"{name}.log").open("w")
             procs[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
         relay_bytes = 0.0
@@ -119,6 +124,10 @@ def run(
     result["topology"] = where.name
     result["places"] = where.places
     result["relayed_via"] = {name: _relayed_via(workdir / f"{name}.log") for name in peers if paths[name] == "relayed"}
+    result["hole_punch"] = hole_punch
+    punched = [_punched(workdir / f"{name}.log") for name in peers]
+    result["punched_connections"] = sum(direct for direct, _ in punched)
+    result["punched_bytes"] = sum(carried for _, carried in punched)
     return result
 
 
@@ -132,6 +141,19 @@ def _carried(log: Path) -> int:
     """The bytes a volunteer's relay carried, from its last line (0 when it ran none)."""
     found = re.findall(r"^relay: carried ([0-9,]+) bytes", log.read_text() if log.exists() else "", re.M)
     return int(found[-1].replace(",", "")) if found else 0
+
+
+def _punched(log: Path) -> tuple[int, int]:
+    """(direct connections this peer asked for and got, bytes carried directly both by those and
+    by the punches it answered), from its lines at exit."""
+    text = log.read_text() if log.exists() else ""
+    asked = re.findall(r"^hole punch: asked \d+, (\d+) direct, .*\(carried ([0-9,]+) bytes directly\)$", text, re.M)
+    answered = re.findall(r"^hole punch: answered \d+ \(carried ([0-9,]+) bytes directly\)$", text, re.M)
+    direct = int(asked[-1][0]) if asked else 0
+    carried = (int(asked[-1][1].replace(",", "")) if asked else 0) + (
+        int(answered[-1].replace(",", "")) if answered else 0
+    )
+    return direct, carried
 
 
 def _relayed_via(log: Path) -> str:
@@ -213,6 +235,13 @@ def _markdown(result: dict[str, Any]) -> str:
         else "No traffic measured.",
         "",
     ]
+    if "hole_punch" in result:
+        lines += [
+            f"Hole punching {'on (--hole-punch)' if result['hole_punch'] else 'off'}: "
+            f"{result['punched_connections']} punched connections, {result['punched_bytes']:,} bytes carried over "
+            "them (counted at both ends: each byte twice).",
+            "",
+        ]
     via = {name: whose for name, whose in result.get("relayed_via", {}).items() if whose}
     if via:
         lines += ["Relayed through: " + "; ".join(f"{name}: {whose}" for name, whose in sorted(via.items())), ""]
@@ -241,17 +270,25 @@ def main(argv: list[str] | None = None) -> int:
         "--topology", choices=sorted(TOPOLOGIES), default=None, help="a named topology instead of --direct/--relayed"
     )
     parser.add_argument("--peers", type=int, default=4, help="peers of --topology")
+    parser.add_argument(
+        "--hole-punch",
+        choices=("on", "off"),
+        default="off",
+        help="on: peers hole-punch to relayed peers (--hole-punch)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/swarmtrain-nat-paths"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:
         where = topology(args.topology, args.peers) if args.topology else lab(args.direct, args.relayed)
-        result = run(args.rounds, args.rate, where, args.workdir, args.d_model, args.n_layers, args.relay)
+        punch = args.hole_punch == "on"
+        result = run(args.rounds, args.rate, where, args.workdir, args.d_model, args.n_layers, args.relay, punch)
     except NotRootError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     suffix = (f"-{args.topology}" if args.topology else "") + ("-volunteers" if args.relay == "volunteers" else "")
+    suffix += "-punched" if args.hole_punch == "on" else ""
     stem = args.out / f"nat-paths-{date.today()}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(_markdown(result))

@@ -10,7 +10,8 @@ the host's public address on the simulator's bridge::
 The router masquerades everything the host sends out (Linux's masquerade keeps the source port
 where it is free, i.e. an endpoint-independent mapping with filtering per connection, as most
 home routers do); nothing from outside reaches the host unless a ``forwards`` entry maps a
-public TCP port of the router to a port of the host (a port mapping, as vast.ai maps each
+public TCP port of the router to a port of the host, and what reaches neither is dropped
+without an answer (a port mapping, as vast.ai maps each
 container port to a random external one). The rules are nftables'; ``nft`` must be installed.
 """
 
@@ -46,7 +47,9 @@ class Nat:
 
 def nft_ruleset(nat: Nat, *, public_if: str, inner_if: str) -> str:
     """The router's nftables ruleset (``nft -f -``): masquerade out of ``public_if``, each forward
-    DNAT'ed to the host, and a forward chain that lets in only replies and forwarded ports."""
+    DNAT'ed to the host, a forward chain that lets in only replies and forwarded ports, and an
+    input chain that drops whatever else comes from outside, as a home router's firewall does
+    (rather than the kernel answering a connection to a port nobody mapped with a reset)."""
     host = HOST_INNER.ip
     dnat = "".join(
         f'        iifname "{public_if}" tcp dport {ext} counter dnat to {host}:{internal}\n'
@@ -67,6 +70,11 @@ def nft_ruleset(nat: Nat, *, public_if: str, inner_if: str) -> str:
         "        ct state established,related accept\n"
         f'        iifname "{inner_if}" accept\n'
         "        ct status dnat accept\n"
+        "    }\n"
+        "    chain input {\n"
+        "        type filter hook input priority filter; policy accept;\n"
+        f'        iifname "{public_if}" ct state established,related accept\n'
+        f'        iifname "{public_if}" drop\n'
         "    }\n"
         "}\n"
     )

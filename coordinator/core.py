@@ -245,6 +245,7 @@ class Coordinator:
             loss=body.loss if math.isfinite(body.loss) else None,
             state_digest=body.state_digest,
             rounds_failed=body.rounds_failed,
+            punched_peers=body.punched_peers,
         )
         if self.data_slots is not None:
             if body.phase == pb.PEER_PHASE_LEAVING:
@@ -338,6 +339,7 @@ class Coordinator:
                     last_seen=p.last_seen,
                     local_ranks=p.local_ranks,
                     network_path=p.network_path,
+                    punched_peers=p.punched_peers,
                 )
                 for p in snap.peers
             ],

@@ -104,6 +104,8 @@ class PeerHealth:
     rounds_failed: int | None = None
     """Rounds whose averaging failed since the peer's process started, as its latest heartbeat
     said (None before its first heartbeat)."""
+    punched_peers: int = 0
+    """Peers it reached over a hole-punched connection at its latest heartbeat."""
     allreduce_s: float | None = None
     """Seconds the all-reduce of its latest recorded round report took (None before one)."""
     bytes_sent: int = 0
@@ -252,6 +254,7 @@ class HealthTracker:
         loss: float | None,
         state_digest: str = "",
         rounds_failed: int | None = None,
+        punched_peers: int = 0,
     ) -> PeerHealth:
         """Apply a heartbeat's figures and phase; ``UnknownPeerError`` for an unknown key,
         ``ValueError`` naming the field for a malformed value (nothing is changed then).
@@ -263,6 +266,8 @@ class HealthTracker:
         peer failed before are not counted again)."""
         _check_time(now)
         _check_heartbeat(round, phase, samples_per_second, samples_total, loss, state_digest, rounds_failed)
+        if not _is_int(punched_peers) or punched_peers < 0:
+            raise ValueError(f"heartbeat punched_peers must be a non-negative integer, got {punched_peers!r}")
         peer = self._peers.get(key)
         if peer is None:
             raise UnknownPeerError(f"heartbeat from unknown peer {key!r}: join first")
@@ -272,6 +277,7 @@ class HealthTracker:
                 self._rounds_failed_total += rounds_failed - previous if rounds_failed >= previous else rounds_failed
             peer.rounds_failed = int(rounds_failed)
         peer.last_seen = max(peer.last_seen, now)
+        peer.punched_peers = int(punched_peers)
         peer.round, peer.phase, peer.loss, peer.state_digest = int(round), phase, loss, state_digest
         peer.samples_per_second, peer.samples_total = float(samples_per_second), int(samples_total)
         swarm_round = max(self._swarm_round(), peer.round)

@@ -90,8 +90,12 @@ def check_heartbeat(body: pb.HeartbeatBody) -> None:
     _check_range("heartbeat samples_total", body.samples_total, 0, 2**62)
     _check_range("heartbeat samples_per_second", body.samples_per_second, 0, 1e12)
     _check_range("heartbeat rounds_failed", body.rounds_failed, 0, MAX_ROUND)
+    _check_range("heartbeat punched_peers", body.punched_peers, 0, MAX_PUNCHED_PEERS)
     check_text("heartbeat state_digest", body.state_digest)
 
+
+MAX_PUNCHED_PEERS = 100_000
+"""More peers than a run has: a heartbeat that says it reaches more directly is malformed."""
 
 NETWORK_PATHS = ("", "direct", "announced", "relayed", "client")
 """What a peer may say of how it is reached (``peer.network_path``; "" before it knows)."""

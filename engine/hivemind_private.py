@@ -31,12 +31,14 @@ TENSOR_PART_CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
 SERVICER_BASE = "hivemind.p2p.servicer.ServicerBase"
+P2P_DAEMON = "hivemind.p2p.p2p_daemon.P2P"
 
 AVERAGING = "engine/averager.py"
 ALLREDUCE = "engine/allreduce.py"
 GATE = "engine/averager_gate.py"
 STATE = "engine/state_transfer.py"
 BAD_TENSORS = "tests/integration/test_bad_tensors.py"
+PUNCHER = "peer/puncher.py"
 
 
 @dataclass(frozen=True)
@@ -367,5 +369,15 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
             ("_strip_iterator_hint", 'hint._name in ("AsyncIterator", "AsyncIterable")'),
             ("_collect_rpc_handlers", "hints = get_type_hints(method)"),
         ),
+    ),
+    # --- hivemind.p2p.p2p_daemon.P2P: the daemon's control client ---------------------------
+    PrivateUse(
+        P2P_DAEMON,
+        "_client",
+        "instance attribute (read)",
+        f"{PUNCHER} (Puncher._switch)",
+        "The daemon's control client: its disconnect and connect move this peer's connection to a "
+        "relayed peer onto a hole-punched socket (P2P has no public connect or disconnect).",
+        evidence=(("replicate", "self._client = await p2pclient.Client.create("),),
     ),
 )

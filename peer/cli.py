@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from peer.network_path import NetworkPath
     from peer.node import LocalNode
     from peer.node_env import NodeEnv
+    from peer.puncher import Puncher
     from peer.relay_service import RelayOffer
     from peer.swarm import Swarm
     from peer.task import Task
@@ -70,6 +71,12 @@ def add_parser(commands: Any) -> None:
         help="when the coordinator reaches this peer, relay for peers nobody can dial: FIRST is the relay's "
         "port, the others are granted, one per relayed peer (default auto: any free ports, 8 peers at most, "
         "where the coordinator reaches a port the system picks); 'none': no relay",
+    )
+    parser.add_argument(
+        "--hole-punch",
+        action="store_true",
+        help="hole-punch direct connections to the relayed peers this one dials at a relay (experimental: in the "
+        "NAT lab it takes the averaging traffic off the relays but slows the all-reduce)",
     )
     parser.add_argument(
         "--key",
@@ -300,20 +307,27 @@ def run(args: argparse.Namespace) -> int:
         raise
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
+    puncher = None
     try:
         task = plan.task or _build_task(args, joined, compute, plan.shard_seed, plan.model_device)
         built = sum(p.numel() for p in task.model.parameters())
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
         _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path, relay)
-        link = _link_to_coordinator(args, joined, swarm, stop, path, relay)
+        puncher = _puncher(args, joined, swarm, path)
+        link = _link_to_coordinator(args, joined, swarm, stop, path, relay, puncher)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
     finally:
         if link is not None:
             link.stop()
+        if puncher is not None:
+            puncher.close()
+            print(f"hole punch: {puncher.describe()}", flush=True)
         swarm.shutdown()
+        if args.hole_punch:
+            _say_punched(path)
         path.close()
         if relay is not None:
             carried = relay.stats()
@@ -482,6 +496,7 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
         env=os.environ,
         coordinated=coordinated,
         local_host=host,
+        hole_punch=args.hole_punch,
     )
     args.port, args.client_mode = path.port, path.client_mode
     return path
@@ -538,11 +553,44 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: N
     )
 
 
-def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None) -> None:
-    """A renewed access token goes to the swarm's membership record and to the relays it holds ports on."""
+def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Puncher | None = None) -> None:
+    """A renewed access token goes to the swarm's membership record, to the relays it holds
+    ports on, and to the puncher (relays admit punches by token)."""
     swarm.publish_membership(token)
     if path is not None:
         path.use_token(token)
+    if puncher is not None:
+        puncher.use_token(token)
+
+
+def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
+    """Hole punching to the relayed peers this one dials (``peer.puncher``), with
+    ``--hole-punch``: through a coordinator, which lists the relays; not in client mode."""
+    if joined.info is None or args.client_mode or not args.hole_punch:
+        return None
+    from peer.puncher import Puncher
+
+    relays = dict(joined.info.relays)
+    if joined.info.relay_port:
+        relays[parse_host_port(args.coordinator, what="--coordinator")[0]] = joined.info.relay_port
+    info = joined.info
+    puncher = Puncher(
+        swarm.dht,
+        relays=relays,
+        token=lambda: info.access_token,
+        quiet=lambda: not swarm.averaging(),
+        direct=path.direct,
+    )
+    puncher.start()
+    return puncher
+
+
+def _say_punched(path: NetworkPath) -> None:
+    """The punches other peers asked this one for at its relays, at exit."""
+    answered = sum(tunnel.punched for tunnel in path.tunnels)
+    if path.tunnels:
+        carried = sum(tunnel.bytes_punched for tunnel in path.tunnels)
+        print(f"hole punch: answered {answered} (carried {carried:,} bytes directly)", flush=True)
 
 
 def _link_to_coordinator(
@@ -552,6 +600,7 @@ def _link_to_coordinator(
     stop: threading.Event,
     path: NetworkPath | None = None,
     relay: RelayOffer | None = None,
+    puncher: Puncher | None = None,
 ) -> CoordinatorLink | None:
     """Through a coordinator: join again with this peer's swarm addresses (the token now names
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
@@ -568,16 +617,18 @@ def _link_to_coordinator(
         relay_port=relay.control_port if relay is not None else 0,
     )
     admitted = joined.client.join_as(rejoin)
-    _renewed(admitted.access_token, swarm, path)
+    _renewed(admitted.access_token, swarm, path, puncher)
     link = CoordinatorLink(
         joined.client,
         interval_s=joined.info.heartbeat_interval_s,
         rejoin=rejoin,
         on_refused=lambda reason: stop.set(),
         token=admitted.access_token,
-        on_token=lambda token: _renewed(token, swarm, path),
+        on_token=lambda token: _renewed(token, swarm, path, puncher),
         data_slot=joined.slot if joined.spec.data.source == "tokens" else None,
     )
+    if path is not None:
+        link.punched_peers = lambda: len(path.direct)
     link.start()
     print(f"joined through coordinator {args.coordinator}", flush=True)
     return link

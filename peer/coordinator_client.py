@@ -293,6 +293,8 @@ class CoordinatorLink(threading.Thread):
         self._flush_lock = threading.Lock()
         self.phase_of: Callable[[], str] = lambda: "training"
         """The trainer's phase (``peer.trainer.Phase`` value), read at each heartbeat."""
+        self.punched_peers: Callable[[], int] = lambda: 0
+        """Peers reached over a hole-punched connection now (``peer.hole_punch.DirectPaths``)."""
 
     def report(self, metrics: RoundMetrics) -> None:
         """Queue the report of a round the trainer recorded; update the heartbeat figures (a
@@ -315,6 +317,7 @@ class CoordinatorLink(threading.Thread):
         """The next heartbeat: the last round's figures and the trainer's phase now."""
         body = pb.HeartbeatBody()
         body.CopyFrom(self.status)
+        body.punched_peers = self.punched_peers()
         if body.phase in (pb.PEER_PHASE_TRAINING, pb.PEER_PHASE_AVERAGING):
             averaging = self.phase_of() == "averaging"
             body.phase = pb.PEER_PHASE_AVERAGING if averaging else pb.PEER_PHASE_TRAINING

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
 
 from peer.announce import Announced, announced, parse_host_port
 from peer.dial_back import Greeter, ask_dial_back
+from peer.hole_punch import DirectPaths
 from peer.relay_client import RelayAddress, RelayError, RelayTunnel, open_several
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class NetworkPath:
     """What the daemon advertises instead of the addresses it sees (none: those)."""
     tunnels: tuple[RelayTunnel, ...] = ()
     """A relayed peer's ports on relays, one per address in ``announced``."""
+    direct: DirectPaths = field(default_factory=DirectPaths)
+    """Hosts reached over punched connections (``peer.hole_punch``), shared by the tunnels and
+    the puncher."""
     dialled_back: bool = False
     """Whether the coordinator reached ``port`` (a direct peer that may relay for others)."""
 
@@ -114,9 +118,11 @@ def choose_path(
     env: Mapping[str, str],
     coordinated: Coordinated | None,
     local_host: str = "127.0.0.1",
+    hole_punch: bool = False,
 ) -> NetworkPath:
     """The path for a peer started with these flags (see the module's docstring). ``port``: the
-    ``--port`` flag (0: one is picked here when the choice needs a fixed one)."""
+    ``--port`` flag (0: one is picked here when the choice needs a fixed one). ``hole_punch``: a
+    relayed peer answers the punches others ask for (``peer.hole_punch``)."""
     if client_mode:
         return NetworkPath("client", "--client-mode", port)
     mapped = announced(announce, port=port, env=env)
@@ -140,13 +146,21 @@ def choose_path(
     if not relays:
         return NetworkPath("client", f"the coordinator {seen.why}, runs no relay and lists none", port)
     try:
-        held = open_several(relays, token=coordinated.token, local_port=port, local_host=local_host)
+        direct = DirectPaths()
+        held = open_several(
+            relays,
+            token=coordinated.token,
+            local_port=port,
+            local_host=local_host,
+            direct=direct,
+            answer_punches=hole_punch,
+        )
     except RelayError as exc:
         return NetworkPath("client", f"the coordinator {seen.why}, and no relay granted a port: {exc}", port)
     relayed = tuple(Announced(host=relay.host, port=tunnel.port, source=relay.whose) for tunnel, relay in held)
     why = f"the coordinator {seen.why}; a port on {' and '.join(relay.whose for _, relay in held)}"
     tunnels = tuple(tunnel for tunnel, _ in held)
-    return NetworkPath("relayed", why, port, announced=relayed, tunnels=tunnels)
+    return NetworkPath("relayed", why, port, announced=relayed, tunnels=tunnels, direct=direct)
 
 
 def _cross_check(mapped: Announced, port: int, coordinated: Coordinated) -> str:

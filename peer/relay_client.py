@@ -16,12 +16,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from peer.hole_punch import DirectPaths, PunchError, answer
 from protocol.errors import MalformedMessageError, SwarmtrainError
 from protocol.relay_wire import (
     Granted,
     Incoming,
     Open,
     Ping,
+    PunchCall,
     Refused,
     Take,
     encode,
@@ -63,6 +65,8 @@ def open_several(
     local_port: int,
     local_host: str = "127.0.0.1",
     count: int = RELAYS_HELD,
+    direct: DirectPaths | None = None,
+    answer_punches: bool = False,
 ) -> list[tuple[RelayTunnel, RelayAddress]]:
     """Tunnels holding a port on each of the first ``count`` of ``relays`` that grant one, on
     different hosts (two relays on one host fail together), with their relays, in ``relays``'s
@@ -74,7 +78,14 @@ def open_several(
             break
         if any(relay.host == other.host for _, other in held):
             continue
-        tunnel = RelayTunnel(relay, token=token, local_port=local_port, local_host=local_host)
+        tunnel = RelayTunnel(
+            relay,
+            token=token,
+            local_port=local_port,
+            local_host=local_host,
+            direct=direct,
+            answer_punches=answer_punches,
+        )
         try:
             tunnel.open()
         except RelayError as exc:
@@ -91,13 +102,27 @@ class RelayTunnel:
     """Holds a port on a relay and splices what arrives there to ``127.0.0.1:local_port``."""
 
     def __init__(
-        self, relay: RelayAddress, *, token: Callable[[], bytes], local_port: int, local_host: str = "127.0.0.1"
+        self,
+        relay: RelayAddress,
+        *,
+        token: Callable[[], bytes],
+        local_port: int,
+        local_host: str = "127.0.0.1",
+        direct: DirectPaths | None = None,
+        answer_punches: bool = False,
     ) -> None:
         self.relay, self.token, self.local_port, self.local_host = relay, token, local_port, local_host
+        self.answer_punches = answer_punches
+        """Whether to answer a peer's punch (``--hole-punch``); else its asker's punch times out."""
+        self.direct = direct if direct is not None else DirectPaths()
+        """Hosts reached over a punched connection: their relayed connections are not taken."""
         self.port = 0
         """The port the relay granted (0 before ``open``)."""
         self.bytes_relayed = 0
         self.connections = 0
+        self.punched = 0
+        """Direct connections opened with peers that asked for a punch (``peer.hole_punch``)."""
+        self.bytes_punched = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay-tunnel")
         self._closed = False
@@ -184,8 +209,14 @@ class RelayTunnel:
         try:
             while True:
                 message = await asyncio.wait_for(read_message(reader), IDLE_S)
-                if isinstance(message, Incoming):
-                    task = asyncio.ensure_future(self._take(message.conn_id))
+                if isinstance(message, Incoming) and message.host in self.direct:
+                    logger.debug("relay tunnel: not taking a relayed connection from %s (punched)", message.host)
+                    continue
+                if isinstance(message, PunchCall) and not self.answer_punches:
+                    continue
+                if isinstance(message, Incoming | PunchCall):
+                    work = self._take(message.conn_id) if isinstance(message, Incoming) else self._answer(message)
+                    task = asyncio.ensure_future(work)
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                 elif not isinstance(message, Ping):
@@ -218,3 +249,28 @@ class RelayTunnel:
             await pipe_both(relayed, local, counts)
         finally:
             self.bytes_relayed += counts[0][0] + counts[1][0]
+
+    async def _answer(self, call: PunchCall) -> None:
+        """A peer that reached this one at the relay asks for a direct connection: punch it and
+        splice it to this peer's daemon, as a relayed connection is (the asker's daemon dials
+        through it, and the libp2p session checks who is at each end)."""
+        try:
+            sock = await answer((self.relay.host, self.relay.port), call.punch_id)
+        except PunchError as exc:
+            logger.info("hole punch asked by %s:%d failed: %s", call.host, call.port, exc)
+            return
+        try:
+            direct = await asyncio.open_connection(sock=sock)
+            local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
+        except (OSError, TimeoutError) as exc:
+            logger.warning("hole punch: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
+            sock.close()
+            return
+        self.punched += 1
+        logger.info("hole punch: a direct connection from %s:%d", call.host, call.port)
+        counts = ([0], [0])
+        try:
+            with self.direct.held(call.host):
+                await pipe_both(direct, local, counts)
+        finally:
+            self.bytes_punched += counts[0][0] + counts[1][0]

@@ -182,6 +182,7 @@ class Swarm:
         """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
         self._pace = SwarmPace()
         """When this peer first saw a digest record of each round: the swarm's pace."""
+        self._in_flight: PendingRound | None = None
         quiet_expected_round_failures()
         self.dht = DHT(
             initial_peers=initial_peers,
@@ -242,7 +243,13 @@ class Swarm:
             wait=False,
         )
         meets = meet if meet is not None else -1  # (a gather without a round meets none)
-        return PendingRound(control=control, averager=self.averager, started=time.monotonic(), meets=meets)
+        pending = PendingRound(control=control, averager=self.averager, started=time.monotonic(), meets=meets)
+        self._in_flight = pending
+        return pending
+
+    def averaging(self) -> bool:
+        """Whether this peer's latest round is still matchmaking or averaging."""
+        return self._in_flight is not None and not self._in_flight.done()
 
     def _meeting_round(self, round_: int | None, window: float = 0.0) -> int | None:
         """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,

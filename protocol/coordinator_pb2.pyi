@@ -153,7 +153,7 @@ class JoinResponse(_message.Message):
     def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatBody(_message.Message):
-    __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest", "rounds_failed")
+    __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest", "rounds_failed", "punched_peers")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class HeartbeatBody(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PUNCHED_PEERS_FIELD_NUMBER: _ClassVar[int]
     round: int
     phase: PeerPhase
     samples_per_second: float
@@ -168,7 +169,8 @@ class HeartbeatBody(_message.Message):
     loss: float
     state_digest: str
     rounds_failed: int
-    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[PeerPhase, str]] = ..., samples_per_second: _Optional[float] = ..., samples_total: _Optional[int] = ..., loss: _Optional[float] = ..., state_digest: _Optional[str] = ..., rounds_failed: _Optional[int] = ...) -> None: ...
+    punched_peers: int
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[_Union[PeerPhase, str]] = ..., samples_per_second: _Optional[float] = ..., samples_total: _Optional[int] = ..., loss: _Optional[float] = ..., state_digest: _Optional[str] = ..., rounds_failed: _Optional[int] = ..., punched_peers: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("signed",)
@@ -269,7 +271,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen", "local_ranks", "network_path")
+    __slots__ = ("public_key", "libp2p_peer_id", "state", "samples_per_second", "reachable", "software_version", "last_seen", "local_ranks", "network_path", "punched_peers")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +281,7 @@ class PeerStatus(_message.Message):
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_PATH_FIELD_NUMBER: _ClassVar[int]
+    PUNCHED_PEERS_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     libp2p_peer_id: str
     state: str
@@ -288,7 +291,8 @@ class PeerStatus(_message.Message):
     last_seen: float
     local_ranks: int
     network_path: str
-    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ..., network_path: _Optional[str] = ...) -> None: ...
+    punched_peers: int
+    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., reachable: _Optional[bool] = ..., software_version: _Optional[str] = ..., last_seen: _Optional[float] = ..., local_ranks: _Optional[int] = ..., network_path: _Optional[str] = ..., punched_peers: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_name", "spec_digest", "current_round", "current_state_digest", "peers_online", "samples_per_second", "rounds_per_hour", "last_round_time", "peers", "last_checkpoint_round", "archive", "validation_loss", "validation_round", "data", "rounds")

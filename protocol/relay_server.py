@@ -34,10 +34,15 @@ from typing import Any
 from protocol.errors import ConfigError, MalformedMessageError, SwarmtrainError
 from protocol.identity import PublicKey
 from protocol.relay_wire import (
+    NOT_HELD,
     Granted,
     Incoming,
     Open,
     Ping,
+    PunchAnswer,
+    PunchAsk,
+    PunchCall,
+    PunchGo,
     Refused,
     Take,
     encode,
@@ -54,6 +59,10 @@ PING_S = 15.0
 IDLE_S = 60.0
 KEEP_S = 60.0
 MAX_CONNS_PER_PORT = 64
+PUNCH_ANSWER_S = 5.0
+"""How long a punch waits for the port's holder to answer from a fresh socket."""
+MAX_PUNCHES = 64
+"""Punches waiting for an answer at once (each holds two sockets for up to ``PUNCH_ANSWER_S``)."""
 MAX_RELAYS_LISTED = 8
 """Volunteers' relays a coordinator's join answer lists (``JoinResponse.relays``), and the most
 a peer takes from one."""
@@ -148,6 +157,10 @@ class Relay:
         self._live: list[tuple[list[int], list[int]]] = []
         """Byte counts of the splices running now (libp2p keeps its connections open for hours)."""
         self._server: asyncio.Server | None = None
+        self._punches: dict[int, tuple[asyncio.Future[tuple[str, int]], tuple[str, int]]] = {}
+        """Punches waiting for their holder's answer: (the answer's observed address, the asker's)."""
+        self.punches = 0
+        """Punches both sides were told to make, since start."""
 
     def start(self) -> int:
         """Listen; returns the control port (the one given, or the one picked for 0)."""
@@ -190,6 +203,10 @@ class Relay:
             await self._take(first.conn_id, reader, writer)
         elif isinstance(first, Open):
             await self._serve_peer(first.token, reader, writer)
+        elif isinstance(first, PunchAsk):
+            await self._punch_ask(first, writer)
+        elif isinstance(first, PunchAnswer):
+            self._punch_answer(first.punch_id, writer)
         else:
             writer.close()
 
@@ -267,14 +284,15 @@ class Relay:
         logger.info("relay: released port %d of %s", held.port, held.peer)
 
     async def _on_incoming(self, held: _Port, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if held.control is None or held.active + len(held.pending) >= MAX_CONNS_PER_PORT:
+        source = _observed(writer)
+        if held.control is None or held.active + len(held.pending) >= MAX_CONNS_PER_PORT or source is None:
             writer.close()
             return
         conn_id = secrets.randbits(64)  # not guessable: only the peer told of it takes it
         future: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = self._loop.create_future()
         held.pending[conn_id], self._pending[conn_id] = future, held
         try:
-            held.control.write(encode(Incoming(conn_id)))
+            held.control.write(encode(Incoming(conn_id, *source)))
             taken = await asyncio.wait_for(future, TAKE_S)
         except (TimeoutError, asyncio.CancelledError, ConnectionError):
             writer.close()
@@ -292,6 +310,50 @@ class Relay:
             self._live.remove(counts)
             self._relayed += counts[0][0] + counts[1][0]
 
+    async def _punch_ask(self, ask: PunchAsk, writer: asyncio.StreamWriter) -> None:
+        """Tell the holder of ``ask.port`` where the asker's socket comes from; once it answers
+        from a fresh socket, tell the asker where that one comes from (``protocol.relay_wire``)."""
+        asker = _observed(writer)
+        try:
+            peer = self.admit(ask.token)
+            held = next((h for h in self._by_peer.values() if h.port == ask.port), None)
+            if held is None or held.control is None:
+                raise ValueError(f"{NOT_HELD}: {ask.port}")
+            if held.peer == peer:
+                raise ValueError("a peer cannot punch through to itself")
+            if len(self._punches) >= MAX_PUNCHES or asker is None:
+                raise ValueError("too many punches under way: try again later")
+        except ValueError as exc:
+            logger.info("relay: refused a punch: %s", exc)
+            writer.write(encode(Refused(str(exc))))
+            writer.close()
+            return
+        punch_id = secrets.randbits(64)
+        answered: asyncio.Future[tuple[str, int]] = self._loop.create_future()
+        self._punches[punch_id] = (answered, asker)
+        try:
+            held.control.write(encode(PunchCall(punch_id, *asker)))
+            other = await asyncio.wait_for(answered, PUNCH_ANSWER_S)
+            writer.write(encode(PunchGo(*other)))
+            await writer.drain()
+            self.punches += 1
+        except (TimeoutError, ConnectionError) as exc:
+            writer.write(encode(Refused(f"the peer on port {ask.port} did not answer: {exc or type(exc).__name__}")))
+        finally:
+            self._punches.pop(punch_id, None)
+            writer.close()
+
+    def _punch_answer(self, punch_id: int, writer: asyncio.StreamWriter) -> None:
+        waiting = self._punches.get(punch_id)
+        answerer = _observed(writer)
+        if waiting is None or waiting[0].done() or answerer is None:
+            writer.close()
+            return
+        answered, asker = waiting
+        writer.write(encode(PunchGo(*asker)))
+        answered.set_result(answerer)
+        writer.close()
+
     async def _take(self, conn_id: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held = self._pending.get(conn_id)
         future = held.pending.get(conn_id) if held is not None else None
@@ -299,3 +361,11 @@ class Relay:
             writer.close()
             return
         future.set_result((reader, writer))
+
+
+def _observed(writer: asyncio.StreamWriter) -> tuple[str, int] | None:
+    """The address a connection came from, as this host sees it (after any NAT on the way)."""
+    peername = writer.get_extra_info("peername")
+    if not peername:
+        return None
+    return str(peername[0]), int(peername[1])

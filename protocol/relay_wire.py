@@ -5,16 +5,25 @@ A peer that nobody can dial keeps one *control* connection open to the relay. It
 ``Open(token)`` (its access token: only admitted peers get a port) and the relay answers
 ``Granted(port)``: from then on ``relay-host:port`` is the peer's public address, which it
 announces in the swarm. Each connection that arrives on that port is announced on the control
-connection as ``Incoming(id)``; the peer opens a new connection to the relay, sends
+connection as ``Incoming(id, host, port)`` (where it comes from, as the relay sees it); the peer opens a new connection to the relay, sends
 ``Take(id)``, and the relay splices the two: the bytes of libp2p's own encrypted session pass
 through unchanged. ``Ping`` keeps the control connection alive both ways; ``Refused(reason)``
-ends it. Every message is a one-byte type and a fixed or length-prefixed body, read with a
+ends it.
+
+Hole punching (``peer.hole_punch``): a peer that reached another at its relay port asks for a
+direct connection from a fresh socket: ``PunchAsk(token, port)``. The relay tells the port's
+holder, on its control connection, where the asker's socket came from: ``PunchCall(id, host,
+port)``; the holder answers from a fresh socket of its own, ``PunchAnswer(id)``; the relay
+sends each of the two the address the other's socket came from, ``PunchGo(host, port)``, and
+both connect there from the same local ports at once (a TCP simultaneous open through two
+NATs). Every message is a one-byte type and a fixed or length-prefixed body, read with a
 bound, so a malformed one is a ``MalformedMessageError`` and never a large allocation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import struct
 from dataclasses import dataclass
 
@@ -24,6 +33,12 @@ MAX_TOKEN_BYTES = 4096
 MAX_REASON_BYTES = 512
 
 OPEN, GRANTED, INCOMING, TAKE, PING, REFUSED = b"O", b"G", b"I", b"T", b"P", b"R"
+PUNCH_ASK, PUNCH_CALL, PUNCH_ANSWER, PUNCH_GO = b"H", b"C", b"A", b"N"
+NOT_HELD = "nobody holds that port here"
+"""A punch's refusal when the port asked for is no relayed peer's (e.g. another service on the
+relay's host): the asker stops asking for it."""
+MAX_HOST_BYTES = 45
+"""An IPv4 or IPv6 address as text (the relay sends the addresses it observed, never names)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,9 @@ class Granted:
 @dataclass(frozen=True)
 class Incoming:
     conn_id: int
+    host: str
+    port: int
+    """Where the connection comes from, as the relay sees it."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,56 @@ class Refused:
     reason: str
 
 
-Message = Open | Granted | Incoming | Take | Ping | Refused
+@dataclass(frozen=True)
+class PunchAsk:
+    token: bytes
+    port: int
+    """The relay port of the peer to punch through to."""
+
+
+@dataclass(frozen=True)
+class PunchCall:
+    punch_id: int
+    host: str
+    port: int
+    """Where the asker's socket came from, as the relay saw it."""
+
+
+@dataclass(frozen=True)
+class PunchAnswer:
+    punch_id: int
+
+
+@dataclass(frozen=True)
+class PunchGo:
+    host: str
+    port: int
+    """Where the other side's socket came from: connect there now."""
+
+
+Message = Open | Granted | Incoming | Take | Ping | Refused | PunchAsk | PunchCall | PunchAnswer | PunchGo
+
+
+def _address(host: str, port: int) -> bytes:
+    raw = host.encode("ascii")
+    if not 0 < len(raw) <= MAX_HOST_BYTES or not 0 < port < 65536:
+        raise ValueError(f"not an address to punch to: {host!r}:{port}")
+    return struct.pack(">B", len(raw)) + raw + struct.pack(">H", port)
+
+
+async def _read_address(reader: asyncio.StreamReader) -> tuple[str, int]:
+    (size,) = struct.unpack(">B", await reader.readexactly(1))
+    if not 0 < size <= MAX_HOST_BYTES:
+        raise MalformedMessageError(f"relay: a host of {size} bytes (1-{MAX_HOST_BYTES})")
+    raw = await reader.readexactly(size)
+    (port,) = struct.unpack(">H", await reader.readexactly(2))
+    try:
+        host = str(ipaddress.ip_address(raw.decode("ascii")))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedMessageError(f"relay: {raw[:MAX_HOST_BYTES]!r} is not an IP address") from exc
+    if port == 0:
+        raise MalformedMessageError("relay: an address with port 0")
+    return host, port
 
 
 def encode(message: Message) -> bytes:
@@ -68,11 +135,21 @@ def encode(message: Message) -> bytes:
     if isinstance(message, Granted):
         return GRANTED + struct.pack(">H", message.port)
     if isinstance(message, Incoming):
-        return INCOMING + struct.pack(">Q", message.conn_id)
+        return INCOMING + struct.pack(">Q", message.conn_id) + _address(message.host, message.port)
     if isinstance(message, Take):
         return TAKE + struct.pack(">Q", message.conn_id)
     if isinstance(message, Ping):
         return PING
+    if isinstance(message, PunchAsk):
+        if not 0 < len(message.token) <= MAX_TOKEN_BYTES or not 0 < message.port < 65536:
+            raise ValueError("a punch asks with a token of 1-4096 bytes for a port 1-65535")
+        return PUNCH_ASK + struct.pack(">H", len(message.token)) + message.token + struct.pack(">H", message.port)
+    if isinstance(message, PunchCall):
+        return PUNCH_CALL + struct.pack(">Q", message.punch_id) + _address(message.host, message.port)
+    if isinstance(message, PunchAnswer):
+        return PUNCH_ANSWER + struct.pack(">Q", message.punch_id)
+    if isinstance(message, PunchGo):
+        return PUNCH_GO + _address(message.host, message.port)
     reason = message.reason.encode("utf-8")[:MAX_REASON_BYTES]
     return REFUSED + struct.pack(">H", len(reason)) + reason
 
@@ -91,11 +168,31 @@ async def read_message(reader: asyncio.StreamReader) -> Message:
         if port == 0:
             raise MalformedMessageError("relay: granted port 0")
         return Granted(port)
-    if kind in (INCOMING, TAKE):
+    if kind == INCOMING:
         (conn_id,) = struct.unpack(">Q", await reader.readexactly(8))
-        return Incoming(conn_id) if kind == INCOMING else Take(conn_id)
+        return Incoming(conn_id, *await _read_address(reader))
+    if kind == TAKE:
+        (conn_id,) = struct.unpack(">Q", await reader.readexactly(8))
+        return Take(conn_id)
     if kind == PING:
         return Ping()
+    if kind == PUNCH_ASK:
+        (size,) = struct.unpack(">H", await reader.readexactly(2))
+        if not 0 < size <= MAX_TOKEN_BYTES:
+            raise MalformedMessageError(f"relay: a token of {size} bytes (1-{MAX_TOKEN_BYTES})")
+        token = await reader.readexactly(size)
+        (port,) = struct.unpack(">H", await reader.readexactly(2))
+        if port == 0:
+            raise MalformedMessageError("relay: a punch to port 0")
+        return PunchAsk(token, port)
+    if kind == PUNCH_CALL:
+        (punch_id,) = struct.unpack(">Q", await reader.readexactly(8))
+        return PunchCall(punch_id, *await _read_address(reader))
+    if kind == PUNCH_ANSWER:
+        (punch_id,) = struct.unpack(">Q", await reader.readexactly(8))
+        return PunchAnswer(punch_id)
+    if kind == PUNCH_GO:
+        return PunchGo(*await _read_address(reader))
     if kind == REFUSED:
         (size,) = struct.unpack(">H", await reader.readexactly(2))
         if size > MAX_REASON_BYTES:

@@ -87,6 +87,7 @@ def create_app(
                     "reachable": row.reachable,
                     "network_path": h.network_path if h else "",
                     "relay": h.relay if h else "",
+                    "punched_peers": h.punched_peers if h else 0,
                     "state": h.state.value if h else "offline",
                     "round": h.round if h else None,
                     "samples_per_second": h.samples_per_second if h else 0.0,

@@ -147,6 +147,11 @@ class SwarmCollector(Collector):
             paths.add_metric([path], said.count(path))
         yield paths
         yield _gauge(
+            "swarmtrain_hole_punched_connections",
+            "Hole-punched connections between online peers, as their heartbeats count them (each at both ends)",
+            sum(peer.punched_peers for peer in online),
+        )
+        yield _gauge(
             "swarmtrain_volunteer_relays",
             "Online peers that run a relay for peers nobody can dial (listed in join answers)",
             sum(1 for peer in online if peer.relay),

@@ -67,6 +67,7 @@ class PeerRow(BaseModel):
     """direct | announced | relayed | client | "" (not said)."""
     relay: str = ""
     """``HOST:PORT`` of the relay it runs for peers nobody can dial ("" none)."""
+    punched_peers: int = Field(default=0, ge=0, description="peers it reaches over a hole-punched connection now")
     state: str = Field(description="online, stale, averaging, ... or offline (not heard from)")
     round: int | None
     samples_per_second: float = Field(ge=0)

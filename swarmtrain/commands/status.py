@@ -59,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     for peer in status.peers:
         print(
             f"  {PublicKey(bytes(peer.public_key)).id}  {peer.state:<11} {peer.samples_per_second:8.1f} samples/s  "
-            f"{peer.network_path or ('reachable' if peer.reachable else 'client mode')}  v{peer.software_version}"
+            f"{peer.network_path or ('reachable' if peer.reachable else 'client mode')}"
+            + (f", hole-punched to {peer.punched_peers}" if peer.punched_peers else "")
+            + f"  v{peer.software_version}"
             + (f"  {peer.local_ranks} local ranks" if peer.local_ranks > 1 else "")
         )
     return 0

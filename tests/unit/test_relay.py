@@ -20,6 +20,10 @@ from protocol.relay_wire import (
     Incoming,
     Open,
     Ping,
+    PunchAnswer,
+    PunchAsk,
+    PunchCall,
+    PunchGo,
     Refused,
     Take,
     encode,
@@ -38,7 +42,19 @@ def _read(data: bytes) -> object:
 
 
 @pytest.mark.parametrize(
-    "message", [Open(b"token"), Granted(7801), Incoming(2**64 - 1), Take(0), Ping(), Refused("no free port")]
+    "message",
+    [
+        Open(b"token"),
+        Granted(7801),
+        Incoming(2**64 - 1, "203.0.113.9", 41000),
+        Take(0),
+        Ping(),
+        Refused("no free port"),
+        PunchAsk(b"token", 7802),
+        PunchCall(7, "2001:db8::1", 40000),
+        PunchAnswer(2**63),
+        PunchGo("198.51.100.4", 1),
+    ],
 )
 def test_every_message_reads_back_as_written(message: object) -> None:
     assert _read(encode(message)) == message  # type: ignore[arg-type]
@@ -52,6 +68,13 @@ def test_every_message_reads_back_as_written(message: object) -> None:
         (b"O" + (MAX_TOKEN_BYTES + 1).to_bytes(2, "big"), "a token of 4097 bytes"),
         (b"G\x00\x00", "granted port 0"),
         (b"R\x10\x00", "a reason of 4096 bytes"),
+        (b"H\x00\x01x\x00\x00", "a punch to port 0"),
+        (b"N\x00", "a host of 0 bytes"),
+        (b"N\x2e" + b"1" * 46, "a host of 46 bytes"),
+        (b"N\x0bexample.org\x10\x00", "is not an IP address"),
+        (b"N\x07" + b"1.2.3.4" + b"\x00\x00", "port 0"),
+        (b"C" + bytes(8) + b"\x03abc\x00\x01", "is not an IP address"),
+        (b"I" + bytes(8) + b"\x07" + b"1.2.3.4" + b"\x00\x00", "port 0"),
     ],
 )
 def test_malformed_messages_are_refused_with_a_reason(data: bytes, why: str) -> None:

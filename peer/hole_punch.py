@@ -1,0 +1,156 @@
+"""A direct TCP connection between two peers that each sit behind a NAT, by a simultaneous open
+that a relay times (``protocol.relay_wire``: ``PunchAsk``, ``PunchCall``, ``PunchAnswer``,
+``PunchGo``).
+
+Each side opens a fresh socket on a free local port and reaches the relay's control port from
+it, so the relay sees the address its NAT maps that port to; the relay tells each the other's.
+Both then connect to that address from the same local port, again and again for ``PUNCH_S``:
+each side's outgoing SYN opens its own NAT for the other's, and once both are out the two SYNs
+cross and the connection opens both ways (masquerading NATs keep the local port when it is
+free, so the mapping the relay saw is the one the other side reaches). Who is at the other end
+is not checked here: the libp2p session run over the socket authenticates the peer.
+
+While a punched connection to a host lives, this peer's relay tunnels take no relayed
+connection from that host (``DirectPaths``): a libp2p daemon dials every address it knows for
+a peer at once and keeps whichever connects first, so the peer's relay addresses would
+otherwise win the dial as often as the punched path. The cost: another peer behind the same
+public address (a carrier-grade NAT) is not relayed to this one meanwhile; it punches too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from protocol.errors import MalformedMessageError, SwarmtrainError
+from protocol.relay_wire import NOT_HELD, Message, PunchAnswer, PunchAsk, PunchGo, Refused, encode, read_message
+
+logger = logging.getLogger(__name__)
+
+RENDEZVOUS_S = 10.0
+"""For the relay's answer: it waits up to 5 s for the other side (``relay_server.PUNCH_ANSWER_S``)."""
+PUNCH_S = 6.0
+ATTEMPT_S = 2.5
+"""One connect: long enough for the SYN's first retransmission (after 1 s), which crosses the
+other side's SYN when a NAT dropped the first one (home routers drop, some answer a reset)."""
+RETRY_PAUSE_S = 0.05
+
+
+class DirectPaths:
+    """The hosts this peer has a punched connection with now (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._hosts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def held(self, host: str) -> Iterator[None]:
+        """``host`` counts as reached directly while the block runs."""
+        with self._lock:
+            self._hosts[host] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._hosts[host] -= 1
+                if self._hosts[host] <= 0:
+                    del self._hosts[host]
+
+    def __contains__(self, host: object) -> bool:
+        with self._lock:
+            return host in self._hosts
+
+    def __len__(self) -> int:
+        """Hosts reached directly now: the peers behind them, unless two share a NAT."""
+        with self._lock:
+            return len(self._hosts)
+
+
+class PunchError(SwarmtrainError):
+    """No direct connection: the relay refused, or the simultaneous open did not connect."""
+
+
+class NotRelayed(PunchError):
+    """The port asked for is no relayed peer's on that relay."""
+
+
+def _bound(port: int) -> socket.socket:
+    """A non-blocking TCP socket on ``port`` (0: a free one) that may share it with the
+    rendezvous socket closed a moment before (``SO_REUSEADDR``, ``SO_REUSEPORT``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setblocking(False)
+    try:
+        sock.bind(("0.0.0.0", port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _rendezvous(relay: tuple[str, int], first: Message) -> tuple[int, PunchGo]:
+    """Send ``first`` to the relay from a fresh socket; its local port and the relay's ``PunchGo``."""
+    loop = asyncio.get_running_loop()
+    sock = _bound(0)
+    local = int(sock.getsockname()[1])
+    where = f"{relay[0]}:{relay[1]}"
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, relay), RENDEZVOUS_S)
+    except (OSError, TimeoutError) as exc:
+        sock.close()
+        raise PunchError(f"relay {where}: {exc or type(exc).__name__}") from exc
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(encode(first))
+        answer = await asyncio.wait_for(read_message(reader), RENDEZVOUS_S)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, MalformedMessageError) as exc:
+        raise PunchError(f"relay {where}: {exc or type(exc).__name__}") from exc
+    finally:
+        writer.close()
+    if isinstance(answer, Refused):
+        error = NotRelayed if answer.reason.startswith(NOT_HELD) else PunchError
+        raise error(f"relay {where} refused the punch: {answer.reason}")
+    if not isinstance(answer, PunchGo):
+        raise PunchError(f"relay {where} answered {type(answer).__name__} to a punch")
+    return local, answer
+
+
+async def simultaneous_open(local_port: int, host: str, port: int, *, within_s: float = PUNCH_S) -> socket.socket:
+    """A connected socket from ``local_port`` to ``host:port``, the other side connecting to
+    this one's address at the same time; ``PunchError`` when none connects within ``within_s``."""
+    loop = asyncio.get_running_loop()
+    end = time.monotonic() + within_s
+    tries, last = 0, ""
+    while time.monotonic() < end:
+        tries += 1
+        sock = _bound(local_port)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), ATTEMPT_S)
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            last = str(exc) or type(exc).__name__
+            await asyncio.sleep(RETRY_PAUSE_S)
+            continue
+        return sock
+    raise PunchError(f"no direct connection to {host}:{port} from port {local_port} in {tries} tries ({last})")
+
+
+async def punch(relay: tuple[str, int], *, token: bytes, port: int) -> socket.socket:
+    """The asker's side: a direct connection to the peer holding ``port`` on the relay at
+    ``relay`` (its control port)."""
+    local, go = await _rendezvous(relay, PunchAsk(token, port))
+    return await simultaneous_open(local, go.host, go.port)
+
+
+async def answer(relay: tuple[str, int], punch_id: int) -> socket.socket:
+    """The holder's side, told of a punch by ``PunchCall(punch_id, ...)``: a direct connection
+    to the asker."""
+    local, go = await _rendezvous(relay, PunchAnswer(punch_id))
+    return await simultaneous_open(local, go.host, go.port)

@@ -1,0 +1,258 @@
+"""Direct paths to relayed peers: this peer's connections that run through a relay's port are
+replaced, one by one, by hole-punched ones (``peer.hole_punch``), so that averaging traffic
+stops crossing the relay's host.
+
+Every ``CHECK_S`` the puncher lists the connections of this peer's libp2p daemon. One whose
+remote address is a port on a relay this peer knows (``relay-host:port``, not the relay's
+control port) was dialled by this peer to a peer that relay serves: the puncher asks that
+relay for a punch to the port. With a direct socket in hand it waits until no averaging round
+is in flight here, then has its daemon drop its connections to that peer and dial it again at
+a local port spliced to the socket: the daemon dials only the address it is given, the libp2p
+session authenticates the peer at the other end, and both daemons use that one connection from
+then on, both ways. The side that was dialled through its relay (it sees the connection come
+from its own tunnel) leaves the asking to the dialler. A peer is asked at most ``MAX_TRIES``
+times, ``RETRY_S`` apart; when a punched connection ends, libp2p dials the relay port again and
+the puncher tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from peer.hole_punch import DirectPaths, NotRelayed, PunchError, punch
+from protocol.relay_wire import pipe_both
+
+logger = logging.getLogger(__name__)
+
+CHECK_S = 5.0
+RETRY_S = 60.0
+MAX_TRIES = 3
+QUIET_WAIT_S = 120.0
+"""How long a punched socket waits for a moment with no round in flight before it is dropped."""
+DIAL_S = 20.0
+AT_ONCE = 4
+"""Punches under way at once (each holds a socket and, briefly, the relay's attention)."""
+SWITCH_TRIES = 5
+
+
+@dataclass
+class PunchStats:
+    asked: int = 0
+    punched: int = 0
+    """Peers this one now reaches over a punched connection it asked for."""
+    failed: int = 0
+    bytes_direct: int = 0
+    """Bytes carried both ways by the punched connections this peer asked for."""
+    tries: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Per libp2p peer id: (tries, monotonic time of the last)."""
+
+
+def relay_target(maddr: str, relays: Mapping[str, int]) -> tuple[str, int, int] | None:
+    """(relay host, its control port, the relay port) when ``maddr`` is a port on one of
+    ``relays`` (host → control port), else None."""
+    parts = maddr.strip("/").split("/")
+    if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
+        return None
+    host, port = parts[1], int(parts[3])
+    control = relays.get(host)
+    if control is None or port == control:
+        return None
+    return host, control, port
+
+
+class Puncher:
+    """Runs on its own thread and event loop (``start``/``close``)."""
+
+    def __init__(
+        self,
+        dht: Any,
+        *,
+        relays: Mapping[str, int],
+        token: Callable[[], bytes],
+        quiet: Callable[[], bool],
+        direct: DirectPaths,
+        check_s: float = CHECK_S,
+    ) -> None:
+        self.dht, self.relays, self.token, self.quiet, self.check_s = dht, dict(relays), token, quiet, check_s
+        self.direct = direct
+        """Shared with this peer's relay tunnels: they take no relayed connection from a host
+        while a punched connection to it lives (else the daemon's dial to the peer's relay
+        address races the punched one, and wins as often)."""
+        self.stats = PunchStats()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="puncher")
+        self._running: concurrent.futures.Future[None] | None = None
+        self._splices: set[asyncio.Task[None]] = set()
+
+    def use_token(self, token: bytes) -> None:
+        """A renewed access token (relays refuse an expired one)."""
+        self.token = lambda: token
+
+    def describe(self) -> str:
+        """What it did, for the peer's line at exit."""
+        stats = self.stats
+        return (
+            f"asked {stats.asked}, {stats.punched} direct, {stats.failed} failed "
+            f"(carried {stats.bytes_direct:,} bytes directly)"
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+        self._running = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        if self._running is not None:
+            self._running.cancel()
+        try:
+            asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout=5)
+        except (TimeoutError, concurrent.futures.CancelledError):
+            logger.warning("puncher: its tasks did not stop within 5 s")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    async def _cancel_all(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self) -> None:
+        p2p = await self.dht.replicate_p2p()
+        while True:
+            await asyncio.sleep(self.check_s)
+            try:
+                peers = await p2p.list_peers()
+            except Exception as exc:  # noqa: BLE001 - the daemon is going away: try again later
+                logger.debug("puncher: could not list connections: %s", exc)
+                continue
+            due = []
+            logger.debug("puncher: connections %s", [(str(i.peer_id)[-6:], [str(a) for a in i.addrs]) for i in peers])
+            for info in peers:
+                targets = [relay_target(str(maddr), self.relays) for maddr in info.addrs]
+                target = next((t for t in targets if t is not None), None)
+                if target is not None and self._due(str(info.peer_id)):
+                    due.append(self._punch_and_switch(p2p, info.peer_id, target))
+            for start in range(0, len(due), AT_ONCE):
+                await asyncio.gather(*due[start : start + AT_ONCE])
+
+    def _due(self, peer: str) -> bool:
+        tries, last = self.stats.tries.get(peer, (0, -RETRY_S))
+        return tries < MAX_TRIES and time.monotonic() - last >= RETRY_S
+
+    async def _punch_and_switch(self, p2p: Any, peer_id: Any, target: tuple[str, int, int]) -> None:
+        host, control, port = target
+        peer = str(peer_id)
+        tries, _ = self.stats.tries.get(peer, (0, 0.0))
+        self.stats.tries[peer] = (tries + 1, time.monotonic())
+        try:
+            sock = await punch((host, control), token=self.token(), port=port)
+        except NotRelayed:
+            self.stats.tries[peer] = (MAX_TRIES, time.monotonic())  # a direct peer on a relay's host
+            return
+        except PunchError as exc:
+            self.stats.asked += 1
+            self.stats.failed += 1
+            logger.info("hole punch to %s at %s:%d failed: %s", peer, host, port, exc)
+            return
+        self.stats.asked += 1
+        try:
+            await self._switch(p2p, peer_id, sock)
+        except Exception as exc:  # noqa: BLE001 - the relayed path stays; libp2p redials it
+            self.stats.failed += 1
+            sock.close()
+            logger.info("hole punch to %s: could not move the connection onto it: %s", peer, exc)
+            return
+        self.stats.punched += 1
+        logger.info("hole punch: a direct connection to %s (it was reached at %s:%d)", peer, host, port)
+
+    async def _switch(self, p2p: Any, peer_id: Any, sock: socket.socket) -> None:
+        """Have the daemon reach ``peer_id`` over ``sock`` only, once no round is in flight."""
+        host = str(sock.getpeername()[0])
+        direct = await asyncio.open_connection(sock=sock)
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = self._loop.create_future()
+
+        async def on_dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if accepted.done():
+                writer.close()
+            else:
+                accepted.set_result((reader, writer))
+
+        server = await asyncio.start_server(on_dial, "127.0.0.1", 0)
+        local = server.sockets[0].getsockname()[1]
+        holding = contextlib.ExitStack()
+        try:
+            end = time.monotonic() + QUIET_WAIT_S
+            while not self.quiet():
+                if time.monotonic() > end:
+                    raise PunchError(f"no moment without a round in flight in {QUIET_WAIT_S:.0f} s")
+                await asyncio.sleep(0.1)
+            holding.enter_context(self.direct.held(host))
+            daemon = await self._redial(p2p, peer_id, local, accepted)
+            task = asyncio.ensure_future(self._splice(direct, daemon, holding))
+            self._splices.add(task)
+            task.add_done_callback(self._splices.discard)
+        except BaseException:
+            holding.close()
+            direct[1].close()
+            raise
+        finally:
+            server.close()
+
+    async def _redial(
+        self,
+        p2p: Any,
+        peer_id: Any,
+        local: int,
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Drop the daemon's connections to ``peer_id`` and have it dial ``127.0.0.1:local``. The
+        daemon's ``connect`` does nothing while any connection to the peer is open, and one may
+        open again between the two calls (the peer's own dial, a DHT request here): then drop
+        it and dial again, up to ``SWITCH_TRIES`` times."""
+        from hivemind.utils.multiaddr import Multiaddr
+
+        target = [Multiaddr(f"/ip4/127.0.0.1/tcp/{local}")]
+        for _ in range(SWITCH_TRIES):
+            await p2p._client.disconnect(peer_id)
+            dial = asyncio.ensure_future(p2p._client.connect(peer_id, target))
+            dial.add_done_callback(_consume)
+            done, _ = await asyncio.wait({dial, accepted}, timeout=DIAL_S, return_when=asyncio.FIRST_COMPLETED)
+            if accepted.done():
+                return accepted.result()
+            if not done:
+                raise PunchError(f"the daemon did not dial the punched socket in {DIAL_S:.0f} s")
+            try:  # connect returned first: it dialled (the accept is on its way) or found a connection
+                return await asyncio.wait_for(asyncio.shield(accepted), 0.5)
+            except TimeoutError:
+                continue
+        raise PunchError(f"another connection to the peer kept opening ({SWITCH_TRIES} tries)")
+
+    async def _splice(
+        self,
+        direct: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        daemon: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        holding: contextlib.ExitStack,
+    ) -> None:
+        counts: tuple[list[int], list[int]] = ([0], [0])
+        try:
+            with holding:
+                await pipe_both(direct, daemon, counts)
+        finally:
+            self.stats.bytes_direct += counts[0][0] + counts[1][0]
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """A ``connect`` whose outcome nobody awaits: its error is only logged."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.debug("puncher: the daemon's connect failed: %s", future.exception())

@@ -1,0 +1,176 @@
+"""Hole punching's rendezvous at a relay (``protocol.relay_server``, ``peer.hole_punch``): each
+side learns where the other's fresh socket comes from; a punch the relay cannot place is
+refused and changes nothing; a relay tunnel takes no relayed connection from a host it reaches
+over a punched one; and the puncher picks only connections at a relay's port. (The simultaneous
+open itself needs two NATs: ``tests/integration/test_nat.py``.)"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import protocol.relay_server as relay_server
+from peer.hole_punch import DirectPaths, NotRelayed, PunchError, _rendezvous
+from peer.puncher import relay_target
+from peer.relay_client import RelayAddress, RelayTunnel
+from protocol.relay_server import Relay
+from protocol.relay_wire import Granted, Open, PunchAnswer, PunchAsk, PunchCall, PunchGo, encode, read_message
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def relay() -> Iterator[Relay]:
+    def admit(token: bytes) -> str:
+        if not token.startswith(b"ok-"):
+            raise ValueError("not a valid access token of this run")
+        return token.decode()
+
+    served = Relay(host="127.0.0.1", control_port=0, ports=[_free_port(), _free_port()], admit=admit)
+    served.control_port = served.start()
+    yield served
+    served.stop()
+
+
+async def _hold(relay: Relay, token: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """A peer's control connection holding a port (on the raw wire: it answers nothing itself)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.control_port)
+    writer.write(encode(Open(token)))
+    granted = await read_message(reader)
+    assert isinstance(granted, Granted)
+    return reader, writer, granted.port
+
+
+def test_each_side_of_a_punch_learns_where_the_others_fresh_socket_comes_from(relay: Relay) -> None:
+    async def go() -> None:
+        reader, writer, port = await _hold(relay, b"ok-b")
+        asking = asyncio.ensure_future(_rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port)))
+        call = await asyncio.wait_for(read_message(reader), 5)
+        assert isinstance(call, PunchCall) and call.host == "127.0.0.1"
+        local_b, go_b = await _rendezvous(("127.0.0.1", relay.control_port), PunchAnswer(call.punch_id))
+        local_a, go_a = await asyncio.wait_for(asking, 5)
+        assert call.port == local_a  # no NAT here: the relay sees the socket's own port
+        assert go_b == PunchGo("127.0.0.1", local_a)
+        assert go_a == PunchGo("127.0.0.1", local_b)
+        assert local_a != local_b
+        writer.close()
+
+    asyncio.run(go())
+    assert relay.punches == 1
+
+
+def test_punches_the_relay_cannot_place_are_refused(relay: Relay) -> None:
+    async def go() -> None:
+        _, writer, port = await _hold(relay, b"ok-b")
+        where = ("127.0.0.1", relay.control_port)
+        with pytest.raises(NotRelayed, match="nobody holds that port"):
+            await _rendezvous(where, PunchAsk(b"ok-a", _free_port()))
+        with pytest.raises(PunchError, match="not a valid access token"):
+            await _rendezvous(where, PunchAsk(b"bad", port))
+        with pytest.raises(PunchError, match="cannot punch through to itself"):
+            await _rendezvous(where, PunchAsk(b"ok-b", port))
+        with pytest.raises(PunchError):  # nobody asked for it: the relay closes without a word
+            await _rendezvous(where, PunchAnswer(12345))
+        writer.close()
+
+    asyncio.run(go())
+    assert relay.punches == 0
+
+
+def test_a_holder_that_does_not_answer_fails_the_punch_in_time(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_server, "PUNCH_ANSWER_S", 0.3)
+
+    async def go() -> None:
+        _, writer, port = await _hold(relay, b"ok-b")
+        with pytest.raises(PunchError, match="did not answer"):
+            await _rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port))
+        writer.close()
+
+    asyncio.run(go())
+
+
+def test_a_peer_that_did_not_opt_in_answers_no_punch(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_server, "PUNCH_ANSWER_S", 0.5)
+    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-b", local_port=1)
+    try:
+        port = tunnel.open()
+        with pytest.raises(PunchError, match="did not answer"):
+            asyncio.run(_rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port)))
+        assert tunnel.punched == 0
+    finally:
+        tunnel.close()
+
+
+def test_direct_paths_count_each_holder() -> None:
+    direct = DirectPaths()
+    with direct.held("198.51.100.4"):
+        with direct.held("198.51.100.4"):
+            assert "198.51.100.4" in direct
+        assert "198.51.100.4" in direct
+    assert "198.51.100.4" not in direct
+
+
+def _through(port: int) -> bytes:
+    """What a connection to a relay port gets back for b"ping" (b"" when it was not taken)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"ping")
+        conn.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := conn.recv(1 << 16):
+            got += chunk
+        return got
+
+
+def test_a_tunnel_takes_no_relayed_connection_from_a_host_it_reaches_directly(
+    relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relay_server, "TAKE_S", 0.5)
+    daemon = socket.create_server(("127.0.0.1", 0))
+
+    def serve_once() -> None:
+        conn, _ = daemon.accept()
+        with conn:
+            conn.sendall(conn.recv(4).upper())
+
+    direct = DirectPaths()
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port),
+        token=lambda: b"ok-b",
+        local_port=daemon.getsockname()[1],
+        direct=direct,
+    )
+    try:
+        port = tunnel.open()
+        threading.Thread(target=serve_once, daemon=True).start()
+        assert _through(port) == b"PING"  # relayed, as any
+        with direct.held("127.0.0.1"):
+            assert _through(port) == b""  # punched: the relayed dial is left to fail
+        assert tunnel.connections == 1
+    finally:
+        tunnel.close()
+        daemon.close()
+
+
+@pytest.mark.parametrize(
+    ("maddr", "expected"),
+    [
+        ("/ip4/203.0.113.1/tcp/7803", ("203.0.113.1", 7800, 7803)),
+        ("/ip4/203.0.113.1/tcp/7800", None),  # the relay's control port is nobody's address
+        ("/ip4/198.51.100.9/tcp/7803", None),  # no relay this peer knows of
+        ("/ip4/203.0.113.1/udp/7803/quic", None),
+        ("/ip4/127.0.0.1/tcp/41000", None),  # a connection that came through this peer's own tunnel
+        ("/p2p-circuit", None),
+    ],
+)
+def test_the_puncher_asks_only_for_connections_at_a_relays_port(
+    maddr: str, expected: tuple[str, int, int] | None
+) -> None:
+    assert relay_target(maddr, {"203.0.113.1": 7800}) == expected
