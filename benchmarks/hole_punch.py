@@ -2,7 +2,8 @@
 
     sudo python -m benchmarks.hole_punch [--tries 10] [--delay-ms 0] [--out benchmarks/results]
 
-A measurement taken before any hole punching is offered (issue #27): a rendezvous on the public
+The simultaneous open alone, without a swarm (``peer.hole_punch`` makes it through a relay, and
+``benchmarks.nat_paths --hole-punch on`` measures the swarm over it): a rendezvous on the public
 segment (where a relay would be) sees the address each peer's connection comes from; each peer
 then connects to the other's observed address from the same local port at the same moment
 (a TCP simultaneous open), retrying for a few seconds. Each try is a fresh pair of NAT'ed
