@@ -73,10 +73,9 @@ def add_parser(commands: Any) -> None:
         "where the coordinator reaches a port the system picks); 'none': no relay",
     )
     parser.add_argument(
-        "--hole-punch",
+        "--no-hole-punch",
         action="store_true",
-        help="hole-punch direct connections to the relayed peers this one dials at a relay (experimental: in the "
-        "NAT lab it takes the averaging traffic off the relays but slows the all-reduce)",
+        help="reach relayed peers through their relays only: neither ask for nor answer a hole punch",
     )
     parser.add_argument(
         "--key",
@@ -326,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             puncher.close()
             print(f"hole punch: {puncher.describe()}", flush=True)
         swarm.shutdown()
-        if args.hole_punch:
+        if not args.no_hole_punch:
             _say_punched(path)
         path.close()
         if relay is not None:
@@ -496,7 +495,7 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
         env=os.environ,
         coordinated=coordinated,
         local_host=host,
-        hole_punch=args.hole_punch,
+        hole_punch=not args.no_hole_punch,
     )
     args.port, args.client_mode = path.port, path.client_mode
     return path
@@ -564,15 +563,16 @@ def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Punc
 
 
 def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
-    """Hole punching to the relayed peers this one dials (``peer.puncher``), with
-    ``--hole-punch``: through a coordinator, which lists the relays; not in client mode."""
-    if joined.info is None or args.client_mode or not args.hole_punch:
+    """Hole punching to the relayed peers this one dials (``peer.puncher``): through a
+    coordinator, which lists the relays; not in client mode or with ``--no-hole-punch``."""
+    if joined.info is None or args.client_mode or args.no_hole_punch:
         return None
-    from peer.puncher import Puncher
+    from peer.puncher import Puncher, relays_by_ip
 
-    relays = dict(joined.info.relays)
+    listed = list(joined.info.relays)
     if joined.info.relay_port:
-        relays[parse_host_port(args.coordinator, what="--coordinator")[0]] = joined.info.relay_port
+        listed.append((parse_host_port(args.coordinator, what="--coordinator")[0], joined.info.relay_port))
+    relays = relays_by_ip(listed)
     info = joined.info
     puncher = Puncher(
         swarm.dht,

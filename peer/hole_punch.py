@@ -108,10 +108,16 @@ async def _rendezvous(relay: tuple[str, int], first: Message) -> tuple[int, Punc
     where = f"{relay[0]}:{relay[1]}"
     try:
         await asyncio.wait_for(loop.sock_connect(sock, relay), RENDEZVOUS_S)
-    except (OSError, TimeoutError) as exc:
+    except BaseException as exc:
         sock.close()
-        raise PunchError(f"relay {where}: {exc or type(exc).__name__}") from exc
-    reader, writer = await asyncio.open_connection(sock=sock)
+        if isinstance(exc, (OSError, TimeoutError)):
+            raise PunchError(f"relay {where}: {exc or type(exc).__name__}") from exc
+        raise
+    try:
+        reader, writer = await asyncio.open_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     try:
         writer.write(encode(first))
         answer = await asyncio.wait_for(read_message(reader), RENDEZVOUS_S)
@@ -143,6 +149,9 @@ async def simultaneous_open(local_port: int, host: str, port: int, *, within_s: 
             last = str(exc) or type(exc).__name__
             await asyncio.sleep(RETRY_PAUSE_S)
             continue
+        except BaseException:  # cancelled (the peer is stopping)
+            sock.close()
+            raise
         return sock
     raise PunchError(f"no direct connection to {host}:{port} from port {local_port} in {tries} tries ({last})")
 

@@ -7,12 +7,14 @@ remote address is a port on a relay this peer knows (``relay-host:port``, not th
 control port) was dialled by this peer to a peer that relay serves: the puncher asks that
 relay for a punch to the port. With a direct socket in hand it waits until no averaging round
 is in flight here, then has its daemon drop its connections to that peer and dial it again at
-a local port spliced to the socket: the daemon dials only the address it is given, the libp2p
+a local port spliced to the socket. The daemon dials every address it knows for the peer, the
+relay's too, and keeps the first that connects: the tunnels take no relayed connection from a
+host reached directly (``hole_punch.DirectPaths``), so the punched one wins. The libp2p
 session authenticates the peer at the other end, and both daemons use that one connection from
 then on, both ways. The side that was dialled through its relay (it sees the connection come
-from its own tunnel) leaves the asking to the dialler. A peer is asked at most ``MAX_TRIES``
-times, ``RETRY_S`` apart; when a punched connection ends, libp2p dials the relay port again and
-the puncher tries again.
+from its own tunnel) leaves the asking to the dialler. A failed punch is asked again
+``RETRY_S`` later, at most ``MAX_TRIES`` times in a row; when a punched connection ends, libp2p
+dials the relay port again and the puncher asks again. IPv4 only (the punch's sockets are).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +50,7 @@ SWITCH_TRIES = 5
 class PunchStats:
     asked: int = 0
     punched: int = 0
-    """Peers this one now reaches over a punched connection it asked for."""
+    """Punched connections this peer asked for and got, since start."""
     failed: int = 0
     bytes_direct: int = 0
     """Bytes carried both ways by the punched connections this peer asked for."""
@@ -56,17 +58,33 @@ class PunchStats:
     """Per libp2p peer id: (tries, monotonic time of the last)."""
 
 
-def relay_target(maddr: str, relays: Mapping[str, int]) -> tuple[str, int, int] | None:
-    """(relay host, its control port, the relay port) when ``maddr`` is a port on one of
-    ``relays`` (host → control port), else None."""
+def relay_target(maddr: str, relays: Mapping[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...], int] | None:
+    """(relay host, the control ports of the relays on it, the port) when ``maddr`` is a port
+    on a host in ``relays`` (host → control ports) other than a control port, else None."""
     parts = maddr.strip("/").split("/")
     if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
         return None
     host, port = parts[1], int(parts[3])
-    control = relays.get(host)
-    if control is None or port == control:
+    controls = relays.get(host)
+    if not controls or port in controls:
         return None
-    return host, control, port
+    return host, tuple(controls), port
+
+
+def relays_by_ip(listed: Sequence[tuple[str, int]]) -> dict[str, tuple[int, ...]]:
+    """The relays a peer was told of (host, control port), by IP address: the daemon's
+    connections name IPs, and one machine may run several peers, each with a relay. A name
+    that does not resolve is left out (logged)."""
+    relays: dict[str, list[int]] = {}
+    for host, control in listed:
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError as exc:
+            logger.info("puncher: relay host %s does not resolve (%s): no punches through it", host, exc)
+            continue
+        if control not in relays.setdefault(ip, []):
+            relays[ip].append(control)
+    return {ip: tuple(controls) for ip, controls in relays.items()}
 
 
 class Puncher:
@@ -76,13 +94,14 @@ class Puncher:
         self,
         dht: Any,
         *,
-        relays: Mapping[str, int],
+        relays: Mapping[str, tuple[int, ...]],
         token: Callable[[], bytes],
         quiet: Callable[[], bool],
         direct: DirectPaths,
         check_s: float = CHECK_S,
     ) -> None:
         self.dht, self.relays, self.token, self.quiet, self.check_s = dht, dict(relays), token, quiet, check_s
+        """Relays by IP address (the daemon's connections name IPs) → their control ports."""
         self.direct = direct
         """Shared with this peer's relay tunnels: they take no relayed connection from a host
         while a punched connection to it lives (else the daemon's dial to the peer's relay
@@ -92,6 +111,8 @@ class Puncher:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="puncher")
         self._running: concurrent.futures.Future[None] | None = None
         self._splices: set[asyncio.Task[None]] = set()
+        self._p2p: Any = None
+        """The replica of the DHT's P2P this thread talks to its daemon through."""
 
     def use_token(self, token: bytes) -> None:
         """A renewed access token (relays refuse an expired one)."""
@@ -126,41 +147,58 @@ class Puncher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._p2p is not None:  # the replica's client socket, not the daemon
+            await self._p2p.shutdown()
 
     async def _run(self) -> None:
-        p2p = await self.dht.replicate_p2p()
+        p2p = self._p2p = await self.dht.replicate_p2p()
         while True:
             await asyncio.sleep(self.check_s)
             try:
-                peers = await p2p.list_peers()
-            except Exception as exc:  # noqa: BLE001 - the daemon is going away: try again later
-                logger.debug("puncher: could not list connections: %s", exc)
-                continue
-            due = []
-            logger.debug("puncher: connections %s", [(str(i.peer_id)[-6:], [str(a) for a in i.addrs]) for i in peers])
-            for info in peers:
-                targets = [relay_target(str(maddr), self.relays) for maddr in info.addrs]
-                target = next((t for t in targets if t is not None), None)
-                if target is not None and self._due(str(info.peer_id)):
-                    due.append(self._punch_and_switch(p2p, info.peer_id, target))
-            for start in range(0, len(due), AT_ONCE):
-                await asyncio.gather(*due[start : start + AT_ONCE])
+                await self._check(p2p)
+            except Exception:
+                logger.warning("puncher: a check failed", exc_info=True)
+
+    async def _check(self, p2p: Any) -> None:
+        try:
+            peers = await p2p.list_peers()
+        except Exception as exc:  # noqa: BLE001 - the daemon is going away: try again later
+            logger.debug("puncher: could not list connections: %s", exc)
+            return
+        due = []
+        for info in peers:
+            targets = [relay_target(str(maddr), self.relays) for maddr in info.addrs]
+            target = next((t for t in targets if t is not None), None)
+            if target is not None and self._due(str(info.peer_id)):
+                due.append(self._punch_and_switch(p2p, info.peer_id, target))
+        for start in range(0, len(due), AT_ONCE):
+            await asyncio.gather(*due[start : start + AT_ONCE])
 
     def _due(self, peer: str) -> bool:
         tries, last = self.stats.tries.get(peer, (0, -RETRY_S))
         return tries < MAX_TRIES and time.monotonic() - last >= RETRY_S
 
-    async def _punch_and_switch(self, p2p: Any, peer_id: Any, target: tuple[str, int, int]) -> None:
-        host, control, port = target
+    async def _quiet(self) -> None:
+        """Until no round is in flight here (``PunchError`` after ``QUIET_WAIT_S``): the answering
+        side hands its socket to its daemon at once, which drops it unless the dial comes soon."""
+        end = time.monotonic() + QUIET_WAIT_S
+        while not self.quiet():
+            if time.monotonic() > end:
+                raise PunchError(f"no moment without a round in flight in {QUIET_WAIT_S:.0f} s")
+            await asyncio.sleep(0.1)
+
+    async def _punch_and_switch(self, p2p: Any, peer_id: Any, target: tuple[str, tuple[int, ...], int]) -> None:
+        host, controls, port = target
         peer = str(peer_id)
         tries, _ = self.stats.tries.get(peer, (0, 0.0))
         self.stats.tries[peer] = (tries + 1, time.monotonic())
         try:
-            sock = await punch((host, control), token=self.token(), port=port)
+            await self._quiet()
+            sock = await self._punch(host, controls, port)
         except NotRelayed:
             self.stats.tries[peer] = (MAX_TRIES, time.monotonic())  # a direct peer on a relay's host
             return
-        except PunchError as exc:
+        except (PunchError, OSError, ValueError) as exc:
             self.stats.asked += 1
             self.stats.failed += 1
             logger.info("hole punch to %s at %s:%d failed: %s", peer, host, port, exc)
@@ -170,16 +208,31 @@ class Puncher:
             await self._switch(p2p, peer_id, sock)
         except Exception as exc:  # noqa: BLE001 - the relayed path stays; libp2p redials it
             self.stats.failed += 1
-            sock.close()
             logger.info("hole punch to %s: could not move the connection onto it: %s", peer, exc)
             return
         self.stats.punched += 1
+        self.stats.tries[peer] = (0, time.monotonic())  # a punched connection that ends is asked again
         logger.info("hole punch: a direct connection to %s (it was reached at %s:%d)", peer, host, port)
 
+    async def _punch(self, host: str, controls: tuple[int, ...], port: int) -> socket.socket:
+        """A punch to ``port`` through whichever relay on ``host`` holds it (several peers on one
+        machine each run a relay); ``NotRelayed`` when none does."""
+        for control in controls[:-1]:
+            try:
+                return await punch((host, control), token=self.token(), port=port)
+            except NotRelayed:
+                continue
+        return await punch((host, controls[-1]), token=self.token(), port=port)
+
     async def _switch(self, p2p: Any, peer_id: Any, sock: socket.socket) -> None:
-        """Have the daemon reach ``peer_id`` over ``sock`` only, once no round is in flight."""
+        """Have the daemon reach ``peer_id`` over ``sock`` only: a success once the daemon's
+        libp2p session over it is up."""
         host = str(sock.getpeername()[0])
-        direct = await asyncio.open_connection(sock=sock)
+        try:
+            direct = await asyncio.open_connection(sock=sock)
+        except OSError:
+            sock.close()
+            raise
         accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = self._loop.create_future()
 
         async def on_dial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -188,17 +241,13 @@ class Puncher:
             else:
                 accepted.set_result((reader, writer))
 
-        server = await asyncio.start_server(on_dial, "127.0.0.1", 0)
-        local = server.sockets[0].getsockname()[1]
         holding = contextlib.ExitStack()
+        server: asyncio.Server | None = None
         try:
-            end = time.monotonic() + QUIET_WAIT_S
-            while not self.quiet():
-                if time.monotonic() > end:
-                    raise PunchError(f"no moment without a round in flight in {QUIET_WAIT_S:.0f} s")
-                await asyncio.sleep(0.1)
+            server = await asyncio.start_server(on_dial, "127.0.0.1", 0)
+            local = server.sockets[0].getsockname()[1]
             holding.enter_context(self.direct.held(host))
-            daemon = await self._redial(p2p, peer_id, local, accepted)
+            daemon, dial = await self._redial(p2p, peer_id, local, accepted)
             task = asyncio.ensure_future(self._splice(direct, daemon, holding))
             self._splices.add(task)
             task.add_done_callback(self._splices.discard)
@@ -207,7 +256,15 @@ class Puncher:
             direct[1].close()
             raise
         finally:
-            server.close()
+            if server is not None:
+                server.close()
+        try:  # the session runs over the splice: its handshake must pass through it
+            await asyncio.wait_for(asyncio.shield(dial), DIAL_S)
+        except Exception as exc:
+            task.cancel()
+            raise PunchError(
+                f"the daemon's session over the punched socket failed: {exc or type(exc).__name__}"
+            ) from exc
 
     async def _redial(
         self,
@@ -215,11 +272,12 @@ class Puncher:
         peer_id: Any,
         local: int,
         accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Drop the daemon's connections to ``peer_id`` and have it dial ``127.0.0.1:local``. The
-        daemon's ``connect`` does nothing while any connection to the peer is open, and one may
-        open again between the two calls (the peer's own dial, a DHT request here): then drop
-        it and dial again, up to ``SWITCH_TRIES`` times."""
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], asyncio.Future[Any]]:
+        """Drop the daemon's connections to ``peer_id`` and have it dial ``127.0.0.1:local``:
+        the daemon's end of the splice and the dial (still running: its handshake needs the
+        splice). The daemon's ``connect`` does nothing while any connection to the peer is
+        open, and one may open again between the two calls (the peer's own dial, a DHT request
+        here): then drop it and dial again, up to ``SWITCH_TRIES`` times."""
         from hivemind.utils.multiaddr import Multiaddr
 
         target = [Multiaddr(f"/ip4/127.0.0.1/tcp/{local}")]
@@ -229,11 +287,11 @@ class Puncher:
             dial.add_done_callback(_consume)
             done, _ = await asyncio.wait({dial, accepted}, timeout=DIAL_S, return_when=asyncio.FIRST_COMPLETED)
             if accepted.done():
-                return accepted.result()
+                return accepted.result(), dial
             if not done:
                 raise PunchError(f"the daemon did not dial the punched socket in {DIAL_S:.0f} s")
             try:  # connect returned first: it dialled (the accept is on its way) or found a connection
-                return await asyncio.wait_for(asyncio.shield(accepted), 0.5)
+                return await asyncio.wait_for(asyncio.shield(accepted), 0.5), dial
             except TimeoutError:
                 continue
         raise PunchError(f"another connection to the peer kept opening ({SWITCH_TRIES} tries)")

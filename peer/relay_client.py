@@ -113,7 +113,7 @@ class RelayTunnel:
     ) -> None:
         self.relay, self.token, self.local_port, self.local_host = relay, token, local_port, local_host
         self.answer_punches = answer_punches
-        """Whether to answer a peer's punch (``--hole-punch``); else its asker's punch times out."""
+        """Whether to answer a peer's punch (off with ``--no-hole-punch``: the asker's punch times out)."""
         self.direct = direct if direct is not None else DirectPaths()
         """Hosts reached over a punched connection: their relayed connections are not taken."""
         self.port = 0
@@ -256,15 +256,20 @@ class RelayTunnel:
         through it, and the libp2p session checks who is at each end)."""
         try:
             sock = await answer((self.relay.host, self.relay.port), call.punch_id)
-        except PunchError as exc:
+        except (PunchError, OSError, ValueError) as exc:
             logger.info("hole punch asked by %s:%d failed: %s", call.host, call.port, exc)
             return
         try:
             direct = await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            logger.info("hole punch asked by %s:%d: %s", call.host, call.port, exc)
+            return
+        try:
             local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
         except (OSError, TimeoutError) as exc:
             logger.warning("hole punch: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
-            sock.close()
+            direct[1].close()
             return
         self.punched += 1
         logger.info("hole punch: a direct connection from %s:%d", call.host, call.port)

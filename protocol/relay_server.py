@@ -13,9 +13,13 @@ connection there is spliced to a connection the peer opened itself (``protocol.r
 libp2p's session (TLS or noise, then yamux) runs end to end through it; the relay sees only
 ciphertext and can neither read nor forge a part.
 
+It also times hole punches (``protocol.relay_wire``: ``PunchAsk`` … ``PunchGo``): it tells a
+port's holder and an admitted asker where each other's fresh socket came from, so that the two
+open a direct connection and stop crossing it (``peer.hole_punch``).
+
 Caps: a list of ports (one port per peer: their number is the most peers relayed at once; 0
 stands for any free port, picked at the grant), a number of connections per port, a deadline
-for the peer to take each connection. A peer keeps its port for ``KEEP_S`` after its control
+for the peer to take each connection, a number of punches waiting for an answer. A peer keeps its port for ``KEEP_S`` after its control
 connection drops, so a reconnect keeps its address.
 Thread-safe to start and stop; everything else runs on the relay's own event loop.
 """
@@ -63,6 +67,9 @@ PUNCH_ANSWER_S = 5.0
 """How long a punch waits for the port's holder to answer from a fresh socket."""
 MAX_PUNCHES = 64
 """Punches waiting for an answer at once (each holds two sockets for up to ``PUNCH_ANSWER_S``)."""
+MAX_PUNCHES_PER_PEER = 4
+"""Punches one peer may have waiting at once, as the asker and as the holder: an admitted peer
+cannot take every slot, nor make one holder open sockets without end."""
 MAX_RELAYS_LISTED = 8
 """Volunteers' relays a coordinator's join answer lists (``JoinResponse.relays``), and the most
 a peer takes from one."""
@@ -158,6 +165,8 @@ class Relay:
         """Byte counts of the splices running now (libp2p keeps its connections open for hours)."""
         self._server: asyncio.Server | None = None
         self._punches: dict[int, tuple[asyncio.Future[tuple[str, int]], tuple[str, int]]] = {}
+        self._punching: dict[str, int] = {}
+        """Punches waiting for an answer, by the asker's and the holder's public id."""
         """Punches waiting for their holder's answer: (the answer's observed address, the asker's)."""
         self.punches = 0
         """Punches both sides were told to make, since start."""
@@ -323,6 +332,8 @@ class Relay:
                 raise ValueError("a peer cannot punch through to itself")
             if len(self._punches) >= MAX_PUNCHES or asker is None:
                 raise ValueError("too many punches under way: try again later")
+            if max(self._punching.get(peer, 0), self._punching.get(held.peer, 0)) >= MAX_PUNCHES_PER_PEER:
+                raise ValueError("too many punches of this peer or to that one under way: try again later")
         except ValueError as exc:
             logger.info("relay: refused a punch: %s", exc)
             writer.write(encode(Refused(str(exc))))
@@ -331,6 +342,8 @@ class Relay:
         punch_id = secrets.randbits(64)
         answered: asyncio.Future[tuple[str, int]] = self._loop.create_future()
         self._punches[punch_id] = (answered, asker)
+        for key in (peer, held.peer):
+            self._punching[key] = self._punching.get(key, 0) + 1
         try:
             held.control.write(encode(PunchCall(punch_id, *asker)))
             other = await asyncio.wait_for(answered, PUNCH_ANSWER_S)
@@ -341,6 +354,10 @@ class Relay:
             writer.write(encode(Refused(f"the peer on port {ask.port} did not answer: {exc or type(exc).__name__}")))
         finally:
             self._punches.pop(punch_id, None)
+            for key in (peer, held.peer):
+                self._punching[key] -= 1
+                if self._punching[key] <= 0:
+                    del self._punching[key]
             writer.close()
 
     def _punch_answer(self, punch_id: int, writer: asyncio.StreamWriter) -> None:

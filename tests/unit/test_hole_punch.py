@@ -15,7 +15,7 @@ import pytest
 
 import protocol.relay_server as relay_server
 from peer.hole_punch import DirectPaths, NotRelayed, PunchError, _rendezvous
-from peer.puncher import relay_target
+from peer.puncher import relay_target, relays_by_ip
 from peer.relay_client import RelayAddress, RelayTunnel
 from protocol.relay_server import Relay
 from protocol.relay_wire import Granted, Open, PunchAnswer, PunchAsk, PunchCall, PunchGo, encode, read_message
@@ -162,8 +162,9 @@ def test_a_tunnel_takes_no_relayed_connection_from_a_host_it_reaches_directly(
 @pytest.mark.parametrize(
     ("maddr", "expected"),
     [
-        ("/ip4/203.0.113.1/tcp/7803", ("203.0.113.1", 7800, 7803)),
-        ("/ip4/203.0.113.1/tcp/7800", None),  # the relay's control port is nobody's address
+        ("/ip4/203.0.113.1/tcp/7803", ("203.0.113.1", (7800, 7900), 7803)),
+        ("/ip4/203.0.113.1/tcp/7800", None),  # a relay's control port is nobody's address
+        ("/ip4/203.0.113.1/tcp/7900", None),
         ("/ip4/198.51.100.9/tcp/7803", None),  # no relay this peer knows of
         ("/ip4/203.0.113.1/udp/7803/quic", None),
         ("/ip4/127.0.0.1/tcp/41000", None),  # a connection that came through this peer's own tunnel
@@ -171,6 +172,28 @@ def test_a_tunnel_takes_no_relayed_connection_from_a_host_it_reaches_directly(
     ],
 )
 def test_the_puncher_asks_only_for_connections_at_a_relays_port(
-    maddr: str, expected: tuple[str, int, int] | None
+    maddr: str, expected: tuple[str, tuple[int, ...], int] | None
 ) -> None:
-    assert relay_target(maddr, {"203.0.113.1": 7800}) == expected
+    assert relay_target(maddr, {"203.0.113.1": (7800, 7900)}) == expected
+
+
+def test_relays_are_known_by_ip_with_every_control_port_on_a_host() -> None:
+    listed = [("127.0.0.1", 7800), ("localhost", 7900), ("127.0.0.1", 7800), ("no-such-host.invalid", 7800)]
+    assert relays_by_ip(listed) == {"127.0.0.1": (7800, 7900)}  # a name is resolved; one that is not, left out
+
+
+def test_one_peer_cannot_keep_every_punch_slot(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_server, "PUNCH_ANSWER_S", 1.0)
+
+    async def go() -> None:
+        _, writer, port = await _hold(relay, b"ok-b")  # holds a port and never answers
+        where = ("127.0.0.1", relay.control_port)
+        waiting = [asyncio.ensure_future(_rendezvous(where, PunchAsk(b"ok-a", port))) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        with pytest.raises(PunchError, match="too many punches of this peer"):
+            await _rendezvous(where, PunchAsk(b"ok-c", port))  # another asker, the same holder
+        for outcome in await asyncio.gather(*waiting, return_exceptions=True):
+            assert isinstance(outcome, PunchError) and "did not answer" in str(outcome)
+        writer.close()
+
+    asyncio.run(go())
