@@ -15,10 +15,9 @@ crossed a relay (the coordinator's ``swarmtrain_relay_bytes``, or the volunteers
 carried N bytes" lines, over the bytes every member sent and received). With ``--topology``
 the hosts sit where a named topology puts them (``benchmarks.topologies``: home NAT, rented GPUs
 with port mappings, datacenters, with their rates and delays) and each peer's path is the one
-its ``network:`` line names. The peers run with ``--no-hole-punch`` (relays only) unless
-``--hole-punch on`` (their default: they hole-punch direct connections to relayed peers,
-``peer.puncher``); the punched connections and the bytes they carried come from the peers'
-lines at exit. Writes
+its ``network:`` line names. With ``--hole-punch on`` the peers hole-punch direct connections
+to relayed peers (``--hole-punch``, ``peer.puncher``); the punched connections and the bytes
+they carried come from the peers' lines at exit. Writes
 ``benchmarks/results/nat-paths-DATE[-TOPOLOGY][-volunteers][-punched].{md,json}``.
 """
 
@@ -103,7 +102,7 @@ def run(
             argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
             argv += ["--metrics-file", str(workdir / f"{name}.jsonl")]
             argv += ["--relay-ports", "none"] if relay == "coordinator" else []
-            argv += [] if hole_punch else ["--no-hole-punch"]
+            argv += ["--hole-punch"] if hole_punch else []
             log = (workdir / f"{name}.log").open("w")
             procs[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
         relay_bytes = 0.0
@@ -238,7 +237,7 @@ def _markdown(result: dict[str, Any]) -> str:
     ]
     if "hole_punch" in result:
         lines += [
-            f"Hole punching {'on' if result['hole_punch'] else 'off (--no-hole-punch)'}: "
+            f"Hole punching {'on (--hole-punch)' if result['hole_punch'] else 'off'}: "
             f"{result['punched_connections']} punched connections, {result['punched_bytes']:,} bytes carried over "
             "them (counted at both ends: each byte twice).",
             "",
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "--hole-punch",
         choices=("on", "off"),
         default="off",
-        help="on: peers hole-punch to relayed peers (their default); off: --no-hole-punch, relays only",
+        help="on: peers hole-punch to relayed peers (--hole-punch); off: relays only",
     )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/swarmtrain-nat-paths"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

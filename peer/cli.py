@@ -73,9 +73,10 @@ def add_parser(commands: Any) -> None:
         "where the coordinator reaches a port the system picks); 'none': no relay",
     )
     parser.add_argument(
-        "--no-hole-punch",
+        "--hole-punch",
         action="store_true",
-        help="reach relayed peers through their relays only: neither ask for nor answer a hole punch",
+        help="experimental: hole-punch direct connections to the relayed peers this one dials at a relay, and "
+        "answer their punches (every peer that should take part sets it)",
     )
     parser.add_argument(
         "--key",
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
             puncher.close()
             print(f"hole punch: {puncher.describe()}", flush=True)
         swarm.shutdown()
-        if not args.no_hole_punch:
+        if args.hole_punch:
             _say_punched(path)
         path.close()
         if relay is not None:
@@ -495,7 +496,7 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
         env=os.environ,
         coordinated=coordinated,
         local_host=host,
-        hole_punch=not args.no_hole_punch,
+        hole_punch=args.hole_punch,
     )
     args.port, args.client_mode = path.port, path.client_mode
     return path
@@ -563,9 +564,9 @@ def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Punc
 
 
 def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
-    """Hole punching to the relayed peers this one dials (``peer.puncher``): through a
-    coordinator, which lists the relays; not in client mode or with ``--no-hole-punch``."""
-    if joined.info is None or args.client_mode or args.no_hole_punch:
+    """Hole punching to the relayed peers this one dials (``peer.puncher``), with
+    ``--hole-punch``: through a coordinator, which lists the relays; not in client mode."""
+    if joined.info is None or args.client_mode or not args.hole_punch:
         return None
     from peer.puncher import Puncher, relays_by_ip
 

@@ -113,7 +113,7 @@ class RelayTunnel:
     ) -> None:
         self.relay, self.token, self.local_port, self.local_host = relay, token, local_port, local_host
         self.answer_punches = answer_punches
-        """Whether to answer a peer's punch (off with ``--no-hole-punch``: the asker's punch times out)."""
+        """Whether to answer a peer's punch (``--hole-punch``); else the asker's punch times out."""
         self.direct = direct if direct is not None else DirectPaths()
         """Hosts reached over a punched connection: their relayed connections are not taken."""
         self.port = 0

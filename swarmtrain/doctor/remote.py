@@ -174,14 +174,12 @@ def dial_back(link: Link, greeter: Greeter, announce: Announced | None = None) -
         )
         how = (
             f"relayed: a peer here holds a port on one of the {seen.volunteer_relays} volunteers' relays the "
-            f"coordinator lists{fallback}, and averages as a full member; its traffic crosses the relay's host twice "
-            "until the peers it averages with hole-punch a direct connection to it"
+            f"coordinator lists{fallback}, and averages as a full member; its traffic crosses the relay's host twice"
         )
     elif seen.relay_port:
         how = (
             f"relayed: a peer here holds a port on the coordinator's relay ({link.address.rsplit(':', 1)[0]}:"
-            f"{seen.relay_port}) and averages as a full member; its traffic crosses the relay's host twice until the "
-            "peers it averages with hole-punch a direct connection to it"
+            f"{seen.relay_port}) and averages as a full member; its traffic crosses the relay's host twice"
         )
     else:
         how = "client: the run has no relay, so a peer here averages as a client (it never leads or reduces a part)"
