@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.hole_punch import DirectPaths, NotRelayed, PunchError, punch
+from peer.loop_thread import cancel_other_tasks, stop_loop_thread
 from protocol.relay_wire import pipe_both
 
 logger = logging.getLogger(__name__)
@@ -131,22 +132,12 @@ class Puncher:
         self._running = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
 
     def close(self) -> None:
-        if not self._thread.is_alive():
-            return
         if self._running is not None:
             self._running.cancel()
-        try:
-            asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout=5)
-        except (TimeoutError, concurrent.futures.CancelledError):
-            logger.warning("puncher: its tasks did not stop within 5 s")
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        stop_loop_thread(self._loop, self._thread, "puncher", self._cancel_all)
 
     async def _cancel_all(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_other_tasks()
         if self._p2p is not None:  # the replica's client socket, not the daemon
             await self._p2p.shutdown()
 

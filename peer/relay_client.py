@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from peer.hole_punch import DirectPaths, PunchError, answer
+from peer.loop_thread import stop_loop_thread
 from protocol.errors import MalformedMessageError, SwarmtrainError
 from protocol.relay_wire import (
     Granted,
@@ -150,19 +151,7 @@ class RelayTunnel:
     def close(self) -> None:
         """Drop the port and every relayed connection; idempotent."""
         self._closed = True
-        if self._thread.is_alive():
-            try:
-                asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop).result(timeout=5)
-            except (TimeoutError, concurrent.futures.CancelledError):
-                logger.warning("relay tunnel: its tasks did not stop within 5 s")
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-
-    async def _cancel_all(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        stop_loop_thread(self._loop, self._thread, "relay tunnel")
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
         where = f"{self.relay.host}:{self.relay.port}"
