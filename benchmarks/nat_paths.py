@@ -15,9 +15,10 @@ crossed a relay (the coordinator's ``swarmtrain_relay_bytes``, or the volunteers
 carried N bytes" lines, over the bytes every member sent and received). With ``--topology``
 the hosts sit where a named topology puts them (``benchmarks.topologies``: home NAT, rented GPUs
 with port mappings, datacenters, with their rates and delays) and each peer's path is the one
-its ``network:`` line names. With ``--hole-punch on`` the peers hole-punch direct connections
-to relayed peers (``--hole-punch``, ``peer.puncher``); the punched connections and the bytes
-they carried come from the peers' lines at exit. Writes
+its ``network:`` line names. By default the peers run with ``--no-hole-punch``, so that the
+relayed members' numbers are the relay's; with ``--hole-punch on`` they hole-punch direct
+connections to relayed peers, as peers do by default (``peer.puncher``); the punched
+connections and the bytes they carried come from the peers' lines at exit. Writes
 ``benchmarks/results/nat-paths-DATE[-TOPOLOGY][-volunteers][-punched].{md,json}``.
 """
 
@@ -102,7 +103,7 @@ def run(
             argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
             argv += ["--metrics-file", str(workdir / f"{name}.jsonl")]
             argv += ["--relay-ports", "none"] if relay == "coordinator" else []
-            argv += ["--hole-punch"] if hole_punch else []
+            argv += [] if hole_punch else ["--no-hole-punch"]
             log = (workdir / f"{name}.log").open("w")
             procs[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
         relay_bytes = 0.0
@@ -230,14 +231,14 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         f"The relay{'s' if result.get('relay') == 'volunteers' else ''} spliced {result['relay_bytes']:,.0f} bytes (each crosses its link twice; DHT and "
         f"matchmaking traffic included) against {result['member_bytes'] / 2:,.0f} averaging bytes on the wire "
-        f"(half the members' sent + received): {share:.0%}."
+        f"(half the members' sent + received): {share:.2%}."
         if share is not None
         else "No traffic measured.",
         "",
     ]
     if "hole_punch" in result:
         lines += [
-            f"Hole punching {'on (--hole-punch)' if result['hole_punch'] else 'off'}: "
+            f"Hole punching {'on (the default)' if result['hole_punch'] else 'off (--no-hole-punch)'}: "
             f"{result['punched_connections']} punched connections, {result['punched_bytes']:,} bytes carried over "
             "them (counted at both ends: each byte twice).",
             "",
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "--hole-punch",
         choices=("on", "off"),
         default="off",
-        help="on: peers hole-punch to relayed peers (--hole-punch); off: relays only",
+        help="on: peers hole-punch to relayed peers (a peer's default); off: relays only (--no-hole-punch)",
     )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/swarmtrain-nat-paths"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

@@ -74,9 +74,10 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--hole-punch",
-        action="store_true",
-        help="experimental: hole-punch direct connections to the relayed peers this one dials at a relay, and "
-        "answer their punches (every peer that should take part sets it)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hole-punch direct connections to the relayed peers this one dials at a relay, and answer their "
+        "punches, so that averaging traffic skips the relay (default: on; --no-hole-punch: relayed paths only)",
     )
     parser.add_argument(
         "--key",
@@ -565,7 +566,7 @@ def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Punc
 
 def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
     """Hole punching to the relayed peers this one dials (``peer.puncher``), with
-    ``--hole-punch``: through a coordinator, which lists the relays; not in client mode."""
+    ``--hole-punch`` (the default): through a coordinator, which lists the relays; not in client mode."""
     if joined.info is None or args.client_mode or not args.hole_punch:
         return None
     from peer.puncher import Puncher, relays_by_ip

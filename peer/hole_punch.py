@@ -10,11 +10,13 @@ cross and the connection opens both ways (masquerading NATs keep the local port 
 free, so the mapping the relay saw is the one the other side reaches). Who is at the other end
 is not checked here: the libp2p session run over the socket authenticates the peer.
 
-While a punched connection to a host lives, this peer's relay tunnels take no relayed
-connection from that host (``DirectPaths``): a libp2p daemon dials every address it knows for
-a peer at once and keeps whichever connects first, so the peer's relay addresses would
-otherwise win the dial as often as the punched path. The cost: another peer behind the same
-public address (a carrier-grade NAT) is not relayed to this one meanwhile; it punches too.
+While a punched connection to a host lives, this peer's relay tunnels take a relayed
+connection from that host only ``relay_client.DEFER_S`` late (``DirectPaths``): a libp2p daemon
+dials every address it knows for a peer at once and keeps whichever connects first, so the
+punched path wins the dial and the late relayed one is dropped by the dialler. Deferred, not
+refused: a refused dial would put the relay's address in libp2p's dial backoff, and the peer
+could not be reached at all while the punched path is down. Another peer behind the same
+public address (a carrier-grade NAT) is relayed to this one late meanwhile.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ RETRY_PAUSE_S = 0.05
 
 
 class DirectPaths:
-    """The hosts this peer has a punched connection with now (thread-safe)."""
+    """The hosts this peer has a punched connection with now (thread-safe): their relayed
+    connections are taken late."""
 
     def __init__(self) -> None:
         self._hosts: Counter[str] = Counter()

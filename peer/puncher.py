@@ -8,8 +8,8 @@ control port) was dialled by this peer to a peer that relay serves: the puncher 
 relay for a punch to the port. With a direct socket in hand it waits until no averaging round
 is in flight here, then has its daemon drop its connections to that peer and dial it again at
 a local port spliced to the socket. The daemon dials every address it knows for the peer, the
-relay's too, and keeps the first that connects: the tunnels take no relayed connection from a
-host reached directly (``hole_punch.DirectPaths``), so the punched one wins. The libp2p
+relay's too, and keeps the first that connects: the tunnels take a relayed connection from a
+host reached directly only late (``hole_punch.DirectPaths``), so the punched one wins. The libp2p
 session authenticates the peer at the other end, and both daemons use that one connection from
 then on, both ways. The side that was dialled through its relay (it sees the connection come
 from its own tunnel) leaves the asking to the dialler. A failed punch is asked again
@@ -104,7 +104,7 @@ class Puncher:
         self.dht, self.relays, self.token, self.quiet, self.check_s = dht, dict(relays), token, quiet, check_s
         """Relays by IP address (the daemon's connections name IPs) → their control ports."""
         self.direct = direct
-        """Shared with this peer's relay tunnels: they take no relayed connection from a host
+        """Shared with this peer's relay tunnels: they take a relayed connection from a host late
         while a punched connection to it lives (else the daemon's dial to the peer's relay
         address races the punched one, and wins as often)."""
         self.stats = PunchStats()

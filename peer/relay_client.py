@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from peer.hole_punch import DirectPaths, PunchError, answer
@@ -39,6 +40,12 @@ CONNECT_S = 10.0
 PING_S = 15.0
 IDLE_S = 60.0
 RETRY_S = (1.0, 30.0)
+DEFER_S = 3.0
+"""How long a relayed connection from a host this peer reaches over a punched connection waits
+before it is taken (``hole_punch.DirectPaths``): the dialler's libp2p daemon dials every address
+it knows at once, so the punched path finishes its handshake first and the daemon drops the
+relayed dial; were that one refused instead, it would fail, and libp2p would back its address
+off for the minutes when the punched path is down and the relay is the only way in."""
 
 
 class RelayError(SwarmtrainError):
@@ -99,6 +106,29 @@ def open_several(
     return held
 
 
+class _Carried:
+    """Bytes carried both ways by connections, the running ones included (an exit line counts
+    the connections still open)."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+        self.running: list[tuple[list[int], list[int]]] = []
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[tuple[list[int], list[int]]]:
+        """Counts for one connection's ``pipe_both`` while the block runs."""
+        counts: tuple[list[int], list[int]] = ([0], [0])
+        self.running.append(counts)
+        try:
+            yield counts
+        finally:
+            self.running.remove(counts)
+            self.ended += counts[0][0] + counts[1][0]
+
+    def total(self) -> int:
+        return self.ended + sum(there[0] + back[0] for there, back in list(self.running))
+
+
 class RelayTunnel:
     """Holds a port on a relay and splices what arrives there to ``127.0.0.1:local_port``."""
 
@@ -116,20 +146,30 @@ class RelayTunnel:
         self.answer_punches = answer_punches
         """Whether to answer a peer's punch (``--hole-punch``); else the asker's punch times out."""
         self.direct = direct if direct is not None else DirectPaths()
-        """Hosts reached over a punched connection: their relayed connections are not taken."""
+        """Hosts reached over a punched connection: their relayed connections are taken ``DEFER_S`` late."""
         self.port = 0
         """The port the relay granted (0 before ``open``)."""
-        self.bytes_relayed = 0
         self.connections = 0
         self.punched = 0
         """Direct connections opened with peers that asked for a punch (``peer.hole_punch``)."""
-        self.bytes_punched = 0
+        self._relayed: _Carried = _Carried()
+        self._direct: _Carried = _Carried()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay-tunnel")
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._holding: concurrent.futures.Future[None] | None = None
         """Running splices: held here, since the loop keeps only weak references to tasks."""
+
+    @property
+    def bytes_relayed(self) -> int:
+        """Bytes the relayed connections carried both ways, those still running included."""
+        return self._relayed.total()
+
+    @property
+    def bytes_punched(self) -> int:
+        """Bytes the punched connections this peer answered carried both ways, running ones included."""
+        return self._direct.total()
 
     def open(self) -> int:
         """Get a port from the relay (raises ``RelayError`` saying why not) and keep it."""
@@ -198,13 +238,13 @@ class RelayTunnel:
         try:
             while True:
                 message = await asyncio.wait_for(read_message(reader), IDLE_S)
-                if isinstance(message, Incoming) and message.host in self.direct:
-                    logger.debug("relay tunnel: not taking a relayed connection from %s (punched)", message.host)
-                    continue
                 if isinstance(message, PunchCall) and not self.answer_punches:
                     continue
                 if isinstance(message, Incoming | PunchCall):
-                    work = self._take(message.conn_id) if isinstance(message, Incoming) else self._answer(message)
+                    if isinstance(message, Incoming):
+                        work = self._take(message.conn_id, DEFER_S if message.host in self.direct else 0.0)
+                    else:
+                        work = self._answer(message)
                     task = asyncio.ensure_future(work)
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -219,7 +259,10 @@ class RelayTunnel:
             pinger.cancel()
             writer.close()
 
-    async def _take(self, conn_id: int) -> None:
+    async def _take(self, conn_id: int, defer: float) -> None:
+        if defer:
+            logger.debug("relay tunnel: a relayed connection from a punched host waits %.1f s", defer)
+            await asyncio.sleep(defer)
         try:
             local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
         except (OSError, TimeoutError) as exc:
@@ -233,11 +276,8 @@ class RelayTunnel:
             local[1].close()
             return
         self.connections += 1
-        counts = ([0], [0])
-        try:
+        with self._relayed.counting() as counts:
             await pipe_both(relayed, local, counts)
-        finally:
-            self.bytes_relayed += counts[0][0] + counts[1][0]
 
     async def _answer(self, call: PunchCall) -> None:
         """A peer that reached this one at the relay asks for a direct connection: punch it and
@@ -262,9 +302,5 @@ class RelayTunnel:
             return
         self.punched += 1
         logger.info("hole punch: a direct connection from %s:%d", call.host, call.port)
-        counts = ([0], [0])
-        try:
-            with self.direct.held(call.host):
-                await pipe_both(direct, local, counts)
-        finally:
-            self.bytes_punched += counts[0][0] + counts[1][0]
+        with self.direct.held(call.host), self._direct.counting() as counts:
+            await pipe_both(direct, local, counts)

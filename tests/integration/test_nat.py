@@ -124,7 +124,9 @@ def _averaged_and_agreed(tmp_path: Path, names: list[str], rounds: int) -> int:
     return len(averaged)
 
 
-def test_three_peers_each_behind_its_own_nat_train_through_the_coordinators_relay(tmp_path: Path) -> None:
+def test_three_peers_each_behind_its_own_nat_train_through_the_coordinators_relay_and_punch_holes(
+    tmp_path: Path,
+) -> None:
     rounds, names = 5, ["p0", "p1", "p2"]
     spec = _spec(tmp_path, rounds)
     with WanSim(
@@ -145,6 +147,21 @@ def test_three_peers_each_behind_its_own_nat_train_through_the_coordinators_rela
     assert averaged >= 0.9 * rounds * len(names), f"{averaged} of {rounds * len(names)} peer-rounds averaged"
     relay_log = (tmp_path / "coordinator.log").read_text()
     assert len(set(re.findall(r"relay: (\S+) holds port (\d+)", relay_log))) == len(names), relay_log[-3000:]
+    # the NAT'ed peers hole-punched direct connections to each other (the default) and averaged over them
+    punched = [_punched(tmp_path / f"{name}.log") for name in names]
+    assert sum(direct for direct, _ in punched) >= 1 and sum(carried for _, carried in punched) > 0, punched
+
+
+def _punched(log: Path) -> tuple[int, int]:
+    """(punched connections this peer asked for and got, bytes they and the punches it answered
+    carried), from its lines at exit."""
+    text = log.read_text()
+    asked = re.search(
+        r"^hole punch: asked \d+, (\d+) direct, \d+ failed \(carried ([0-9,]+) bytes directly\)$", text, re.M
+    )
+    answered = re.search(r"^hole punch: answered \d+ \(carried ([0-9,]+) bytes directly\)$", text, re.M)
+    assert asked is not None and answered is not None, text[-3000:]
+    return int(asked.group(1)), int(asked.group(2).replace(",", "")) + int(answered.group(1).replace(",", ""))
 
 
 def test_a_peer_behind_a_port_mapping_router_is_dialled_directly_through_announce(tmp_path: Path) -> None:
@@ -223,9 +240,9 @@ def test_peers_behind_nat_train_through_a_volunteers_relay_and_go_on_through_ano
     ) as sim:
         coordinator = _coordinator(sim, tmp_path, spec)
         http = f"http://{sim.ip('coord')}:8080/"
-        # no hole punching (it is opt-in): the NAT'ed peers reach each other through relays only,
-        # so that they are stranded when the volunteer dies unless they hold a port on another relay
-        peers = {"pub": _peer(sim, tmp_path, "pub", coordinator, "-v")}
+        # no hole punching: the NAT'ed peers reach each other through relays only, so that they
+        # are stranded when the volunteer dies unless they hold a port on another relay
+        peers = {"pub": _peer(sim, tmp_path, "pub", coordinator, "-v", "--no-hole-punch")}
         line = _wait_for(tmp_path / "pub.log", r"^relay: .*$", 90)
         served = re.fullmatch(
             r"relay: serving peers nobody can dial on port (\d+), granting any 8 free ports \(.*\)", line
@@ -235,7 +252,7 @@ def test_peers_behind_nat_train_through_a_volunteers_relay_and_go_on_through_ano
         assert _listed_relays(http, 1) == [relay]
         verdict = _reachability(sim, "p1", coordinator)
         assert verdict["data"]["path"] == "relayed" and "1 volunteers' relays" in verdict["detail"], verdict
-        peers |= {name: _peer(sim, tmp_path, name, coordinator) for name in behind}
+        peers |= {name: _peer(sim, tmp_path, name, coordinator, "--no-hole-punch") for name in behind}
         for name in behind:
             line = _wait_for(tmp_path / f"{name}.log", r"^network: .*$", 90)
             announced = f"network: relayed at /ip4/{sim.ip('pub')}/tcp/\\d+ and /ip4/{sim.ip('coord')}/tcp/\\d+ "
