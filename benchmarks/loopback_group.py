@@ -54,18 +54,15 @@ class RobustTally:
 
 
 def reducer_ranges(numel: int, members: int, codec: Codec, streams: int) -> list[slice]:
-    """The parts a group of ``members`` reduces: each fragment cut into ``members`` equal
-    contiguous ranges (one per reducer), each range into parts of ``part_size_bytes``."""
+    """The parts a group of ``members`` reduces, as the butterfly cuts them: each fragment into
+    parts of ``part_size_bytes`` from its start (whole blocks of the codec; hivemind then hands
+    each reducer a contiguous run of whole parts, which changes no part's arithmetic)."""
     per_value = codec.bytes_per_value()
     parts: list[slice] = []
     for start, end in fragment_bounds(numel, streams):
-        size = end - start
-        part_values = max(1, int(part_size_bytes(size, codec, members) / per_value))
-        for reducer in range(members):
-            lo = start + size * reducer // members
-            hi = start + size * (reducer + 1) // members
-            for p in range(lo, hi, part_values):
-                parts.append(slice(p, min(hi, p + part_values)))
+        part_values = max(1, round(part_size_bytes(end - start, codec, members) / per_value))
+        for p in range(start, end, part_values):
+            parts.append(slice(p, min(end, p + part_values)))
     return parts
 
 
@@ -125,7 +122,7 @@ class LoopbackGroup:
     _closed: bool = False
 
     def __post_init__(self) -> None:
-        self.codec = get_codec(self.averaging.compression)
+        self.codec = get_codec(self.averaging.compression, self.averaging.density, self.averaging.bits)
         self.rule = RobustRule.for_spec(self.averaging)
 
     def launch(self, index: int, round_: int, vector: torch.Tensor, weight: float, gather: Gathered) -> None:
@@ -140,7 +137,7 @@ class LoopbackGroup:
             averaged = reduce_group(
                 [launched[i][0] for i in order],
                 self._weights(round_, [launched[i][1] for i in order]),
-                codec=self.codec,
+                codec=self.codec.at_round(round_),
                 rule=self.rule,
                 streams=self.averaging.streams,
                 seed=derive_seed(self.seed, "loopback-dither", round_),

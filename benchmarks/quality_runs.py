@@ -105,6 +105,9 @@ class RunResult:
     robust: dict[str, int] = field(default_factory=dict)
     averaged_fraction: float = 1.0
     """Peer-rounds that averaged (the real swarm; 1 in process)."""
+    bytes_per_member_round: float | None = None
+    """Averaging bytes each member sent and received per round: measured in a real swarm (the
+    peers' round rows), the codec's wire bytes for the butterfly in process."""
 
     @property
     def final(self) -> float:
@@ -121,6 +124,7 @@ class RunResult:
             "wall_s": round(self.wall_s, 2),
             "robust": self.robust,
             "averaged_fraction": self.averaged_fraction,
+            "bytes_per_member_round": self.bytes_per_member_round,
         }
 
 
@@ -172,8 +176,18 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
     if errors:
         raise RuntimeError(f"{setup.name} (seed {seed}) failed in process") from errors[0]
     losses = [m.val_loss for m in trainers[0].history if m.val_loss is not None]
+    n = setup.members
+    size = numel if numel is not None else sum(p.numel() for p in trainers[0].task.model.parameters())
+    wire = 2 * 2 * (n - 1) / n * size * spec.averaging.wire_bytes_per_value() if n > 1 else 0.0
     return RunResult(
-        setup.name, seed, setup.members, "inprocess", losses, time.monotonic() - started, group.tally.as_dict()
+        setup.name,
+        seed,
+        n,
+        "inprocess",
+        losses,
+        time.monotonic() - started,
+        group.tally.as_dict(),
+        bytes_per_member_round=wire,
     )
 
 
@@ -210,4 +224,11 @@ def run_swarm(base: str, setup: Setup, *, seed: int, rounds: int, timeout_s: flo
     if spec.rounds.max_rounds not in by_round:
         raise RuntimeError(f"{setup.name} (seed {seed}): no member reported round {spec.rounds.max_rounds}")
     fraction = sum(averaged) / max(1, len(averaged))
-    return RunResult(setup.name, seed, setup.members, "swarm", losses, wall, {}, fraction)
+    moved = [
+        float(row.get("bytes_sent", 0)) + float(row.get("bytes_received", 0))
+        for history in rows
+        for row in history
+        if row.get("averaged")
+    ]
+    per_member = sum(moved) / len(moved) if moved else None
+    return RunResult(setup.name, seed, setup.members, "swarm", losses, wall, {}, fraction, per_member)

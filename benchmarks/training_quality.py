@@ -90,6 +90,9 @@ def one_peer(h: int = H, shared: Overrides | None = None, per_member: int = BATC
 OVERLAP_ON: Overrides = {"averaging": {"overlap": True}}
 EAGER: Overrides = {"averaging": {"overlap": True, "overlap_start": "eager"}}
 ROBUST_OFF: Overrides = {"averaging": {"robust": False}}
+SPARSE: Overrides = {"averaging": {"compression": "sparse"}}
+"""The sparse codec at its defaults (1/4 of the values a round, 2-bit)."""
+OUTER_LR_1: Overrides = {"outer": {"lr": 1.0}}
 CLIP_1: Overrides = {"averaging": {"clip": 1.0}}
 PLAIN_OUTER: Overrides = {"outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False}}
 EVAL_20: Overrides = {"eval": {"every_rounds": 20}}
@@ -180,8 +183,19 @@ def suites() -> dict[str, list[Row]]:
             *(Row(swarm(f"k={k}, H=20", ROBUST_OFF, k=k), 4 / k, k) for k in (2, 8)),
         ],
         "codec": [
-            Row(swarm(f"codec {codec}", ROBUST_OFF, {"averaging": {"compression": codec}}))
-            for codec in ("none", "int8", "4bit")
+            *(
+                Row(swarm(f"codec {codec}", ROBUST_OFF, {"averaging": {"compression": codec}}), real=True)
+                for codec in ("none", "int8", "4bit")
+            ),
+            Row(swarm("codec none, outer lr 1", ROBUST_OFF, OUTER_LR_1, {"averaging": {"compression": "none"}})),
+            Row(swarm("codec sparse 1/4, outer lr 1", ROBUST_OFF, OUTER_LR_1, SPARSE), real=True),
+            Row(swarm("codec sparse 1/4", ROBUST_OFF, SPARSE)),
+            Row(
+                swarm("codec sparse 1/8, outer lr 1", ROBUST_OFF, OUTER_LR_1, SPARSE, {"averaging": {"density": 1 / 8}})
+            ),
+            Row(
+                swarm("codec sparse 1/2, outer lr 1", ROBUST_OFF, OUTER_LR_1, SPARSE, {"averaging": {"density": 1 / 2}})
+            ),
         ],
         "overlap": [
             Row(swarm("overlap off", ROBUST_OFF)),
@@ -312,6 +326,34 @@ def _summary(
     }
 
 
+def _against_fp32(rows: list[dict[str, Any]]) -> list[str]:
+    """For a suite with a ``codec none`` row: each row's loss and averaging bytes per member
+    and round against fp32's (per seed: the same data and model init), in process and, where
+    run, in the real swarm."""
+    lines: list[str] = []
+    for label, kind in (("in process", None), ("real swarm", "swarm")):
+        entries = [row if kind is None else row.get(kind) for row in rows]
+        base = next((e for e in entries if e is not None and e["name"] == "codec none"), None)
+        if base is None:
+            continue
+        lines += [
+            f"Against fp32 ({label}):",
+            "",
+            "| run | val loss vs fp32 | bytes per member and round | of fp32's |",
+            "|---|---|---|---|",
+        ]
+        fp32_bytes = statistics.mean(r["bytes_per_member_round"] or 0.0 for r in base["runs"])
+        for entry in entries:
+            if entry is None:
+                continue
+            gap, sd = _gap([r["final"] for r in entry["runs"]], [r["final"] for r in base["runs"]])
+            moved = statistics.mean(r["bytes_per_member_round"] or 0.0 for r in entry["runs"])
+            share = f"{100 * moved / fp32_bytes:.2f}%" if fp32_bytes else "-"
+            lines.append(f"| {entry['name']} | {gap:+.2f}% ± {sd:.2f} | {moved:,.0f} | {share} |")
+        lines.append("")
+    return lines
+
+
 def markdown(results: list[dict[str, Any]], command: str, seeds: list[int]) -> str:
     lines = [
         "# Training quality: the swarm against one peer and synchronous data parallel",
@@ -348,6 +390,7 @@ def markdown(results: list[dict[str, Any]], command: str, seeds: list[int]) -> s
             )
         if repeats:
             lines.append("")
+        lines += _against_fp32(suite["rows"])
         lines += _gap_over_rounds(suite["rows"])
     lines += [
         "In process a run is a pure function of its spec and data seed (model init and data order",
@@ -440,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", default="headline", help=f"comma-separated, of: {', '.join(suites())}")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rounds", type=int, default=30, help="rounds of H=20 inner steps (fewer or more for H != 20)")
-    parser.add_argument("--swarm", action="store_true", help="also run the headline swarm rows as real local swarms")
+    parser.add_argument(
+        "--swarm", action="store_true", help="also run the rows marked real (headline, codec) as real local swarms"
+    )
     parser.add_argument("--row", action="append", default=[], help="run only the rows of this name (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="training-quality")

@@ -6,7 +6,7 @@ same data, same links.
 
 Configurations: two hivemind.Optimizer baselines (``benchmarks.baseline_hivemind``:
 synchronous data parallel, and ``use_local_updates=True`` averaging every H steps), then
-swarmtrain with fp32, fp16, int8 and 4-bit averaging (overlap on), and fp32 and int8 with
+swarmtrain with fp32, fp16, int8, 4-bit and sparse (1/4, 2-bit) averaging (overlap on), and fp32 and int8 with
 overlap off; on request (``--only``) "fp32 node of 2 ranks", fp32 with the first peer a node of
 two local ranks (``--nproc-per-node 2``), to compare its WAN averaging with fp32's. For each: compute utilization, swarm samples/s, bytes each peer put on its
 link (kernel counters of the simulated link) per round and per sample, all-reduce time vs.
@@ -61,7 +61,7 @@ overlap = {overlap}
 min_group_size = {peers}
 matchmaking_timeout_s = 15.0
 allreduce_timeout_s = 120.0
-"""
+{outer}"""
 CONFIGS = [  # name, kind, codec, overlap
     ("hivemind sync DP", "sync", "none", False),
     ("hivemind local-SGD", "local", "none", False),
@@ -69,6 +69,7 @@ CONFIGS = [  # name, kind, codec, overlap
     ("fp16", "swarmtrain", "fp16", True),
     ("int8", "swarmtrain", "int8", True),
     ("4bit", "swarmtrain", "4bit", True),
+    ("sparse", "swarmtrain", "sparse", True),
     ("fp32 no-overlap", "swarmtrain", "none", False),
     ("int8 no-overlap", "swarmtrain", "int8", False),
     ("fp32 node of 2 ranks", "swarmtrain", "none", True),
@@ -131,6 +132,8 @@ def _write_spec(workdir: Path, name: str, codec: str, overlap: bool, args: argpa
             codec=codec,
             overlap=str(overlap).lower(),
             peers=args.peers,
+            # sparse's measured best outer lr (protocol.spec: AveragingSection.bits); the others keep 0.7
+            outer="[outer]\nlr = 1.0\n" if codec == "sparse" else "",
         )
     )
     return spec

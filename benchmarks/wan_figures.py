@@ -13,8 +13,15 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 64, "4bit": 0.5 + 4.0 / 64}
-"""Bytes per value each codec puts on the wire (blockwise codecs: one fp32 scale per 64 values)."""
+WIRE_BYTES_PER_VALUE = {
+    "none": 4.0,
+    "fp16": 2.0,
+    "int8": 1.0 + 4.0 / 64,
+    "4bit": 0.5 + 4.0 / 64,
+    "sparse": (0.25 + 4.0 / 64) / 4,
+}
+"""Bytes per value each codec puts on the wire (blockwise codecs: one fp32 scale per 64 values;
+sparse at its defaults: 2-bit values for one value in 4)."""
 
 
 def link_bound_s(*, peers: int, params: int, codec: str, link_bps: float) -> float:

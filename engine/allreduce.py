@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import logging
 import math
@@ -48,7 +49,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 from engine.compression import Codec
 from engine.robust import Alignment, RobustRule, robust_mean
 from engine.stream_close import until_reader_closes
-from protocol.agreement import agreed_state
+from protocol.agreement import Vote, agreed_state
 from protocol.errors import MalformedTensorError
 from protocol.gathered import Gathered, votes
 
@@ -60,6 +61,14 @@ PART_SIZE_BYTES = 2**20
 parts average 2.5x faster than 64 KiB ones (each part costs an executor hop and a message
 through p2pd); larger parts gain nothing and cost memory and latency."""
 MIN_PART_SIZE_BYTES = 2**16
+MAX_PART_VALUES = 2**21
+"""A part is at most this many values, whatever its bytes on the wire: a reducer holds every
+sender's decoded copy of the part it reduces (``RobustPartReducer``), and a sparse codec's
+1 MiB would be 15M values, 60 MB per sender."""
+MIN_PART_VALUES = 2**17
+"""A part is at least ``MIN_PART_SIZE_BYTES`` on the wire or ``MIN_PART_VALUES`` values,
+whichever is fewer bytes (a sparse codec's 64 KiB would be a million values: a vector of a
+few million would have fewer parts than a group has members)."""
 PARTS_PER_PEER = 8
 """Small vectors are cut finer (down to ``MIN_PART_SIZE_BYTES``), so that every member reduces
 its share and sending, reducing and returning overlap (a pipeline of parts)."""
@@ -71,8 +80,11 @@ def part_size_bytes(numel: int, codec: Codec, group_size: int) -> int:
     share). hivemind cuts the vector into parts of ``part_size_bytes / bytes_per_value`` values."""
     per_value = codec.bytes_per_value()
     wanted = numel * per_value / max(1, group_size * PARTS_PER_PEER)
-    size = min(PART_SIZE_BYTES, max(MIN_PART_SIZE_BYTES, wanted))
-    values = max(64, int(size / per_value) // 64 * 64)  # 64: a multiple of every codec's block
+    size = min(
+        PART_SIZE_BYTES, MAX_PART_VALUES * per_value, max(min(MIN_PART_SIZE_BYTES, MIN_PART_VALUES * per_value), wanted)
+    )
+    block = codec.block
+    values = max(block, int(size / per_value) // block * block)  # parts start on the codec's blocks
     return int(values * per_value)
 
 
@@ -85,6 +97,13 @@ class CodecCompression(CompressionBase):
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
         self.dtype_tag = DTYPE_PREFIX + codec.name
+
+    def at_round(self, round_: int) -> CodecCompression:
+        """This compression with its codec bound to round ``round_`` (``Codec.at_round``): a
+        copy of the same class, so that a subclass's behaviour carries over."""
+        bound = copy.copy(self)
+        bound.codec = self.codec.at_round(round_)
+        return bound
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         flat = tensor.detach().reshape(-1).to(torch.float32)
@@ -591,15 +610,7 @@ def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
     members stated states but agree on none (a tie, e.g. two members of one round with two
     digests): nobody can tell whose pseudo-gradient is the swarm's, so the group averages
     nothing and every member re-checks. Nobody stated a state: nobody is stale."""
-    members: list[tuple[str, Gathered | None]] = []
-    for peer, raw in zip(group_info.peer_ids, group_info.gathered):
-        try:
-            _bandwidth, _mode, user_bytes = serializer.loads(raw)
-            data = Gathered.parse(serializer.loads(user_bytes))
-        except Exception:  # noqa: BLE001 - unreadable gather: no vote
-            data = None
-        members.append((str(peer), data))
-    cast = votes(members)
+    cast = _votes(group_info, serializer)
     if not cast:
         return frozenset()
     agreed = agreed_state(cast)
@@ -609,6 +620,27 @@ def stale_members(group_info: GroupInfo, serializer: Any) -> frozenset[PeerID]:
         )
     in_sync = {vote.voter for vote in cast if (vote.round, vote.digest) == (agreed.round, agreed.digest)}
     return frozenset(peer for peer in group_info.peer_ids if str(peer) not in in_sync)
+
+
+def group_round(group_info: GroupInfo, serializer: Any) -> int:
+    """The round of the group's agreed state (``stale_members``), which every member binds its
+    codec to (``Codec.at_round``): the stale members too, so that their parts have the group's
+    wire format. 0 when nobody stated a state or no majority agrees (the round then fails)."""
+    cast = _votes(group_info, serializer)
+    agreed = agreed_state(cast) if cast else None
+    return agreed.round if agreed is not None else 0
+
+
+def _votes(group_info: GroupInfo, serializer: Any) -> list[Vote]:
+    members: list[tuple[str, Gathered | None]] = []
+    for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+        try:
+            _bandwidth, _mode, user_bytes = serializer.loads(raw)
+            data = Gathered.parse(serializer.loads(user_bytes))
+        except Exception:  # noqa: BLE001 - unreadable gather: no vote
+            data = None
+        members.append((str(peer), data))
+    return votes(members)
 
 
 async def _shared_result(future: asyncio.Future[Any], what: str) -> Any:

@@ -27,6 +27,7 @@ from engine.allreduce import (
     CodecCompression,
     ExactAllReduceRunner,
     RoundFailedError,
+    group_round,
     stale_members,
 )
 from engine.averager_gate import AdmissionGateMixin
@@ -125,6 +126,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         kwargs.pop("compression", None)
         kwargs.pop("part_size_bytes", None)
         stale = stale_members(group_info, self.serializer)
+        codec = self.codec_compression.at_round(group_round(group_info, self.serializer))
         if stale:
             logger.warning(
                 "round with %s: they started from another state than the group; their parts count 0",
@@ -133,7 +135,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         (vector,) = tensors
         flat = vector.view(-1)
         runners = [
-            self._fragment_runner(flat[start:end], group_info, fragment_group_id(group_id, index), stale, kwargs)
+            self._fragment_runner(flat[start:end], group_info, fragment_group_id(group_id, index), stale, codec, kwargs)
             for index, (start, end) in enumerate(self.fragments)
         ]
         outcomes = await asyncio.gather(
@@ -204,10 +206,11 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         group_info: GroupInfo,
         group_id: bytes,
         stale: frozenset[Any],
+        codec: CodecCompression,
         kwargs: dict[str, Any],
     ) -> ExactAllReduceRunner:
         runner = self.runner_class(
-            codec=self.codec_compression,
+            codec=codec,
             stale=stale,
             robust=self.robust,
             p2p=self._p2p,

@@ -144,6 +144,19 @@ class Codec(abc.ABC):
         as ``encode``; a codec without a systematic rounding loss returns ``encode(x)``."""
         return self.encode(x)
 
+    def at_round(self, round_: int) -> Codec:
+        """This codec as round ``round_`` of a run uses it: a codec whose wire format depends on
+        the round (``engine.sparse_codec``: the round's mask) returns a copy bound to it; the
+        others return themselves."""
+        return self
+
+    def unsent(self, start: int, count: int) -> torch.Tensor | None:
+        """Which of the vector's values ``[start, start + count)`` this codec does not send at
+        all (a bool mask), or None when it sends every value. A round leaves those values as
+        if their range had not been averaged (``peer.host_passes``: θ_g, the momentum and the
+        residual keep their values there, the model its own progress)."""
+        return None
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` (bit for bit) without building the bytes: what a receiver of
         ``x`` gets, for error feedback. ``x``: a finite 1-D float32 CPU tensor."""
@@ -398,12 +411,68 @@ class FourBitCodec(_BlockAbsmaxCodec):
         return nibbles.to(torch.float32) - self._ZERO
 
 
+class TwoBitCodec(_BlockAbsmaxCodec):
+    """Blockwise absmax 2-bit with four levels and no zero: ``-1.5, -0.5, 0.5, 1.5`` times the
+    scale ``absmax/1.5``, codes ``q + 1.5`` in 0..3, four to a byte, lowest first (a pad code
+    is 0 and decodes to nothing). Every code is valid: a payload is refused for its length or
+    its scales only. Used for the values the ``sparse`` codec keeps (``engine.sparse_codec``):
+    beside error feedback a level that is never zero costs nothing, and its step (2/3 of the
+    block's absmax) is a third of ternary's."""
+
+    name = "2bit"
+    levels = 1.5  # type: ignore[assignment]
+    _OFFSET = 1.5
+
+    def bytes_per_value(self) -> float:
+        return 0.25
+
+    def _codes_size(self, numel: int) -> int:
+        return -(-numel // 4)
+
+    def _quantize(self, x: torch.Tensor, dither: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, levels ``code - 1.5`` of the padded blocks): ``y + 1.5`` rounded to the
+        nearest code, or with ``dither`` stochastically (``floor(u + d)``, unbiased within the
+        block's range)."""
+        blocks = self._blocks(x)
+        scales = self._scales(blocks)
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+        u = blocks / divisor + self._OFFSET
+        if dither is None:
+            u.round_()
+        else:
+            u.add_(dither[: u.numel()].view(u.shape)).floor_()
+        return scales, u.clamp_(0, 3).sub_(self._OFFSET)
+
+    def _pack(self, q: torch.Tensor) -> bytes:
+        codes = (q + self._OFFSET).to(torch.uint8)
+        pad = -codes.numel() % 4
+        if pad:
+            codes = torch.cat((codes, codes.new_zeros(pad)))
+        quads = codes.view(-1, 4)
+        return (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).numpy().tobytes()
+
+    def _unpack(self, raw: bytes, offset: int, numel: int) -> torch.Tensor:
+        packed = _read(raw, "u1", offset, self._codes_size(numel))
+        codes = torch.stack([(packed >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=1).view(-1)
+        if bool((codes[numel:] != 0).any()):
+            raise MalformedTensorError(f"{self.name} codec: a pad code is not 0")
+        return codes[:numel].to(torch.float32) - self._OFFSET
+
+
 _CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoneCodec, Fp16Codec, Int8Codec, FourBitCodec)}
-CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
+CODEC_NAMES: tuple[str, ...] = (*_CODECS, "sparse")
 
 
-def get_codec(name: str) -> Codec:
-    """The codec called ``name``; ``ValueError`` naming the valid names otherwise."""
+def get_codec(name: str, density: float | None = None, bits: int | None = None) -> Codec:
+    """The codec called ``name`` (``sparse`` at ``density`` with its values in ``bits``, the
+    spec's defaults when not given; the others take neither); ``ValueError`` naming the valid
+    names otherwise."""
+    if name == "sparse":
+        from engine.sparse_codec import DEFAULT_BITS, DEFAULT_DENSITY, SparseCodec
+
+        return SparseCodec(DEFAULT_DENSITY if density is None else density, bits=bits or DEFAULT_BITS)
+    if density is not None or bits is not None:
+        raise ValueError(f"codec {name!r} takes no density or bits (only sparse does)")
     try:
         return _CODECS[name]()
     except (KeyError, TypeError):
@@ -463,13 +532,25 @@ class ErrorFeedback:
         if self.codec.lossy:
             out.add_(self._residual[offset : offset + out.numel()])
 
-    def update_slice(self, sent: torch.Tensor, offset: int) -> None:
+    def update_slice(self, sent: torch.Tensor, offset: int, codec: Codec | None = None) -> None:
         """Keep ``sent - decode(encode(sent))`` as the residual of the values at ``offset``
-        (``sent``: what was sent for them, delta + the previous residual)."""
+        (``sent``: what was sent for them, delta + the previous residual), ``codec`` being this
+        feedback's codec as the round used it (``Codec.at_round``; the codec itself when not
+        given). Values the codec did not send at all (``Codec.unsent``) keep their residual:
+        the round left them out, and the model kept its progress there."""
         if not self.codec.lossy:
             return
+        codec = codec or self.codec
+        if offset % codec.block:
+            raise ValueError(
+                f"error feedback: a window starts at {offset}, not on a {codec.name} block ({codec.block})"
+            )
         target = self._residual[offset : offset + sent.numel()]
-        torch.sub(sent, self.codec.roundtrip(sent), out=target)
+        unsent = codec.unsent(offset, sent.numel())
+        if unsent is None:
+            torch.sub(sent, codec.roundtrip(sent), out=target)
+        else:
+            target.copy_(torch.where(unsent, target, torch.sub(sent, codec.roundtrip(sent))))
         if not all_finite(target):
             raise ValueError("error feedback: residual overflowed float32")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 __all__ = ["FRAGMENT_ALIGN", "MIN_FRAGMENT_VALUES", "fragment_bounds", "fragment_group_id"]
 
-FRAGMENT_ALIGN = 64
-"""Fragments start at multiples of this many values (a multiple of every codec's block)."""
+FRAGMENT_ALIGN = 4096
+"""Fragments start at multiples of this many values (a multiple of every codec's block: the
+``sparse`` codec's blocks are up to 4096 values, and its mask is relative to a block's start)."""
 MIN_FRAGMENT_VALUES = 2**16
 """A vector is cut into no more fragments than it has runs of this many values: below it, a
 fragment's all-reduce costs more in messages than its stream gains."""

@@ -545,7 +545,7 @@ def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: N
     return Swarm(
         joined.spec,
         plan.numel,
-        get_codec(joined.spec.averaging.compression),
+        get_codec(joined.spec.averaging.compression, joined.spec.averaging.density, joined.spec.averaging.bits),
         initial_peers=list(args.initial_peers),
         host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
         client_mode=args.client_mode,

@@ -50,7 +50,7 @@ DEVICE_BASE_BYTES = 1 * GIB
 HOST_BASE_BYTES = GIB + GIB // 2
 """Interpreter, torch, hivemind's averaging process and p2pd (measured ~1.1 GiB RSS in all)."""
 FP32 = 4
-LOSSY_CODECS = ("fp16", "int8", "4bit")
+LOSSY_CODECS = ("fp16", "int8", "4bit", "sparse")
 """Codecs whose residual a peer carries (``engine.compression``; torch-free here, checked by a test)."""
 
 Where = Literal["device", "host", "shm"]

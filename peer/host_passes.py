@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.compression import ErrorFeedback, all_finite
+from engine.compression import Codec, ErrorFeedback, all_finite
 from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
 from protocol.spec import OuterSection
 
@@ -173,13 +173,18 @@ def update_residual(
     launch_point: torch.Tensor | None,
     staging: Staging,
     missing: Ranges = (),
+    *,
+    codec: Codec | None = None,
 ) -> None:
     """The codec residual of what this peer sent: sent = θ_g − launch point + old residual
     (exactly the launch's bytes: θ_g, the launch point and the residual have not changed since),
     residual ← sent − decode(encode(sent)). Windows start at multiples of the codec's block
     from the start of the vector, like the parts on the wire, so the residual is exactly what
     the wire dropped. In ``missing`` ranges (block-aligned: reducers' ranges are) the residual
-    keeps its value: nothing sent there counted."""
+    keeps its value: nothing sent there counted. ``codec``: the feedback's codec as the round
+    used it (``Codec.at_round``: its wire format may depend on the round); so do the values it
+    did not send at all (``Codec.unsent``)."""
+    codec = codec or feedback.codec
     if feedback.codec.block == 1 and launch_point is None:
         # a codec of single values: any cut is aligned, read the parameters where they are
         for offset, piece in model_pieces(model):
@@ -189,7 +194,7 @@ def update_residual(
             for kept in split_ranges(part.start, part.stop, missing)[0]:
                 window = sent[kept.start - offset : kept.stop - offset]
                 feedback.add_into(window, kept.start)
-                feedback.update_slice(window, kept.start)
+                feedback.update_slice(window, kept.start, codec)
         return
     size = CHUNK_VALUES - CHUNK_VALUES % feedback.codec.block
     sent_buffer = torch.empty(size, dtype=torch.float32)
@@ -207,7 +212,7 @@ def update_residual(
         for kept in split_ranges(part.start, part.stop, missing)[0]:
             window = sent[kept.start - part.start : kept.stop - part.start]
             feedback.add_into(window, kept.start)
-            feedback.update_slice(window, kept.start)
+            feedback.update_slice(window, kept.start, codec)
 
 
 class EagerBuffers:
@@ -274,6 +279,7 @@ def land_round(
     staging: Staging,
     missing: Ranges = (),
     eager: bool = False,
+    codec: Codec | None = None,
 ) -> None:
     """Apply the group's average: the codec residual of what this peer sent (when
     ``feedback``, ``update_residual``), then per slice the outer step on θ_g and the momentum
@@ -281,15 +287,16 @@ def land_round(
     ``launch_point=None``: the model has not moved since the launch (no overlap), so it is its
     own launch point. ``eager``: the inner phase since the launch started at θ̂
     (``start_eagerly``): the progress is measured from there. In the ``missing`` ranges
-    (sorted ``[start, end)`` pairs the group did not average) θ_g, the momentum and the
+    (sorted ``[start, end)`` pairs the group did not average), and at the values ``codec`` (the
+    round's, ``Codec.at_round``) did not send (``Codec.unsent``), θ_g, the momentum and the
     residual keep their values and θ_local its own (less the eager jump). Then the state's
     round advances."""
     missing = check_ranges(missing, state.params.numel())
     state.wait_for_digest()  # the tensors change in place from here on
     if feedback is not None:
-        update_residual(model, state.params, feedback, launch_point, staging, missing)
+        update_residual(model, state.params, feedback, launch_point, staging, missing, codec=codec)
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
-    progress_buffer = torch.empty(CHUNK_VALUES, dtype=torch.float32) if keep_progress or missing else None
+    progress_buffer = torch.empty(CHUNK_VALUES, dtype=torch.float32)
     theta, momentum = state.params, state.momentum
     rebase = keep_progress and launch_point is not None
     buffers = EagerBuffers() if eager and rebase else None
@@ -301,13 +308,14 @@ def land_round(
         if buffers is not None:  # θ̂ from θ_g and the momentum before the outer step moves them
             assert launch_point is not None
             start = eager_point(theta[part], momentum[part], launch_point[part], config, buffers)
+        unsent = _unsent(codec, offset, n)
         for kept in present:
             width = kept.stop - kept.start
-            outer_step_slice(theta[kept], momentum[kept], averaged[kept], config, scratch[:width])
-        if not absent and not rebase:
+            held = None if unsent is None else unsent[kept.start - offset : kept.stop - offset]
+            _sent_outer_step(theta[kept], momentum[kept], averaged[kept], config, scratch[:width], held)
+        if not absent and not rebase and unsent is None:
             piece.copy_(theta[part])
             continue
-        assert progress_buffer is not None
         local = staging.host(piece)
         new = progress_buffer[:n]
         if rebase:
@@ -323,8 +331,40 @@ def land_round(
             else:
                 assert launch_point is not None
                 new[window] = local[window] - start[window] + launch_point[left]
+        if unsent is not None:  # not sent: as not averaged
+            if start is None:
+                new[unsent] = local[unsent]
+            else:
+                assert launch_point is not None
+                new[unsent] = (local - start + launch_point[part])[unsent]
         piece.copy_(new)
     state.round += 1
+
+
+def _unsent(codec: Codec | None, start: int, count: int) -> torch.Tensor | None:
+    """``codec``'s unsent mask of ``[start, start + count)``, or None when it sent them all."""
+    if codec is None:
+        return None
+    unsent = codec.unsent(start, count)
+    return unsent if unsent is not None and bool(unsent.any()) else None
+
+
+def _sent_outer_step(
+    theta: torch.Tensor,
+    momentum: torch.Tensor,
+    averaged: torch.Tensor,
+    config: OuterSection,
+    scratch: torch.Tensor,
+    unsent: torch.Tensor | None,
+) -> None:
+    """The outer step on one slice, leaving θ_g and the momentum as they were at the ``unsent`` values."""
+    if unsent is None:
+        outer_step_slice(theta, momentum, averaged, config, scratch)
+        return
+    kept_theta, kept_momentum = theta[unsent], momentum[unsent]  # copies (a mask index copies)
+    outer_step_slice(theta, momentum, averaged, config, scratch)
+    theta[unsent] = kept_theta
+    momentum[unsent] = kept_momentum
 
 
 @torch.no_grad()
@@ -337,17 +377,18 @@ def land_global(
     launch_point: torch.Tensor,
     missing: Ranges = (),
     eager: bool = False,
+    codec: Codec | None = None,
 ) -> None:
     """``land_round``'s host half, touching no model: the codec residual (when ``feedback``),
     the outer step on θ_g and the momentum in place, and ``launch_point`` ← the shift that
     re-bases the model (``rebase_model``): θ_g_new − start point where the group averaged,
     start point being the launch point or θ̂ after an eager start; launch point − θ̂ (eager) or 0
-    in the ``missing`` ranges. The state's round does not advance (the caller advances it once
-    the model is re-based)."""
+    in the ``missing`` ranges and at the values ``codec`` did not send (``land_round``). The
+    state's round does not advance (the caller advances it once the model is re-based)."""
     missing = check_ranges(missing, state.params.numel())
     state.wait_for_digest()  # the tensors change in place from here on
     if feedback is not None:
-        update_residual(_NO_MODEL, state.params, feedback, launch_point, Staging(_NO_MODEL), missing)
+        update_residual(_NO_MODEL, state.params, feedback, launch_point, Staging(_NO_MODEL), missing, codec=codec)
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
     theta, momentum = state.params, state.momentum
     buffers = EagerBuffers() if eager else None
@@ -356,13 +397,21 @@ def land_global(
         start = None
         if buffers is not None:  # θ̂ from θ_g and the momentum before the outer step moves them
             start = eager_point(theta[part], momentum[part], launch_point[part], config, buffers)
+        unsent = _unsent(codec, part.start, part.stop - part.start)
         for kept in present:
             width = kept.stop - kept.start
-            outer_step_slice(theta[kept], momentum[kept], averaged[kept], config, scratch[:width])
+            window = slice(kept.start - part.start, kept.stop - part.start)
+            held = None if unsent is None else unsent[window]
+            _sent_outer_step(theta[kept], momentum[kept], averaged[kept], config, scratch[:width], held)
         for kept in present:
             window = slice(kept.start - part.start, kept.stop - part.start)
             base = launch_point[kept] if start is None else start[window]
+            held = None if unsent is None else unsent[window]
+            if held is not None:  # not sent: as not averaged (the shift below, before it is overwritten)
+                own = launch_point[kept][held] - start[window][held] if start is not None else None
             torch.sub(theta[kept], base, out=launch_point[kept])
+            if held is not None:
+                launch_point[kept][held] = own if own is not None else 0.0
         for left in absent:  # not averaged: θ_local keeps its own value (less the eager jump)
             window = slice(left.start - part.start, left.stop - part.start)
             if start is None:

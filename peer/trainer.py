@@ -293,7 +293,7 @@ class Trainer:
         self._state_lock = threading.Lock()
         """Held while the state changes in place or is copied for serving."""
         self._staging = Staging(self.model)
-        self.codec = get_codec(spec.averaging.compression)
+        self.codec = get_codec(spec.averaging.compression, spec.averaging.density, spec.averaging.bits)
         # a lossless codec has no residual to carry: no feedback (and no full-size zero copies)
         use_feedback = spec.averaging.error_feedback and self.codec.lossy
         self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
@@ -921,6 +921,7 @@ class Trainer:
                     keep_progress=keep_progress,
                     staging=self._staging,
                     eager=flight.eager,
+                    codec=self.codec.at_round(self.state.round),
                 )
                 if self._carry_over is not None and counted:  # held out of this round: back in
                     load_flat(self.model, torch.add(flatten(self.model), self._carry_over))
@@ -955,7 +956,15 @@ class Trainer:
         started = time.monotonic()
         assert self._launch_point is not None
         with self._state_lock:
-            land_global(self.state, averaged, outer, feedback=feedback, launch_point=self._launch_point, eager=eager)
+            land_global(
+                self.state,
+                averaged,
+                outer,
+                feedback=feedback,
+                launch_point=self._launch_point,
+                eager=eager,
+                codec=self.codec.at_round(self.state.round),
+            )
         if self._mirror is not None:  # (never made for an eager start: ``_launch``)
             self._mirror.upload_shift(self._launch_point)
             if self._validates(self.state.round + 1):

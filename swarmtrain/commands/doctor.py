@@ -228,6 +228,10 @@ def _model_checks(
 
     add(run_check("memory", memory))
     footprint = fit.footprint if fit is not None else _footprint_or_none(spec, acc)
+    if footprint is not None and upload:
+        from swarmtrain.doctor.round_cost import round_cost
+
+        add(run_check("averaging on this uplink", lambda: round_cost(spec.averaging, footprint.params, upload)))
     add(run_check("/dev/shm", lambda: machine.shm(footprint)))
     if fit is None:
         add(skipped("expected contribution", "the model does not fit this machine"))

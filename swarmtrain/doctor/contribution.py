@@ -10,8 +10,6 @@ from protocol.modelsize import task_flops_per_sample
 from protocol.spec import RunSpec
 from swarmtrain.doctor.verdict import CheckFailed
 
-WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "int8": 1.0, "4bit": 0.5}
-"""Bytes per value each codec sends (scales and headers left out)."""
 MEASURE_STEPS = 5
 MEASURE_BUDGET_S = 15.0
 
@@ -38,7 +36,7 @@ def expected(
         # a butterfly all-reduce of n members sends 2(n-1)/n of the vector from each (its parts
         # to the other reducers, then its averaged part back to them): upload-bound; a round's
         # group is the whole swarm, so count the large-n bound, twice the vector
-        sent = 2 * params * WIRE_BYTES[spec.averaging.compression]
+        sent = 2 * params * spec.averaging.wire_bytes_per_value()
         comm_s = 8 * sent / upload_bits_per_s
     round_s = (
         compute_s if comm_s is None else (max(compute_s, comm_s) if spec.averaging.overlap else compute_s + comm_s)

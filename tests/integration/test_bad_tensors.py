@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,6 +33,15 @@ class ShortCompression(CodecCompression):
     def compress(self, tensor, info, allow_inplace=False):  # type: ignore[no-untyped-def]
         flat = tensor.detach().reshape(-1)[:-1].contiguous()
         return runtime_pb2.Tensor(buffer=self.codec.encode(flat), size=[flat.numel()], dtype=self.dtype_tag)
+
+
+class GarbageCompression(CodecCompression):
+    """Bytes of the right length for its codec, but random: out-of-range codes, bad scales."""
+
+    def compress(self, tensor, info, allow_inplace=False):  # type: ignore[no-untyped-def]
+        size = self.codec.encoded_size(tensor.numel())
+        noise = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+        return runtime_pb2.Tensor(buffer=noise.numpy().tobytes(), size=list(tensor.shape), dtype=self.dtype_tag)
 
 
 def weight_liar(weight: float) -> type[ExactAverager]:
@@ -62,10 +72,12 @@ def run_group(
     streams: int = 1,
     next_chunk_timeout: float = 5.0,
     outcomes: dict[int, GroupOutcome] | None = None,
+    codec_name: str = "none",
+    vector: Callable[[int, int], torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None]:
     """Each member's vector after one step (None where its step failed); ``outcomes``, when
     given, receives each completed step's outcome (what it left out of the round, and why)."""
-    codec = get_codec("none")
+    codec = get_codec(codec_name)
     first = DHT(start=True, host_maddrs=LOOPBACK)
     dhts = [first] + [DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs()) for _ in range(2)]
     averagers = []
@@ -92,7 +104,7 @@ def run_group(
                 averager.codec_compression = bad(codec)  # before the averager process starts
             averager.run_in_background(await_ready=True)
             with averager.get_tensors() as tensors:
-                tensors[0].copy_(peer_vector(i, numel))
+                tensors[0].copy_((vector or peer_vector)(i, numel))
             averagers.append(averager)
         results: list[torch.Tensor | None] = [None] * 3
 
@@ -183,3 +195,43 @@ def test_a_member_that_started_from_another_state_counts_zero_and_gets_the_avera
     assert all(r is not None for r in results), results
     for result in results:
         assert torch.equal(result, torch.full((NUMEL,), 1.5))  # (1 + 2) / 2, bit for bit on all three
+
+
+SPARSE_GATHERS = [{"round": 6, "digest": "sha256:a"}] * 3
+"""Every member states round 6: the ``sparse`` codec's mask is that round's."""
+
+
+def sparse_vector(index: int, numel: int) -> torch.Tensor:
+    """Peer ``index``'s vector for the ``sparse`` codec (2-bit values): 1.5 (index + 1)
+    everywhere. A block's values, each peer's and the mean of the first two or all three, are
+    the top level 1.5 times an exact scale (absmax / 1.5), so rounding to nearest (a sender)
+    and stochastic rounding (a reducer, with a dither the test does not know) give the same
+    bits."""
+    return torch.full((numel,), 1.5 * (index + 1))
+
+
+def _sparse_expected(members: list[int], numel: int) -> torch.Tensor:
+    """What a group of ``members`` averages with ``sparse`` at round 6: the mean of their
+    vectors at the round's positions, zero elsewhere."""
+    codec = get_codec("sparse").at_round(6)
+    return codec.roundtrip(sum(sparse_vector(i, numel) for i in members) / len(members))
+
+
+def test_sparse_codec_group_averages_the_rounds_positions_bit_identically() -> None:
+    results = run_group(
+        None, gathers=SPARSE_GATHERS, codec_name="sparse", numel=STREAMED, streams=4, vector=sparse_vector
+    )
+    assert all(r is not None for r in results), results
+    expected = _sparse_expected([0, 1, 2], STREAMED)
+    for result in results:
+        assert torch.equal(result, expected)
+    assert int((expected != 0).sum()) == get_codec("sparse").at_round(6).kept(STREAMED).numel()
+
+
+@pytest.mark.parametrize("bad", [GarbageCompression, NaNCompression, ShortCompression], ids=["garbage", "nan", "short"])
+def test_sparse_codec_refuses_a_malformed_payload_and_averages_the_rest(bad: type[CodecCompression]) -> None:
+    results = run_group(bad, gathers=SPARSE_GATHERS, codec_name="sparse", vector=sparse_vector)
+    honest = [r for r in results[:2] if r is not None]
+    assert len(honest) == 2
+    for result in honest:
+        assert torch.equal(result, _sparse_expected([0, 1], NUMEL))

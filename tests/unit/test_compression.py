@@ -10,6 +10,8 @@ from protocol.errors import MalformedTensorError, VerificationError
 
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 1000]
 BLOCKWISE = {"int8": 127, "4bit": 7}
+DENSE = tuple(name for name in CODEC_NAMES if name != "sparse")
+"""The codecs whose wire format is the same in every round (``sparse``: tests/unit/test_sparse_codec.py)."""
 
 
 def _vector(n: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -32,7 +34,7 @@ def _n_scale_bytes(codec: Codec, n: int) -> int:
 def test_codec_attributes() -> None:
     expected = {"none": (4.0, 1, False), "fp16": (2.0, 1, True), "int8": (1.0, 64, True)}
     expected["4bit"] = (0.5, 64, True)
-    assert set(CODEC_NAMES) == set(expected)
+    assert set(CODEC_NAMES) == set(expected) | {"sparse"}
     for name, (bpv, block, lossy) in expected.items():
         codec = get_codec(name)
         assert (codec.name, codec.bytes_per_value(), codec.block, codec.lossy) == (
@@ -44,7 +46,7 @@ def test_codec_attributes() -> None:
 
 
 def test_unknown_codec_names_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="none, fp16, int8, 4bit"):
+    with pytest.raises(ValueError, match="none, fp16, int8, 4bit, sparse"):
         get_codec("int4")
 
 
@@ -86,7 +88,7 @@ def test_blockwise_error_is_at_most_half_a_step(name: str, n: int) -> None:
         assert torch.allclose(out.abs().max(), x.abs().max(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("n", [0, 1, 63, 65, 129])
 def test_zero_and_empty_vectors(name: str, n: int) -> None:
     codec = get_codec(name)
@@ -97,7 +99,7 @@ def test_zero_and_empty_vectors(name: str, n: int) -> None:
         assert data[: _n_scale_bytes(codec, n)] == b"\0" * _n_scale_bytes(codec, n)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_block_aligned_slices_encode_identically(name: str) -> None:
     codec = get_codec(name)
     x = _vector(301, seed=3)
@@ -112,7 +114,7 @@ def test_block_aligned_slices_encode_identically(name: str) -> None:
     assert torch.equal(parts, codec.decode(whole, 301))
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_decode_is_a_pure_function_of_the_bytes(name: str) -> None:
     codec = get_codec(name)
     data = codec.encode(_vector(1000, seed=5))
@@ -123,7 +125,7 @@ def test_decode_is_a_pure_function_of_the_bytes(name: str) -> None:
     assert torch.equal(codec.decode(data, 1000), second)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 129, 1000])
 def test_encoded_size_matches(name: str, n: int) -> None:
     codec = get_codec(name)
@@ -134,7 +136,7 @@ def test_wire_ratios_for_a_million_values() -> None:
     n = 1_000_000
     raw = 4 * n
     x = _vector(n, seed=1)
-    sizes = {name: len(get_codec(name).encode(x)) for name in CODEC_NAMES}
+    sizes = {name: len(get_codec(name).encode(x)) for name in DENSE}
     assert sizes["none"] == raw
     assert sizes["fp16"] == raw // 2
     assert sizes["int8"] / raw <= 0.30
@@ -143,7 +145,7 @@ def test_wire_ratios_for_a_million_values() -> None:
     assert sizes["4bit"] == 4 * 15625 + n // 2
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_wrong_length_is_rejected(name: str) -> None:
     codec = get_codec(name)
     data = codec.encode(_vector(100))
@@ -224,7 +226,7 @@ def test_non_finite_payload_is_rejected(name: str, payload: bytes) -> None:
     assert issubclass(MalformedTensorError, VerificationError)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize(
     "bad",
     [
@@ -348,7 +350,7 @@ def test_lossless_and_fp16_codecs_encode_averages_as_usual() -> None:
 
 
 def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> None:
-    from engine.allreduce import MIN_PART_SIZE_BYTES, PART_SIZE_BYTES, part_size_bytes
+    from engine.allreduce import MAX_PART_VALUES, MIN_PART_SIZE_BYTES, MIN_PART_VALUES, PART_SIZE_BYTES, part_size_bytes
 
     for name in CODEC_NAMES:
         codec = get_codec(name)
@@ -357,9 +359,10 @@ def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> 
             for group in (1, 2, 4, 16):
                 size = part_size_bytes(numel, codec, group)
                 values = size / per_value
-                assert values == int(values) and int(values) % 64 == 0
-                assert size <= max(PART_SIZE_BYTES, 64 * per_value)
-                assert size >= min(MIN_PART_SIZE_BYTES, 64 * per_value) or values == 64
-        assert part_size_bytes(10**10, codec, 4) == PART_SIZE_BYTES
+                assert values == int(values) and int(values) % codec.block == 0
+                assert size <= max(min(PART_SIZE_BYTES, MAX_PART_VALUES * per_value), codec.block * per_value)
+                floor = min(MIN_PART_SIZE_BYTES, MIN_PART_VALUES * per_value, codec.block * per_value)
+                assert size >= floor or values == codec.block
+        assert part_size_bytes(10**10, codec, 4) == min(PART_SIZE_BYTES, MAX_PART_VALUES * per_value)
         parts = 1_450_000 * per_value / part_size_bytes(1_450_000, codec, 4)
         assert parts >= 4  # every member of a group of 4 reduces a share of a 1.45M-value vector

@@ -22,10 +22,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _missing(numel: int) -> list[tuple[int, int]]:
-    """Block-aligned ranges a failed reducer leaves out: at the start, across a chunk and a
-    parameter boundary, and at the end."""
-    return [(0, 64), (CHUNK_VALUES - 640, CHUNK_VALUES + 1280), (numel - numel % 64 - 128, numel)]
+def _missing(numel: int, block: int = 64) -> list[tuple[int, int]]:
+    """Ranges a failed reducer leaves out, aligned to the codec's blocks as reducers' ranges
+    are: at the start, across a chunk and a parameter boundary, and at the end."""
+    return [
+        (0, block),
+        (CHUNK_VALUES - 10 * block, CHUNK_VALUES + 20 * block),
+        (numel - numel % block - 2 * block, numel),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -39,19 +43,26 @@ def _missing(numel: int) -> list[tuple[int, int]]:
         ("4bit", False, True),
         ("4bit", True, True),
         ("none", False, True),
+        ("sparse", False, False),
+        ("sparse", True, True),
     ],
 )
 def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec_name: str, with_missing: bool) -> None:
     """With ``with_missing``, ranges a failed reducer left out land like a failed round: θ_g, the
-    momentum, the residual and θ_local keep their values there; the rest is the formulas'."""
+    momentum, the residual and θ_local keep their values there; the rest is the formulas'. So do
+    the values the ``sparse`` codec did not send this round (``Codec.unsent``)."""
     model = _model()
     numel = sum(p.numel() for p in model.parameters())
-    missing = _missing(numel) if with_missing else []
+    missing = _missing(numel, max(64, get_codec(codec_name).block)) if with_missing else []
     left_out = torch.zeros(numel, dtype=torch.bool)
     for lo, hi in missing:
         left_out[lo:hi] = True
     assert any(p.numel() > CHUNK_VALUES for p in model.parameters())
     codec = get_codec(codec_name)
+    bound = codec.at_round(4)  # the round landed: the sparse codec's mask is its
+    unsent = bound.unsent(0, numel)
+    if unsent is not None:
+        left_out |= unsent
     config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
     state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 4)
     feedback = ErrorFeedback(codec, numel) if codec.lossy else None
@@ -90,13 +101,14 @@ def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec
         keep_progress=overlap,
         staging=staging,
         missing=missing,
+        codec=bound,
     )
     lr, mu = torch.tensor(config.lr), torch.tensor(config.momentum)
     new_momentum = torch.add(torch.mul(momentum, mu), averaged)
     update = torch.add(averaged, torch.mul(new_momentum, mu))
     new_theta = torch.sub(theta, torch.mul(update, lr))
     expected_local = torch.add(new_theta, torch.sub(now, local)) if overlap else new_theta.clone()
-    expected_residual = torch.sub(sent, codec.decode(codec.encode(sent), numel)) if feedback else None
+    expected_residual = torch.sub(sent, bound.decode(bound.encode(sent), numel)) if feedback else None
     # left out: nothing moves but the local model's own progress
     new_momentum[left_out], new_theta[left_out], expected_local[left_out] = (
         momentum[left_out],
@@ -266,6 +278,8 @@ def test_parameters_outside_host_float32_go_through_the_staging_buffer() -> None
         ("4bit", True, False),
         ("4bit", False, True),
         ("none", True, True),
+        ("sparse", False, True),
+        ("sparse", True, False),
     ],
 )
 def test_landing_in_two_halves_gives_the_global_state_of_land_round_bit_for_bit(
@@ -282,7 +296,7 @@ def test_landing_in_two_halves_gives_the_global_state_of_land_round_bit_for_bit(
     for halves in (False, True):
         model, state, _, launch_point, staging = _launched(round_=3)
         numel = launch_point.numel()
-        missing = _missing(numel) if with_missing else []
+        missing = _missing(numel, max(64, codec.block)) if with_missing else []
         feedback = ErrorFeedback(codec, numel) if codec.lossy else None
         if feedback:
             feedback.load_residual(torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-4)
@@ -293,7 +307,13 @@ def test_landing_in_two_halves_gives_the_global_state_of_land_round_bit_for_bit(
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
         averaged = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 1e-3
-        common = {"feedback": feedback, "launch_point": launch_point, "missing": missing, "eager": eager}
+        common = {
+            "feedback": feedback,
+            "launch_point": launch_point,
+            "missing": missing,
+            "eager": eager,
+            "codec": codec.at_round(3),
+        }
         if halves:
             land_global(state, averaged, config, **common)
             assert state.round == 3  # advanced by the caller once the model is re-based
