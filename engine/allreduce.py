@@ -65,10 +65,6 @@ MAX_PART_VALUES = 2**21
 """A part is at most this many values, whatever its bytes on the wire: a reducer holds every
 sender's decoded copy of the part it reduces (``RobustPartReducer``), and a sparse codec's
 1 MiB would be 15M values, 60 MB per sender."""
-MIN_PART_VALUES = 2**17
-"""A part is at least ``MIN_PART_SIZE_BYTES`` on the wire or ``MIN_PART_VALUES`` values,
-whichever is fewer bytes (a sparse codec's 64 KiB would be a million values: a vector of a
-few million would have fewer parts than a group has members)."""
 PARTS_PER_PEER = 8
 """Small vectors are cut finer (down to ``MIN_PART_SIZE_BYTES``), so that every member reduces
 its share and sending, reducing and returning overlap (a pipeline of parts)."""
@@ -80,9 +76,10 @@ def part_size_bytes(numel: int, codec: Codec, group_size: int) -> int:
     share). hivemind cuts the vector into parts of ``part_size_bytes / bytes_per_value`` values."""
     per_value = codec.bytes_per_value()
     wanted = numel * per_value / max(1, group_size * PARTS_PER_PEER)
-    size = min(
-        PART_SIZE_BYTES, MAX_PART_VALUES * per_value, max(min(MIN_PART_SIZE_BYTES, MIN_PART_VALUES * per_value), wanted)
-    )
+    # at least ``MIN_PART_SIZE_BYTES``, unless that leaves fewer parts than members: a member
+    # with no part reduces nothing, and sees (and bounds) nobody's contribution
+    floor = min(MIN_PART_SIZE_BYTES, numel * per_value / max(1, group_size))
+    size = min(PART_SIZE_BYTES, MAX_PART_VALUES * per_value, max(floor, wanted))
     block = codec.block
     values = max(block, int(size / per_value) // block * block)  # parts start on the codec's blocks
     return int(values * per_value)

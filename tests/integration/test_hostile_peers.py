@@ -1,5 +1,8 @@
 """One hostile peer of four (``tests/integration/attacker.py``: it trains like the others and
-changes only what it sends) against a real coordinator and real peers: robust averaging keeps
+changes only what it sends) against a real coordinator and real peers, with the sparse codec
+(``engine.sparse_codec``: the codec of home links; the attacks act on the pseudo-gradient
+before any codec, and robust averaging on the decoded parts, so a dense codec changes
+neither; ``test_bad_tensors.py`` sends malformed payloads of both kinds): robust averaging keeps
 the honest peers' loss within 2% of a clean run's, every round still completes, the honest
 peers name the offender in their round rows and reports, and the coordinator denies its
 claims for those rounds (issue #14). The model is just large enough (~430K values) for every
@@ -48,6 +51,7 @@ batch_size = 8
 [rounds]
 inner_steps = 6
 [averaging]
+compression = "sparse"
 overlap = false
 min_group_size = 4
 matchmaking_timeout_s = 8.0

@@ -350,7 +350,7 @@ def test_lossless_and_fp16_codecs_encode_averages_as_usual() -> None:
 
 
 def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> None:
-    from engine.allreduce import MAX_PART_VALUES, MIN_PART_SIZE_BYTES, MIN_PART_VALUES, PART_SIZE_BYTES, part_size_bytes
+    from engine.allreduce import MAX_PART_VALUES, MIN_PART_SIZE_BYTES, PART_SIZE_BYTES, part_size_bytes
 
     for name in CODEC_NAMES:
         codec = get_codec(name)
@@ -361,8 +361,9 @@ def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> 
                 values = size / per_value
                 assert values == int(values) and int(values) % codec.block == 0
                 assert size <= max(min(PART_SIZE_BYTES, MAX_PART_VALUES * per_value), codec.block * per_value)
-                floor = min(MIN_PART_SIZE_BYTES, MIN_PART_VALUES * per_value, codec.block * per_value)
-                assert size >= floor or values == codec.block
+                floor = min(MIN_PART_SIZE_BYTES, numel * per_value / group)
+                assert size >= floor - codec.block * per_value or values == codec.block
         assert part_size_bytes(10**10, codec, 4) == min(PART_SIZE_BYTES, MAX_PART_VALUES * per_value)
-        parts = 1_450_000 * per_value / part_size_bytes(1_450_000, codec, 4)
-        assert parts >= 4  # every member of a group of 4 reduces a share of a 1.45M-value vector
+        for numel, group in ((1_450_000, 4), (107_520, 4), (430_000, 16), (4096, 4)):
+            parts = numel * per_value / part_size_bytes(numel, codec, group)
+            assert parts >= min(group, numel // codec.block)  # every member reduces a share
