@@ -265,8 +265,8 @@ class AveragingSection(_Section):
     bits: Literal[2, 4] | None = None
     """With ``compression = "sparse"``: bits per value sent, 2 (the default: -1.5, -0.5, 0.5,
     1.5 times a scale) or 4 (``4bit``'s levels), plus a float32 scale per 64 values either way.
-    Measured with sparse at 1/4 and 2 bits: outer ``lr = 1.0`` ended 0.55% over fp32's loss at
-    fp32's best lr (0.7), lr 0.7 2.0% (``benchmarks/results/training-quality-codec.md``)."""
+    Measured at 1/4 and 2 bits: with outer ``lr = 1.0`` it ended 0.40% over fp32's loss at fp32's
+    best lr (0.7), with 0.7 0.93% (``benchmarks/results/training-quality-codec.md``)."""
     error_feedback: bool = True
     """Carry each lossy codec's rounding error into the next round."""
     min_group_size: Annotated[int, Field(ge=1, le=4096)] = 2
