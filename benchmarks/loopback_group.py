@@ -93,8 +93,16 @@ def reduce_group(
             alignment.setdefault(index, Alignment()).add(seen)
         mean = reduced.mean
         n = mean.numel()
+        gathered = getattr(codec, "gathered", False)
+        if gathered:
+            # a gathered codec (``benchmarks.topk_reference``): every member averages the decoded
+            # payloads itself, each value over the members that sent it (SparseLoCo's scatter
+            # mean), and the average goes through no second encoding
+            senders = sum((piece != 0).to(torch.float32) for piece in pieces)
+            mean = mean * len(pieces) / torch.clamp(senders, min=1.0)
+        encoded_once = codec.lossy and not gathered
         averaged[part] = (
-            codec.decode(codec.encode_unbiased(mean, dither[: n + codec.block]), n) if codec.lossy else mean
+            codec.decode(codec.encode_unbiased(mean, dither[: n + codec.block]), n) if encoded_once else mean
         )
     tally.named += sum(1 for seen in alignment.values() if direction_offence(seen, rule))
     return averaged

@@ -38,6 +38,10 @@ class Setup:
     drop: float = 0.0
     """In process: the probability that a member's update is left out of a round
     (``LoopbackGroup.drop``)."""
+    reference_codec: str | None = None
+    """In process: a codec the product does not ship, for the members' error feedback and the
+    group's reduction in place of the spec's (``topk``: ``benchmarks.topk_reference``, with its
+    decayed error feedback)."""
 
 
 def spec_text(base: str, overrides: Overrides) -> dict[str, Any]:
@@ -141,6 +145,12 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
         seed=seed,
         drop=setup.drop,
     )
+    if setup.reference_codec == "topk":
+        from benchmarks.topk_reference import TopKCodec
+
+        group.codec = TopKCodec()
+    elif setup.reference_codec is not None:
+        raise ValueError(f"unknown reference codec {setup.reference_codec!r}")
     trainers: list[Trainer] = []
     for index in range(setup.members):
         member_spec = spec if index == 0 else quiet  # θ_g is the same in every member: one evaluates
@@ -153,6 +163,11 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
         )
         trainer = Trainer(member_spec, task, swarm, options)  # type: ignore[arg-type]
         swarm.steps = lambda t=trainer: t.inner_steps_done
+        if setup.reference_codec is not None:
+            from benchmarks.topk_reference import DecayedFeedback
+
+            trainer.codec = group.codec
+            trainer.feedback = DecayedFeedback(group.codec, size)
         trainers.append(trainer)
     errors: list[BaseException] = []
 
@@ -179,6 +194,8 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
     n = setup.members
     size = numel if numel is not None else sum(p.numel() for p in trainers[0].task.model.parameters())
     wire = 2 * 2 * (n - 1) / n * size * spec.averaging.wire_bytes_per_value() if n > 1 else 0.0
+    if getattr(group.codec, "gathered", False):  # an all-gather: n - 1 payloads out and n - 1 in
+        wire = 2 * (n - 1) * size * group.codec.bytes_per_value()
     return RunResult(
         setup.name,
         seed,

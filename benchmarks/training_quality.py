@@ -93,6 +93,11 @@ ROBUST_OFF: Overrides = {"averaging": {"robust": False}}
 SPARSE: Overrides = {"averaging": {"compression": "sparse"}}
 """The sparse codec at its defaults (1/4 of the values a round, 2-bit)."""
 OUTER_LR_1: Overrides = {"outer": {"lr": 1.0}}
+TOPK = "top-k 64 of 4096, all-gather (SparseLoCo: decayed EF, outer SGD lr 1)"
+"""Each member's own top-k in 2 bits with error feedback decayed by 0.95, gathered, outer SGD
+without momentum (``benchmarks.topk_reference``): SparseLoCo's recipe, a reference the
+butterfly cannot carry, its bytes those of an all-gather over a mesh."""
+SPARSELOCO_OUTER: Overrides = {"outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False}}
 CLIP_1: Overrides = {"averaging": {"clip": 1.0}}
 PLAIN_OUTER: Overrides = {"outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False}}
 EVAL_20: Overrides = {"eval": {"every_rounds": 20}}
@@ -196,6 +201,7 @@ def suites() -> dict[str, list[Row]]:
             Row(
                 swarm("codec sparse 1/2, outer lr 1", ROBUST_OFF, OUTER_LR_1, SPARSE, {"averaging": {"density": 1 / 2}})
             ),
+            Row(swarm(TOPK, ROBUST_OFF, SPARSELOCO_OUTER, reference_codec="topk")),
         ],
         "overlap": [
             Row(swarm("overlap off", ROBUST_OFF)),

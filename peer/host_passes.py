@@ -357,14 +357,16 @@ def _sent_outer_step(
     scratch: torch.Tensor,
     unsent: torch.Tensor | None,
 ) -> None:
-    """The outer step on one slice, leaving θ_g and the momentum as they were at the ``unsent`` values."""
+    """The outer step on one slice, leaving θ_g and the momentum as they were at the ``unsent``
+    values: on copies of the sent ones (a share ``density`` of the slice), written back."""
     if unsent is None:
         outer_step_slice(theta, momentum, averaged, config, scratch)
         return
-    kept_theta, kept_momentum = theta[unsent], momentum[unsent]  # copies (a mask index copies)
-    outer_step_slice(theta, momentum, averaged, config, scratch)
-    theta[unsent] = kept_theta
-    momentum[unsent] = kept_momentum
+    sent = ~unsent
+    values, moment = theta[sent], momentum[sent]  # copies (a mask index copies)
+    outer_step_slice(values, moment, averaged[sent], config, scratch[: values.numel()])
+    theta[sent] = values
+    momentum[sent] = moment
 
 
 @torch.no_grad()
