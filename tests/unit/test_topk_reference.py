@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.topk_reference import CHUNK, DECAY, K, DecayedFeedback, TopKCodec
+from benchmarks.topk_reference import CHUNK, DECAY, DecayedFeedback, K, TopKCodec
 from engine.compression import TwoBitCodec
 from protocol.errors import MalformedTensorError
 
