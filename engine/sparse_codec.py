@@ -14,9 +14,9 @@ and each member's model keeps its own progress, so the next time the value is se
 pseudo-gradient holds every inner step since it was last averaged. Each value is thus
 averaged DiLoCo's way every ``1/density`` rounds, and the rounds take turns. Carrying the
 unsent values in error feedback instead, from a model reset to θ_g each round, adds up
-pseudo-gradients taken from the same point, which overshoots: the swarm of 4 diverged
-(``benchmarks/results/training-quality-codec.md``). Error feedback carries the quantization
-error of the values that were sent.
+pseudo-gradients taken from the same point, which overshoots: the in-process swarm of 4
+diverged (val loss 5.3 against fp32's 2.2 at density 1/8, 4-bit values, 30 rounds). Error
+feedback carries the quantization error of the values that were sent.
 
 The mask: with ``block = B`` (a power of two) and the odd multiplier ``STRIDE``, position
 ``p`` of a block has rank ``p * STRIDE mod B`` (a permutation of the block); round ``r``
