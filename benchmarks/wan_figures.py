@@ -13,15 +13,15 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from protocol.spec import AveragingSection
+
 WIRE_BYTES_PER_VALUE = {
-    "none": 4.0,
-    "fp16": 2.0,
-    "int8": 1.0 + 4.0 / 64,
-    "4bit": 0.5 + 4.0 / 64,
-    "sparse": (0.25 + 4.0 / 64) / 4,
+    name: AveragingSection.model_validate({"compression": name}).wire_bytes_per_value()
+    for name in ("none", "fp16", "int8", "4bit", "sparse")
 }
-"""Bytes per value each codec puts on the wire (blockwise codecs: one fp32 scale per 64 values;
-sparse at its defaults: 2-bit values for one value in 4)."""
+"""Bytes per value each codec puts on the wire, scales included, at the spec's defaults
+(``protocol.spec.AveragingSection.wire_bytes_per_value``: one definition for the spec, the
+doctor and the benchmarks)."""
 
 
 def link_bound_s(*, peers: int, params: int, codec: str, link_bps: float) -> float:
