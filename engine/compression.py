@@ -479,21 +479,32 @@ def get_codec(name: str, density: float | None = None, bits: int | None = None) 
         raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}") from None
 
 
+RESIDUAL_DTYPE = torch.bfloat16
+"""How ``ErrorFeedback`` stores its residual (see there)."""
+
+
 class ErrorFeedback:
     """Residual of a lossy codec carried into the next round (EF-SGD).
 
     Each round sends ``x = delta + residual`` and keeps ``residual = x - decode(encode(x))``,
-    so the running sum of what was decoded trails the running sum of ``delta`` by exactly
-    the current residual (at most half a quantization step per value; with fp16, whatever
-    saturated beyond ±65504 also stays in the residual). For a non-lossy codec no residual
-    is kept and ``compensate`` returns ``delta`` itself.
+    so the running sum of what was decoded trails the running sum of ``delta`` by the current
+    residual (at most half a quantization step per value; with fp16, whatever saturated beyond
+    ±65504 also stays in the residual). For a non-lossy codec no residual is kept and
+    ``compensate`` returns ``delta`` itself.
+
+    The residual is stored in bfloat16 (``RESIDUAL_DTYPE``): half a model copy of host memory
+    and of every pass that reads or writes it, for a rounding of 2^-9 of the residual itself
+    (float32's range, so nothing the codec dropped can overflow or vanish). That rounding is
+    the one error the feedback does not carry: per value and round at most 2^-9 of half a
+    quantization step, where the codec's own error is the whole half step. The residual is
+    this peer's own (never averaged, never digested), so replicas stay bit-identical.
     """
 
     def __init__(self, codec: Codec, numel: int) -> None:
         _check_numel(numel, codec.name)
         self.codec = codec
         self.numel = numel
-        self._residual = torch.zeros(numel if codec.lossy else 0, dtype=torch.float32)
+        self._residual = torch.zeros(numel if codec.lossy else 0, dtype=RESIDUAL_DTYPE)
 
     def _check(self, t: torch.Tensor, what: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
@@ -506,10 +517,13 @@ class ErrorFeedback:
         """A copy of the current residual, shape ``(numel,)`` (zeros for a non-lossy codec)."""
         if not self.codec.lossy:
             return torch.zeros(self.numel, dtype=torch.float32)
-        return self._residual.clone()
+        return self._residual.to(torch.float32)
 
     def load_residual(self, t: torch.Tensor) -> None:
-        """Restore a residual saved from ``residual``; ``ValueError`` if it does not fit."""
+        """Restore a residual saved from ``residual`` or ``state`` (float32 or bfloat16: a
+        float32 one is rounded to bfloat16); ``ValueError`` if it does not fit."""
+        if isinstance(t, torch.Tensor) and t.dtype == RESIDUAL_DTYPE:
+            t = t.to(torch.float32)
         self._check(t, "residual")
         if not bool(torch.isfinite(t).all()):
             raise ValueError("error feedback: residual contains NaN or Inf")
@@ -517,7 +531,7 @@ class ErrorFeedback:
             if bool(t.any()):
                 raise ValueError(f"error feedback: codec {self.codec.name} keeps no residual")
             return
-        self._residual = t.detach().to("cpu", copy=True).contiguous()
+        self._residual = t.detach().to(device="cpu", dtype=RESIDUAL_DTYPE, copy=True).contiguous()
         logger.debug("loaded %s error-feedback residual of %d values", self.codec.name, self.numel)
 
     def compensate(self, delta: torch.Tensor) -> torch.Tensor:
@@ -525,7 +539,7 @@ class ErrorFeedback:
         self._check(delta, "delta")
         if not self.codec.lossy:
             return delta
-        return delta + self._residual
+        return delta + self._residual.to(torch.float32)
 
     def add_into(self, out: torch.Tensor, offset: int) -> None:
         """``out += residual[offset : offset + len(out)]`` (in place; nothing for a non-lossy codec)."""
@@ -556,7 +570,7 @@ class ErrorFeedback:
 
     @property
     def state(self) -> torch.Tensor:
-        """The residual itself (not a copy): for saving it; do not modify."""
+        """The residual itself (not a copy, bfloat16): for saving it; do not modify."""
         return self._residual
 
     def update(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
@@ -568,4 +582,4 @@ class ErrorFeedback:
         residual = sent.detach() - decoded.detach()
         if not all_finite(residual):
             raise ValueError("error feedback: residual overflowed float32")
-        self._residual = residual
+        self._residual = residual.to(RESIDUAL_DTYPE)

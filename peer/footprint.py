@@ -50,6 +50,9 @@ DEVICE_BASE_BYTES = 1 * GIB
 HOST_BASE_BYTES = GIB + GIB // 2
 """Interpreter, torch, hivemind's averaging process and p2pd (measured ~1.1 GiB RSS in all)."""
 FP32 = 4
+RESIDUAL_BYTES = 2
+"""Bytes per value of the codec residual (``engine.compression.RESIDUAL_DTYPE``, bfloat16;
+torch-free here, checked by a test)."""
 LOSSY_CODECS = ("fp16", "int8", "4bit", "sparse")
 """Codecs whose residual a peer carries (``engine.compression``; torch-free here, checked by a test)."""
 
@@ -122,7 +125,7 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
         Item("averager vector", n * FP32, "shm"),
     ]
     if spec.averaging.error_feedback and spec.averaging.compression in LOSSY_CODECS:
-        items.append(Item("codec residual", n * FP32, "host"))
+        items.append(Item("codec residual", n * RESIDUAL_BYTES, "host"))
     if spec.averaging.overlap:
         items.append(Item("launch point", n * FP32, "host"))
     if sharded and ranks > 1:

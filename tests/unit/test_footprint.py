@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from engine.compression import get_codec
-from peer.footprint import LOSSY_CODECS, estimate
+from engine.compression import RESIDUAL_DTYPE, get_codec
+from peer.footprint import LOSSY_CODECS, RESIDUAL_BYTES, estimate
 from peer.swarm_port import RoundResult
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
@@ -40,14 +40,15 @@ AT_REST = ("gradients", "activations", "logits", "runtime", "serving state to ne
 
 
 def _float_storages() -> dict[int, torch.UntypedStorage]:
-    """Every live float32 CPU tensor storage of this process, by address."""
+    """Every live float32 or bfloat16 (the codec residual) CPU tensor storage of this process,
+    by address."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance on torch's deprecated module aliases warns
         warnings.simplefilter("ignore", FutureWarning)
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     storages = {}
     for tensor in tensors:
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        if tensor.dtype not in (torch.float32, torch.bfloat16) or tensor.device.type != "cpu":
             continue
         try:
             storage = tensor.untyped_storage()
@@ -92,8 +93,9 @@ def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool
 
 
 def test_lossy_codecs_are_the_ones_with_a_residual() -> None:
-    for name in ("none", "fp16", "int8", "4bit"):
+    for name in ("none", "fp16", "int8", "4bit", "sparse"):
         assert get_codec(name).lossy == (name in LOSSY_CODECS)
+    assert torch.empty(0, dtype=RESIDUAL_DTYPE).element_size() == RESIDUAL_BYTES
 
 
 def test_a_1b_model_needs_tens_of_gib_and_sharding_divides_the_device_share() -> None:

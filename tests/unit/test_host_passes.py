@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compression import ErrorFeedback, get_codec
+from engine.compression import RESIDUAL_DTYPE, ErrorFeedback, get_codec
 from peer.host_passes import Staging, land_round, start_eagerly, undo_eager_start, write_pseudo_gradient
 from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat, outer_step
 from protocol.spec import OuterSection
@@ -19,7 +19,12 @@ def _model() -> torch.nn.Module:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32)
+    return t.view(torch.int16 if t.dtype == RESIDUAL_DTYPE else torch.int32)
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded as ``ErrorFeedback`` stores a residual."""
+    return t.to(RESIDUAL_DTYPE)
 
 
 def _missing(numel: int, block: int = 64) -> list[tuple[int, int]]:
@@ -66,7 +71,8 @@ def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec
     config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
     state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 4)
     feedback = ErrorFeedback(codec, numel) if codec.lossy else None
-    old_residual = torch.randn(numel) * 1e-4 if feedback else torch.zeros(numel)
+    # as the feedback stores it (``RESIDUAL_DTYPE``), so that the launch's sum is the formula's
+    old_residual = _stored(torch.randn(numel) * 1e-4) if feedback else torch.zeros(numel)
     if feedback:
         feedback.load_residual(old_residual)
     with torch.no_grad():  # the inner steps
@@ -108,7 +114,7 @@ def test_launch_and_landing_match_the_whole_vector_formulas(overlap: bool, codec
     update = torch.add(averaged, torch.mul(new_momentum, mu))
     new_theta = torch.sub(theta, torch.mul(update, lr))
     expected_local = torch.add(new_theta, torch.sub(now, local)) if overlap else new_theta.clone()
-    expected_residual = torch.sub(sent, bound.decode(bound.encode(sent), numel)) if feedback else None
+    expected_residual = _stored(torch.sub(sent, bound.decode(bound.encode(sent), numel))) if feedback else None
     # left out: nothing moves but the local model's own progress
     new_momentum[left_out], new_theta[left_out], expected_local[left_out] = (
         momentum[left_out],

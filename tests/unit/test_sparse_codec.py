@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compression import ErrorFeedback, FourBitCodec, TwoBitCodec, get_codec
+from engine.compression import RESIDUAL_DTYPE, ErrorFeedback, FourBitCodec, TwoBitCodec, get_codec
 from engine.sparse_codec import DENSITIES, KEPT, SparseCodec, kept_positions
 from protocol.errors import MalformedTensorError
 from protocol.spec import AveragingSection
@@ -74,7 +74,7 @@ def test_error_feedback_keeps_the_quantization_error_of_what_was_sent_and_nothin
     codec = SparseCodec(1 / 4, round_=None)
     n = 256 * 3 + 40
     feedback = ErrorFeedback(codec, n)
-    before = _vector(n, seed=3) * 1e-3
+    before = (_vector(n, seed=3) * 1e-3).to(RESIDUAL_DTYPE).float()  # as the feedback stores it
     feedback.load_residual(before)
     delta = _vector(n, seed=9)
     sent = feedback.compensate(delta)
@@ -83,7 +83,7 @@ def test_error_feedback_keeps_the_quantization_error_of_what_was_sent_and_nothin
     unsent = bound.unsent(0, n)
     assert int((~unsent).sum()) == bound.kept(n).numel()
     assert torch.equal(feedback.residual[unsent], before[unsent])
-    assert torch.equal(feedback.residual[~unsent], (sent - bound.roundtrip(sent))[~unsent])
+    assert torch.equal(feedback.residual[~unsent], (sent - bound.roundtrip(sent)).to(RESIDUAL_DTYPE).float()[~unsent])
 
 
 def test_the_unsent_mask_of_any_window_is_that_of_the_whole_vector() -> None:
