@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint bench-scale bench-rounds bench-quality test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint images test-images bench-scale bench-rounds bench-quality test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -46,6 +46,17 @@ test: $(STAMP) lint
 		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \
 	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests; code=$$?; \
 	.ci/postgres.sh stop $(PG_DIR); exit $$code
+
+# The peer and coordinator images (docker/images.sh): with docker where an engine runs, else
+# with buildah from a local Debian 12 stand-in base. IMAGES_BASE=real|standin, IMAGES_TAG=...
+images: $(STAMP)
+	PY=$(PY) bash docker/images.sh
+
+# Builds both images from the stand-in base and runs a swarm from them
+# (tests/images/test_images.py; minutes of builds, so a step of its own that .ci/run runs after
+# `make test`; needs root: buildah, network namespaces).
+test-images: $(STAMP)
+	SWARMTRAIN_TEST_IMAGES=1 $(PY) -m pytest -q -p no:cacheprovider tests/images
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

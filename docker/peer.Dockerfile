@@ -1,25 +1,28 @@
-# A swarmtrain peer on a CUDA GPU (or CPU). Build from the repository root:
+# A swarmtrain peer on a CUDA GPU (or CPU). Build from the repository root with `make images`
+# (it makes build/wheelhouse first: the project and its pinned dependencies, as wheels), or:
 #   docker build -f docker/peer.Dockerfile -t swarmtrain-peer .
 # Run (keys, checkpoints and data on volumes; the averager needs a large /dev/shm):
 #   docker run --gpus all --shm-size=16g -p 31337:31337 -v swarmtrain-keys:/home/swarm/.swarmtrain \
 #     -v /data:/data swarmtrain-peer --coordinator HOST:7500 --port 31337
-FROM pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
+# BASE: any image with Python 3.11 and torch on its PATH's pip (torch comes from the base: the
+# CUDA build there; the wheelhouse's own torch, a CPU build, is left out here).
+ARG BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 
+FROM scratch AS wheels
+COPY build/wheelhouse/ /
+
+FROM ${BASE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     SWARMTRAIN_HOME=/home/swarm/.swarmtrain
-
 RUN useradd --create-home --uid 10001 swarm
-WORKDIR /opt/swarmtrain
-COPY pyproject.toml README.md ./
-COPY protocol ./protocol
-COPY engine ./engine
-COPY peer ./peer
-COPY coordinator ./coordinator
-COPY swarmtrain ./swarmtrain
-# torch with CUDA comes from the base image; pip keeps it (the version range allows it)
-RUN pip install --no-cache-dir . && swarmtrain --version
+# the wheelhouse is mounted for this step only: none of it stays in a layer
+RUN --mount=type=bind,from=wheels,target=/wheels \
+    grep -v '^torch==' /wheels/requirements.lock > /tmp/pins.txt \
+    && pip install --no-cache-dir --no-index --find-links /wheels -c /tmp/pins.txt swarmtrain \
+    && rm /tmp/pins.txt \
+    && swarmtrain --version
 
 USER 10001
 WORKDIR /home/swarm

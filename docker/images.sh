@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# `make images`: the peer and coordinator images, with docker where an engine runs, else with
+# buildah (Debian's package; installed here when missing and this is root with apt-get).
+#
+#   IMAGES_BASE=auto|real|standin  the bases: `real` is the Dockerfiles' own (pytorch/pytorch,
+#                                  python:3.11-slim: a registry must be reachable); `standin` is a
+#                                  local Debian 12 root made with debootstrap, Python 3.11 and
+#                                  CPU torch (docker/standin-base.Dockerfile); `auto`: real with
+#                                  docker, standin with buildah
+#   IMAGES_TAG=latest              tag of swarmtrain-peer and swarmtrain-coordinator
+#
+# Both images install the project from build/wheelhouse, made here first by this machine's pip:
+# the project's wheel and every dependency pinned to the versions of the tested .venv
+# (requirements.lock beside them), so that a build needs no index and no network of its own.
+# Prints each image's size and build time; writes them to build/images.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+WHEELHOUSE=build/wheelhouse
+ROOTFS=build/bookworm-root
+ROOT_IMAGE=localhost/swarmtrain-bookworm-root
+STANDIN_IMAGE=localhost/swarmtrain-standin-base
+TAG=${IMAGES_TAG:-latest}
+MODE=${IMAGES_BASE:-auto}
+
+say() { echo "images: $*"; }
+die() { echo "images: $*" >&2; exit 1; }
+now() { date +%s.%N; }
+since() { "$PY" -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.0f}')" "$1" "$(now)"; }
+
+if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+    ENGINE=docker
+else
+    if ! command -v buildah >/dev/null 2>&1; then
+        [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+            || die "neither a docker engine nor buildah here (buildah: Debian's package, needs root to install)"
+        say "installing buildah"
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah >/dev/null
+    fi
+    ENGINE=buildah
+fi
+case "$MODE" in
+    auto) [ "$ENGINE" = docker ] && MODE=real || MODE=standin ;;
+    real | standin) ;;
+    *) die "IMAGES_BASE must be auto, real or standin, not '$MODE'" ;;
+esac
+say "engine $ENGINE, bases: $MODE"
+
+build() {  # build IMAGE DOCKERFILE [--build-arg ...]
+    local image=$1 file=$2
+    shift 2
+    if [ "$ENGINE" = docker ]; then
+        DOCKER_BUILDKIT=1 docker build -q -f "$file" -t "$image" "$@" . >/dev/null
+    else
+        # docker's format: OCI's has no HEALTHCHECK
+        buildah bud --isolation chroot --format docker --layers -q -f "$file" -t "$image" "$@" . >/dev/null
+    fi
+}
+
+size_of() {
+    if [ "$ENGINE" = docker ]; then
+        docker image inspect --format '{{.Size}}' "$1"
+    else
+        buildah inspect --type image --format '{{.Manifest}}' "$1" \
+            | "$PY" -c "import json, sys; print(sum(layer['size'] for layer in json.load(sys.stdin)['layers']))"
+    fi
+}
+
+# 1. the wheelhouse: the project and its dependencies at the tested versions
+started=$(now)
+rm -rf "$WHEELHOUSE" build/pins.txt
+mkdir -p "$WHEELHOUSE"
+"$PY" -m pip freeze --exclude-editable > build/pins.txt
+"$PY" -m pip wheel -q --disable-pip-version-check --wheel-dir "$WHEELHOUSE" -c build/pins.txt ".[postgres]" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+"$PY" - "$WHEELHOUSE" <<'PYEOF'
+import sys
+from pathlib import Path
+
+# name==version of every wheel: what the images install, and nothing else
+house = Path(sys.argv[1])
+pins = sorted("{}=={}".format(*w.name.split("-")[:2]) for w in house.glob("*.whl"))
+if not any(p.startswith("swarmtrain==") for p in pins):
+    sys.exit("images: the wheelhouse has no swarmtrain wheel")
+(house / "requirements.lock").write_text("\n".join(pins) + "\n")
+PYEOF
+wheels_s=$(since "$started")
+say "wheelhouse: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1), ${wheels_s} s"
+
+# 2. the bases
+PEER_ARGS=()
+COORD_ARGS=()
+base_s=0
+if [ "$MODE" = standin ]; then
+    started=$(now)
+    if ! buildah inspect --type image "$ROOT_IMAGE" >/dev/null 2>&1; then
+        if ! command -v debootstrap >/dev/null 2>&1; then
+            [ "$(id -u)" = 0 ] || die "debootstrap is missing (Debian's package; needs root)"
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+        fi
+        say "debootstrap: Debian 12 (bookworm) into $ROOTFS"
+        rm -rf "$ROOTFS"
+        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+            bookworm "$ROOTFS" http://deb.debian.org/debian >build/debootstrap.log 2>&1 \
+            || die "debootstrap failed: see build/debootstrap.log"
+        container=$(buildah from scratch)
+        mount=$(buildah mount "$container")
+        tar -C "$ROOTFS" -c . | tar -C "$mount" -x
+        buildah umount "$container" >/dev/null
+        buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$container"
+        buildah commit -q "$container" "$ROOT_IMAGE" >/dev/null
+        buildah rm "$container" >/dev/null
+        rm -rf "$ROOTFS"
+    fi
+    build "$STANDIN_IMAGE" docker/standin-base.Dockerfile --build-arg "ROOT=$ROOT_IMAGE"
+    base_s=$(since "$started")
+    say "stand-in base $STANDIN_IMAGE: ${base_s} s"
+    PEER_ARGS=(--build-arg "BASE=$STANDIN_IMAGE")
+    COORD_ARGS=(--build-arg "BASE=$STANDIN_IMAGE")
+fi
+
+# 3. the images
+started=$(now)
+build "swarmtrain-peer:$TAG" docker/peer.Dockerfile "${PEER_ARGS[@]}"
+peer_s=$(since "$started")
+started=$(now)
+build "swarmtrain-coordinator:$TAG" docker/coordinator.Dockerfile "${COORD_ARGS[@]}"
+coordinator_s=$(since "$started")
+peer_size=$(size_of "swarmtrain-peer:$TAG")
+coordinator_size=$(size_of "swarmtrain-coordinator:$TAG")
+say "swarmtrain-peer:$TAG ${peer_size} bytes, ${peer_s} s; swarmtrain-coordinator:$TAG ${coordinator_size} bytes, ${coordinator_s} s"
+cat >build/images.json <<JSON
+{"engine": "$ENGINE", "bases": "$MODE", "tag": "$TAG", "wheelhouse_s": $wheels_s, "base_s": $base_s,
+ "peer": {"bytes": $peer_size, "build_s": $peer_s}, "coordinator": {"bytes": $coordinator_size, "build_s": $coordinator_s}}
+JSON
