@@ -61,7 +61,7 @@ def test_every_compose_command_is_a_valid_swarmtrain_command() -> None:
             mounts = [v.split(":") for v in service.get("volumes", [])]
             host = next(
                 (DOCKER / src / Path(str(spec)).relative_to(dst) for src, dst, *_ in mounts
-                 if str(spec).startswith(dst + "/")),
+                 if str(spec) == dst or str(spec).startswith(dst + "/")),
                 None,
             )  # fmt: skip
             assert host is not None and host.exists(), f"service {name}: {spec} is not mounted from the repository"
@@ -70,6 +70,5 @@ def test_every_compose_command_is_a_valid_swarmtrain_command() -> None:
             load_spec(host)
         checked.add(args.command)
     assert checked == {"peer", "coordinator"}
-    assert compose["services"]["postgres"]["healthcheck"]["test"][1] == "pg_isready"
     assert "healthz" in " ".join(compose["services"]["coordinator"]["healthcheck"]["test"])
     assert all(compose["services"][p]["shm_size"] for p in ("peer1", "peer2"))
