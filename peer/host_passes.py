@@ -331,12 +331,12 @@ def land_round(
             else:
                 assert launch_point is not None
                 new[window] = local[window] - start[window] + launch_point[left]
-        if unsent is not None:  # not sent: as not averaged
+        if unsent is not None:  # not sent: as not averaged (element-wise selects: a mask index is ~20x slower)
             if start is None:
-                new[unsent] = local[unsent]
+                torch.where(unsent, local, new, out=new)
             else:
                 assert launch_point is not None
-                new[unsent] = (local - start + launch_point[part])[unsent]
+                torch.where(unsent, torch.sub(local, start).add_(launch_point[part]), new, out=new)
         piece.copy_(new)
     state.round += 1
 
@@ -358,15 +358,16 @@ def _sent_outer_step(
     unsent: torch.Tensor | None,
 ) -> None:
     """The outer step on one slice, leaving θ_g and the momentum as they were at the ``unsent``
-    values: on copies of the sent ones (a share ``density`` of the slice), written back."""
+    values: on the whole slice, then the old values selected back where unsent (the step is
+    element-wise, so the sent values get the bits a step on them alone would give; a mask index
+    of the sent values instead costs ~20x the time of these dense passes on the CPU)."""
     if unsent is None:
         outer_step_slice(theta, momentum, averaged, config, scratch)
         return
-    sent = ~unsent
-    values, moment = theta[sent], momentum[sent]  # copies (a mask index copies)
-    outer_step_slice(values, moment, averaged[sent], config, scratch[: values.numel()])
-    theta[sent] = values
-    momentum[sent] = moment
+    kept = torch.stack((theta, momentum))  # copies of the old values (a chunk each)
+    outer_step_slice(theta, momentum, averaged, config, scratch)
+    torch.where(unsent, kept[0], theta, out=theta)
+    torch.where(unsent, kept[1], momentum, out=momentum)
 
 
 @torch.no_grad()
@@ -409,11 +410,14 @@ def land_global(
             window = slice(kept.start - part.start, kept.stop - part.start)
             base = launch_point[kept] if start is None else start[window]
             held = None if unsent is None else unsent[window]
-            if held is not None:  # not sent: as not averaged (the shift below, before it is overwritten)
-                own = launch_point[kept][held] - start[window][held] if start is not None else None
+            own = None  # not sent: as not averaged (the shift below, before it is overwritten)
+            if held is not None and start is not None:
+                own = torch.sub(launch_point[kept], start[window])
             torch.sub(theta[kept], base, out=launch_point[kept])
-            if held is not None:
-                launch_point[kept][held] = own if own is not None else 0.0
+            if held is not None and own is not None:
+                torch.where(held, own, launch_point[kept], out=launch_point[kept])
+            elif held is not None:
+                launch_point[kept].masked_fill_(held, 0.0)
         for left in absent:  # not averaged: θ_local keeps its own value (less the eager jump)
             window = slice(left.start - part.start, left.stop - part.start)
             if start is None:
