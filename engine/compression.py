@@ -162,6 +162,16 @@ class Codec(abc.ABC):
         ``x`` gets, for error feedback. ``x``: a finite 1-D float32 CPU tensor."""
         return self.decode(self.encode(x), x.numel())
 
+    def write_error(self, sent: torch.Tensor, target: torch.Tensor, start: int) -> None:
+        """``target`` ← ``sent − roundtrip(sent)`` (rounded to ``target``'s dtype) at the values
+        ``[start, start + len(sent))`` this codec sends; ``target`` keeps the others' values
+        (``unsent``). ``start``: a multiple of ``block``."""
+        unsent = self.unsent(start, sent.numel())
+        if unsent is None:
+            torch.sub(sent, self.roundtrip(sent), out=target)
+        else:
+            target.copy_(torch.where(unsent, target, torch.sub(sent, self.roundtrip(sent))))
+
     def _check_length(self, data: bytes, numel: int) -> bytes:
         _check_numel(numel, self.name)
         raw = _as_bytes(data, self.name)
@@ -560,11 +570,7 @@ class ErrorFeedback:
                 f"error feedback: a window starts at {offset}, not on a {codec.name} block ({codec.block})"
             )
         target = self._residual[offset : offset + sent.numel()]
-        unsent = codec.unsent(offset, sent.numel())
-        if unsent is None:
-            torch.sub(sent, codec.roundtrip(sent), out=target)
-        else:
-            target.copy_(torch.where(unsent, target, torch.sub(sent, codec.roundtrip(sent))))
+        codec.write_error(sent, target, offset)
         if not all_finite(target):
             raise ValueError("error feedback: residual overflowed float32")
 

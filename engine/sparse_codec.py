@@ -186,5 +186,21 @@ class SparseCodec(Codec):
         x = _check_input(x, self.name)
         return self._scatter(self._values.roundtrip(self._gather(x)), x.numel())
 
+    def write_error(self, sent: torch.Tensor, target: torch.Tensor, start: int) -> None:
+        """``Codec.write_error`` on the kept columns of the window's blocks only (its start is a
+        block's): the kept values' error written in place, the unsent left alone, with no
+        dense roundtrip, mask or select (the same bits: each kept value's error is the same
+        subtraction)."""
+        sent = _check_input(sent, self.name)
+        if start % self.block:
+            raise ValueError(f"sparse codec: a window starts at {start}, not on a block ({self.block})")
+        kept = self._gather(sent)
+        error = torch.sub(kept, self._values.roundtrip(kept)).to(target.dtype)  # (rounded as a copy_ rounds)
+        positions = self._positions()
+        full, tail = divmod(sent.numel(), self.block)
+        target[: full * self.block].view(full, self.block)[:, positions] = error[: full * KEPT].view(full, KEPT)
+        if tail:
+            target[full * self.block :][positions[positions < tail]] = error[full * KEPT :]
+
     def __repr__(self) -> str:
         return f"SparseCodec(density=1/{self.block // KEPT}, round={self.round}, bits={self.bits})"

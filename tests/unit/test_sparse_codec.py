@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compression import RESIDUAL_DTYPE, ErrorFeedback, FourBitCodec, TwoBitCodec, get_codec
+from engine.compression import RESIDUAL_DTYPE, Codec, ErrorFeedback, FourBitCodec, TwoBitCodec, get_codec
 from engine.sparse_codec import DENSITIES, KEPT, SparseCodec, kept_positions
 from protocol.errors import MalformedTensorError
 from protocol.spec import AveragingSection
@@ -174,3 +174,19 @@ def test_the_spec_names_the_density_only_for_sparse() -> None:
         AveragingSection(compression="int8", bits=2)
     with pytest.raises(ValueError, match="density must be one of"):
         AveragingSection(compression="sparse", density=0.3)
+
+
+def test_the_sparse_error_written_in_place_is_the_generic_one_bit_for_bit() -> None:
+    """``SparseCodec.write_error`` (kept columns only) against ``Codec.write_error`` (a dense
+    roundtrip and a select), into a bfloat16 residual, with a partial last block."""
+    codec = SparseCodec(1 / 4, round_=None).at_round(3)
+    n = 256 * 40 + 77
+    sent = _vector(n, seed=5)
+    before = (_vector(n, seed=6) * 1e-3).to(RESIDUAL_DTYPE)
+    fast, generic = before.clone(), before.clone()
+    codec.write_error(sent, fast, 512)
+    Codec.write_error(codec, sent, generic, 512)
+    assert torch.equal(fast.view(torch.int16), generic.view(torch.int16))
+    assert not torch.equal(fast, before)
+    with pytest.raises(ValueError, match="not on a block"):
+        codec.write_error(sent, fast, 100)
