@@ -1,7 +1,7 @@
 """The peer's host cost as the model grows (issue #12): ``make bench-scale``.
 
 For each model size, two real ``swarmtrain peer`` processes on loopback (one torch thread each,
-overlap off so that every host step is on the critical path, fp16 averaging) run a few
+overlap off so that every host step is on the critical path, fp16 averaging unless ``--codec``) run a few
 rounds; the same runs with the code of a baseline git ref (checked out into a temporary
 worktree) give the ratios. Reported per size and code version:
 
@@ -15,8 +15,9 @@ worktree) give the ratios. Reported per size and code version:
   the baseline can say; it leaves out the launch's preparation), the comparable column;
 - averaging throughput per peer: bytes sent × 8 ÷ all-reduce seconds.
 
-Writes ``benchmarks/results/scale.{md,json,png}``. Usage:
-``python -m benchmarks.scale [--sizes 10M,50M,200M] [--baseline-ref b276a6b] [--baseline-sizes 10M,50M]``.
+Writes ``benchmarks/results/NAME.{md,json,png}`` (``--name``, default ``scale``). Usage:
+``python -m benchmarks.scale [--sizes 10M,50M,200M] [--baseline-ref b276a6b] [--baseline-sizes 10M,50M]
+[--codec sparse] [--name scale-sparse]``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ batch_size = 1
 [rounds]
 inner_steps = 2
 [averaging]
-compression = "fp16"
+compression = "{codec}"
 overlap = false
 min_group_size = 2
 matchmaking_timeout_s = 10.0
@@ -121,12 +122,12 @@ def _peer(tree: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def run_pair(tree: Path, name: str, workdir: Path, rounds: int) -> dict[str, Any]:
+def run_pair(tree: Path, name: str, workdir: Path, rounds: int, codec: str = "fp16") -> dict[str, Any]:
     """Two peers of size ``name`` with the code in ``tree``: peak PSS and metrics rows of each."""
     d_model, n_layers = SIZES[name]
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
-    spec.write_text(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers))
+    spec.write_text(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec=codec))
     return run_peers(tree, spec, workdir, rounds, ["--no-overlap"])
 
 
@@ -175,7 +176,8 @@ def summarize(name: str, run: dict[str, Any], code: str, floor_bytes: int | None
     from protocol.spec import parse_spec
 
     d_model, n_layers = SIZES[name]
-    params = count_params(parse_spec(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers)).task.model)
+    spec = SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec="fp16")
+    params = count_params(parse_spec(spec).task.model)
     model_bytes = params * 4
     rows = [r for peer in run["rows"] for r in peer if r.get("averaged")]
     host = [r["host_s"] for r in rows if "host_s" in r] or [r["wall_s"] - r["compute_s"] - r["wait_s"] for r in rows]
@@ -222,8 +224,9 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = (
         f"swarmtrain scale benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs), "
-        f"2 peers on loopback, fp16, overlap off, one torch thread each; baseline {args.baseline_ref}; "
-        f"`python -m benchmarks.scale --sizes {args.sizes} --baseline-sizes {args.baseline_sizes}`"
+        f"2 peers on loopback, {args.codec}, overlap off, one torch thread each; baseline {args.baseline_ref}; "
+        f"`python -m benchmarks.scale --sizes {args.sizes} --baseline-sizes {args.baseline_sizes} "
+        f"--codec {args.codec} --rounds {args.rounds} --name {args.name}`"
     )
     lines = [
         header,
@@ -245,8 +248,8 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{fmt(r['host_s_per_gb'], '.2f')} | {fmt(r.get('after_launch_s_per_gb'), '.2f')} | "
             f"{fmt(r['averaging_gbit_s'], '.2f')} | {r['rounds_averaged']} |"
         )
-    (RESULTS / "scale.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "scale.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
     try:
         import matplotlib
 
@@ -269,7 +272,7 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             ax.set_title(label)
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "scale.png", dpi=110)
+    fig.savefig(RESULTS / f"{args.name}.png", dpi=110)
 
 
 def main() -> int:
@@ -278,6 +281,8 @@ def main() -> int:
     parser.add_argument("--baseline-ref", default="b276a6b")
     parser.add_argument("--baseline-sizes", default="10M,50M,85M")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--codec", default="fp16", help="the runs' averaging.compression")
+    parser.add_argument("--name", default="scale", help="results file name (benchmarks/results/NAME.{md,json,png})")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="swarmtrain-scale-") as tmp, contextlib.ExitStack() as stack:
@@ -291,7 +296,7 @@ def main() -> int:
                 print(f"scale: runtime floor ({FLOOR_SIZE}) with {code} code", flush=True)
                 floors[code] = max(run_pair(tree, FLOOR_SIZE, Path(tmp) / f"{code}-floor", 2)["peak_pss"])
             print(f"scale: {size} with {code} code", flush=True)
-            run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds)
+            run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds, args.codec)
             results.append(summarize(size, run, code, floors[code]))
             print(json.dumps(results[-1]), flush=True)
             write(results, args)

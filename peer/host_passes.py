@@ -346,7 +346,10 @@ def _unsent(codec: Codec | None, start: int, count: int) -> torch.Tensor | None:
     if codec is None:
         return None
     unsent = codec.unsent(start, count)
-    return unsent if unsent is not None and bool(unsent.any()) else None
+    # (the bytes' max: ``any`` on a bool tensor takes 25x as long on the CPU)
+    if unsent is None or not unsent.numel():
+        return None
+    return unsent if bool(unsent.view(torch.uint8).max()) else None
 
 
 def _sent_outer_step(
