@@ -16,9 +16,13 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends postgresql-client=15* curl=7.* \
     && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 swarm
-# the wheelhouse is mounted for this step only: none of it stays in a layer
+# the wheelhouse is mounted for this step only: none of it stays in a layer. WHEELHOUSE names its
+# contents (docker/images.sh: a digest of the wheels' RECORDs), so that a layer cache keyed on
+# the step's text and arguments (buildah's ignores mounted content) rebuilds when they change
+ARG WHEELHOUSE=unnamed
 RUN --mount=type=bind,from=wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links /wheels -c /wheels/requirements.lock "swarmtrain[postgres]" \
+    echo "wheelhouse ${WHEELHOUSE}" \
+    && pip install --no-cache-dir --no-index --find-links /wheels -c /wheels/requirements.lock "swarmtrain[postgres]" \
     && swarmtrain --version
 
 USER 10001

@@ -87,11 +87,28 @@ if not any(p.startswith("swarmtrain==") for p in pins):
 (house / "requirements.lock").write_text("\n".join(pins) + "\n")
 PYEOF
 wheels_s=$(since "$started")
-say "wheelhouse: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1), ${wheels_s} s"
+# what the wheelhouse holds, by content: each wheel's RECORD lists the digest of every file in
+# it (a wheel's own bytes carry the source files' timestamps, which differ between clones)
+WHEELHOUSE_ID=$("$PY" - "$WHEELHOUSE" <<'PYEOF'
+import hashlib
+import sys
+import zipfile
+from pathlib import Path
+
+digest = hashlib.sha256()
+for wheel in sorted(Path(sys.argv[1]).glob("*.whl")):
+    with zipfile.ZipFile(wheel) as archive:
+        record = next(name for name in archive.namelist() if name.endswith(".dist-info/RECORD"))
+        digest.update(wheel.name.encode() + b"\0" + archive.read(record))
+print(digest.hexdigest()[:16])
+PYEOF
+)
+TORCH_PINS=$(grep -E '^(torch|numpy)==' "$WHEELHOUSE/requirements.lock" | tr '\n' ' ')
+say "wheelhouse $WHEELHOUSE_ID: $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f1), ${wheels_s} s"
 
 # 2. the bases
-PEER_ARGS=()
-COORD_ARGS=()
+PEER_ARGS=(--build-arg "WHEELHOUSE=$WHEELHOUSE_ID")
+COORD_ARGS=(--build-arg "WHEELHOUSE=$WHEELHOUSE_ID")
 base_s=0
 if [ "$MODE" = standin ]; then
     started=$(now)
@@ -115,11 +132,12 @@ if [ "$MODE" = standin ]; then
         buildah rm "$container" >/dev/null
         rm -rf "$ROOTFS"
     fi
-    build "$STANDIN_IMAGE" docker/standin-base.Dockerfile --build-arg "ROOT=$ROOT_IMAGE"
+    build "$STANDIN_IMAGE" docker/standin-base.Dockerfile --build-arg "ROOT=$ROOT_IMAGE" \
+        --build-arg "TORCH_PINS=$TORCH_PINS"
     base_s=$(since "$started")
     say "stand-in base $STANDIN_IMAGE: ${base_s} s"
-    PEER_ARGS=(--build-arg "BASE=$STANDIN_IMAGE")
-    COORD_ARGS=(--build-arg "BASE=$STANDIN_IMAGE")
+    PEER_ARGS+=(--build-arg "BASE=$STANDIN_IMAGE")
+    COORD_ARGS+=(--build-arg "BASE=$STANDIN_IMAGE")
 fi
 
 # 3. the images

@@ -17,9 +17,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     SWARMTRAIN_HOME=/home/swarm/.swarmtrain
 RUN useradd --create-home --uid 10001 swarm
-# the wheelhouse is mounted for this step only: none of it stays in a layer
+# the wheelhouse is mounted for this step only: none of it stays in a layer. WHEELHOUSE names its
+# contents (docker/images.sh: a digest of the wheels' RECORDs), so that a layer cache keyed on
+# the step's text and arguments (buildah's ignores mounted content) rebuilds when they change
+ARG WHEELHOUSE=unnamed
 RUN --mount=type=bind,from=wheels,target=/wheels \
-    grep -v '^torch==' /wheels/requirements.lock > /tmp/pins.txt \
+    echo "wheelhouse ${WHEELHOUSE}" \
+    && grep -v '^torch==' /wheels/requirements.lock > /tmp/pins.txt \
     && pip install --no-cache-dir --no-index --find-links /wheels -c /tmp/pins.txt swarmtrain \
     && rm /tmp/pins.txt \
     && swarmtrain --version

@@ -12,6 +12,9 @@ FROM ${ROOT}
 ENV PATH=/opt/python/bin:${PATH} \
     PIP_NO_CACHE_DIR=1
 RUN python3 -m venv /opt/python
+# the wheels it takes, named (docker/images.sh), so that a cached layer is reused only for them
+ARG TORCH_PINS=unnamed
 RUN --mount=type=bind,from=wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links /wheels -c /wheels/requirements.lock torch numpy \
+    echo "${TORCH_PINS}" \
+    && pip install --no-cache-dir --no-index --find-links /wheels -c /wheels/requirements.lock torch numpy \
     && python -c "import torch; print('torch', torch.__version__)"

@@ -155,6 +155,44 @@ def test_the_secret_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
     assert not any(word in f for f in found for word in ("readme", "parser", "tokenizers"))
 
 
+PACKAGES = ("protocol", "engine", "peer", "coordinator", "swarmtrain")
+HASH_INSTALLED = """
+import hashlib, importlib, json, pathlib, sys
+found = {}
+for name in sys.argv[1:]:
+    root = pathlib.Path(importlib.import_module(name).__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        found[f"{name}/{path.relative_to(root)}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+print(json.dumps(found))
+"""
+"""Run inside an image with the package names as arguments: the SHA-256 of each of their files."""
+
+
+@needs_images
+def test_the_images_hold_this_checkout(built: dict[str, Any]) -> None:
+    """Every Python file of the project in each image is this checkout's, byte for byte (a layer
+    cache that reused an older install would fail here)."""
+    import hashlib
+
+    expected = {
+        f"{name}/{path.relative_to(REPO / name)}": hashlib.sha256(path.read_bytes()).hexdigest()
+        for name in PACKAGES
+        for path in sorted((REPO / name).rglob("*.py"))
+    }
+    for image in IMAGES:
+        container = f"st-images-check-{os.getpid()}"
+        subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
+        _buildah("from", "--name", container, f"{image}:{TAG}")
+        try:
+            installed = json.loads(
+                _buildah("run", "--isolation", "chroot", container, "--", "python", "-c", HASH_INSTALLED)
+            )
+        finally:
+            subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
+        differ = sorted(k for k in expected if installed.get(k) != expected[k])
+        assert not differ, f"{image}: {len(differ)} files differ from this checkout, e.g. {differ[:5]}"
+
+
 # ------------------------------------------------------------------------------------ containers
 
 
