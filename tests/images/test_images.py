@@ -185,7 +185,7 @@ def test_the_images_hold_this_checkout(built: dict[str, Any]) -> None:
         _buildah("from", "--name", container, f"{image}:{TAG}")
         try:
             installed = json.loads(
-                _buildah("run", "--isolation", "chroot", container, "--", "python", "-c", HASH_INSTALLED)
+                _buildah("run", "--isolation", "chroot", container, "--", "python", "-c", HASH_INSTALLED, *PACKAGES)
             )
         finally:
             subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
