@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from benchmarks.netsim import WanSim
+from benchmarks.scale import process_tree
 from swarmtrain.localswarm import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,8 @@ JOINING = re.compile(r"^peer (\S+) of account (\S+)( \(new identity\))? joining 
 """The line a starting peer prints: its node's and its account's public ids."""
 
 needs_images = pytest.mark.skipif(
-    os.environ.get("SWARMTRAIN_TEST_IMAGES") != "1", reason="`make test-images` runs this (minutes of image builds)"
+    os.environ.get("SWARMTRAIN_TEST_IMAGES") != "1",
+    reason="builds container images for minutes: `make test-images`, the step .ci/run runs after `make test`, runs it",
 )
 
 
@@ -292,19 +294,7 @@ class Service:
     def process_uids(self) -> dict[int, int]:
         """pid → real uid of every process of this service running ``swarmtrain``."""
         assert self.proc is not None
-        tree, todo = [], [self.proc.pid]
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo.extend(children.get(pid, []))
+        tree = process_tree(self.proc.pid)
         uids = {}
         for pid in tree:
             try:
