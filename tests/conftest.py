@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BACKSTOP_S = 480.0
-"""Seconds after its start at which a test counts as hung. pytest-timeout (``timeout`` in
-pyproject.toml, 300 s) should have failed it by then; one still running is stuck where that
-signal cannot reach it (the main thread blocked in C, or a cleanup that hangs after the timeout
-fired): dump every thread's stack and end the run, rather than leave CI hanging until its own
-limit with nothing to read."""
+BACKSTOP_AFTER_TIMEOUT_S = 180.0
+"""Seconds past a test's own timeout (pytest-timeout: ``timeout`` in pyproject.toml, 300 s,
+or the test's ``timeout`` mark) at which it counts as hung. pytest-timeout should have failed
+it by then; one still running is stuck where that signal cannot reach it (the main thread
+blocked in C, or a cleanup that hangs after the timeout fired): dump every thread's stack and
+end the run, rather than leave CI hanging until its own limit with nothing to read."""
 
 
 _real_stderr: int | None = None
@@ -91,24 +91,43 @@ SECOND_LANE = {
     "test_nat.py",
 }
 """Swarm tests that run one at a time in a lane of their own, beside the other swarm tests'
-lane (about half of the swarms' time each; the unit and light tests fill in). Two swarms at
-once fit this machine's two cores since a waiting peer no longer spins DHT lookups
-(``engine.matchmaking.PacedKeyManager``)."""
+lane (about half of the swarms' time each). Two swarms at once fit this machine's two cores
+since a waiting peer no longer spins DHT lookups (``engine.matchmaking.PacedKeyManager``)."""
+
+
+LIGHT_FIRST = ("test_bad_tensors.py", "test_doctor.py", "test_cli.py", "test_broken_member.py", "test_state_sync.py")
+"""The longest light files (about 30-120 s each here), handed out before the other light ones:
+the longest first makes the two workers' last minutes even."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``), the tests that start
-    swarms of processes (integration, e2e) run in two lanes, one test at a time in each
-    (``SECOND_LANE``), while the unit tests and the light integration tests
-    (``BESIDE_SWARMS``) fill in beside them."""
-    for item in items:
+    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup --no-loadscope-reorder``),
+    the tests that start swarms of processes (integration, e2e) run in two lanes, one test at
+    a time in each (``SECOND_LANE``). xdist hands out the groups in the order of the
+    collection, so the items are put in that order: the two lanes first (each worker starts
+    on one), then the light tests (``BESIDE_SWARMS``, one group per file: a file's module
+    fixtures run once; ``LIGHT_FIRST`` first), then the unit tests (one test each). Whichever
+    worker is free takes the next one, beside the lane still running and at the end, so that
+    both workers finish together."""
+    order: dict[int, tuple[int, int]] = {}
+    for index, item in enumerate(items):
         parts = item.path.parts
         if "unit" in parts:
+            order[id(item)] = (4, index)
             continue
         name = item.path.name
-        group = "light" if name in BESIDE_SWARMS else "swarms-b" if name in SECOND_LANE else "swarms"
+        if name in BESIDE_SWARMS:
+            group, rank = f"light-{item.path.stem}", 2 if name in LIGHT_FIRST else 3
+            if name in LIGHT_FIRST:
+                index = LIGHT_FIRST.index(name) * len(items) + index
+        elif name in SECOND_LANE:
+            group, rank = "swarms-b", 0
+        else:
+            group, rank = "swarms", 1
+        order[id(item)] = (rank, index)
         item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: order[id(item)])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -140,9 +159,18 @@ class ForkedChildStderr(logging.Handler):
             pass
 
 
+def _timeout_s(item: pytest.Item) -> float:
+    """The test's pytest-timeout limit: its ``timeout`` mark, else the ini's."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None and mark.args:
+        return float(mark.args[0])
+    return float(item.config.getini("timeout") or 300)
+
+
 @pytest.fixture(autouse=True)
-def _hang_backstop() -> Iterator[None]:
-    faulthandler.dump_traceback_later(BACKSTOP_S, exit=True, file=_real_stderr if _real_stderr is not None else 2)
+def _hang_backstop(request: pytest.FixtureRequest) -> Iterator[None]:
+    backstop = _timeout_s(request.node) + BACKSTOP_AFTER_TIMEOUT_S
+    faulthandler.dump_traceback_later(backstop, exit=True, file=_real_stderr if _real_stderr is not None else 2)
     try:
         yield
     finally:

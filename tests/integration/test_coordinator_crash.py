@@ -10,6 +10,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from coordinator.store import Store
 from engine.checkpoint import Checkpointer
 from protocol.spec import parse_spec
@@ -33,8 +35,15 @@ MAX_ROUNDS = 1_000_000
 """More than the peers land before the test stops them (it does, at its end): this spec's rounds
 take about 0.07 s, and a loaded run's kills and restarts took long enough for 500 rounds to run
 out before the last restart's peers could re-join."""
+STEPS_S = 600
+"""The whole scenario's limit (pytest-timeout). It is a chain of about 15 steps that each wait
+for progress with a deadline of their own (credits granted, rounds landed, a restart answering,
+a checkpoint resumed, peers re-joined): 70 s alone here, 90-175 s beside the suite's other lane,
+and a machine 1.5x slower with a busy core took more than the default 300 s with every step
+well inside its own deadline. A step that stops making progress fails at its deadline."""
 
 
+@pytest.mark.timeout(STEPS_S)
 def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> None:
     """The coordinator SIGKILLed ``COORDINATOR_KILLS`` times at seeded random moments, and one
     peer ``PEER_KILLS`` times, while three peers train: after each restart no granted credit is
@@ -70,6 +79,10 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
         return LocalPeer(args, tmp_path, f"peer{i}-life{lives[i]}")
 
     granted_so_far: set[tuple[str, int]] = set()
+    began = time.monotonic()
+
+    def phase(what: str) -> None:  # each step's time, in the report of a failure
+        print(f"{time.monotonic() - began:6.1f} s  {what}", flush=True)
 
     def check_store() -> None:
         store = Store(db_url)
@@ -83,15 +96,18 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
 
     try:
         coordinator.address()
+        phase("coordinator up")
         peers.extend(start_peer(i) for i in range(3))
         store = Store(db_url)
         wait_for(lambda: len(granted(store)) >= 6, 240, "some credits granted")
         store.close()
+        phase("6 credits granted")
         peer_kills_at = set(rng.sample(range(COORDINATOR_KILLS), PEER_KILLS))
         for kill in range(COORDINATOR_KILLS):
             time.sleep(rng.uniform(0.0, 3.0))  # the kill's moment: seeded random, not a wait for anything
             coordinator.kill()
             check_store()
+            phase(f"kill {kill}: store checked")
             if kill == 0:  # peers train on without the coordinator
                 at_kill = [len(p.rounds()) for p in peers]
                 wait_for(
@@ -99,12 +115,14 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
                     120,
                     "peers to train on without the coordinator",
                 )
+                phase("peers trained on")
             if kill in peer_kills_at:  # peer 2 dies too, at whatever it was doing (a checkpoint write, ...)
                 peers[2].kill()
                 loaded = Checkpointer(tmp_path / "ckpt2", spec_digest=spec_digest(spec)).latest()
                 assert loaded is not None, "a killed peer's checkpoints do not load"
             coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
             coordinator.address()
+            phase(f"kill {kill}: coordinator restarted")
             if kill in peer_kills_at:  # (a peer starting needs its coordinator)
                 peers[2] = start_peer(2)
         restarted = peers[2]
@@ -113,15 +131,19 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
             120,
             "the killed peer to resume from its checkpoint",
         )
+        phase("peer resumed")
         store = Store(db_url)
         rounds_before = max(r.round for r in store.rounds())
         wait_for(lambda: status(address).get("peers_online", 0) == 3, 120, "peers to re-join")
+        phase("peers re-joined")
         wait_for(lambda: max(r.round for r in store.rounds()) > rounds_before + 1, 180, "new rounds recorded")
+        phase("new rounds recorded")
         store.close()
         check_store()
         for peer in peers:
             peer.stop(grace_s=90)
             assert peer.proc.returncode == 0, "\n".join(peer.lines[-20:])
+        phase("peers stopped")
     finally:
         for peer in peers:
             peer.kill()
