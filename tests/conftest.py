@@ -95,6 +95,15 @@ lane (about half of the swarms' time each). Two swarms at once fit this machine'
 since a waiting peer no longer spins DHT lookups (``engine.matchmaking.PacedKeyManager``)."""
 
 
+SWARM_TIMEOUT_S = 600
+"""pytest-timeout's limit for a test that starts a swarm (300 s for the others, pyproject.toml).
+A swarm scenario is a chain of steps (processes started, rounds landed, a restart answering,
+a late joiner in sync) that each wait for their progress with a deadline of their own, and
+a step that stops making progress fails there, naming itself. The whole chain's limit is
+only a guard against a hang: it is no measure of speed, and a chain that took 90-175 s here
+beside the other lane took more than 300 s on a machine 1.5x slower with every step inside
+its own deadline (``test_coordinator_crash``)."""
+
 LIGHT_FIRST = ("test_bad_tensors.py", "test_doctor.py", "test_cli.py", "test_broken_member.py", "test_state_sync.py")
 """The longest light files (about 30-120 s each here), handed out before the other light ones:
 the longest first makes the two workers' last minutes even."""
@@ -125,6 +134,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group, rank = "swarms-b", 0
         else:
             group, rank = "swarms", 1
+        if rank < 2 and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SWARM_TIMEOUT_S))
         order[id(item)] = (rank, index)
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: order[id(item)])
