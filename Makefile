@@ -47,12 +47,14 @@ test: $(STAMP) lint
 	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=20 tests; code=$$?; \
 	.ci/postgres.sh stop $(PG_DIR); exit $$code
 
-# The suite as a slower machine runs it: `make test` with a busy loop on one core beside it
-# (LOAD=2: both cores). Run it before resolving an issue that adds swarm tests: a test that
-# passes only on an idle machine fails on a volunteer's or a CI's.
+# The suite as a slower or shared machine runs it: `make test` with a busy loop on one core
+# beside it (LOAD=2: both cores); CPUS=1.33 also caps the suite and the loops at 1.33 CPUs in
+# all (a CPU cgroup; root), a machine 1.5x slower. Run it before resolving an issue that adds
+# swarm tests: a test that passes only on an idle machine fails on a volunteer's or a CI's.
 LOAD ?= 1
+CPUS ?=
 test-slow: $(STAMP)
-	.ci/under-load.sh $(LOAD) $(MAKE) test
+	.ci/under-load.sh $(if $(CPUS),--cpus $(CPUS)) $(LOAD) $(MAKE) test
 
 # The peer and coordinator images (docker/images.sh): with docker where an engine runs, else
 # with buildah from a local Debian 12 stand-in base. IMAGES_BASE=real|standin, IMAGES_TAG=...
