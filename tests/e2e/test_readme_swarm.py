@@ -96,11 +96,13 @@ def test_a_second_peer_on_the_same_checkpoint_dir_exits_at_once_saying_why(tmp_p
             [*swarmtrain_executable(), *args],
             capture_output=True,
             text=True,
-            timeout=10,
+            timeout=120,  # a hang guard: "at once" is shown by what it did not do (below)
             env={**os.environ, **env},
         )
         assert second.returncode != 0
         lines = [line for line in second.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and re.search(r"checkpoint-dir .* in use by a running peer \(pid \d+\)", lines[0]), lines
+        # it stopped before anything a peer does: no join, no model, no swarm (its stdout is empty)
+        assert not second.stdout.strip(), second.stdout
     finally:
         first.kill()
