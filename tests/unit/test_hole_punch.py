@@ -21,6 +21,7 @@ from peer.puncher import relay_target, relays_by_ip
 from peer.relay_client import RelayAddress, RelayTunnel
 from protocol.relay_server import Relay
 from protocol.relay_wire import Granted, Open, PunchAnswer, PunchAsk, PunchCall, PunchGo, encode, read_message
+from swarmtrain.localswarm import wait_until
 
 
 def _free_port() -> int:
@@ -66,6 +67,9 @@ def test_each_side_of_a_punch_learns_where_the_others_fresh_socket_comes_from(re
         writer.close()
 
     asyncio.run(go())
+    # the relay counts the punch in its own thread once its PunchGo to the asker is flushed,
+    # which may come after the asker has read it
+    wait_until(lambda: relay.punches == 1, 30, "the relay to count the punch")
     assert relay.punches == 1
 
 
