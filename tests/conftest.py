@@ -119,24 +119,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fixtures run once; ``LIGHT_FIRST`` first), then the unit tests (one test each). Whichever
     worker is free takes the next one, beside the lane still running and at the end, so that
     both workers finish together."""
-    order: dict[int, tuple[int, int]] = {}
+    order: dict[int, tuple[int, int, int]] = {}
     for index, item in enumerate(items):
         parts = item.path.parts
         if "unit" in parts:
-            order[id(item)] = (4, index)
+            order[id(item)] = (4, 0, index)
             continue
         name = item.path.name
+        first = LIGHT_FIRST.index(name) if name in LIGHT_FIRST else 0
         if name in BESIDE_SWARMS:
             group, rank = f"light-{item.path.stem}", 2 if name in LIGHT_FIRST else 3
-            if name in LIGHT_FIRST:
-                index = LIGHT_FIRST.index(name) * len(items) + index
         elif name in SECOND_LANE:
             group, rank = "swarms-b", 0
         else:
             group, rank = "swarms", 1
         if rank < 2 and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SWARM_TIMEOUT_S))
-        order[id(item)] = (rank, index)
+        order[id(item)] = (rank, first, index)
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: order[id(item)])
 
