@@ -30,6 +30,7 @@ ALLREDUCE_RUNNER = "hivemind.averaging.allreduce.AllReduceRunner"
 TENSOR_PART_CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
+POTENTIAL_LEADERS = "hivemind.averaging.matchmaking.PotentialLeaders"
 SERVICER_BASE = "hivemind.p2p.servicer.ServicerBase"
 P2P_DAEMON = "hivemind.p2p.p2p_daemon.P2P"
 
@@ -315,6 +316,24 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         evidence=(
             ("step", '("_step", [], dict(step=step, future_for_init=future_for_init))'),
             ("_step", "await self._matchmaking.look_for_group(step)"),
+        ),
+    ),
+    # --- hivemind.averaging.matchmaking.PotentialLeaders ---------------------------------
+    PrivateUse(
+        POTENTIAL_LEADERS,
+        "_update_queue_periodically",
+        "overridden coroutine method",
+        "engine/matchmaking.py (RoundPotentialLeaders._update_queue_periodically)",
+        "The search's task that fills leader_queue from the round's declarations: ours looks "
+        "again for as long as the search runs and is not paused (hivemind's stops once the "
+        "earliest known peer expires after the search ends, and misses a late peer that "
+        "declares an earlier expiration). It keeps hivemind's contract with pop_next_leader "
+        "(update_finished after each lookup; past_attempts skipped; max_assured_time raised, "
+        "which RoundMatchmaking._first_in_line reads).",
+        params=("key_manager",),
+        evidence=(
+            ("begin_search", "asyncio.create_task(self._update_queue_periodically(key_manager))"),
+            ("pop_next_leader", "if self.update_finished.is_set():"),
         ),
     ),
     # --- hivemind.averaging.matchmaking.Matchmaking ---------------------------------------

@@ -27,14 +27,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS as TIME_DISCREPANCY_S
 
 from protocol.gathered import Gathered
 from protocol.roster import leader_may_close, verdict
 
-__all__ = ["PacedKeyManager", "RoundMatchmaking", "gathered_metadata", "round_group_bits", "round_matchmaking"]
+__all__ = [
+    "PacedKeyManager",
+    "RoundMatchmaking",
+    "RoundPotentialLeaders",
+    "gathered_metadata",
+    "round_group_bits",
+    "round_matchmaking",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +102,41 @@ class PacedKeyManager(GroupKeyManager):
         following = FIRST_LOOKUP_PAUSE_S if pause == 0.0 else min(LOOKUP_PAUSE_MAX_S, 2 * pause)
         self.__dict__["_paced"] = (group_key, time.monotonic(), following)
         return await super().get_averagers(group_key, only_active)
+
+
+class RoundPotentialLeaders(PotentialLeaders):
+    """hivemind's search for a leader, which looks at the round's declarations again for as long
+    as it searches (and is not following a leader).
+
+    hivemind stops looking once the earliest declared peer it knows would lead after its own
+    search ends, on the premise that a peer that declares later expires later (each declares
+    now + the same window). A round's peers declare windows of their own length (each one's
+    adaptive matchmaking timeout, ``peer.timeouts``), so a peer that launches late can declare
+    the earliest expiration and lead the round: the others, no longer looking, never asked it,
+    it failed the round alone, and they waited out their windows as a smaller group (three
+    peers behind NAT lost a round so on a loaded machine). The lookups stay paced
+    (``PacedKeyManager``): at most one every ``LOOKUP_PAUSE_MAX_S`` once a wait is long."""
+
+    async def _update_queue_periodically(self, key_manager: GroupKeyManager) -> None:
+        while get_dht_time() < self.search_end_time:
+            declared = await key_manager.get_averagers(key_manager.current_key, only_active=True)
+            # hivemind's mark of a search that has read the declarations (``RoundMatchmaking._first_in_line``)
+            assured: float = self.__dict__["max_assured_time"]
+            self.max_assured_time = max(assured, get_dht_time() + self.min_matchmaking_time - TIME_DISCREPANCY_S)
+            self.leader_queue.clear()
+            for peer, expiration in declared:
+                if peer == self.peer_id or (peer, expiration) in self.past_attempts:
+                    continue
+                self.leader_queue.store(peer, expiration, expiration)
+                self.max_assured_time = max(self.max_assured_time, expiration - TIME_DISCREPANCY_S)
+            self.update_finished.set()
+            left = self.search_end_time - get_dht_time()
+            if not self.running.is_set():  # following a leader (``pause_search``): look again once back
+                try:
+                    await asyncio.wait_for(self.running.wait(), timeout=left if math.isfinite(left) else None)
+                except TimeoutError:
+                    return
+            self.update_triggered.clear()
 
 
 class RoundMatchmaking(Matchmaking):
@@ -294,11 +337,14 @@ class RoundMatchmaking(Matchmaking):
 
 def round_matchmaking(matchmaking: Matchmaking) -> RoundMatchmaking:
     """Turn the ``Matchmaking`` hivemind built inside the averager process into a
-    ``RoundMatchmaking`` (same state; hivemind constructs it itself, so it is re-classed), and
-    its key manager into a ``PacedKeyManager``."""
+    ``RoundMatchmaking`` (same state; hivemind constructs it itself, so it is re-classed), its
+    key manager into a ``PacedKeyManager`` and its search into a ``RoundPotentialLeaders``."""
     keys = matchmaking.__dict__.get("group_key_manager")  # (a unit test's bare matchmaking has none)
     if keys is not None and not isinstance(keys, PacedKeyManager):
         keys.__class__ = PacedKeyManager
+    search = matchmaking.__dict__.get("potential_leaders")
+    if search is not None and not isinstance(search, RoundPotentialLeaders):
+        search.__class__ = RoundPotentialLeaders
     if not isinstance(matchmaking, RoundMatchmaking):
         bound = matchmaking.__dict__.pop("target_group_size", None)
         smallest = matchmaking.__dict__.pop("min_group_size", 1)

@@ -51,7 +51,7 @@ def _coordinator(sim: WanSim, tmp_path: Path, spec: Path, *extra: str) -> str:
 
 
 def _peer(sim: WanSim, tmp_path: Path, name: str, coordinator: str, *extra: str) -> subprocess.Popen[bytes]:
-    argv = [*SW, "peer", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "7700"]
+    argv = [*SW, "-v", "peer", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "7700"]
     argv += ["--key", str(tmp_path / f"{name}.key"), "--checkpoint-dir", str(tmp_path / f"{name}-ckpt")]
     argv += ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *extra]
     return sim.run(name, argv, stdout=(tmp_path / f"{name}.log").open("w"), stderr=subprocess.STDOUT)

@@ -1,5 +1,6 @@
 """A waiting averager's lookups of its round's declarations are paced (``engine.matchmaking.PacedKeyManager``):
-hivemind's search would otherwise spin DHT lookups for a leader's whole window."""
+hivemind's search would otherwise spin DHT lookups for a leader's whole window; and it goes on looking for
+as long as it searches (``engine.matchmaking.RoundPotentialLeaders``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,19 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
-from engine.matchmaking import FIRST_LOOKUP_PAUSE_S, LOOKUP_PAUSE_MAX_S, PacedKeyManager, round_matchmaking
+from engine.matchmaking import (
+    FIRST_LOOKUP_PAUSE_S,
+    LOOKUP_PAUSE_MAX_S,
+    PacedKeyManager,
+    RoundPotentialLeaders,
+    round_matchmaking,
+)
 
 
 class _CountingDHT:
@@ -54,3 +64,65 @@ def test_the_averagers_matchmaking_gets_the_paced_key_manager() -> None:
     matchmaking.__dict__["group_key_manager"] = keys
     round_matchmaking(matchmaking)
     assert type(keys) is PacedKeyManager
+
+
+class _Declarations:
+    """A round's declarations as the DHT shows them: ``late`` appears from the ``appear_after``-th lookup on."""
+
+    current_key = "run.0b10"
+
+    def __init__(self, early: list[tuple[PeerID, float]], late: tuple[PeerID, float], appear_after: int) -> None:
+        self.early, self.late, self.appear_after, self.lookups = early, late, appear_after, 0
+
+    async def get_averagers(self, group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
+        self.lookups += 1
+        await asyncio.sleep(0.01)
+        return self.early + ([self.late] if self.lookups > self.appear_after else [])
+
+
+def _leader_asked(search: type[PotentialLeaders]) -> tuple[PeerID, float]:
+    """The leader a peer leading a follower asks first, when a peer declares after them both
+    with the earliest expiration of the three; and the search's ``max_assured_time`` then."""
+    me, follower, late = PeerID(b"\x00me"), PeerID(b"\x00follower"), PeerID(b"\x00late")
+
+    async def ask() -> tuple[PeerID, float]:
+        now = get_dht_time()
+        leaders = search(me, min_matchmaking_time=2.0, target_group_size=None)
+        leaders.declared_expiration_time = now + 8.0  # this peer's window
+        leaders.search_end_time = now + 10.0  # its deadline
+        # its follower declared a longer window, past this peer's deadline; the late peer a short one
+        keys = _Declarations([(follower, now + 11.0)], (late, now + 5.0), appear_after=3)
+        leaders.running.set()
+        updates = asyncio.create_task(leaders._update_queue_periodically(keys))
+        try:
+            leader = await asyncio.wait_for(leaders.pop_next_leader(), timeout=2.0)
+            return leader, leaders.max_assured_time
+        finally:
+            updates.cancel()
+
+    return asyncio.run(ask())
+
+
+def test_a_peer_declared_later_with_an_earlier_expiration_is_asked_to_lead() -> None:
+    """Peers declare windows of their own length (their adaptive timeouts), so one that launches
+    late may expire first: the others go on looking and ask it, even when every peer they
+    already know would lead only after their own search ends. The search marks that it has read
+    the declarations as hivemind's does (``RoundMatchmaking._first_in_line`` waits for the mark:
+    without it no leader closes on a complete roster, and every round waits out its window)."""
+    leader, assured = _leader_asked(RoundPotentialLeaders)
+    assert leader == PeerID(b"\x00late")
+    assert assured > get_dht_time()  # the late peer's expiration, less the clocks' allowed discrepancy
+
+
+def test_hivemind_alone_stops_looking_there() -> None:
+    """The case above with hivemind's own search: it never asks the late peer, which fails its
+    round alone (why ``RoundPotentialLeaders`` exists; if hivemind changes this, it can go)."""
+    with pytest.raises(asyncio.TimeoutError):
+        _leader_asked(PotentialLeaders)
+
+
+def test_the_averagers_search_is_the_rounds() -> None:
+    matchmaking = object.__new__(Matchmaking)
+    matchmaking.__dict__["potential_leaders"] = PotentialLeaders(PeerID(b"\x00me"), 2.0, None)
+    round_matchmaking(matchmaking)
+    assert type(matchmaking.potential_leaders) is RoundPotentialLeaders
