@@ -34,7 +34,7 @@ import copy
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,20 @@ def part_size_bytes(numel: int, codec: Codec, group_size: int) -> int:
 
 
 MAX_WEIGHT = 1e15
+MAX_PART_DIMS = 8
+"""A part's shape is flat (one entry); a sender's shape with more entries than this is
+refused before any arithmetic on it."""
+
+
+def part_numel(size: Sequence[int]) -> int:
+    """The number of values a part's wire shape ``size`` (a sender's, untrusted) holds. Its
+    length and entries are checked first (``MalformedTensorError``): a product over a shape of
+    40,000 entries held a reducer's GIL for 12 s (Python's big integers grow with each factor)."""
+    if len(size) > MAX_PART_DIMS:
+        raise MalformedTensorError(f"tensor part has a shape of {len(size)} dimensions (at most {MAX_PART_DIMS})")
+    if any(not 0 <= dim <= MAX_PART_VALUES for dim in size):
+        raise MalformedTensorError(f"tensor part has a dimension outside [0, {MAX_PART_VALUES}]: {list(size)}")
+    return math.prod(size)
 
 
 class CodecCompression(CompressionBase):
@@ -120,7 +134,7 @@ class CodecCompression(CompressionBase):
         """Decode and validate; raises ``MalformedTensorError`` naming what is wrong."""
         if serialized.dtype != self.dtype_tag:
             raise MalformedTensorError(f"tensor part encoded as {serialized.dtype!r}, expected {self.dtype_tag!r}")
-        numel = math.prod(serialized.size)
+        numel = part_numel(serialized.size)
         if expected_numel is not None and numel != expected_numel:
             raise MalformedTensorError(f"tensor part has {numel} values, expected {expected_numel}")
         return self.codec.decode(serialized.buffer, numel)
