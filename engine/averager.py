@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -33,7 +34,7 @@ from engine.allreduce import (
 from engine.averager_gate import AdmissionGateMixin
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
-from engine.matchmaking import gathered_metadata, round_group_bits
+from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
 from engine.robust import Alignment, RobustRule, direction_offence
 from engine.state_transfer import StateProvider, StateTransferMixin
@@ -264,6 +265,8 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         outsiders = [peer for peer in group_info.peer_ids if not await self._admitted(peer)]
         if outsiders:
             raise RoundFailedError(f"group includes peers not admitted to this run: {sorted(map(str, outsiders))}")
+        # each member's share of the vector is equal, not what it says its bandwidth is
+        group_info = dataclasses.replace(group_info, gathered=equal_shares(group_info.gathered))
         led = self._matchmaking.led()  # a RoundMatchmaking (AdmissionGateMixin._matchmaking)
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)

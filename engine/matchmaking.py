@@ -23,7 +23,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from hivemind.averaging.key_manager import GroupKeyManager
@@ -39,6 +39,7 @@ __all__ = [
     "PacedKeyManager",
     "RoundMatchmaking",
     "RoundPotentialLeaders",
+    "equal_shares",
     "gathered_metadata",
     "round_group_bits",
     "round_matchmaking",
@@ -70,6 +71,25 @@ def gathered_metadata(gather: bytes) -> Gathered | None:
         return Gathered.parse(MSGPackSerializer.loads(user))
     except Exception:  # noqa: BLE001 - any malformed payload is just "no metadata"
         return None
+
+
+def equal_shares(gathered: Sequence[bytes]) -> tuple[bytes, ...]:
+    """The members' gathered bytes ``[bandwidth, mode, user bytes]`` with every bandwidth
+    replaced by None: hivemind then gives each member that reduces an equal share of the
+    vector. The bandwidth is what a member says about itself; hivemind's load balancing took it
+    unchecked, so NaN failed the group's round in every member (an assertion) and infinity
+    handed the liar 80% of the vector to reduce. Honest peers send None (the run sets no
+    bandwidth), so their rounds are unchanged. Bytes that do not parse are left as they are
+    (hivemind refuses the group)."""
+    shares = []
+    for data in gathered:
+        try:
+            _bandwidth, mode, user = MSGPackSerializer.loads(data)
+        except Exception:  # noqa: BLE001 - a malformed member's bytes: hivemind's own check refuses them
+            shares.append(data)
+            continue
+        shares.append(MSGPackSerializer.dumps([None, mode, user]))
+    return tuple(shares)
 
 
 def round_group_bits(round_: int) -> str:
