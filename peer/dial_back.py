@@ -1,7 +1,8 @@
 """Can anyone dial this machine? The coordinator's dial-back (its ``Probe`` RPC) answers it:
 it connects to the host it saw the request come from, on a port this machine names, and
-returns the first bytes it read there. A ``Greeter`` on that port writes a random greeting,
-so an answer from another program (or a NAT router's own service) does not count. The
+says whether it read there the greeting this machine said it serves. A ``Greeter`` on that
+port writes a random greeting, so an answer from another program (or a NAT router's own
+service) does not count. The
 doctor runs it, and so does a peer before it chooses how it is reached (``peer.network_path``).
 """
 
@@ -82,6 +83,6 @@ def ask_dial_back(stub: Any, greeter: Greeter, *, timeout_s: float, port: int = 
     ``greeter``'s; another one where a port mapping forwards it to the greeter) and read the
     greeting (raises ``grpc.RpcError`` when it refuses the probe)."""
     port = port or greeter.port
-    info = stub.Probe(pb.ProbeRequest(dial_back_port=port), timeout=timeout_s)
-    reached = not info.dial_error and info.dial_greeting == greeter.greeting
+    info = stub.Probe(pb.ProbeRequest(dial_back_port=port, dial_back_expect=greeter.greeting), timeout=timeout_s)
+    reached = not info.dial_error and info.dial_matched
     return DialBack(info.observed_host, port, reached, info.dial_error, info.relay_port, info.volunteer_relays)

@@ -395,17 +395,19 @@ class AdminResponse(_message.Message):
     def __init__(self, message: _Optional[str] = ..., admission_mode: _Optional[str] = ..., allowlist: _Optional[_Iterable[str]] = ..., bans: _Optional[_Iterable[_Union[BanEntry, _Mapping]]] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("dial_back_port", "payload", "download_bytes")
+    __slots__ = ("dial_back_port", "payload", "download_bytes", "dial_back_expect")
     DIAL_BACK_PORT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIAL_BACK_EXPECT_FIELD_NUMBER: _ClassVar[int]
     dial_back_port: int
     payload: bytes
     download_bytes: int
-    def __init__(self, dial_back_port: _Optional[int] = ..., payload: _Optional[bytes] = ..., download_bytes: _Optional[int] = ...) -> None: ...
+    dial_back_expect: bytes
+    def __init__(self, dial_back_port: _Optional[int] = ..., payload: _Optional[bytes] = ..., download_bytes: _Optional[int] = ..., dial_back_expect: _Optional[bytes] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload", "relay_port", "volunteer_relays")
+    __slots__ = ("server_time", "software_version", "spec_digest", "spec_toml", "bootstrap_maddrs", "observed_host", "dialed", "dial_error", "dial_greeting", "received_bytes", "payload", "relay_port", "volunteer_relays", "dial_matched")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +421,7 @@ class ProbeResponse(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     VOLUNTEER_RELAYS_FIELD_NUMBER: _ClassVar[int]
+    DIAL_MATCHED_FIELD_NUMBER: _ClassVar[int]
     server_time: float
     software_version: str
     spec_digest: str
@@ -432,4 +435,5 @@ class ProbeResponse(_message.Message):
     payload: bytes
     relay_port: int
     volunteer_relays: int
-    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., relay_port: _Optional[int] = ..., volunteer_relays: _Optional[int] = ...) -> None: ...
+    dial_matched: bool
+    def __init__(self, server_time: _Optional[float] = ..., software_version: _Optional[str] = ..., spec_digest: _Optional[str] = ..., spec_toml: _Optional[str] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., observed_host: _Optional[str] = ..., dialed: _Optional[bool] = ..., dial_error: _Optional[str] = ..., dial_greeting: _Optional[bytes] = ..., received_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., relay_port: _Optional[int] = ..., volunteer_relays: _Optional[int] = ..., dial_matched: _Optional[bool] = ...) -> None: ...
