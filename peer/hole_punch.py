@@ -8,7 +8,10 @@ Both then connect to that address from the same local port, again and again for 
 each side's outgoing SYN opens its own NAT for the other's, and once both are out the two SYNs
 cross and the connection opens both ways (masquerading NATs keep the local port when it is
 free, so the mapping the relay saw is the one the other side reaches). Who is at the other end
-is not checked here: the libp2p session run over the socket authenticates the peer.
+is not checked here: the libp2p session run over the socket authenticates the peer. What a
+relay may make this peer dial is: the host the punch was asked from (the holder's side), never
+an address more local than the relay itself (``check_target``), with at most ``MAX_ATTEMPTS``
+connects a punch.
 
 While a punched connection to a host lives, this peer's relay tunnels take a relayed
 connection from that host only ``relay_client.DEFER_S`` late (``DirectPaths``): a libp2p daemon
@@ -22,6 +25,7 @@ public address (a carrier-grade NAT) is relayed to this one late meanwhile.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import threading
@@ -41,7 +45,45 @@ PUNCH_S = 6.0
 ATTEMPT_S = 2.5
 """One connect: long enough for the SYN's first retransmission (after 1 s), which crosses the
 other side's SYN when a NAT dropped the first one (home routers drop, some answer a reset)."""
-RETRY_PAUSE_S = 0.05
+RETRY_PAUSE_S = (0.05, 0.5)
+"""The pause after a failed connect: the first, doubling up to the second."""
+MAX_ATTEMPTS = 12
+"""Connects one punch may try (within ``PUNCH_S``): what one message of a relay can make this
+peer send to the address it names (a reset answered at once cost 100 connects a punch)."""
+
+_SCOPES = ("loopback", "link-local", "private", "global")
+
+
+def _scope(host: str) -> int:
+    """How far ``host`` reaches, as an index of ``_SCOPES`` (-1: an address nobody is dialled at:
+    unspecified, multicast, reserved). A name counts as global."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return len(_SCOPES) - 1
+    if address.is_unspecified or address.is_multicast or address.is_reserved:
+        return -1
+    if address.is_loopback:
+        return 0
+    if address.is_link_local:
+        return 1
+    if address.is_private:
+        return 2
+    return 3
+
+
+def check_target(relay_host: str, host: str, port: int) -> None:
+    """Refuse (``PunchError``) a punch target a relay at ``relay_host`` may not send this peer
+    to: no port, an address nobody is dialled at, or one more local than the relay itself (a
+    public relay names public addresses: never this machine's loopback, its link or its LAN,
+    where a hostile relay would use the peer as a scanner of what its firewall keeps out; a
+    relay on the LAN or this machine may name hosts there)."""
+    if not 0 < port < 65536:
+        raise PunchError(f"the relay named port {port} to punch to")
+    scope, reach = _scope(host), _scope(relay_host)
+    if scope < 0 or scope < reach:
+        where = _SCOPES[scope] if scope >= 0 else "undialable"
+        raise PunchError(f"the relay at {relay_host} named a {where} address to punch to ({host}): refused")
 
 
 class DirectPaths:
@@ -141,8 +183,8 @@ async def simultaneous_open(local_port: int, host: str, port: int, *, within_s: 
     this one's address at the same time; ``PunchError`` when none connects within ``within_s``."""
     loop = asyncio.get_running_loop()
     end = time.monotonic() + within_s
-    tries, last = 0, ""
-    while time.monotonic() < end:
+    tries, last, pause = 0, "", RETRY_PAUSE_S[0]
+    while time.monotonic() < end and tries < MAX_ATTEMPTS:
         tries += 1
         sock = _bound(local_port)
         try:
@@ -150,7 +192,8 @@ async def simultaneous_open(local_port: int, host: str, port: int, *, within_s: 
         except (OSError, TimeoutError) as exc:
             sock.close()
             last = str(exc) or type(exc).__name__
-            await asyncio.sleep(RETRY_PAUSE_S)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, RETRY_PAUSE_S[1])
             continue
         except BaseException:  # cancelled (the peer is stopping)
             sock.close()
@@ -163,11 +206,15 @@ async def punch(relay: tuple[str, int], *, token: bytes, port: int) -> socket.so
     """The asker's side: a direct connection to the peer holding ``port`` on the relay at
     ``relay`` (its control port)."""
     local, go = await _rendezvous(relay, PunchAsk(token, port))
+    check_target(relay[0], go.host, go.port)
     return await simultaneous_open(local, go.host, go.port)
 
 
-async def answer(relay: tuple[str, int], punch_id: int) -> socket.socket:
-    """The holder's side, told of a punch by ``PunchCall(punch_id, ...)``: a direct connection
-    to the asker."""
+async def answer(relay: tuple[str, int], punch_id: int, asker: str) -> socket.socket:
+    """The holder's side, told of a punch by ``PunchCall(punch_id, asker, ...)``: a direct
+    connection to the asker (the relay's ``PunchGo`` must name the host its call did)."""
     local, go = await _rendezvous(relay, PunchAnswer(punch_id))
+    if go.host != asker:
+        raise PunchError(f"the relay called for a punch from {asker} but named {go.host} to punch to: refused")
+    check_target(relay[0], go.host, go.port)
     return await simultaneous_open(local, go.host, go.port)

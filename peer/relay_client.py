@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 
 from peer.hole_punch import DirectPaths, PunchError, answer
@@ -46,6 +46,22 @@ before it is taken (``hole_punch.DirectPaths``): the dialler's libp2p daemon dia
 it knows at once, so the punched path finishes its handshake first and the daemon drops the
 relayed dial; were that one refused instead, it would fail, and libp2p would back its address
 off for the minutes when the punched path is down and the relay is the only way in."""
+
+
+MAX_TAKING = 16
+"""Relayed connections one tunnel is taking at once (connecting to this peer's daemon and back
+to the relay): an ``Incoming`` beyond is ignored (its dialler fails and dials again). A relay
+that sent hundreds at once took one task and two descriptors each, up to the process's limit."""
+MAX_SPLICED = 256
+"""Relayed and punched connections one tunnel carries at once (two descriptors each): an
+``Incoming`` or ``PunchCall`` beyond is ignored. Each is one remote peer's libp2p connection, so
+this is also the most peers that reach this one through one relay at once."""
+MAX_ANSWERING = 4
+"""Punches one tunnel answers at once (each up to ``hole_punch.MAX_ATTEMPTS`` connects): a
+``PunchCall`` beyond is ignored (the asker's punch times out; it stays relayed)."""
+
+
+_Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class RelayError(SwarmtrainError):
@@ -158,8 +174,13 @@ class RelayTunnel:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="relay-tunnel")
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
+        """Running takes, splices and punches: held here, since the loop keeps only weak
+        references to tasks."""
         self._holding: concurrent.futures.Future[None] | None = None
-        """Running splices: held here, since the loop keeps only weak references to tasks."""
+        self._taking = self._spliced = self._answering = 0
+        """Relayed connections being taken and carried, punches being answered (the loop's thread only)."""
+        self.ignored = 0
+        """``Incoming`` and ``PunchCall`` messages ignored over the caps."""
 
     @property
     def bytes_relayed(self) -> int:
@@ -240,14 +261,18 @@ class RelayTunnel:
                 message = await asyncio.wait_for(read_message(reader), IDLE_S)
                 if isinstance(message, PunchCall) and not self.answer_punches:
                     continue
-                if isinstance(message, Incoming | PunchCall):
-                    if isinstance(message, Incoming):
-                        work = self._take(message.conn_id, DEFER_S if message.host in self.direct else 0.0)
-                    else:
-                        work = self._answer(message)
-                    task = asyncio.ensure_future(work)
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                if isinstance(message, Incoming):
+                    if self._taking >= MAX_TAKING or self._carrying() >= MAX_SPLICED:
+                        self._ignore(message)
+                        continue
+                    self._taking += 1
+                    self._run(self._take(message.conn_id, DEFER_S if message.host in self.direct else 0.0))
+                elif isinstance(message, PunchCall):
+                    if self._answering >= MAX_ANSWERING or self._carrying() >= MAX_SPLICED:
+                        self._ignore(message)
+                        continue
+                    self._answering += 1
+                    self._run(self._answer(message))
                 elif not isinstance(message, Ping):
                     raise MalformedMessageError(f"relay sent {type(message).__name__} on the control connection")
         except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
@@ -259,7 +284,45 @@ class RelayTunnel:
             pinger.cancel()
             writer.close()
 
+    def _carrying(self) -> int:
+        """Connections carried and on their way to be (taken, punched back)."""
+        return self._taking + self._answering + self._spliced
+
+    def _run(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ignore(self, message: Incoming | PunchCall) -> None:
+        self.ignored += 1
+        if self.ignored == 1 or self.ignored % 1000 == 0:
+            logger.warning(
+                "relay tunnel: relay %s:%d sent more %s than this peer takes at once (%d ignored so far)",
+                self.relay.host,
+                self.relay.port,
+                "connections" if isinstance(message, Incoming) else "punch calls",
+                self.ignored,
+            )
+
     async def _take(self, conn_id: int, defer: float) -> None:
+        """Take relayed connection ``conn_id`` (counted in ``_taking`` by the caller) and carry it."""
+        try:
+            connected = await self._connect_both(conn_id, defer)
+        finally:
+            self._taking -= 1
+        if connected is None:
+            return
+        relayed, local = connected
+        self.connections += 1
+        self._spliced += 1
+        try:
+            with self._relayed.counting() as counts:
+                await pipe_both(relayed, local, counts)
+        finally:
+            self._spliced -= 1
+
+    async def _connect_both(self, conn_id: int, defer: float) -> tuple[_Stream, _Stream] | None:
+        """This peer's daemon and the relay's side of ``conn_id``, connected (None: one failed)."""
         if defer:
             logger.debug("relay tunnel: a relayed connection from a punched host waits %.1f s", defer)
             await asyncio.sleep(defer)
@@ -267,40 +330,54 @@ class RelayTunnel:
             local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
         except (OSError, TimeoutError) as exc:
             logger.warning("relay tunnel: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
-            return
+            return None
         try:
             relayed = await asyncio.wait_for(asyncio.open_connection(self.relay.host, self.relay.port), CONNECT_S)
             relayed[1].write(encode(Take(conn_id)))
         except (OSError, TimeoutError) as exc:
             logger.info("relay tunnel: could not take a connection: %s", exc)
             local[1].close()
-            return
-        self.connections += 1
-        with self._relayed.counting() as counts:
-            await pipe_both(relayed, local, counts)
+            return None
+        return relayed, local
 
     async def _answer(self, call: PunchCall) -> None:
-        """A peer that reached this one at the relay asks for a direct connection: punch it and
-        splice it to this peer's daemon, as a relayed connection is (the asker's daemon dials
-        through it, and the libp2p session checks who is at each end)."""
+        """A peer that reached this one at the relay asks for a direct connection (``call``,
+        counted in ``_answering`` by the caller until it connects or fails): punch it and splice
+        it to this peer's daemon, as a relayed connection is (the asker's daemon dials through
+        it, and the libp2p session checks who is at each end)."""
         try:
-            sock = await answer((self.relay.host, self.relay.port), call.punch_id)
+            connected = await self._punch_back(call)
+        finally:
+            self._answering -= 1
+        if connected is None:
+            return
+        direct, local = connected
+        self.punched += 1
+        self._spliced += 1
+        logger.info("hole punch: a direct connection from %s:%d", call.host, call.port)
+        try:
+            with self.direct.held(call.host), self._direct.counting() as counts:
+                await pipe_both(direct, local, counts)
+        finally:
+            self._spliced -= 1
+
+    async def _punch_back(self, call: PunchCall) -> tuple[_Stream, _Stream] | None:
+        """The punched connection to ``call``'s asker and one to this peer's daemon (None: failed)."""
+        try:
+            sock = await answer((self.relay.host, self.relay.port), call.punch_id, call.host)
         except (PunchError, OSError, ValueError) as exc:
             logger.info("hole punch asked by %s:%d failed: %s", call.host, call.port, exc)
-            return
+            return None
         try:
             direct = await asyncio.open_connection(sock=sock)
         except OSError as exc:
             sock.close()
             logger.info("hole punch asked by %s:%d: %s", call.host, call.port, exc)
-            return
+            return None
         try:
             local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
         except (OSError, TimeoutError) as exc:
             logger.warning("hole punch: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
             direct[1].close()
-            return
-        self.punched += 1
-        logger.info("hole punch: a direct connection from %s:%d", call.host, call.port)
-        with self.direct.held(call.host), self._direct.counting() as counts:
-            await pipe_both(direct, local, counts)
+            return None
+        return direct, local
