@@ -51,10 +51,14 @@ def admit(
     mode: str,
     allowlist: set[str],
     banned: set[str],
+    source: str = "",
 ) -> Admitted:
-    """Verify a join request and apply the admission policy; raises with a readable reason."""
+    """Verify a join request and apply the admission policy; raises with a readable reason.
+    Its nonce is recorded (against ``source``'s share of the replay guard) only once it is
+    admitted: a refused stranger's join takes no slot, so strangers cannot fill the guard and
+    lock the allowlisted out."""
     message = SignedMessage.from_proto(envelope)
-    verifier.verify(message, now=now, kind=kinds.JOIN)
+    verifier.verify(message, now=now, kind=kinds.JOIN, record=False)
     body = parse_body(pb.JoinBody, message.body, "join")
     if body.spec_digest and body.spec_digest != run_digest:
         raise WrongRunError(f"this peer runs spec {body.spec_digest}, the coordinator's run is {run_digest}")
@@ -64,6 +68,7 @@ def admit(
             raise AdmissionError(f"{key} is banned from this run")
     if mode == "allowlist" and account.id not in allowlist:
         raise AdmissionError(f"account {account.id} is not on this run's allowlist")
+    verifier.record(message, now=now, source=source)
     return Admitted(peer=message.signer, account=account, body=body)
 
 

@@ -157,6 +157,7 @@ class Coordinator:
             mode=self.spec.admission.mode,
             allowlist=self._allowed(),
             banned=set(self._banned()),
+            source=source,
         )
         body = admitted.body
         key = admitted.peer.id
@@ -224,7 +225,7 @@ class Coordinator:
         lock, so that they never wait for a report's or a tick's database writes): it touches
         only thread-safe state (the verifier's replay guard, the health tracker, the bans and
         credit caches) and reads the store only for a peer's first credit figures."""
-        peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now)
+        peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now, acts_for=self._admitted)
         check_heartbeat(body)
         interval = self.health.config.heartbeat_interval_s
         if not self._admitted(peer):
@@ -276,7 +277,7 @@ class Coordinator:
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
         """Verify a round report, then record it (``RoundBook.record``); it is decided at a
         later ``tick``."""
-        peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now)
+        peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now, acts_for=self._admitted)
         check_report(body)
         if not self._admitted(peer):
             raise AdmissionError(f"{peer.id} is not admitted: join again before reporting")
@@ -394,10 +395,24 @@ class Coordinator:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _verified(self, envelope: pb.SignedEnvelope, kind: str, body_type: type, now: float):  # type: ignore[no-untyped-def]
+    def _verified(  # type: ignore[no-untyped-def]
+        self,
+        envelope: pb.SignedEnvelope,
+        kind: str,
+        body_type: type,
+        now: float,
+        *,
+        acts_for: Callable[[PublicKey], bool],
+    ):
+        """The signer and parsed body of ``envelope``, verified; its nonce is recorded only if
+        ``acts_for(signer)`` (an admitted peer, an operator): a stranger's message, which
+        changes nothing, takes no slot of the replay guard."""
         message = SignedMessage.from_proto(envelope)
-        self.verifier.verify(message, now=now, kind=kind)
-        return message.signer, parse_body(body_type, message.body, kind)
+        self.verifier.verify(message, now=now, kind=kind, record=False)
+        body = parse_body(body_type, message.body, kind)
+        if acts_for(message.signer):
+            self.verifier.record(message, now=now)
+        return message.signer, body
 
     def _account_of(self, key: str) -> str:
         """The account ``key`` earns for (its join said), else its own key."""
@@ -497,7 +512,9 @@ class Coordinator:
 
     def admin(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.AdminResponse:
         """An operator's signed allowlist or ban change (or a listing); effective at once."""
-        signer, body = self._verified(envelope, kinds.ADMIN, pb.AdminBody, now)
+        signer, body = self._verified(
+            envelope, kinds.ADMIN, pb.AdminBody, now, acts_for=lambda key: key.id in self.operators
+        )
         if signer.id not in self.operators:
             raise AdmissionError(f"{signer.id} is not an operator of this coordinator")
         self._bans = self._allowlist = self._revoked = None  # whatever the action, read afresh afterwards

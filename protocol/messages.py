@@ -137,22 +137,34 @@ class ReplayGuard:
 
     Memory is bounded by the message rate times the age window; ``max_entries`` is a hard cap
     past which new messages are refused rather than old nonces forgotten (forgetting would
-    re-open replays).
+    re-open replays). A message recorded with its ``source`` (the host it came from) counts
+    against that source's share, ``max_per_source``: one host cannot fill the guard and lock
+    everyone else out (its own messages are refused first). Only messages the coordinator
+    acted on are recorded (``MessageVerifier.record``): a stranger's refused join takes no slot.
     """
 
     max_entries: int = 1_000_000
-    _expiry: dict[tuple[bytes, bytes], float] = field(default_factory=dict)
+    max_per_source: int = 20_000
+    """A host's live entries: ~66 messages a second sustained over the 300 s age window, above
+    what a few hundred honest peers behind one NAT send (a heartbeat every 5 s and a report a
+    round each)."""
+    _expiry: dict[tuple[bytes, bytes], tuple[float, str]] = field(default_factory=dict)
     _heap: list[tuple[float, bytes, bytes]] = field(default_factory=list)
+    _per_source: dict[str, int] = field(default_factory=dict)
 
     def seen(self, signer: PublicKey, nonce: bytes, *, now: float) -> bool:
         self._evict(now)
         return (signer.raw, nonce) in self._expiry
 
-    def remember(self, signer: PublicKey, nonce: bytes, *, until: float, now: float) -> None:
+    def remember(self, signer: PublicKey, nonce: bytes, *, until: float, now: float, source: str = "") -> None:
         self._evict(now)
+        if source and self._per_source.get(source, 0) >= self.max_per_source:
+            raise ReplayedMessageError(f"too many recent messages from {source}; try again later")
         if len(self._expiry) >= self.max_entries:
             raise ReplayedMessageError("too many recent messages to check for replays; try again later")
-        self._expiry[(signer.raw, nonce)] = until
+        self._expiry[(signer.raw, nonce)] = (until, source)
+        if source:
+            self._per_source[source] = self._per_source.get(source, 0) + 1
         heapq.heappush(self._heap, (until, signer.raw, nonce))
 
     def __len__(self) -> int:
@@ -161,8 +173,16 @@ class ReplayGuard:
     def _evict(self, now: float) -> None:
         while self._heap and self._heap[0][0] < now:
             until, signer, nonce = heapq.heappop(self._heap)
-            if self._expiry.get((signer, nonce)) == until:
+            entry = self._expiry.get((signer, nonce))
+            if entry is not None and entry[0] == until:
                 del self._expiry[(signer, nonce)]
+                source = entry[1]
+                if source:
+                    left = self._per_source[source] - 1
+                    if left:
+                        self._per_source[source] = left
+                    else:
+                        del self._per_source[source]
 
 
 @dataclass
@@ -185,8 +205,12 @@ class MessageVerifier:
         kind: str,
         signer: PublicKey | None = None,
         check_replay: bool = True,
+        record: bool = True,
+        source: str = "",
     ) -> None:
-        """Raise a ``VerificationError`` unless ``message`` passes every check; then record it."""
+        """Raise a ``VerificationError`` unless ``message`` passes every check; then record it
+        (unless ``record`` is False: the caller records it with ``record`` once it decided to
+        act on it, so that a message it refuses takes no slot of the replay guard)."""
         if message.kind != kind:
             raise WrongKindError(f"expected a {kind!r} message, got {message.kind!r}")
         if not message.signer.verify(message.signature, message.signing_bytes()):
@@ -201,8 +225,17 @@ class MessageVerifier:
                 f"{kind}: message is {-age:.0f} s in the future (clock skew limit {self.max_future_s:.0f} s)"
             )
         if check_replay:
-            with self._replay_lock:
-                if self.replay_guard.seen(message.signer, message.nonce, now=now):
-                    raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
-                until = message.timestamp + self.max_age_s
-                self.replay_guard.remember(message.signer, message.nonce, until=until, now=now)
+            if record:
+                self.record(message, now=now, source=source)
+            elif self.replay_guard.seen(message.signer, message.nonce, now=now):
+                raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
+
+    def record(self, message: SignedMessage, *, now: float, source: str = "") -> None:
+        """Record a verified ``message`` as received (from host ``source``, counted against its
+        share; "" counts against none); ``ReplayedMessageError`` if it already was, even by
+        another thread since its ``verify``."""
+        with self._replay_lock:
+            if self.replay_guard.seen(message.signer, message.nonce, now=now):
+                raise ReplayedMessageError(f"{message.kind}: message from {message.signer.id} was already received")
+            until = message.timestamp + self.max_age_s
+            self.replay_guard.remember(message.signer, message.nonce, until=until, now=now, source=source)
