@@ -19,7 +19,8 @@ open a direct connection and stop crossing it (``peer.hole_punch``).
 
 Caps: a list of ports (one port per peer: their number is the most peers relayed at once; 0
 stands for any free port, picked at the grant), a number of connections per port, a deadline
-for the peer to take each connection, a number of punches waiting for an answer. A peer keeps its port for ``KEEP_S`` after its control
+for the peer to take each connection, a number of punches waiting for an answer, a number of
+control-port connections that have not said what they are (in all and per source host). A peer keeps its port for ``KEEP_S`` after its control
 connection drops, so a reconnect keeps its address.
 Thread-safe to start and stop; everything else runs on the relay's own event loop.
 """
@@ -58,6 +59,12 @@ from protocol.relay_wire import (
 logger = logging.getLogger(__name__)
 
 FIRST_MESSAGE_S = 10.0
+MAX_UNOPENED = 64
+"""Connections to the control port that have not sent their first message yet (anyone may
+open one): beyond, a new one is closed at once. The relay runs inside a volunteer's peer
+process, so idle connections must not take its descriptors (1,100 did before)."""
+MAX_UNOPENED_PER_SOURCE = 8
+"""Of ``MAX_UNOPENED``, from one host: one stranger cannot hold every slot."""
 TAKE_S = 10.0
 PING_S = 15.0
 IDLE_S = 60.0
@@ -170,6 +177,11 @@ class Relay:
         """Punches waiting for their holder's answer: (the answer's observed address, the asker's)."""
         self.punches = 0
         """Punches both sides were told to make, since start."""
+        self._unopened: dict[str, int] = {}
+        self._unopened_total = 0
+        """Control-port connections waiting for their first message, by source host, and in all."""
+        self.turned_away = 0
+        """Connections closed at once over ``MAX_UNOPENED`` or ``MAX_UNOPENED_PER_SOURCE``, since start."""
 
     def start(self) -> int:
         """Listen; returns the control port (the one given, or the one picked for 0)."""
@@ -202,12 +214,27 @@ class Relay:
             self._release(held)
 
     async def _on_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        observed = _observed(writer)
+        source = observed[0] if observed is not None else ""
+        if self._unopened_total >= MAX_UNOPENED or self._unopened.get(source, 0) >= MAX_UNOPENED_PER_SOURCE:
+            self.turned_away += 1
+            writer.close()
+            return
+        self._unopened_total += 1
+        self._unopened[source] = self._unopened.get(source, 0) + 1
         try:
             first = await asyncio.wait_for(read_message(reader), FIRST_MESSAGE_S)
         except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
             logger.info("relay: dropped a connection that did not open or take: %s", exc or type(exc).__name__)
             writer.close()
             return
+        finally:
+            self._unopened_total -= 1
+            left = self._unopened[source] - 1
+            if left:
+                self._unopened[source] = left
+            else:
+                del self._unopened[source]
         if isinstance(first, Take):
             await self._take(first.conn_id, reader, writer)
         elif isinstance(first, Open):

@@ -13,7 +13,7 @@ import pytest
 
 from peer.relay_client import RelayAddress, RelayError, RelayTunnel
 from protocol.errors import MalformedMessageError
-from protocol.relay_server import Relay
+from protocol.relay_server import MAX_UNOPENED, MAX_UNOPENED_PER_SOURCE, Relay
 from protocol.relay_wire import (
     MAX_TOKEN_BYTES,
     Granted,
@@ -29,6 +29,7 @@ from protocol.relay_wire import (
     encode,
     read_message,
 )
+from swarmtrain.localswarm import wait_until
 
 
 def _read(data: bytes) -> object:
@@ -222,3 +223,39 @@ def test_a_tunnel_opens_again_with_its_renewed_token_and_keeps_its_port() -> Non
         tunnel.close()
         relay.stop()
         echo.sock.close()
+
+
+def _idle(relay: Relay, source: str, n: int) -> list[socket.socket]:
+    """``n`` connections to the control port from ``source`` that never say a word."""
+    return [
+        socket.create_connection(("127.0.0.1", relay.control_port), timeout=5, source_address=(source, 0))
+        for _ in range(n)
+    ]
+
+
+def test_idle_strangers_hold_a_bounded_number_of_the_relays_connections(relay: Relay) -> None:
+    """A stranger opens 100 connections and says nothing (they held 100 descriptors of the
+    volunteer's peer process for 10 s each; 1,100 pinned it at its limit): 8 are held, the rest
+    closed at once; 20 more hosts fill only the total's 64; an admitted peer still gets its port."""
+    held: list[socket.socket] = []
+    try:
+        held += _idle(relay, "127.0.0.1", 100)
+        wait_until(lambda: relay.turned_away == 100 - MAX_UNOPENED_PER_SOURCE, 10, "the excess closed")
+        for host in range(2, 22):
+            held += _idle(relay, f"127.0.0.{host}", MAX_UNOPENED_PER_SOURCE)
+        wait_until(lambda: relay.turned_away == 100 + 20 * MAX_UNOPENED_PER_SOURCE - MAX_UNOPENED, 10, "the total")
+        assert relay._unopened_total == MAX_UNOPENED
+        held[-1].settimeout(5)
+        assert held[-1].recv(1) == b""  # over the total: closed at once
+        held[0].settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            held[0].recv(1)  # within the caps: still waiting for its first message
+    finally:
+        for conn in held:
+            conn.close()
+    wait_until(lambda: relay._unopened_total == 0, 10, "the idle connections to end")
+    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", local_port=1)
+    try:
+        assert tunnel.open() > 0
+    finally:
+        tunnel.close()
