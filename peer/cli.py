@@ -487,6 +487,7 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
             stub=joined.client.stub,
             relay_port=info.relay_port,
             token=lambda: info.access_token,
+            sign=joined.client.identity.sign,
             relays=info.relays,
         )
     host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
@@ -567,7 +568,7 @@ def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Punc
 def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
     """Hole punching to the relayed peers this one dials (``peer.puncher``), with
     ``--hole-punch`` (the default): through a coordinator, which lists the relays; not in client mode."""
-    if joined.info is None or args.client_mode or not args.hole_punch:
+    if joined.info is None or joined.client is None or args.client_mode or not args.hole_punch:
         return None
     from peer.puncher import Puncher, relays_by_ip
 
@@ -580,6 +581,7 @@ def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: Netw
         swarm.dht,
         relays=relays,
         token=lambda: info.access_token,
+        sign=joined.client.identity.sign,
         quiet=lambda: not swarm.averaging(),
         direct=path.direct,
     )

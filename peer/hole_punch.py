@@ -31,11 +31,23 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from protocol.errors import MalformedMessageError, SwarmtrainError
-from protocol.relay_wire import NOT_HELD, Message, PunchAnswer, PunchAsk, PunchGo, Refused, encode, read_message
+from protocol.relay_wire import (
+    NOT_HELD,
+    PUNCHING,
+    Challenge,
+    Message,
+    PunchAnswer,
+    PunchAsk,
+    PunchGo,
+    Refused,
+    encode,
+    prove,
+    read_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +157,11 @@ def _bound(port: int) -> socket.socket:
     return sock
 
 
-async def _rendezvous(relay: tuple[str, int], first: Message) -> tuple[int, PunchGo]:
-    """Send ``first`` to the relay from a fresh socket; its local port and the relay's ``PunchGo``."""
+async def _rendezvous(
+    relay: tuple[str, int], first: Message, sign: Callable[[bytes], bytes] | None = None
+) -> tuple[int, PunchGo]:
+    """Send ``first`` to the relay from a fresh socket (a ``PunchAsk``: proving its token with
+    ``sign`` when the relay challenges it); its local port and the relay's ``PunchGo``."""
     loop = asyncio.get_running_loop()
     sock = _bound(0)
     local = int(sock.getsockname()[1])
@@ -166,6 +181,9 @@ async def _rendezvous(relay: tuple[str, int], first: Message) -> tuple[int, Punc
     try:
         writer.write(encode(first))
         answer = await asyncio.wait_for(read_message(reader), RENDEZVOUS_S)
+        if isinstance(answer, Challenge) and isinstance(first, PunchAsk) and sign is not None:
+            writer.write(encode(prove(answer, PUNCHING, first.token, sign)))
+            answer = await asyncio.wait_for(read_message(reader), RENDEZVOUS_S)
     except (OSError, TimeoutError, asyncio.IncompleteReadError, MalformedMessageError) as exc:
         raise PunchError(f"relay {where}: {exc or type(exc).__name__}") from exc
     finally:
@@ -202,10 +220,10 @@ async def simultaneous_open(local_port: int, host: str, port: int, *, within_s: 
     raise PunchError(f"no direct connection to {host}:{port} from port {local_port} in {tries} tries ({last})")
 
 
-async def punch(relay: tuple[str, int], *, token: bytes, port: int) -> socket.socket:
+async def punch(relay: tuple[str, int], *, token: bytes, sign: Callable[[bytes], bytes], port: int) -> socket.socket:
     """The asker's side: a direct connection to the peer holding ``port`` on the relay at
-    ``relay`` (its control port)."""
-    local, go = await _rendezvous(relay, PunchAsk(token, port))
+    ``relay`` (its control port); ``sign`` signs with the key ``token`` names."""
+    local, go = await _rendezvous(relay, PunchAsk(token, port), sign)
     check_target(relay[0], go.host, go.port)
     return await simultaneous_open(local, go.host, go.port)
 

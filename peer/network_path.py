@@ -89,6 +89,8 @@ class Coordinated:
     relay_port: int
     token: Callable[[], bytes]
     """The peer's current access token (the relay admits only admitted peers)."""
+    sign: Callable[[bytes], bytes]
+    """Signs with the peer's key, the one its token names (a relay's challenge)."""
     relays: tuple[tuple[str, int], ...] = ()
     """Volunteers' relays (host, control port) from the join answer, in the order to try."""
 
@@ -150,6 +152,7 @@ def choose_path(
         held = open_several(
             relays,
             token=coordinated.token,
+            sign=coordinated.sign,
             local_port=port,
             local_host=local_host,
             direct=direct,

@@ -97,11 +97,14 @@ class Puncher:
         *,
         relays: Mapping[str, tuple[int, ...]],
         token: Callable[[], bytes],
+        sign: Callable[[bytes], bytes],
         quiet: Callable[[], bool],
         direct: DirectPaths,
         check_s: float = CHECK_S,
     ) -> None:
         self.dht, self.relays, self.token, self.quiet, self.check_s = dht, dict(relays), token, quiet, check_s
+        self.sign = sign
+        """Signs with the key the token names (a relay's challenge of a punch)."""
         """Relays by IP address (the daemon's connections name IPs) → their control ports."""
         self.direct = direct
         """Shared with this peer's relay tunnels: they take a relayed connection from a host late
@@ -210,10 +213,10 @@ class Puncher:
         machine each run a relay); ``NotRelayed`` when none does."""
         for control in controls[:-1]:
             try:
-                return await punch((host, control), token=self.token(), port=port)
+                return await punch((host, control), token=self.token(), sign=self.sign, port=port)
             except NotRelayed:
                 continue
-        return await punch((host, controls[-1]), token=self.token(), port=port)
+        return await punch((host, controls[-1]), token=self.token(), sign=self.sign, port=port)
 
     async def _switch(self, p2p: Any, peer_id: Any, sock: socket.socket) -> None:
         """Have the daemon reach ``peer_id`` over ``sock`` only: a success once the daemon's

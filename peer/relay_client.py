@@ -21,6 +21,8 @@ from peer.hole_punch import DirectPaths, PunchError, answer
 from peer.loop_thread import stop_loop_thread
 from protocol.errors import MalformedMessageError, SwarmtrainError
 from protocol.relay_wire import (
+    OPENING,
+    Challenge,
     Granted,
     Incoming,
     Open,
@@ -31,6 +33,7 @@ from protocol.relay_wire import (
     encode,
     ping_every,
     pipe_both,
+    prove,
     read_message,
 )
 
@@ -86,6 +89,7 @@ def open_several(
     relays: Sequence[RelayAddress],
     *,
     token: Callable[[], bytes],
+    sign: Callable[[bytes], bytes],
     local_port: int,
     local_host: str = "127.0.0.1",
     count: int = RELAYS_HELD,
@@ -105,6 +109,7 @@ def open_several(
         tunnel = RelayTunnel(
             relay,
             token=token,
+            sign=sign,
             local_port=local_port,
             local_host=local_host,
             direct=direct,
@@ -153,12 +158,15 @@ class RelayTunnel:
         relay: RelayAddress,
         *,
         token: Callable[[], bytes],
+        sign: Callable[[bytes], bytes],
         local_port: int,
         local_host: str = "127.0.0.1",
         direct: DirectPaths | None = None,
         answer_punches: bool = False,
     ) -> None:
         self.relay, self.token, self.local_port, self.local_host = relay, token, local_port, local_host
+        self.sign = sign
+        """Signs with the key the token names (the relay's challenge: ``protocol.relay_wire.prove``)."""
         self.answer_punches = answer_punches
         """Whether to answer a peer's punch (``--hole-punch``); else the asker's punch times out."""
         self.direct = direct if direct is not None else DirectPaths()
@@ -220,8 +228,12 @@ class RelayTunnel:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(self.relay.host, self.relay.port), CONNECT_S
             )
-            writer.write(encode(Open(self.token())))
+            token = self.token()
+            writer.write(encode(Open(token)))
             answer = await asyncio.wait_for(read_message(reader), CONNECT_S)
+            if isinstance(answer, Challenge):  # proof that this peer holds the token's key
+                writer.write(encode(prove(answer, OPENING, token, self.sign)))
+                answer = await asyncio.wait_for(read_message(reader), CONNECT_S)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, MalformedMessageError) as exc:
             raise RelayError(f"relay {where}: {exc or type(exc).__name__}") from exc
         if isinstance(answer, Refused):

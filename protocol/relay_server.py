@@ -39,11 +39,16 @@ from typing import Any
 from protocol.errors import ConfigError, MalformedMessageError, SwarmtrainError
 from protocol.identity import PublicKey
 from protocol.relay_wire import (
+    NONCE_BYTES,
     NOT_HELD,
+    OPENING,
+    PUNCHING,
+    Challenge,
     Granted,
     Incoming,
     Open,
     Ping,
+    Proof,
     PunchAnswer,
     PunchAsk,
     PunchCall,
@@ -53,6 +58,7 @@ from protocol.relay_wire import (
     encode,
     ping_every,
     pipe_both,
+    proof_bytes,
     read_message,
 )
 
@@ -222,8 +228,13 @@ class Relay:
             return
         self._unopened_total += 1
         self._unopened[source] = self._unopened.get(source, 0) + 1
+        peer = ""
         try:
             first = await asyncio.wait_for(read_message(reader), FIRST_MESSAGE_S)
+            if isinstance(first, Open | PunchAsk):
+                peer = await self._proven(first.token, OPENING if isinstance(first, Open) else PUNCHING, reader, writer)
+                if not peer:
+                    return
         except (MalformedMessageError, asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
             logger.info("relay: dropped a connection that did not open or take: %s", exc or type(exc).__name__)
             writer.close()
@@ -238,17 +249,40 @@ class Relay:
         if isinstance(first, Take):
             await self._take(first.conn_id, reader, writer)
         elif isinstance(first, Open):
-            await self._serve_peer(first.token, reader, writer)
+            await self._serve_peer(peer, reader, writer)
         elif isinstance(first, PunchAsk):
-            await self._punch_ask(first, writer)
+            await self._punch_ask(first, peer, writer)
         elif isinstance(first, PunchAnswer):
             self._punch_answer(first.punch_id, writer)
         else:
             writer.close()
 
-    async def _serve_peer(self, token: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _proven(
+        self, token: bytes, purpose: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> str:
+        """The public id ``token`` admits, once the connection proved it holds that id's key
+        (``Challenge``, ``Proof``); "" (the connection refused and closed, nothing changed)
+        otherwise. A token alone proves nothing: every admitted peer's is in the run's DHT."""
         try:
             peer = self.admit(token)
+        except ValueError as exc:
+            logger.info("relay: refused a %s: %s", purpose, exc)
+            writer.write(encode(Refused(str(exc))))
+            writer.close()
+            return ""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        writer.write(encode(Challenge(nonce)))
+        reply = await asyncio.wait_for(read_message(reader), FIRST_MESSAGE_S)
+        if not isinstance(reply, Proof) or not _signed_by(peer, reply.signature, proof_bytes(purpose, nonce, token)):
+            logger.info("relay: refused a %s with %s's token: no proof it holds that key", purpose, peer)
+            writer.write(encode(Refused("no proof of the token's key: sign the relay's challenge with it")))
+            writer.close()
+            return ""
+        return peer
+
+    async def _serve_peer(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Hold a port for ``peer`` (proven) on this control connection until it ends."""
+        try:
             held = await self._grant(peer)
         except ValueError as exc:
             logger.info("relay: refused a peer: %s", exc)
@@ -346,12 +380,12 @@ class Relay:
             self._live.remove(counts)
             self._relayed += counts[0][0] + counts[1][0]
 
-    async def _punch_ask(self, ask: PunchAsk, writer: asyncio.StreamWriter) -> None:
+    async def _punch_ask(self, ask: PunchAsk, peer: str, writer: asyncio.StreamWriter) -> None:
         """Tell the holder of ``ask.port`` where the asker's socket comes from; once it answers
-        from a fresh socket, tell the asker where that one comes from (``protocol.relay_wire``)."""
+        from a fresh socket, tell the asker (``peer``, proven) where that one comes from
+        (``protocol.relay_wire``)."""
         asker = _observed(writer)
         try:
-            peer = self.admit(ask.token)
             held = next((h for h in self._by_peer.values() if h.port == ask.port), None)
             if held is None or held.control is None:
                 raise ValueError(f"{NOT_HELD}: {ask.port}")
@@ -405,6 +439,14 @@ class Relay:
             writer.close()
             return
         future.set_result((reader, writer))
+
+
+def _signed_by(peer: str, signature: bytes, data: bytes) -> bool:
+    """Whether ``signature`` is the key with public id ``peer``'s over ``data``."""
+    try:
+        return PublicKey.from_id(peer).verify(signature, data)
+    except Exception:  # noqa: BLE001 - a malformed id or signature is no proof
+        return False
 
 
 def _observed(writer: asyncio.StreamWriter) -> tuple[str, int] | None:

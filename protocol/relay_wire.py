@@ -2,8 +2,10 @@
 connections that arrive there (``protocol.relay_server`` serves it, ``peer.relay_client`` uses it).
 
 A peer that nobody can dial keeps one *control* connection open to the relay. It sends
-``Open(token)`` (its access token: only admitted peers get a port) and the relay answers
-``Granted(port)``: from then on ``relay-host:port`` is the peer's public address, which it
+``Open(token)`` (its access token: only admitted peers get a port); the relay answers
+``Challenge(nonce)``, the peer ``Proof(signature)`` (``proof_bytes`` signed with the key the token
+names: every admitted peer's token is in the run's open DHT, so a token alone proves nothing),
+and the relay ``Granted(port)``: from then on ``relay-host:port`` is the peer's public address, which it
 announces in the swarm. Each connection that arrives on that port is announced on the control
 connection as ``Incoming(id, host, port)`` (where it comes from, as the relay sees it); the peer opens a new connection to the relay, sends
 ``Take(id)``, and the relay splices the two: the bytes of libp2p's own encrypted session pass
@@ -11,7 +13,8 @@ through unchanged. ``Ping`` keeps the control connection alive both ways; ``Refu
 ends it.
 
 Hole punching (``peer.hole_punch``): a peer that reached another at its relay port asks for a
-direct connection from a fresh socket: ``PunchAsk(token, port)``. The relay tells the port's
+direct connection from a fresh socket: ``PunchAsk(token, port)``, proven as an ``Open`` is
+(``Challenge``, ``Proof``). The relay tells the port's
 holder, on its control connection, where the asker's socket came from: ``PunchCall(id, host,
 port)``; the holder answers from a fresh socket of its own, ``PunchAnswer(id)``; the relay
 sends each of the two the address the other's socket came from, ``PunchGo(host, port)``, and
@@ -25,15 +28,23 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.errors import MalformedMessageError
+from protocol.messages import pae
 
 MAX_TOKEN_BYTES = 4096
 MAX_REASON_BYTES = 512
+NONCE_BYTES = 32
+MAX_PROOF_BYTES = 128
+PROOF_TAG = b"swarmtrain.relay.proof.v1"
 
 OPEN, GRANTED, INCOMING, TAKE, PING, REFUSED = b"O", b"G", b"I", b"T", b"P", b"R"
 PUNCH_ASK, PUNCH_CALL, PUNCH_ANSWER, PUNCH_GO = b"H", b"C", b"A", b"N"
+CHALLENGE, PROOF = b"Q", b"S"
+OPENING, PUNCHING = "open", "punch"
+"""What a ``Proof`` is for (signed into it: a proof for one is no proof for the other)."""
 NOT_HELD = "nobody holds that port here"
 """A punch's refusal when the port asked for is no relayed peer's (e.g. another service on the
 relay's host): the asker stops asking for it."""
@@ -101,7 +112,32 @@ class PunchGo:
     """Where the other side's socket came from: connect there now."""
 
 
-Message = Open | Granted | Incoming | Take | Ping | Refused | PunchAsk | PunchCall | PunchAnswer | PunchGo
+@dataclass(frozen=True)
+class Challenge:
+    nonce: bytes
+    """``NONCE_BYTES`` random bytes, fresh for each ``Open`` or ``PunchAsk``."""
+
+
+@dataclass(frozen=True)
+class Proof:
+    signature: bytes
+    """The token's key's signature over ``proof_bytes`` for the challenge's nonce."""
+
+
+Message = (
+    Open | Granted | Incoming | Take | Ping | Refused | PunchAsk | PunchCall | PunchAnswer | PunchGo | Challenge | Proof
+)
+
+
+def proof_bytes(purpose: str, nonce: bytes, token: bytes) -> bytes:
+    """What the holder of ``token`` signs to prove it, for ``purpose`` (``OPENING``,
+    ``PUNCHING``) and a relay's ``nonce``."""
+    return pae(PROOF_TAG, purpose.encode("ascii"), nonce, token)
+
+
+def prove(challenge: Challenge, purpose: str, token: bytes, sign: Callable[[bytes], bytes]) -> Proof:
+    """The ``Proof`` answering ``challenge`` for ``token``, signed by ``sign`` (its key's)."""
+    return Proof(sign(proof_bytes(purpose, challenge.nonce, token)))
 
 
 def _address(host: str, port: int) -> bytes:
@@ -150,6 +186,14 @@ def encode(message: Message) -> bytes:
         return PUNCH_ANSWER + struct.pack(">Q", message.punch_id)
     if isinstance(message, PunchGo):
         return PUNCH_GO + _address(message.host, message.port)
+    if isinstance(message, Challenge):
+        if len(message.nonce) != NONCE_BYTES:
+            raise ValueError(f"a challenge is {NONCE_BYTES} bytes, got {len(message.nonce)}")
+        return CHALLENGE + message.nonce
+    if isinstance(message, Proof):
+        if not 0 < len(message.signature) <= MAX_PROOF_BYTES:
+            raise ValueError(f"a proof is 1-{MAX_PROOF_BYTES} bytes, got {len(message.signature)}")
+        return PROOF + struct.pack(">B", len(message.signature)) + message.signature
     reason = message.reason.encode("utf-8")[:MAX_REASON_BYTES]
     return REFUSED + struct.pack(">H", len(reason)) + reason
 
@@ -193,6 +237,13 @@ async def read_message(reader: asyncio.StreamReader) -> Message:
         return PunchAnswer(punch_id)
     if kind == PUNCH_GO:
         return PunchGo(*await _read_address(reader))
+    if kind == CHALLENGE:
+        return Challenge(await reader.readexactly(NONCE_BYTES))
+    if kind == PROOF:
+        (size,) = struct.unpack(">B", await reader.readexactly(1))
+        if not 0 < size <= MAX_PROOF_BYTES:
+            raise MalformedMessageError(f"relay: a proof of {size} bytes (1-{MAX_PROOF_BYTES})")
+        return Proof(await reader.readexactly(size))
     if kind == REFUSED:
         (size,) = struct.unpack(">H", await reader.readexactly(2))
         if size > MAX_REASON_BYTES:

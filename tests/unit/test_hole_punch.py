@@ -20,8 +20,21 @@ from peer.hole_punch import DirectPaths, NotRelayed, PunchError, _rendezvous
 from peer.puncher import relay_target, relays_by_ip
 from peer.relay_client import RelayAddress, RelayTunnel
 from protocol.relay_server import Relay
-from protocol.relay_wire import Granted, Open, PunchAnswer, PunchAsk, PunchCall, PunchGo, encode, read_message
+from protocol.relay_wire import (
+    OPENING,
+    Challenge,
+    Granted,
+    Open,
+    PunchAnswer,
+    PunchAsk,
+    PunchCall,
+    PunchGo,
+    encode,
+    prove,
+    read_message,
+)
 from swarmtrain.localswarm import wait_until
+from tests.unit.relay_keys import key_of, signer
 
 
 def _free_port() -> int:
@@ -35,7 +48,7 @@ def relay() -> Iterator[Relay]:
     def admit(token: bytes) -> str:
         if not token.startswith(b"ok-"):
             raise ValueError("not a valid access token of this run")
-        return token.decode()
+        return key_of(token)
 
     served = Relay(host="127.0.0.1", control_port=0, ports=[_free_port(), _free_port()], admit=admit)
     served.control_port = served.start()
@@ -47,6 +60,9 @@ async def _hold(relay: Relay, token: bytes) -> tuple[asyncio.StreamReader, async
     """A peer's control connection holding a port (on the raw wire: it answers nothing itself)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.control_port)
     writer.write(encode(Open(token)))
+    challenge = await read_message(reader)
+    assert isinstance(challenge, Challenge)
+    writer.write(encode(prove(challenge, OPENING, token, signer(token))))
     granted = await read_message(reader)
     assert isinstance(granted, Granted)
     return reader, writer, granted.port
@@ -55,7 +71,9 @@ async def _hold(relay: Relay, token: bytes) -> tuple[asyncio.StreamReader, async
 def test_each_side_of_a_punch_learns_where_the_others_fresh_socket_comes_from(relay: Relay) -> None:
     async def go() -> None:
         reader, writer, port = await _hold(relay, b"ok-b")
-        asking = asyncio.ensure_future(_rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port)))
+        asking = asyncio.ensure_future(
+            _rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port), signer(b"ok-a"))
+        )
         call = await asyncio.wait_for(read_message(reader), 5)
         assert isinstance(call, PunchCall) and call.host == "127.0.0.1"
         local_b, go_b = await _rendezvous(("127.0.0.1", relay.control_port), PunchAnswer(call.punch_id))
@@ -78,11 +96,11 @@ def test_punches_the_relay_cannot_place_are_refused(relay: Relay) -> None:
         _, writer, port = await _hold(relay, b"ok-b")
         where = ("127.0.0.1", relay.control_port)
         with pytest.raises(NotRelayed, match="nobody holds that port"):
-            await _rendezvous(where, PunchAsk(b"ok-a", _free_port()))
+            await _rendezvous(where, PunchAsk(b"ok-a", _free_port()), signer(b"ok-a"))
         with pytest.raises(PunchError, match="not a valid access token"):
-            await _rendezvous(where, PunchAsk(b"bad", port))
+            await _rendezvous(where, PunchAsk(b"bad", port), signer(b"bad"))
         with pytest.raises(PunchError, match="cannot punch through to itself"):
-            await _rendezvous(where, PunchAsk(b"ok-b", port))
+            await _rendezvous(where, PunchAsk(b"ok-b", port), signer(b"ok-b"))
         with pytest.raises(PunchError):  # nobody asked for it: the relay closes without a word
             await _rendezvous(where, PunchAnswer(12345))
         writer.close()
@@ -97,7 +115,7 @@ def test_a_holder_that_does_not_answer_fails_the_punch_in_time(relay: Relay, mon
     async def go() -> None:
         _, writer, port = await _hold(relay, b"ok-b")
         with pytest.raises(PunchError, match="did not answer"):
-            await _rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port))
+            await _rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port), signer(b"ok-a"))
         writer.close()
 
     asyncio.run(go())
@@ -105,11 +123,13 @@ def test_a_holder_that_does_not_answer_fails_the_punch_in_time(relay: Relay, mon
 
 def test_a_peer_that_did_not_opt_in_answers_no_punch(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(relay_server, "PUNCH_ANSWER_S", 0.5)
-    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-b", local_port=1)
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-b", sign=signer(b"ok-b"), local_port=1
+    )
     try:
         port = tunnel.open()
         with pytest.raises(PunchError, match="did not answer"):
-            asyncio.run(_rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port)))
+            asyncio.run(_rendezvous(("127.0.0.1", relay.control_port), PunchAsk(b"ok-a", port), signer(b"ok-a")))
         assert tunnel.punched == 0
     finally:
         tunnel.close()
@@ -151,6 +171,7 @@ def test_a_tunnel_takes_a_relayed_connection_from_a_host_it_reaches_directly_lat
     tunnel = RelayTunnel(
         RelayAddress("127.0.0.1", relay.control_port),
         token=lambda: b"ok-b",
+        sign=signer(b"ok-b"),
         local_port=daemon.getsockname()[1],
         direct=direct,
     )
@@ -199,10 +220,12 @@ def test_one_peer_cannot_keep_every_punch_slot(relay: Relay, monkeypatch: pytest
     async def go() -> None:
         _, writer, port = await _hold(relay, b"ok-b")  # holds a port and never answers
         where = ("127.0.0.1", relay.control_port)
-        waiting = [asyncio.ensure_future(_rendezvous(where, PunchAsk(b"ok-a", port))) for _ in range(4)]
+        waiting = [
+            asyncio.ensure_future(_rendezvous(where, PunchAsk(b"ok-a", port), signer(b"ok-a"))) for _ in range(4)
+        ]
         await asyncio.sleep(0.3)
         with pytest.raises(PunchError, match="too many punches of this peer"):
-            await _rendezvous(where, PunchAsk(b"ok-c", port))  # another asker, the same holder
+            await _rendezvous(where, PunchAsk(b"ok-c", port), signer(b"ok-c"))  # another asker, the same holder
         for outcome in await asyncio.gather(*waiting, return_exceptions=True):
             assert isinstance(outcome, PunchError) and "did not answer" in str(outcome)
         writer.close()

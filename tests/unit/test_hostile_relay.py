@@ -33,6 +33,7 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
+from tests.unit.relay_keys import signer
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Message], Awaitable[None]]
 
@@ -105,6 +106,7 @@ def tunnel_to(relay: HostileRelay, *, answer_punches: bool = False) -> Iterator[
     tunnel = RelayTunnel(
         RelayAddress("127.0.0.1", relay.port),
         token=lambda: b"token",
+        sign=signer(b"token"),
         local_port=daemon.port,
         answer_punches=answer_punches,
     )

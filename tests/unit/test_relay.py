@@ -30,6 +30,7 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
+from tests.unit.relay_keys import key_of, signer
 
 
 def _read(data: bytes) -> object:
@@ -101,7 +102,7 @@ def relay() -> Iterator[Relay]:
     def admit(token: bytes) -> str:
         if not token.startswith(b"ok-"):
             raise ValueError("not a valid access token of this run")
-        return token.decode()
+        return key_of(token)
 
     served = Relay(host="127.0.0.1", control_port=0, ports=range(first, first + 1), admit=admit)
     served.control_port = served.start()
@@ -144,7 +145,9 @@ def _exchange(port: int, payload: bytes) -> bytes:
 
 def test_an_admitted_peer_gets_a_port_whose_connections_reach_it_both_ways(relay: Relay) -> None:
     echo = _Echo()
-    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", local_port=echo.port)
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", sign=signer(b"ok-a"), local_port=echo.port
+    )
     try:
         port = tunnel.open()
         assert port == relay.ports[0]
@@ -159,15 +162,21 @@ def test_an_admitted_peer_gets_a_port_whose_connections_reach_it_both_ways(relay
 
 
 def test_a_peer_without_a_valid_token_gets_no_port_and_is_told_why(relay: Relay) -> None:
-    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"forged", local_port=1)
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"forged", sign=signer(b"forged"), local_port=1
+    )
     with pytest.raises(RelayError, match="refused this peer: not a valid access token"):
         tunnel.open()
     assert relay.stats().peers == 0
 
 
 def test_when_every_port_is_held_the_next_peer_is_refused(relay: Relay) -> None:
-    first = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", local_port=1)
-    second = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-b", local_port=1)
+    first = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", sign=signer(b"ok-a"), local_port=1
+    )
+    second = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-b", sign=signer(b"ok-b"), local_port=1
+    )
     try:
         first.open()
         with pytest.raises(RelayError, match="no free port"):
@@ -197,19 +206,24 @@ def test_a_tunnel_opens_again_with_its_renewed_token_and_keeps_its_port() -> Non
     def admit(token: bytes) -> str:
         if token not in allowed:
             raise ValueError("access token expired")
-        return "the-peer"
+        return key_of(b"the-peer")
 
     first = _free_port()
     relay = Relay(host="127.0.0.1", control_port=0, ports=range(first, first + 1), admit=admit)
     relay.control_port = relay.start()
     echo = _Echo()
-    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-first", local_port=echo.port)
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port),
+        token=lambda: b"ok-first",
+        sign=signer(b"the-peer"),
+        local_port=echo.port,
+    )
     try:
         port = tunnel.open()
         allowed.clear()
         allowed.add(b"ok-renewed")  # the first token expired; the link renewed it
         tunnel.use_token(b"ok-renewed")
-        held = relay._by_peer["the-peer"]
+        held = relay._by_peer[key_of(b"the-peer")]
         old = held.control
         assert old is not None
         relay._loop.call_soon_threadsafe(old.close)  # the control connection drops
@@ -217,7 +231,7 @@ def test_a_tunnel_opens_again_with_its_renewed_token_and_keeps_its_port() -> Non
         while time.monotonic() < deadline and held.control in (None, old):
             time.sleep(0.1)
         assert held.control not in (None, old), "the tunnel did not open its control connection again"
-        assert relay._by_peer.get("the-peer") is held  # the same port, kept across the reconnect
+        assert relay._by_peer.get(key_of(b"the-peer")) is held  # the same port, kept across the reconnect
         assert _exchange(port, b"still here") == b"STILL HERE"
     finally:
         tunnel.close()
@@ -254,7 +268,9 @@ def test_idle_strangers_hold_a_bounded_number_of_the_relays_connections(relay: R
         for conn in held:
             conn.close()
     wait_until(lambda: relay._unopened_total == 0, 10, "the idle connections to end")
-    tunnel = RelayTunnel(RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", local_port=1)
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", sign=signer(b"ok-a"), local_port=1
+    )
     try:
         assert tunnel.open() > 0
     finally:

@@ -28,6 +28,7 @@ from protocol.messages import sign_message
 from protocol.relay_server import Relay, describe_ports, run_token_admission
 from protocol.spec import parse_spec
 from protocol.tokens import issue_token
+from tests.unit.relay_keys import key_of, signer
 
 SPEC = '[run]\nname = "relays"\n'
 Probe = Callable[[object, int], tuple[bool, str, int]]
@@ -140,7 +141,7 @@ def _relay(admit_prefix: bytes, host: str = "127.0.0.1") -> Relay:
     def admit(token: bytes) -> str:
         if not token.startswith(admit_prefix):
             raise ValueError("not a valid access token of this run")
-        return token.decode()
+        return key_of(token)
 
     relay = Relay(host=host, control_port=0, ports=_free_ports(1), admit=admit)
     relay.control_port = relay.start()
@@ -149,13 +150,18 @@ def _relay(admit_prefix: bytes, host: str = "127.0.0.1") -> Relay:
 
 def test_a_peer_asks_the_volunteers_relays_before_the_coordinators() -> None:
     coordinated = Coordinated(
-        address="203.0.113.1:7500", stub=None, relay_port=7800, token=lambda: b"", relays=(("198.51.100.7", 41000),)
+        address="203.0.113.1:7500",
+        stub=None,
+        relay_port=7800,
+        token=lambda: b"",
+        sign=signer(b""),
+        relays=(("198.51.100.7", 41000),),
     )
     assert [(r.host, r.port, r.whose) for r in coordinated.relay_addresses()] == [
         ("198.51.100.7", 41000, "the relay of volunteer 198.51.100.7:41000"),
         ("203.0.113.1", 7800, "the coordinator's relay"),
     ]
-    alone = Coordinated(address="203.0.113.1:7500", stub=None, relay_port=0, token=lambda: b"")
+    alone = Coordinated(address="203.0.113.1:7500", stub=None, relay_port=0, token=lambda: b"", sign=signer(b""))
     assert alone.relay_addresses() == []  # a client, then
 
 
@@ -175,7 +181,7 @@ def test_a_peer_holds_ports_on_the_first_two_relays_that_grant_one_on_different_
         RelayAddress("127.0.0.4", second.control_port, whose="the coordinator's relay"),
     ]
     try:
-        held = open_several(relays, token=lambda: b"ok-peer", local_port=1)
+        held = open_several(relays, token=lambda: b"ok-peer", sign=signer(b"ok-peer"), local_port=1)
         try:
             assert [(relay.whose, tunnel.port) for tunnel, relay in held] == [
                 ("volunteer C", first.ports[0]),
@@ -184,11 +190,11 @@ def test_a_peer_holds_ports_on_the_first_two_relays_that_grant_one_on_different_
         finally:
             for tunnel, _ in held:
                 tunnel.close()
-        only = open_several(relays, token=lambda: b"ok-peer", local_port=1, count=1)
+        only = open_several(relays, token=lambda: b"ok-peer", sign=signer(b"ok-peer"), local_port=1, count=1)
         assert [relay.whose for _, relay in only] == ["volunteer C"]
         only[0][0].close()
         with pytest.raises(RelayError, match="refused this peer") as refused:
-            open_several(relays[:2], token=lambda: b"ok-peer", local_port=1)
+            open_several(relays[:2], token=lambda: b"ok-peer", sign=signer(b"ok-peer"), local_port=1)
         assert f"127.0.0.5:{gone}" in str(refused.value)  # each failure is said
     finally:
         for relay in (refusing, first, same_host, second):
@@ -252,11 +258,12 @@ def test_by_default_a_volunteer_relays_on_free_ports_once_its_control_port_is_re
             f"serving peers nobody can dial on port {offer.control_port}, granting any 8 free ports "
             "(the coordinator reached it)"
         )
+        holder = Identity.generate()
         admitted = issue_token(
-            coordinator, run_digest="sha256:run", peer_key=Identity.generate().public_key, now=time.time(), ttl_s=60
+            coordinator, run_digest="sha256:run", peer_key=holder.public_key, now=time.time(), ttl_s=60
         ).to_bytes()
         ((tunnel, _),) = open_several(
-            [RelayAddress("127.0.0.1", offer.control_port)], token=lambda: admitted, local_port=1
+            [RelayAddress("127.0.0.1", offer.control_port)], token=lambda: admitted, sign=holder.sign, local_port=1
         )
         try:
             assert tunnel.port not in (0, offer.control_port)  # a port the system picked at the grant
