@@ -86,7 +86,7 @@ def create_app(
                     "software_version": row.software_version,
                     "reachable": row.reachable,
                     "network_path": h.network_path if h else "",
-                    "relay": h.relay if h else "",
+                    "relay": bool(h and h.relay),
                     "punched_peers": h.punched_peers if h else 0,
                     "state": h.state.value if h else "offline",
                     "round": h.round if h else None,

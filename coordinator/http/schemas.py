@@ -65,8 +65,9 @@ class PeerRow(BaseModel):
     reachable: bool
     network_path: str = ""
     """direct | announced | relayed | client | "" (not said)."""
-    relay: str = ""
-    """``HOST:PORT`` of the relay it runs for peers nobody can dial ("" none)."""
+    relay: bool = False
+    """Whether it runs a relay for peers nobody can dial. Where is not published: only join
+    answers name relays, to admitted peers (the peers API is open to anyone)."""
     punched_peers: int = Field(default=0, ge=0, description="peers it reaches over a hole-punched connection now")
     state: str = Field(description="online, stale, averaging, ... or offline (not heard from)")
     round: int | None

@@ -204,18 +204,20 @@ def test_a_peer_behind_a_port_mapping_router_is_dialled_directly_through_announc
     assert "holds port" not in (tmp_path / "coordinator.log").read_text()  # nobody needed the relay
 
 
-def _listed_relays(http: str, n: int) -> list[str]:
-    """The relays the coordinator's peers API shows, once ``n`` peers offer one (polled: a peer
-    names its relay when it joins again with its swarm address)."""
+def _relays_listed(http: str, n: int) -> None:
+    """Wait until the coordinator's peers API shows ``n`` peers running a relay (polled: a peer
+    names its relay when it joins again with its swarm address). Where they listen is not
+    shown there: only join answers name relays."""
     end = time.monotonic() + 90
-    relays: list[str] = []
+    peers: list[dict] = []
     while time.monotonic() < end:
         with urllib.request.urlopen(f"{http}api/v1/peers", timeout=10) as response:
-            relays = [p["relay"] for p in json.load(response) if p["relay"]]
-        if len(relays) == n:
-            return relays
+            peers = json.load(response)
+        if sum(1 for p in peers if p["relay"]) == n:
+            assert all(isinstance(p["relay"], bool) for p in peers), peers  # no relay's address
+            return
         time.sleep(0.5)
-    raise AssertionError(f"the coordinator lists {relays}, not {n} relays")
+    raise AssertionError(f"the coordinator shows {sum(1 for p in peers if p['relay'])} relays, not {n}")
 
 
 def _averaged_round(tmp_path: Path, name: str) -> int:
@@ -248,8 +250,8 @@ def test_peers_behind_nat_train_through_a_volunteers_relay_and_go_on_through_ano
             r"relay: serving peers nobody can dial on port (\d+), granting any 8 free ports \(.*\)", line
         )
         assert served is not None, line
-        relay = f"{sim.ip('pub')}:{served.group(1)}"
-        assert _listed_relays(http, 1) == [relay]
+        relay = f"{sim.ip('pub')}:{served.group(1)}"  # named to the peers behind NAT, not in the peers API
+        _relays_listed(http, 1)
         verdict = _reachability(sim, "p1", coordinator)
         assert verdict["data"]["path"] == "relayed" and "1 volunteers' relays" in verdict["detail"], verdict
         peers |= {name: _peer(sim, tmp_path, name, coordinator, "--no-hole-punch") for name in behind}
