@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from peer.swarm import Swarm
     from peer.task import Task
     from protocol.identity import Identity
+    from protocol.membership import MemberGate
     from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
@@ -298,9 +299,10 @@ def run(args: argparse.Namespace) -> int:
     plan = _plan(args, joined, compute, node, node_env)
     path = _network_path(args, joined)
     relay = None
+    gate = _member_gate(joined)
     try:
-        relay = _relay_offer(args, joined, path)
-        swarm = _start_swarm(args, joined, plan, path)
+        relay = _relay_offer(args, joined, path, gate)
+        swarm = _start_swarm(args, joined, plan, path, gate)
     except BaseException:
         path.close()
         if relay is not None:
@@ -504,9 +506,27 @@ def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
     return path
 
 
-def _relay_offer(args: argparse.Namespace, joined: _Joined, path: NetworkPath) -> RelayOffer | None:
+def _member_gate(joined: _Joined) -> MemberGate | None:
+    """Which peers the run's coordinator admitted, from its tokens and revocations in the DHT
+    (``protocol.membership``; refreshed by the swarm); None without a coordinator."""
+    if joined.info is None:
+        return None
+    from protocol.membership import MemberGate
+    from protocol.statesync import run_prefix
+
+    return MemberGate(
+        coordinator_key=joined.info.coordinator_key,
+        run_digest=joined.info.spec_digest,
+        prefix=run_prefix(joined.info.spec_digest),
+    )
+
+
+def _relay_offer(
+    args: argparse.Namespace, joined: _Joined, path: NetworkPath, gate: MemberGate | None
+) -> RelayOffer | None:
     """The relay this peer runs for peers nobody can dial (``peer.relay_service``): only a peer
-    the coordinator dialled back; None without a coordinator."""
+    the coordinator dialled back; None without a coordinator. It refuses the peers ``gate``
+    shows revoked."""
     if joined.client is None or joined.info is None:
         return None
     from peer.relay_service import RelayOffer, offer_relay, relay_ports
@@ -521,27 +541,20 @@ def _relay_offer(args: argparse.Namespace, joined: _Joined, path: NetworkPath) -
         coordinator_key=joined.info.coordinator_key,
         run_digest=joined.info.spec_digest,
         host=args.host or "0.0.0.0",
+        revoked=(lambda: gate.revoked) if gate is not None else frozenset,
     )
 
 
-def _start_swarm(args: argparse.Namespace, joined: _Joined, plan: _Plan, path: NetworkPath) -> Swarm:
+def _start_swarm(
+    args: argparse.Namespace, joined: _Joined, plan: _Plan, path: NetworkPath, gate: MemberGate | None
+) -> Swarm:
     """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
-    average with it (``protocol.membership.MemberGate``). With an announced address, the
+    average with it (``gate``). With an announced address, the
     daemon advertises it instead of the addresses it sees locally, and takes itself as publicly
     reachable (libp2p's AutoNAT would otherwise drop a public address it could not confirm)."""
     from engine.compression import get_codec
     from peer.swarm import Swarm
 
-    gate = None
-    if joined.info is not None:
-        from protocol.membership import MemberGate
-        from protocol.statesync import run_prefix
-
-        gate = MemberGate(
-            coordinator_key=joined.info.coordinator_key,
-            run_digest=joined.info.spec_digest,
-            prefix=run_prefix(joined.info.spec_digest),
-        )
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
     return Swarm(
         joined.spec,

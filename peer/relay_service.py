@@ -92,12 +92,15 @@ def offer_relay(
     run_digest: str,
     host: str = "0.0.0.0",
     probe: Callable[[Any, int], tuple[bool, str, int]] | None = None,
+    revoked: Callable[[], frozenset[str]] = frozenset,
 ) -> RelayOffer:
     """Start this peer's relay on ``ports`` (see ``relay_ports``) if the coordinator behind
     ``stub`` reaches them: the control port must answer (0: a free port the system picks, then
     checked); of the named ports to grant, those it does not reach are left out (0s are not
     checked: a machine reached on a picked port is reached on any). Never raises for the
-    network: a relay that cannot run is an ``off`` offer."""
+    network: a relay that cannot run is an ``off`` offer. ``revoked()``: the peer keys whose
+    admission the coordinator revoked (its signed list in the DHT, ``MemberGate.revoked``):
+    their tokens open nothing here, as at the coordinator's own relay."""
     if ports is None:
         return RelayOffer(None, why_not)
     check = probe or _dialled_back
@@ -118,7 +121,7 @@ def offer_relay(
         host=host,
         control_port=control,
         ports=granted,
-        admit=run_token_admission(coordinator_key=coordinator_key, run_digest=run_digest),
+        admit=run_token_admission(coordinator_key=coordinator_key, run_digest=run_digest, revoked=revoked),
     )
     try:
         relay.start()

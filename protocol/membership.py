@@ -159,6 +159,11 @@ class MemberGate:
             return None
         return token
 
+    @property
+    def revoked(self) -> frozenset[str]:
+        """The peer keys (public ids) of the newest valid revocation list seen."""
+        return self._revoked
+
     def is_member_key(self, peer_key: str, *, now: float) -> bool:
         """Whether some libp2p peer holds a token valid ``now`` for the peer key ``peer_key``
         (a public id) that was not revoked: whether that key's signed records count."""

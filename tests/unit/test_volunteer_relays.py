@@ -271,3 +271,41 @@ def test_by_default_a_volunteer_relays_on_free_ports_once_its_control_port_is_re
             tunnel.close()
     finally:
         offer.close()
+
+
+def test_a_volunteers_relay_refuses_a_peer_the_coordinator_revoked() -> None:
+    """A banned peer's token is valid until it expires (up to 30 days): a volunteer's relay
+    reads the coordinator's revocations (``MemberGate.revoked``) as the coordinator's relay does."""
+    coordinator, banned, kept = Identity.generate(), Identity.generate(), Identity.generate()
+    revoked: frozenset[str] = frozenset()
+
+    def probe(stub: object, port: int) -> tuple[bool, str, int]:
+        picked = _free_ports(1)[0] if port == 0 else port
+        return True, f"reached 127.0.0.1:{picked}", picked
+
+    ports, _ = relay_ports("auto")
+    offer = offer_relay(
+        ports,
+        "",
+        stub=None,
+        coordinator_key=coordinator.public_key,
+        run_digest="sha256:run",
+        host="127.0.0.1",
+        probe=probe,
+        revoked=lambda: revoked,
+    )
+
+    def token_of(peer: Identity) -> bytes:
+        return issue_token(
+            coordinator, run_digest="sha256:run", peer_key=peer.public_key, now=time.time(), ttl_s=60
+        ).to_bytes()
+
+    try:
+        revoked = frozenset({banned.public_key.id})  # the list came in after the relay started
+        relay = [RelayAddress("127.0.0.1", offer.control_port)]
+        with pytest.raises(RelayError, match="revoked"):
+            open_several(relay, token=lambda: token_of(banned), sign=banned.sign, local_port=1)
+        ((tunnel, _),) = open_several(relay, token=lambda: token_of(kept), sign=kept.sign, local_port=1)
+        tunnel.close()
+    finally:
+        offer.close()
