@@ -24,7 +24,10 @@ from protocol.statesync import state_digest
 logger = logging.getLogger(__name__)
 
 STATE_OVERHEAD_BYTES = 1 << 16
-"""Slack over the raw tensor bytes a served state may take (serialization headers)."""
+"""Slack over the raw tensor bytes a served state may take (serialization headers, metadata)."""
+MAX_METADATA_BYTES = 4096
+"""A served state's metadata (its round and digest: tens of bytes), sent once; more is refused
+before it is parsed."""
 
 StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
 
@@ -102,13 +105,22 @@ class StateTransferMixin:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata: Any = None
+        told = False
         tensors: list[torch.Tensor] = []
         parts: list[runtime_pb2.Tensor] = []
         limit, received = 2 * self.numel * 4 + STATE_OVERHEAD_BYTES, 0
         whole, in_parts = self.numel * 4, 0  # bytes of one float32 vector as served (no compression)
         try:
             async for message in stream:
+                received += len(message.metadata)  # counted against the cap too, before anything is parsed
+                if received > limit:
+                    raise MalformedTensorError(f"state larger than {limit} bytes")
                 if message.metadata:
+                    if told or len(message.metadata) > MAX_METADATA_BYTES:
+                        raise MalformedTensorError(
+                            f"state metadata sent twice or larger than {MAX_METADATA_BYTES} bytes"
+                        )
+                    told = True
                     metadata = self.serializer.loads(message.metadata)
                     if isinstance(metadata, dict) and isinstance(metadata.get("error"), str):
                         raise MalformedTensorError(f"it refused: {metadata['error'][:200]}")

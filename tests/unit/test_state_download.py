@@ -86,3 +86,31 @@ def test_a_state_other_than_the_one_asked_for_is_refused_and_the_stream_closed()
     with pytest.raises(MalformedTensorError, match="not the one asked for"):
         asyncio.run(download())
     assert server.closed_by_reader
+
+
+class _MetadataFlood(_HeldServer):
+    """Sends its metadata with every part, each padded to ``pad`` bytes: what the state's cap
+    did not count before (a peer could send any amount that way)."""
+
+    def __init__(self, *args: Any, pad: int) -> None:
+        super().__init__(*args)
+        self.pad = pad
+
+    async def _stream(self) -> AsyncIterator[averaging_pb2.DownloadData]:
+        metadata = MSGPackSerializer.dumps({"round": self.round, "digest": self.digest, "pad": "x" * self.pad})
+        for i, tensor in enumerate(self.tensors):
+            serialized = NoCompression().compress(tensor, CompressionInfo.from_tensor(tensor, key=i))
+            for part in split_for_streaming(serialized):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+
+
+@pytest.mark.parametrize("pad", [10, 100_000], ids=["repeated", "large"])
+def test_metadata_sent_again_or_too_large_is_refused(pad: int) -> None:
+    round_, params, momentum, digest = _state()
+    server = _MetadataFlood(round_, params, momentum, digest, pad=pad)
+
+    async def download() -> tuple[int, torch.Tensor, torch.Tensor]:
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}), 10)  # type: ignore[arg-type]
+
+    with pytest.raises(MalformedTensorError, match="metadata sent twice or larger than"):
+        asyncio.run(download())
