@@ -72,3 +72,14 @@ def test_every_compose_command_is_a_valid_swarmtrain_command() -> None:
     assert checked == {"peer", "coordinator"}
     assert "healthz" in " ".join(compose["services"]["coordinator"]["healthcheck"]["test"])
     assert all(compose["services"][p]["shm_size"] for p in ("peer1", "peer2"))
+
+
+def test_the_composes_monitoring_listens_on_loopback_and_grafanas_admin_needs_a_password() -> None:
+    """Prometheus and Grafana were on every interface with Grafana's admin/admin: now they
+    publish their ports on 127.0.0.1 only, and compose refuses to start Grafana without a
+    password for its admin (no default)."""
+    services = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["ports"] and all(p.startswith("127.0.0.1:") for p in services[name]["ports"]), name
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?"), password  # required, no default
