@@ -215,10 +215,25 @@ class Coordinator:
         )
 
     def _volunteer_relays(self, key: str, now: float) -> list[str]:
-        """Up to ``MAX_RELAYS_LISTED`` volunteers' relays for ``key``, in a random order: the
-        relayed peers spread over them."""
-        relays = self.health.relays(now, exclude=key)
-        return random.sample(relays, min(len(relays), MAX_RELAYS_LISTED))
+        """Up to ``MAX_RELAYS_LISTED`` volunteers' relays for ``key``, in a random order (the
+        relayed peers spread over them), at most one per host and one per account: keys are
+        free to mint, so one party's relays would otherwise fill the list (30 keys from 2 hosts
+        made 150 of 200 answers list only theirs), and a relay sees who it relays."""
+        offers = self.health.relay_offers(now, exclude=key)
+        random.shuffle(offers)
+        hosts: set[str] = set()
+        accounts: set[str] = set()
+        listed: list[str] = []
+        for peer, relay in offers:
+            host, account = relay.rsplit(":", 1)[0], self._account_of(peer)
+            if host in hosts or account in accounts:
+                continue
+            hosts.add(host)
+            accounts.add(account)
+            listed.append(relay)
+            if len(listed) == MAX_RELAYS_LISTED:
+                break
+        return listed
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
         """Safe to call beside every other method (the servicer runs heartbeats outside its

@@ -365,8 +365,13 @@ class HealthTracker:
     def relays(self, now: float, *, exclude: str = "") -> list[str]:
         """The relays (``HOST:PORT``) of the peers online at ``now`` that run one, but
         ``exclude``'s, sorted by peer key."""
+        return [relay for _key, relay in self.relay_offers(now, exclude=exclude)]
+
+    @_locked
+    def relay_offers(self, now: float, *, exclude: str = "") -> list[tuple[str, str]]:
+        """(peer key, ``HOST:PORT``) of each relay ``relays`` returns."""
         _check_time(now)
-        return [p.relay for p in self._sorted() if p.relay and p.key != exclude and self._online(p, now)]
+        return [(p.key, p.relay) for p in self._sorted() if p.relay and p.key != exclude and self._online(p, now)]
 
     @_locked
     def summary(self, now: float) -> SwarmSummary:

@@ -68,6 +68,24 @@ def test_the_relays_of_peers_online_are_listed_to_the_others(core: Coordinator) 
     assert list(_join(core, c, now=later).relays) == ["203.0.113.5:7701"]
 
 
+def test_one_party_with_many_keys_fills_no_join_answer_with_its_relays(core: Coordinator) -> None:
+    """30 keys offering relays from 2 hosts (keys are free to mint) beside 3 honest volunteers
+    on hosts of their own: each of 200 join answers lists at most one relay per host, so the
+    party's relays are at most 2 of the 5 listed (before: 150 of 200 answers listed only
+    theirs)."""
+    now = time.time()
+    for i in range(30):
+        _join(core, Identity.generate(), relay_port=7701 + i, source=f"198.51.100.{i % 2}", now=now)
+    honest = [f"203.0.113.{i}:7701" for i in range(3)]
+    for relay in honest:
+        _join(core, Identity.generate(), relay_port=7701, source=relay.split(":")[0], now=now)
+    for _ in range(200):
+        listed = list(_join(core, Identity.generate(), now=now).relays)
+        theirs = [r for r in listed if r.startswith("198.51.100.")]
+        assert len(theirs) <= 2 and set(honest) <= set(listed), listed
+        assert len({r.rsplit(":", 1)[0] for r in listed}) == len(listed)
+
+
 @pytest.mark.parametrize("port", [65536, 2**32 - 1])
 def test_a_join_with_a_relay_port_that_is_no_port_is_refused_and_changes_nothing(core: Coordinator, port: int) -> None:
     with pytest.raises(MalformedMessageError, match="relay_port"):
