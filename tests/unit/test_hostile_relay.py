@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -139,9 +138,9 @@ def test_a_flood_of_incoming_connections_takes_at_most_the_tunnels_caps(monkeypa
         taken.append(first.conn_id)
 
     with tunnel_to(HostileRelay(flood, take)) as (tunnel, daemon):
-        wait_until(lambda: tunnel.ignored + len(taken) >= 700, 20, what="every Incoming read")
-        wait_until(lambda: len(taken) == 12, 10, what="the splices up to the cap")
-        time.sleep(0.3)  # anything over the cap would be under way by now
+        # every Incoming read, and every take it started done: nothing more can start
+        wait_until(lambda: tunnel.ignored + tunnel.connections >= 700, 20, what="every Incoming read")
+        wait_until(lambda: tunnel._taking == 0 and len(taken) == tunnel.connections, 10, what="the takes to end")
         assert len(taken) == 12 and len(daemon.accepted) == 12
         assert tunnel.ignored == 700 - 12
 
@@ -163,7 +162,7 @@ def test_a_punch_go_naming_another_host_than_its_call_is_refused_before_any_conn
     try:
         with tunnel_to(HostileRelay(call, go), answer_punches=True) as (tunnel, _daemon):
             wait_until(lambda: answers == [7], 10, what="the holder's answer")
-            time.sleep(0.5)
+            wait_until(lambda: tunnel._answering == 0, 10, what="the holder to give the punch up")
             assert tunnel.punched == 0
         assert victim.accepted == []
     finally:
@@ -227,7 +226,8 @@ def test_a_flood_of_punch_calls_is_answered_a_few_at_a_time(monkeypatch: pytest.
         answering.append(first.punch_id)  # and never sends PunchGo
 
     with tunnel_to(HostileRelay(calls, stall), answer_punches=True) as (tunnel, _daemon):
-        wait_until(lambda: tunnel.ignored + len(answering) >= 100, 20, what="every call read")
-        time.sleep(0.3)
-        assert len(answering) == relay_client.MAX_ANSWERING
+        # the answered punches never end (no PunchGo comes), so every other call was ignored
+        wait_until(lambda: tunnel.ignored == 100 - relay_client.MAX_ANSWERING, 20, what="every call read")
+        wait_until(lambda: len(answering) == relay_client.MAX_ANSWERING, 10, what="the answers to reach the relay")
+        assert tunnel._answering == relay_client.MAX_ANSWERING
         assert tunnel.ignored == 100 - relay_client.MAX_ANSWERING
