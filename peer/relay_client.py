@@ -338,10 +338,8 @@ class RelayTunnel:
         if defer:
             logger.debug("relay tunnel: a relayed connection from a punched host waits %.1f s", defer)
             await asyncio.sleep(defer)
-        try:
-            local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
-        except (OSError, TimeoutError) as exc:
-            logger.warning("relay tunnel: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
+        local = await self._to_daemon("relay tunnel")
+        if local is None:
             return None
         try:
             relayed = await asyncio.wait_for(asyncio.open_connection(self.relay.host, self.relay.port), CONNECT_S)
@@ -351,6 +349,15 @@ class RelayTunnel:
             local[1].close()
             return None
         return relayed, local
+
+    async def _to_daemon(self, what: str) -> _Stream | None:
+        """A connection to this peer's own daemon, to splice a relayed or punched one to (None,
+        logged as ``what``'s, when the daemon does not answer)."""
+        try:
+            return await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
+        except (OSError, TimeoutError) as exc:
+            logger.warning("%s: this peer's daemon on port %d did not answer: %s", what, self.local_port, exc)
+            return None
 
     async def _answer(self, call: PunchCall) -> None:
         """A peer that reached this one at the relay asks for a direct connection (``call``,
@@ -386,10 +393,8 @@ class RelayTunnel:
             sock.close()
             logger.info("hole punch asked by %s:%d: %s", call.host, call.port, exc)
             return None
-        try:
-            local = await asyncio.wait_for(asyncio.open_connection(self.local_host, self.local_port), CONNECT_S)
-        except (OSError, TimeoutError) as exc:
-            logger.warning("hole punch: this peer's daemon on port %d did not answer: %s", self.local_port, exc)
+        local = await self._to_daemon("hole punch")
+        if local is None:
             direct[1].close()
             return None
         return direct, local
