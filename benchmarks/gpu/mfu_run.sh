@@ -14,7 +14,7 @@ ROOT=$PWD START=$(date +%s)
 : "${OUT:=/tmp/mfu-out}" "${SPEC:=examples/llama-1b.toml}" "${STEPS:=10}" "${PEAK_TFLOPS:=989}"
 : "${VARIANTS:=1:off:off 1:off:on}" "${BASE_DIR:=}" "${BASE_VARIANTS:=1:off:off}" "${PROFILE:=}"
 : "${SMOKE:=1}" "${SKIP_INSTALL:=0}" "${BUDGET_S:=560}" "${PYTHON:=python3}"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]*' | tr 'H' 'h')
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
 : "${LABEL:=${GPU:-cpu}-$(basename "$SPEC" .toml)}"
 RES=$OUT/res && mkdir -p "$RES"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
