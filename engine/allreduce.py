@@ -46,6 +46,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
+from engine.audit import SentParts
 from engine.compression import Codec
 from engine.robust import Alignment, RobustRule, robust_mean
 from engine.stream_close import until_reader_closes
@@ -171,6 +172,7 @@ class InPlaceOutputs(TensorPartContainer):
             for part, _info in peer_parts:
                 starts.append(offset)
                 offset += part.numel()
+            starts.append(offset)  # the end of its last part
             self._offsets.append(starts)
             self._ranges.append((first, offset))
         self._registered = 0
@@ -191,11 +193,7 @@ class InPlaceOutputs(TensorPartContainer):
         whole range (``reducer_range``) is then missing, the parts that did arrive included."""
         registered = self._outputs_registered_by_peer[peer_index]
         start, end = self._ranges[peer_index]
-        done = (
-            (self._offsets[peer_index][registered] - start)
-            if registered < len(self._offsets[peer_index])
-            else end - start
-        )
+        done = self._offsets[peer_index][registered] - start  # its end once all arrived
         self.failed_size += end - start - done
         self._outputs_registered_by_peer[peer_index] = self.num_parts_by_peer[peer_index]
         if self._registered + self.failed_size >= self.total_size:
@@ -204,6 +202,12 @@ class InPlaceOutputs(TensorPartContainer):
     def reducer_range(self, peer_index: int) -> tuple[int, int]:
         """``[start, end)`` of the vector that reducer ``peer_index`` averages."""
         return self._ranges[peer_index]
+
+    def part_range(self, peer_index: int, part_index: int) -> tuple[int, int]:
+        """``[start, end)`` of reducer ``peer_index``'s part ``part_index`` in the vector."""
+        if not 0 <= part_index < len(self._offsets[peer_index]) - 1:
+            raise IndexError(f"reducer #{peer_index} has no part #{part_index}")
+        return self._offsets[peer_index][part_index], self._offsets[peer_index][part_index + 1]
 
     async def iterate_output_tensors(self) -> AsyncIterator[torch.Tensor]:
         assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
@@ -312,6 +316,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         codec: CodecCompression,
         stale: frozenset[PeerID] = frozenset(),
         robust: RobustRule | None = None,
+        keep_sent: bool = False,
         **kwargs: Any,
     ) -> None:
         numel = sum(t.numel() for t in kwargs["tensors"])
@@ -354,6 +359,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Reducers this peer got no complete, valid set of averaged parts from, with why: their
         ranges are left out of this round (``missing_ranges``)."""
         self.refused_senders: dict[PeerID, str] = {}
+        self.sent: SentParts | None = SentParts() if keep_sent else None
+        """With ``keep_sent``: every part this peer sent a reducer (its own included), as
+        encoded, for the group's auditors (``engine.audit``)."""
         self.bytes_sent = 0
         self.bytes_received = 0
         # sizes of every part in global order (peer 0's parts, then peer 1's, ...)
@@ -392,7 +400,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             named[peer] = f"refused: {reason}"
         return named
 
-    def _dither(self) -> torch.Tensor:
+    def dither(self) -> torch.Tensor:
         """Uniform [0, 1) values for the stochastic rounding of this round's averaged parts:
         drawn once per round (seeded by the group), shared by the parts; each value's rounding
         is unbiased whatever the others'."""
@@ -402,7 +410,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._dither_values = torch.rand(longest, generator=torch.Generator().manual_seed(seed))
         return self._dither_values
 
-    def _expected_numel(self, peer_index: int, part_index: int) -> int:
+    def expected_numel(self, peer_index: int, part_index: int) -> int:
+        """Values in reducer ``peer_index``'s part ``part_index``; ``MalformedTensorError`` if it has none such."""
         parts = self.tensor_part_container.num_parts_by_peer
         if not 0 <= part_index < parts[peer_index]:
             raise MalformedTensorError(f"unexpected part #{part_index} (peer has {parts[peer_index]} parts)")
@@ -416,7 +425,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         future = self._encoded.get(part_index)
         if future is None:
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(None, self.codec.compress_average, averaged, self._dither())
+            future = loop.run_in_executor(None, self.codec.compress_average, averaged, self.dither())
             self._encoded[part_index] = future
         return await _shared_result(future, f"the encoding of part #{part_index}")
 
@@ -446,6 +455,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             # our own contribution goes through the codec too, as everyone else's does
             info = CompressionInfo.from_tensor(raw_part)
             sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
+            if self.sent is not None:
+                self.sent.keep(peer_index, part_index, sent, self.weight)
             part = await loop.run_in_executor(None, self.codec.decode, sent, raw_part.numel())
             weight = 0.0 if self.peer_id in self.stale else self.weight
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
@@ -497,14 +508,18 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _take_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
         """Decode (validating) averaged part ``part_index`` from reducer ``peer_index`` and write it in place."""
-        numel = self._expected_numel(peer_index, part_index)
+        numel = self.expected_numel(peer_index, part_index)
         self.bytes_received += len(serialized.buffer)
         part = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, serialized, numel)
         self.tensor_part_container.register_processed_part(peer_index, part_index, part)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_index = 0
         async for message in super()._generate_input_for_peer(peer_index):
             self.bytes_sent += len(message.tensor_part.buffer)
+            if self.sent is not None:
+                self.sent.keep(peer_index, part_index, message.tensor_part, message.weight)
+            part_index += 1
             yield message
         if not self.should_delay_results(self.peer_id):
             # end the request stream only once every averaged part arrived (see _receive_from_reducer);
@@ -544,7 +559,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             async for msg in stream:
                 try:
-                    numel = self._expected_numel(my_index, part_index)
+                    numel = self.expected_numel(my_index, part_index)
                     self.bytes_received += len(msg.tensor_part.buffer)
                     part = await loop.run_in_executor(None, self.codec.decode, msg.tensor_part, numel)
                     weight = _check_weight(msg.weight)

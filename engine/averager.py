@@ -31,6 +31,7 @@ from engine.allreduce import (
     group_round,
     stale_members,
 )
+from engine.auditing import AuditMixin, AuditOutcome
 from engine.averager_gate import AdmissionGateMixin
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
@@ -55,7 +56,7 @@ if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
-class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverager):
+class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, DecentralizedAverager):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
 
     After a successful ``step`` the vector (``get_tensors()[0]``) holds the weighted
@@ -66,6 +67,9 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
     by its own ``ExactAllReduceRunner``, all at once, with the same group, over their own
     libp2p streams: one stream per sender-reducer pair caps at what one stream's flow-control
     window carries (``benchmarks/wan_averaging.py``, ARCHITECTURE §3 step 7, "Parallel streams").
+
+    With ``audit`` every member audits one reducer per round and leaves one caught lying out
+    (``engine.audit``, ``engine.auditing``).
     """
 
     runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
@@ -80,8 +84,10 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         gate: MemberGate | None = None,
         streams: int = 1,
         robust: RobustRule | None = None,
+        audit: bool = False,
         **kwargs: Any,
     ) -> None:
+        self.audit = audit
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
         self.fragments = fragment_bounds(numel, streams)
@@ -135,10 +141,14 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             )
         (vector,) = tensors
         flat = vector.view(-1)
+        fragment_ids = [fragment_group_id(group_id, index) for index in range(len(self.fragments))]
+        room = self._open_audit_room(group_id, fragment_ids, group_info.peer_ids, stale) if self.audit else None
         runners = [
-            self._fragment_runner(flat[start:end], group_info, fragment_group_id(group_id, index), stale, codec, kwargs)
-            for index, (start, end) in enumerate(self.fragments)
+            self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs)
+            for fragment_id, (start, end) in zip(fragment_ids, self.fragments)
         ]
+        if room is not None:
+            room.runners.extend(runners)
         outcomes = await asyncio.gather(
             *(self._run_fragment(runner, group_info) for runner in runners), return_exceptions=True
         )
@@ -147,6 +157,8 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             logger.warning("round's contribution from %s bounded by this reducer: %s", peer, reason)
         errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if errors:
+            if room is not None:  # the others need not wait for this peer's verdict
+                await self._tell_no_verdict(group_id, room)
             raise errors[0]
         missing = [
             (start + lo, start + hi)
@@ -156,6 +168,8 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
         left_out = sum(hi - lo for lo, hi in missing)
         failed = self._failed_reducers(runners)
         if left_out >= self.numel:
+            if room is not None:
+                await self._tell_no_verdict(group_id, room)
             raise RoundFailedError(f"no averaged part arrived: {failed}")
         for peer, reason in failed.items():
             if peer != str(self.peer_id):
@@ -166,6 +180,14 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
                 sorted(failed),
                 100.0 * left_out / max(1, self.numel),
             )
+        audit = AuditOutcome()
+        if room is not None and runners[0].modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            try:
+                audit = await self._audit_round(group_id, room, [start for start, _ in self.fragments])
+            except Exception:  # an audit that breaks here never fails the round
+                logger.exception("audit of this round failed here; nobody is judged")
+            for peer, reason in audit.caught.items():
+                offences[peer] = f"audit: its average is wrong: {reason}"
         self._stats[group_id] = AllReduceStats(
             bytes_sent=sum(runner.bytes_sent for runner in runners),
             bytes_received=sum(runner.bytes_received for runner in runners),
@@ -175,6 +197,9 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             peer_ids=[str(p) for p in group_info.peer_ids],
             streams=len(runners),
             missing=missing,
+            left_out=sorted(audit.left_out),
+            audit_s=audit.seconds,
+            audit_bytes=audit.bytes_received,
         )
 
     @staticmethod
@@ -214,6 +239,7 @@ class ExactAverager(AdmissionGateMixin, StateTransferMixin, DecentralizedAverage
             codec=codec,
             stale=stale,
             robust=self.robust,
+            keep_sent=self.audit,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

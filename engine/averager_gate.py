@@ -93,16 +93,16 @@ class AdmissionGateMixin:
     def _matchmaking(self, matchmaking: Any) -> None:
         """hivemind creates its Matchmaking inside the averager process: make it the run's
         one-group matchmaking (``engine.matchmaking``), and wrap its requests to leaders so
-        this peer never asks a leader that is not admitted (it would fail the round)."""
+        this peer never asks a leader that is not admitted or that it distrusts (it would fail
+        the round)."""
         matchmaking = round_matchmaking(matchmaking)
-        if self.gate is not None:
-            request_join = matchmaking._request_join_group
+        request_join = matchmaking._request_join_group
 
-            async def request_admitted_leader(leader: PeerID) -> Any:
-                if not await self._admitted(leader):
-                    logger.info("not joining %s's group: it is not admitted to this run", leader)
-                    return None
-                return await request_join(leader)
+        async def request_admitted_leader(leader: PeerID) -> Any:
+            if not await self._admitted(leader):
+                logger.info("not joining %s's group: it is not admitted to this run, or caught lying", leader)
+                return None
+            return await request_join(leader)
 
-            matchmaking._request_join_group = request_admitted_leader
+        matchmaking._request_join_group = request_admitted_leader
         self.__dict__["_gated_matchmaking"] = matchmaking

@@ -29,6 +29,13 @@ class AllReduceStats:
     """All-reduce runners (fragments) the group averaged over."""
     missing: list[tuple[int, int]] = field(default_factory=list)
     """``[start, end)`` ranges of the vector that hold no average (their reducer failed)."""
+    left_out: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` ranges of reducers this peer's audits caught returning a wrong average
+    (``engine.audit``): they land as if their reducer had failed, and the round still lands."""
+    audit_s: float = 0.0
+    """Seconds of this peer's audits after the all-reduce (``engine.auditing``)."""
+    audit_bytes: int = 0
+    """Bytes this peer's audits fetched from other members."""
 
 
 @dataclass(frozen=True)

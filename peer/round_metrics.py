@@ -70,6 +70,13 @@ class RoundMetrics:
     unaveraged: float = 0.0
     """Fraction of the state the group could not average this round (a member's reducer
     failed): this peer's work there carries into the next round."""
+    left_out: float = 0.0
+    """Fraction of the state left out of a round that landed: the ranges of reducers this
+    peer's audits caught returning a wrong average (``engine.audit``)."""
+    audit_s: float = 0.0
+    """Seconds this peer's audits took after the all-reduce (in ``allreduce_s``)."""
+    audit_bytes: int = 0
+    """Bytes this peer's audits fetched from other members (not in ``bytes_received``)."""
 
     lr: float = 0.0
     """The inner learning rate of the round's last step (``peer.schedule``)."""

@@ -144,6 +144,9 @@ class PendingRound:
             round_s=waited,
             offenders=offenders_by_id(stats.offences, gathered),
             missing=list(stats.missing),
+            left_out=list(stats.left_out),
+            audit_s=stats.audit_s,
+            audit_bytes=stats.audit_bytes,
             led=outcome.led,
         )
 
@@ -210,6 +213,7 @@ class Swarm:
             gate=gate,
             streams=averaging.streams,
             robust=RobustRule.for_spec(averaging),
+            audit=averaging.audit,
         )
         self.run_records = RunRecords(self.dht, self.averager.prefix)
 

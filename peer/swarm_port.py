@@ -54,6 +54,12 @@ class RoundResult:
     """``[start, end)`` ranges of ``averaged`` that hold no average: their reducer failed, or
     all of it when this peer's own all-reduce failed. This peer does not land such a round
     (``Trainer._the_rounds_state``); its group's other members may."""
+    left_out: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` ranges of reducers this peer's audits caught returning a wrong average
+    (``engine.audit``): the round lands with them left out, as a failed reducer's range is in
+    ``missing`` (every member that caught the liar leaves out the same ranges)."""
+    audit_s: float = 0.0
+    audit_bytes: int = 0
     led: dict[str, float] | None = None
     """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
     event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""
@@ -61,6 +67,10 @@ class RoundResult:
     def unaveraged(self) -> float:
         """Fraction of the vector left out of this round (``missing``)."""
         return sum(hi - lo for lo, hi in self.missing) / max(1, self.averaged.numel())
+
+    def left_out_share(self) -> float:
+        """Fraction of the vector this landed round leaves out (``left_out``)."""
+        return sum(hi - lo for lo, hi in self.left_out) / max(1, self.averaged.numel())
 
     def started_in_sync(self, round_: int, digest: str) -> bool:
         """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed

@@ -768,6 +768,9 @@ class Trainer:
             members=result.members if result else [],
             offenders=result.offenders if result else {},
             unaveraged=round(result.unaveraged(), 6) if result else 0.0,
+            left_out=round(result.left_out_share(), 6) if result else 0.0,
+            audit_s=round(result.audit_s, 4) if result else 0.0,
+            audit_bytes=result.audit_bytes if result else 0,
             params=self.state.params.numel(),
             allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(self.timeouts.matchmaking_s, 2),
@@ -909,7 +912,9 @@ class Trainer:
             if self.options.host_thread and keep_progress and self._launch_point is not None and not self.ranks.sharded:
                 flight.counted = counted
                 feedback = self.feedback if flight.compensated and counted else None
-                return self._landing_thread().submit(self._land_global, result.averaged, outer, feedback, flight.eager)
+                return self._landing_thread().submit(
+                    self._land_global, result.averaged, outer, feedback, flight.eager, result.left_out
+                )
             with self._state_lock:
                 land_round(
                     self.model,
@@ -922,6 +927,7 @@ class Trainer:
                     staging=self._staging,
                     eager=flight.eager,
                     codec=self.codec.at_round(self.state.round),
+                    missing=result.left_out,
                 )
                 if self._carry_over is not None and counted:  # held out of this round: back in
                     load_flat(self.model, torch.add(flatten(self.model), self._carry_over))
@@ -949,7 +955,12 @@ class Trainer:
         return self._lander
 
     def _land_global(
-        self, averaged: torch.Tensor, outer: OuterSection, feedback: ErrorFeedback | None, eager: bool
+        self,
+        averaged: torch.Tensor,
+        outer: OuterSection,
+        feedback: ErrorFeedback | None,
+        eager: bool,
+        left_out: list[tuple[int, int]],
     ) -> float:
         """The landing's host half (``peer.host_passes.land_global``), on the landing thread: the
         model is not touched, the launch point becomes the re-base shift. Its seconds."""
@@ -964,6 +975,7 @@ class Trainer:
                 launch_point=self._launch_point,
                 eager=eager,
                 codec=self.codec.at_round(self.state.round),
+                missing=left_out,
             )
         if self._mirror is not None:  # (never made for an eager start: ``_launch``)
             self._mirror.upload_shift(self._launch_point)

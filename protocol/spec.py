@@ -295,6 +295,11 @@ class AveragingSection(_Section):
     caps at what its flow-control window carries."""
     robust: bool = True
     """Robust averaging (``engine.robust``, the keys below); false: the plain weighted mean."""
+    audit: bool = True
+    """Every member re-computes one part of one reducer's average per round from the senders'
+    own copies and leaves a reducer caught returning a wrong average out of the round and of its
+    groups (``engine.audit``). Costs each member up to ``n - 1`` parts fetched per round and
+    holding what it sent until its next round; false: reducers are trusted."""
     clip: Annotated[float, Field(ge=0, le=1e6)] = 2.0
     """Robust averaging (``engine.robust``): each member's part of the pseudo-gradient is
     scaled down to at most this many times the median member's norm (0: off; else >= 1).

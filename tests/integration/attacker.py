@@ -6,7 +6,9 @@ what it sends to the swarm (issue #14's attacks).
 ATTACK is one of ``ATTACKS``: ``x100`` (its pseudo-gradient scaled by 100), ``sign-flip`` (negated),
 ``garbage`` (random values, finite, a thousand times a typical norm), ``samples`` (averaging
 weight and gathered sample count of 1e15, a self-reported sample count nobody can check inside
-the all-reduce).
+the all-reduce), ``lying-reducer`` (it sends honestly, but as a reducer returns its average
+shifted by a tenth of a typical value's size, the same bytes to every member: their states
+agree, robust averaging never sees it; ARCHITECTURE "Known gaps" had it undetected).
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ import dataclasses
 import sys
 from typing import Any
 
-ATTACKS = ("x100", "sign-flip", "garbage", "samples")
+ATTACKS = ("x100", "sign-flip", "garbage", "samples", "lying-reducer")
+SHIFT = 0.1
 HUGE = 10**15
 
 
 def install(attack: str) -> None:
-    """Patch this process's ``Swarm.start_round`` to carry out ``attack`` on every round."""
+    """Patch this process's ``Swarm.start_round`` (or, for ``lying-reducer``, the reducer's one
+    encoding of each averaged part, in the averager process it forks) to carry out ``attack``
+    on every round."""
+    if attack == "lying-reducer":
+        _lie_as_reducer()
+        return
     from peer.swarm import Swarm
     from protocol.gathered import Gathered
 
@@ -41,6 +49,20 @@ def install(attack: str) -> None:
         return original(self, weight=weight, gather=gather, timeout=timeout, window=window)
 
     Swarm.start_round = start_round  # type: ignore[method-assign]
+
+
+def _lie_as_reducer() -> None:
+    import torch
+
+    from engine.allreduce import CodecCompression
+
+    honest = CodecCompression.compress_average
+
+    def compress_average(self: CodecCompression, tensor: torch.Tensor, dither: torch.Tensor) -> Any:
+        typical = float(tensor.abs().mean())
+        return honest(self, tensor + SHIFT * typical, dither)
+
+    CodecCompression.compress_average = compress_average  # type: ignore[method-assign]
 
 
 def main() -> int:

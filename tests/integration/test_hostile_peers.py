@@ -61,12 +61,14 @@ max_samples_per_second = 100000.0
 """
 
 
-def swarm_run(workdir: Path, attack: str | None) -> dict[str, Any]:
+def swarm_run(workdir: Path, attack: str | None, spec_text: str = SPEC) -> dict[str, Any]:
     """Run 4 peers (peer 3 the attacker, if any) for ``ROUNDS`` rounds through a coordinator;
-    return each peer's round rows and node id and the coordinator's decided claims."""
+    return each peer's round rows and node id and the coordinator's decided claims. A lying
+    reducer, left out of every group once caught, may still be looking for one when the honest
+    peers end: it is not waited for."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
-    spec.write_text(SPEC)
+    spec.write_text(spec_text)
     url = sqlite_url(workdir / "state")
     coordinator = LocalCoordinator(spec, workdir / "state", db_url=url, extra=["--archive-every", "0"])
     peers: list[LocalPeer] = []
@@ -83,7 +85,8 @@ def swarm_run(workdir: Path, attack: str | None) -> dict[str, Any]:
             checkpoints=True,
         )
         ids = [peer.node_id() for peer in peers]
-        for peer, code in zip(peers, wait_all(peers, 240)):
+        waited = peers[:ATTACKER] if attack == "lying-reducer" else peers
+        for peer, code in zip(waited, wait_all(waited, 240)):
             assert code == 0, "\n".join(peer.lines[-30:])
         store = Store(url)
         try:
@@ -169,3 +172,44 @@ def test_one_attacker_of_four_is_bounded_named_and_denied(
     for key, claims in by_key.items():
         if key != attacker_id:
             assert all(c["status"] == "granted" for c in claims), json.dumps(claims, indent=1)
+
+
+def test_a_lying_reducer_is_caught_named_denied_and_left_out(
+    tmp_path: Path, clean: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attacker sends honestly but returns, as a reducer, its average shifted (the same
+    bytes to everyone: the members' digests agree, and robust averaging only bounds what
+    senders send). Every round each member audits one reducer (``engine.audit``: the
+    attacker's auditor is always honest here) on a part it alone picks, so the attacker is
+    caught in the first round it reduces: all three honest peers name it (the auditor, and the
+    two who re-checked the accusation), leave its range out of that round, and never group
+    with it again (groups of 3 may form: ``min_group_size = 3``). Its claims are denied; the
+    honest peers' loss stays within 2% of the clean run's (whose every round, like this run's
+    first, was a group of 4, so the smaller minimum changes nothing there)."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    assert all(row["group_size"] == PEERS for rows in clean["rounds"] for row in rows[1:]), clean["rounds"]
+    run = swarm_run(tmp_path, "lying-reducer", SPEC.replace("min_group_size = 4", "min_group_size = 3"))
+    honest = range(ATTACKER)
+    liar = run["ids"][ATTACKER]
+    for i in honest:
+        rows = run["rounds"][i]
+        assert len(rows) == ROUNDS and all(row["averaged"] for row in rows), rows
+        with_liar = [row for row in rows if liar in {m["id"] for m in row["members"]}]
+        # caught in the first round it reduced with them, and never grouped with again
+        assert len(with_liar) == 1 and with_liar[0]["round"] == 1, [(r["round"], r["group_size"]) for r in rows]
+        named = with_liar[0]["offenders"]
+        assert set(named) == {liar} and named[liar].startswith("audit: its average is wrong"), named
+        assert 0 < with_liar[0]["left_out"] <= 0.5, with_liar[0]
+        assert all(not row["offenders"] and row["left_out"] == 0 for row in rows if row is not with_liar[0]), rows
+        print(f"peer {i}: audit s/bytes per round {[(row['audit_s'], row['audit_bytes']) for row in rows]}")
+    for round_ in range(1, ROUNDS + 1):
+        digests = {row["state_digest"] for i in honest for row in run["rounds"][i] if row["round"] == round_}
+        assert len(digests) == 1, (round_, digests)
+    denied = [claim for claim in run["claims"] if claim["key"] == liar]
+    assert denied and all(claim["status"] == "denied" for claim in denied), denied
+    assert all(c["status"] == "granted" for c in run["claims"] if c["key"] != liar), run["claims"]
+    print(f"eval loss: lying-reducer {run['eval_loss']:.4f}, clean {clean['eval_loss']:.4f}")
+    assert abs(run["eval_loss"] - clean["eval_loss"]) <= 0.02 * clean["eval_loss"], (
+        run["eval_loss"],
+        clean["eval_loss"],
+    )

@@ -1,0 +1,148 @@
+"""Auditing reducers: a member re-computes one part of another member's reduction from the
+senders' own copies and compares it with the bytes that reducer returned to everyone.
+
+Robust averaging (``engine.robust``) bounds what a *sender* can do, but a *reducer* is trusted
+with its range: one that returns a well-formed but wrong average (the same bytes to every
+member, so their digests agree) moves the whole swarm, and nobody would notice. Every
+reduction here is a pure function of what the reducer received (the senders' encoded parts
+and weights, in sender order), the run's robust rule and the round's dither, so anyone holding
+those inputs can redo it (BTARD, arXiv 2106.11257, checks its aggregators this way):
+
+- **Who audits whom** (``auditee``): every member audits one reducer per round, a rotation of
+  the reducers by the group id, so that each reducer is audited by one member when every member
+  reduces (nobody audits itself).
+- **What**: one part of that reducer's range, in one fragment, chosen by the auditor alone
+  (``secrets``) before the round: a reducer cannot tell which of its parts will be checked, so
+  one that falsifies a share ``f`` of its parts is caught with probability ``f`` per round, and
+  one that shifts its whole average at once.
+- **With what**: every sender keeps the encoded parts it sent until its next round begins
+  (``SentParts``) and serves them to the group's members (``engine.auditing``); the auditor
+  decodes them, takes the robust mean as the reducer must have, encodes it with the round's
+  dither and compares the decoded results (``judge``). An honest reducer's result is the same
+  bit for bit on the same build; across CPUs a summation order can flip the rounding of a few
+  values, never many (``MAX_FLIPPED_SHARE``), and never move the part far
+  (``MAX_DISTANCE``). A reducer may legitimately have dropped one sender (a broken stream, a
+  part it refused): a result that matches the inputs less one sender is honest too.
+
+What it costs per member and round: the auditor fetches one part from each other sender (at
+most ``PART_SIZE_BYTES`` each, ``(n - 1)`` parts), and re-computes one part; a sender keeps
+what it sent (the encoded vector less its own range) until its next round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.robust import RobustRule, robust_mean
+
+__all__ = [
+    "MAX_DISTANCE",
+    "MAX_FLIPPED_SHARE",
+    "AuditTarget",
+    "SentParts",
+    "auditee",
+    "choose_target",
+    "judge",
+    "reduce_like_a_reducer",
+]
+
+MAX_FLIPPED_SHARE = 1e-3
+"""An honest reducer's encoded result may differ from a re-computation on another CPU in at most
+this share of its values (a rounding flipped by a summation order; at least ``MIN_FLIPS``)."""
+MIN_FLIPS = 16
+MAX_DISTANCE = 0.05
+"""...and by at most this much in L2 distance, relative to the re-computed part's norm."""
+
+
+def _seed(group_id: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(bytes(group_id), digest_size=8, person=b"audit").digest(), "big")
+
+
+def auditee(group_id: bytes, member: int, reducers: Sequence[int]) -> int | None:
+    """The reducer (member index) that ``member`` audits in the group ``group_id``: reducers
+    rotated by a non-zero shift the group id picks, so that with every member a reducer each
+    reducer has exactly one auditor and nobody audits itself. A member that reduces nothing (a
+    client) audits a reducer picked by its index. None if there is no other reducer."""
+    order = sorted(set(reducers))
+    others = [index for index in order if index != member]
+    if not others:
+        return None
+    shift = _seed(group_id)
+    if member not in order:
+        return order[(shift + member) % len(order)]
+    position = order.index(member)
+    return order[(position + 1 + shift % (len(order) - 1)) % len(order)]
+
+
+@dataclass(frozen=True)
+class AuditTarget:
+    """One part of one reducer's range in one fragment."""
+
+    fragment: int
+    reducer: int
+    part: int
+
+
+def choose_target(reducer: int, parts_by_fragment: Sequence[int]) -> AuditTarget | None:
+    """A part of ``reducer``'s range, in a fragment where it has any, chosen with this process's
+    own randomness (nobody else can predict it). ``parts_by_fragment[k]``: how many parts the
+    reducer reduces in fragment ``k``. None if it reduces nothing."""
+    candidates = [(fragment, part) for fragment, count in enumerate(parts_by_fragment) for part in range(count)]
+    if not candidates:
+        return None
+    fragment, part = candidates[secrets.randbelow(len(candidates))]
+    return AuditTarget(fragment, reducer, part)
+
+
+@dataclass
+class SentParts:
+    """What this member sent each reducer in one fragment's all-reduce: encoded parts (the
+    message's bytes as sent) and the weight that went with them, by (reducer, part)."""
+
+    parts: dict[tuple[int, int], tuple[object, float]] = field(default_factory=dict)
+
+    def keep(self, reducer: int, part: int, encoded: object, weight: float) -> None:
+        self.parts[(reducer, part)] = (encoded, weight)
+
+    def get(self, reducer: int, part: int) -> tuple[object, float] | None:
+        return self.parts.get((reducer, part))
+
+
+def reduce_like_a_reducer(
+    parts: Sequence[torch.Tensor | None], weights: Sequence[float], rule: RobustRule, leave_out: int | None = None
+) -> torch.Tensor | None:
+    """The mean a reducer following ``rule`` takes of ``parts`` (decoded, in sender order; None:
+    a part it could not have used), less sender ``leave_out``. None if no part is left."""
+    kept = [
+        (part, weight) for i, (part, weight) in enumerate(zip(parts, weights)) if part is not None and i != leave_out
+    ]
+    if not kept:
+        return None
+    return robust_mean([part for part, _ in kept], [weight for _, weight in kept], rule).mean
+
+
+def judge(returned: torch.Tensor, expected: torch.Tensor) -> str:
+    """Why the reducer's ``returned`` part (decoded) is not the re-computed ``expected`` one
+    (decoded from the same codec with the same dither); "" if it is, within a few flipped
+    roundings."""
+    if returned.shape != expected.shape:
+        return f"its part has {returned.numel()} values, the re-computation {expected.numel()}"
+    difference = returned.float() - expected.float()
+    if not bool(torch.isfinite(difference).all()):
+        return "its part holds values the re-computation does not (non-finite)"
+    flipped = int(torch.count_nonzero(difference))
+    scale = float(torch.linalg.vector_norm(expected.float()))
+    distance = float(torch.linalg.vector_norm(difference))
+    allowed = max(MIN_FLIPS, math.floor(MAX_FLIPPED_SHARE * expected.numel()))
+    if flipped <= allowed and distance <= MAX_DISTANCE * scale:
+        return ""
+    relative = distance / scale if scale > 0 else math.inf
+    return (
+        f"{flipped} of {expected.numel()} values differ from the re-computation (relative L2 distance {relative:.3g})"
+    )
