@@ -141,7 +141,12 @@ def run(args: argparse.Namespace) -> int:
         else "off (--relay-ports none): peers nobody can dial average as clients"
     )
     print(f"relay: {relay}", flush=True)
-    print(f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port}", flush=True)
+    print(f"key: {server.core.identity.public_key.id}", flush=True)
+    print(
+        f"peers join with: swarmtrain peer --coordinator {host}:{server.grpc_port} "
+        f"--coordinator-key {server.core.identity.public_key.id}",
+        flush=True,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

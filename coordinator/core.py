@@ -43,7 +43,7 @@ from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import AdmissionError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
-from protocol.messages import MessageVerifier, SignedMessage
+from protocol.messages import MessageVerifier, SignedMessage, sign_message
 from protocol.modelsize import task_flops_per_sample
 from protocol.relay_server import MAX_RELAYS_LISTED, RelayStats
 from protocol.spec import RunSpec
@@ -199,7 +199,7 @@ class Coordinator:
         )
         latest = self.store.rounds(limit=1)
         logger.info("admitted %s (account %s)", key, admitted.account.id)
-        return pb.JoinResponse(
+        response = pb.JoinResponse(
             spec_toml=self.spec_toml,
             spec_digest=self.digest,
             access_token=token.to_bytes(),
@@ -213,6 +213,12 @@ class Coordinator:
             relay_port=self.relay_port,
             relays=self._volunteer_relays(key, now),
         )
+        # signed and bound to this request: an on-path attacker can swap neither the spec nor
+        # the bootstrap peers nor the relays of a peer that pinned this coordinator's key
+        answer = pb.JoinAnswerBody(answer=response, request_nonce=envelope.nonce)
+        signed = sign_message(self.identity, kinds.JOIN_ANSWER, answer.SerializeToString(), now=now)
+        response.signed_answer.CopyFrom(signed.to_proto())
+        return response
 
     def _volunteer_relays(self, key: str, now: float) -> list[str]:
         """Up to ``MAX_RELAYS_LISTED`` volunteers' relays for ``key``, in a random order (the

@@ -23,7 +23,8 @@ from peer.announce import parse_host_port
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
 from peer.round_metrics import RoundMetrics
-from protocol.errors import AdmissionError, ConfigError
+from protocol.errors import AdmissionError, ConfigError, IdentityError
+from protocol.identity import PublicKey
 
 if TYPE_CHECKING:
     from peer.coordinator_client import CoordinatorClient, CoordinatorLink, JoinInfo
@@ -53,6 +54,12 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--spec", type=Path, help="run spec (TOML)")
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="join through a coordinator (issue #4)")
+    parser.add_argument(
+        "--coordinator-key",
+        metavar="ID",
+        help="the coordinator's public id (it prints it at start): its join answers must be signed with it "
+        "(default: the key first met at HOST:PORT, pinned in --checkpoint-dir)",
+    )
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of running peers")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
@@ -372,23 +379,41 @@ def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None
         return _Joined(load_spec(args.spec), args.data_slot)
     from peer.bootstrap import bootstrap_for
     from peer.coordinator_client import CoordinatorClient
+    from peer.coordinator_pin import PinnedKeys
     from protocol.version import __version__
 
+    pins = PinnedKeys(args.checkpoint_dir)
     client = CoordinatorClient(
         args.coordinator,
         node.node,
         software_version=__version__,
         endorsement=node.endorsement,
         local_ranks=node_env.world_size if node_env is not None else 1,
+        coordinator_key=_coordinator_key(args.coordinator_key) or pins.expected(args.coordinator),
     )
     local_digest = load_spec(args.spec).digest() if args.spec else ""
     info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
+    pins.remember(args.coordinator, info.coordinator_key)
     spec = parse_spec(info.spec_toml, source=f"spec from {args.coordinator}")
     if spec.digest() != info.spec_digest:
         raise ConfigError(f"the coordinator's spec does not match the digest it announced ({info.spec_digest})")
+    if local_digest and info.spec_digest != local_digest:
+        raise ConfigError(
+            f"the coordinator at {args.coordinator} runs {info.spec_digest}, not the --spec given ({local_digest}); "
+            "drop --spec to take the coordinator's, or check the address"
+        )
     # the coordinator's DHT addresses on the host we reached it on (see peer.bootstrap)
     args.initial_peers = bootstrap_for(info.bootstrap_maddrs, args.coordinator) + list(args.initial_peers)
     return _Joined(spec, info.data_slot, client, info)
+
+
+def _coordinator_key(given: str | None) -> PublicKey | None:
+    if not given:
+        return None
+    try:
+        return PublicKey.from_id(given)
+    except IdentityError as exc:
+        raise ConfigError(f"--coordinator-key: {exc}") from exc
 
 
 def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from peer.coordinator_pin import verified_answer
 from peer.progress import Credit
 from peer.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
@@ -116,14 +117,18 @@ class CoordinatorClient:
         software_version: str,
         endorsement: SignedMessage | None = None,
         local_ranks: int = 1,
+        coordinator_key: PublicKey | None = None,
     ) -> None:
         """``identity`` signs every request; ``endorsement`` (the account's signature over its
-        public key, see ``peer.node_identity``) names the account it earns for."""
+        public key, see ``peer.node_identity``) names the account it earns for;
+        ``coordinator_key``: the key its join answers must be signed with
+        (``peer.coordinator_pin``; None: the first answer's signer, kept for later joins)."""
         if ":" not in address:
             raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
         self.address, self.identity, self.software_version = address, identity, software_version
         self.endorsement = endorsement
         self.local_ranks = local_ranks
+        self.coordinator_key = coordinator_key
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
@@ -160,13 +165,18 @@ class CoordinatorClient:
         )
         if self.endorsement is not None:
             body.account_endorsement.CopyFrom(self.endorsement.to_proto())
-        response = self._call(self.stub.Join, pb.JoinRequest(signed=self._sign(kinds.JOIN, body)))
+        request = self._sign(kinds.JOIN, body)
+        signed = self._call(self.stub.Join, pb.JoinRequest(signed=request))
+        response, signer = verified_answer(
+            signed, request_nonce=request.nonce, address=self.address, expected=self.coordinator_key
+        )
+        self.coordinator_key = signer  # a re-join must be answered by the same coordinator
         return JoinInfo(
             spec_toml=response.spec_toml,
             spec_digest=response.spec_digest,
             access_token=response.access_token,
             bootstrap_maddrs=list(response.bootstrap_maddrs),
-            coordinator_key=PublicKey(bytes(response.coordinator_public_key)),
+            coordinator_key=signer,
             heartbeat_interval_s=response.heartbeat_interval_s or 5.0,
             current_round=response.current_round,
             relay_port=response.relay_port,

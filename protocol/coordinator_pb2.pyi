@@ -125,7 +125,7 @@ class JoinRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port", "relays")
+    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port", "relays", "signed_answer")
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class JoinResponse(_message.Message):
     DATA_SLOT_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_ANSWER_FIELD_NUMBER: _ClassVar[int]
     spec_toml: str
     spec_digest: str
     access_token: bytes
@@ -150,7 +151,16 @@ class JoinResponse(_message.Message):
     data_slot: int
     relay_port: int
     relays: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ...) -> None: ...
+    signed_answer: SignedEnvelope
+    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., signed_answer: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+
+class JoinAnswerBody(_message.Message):
+    __slots__ = ("answer", "request_nonce")
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_NONCE_FIELD_NUMBER: _ClassVar[int]
+    answer: JoinResponse
+    request_nonce: bytes
+    def __init__(self, answer: _Optional[_Union[JoinResponse, _Mapping]] = ..., request_nonce: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatBody(_message.Message):
     __slots__ = ("round", "phase", "samples_per_second", "samples_total", "loss", "state_digest", "rounds_failed", "punched_peers")
