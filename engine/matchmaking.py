@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.proto import averaging_pb2
@@ -79,8 +80,12 @@ def equal_shares(gathered: Sequence[bytes]) -> tuple[bytes, ...]:
     vector. The bandwidth is what a member says about itself; hivemind's load balancing took it
     unchecked, so NaN failed the group's round in every member (an assertion) and infinity
     handed the liar 80% of the vector to reduce. Honest peers send None (the run sets no
-    bandwidth), so their rounds are unchanged. Bytes that do not parse are left as they are
-    (hivemind refuses the group)."""
+    bandwidth), so their rounds are unchanged. The mode is a claim too: a client (it cannot be
+    dialled) stays one, anything else is a full member (no swarmtrain peer is hivemind's
+    auxiliary, which reduces without sending: one that claims it is then a sender that sent
+    nothing, and a reducer that cannot serve its own part to an audit; a mode hivemind cannot
+    read failed the group's round in every member). Bytes that do not parse are left as they
+    are (hivemind refuses the group)."""
     shares = []
     for data in gathered:
         try:
@@ -88,6 +93,7 @@ def equal_shares(gathered: Sequence[bytes]) -> tuple[bytes, ...]:
         except Exception:  # noqa: BLE001 - a malformed member's bytes: hivemind's own check refuses them
             shares.append(data)
             continue
+        mode = AveragingMode.CLIENT.value if mode == AveragingMode.CLIENT.value else AveragingMode.NODE.value
         shares.append(MSGPackSerializer.dumps([None, mode, user]))
     return tuple(shares)
 

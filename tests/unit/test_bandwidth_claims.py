@@ -50,3 +50,27 @@ def test_the_members_own_statements_are_kept_and_malformed_bytes_left_to_hivemin
     shared = equal_shares((_gather(math.inf), b"\xc1not msgpack"))
     assert MSGPackSerializer.loads(shared[0]) == [None, AveragingMode.NODE.value, MSGPackSerializer.dumps({"round": 3})]
     assert shared[1] == b"\xc1not msgpack"
+
+
+@pytest.mark.parametrize(
+    "claim", [AveragingMode.AUX.value, 7, -1, "aux", None, [2]], ids=["aux", "7", "-1", "str", "none", "list"]
+)
+def test_a_members_mode_claim_is_a_client_or_a_full_member(claim: object) -> None:
+    """hivemind reads the mode each member gathered: 7 failed the round in every member
+    (``AveragingMode(7)``), and an auxiliary reduces without sending. No swarmtrain peer is an
+    auxiliary: anything but a client counts as a full member (one that sends nothing is then
+    left out of the parts it did not send, and caught by the audit of its own part)."""
+    lying = (MSGPackSerializer.dumps([None, claim, MSGPackSerializer.dumps({"round": 3})]), *HONEST[1:])
+    if claim == AveragingMode.AUX.value:  # what hivemind alone would do with it: an auxiliary, or fail
+        assert AveragingMode(MSGPackSerializer.loads(lying[0])[1]) == AveragingMode.AUX
+    else:
+        with pytest.raises((ValueError, TypeError)):
+            AveragingMode(MSGPackSerializer.loads(lying[0])[1])
+    shared = equal_shares(lying)
+    assert [AveragingMode(MSGPackSerializer.loads(data)[1]) for data in shared] == [
+        AveragingMode.NODE,
+        AveragingMode.NODE,
+        AveragingMode.NODE,
+        AveragingMode.CLIENT,
+    ]
+    assert _fractions(shared) == _fractions(HONEST)
