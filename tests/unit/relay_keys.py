@@ -1,12 +1,16 @@
-"""Keys for the relay tests' stand-in tokens: the relay wants proof of the key a token names
-(``protocol.relay_wire.Challenge``), so each stand-in token (``b"ok-a"``, ...) names a key of its
-own, generated once per test session."""
+"""What the relay tests share: keys for their stand-in tokens (the relay wants proof of the key a
+token names, ``protocol.relay_wire.Challenge``, so each stand-in token ``b"ok-a"``, ... names a
+key of its own, generated once per test session), free loopback ports and a relay that admits
+stand-in tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from protocol.identity import Identity
+from protocol.relay_server import Relay
 
 _KEYS: dict[bytes, Identity] = {}
 
@@ -26,3 +30,33 @@ def key_of(token: bytes) -> str:
 def signer(token: bytes) -> Callable[[bytes], bytes]:
     """Signs with the key ``token`` names (what the peer holding it proves the relay)."""
     return identity(token).sign
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports on loopback that were free a moment ago (held together, so distinct)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def admit_stand_in(token: bytes) -> str:
+    """A test relay's admission: stand-in tokens ``b"ok-..."`` admit the key they name."""
+    if not token.startswith(b"ok-"):
+        raise ValueError("not a valid access token of this run")
+    return key_of(token)
+
+
+@contextmanager
+def stand_in_relay(ports: Sequence[int]) -> Iterator[Relay]:
+    """A relay on loopback granting ``ports``, admitting stand-in tokens; stopped on exit."""
+    served = Relay(host="127.0.0.1", control_port=0, ports=ports, admit=admit_stand_in)
+    served.control_port = served.start()
+    try:
+        yield served
+    finally:
+        served.stop()

@@ -34,26 +34,13 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import key_of, signer
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.unit.relay_keys import free_ports, signer, stand_in_relay
 
 
 @pytest.fixture
 def relay() -> Iterator[Relay]:
-    def admit(token: bytes) -> str:
-        if not token.startswith(b"ok-"):
-            raise ValueError("not a valid access token of this run")
-        return key_of(token)
-
-    served = Relay(host="127.0.0.1", control_port=0, ports=[_free_port(), _free_port()], admit=admit)
-    served.control_port = served.start()
-    yield served
-    served.stop()
+    with stand_in_relay(free_ports(2)) as served:
+        yield served
 
 
 async def _hold(relay: Relay, token: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
@@ -96,7 +83,7 @@ def test_punches_the_relay_cannot_place_are_refused(relay: Relay) -> None:
         _, writer, port = await _hold(relay, b"ok-b")
         where = ("127.0.0.1", relay.control_port)
         with pytest.raises(NotRelayed, match="nobody holds that port"):
-            await _rendezvous(where, PunchAsk(b"ok-a", _free_port()), signer(b"ok-a"))
+            await _rendezvous(where, PunchAsk(b"ok-a", free_ports(1)[0]), signer(b"ok-a"))
         with pytest.raises(PunchError, match="not a valid access token"):
             await _rendezvous(where, PunchAsk(b"bad", port), signer(b"bad"))
         with pytest.raises(PunchError, match="cannot punch through to itself"):

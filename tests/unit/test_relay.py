@@ -30,7 +30,7 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import key_of, signer
+from tests.unit.relay_keys import free_ports, key_of, signer, stand_in_relay
 
 
 def _read(data: bytes) -> object:
@@ -89,25 +89,10 @@ def test_a_message_cut_short_is_an_incomplete_read() -> None:
         _read(encode(Take(5))[:4])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def relay() -> Iterator[Relay]:
-    first = _free_port()
-
-    def admit(token: bytes) -> str:
-        if not token.startswith(b"ok-"):
-            raise ValueError("not a valid access token of this run")
-        return key_of(token)
-
-    served = Relay(host="127.0.0.1", control_port=0, ports=range(first, first + 1), admit=admit)
-    served.control_port = served.start()
-    yield served
-    served.stop()
+    with stand_in_relay(free_ports(1)) as served:
+        yield served
 
 
 class _Echo:
@@ -208,7 +193,7 @@ def test_a_tunnel_opens_again_with_its_renewed_token_and_keeps_its_port() -> Non
             raise ValueError("access token expired")
         return key_of(b"the-peer")
 
-    first = _free_port()
+    first = free_ports(1)[0]
     relay = Relay(host="127.0.0.1", control_port=0, ports=range(first, first + 1), admit=admit)
     relay.control_port = relay.start()
     echo = _Echo()

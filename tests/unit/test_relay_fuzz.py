@@ -48,7 +48,7 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import key_of, signer
+from tests.unit.relay_keys import free_ports, signer, stand_in_relay
 
 SEED = 20261127
 PARSER_INPUTS = 10_000
@@ -124,23 +124,10 @@ def test_ten_thousand_inputs_into_the_parser_crash_nothing_and_read_no_more_than
     assert parsed + refused == PARSER_INPUTS and parsed > 0 and refused > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def relay() -> Iterator[Relay]:
-    def admit(token: bytes) -> str:
-        if not token.startswith(b"ok-"):
-            raise ValueError("not a valid access token of this run")
-        return key_of(token)
-
-    served = Relay(host="127.0.0.1", control_port=0, ports=[_free_port()], admit=admit)
-    served.control_port = served.start()
-    yield served
-    served.stop()
+    with stand_in_relay(free_ports(1)) as served:
+        yield served
 
 
 def test_fuzzed_streams_into_a_live_relay_change_nothing(relay: Relay) -> None:

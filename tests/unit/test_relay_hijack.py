@@ -34,6 +34,7 @@ from protocol.relay_wire import (
 )
 from protocol.tokens import issue_token
 from swarmtrain.localswarm import wait_until
+from tests.unit.relay_keys import free_ports
 
 RUN = "sha256:run"
 
@@ -50,21 +51,11 @@ class Run:
         return peer, token.to_bytes()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [int(sock.getsockname()[1]) for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
-
-
 @pytest.fixture
 def run() -> Iterator[Run]:
     coordinator = Identity.generate()
     admit = run_token_admission(coordinator_key=coordinator.public_key, run_digest=RUN)
-    relay = Relay(host="127.0.0.1", control_port=0, ports=_free_ports(2), admit=admit)
+    relay = Relay(host="127.0.0.1", control_port=0, ports=free_ports(2), admit=admit)
     relay.control_port = relay.start()
     yield Run(coordinator, relay)
     relay.stop()
