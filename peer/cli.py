@@ -378,7 +378,7 @@ def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None
     if not args.coordinator:
         return _Joined(load_spec(args.spec), args.data_slot)
     from peer.bootstrap import bootstrap_for
-    from peer.coordinator_client import CoordinatorClient
+    from peer.coordinator_client import CoordinatorClient, JoinAs, join_when_up
     from peer.coordinator_pin import PinnedKeys
     from protocol.version import __version__
 
@@ -392,7 +392,8 @@ def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None
         coordinator_key=_coordinator_key(args.coordinator_key) or pins.expected(args.coordinator),
     )
     local_digest = load_spec(args.spec).digest() if args.spec else ""
-    info = client.join(spec_digest=local_digest, reachable=not args.client_mode)
+    who = JoinAs(spec_digest=local_digest, reachable=not args.client_mode)
+    info = join_when_up(client, who, say=lambda line: print(line, flush=True))
     pins.remember(args.coordinator, info.coordinator_key)
     spec = parse_spec(info.spec_toml, source=f"spec from {args.coordinator}")
     if spec.digest() != info.spec_digest:
@@ -648,7 +649,7 @@ def _link_to_coordinator(
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
     if joined.client is None or joined.info is None:
         return None
-    from peer.coordinator_client import CoordinatorLink, JoinAs
+    from peer.coordinator_client import CoordinatorLink, JoinAs, join_when_up
 
     rejoin = JoinAs(
         libp2p_peer_id=str(swarm.dht.peer_id),
@@ -658,7 +659,7 @@ def _link_to_coordinator(
         network_path=path.kind if path is not None else "",
         relay_port=relay.control_port if relay is not None else 0,
     )
-    admitted = joined.client.join_as(rejoin)
+    admitted = join_when_up(joined.client, rejoin, say=lambda line: print(line, flush=True))
     _renewed(admitted.access_token, swarm, path, puncher)
     link = CoordinatorLink(
         joined.client,

@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,17 @@ RPC_TIMEOUT_S = 10.0
 class RejectedError(SwarmtrainError):
     """The coordinator refused this particular request as invalid (it will not take it later either)."""
 
+
+class CoordinatorUnavailableError(SwarmtrainError):
+    """The coordinator did not answer (down, restarting, unreachable, or too busy just now)."""
+
+
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+JOIN_BACKOFF_FIRST_S = 1.0
+JOIN_BACKOFF_MAX_S = 30.0
+"""A peer waiting for its coordinator tries again after 1, 2, 4, ... s, at most this apart (each
+pause drawn from 80-120% of it: thousands of peers whose coordinator restarts do not all come
+back in the same second)."""
 
 _FATAL = {
     grpc.StatusCode.PERMISSION_DENIED: AdmissionError,
@@ -205,11 +217,47 @@ class CoordinatorClient:
         try:
             return method(request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
-            error = _FATAL.get(exc.code(), SwarmtrainError)
+            error = (
+                CoordinatorUnavailableError if exc.code() in _UNAVAILABLE else _FATAL.get(exc.code(), SwarmtrainError)
+            )
             raise error(f"coordinator {self.address}: {exc.details() or exc.code().name}") from exc
 
     def close(self) -> None:
         self.channel.close()
+
+
+def join_when_up(
+    client: CoordinatorClient,
+    who: JoinAs,
+    *,
+    say: Callable[[str], None],
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    jitter: Callable[[], float] = lambda: random.uniform(0.8, 1.2),
+) -> JoinInfo:
+    """``client.join_as(who)``, tried again with backoff for as long as the coordinator does not
+    answer (``CoordinatorUnavailableError``): a peer started while its coordinator is down or
+    restarting joins once it is back. ``say`` gets one line when it first does not answer and one
+    when it does. A refusal (admission, another run, a bad answer) is raised at once."""
+    started = clock()
+    pause = JOIN_BACKOFF_FIRST_S
+    waited = False
+    while True:
+        try:
+            info = client.join_as(who)
+        except CoordinatorUnavailableError as exc:
+            if not waited:
+                say(
+                    f"coordinator {client.address} is not answering ({exc}); trying again until it does "
+                    "(Ctrl-C to stop)"
+                )
+                waited = True
+            sleep(pause * jitter())
+            pause = min(2 * pause, JOIN_BACKOFF_MAX_S)
+            continue
+        if waited:
+            say(f"coordinator {client.address} answered after {clock() - started:.0f} s")
+        return info
 
 
 def reported_weight(samples: object) -> float:

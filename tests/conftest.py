@@ -68,6 +68,7 @@ BESIDE_SWARMS = {
     "test_broken_member.py",
     "test_checkpoint_crash.py",
     "test_cli.py",
+    "test_coordinator_outage.py",
     "test_data_prepare.py",
     "test_doctor.py",
     "test_grpc_fuzz.py",
@@ -77,7 +78,8 @@ BESIDE_SWARMS = {
     "test_store_crash.py",
 }
 """Integration and end-to-end tests that start no swarm of peer processes (a few in-process
-averagers or DHT nodes, or one child process at a time): mostly waiting, they run beside the
+averagers or DHT nodes, or one child process at a time; the outage test's two tiny peers wait a
+minute for their coordinator, then average two rounds): mostly waiting, they run beside the
 swarm tests."""
 
 
