@@ -254,7 +254,9 @@ class LoopbackSwarm:
     def saw_group(self, members: list[Gathered]) -> None:
         pass
 
-    def publish_digest(self, identity: Any, *, round_: int, digest: str, roster: int = 0) -> None:
+    def publish_digest(
+        self, identity: Any, *, round_: int, digest: str, roster: int = 0, leaving: bool = False
+    ) -> None:
         pass
 
     def roster_of(self, digest: str, *, exclude: Any = None) -> RosterClaim:

@@ -304,7 +304,10 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
             stats = AllReduceStats(peer_ids=list(statements), missing=[(0, self.numel)])
             return GroupOutcome(statements, stats, led, failed=str(exc))
         stats = self._stats.pop(group_info.group_id, AllReduceStats())
-        return GroupOutcome({str(k): Gathered.parse(v) for k, v in gathered.items()}, stats, led)
+        members = {str(k): Gathered.parse(v) for k, v in gathered.items()}
+        if not stats.missing:  # the state this group makes: its roster, for the next round's leader
+            self._matchmaking.note_group([data for data in members.values() if data is not None])
+        return GroupOutcome(members, stats, led)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""

@@ -34,7 +34,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS as TIME_DISCREPANCY_S
 
 from protocol.gathered import Gathered
-from protocol.roster import leader_may_close, verdict
+from protocol.roster import leader_may_close, leavers, produced_state, verdict
+from protocol.statesync import collect_records, digest_key
 
 __all__ = [
     "PacedKeyManager",
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 STALE_REQUEST_FRACTION = 0.5
 """A join request that waited longer than this fraction of ``request_timeout`` before the
 leader could answer it is turned away (``RoundMatchmaking._check_reasons_to_reject``)."""
+LEAVE_POLL_S = 1.0
+"""How often a leader waiting for its roster reads the run's digest records for members that
+left cleanly (``protocol.roster.leavers``): one DHT lookup a second, by the round's leader only."""
+ROSTERS_KEPT = 4
 JOIN_GRACE_S = 2.0
 """How long a leader whose roster is complete waits for peers declared at its round's key that
 have not joined (``RoundMatchmaking.target_group_size``): one DHT lookup and one join request
@@ -178,18 +183,79 @@ class RoundMatchmaking(Matchmaking):
         if not followers or getattr(self, "step_control", None) is None:
             return bound
         metadata = self._metadata()  # parsed once per round (the bound is read at every join)
-        if leader_may_close([data for data in metadata if data is not None]) and self._first_in_line():
+        members = [data for data in metadata if data is not None]
+        left = self._left()
+        if not leader_may_close(members, left):
+            self._watch_leaves(members)
+        elif self._first_in_line():
             if self._grace_left() > 0:
                 return bound
             if self.__dict__.get("_closed_step") is not self.step_control:  # hivemind reads the bound twice
                 self.__dict__["_closed_step"] = self.step_control
-                logger.info("the roster is complete (%d members): starting the round's all-reduce", len(metadata))
+                logger.info(
+                    "the roster is complete (%d members%s): starting the round's all-reduce",
+                    len(metadata),
+                    f", {len(left)} more left cleanly" if left else "",
+                )
             return len(metadata)
         return bound
 
     @target_group_size.setter
     def target_group_size(self, value: int | None) -> None:
         self.__dict__["_bound"] = value
+
+    def note_group(self, members: Sequence[Gathered]) -> None:
+        """Remember the roster, by name, of the state the group of ``members`` makes (the
+        averager calls this once its all-reduce is done): the next round's leader counts a
+        leave only from those (``_watch_leaves``)."""
+        produced = produced_state(members)
+        if produced is None:
+            return
+        rosters: dict[int, frozenset[str]] = self.__dict__.setdefault("_rosters", {})
+        rosters[produced[0]] = produced[1]
+        for old in sorted(rosters)[:-ROSTERS_KEPT]:
+            del rosters[old]
+
+    def _left(self) -> frozenset[str]:
+        """Roster members of this step's state that left cleanly, as last read."""
+        left = self.__dict__.get("_left")
+        return left[1] if left is not None and left[0] is self.step_control else frozenset()
+
+    def _watch_leaves(self, members: Sequence[Gathered]) -> None:
+        """While this leader waits for its roster, read every ``LEAVE_POLL_S`` which of the
+        roster left cleanly holding the state (``protocol.roster.leavers``: signed digest records
+        marked ``leaving``, from the roster of the state as this peer saw its group make it);
+        once the others are in or gone, close. One watcher per step."""
+        step = self.step_control
+        produced = produced_state(members)
+        roster = self.__dict__.get("_rosters", {}).get(produced[0]) if produced is not None else None
+        if not roster or self.__dict__.get("_leave_watch") is step:
+            return  # this peer did not see the state made: it counts no leave
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.__dict__["_leave_watch"] = step
+        key = digest_key(self.group_key_manager.prefix)
+
+        async def watch() -> None:
+            while self.step_control is step and self.is_looking_for_group and not self.assembled_group.done():
+                try:
+                    found = await self.dht.get(key, latest=True, return_future=True)
+                    value = found.value if found is not None else None
+                    records = collect_records(value, now=get_dht_time()) if isinstance(value, dict) else []
+                except Exception as exc:  # noqa: BLE001 - a DHT hiccup: look again
+                    logger.debug("could not read the digest records: %s", exc)
+                    records = []
+                current = [data for data in self._metadata() if data is not None]
+                left = leavers(current, roster, records)
+                if left != self._left():
+                    self.__dict__["_left"] = (step, left)
+                    if leader_may_close(current, left):
+                        self._close_after(0.0, step)
+                await asyncio.sleep(LEAVE_POLL_S)
+
+        self.__dict__["_leave_task"] = loop.create_task(watch())
 
     def _first_in_line(self) -> bool:
         """Whether this peer leads: it has read the round's declarations at least once since it

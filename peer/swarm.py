@@ -308,10 +308,18 @@ class Swarm:
         to an open run, whose first group will weigh it 0 whatever it trains."""
         return bool(self._meeting_candidates(round_))
 
-    def publish_digest(self, identity: Identity, *, round_: int, digest: str, roster: int = 0) -> None:
+    def publish_digest(
+        self, identity: Identity, *, round_: int, digest: str, roster: int = 0, leaving: bool = False
+    ) -> None:
         """Sign and store this peer's post-round digest (and the state's roster size as this
-        peer knows it) in the DHT (does not block)."""
-        self.run_records.publish_digest(identity, round_=round_, digest=digest, roster=roster)
+        peer knows it) in the DHT (does not block); ``leaving``: marked as its last, stored
+        before this returns (the DHT node stops soon after)."""
+        try:
+            self.run_records.publish_digest(
+                identity, round_=round_, digest=digest, roster=roster, leaving=leaving, wait=leaving
+            )
+        except Exception as exc:  # noqa: BLE001 - a leave the DHT did not take: the next round waits for us
+            logger.warning("could not say in the DHT that this peer leaves: %s", exc)
 
     def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> RosterClaim:
         """The roster size of the state ``digest`` as the eligible peers holding it published it

@@ -392,7 +392,9 @@ class Trainer:
         if self.missed_end is None:
             self.wait_for_group()
         try:
-            return self._rounds()
+            history = self._rounds()
+            self._say_leaving()
+            return history
         finally:  # the landing thread ends with the run, however it ends
             if self._lander is not None:
                 self._lander.shutdown(wait=True)
@@ -1074,6 +1076,16 @@ class Trainer:
         with self._state_lock:
             state = self.state
             return state.round, state.params.clone(), state.momentum.clone(), state.digest()
+
+    def _say_leaving(self) -> None:
+        """This peer stops cleanly: mark its last digest record ``leaving`` (signed), so that the
+        next round's leader, which counts it in the roster of this state, need not wait for it
+        (``engine.matchmaking.RoundMatchmaking``). Its vote for the state stands."""
+        if self._snapshot is None or not self.in_sync:
+            return
+        round_, digest = self._snapshot
+        self.swarm.publish_digest(self.identity, round_=round_, digest=digest, roster=self.roster.size, leaving=True)
+        logger.info("said in the DHT that this peer leaves holding round %d's state", round_)
 
     def _republish(self) -> None:
         """Sign and store the served state's digest record again (no new digest computed)."""

@@ -36,9 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from protocol.agreement import agreed_state
 from protocol.gathered import MAX_ROSTER, Gathered, votes
+
+if TYPE_CHECKING:  # statesync reads MAX_ROSTER from here
+    from protocol.statesync import DigestRecord
 
 __all__ = [
     "MAX_ROSTER",
@@ -48,6 +52,8 @@ __all__ = [
     "in_sync_count",
     "in_sync_ids",
     "leader_may_close",
+    "leavers",
+    "produced_state",
     "verdict",
 ]
 
@@ -139,14 +145,48 @@ def in_sync_ids(members: Sequence[Gathered]) -> frozenset[str]:
     return frozenset(data.id for data in _in_sync(members) if data.id)
 
 
-def leader_may_close(members: Sequence[Gathered]) -> bool:
+def produced_state(members: Sequence[Gathered]) -> tuple[int, frozenset[str]] | None:
+    """The round of the state a group of ``members`` makes if it lands (its agreed state's,
+    plus one) and that state's roster by name (``in_sync_ids``); None without an agreed state."""
+    _stated, agreed = _agreed(members)
+    if agreed is None:
+        return None
+    return agreed[0] + 1, in_sync_ids(members)
+
+
+def leader_may_close(members: Sequence[Gathered], left: Iterable[str] = ()) -> bool:
     """Whether a leader whose group has gathered ``members`` may start the all-reduce before
     its window ends: every member of the roster of the group's state is in (the roster's
-    ``known`` members, as many as the roster claims). Without a claimed roster the leader
-    waits out its window (the first round, or after a roster release)."""
+    ``known`` members, as many as the roster claims) or has left it (``left``: public ids of
+    roster members that said they stopped cleanly holding the group's state, ``leavers``).
+    Without a claimed roster the leader waits out its window (the first round, or after a
+    roster release). A leave only ends the wait: ``verdict`` still needs more than half of the
+    whole roster in the group, so a "leaver" that lies lowers no majority."""
     _stated, agreed = _agreed(members)
     if agreed is None:
         return False
     _holders, claims, known = _claims(members, *agreed)
     roster = claimed_roster(claims)
-    return roster > 0 and known >= roster
+    present = {data.id for data in members if data.id}
+    gone = len(set(left) - present)
+    return roster > 0 and known + gone >= roster
+
+
+def leavers(members: Sequence[Gathered], roster_ids: Iterable[str], records: Iterable[DigestRecord]) -> frozenset[str]:
+    """The public ids of the roster that said they left holding the state ``members`` agree on:
+    a signed ``leaving`` digest record of that state (``protocol.statesync``) from an id in
+    ``roster_ids`` (the members of the group that made the state, as this leader saw them:
+    nobody else's leave counts), not in the group."""
+    _stated, agreed = _agreed(members)
+    if agreed is None:
+        return frozenset()
+    roster = set(roster_ids)
+    present = {data.id for data in members if data.id}
+    return frozenset(
+        record.signer.id
+        for record in records
+        if record.leaving
+        and (record.round, record.digest) == agreed
+        and record.signer.id in roster
+        and record.signer.id not in present
+    )

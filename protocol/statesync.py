@@ -73,6 +73,9 @@ class DigestRecord:
     """Published by a checkpoint archive (the coordinator), not by a training peer."""
     roster: int = 0
     """The roster size of the state, as its signer knows it (``protocol.roster``; 0: unknown)."""
+    leaving: bool = False
+    """Its signer stopped cleanly holding this state: the next round's leader need not wait
+    for it (``protocol.roster.leader_may_close``); it still counts as a holder."""
 
 
 def run_prefix(spec_digest: str) -> str:
@@ -87,13 +90,22 @@ def digest_key(prefix: str) -> str:
 
 
 def make_digest_record(
-    identity: Identity, *, round_: int, digest: str, now: float, archive: bool = False, roster: int = 0
+    identity: Identity,
+    *,
+    round_: int,
+    digest: str,
+    now: float,
+    archive: bool = False,
+    roster: int = 0,
+    leaving: bool = False,
 ) -> bytes:
     fields: dict[str, Any] = {"round": round_, "digest": digest}
     if archive:
         fields["archive"] = True
     if roster:
         fields["roster"] = roster
+    if leaving:
+        fields["leaving"] = True
     body = json.dumps(fields, sort_keys=True).encode()
     return sign_message(identity, DIGEST_KIND, body, now=now).to_bytes()
 
@@ -107,16 +119,16 @@ def parse_digest_record(data: Any, *, now: float, max_age_s: float = RECORD_TTL_
     try:
         body = json.loads(message.body)
         round_, digest, archive = body["round"], body["digest"], body.get("archive", False)
-        roster = body.get("roster", 0)
+        roster, leaving = body.get("roster", 0), body.get("leaving", False)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise MalformedMessageError("digest record body is not {round, digest[, archive, roster]}") from exc
+        raise MalformedMessageError("digest record body is not {round, digest[, archive, roster, leaving]}") from exc
     if type(round_) is not int or round_ < 0 or not is_state_digest(digest):
         raise MalformedMessageError("digest record has a bad round or digest")
-    if not isinstance(archive, bool):
-        raise MalformedMessageError("digest record has a non-boolean archive flag")
+    if not isinstance(archive, bool) or not isinstance(leaving, bool):
+        raise MalformedMessageError("digest record has a non-boolean archive or leaving flag")
     if type(roster) is not int or not 0 <= roster <= MAX_ROSTER:
         raise MalformedMessageError(f"digest record has a bad roster (an integer in [0, {MAX_ROSTER}])")
-    return DigestRecord(message.signer, round_, digest, archive, roster)
+    return DigestRecord(message.signer, round_, digest, archive, roster, leaving)
 
 
 def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]:

@@ -332,3 +332,59 @@ def test_a_join_request_that_waited_past_half_its_senders_timeout_is_turned_away
     leader.forget_arrival(stale)
     leader.forget_arrival(fresh)
     assert leader.__dict__["_arrivals"] == {}
+
+
+def _named(name: str, roster: int = 3, known: bool = True, round_: int = 5) -> Gathered:
+    parsed = Gathered.parse({**member_map(roster, known, D, round_), "id": name})
+    assert parsed is not None
+    return parsed
+
+
+def test_a_roster_member_that_left_cleanly_is_not_waited_for_and_lowers_no_majority() -> None:
+    group = [_named("a"), _named("b")]
+    assert not leader_may_close(group)
+    assert leader_may_close(group, left={"c"})
+    assert not leader_may_close(group, left={"a"})  # a member in the group is no leaver
+    # the verdict still counts the whole roster: 2 of 3 land, 1 of 3 with two "leavers" does not
+    assert verdict(group, min_group_size=2).lands
+    assert leader_may_close(group[:1], left={"b", "c"}) and not verdict(group[:1], min_group_size=1).lands
+
+
+def test_only_the_rosters_own_signed_leaves_of_the_agreed_state_count() -> None:
+    from protocol.identity import Identity
+    from protocol.roster import leavers, produced_state
+    from protocol.statesync import make_digest_record, parse_digest_record
+
+    keys = {name: Identity.generate() for name in ("a", "b", "c", "stranger")}
+    ids = {name: key.public_key.id for name, key in keys.items()}
+    group = [_named(ids["a"]), _named(ids["b"])]
+    now = time.time()
+
+    def record(name: str, *, leaving: bool = True, digest: str = D, round_: int = 5) -> Any:
+        raw = make_digest_record(keys[name], round_=round_, digest=digest, now=now, roster=3, leaving=leaving)
+        return parse_digest_record(raw, now=now)
+
+    roster = {ids["a"], ids["b"], ids["c"]}
+    assert leavers(group, roster, [record("c")]) == {ids["c"]}
+    assert leavers(group, roster, [record("c", leaving=False)]) == set()  # holds it, still coming
+    assert leavers(group, roster, [record("stranger")]) == set()  # not of this roster
+    assert leavers(group, roster, [record("c", digest=E)]) == set()  # another state
+    assert leavers(group, roster, [record("c", round_=4)]) == set()
+    assert leavers(group, roster, [record("a")]) == set()  # in the group
+    # the group that made the state: round 4's members, in sync, by name
+    made = [_named(ids[n], round_=4) for n in ("a", "b", "c")]
+    assert produced_state(made) == (5, frozenset(roster))
+
+
+def test_a_leaving_flag_that_is_not_a_boolean_is_refused() -> None:
+    import json
+
+    from protocol.errors import MalformedMessageError
+    from protocol.identity import Identity
+    from protocol.messages import sign_message
+    from protocol.statesync import DIGEST_KIND, parse_digest_record
+
+    body = json.dumps({"round": 5, "digest": D, "leaving": "yes"}).encode()
+    raw = sign_message(Identity.generate(), DIGEST_KIND, body, now=time.time()).to_bytes()
+    with pytest.raises(MalformedMessageError, match="leaving"):
+        parse_digest_record(raw, now=time.time())
