@@ -218,7 +218,7 @@ class RoundMatchmaking(Matchmaking):
 
     def _left(self) -> frozenset[str]:
         """Roster members of this step's state that left cleanly, as last read."""
-        left = self.__dict__.get("_left")
+        left = self.__dict__.get("_left_seen")
         return left[1] if left is not None and left[0] is self.step_control else frozenset()
 
     def _watch_leaves(self, members: Sequence[Gathered]) -> None:
@@ -227,8 +227,8 @@ class RoundMatchmaking(Matchmaking):
         marked ``leaving``, from the roster of the state as this peer saw its group make it);
         once the others are in or gone, close. One watcher per step."""
         step = self.step_control
-        produced = produced_state(members)
-        roster = self.__dict__.get("_rosters", {}).get(produced[0]) if produced is not None else None
+        produced = produced_state(members)  # the round after the state the group starts from
+        roster = self.__dict__.get("_rosters", {}).get(produced[0] - 1) if produced is not None else None
         if not roster or self.__dict__.get("_leave_watch") is step:
             return  # this peer did not see the state made: it counts no leave
         try:
@@ -241,7 +241,7 @@ class RoundMatchmaking(Matchmaking):
         async def watch() -> None:
             while self.step_control is step and self.is_looking_for_group and not self.assembled_group.done():
                 try:
-                    found = await self.dht.get(key, latest=True, return_future=True)
+                    found = await self.group_key_manager.dht.get(key, latest=True, return_future=True)
                     value = found.value if found is not None else None
                     records = collect_records(value, now=get_dht_time()) if isinstance(value, dict) else []
                 except Exception as exc:  # noqa: BLE001 - a DHT hiccup: look again
@@ -250,7 +250,7 @@ class RoundMatchmaking(Matchmaking):
                 current = [data for data in self._metadata() if data is not None]
                 left = leavers(current, roster, records)
                 if left != self._left():
-                    self.__dict__["_left"] = (step, left)
+                    self.__dict__["_left_seen"] = (step, left)
                     if leader_may_close(current, left):
                         self._close_after(0.0, step)
                 await asyncio.sleep(LEAVE_POLL_S)
