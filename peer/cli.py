@@ -113,6 +113,14 @@ def add_parser(commands: Any) -> None:
         help="before the first round, wait up to this long for the spec's min_group_size peers (default: 60)",
     )
     parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
+    parser.add_argument(
+        "--leave-after-failures",
+        type=int,
+        default=0,
+        metavar="N",
+        help="leave cleanly (exit status 1) after N failed rounds in a row, for a supervisor to restart the peer "
+        "(default 0: never; the peer says why every few failed rounds either way)",
+    )
     parser.add_argument("--shard-seed", type=int, default=None, help="data shard seed (default: from the key)")
     parser.add_argument(
         "--data-dir",
@@ -189,6 +197,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--spec FILE or --coordinator HOST:PORT is required")
     if args.max_rounds is not None and args.max_rounds < 1:
         raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+    if not 0 <= args.leave_after_failures <= 1_000_000:
+        raise ConfigError(
+            f"--leave-after-failures must be between 0 (never) and 1000000, got {args.leave_after_failures}"
+        )
     if not 0 <= args.wait_for_group < 86400:
         raise ConfigError(f"--wait-for-group must be between 0 and 86400 seconds, got {args.wait_for_group}")
     if args.micro_batches is not None and not 1 <= args.micro_batches <= 1024:
@@ -691,6 +703,7 @@ def _train(
     metrics file, the experiment log and the coordinator."""
     from peer.node import Command
     from peer.trainer import Trainer, TrainerOptions
+    from peer.watchdog import Watchdog, WatchdogLeave
     from protocol.experiment_log import ExperimentLog, peer_figures
 
     options = TrainerOptions(
@@ -709,6 +722,7 @@ def _train(
     display.guard_logging()
     report = _reporter(args.metrics_file, display)
     experiment = ExperimentLog(args.log_to, name=f"{spec.run.name}-{identity.public_key.id[8:20]}")
+    watchdog = Watchdog(say=display.say, leave=lambda reason: stop.set(), leave_after=args.leave_after_failures)
 
     def on_round(metrics: RoundMetrics) -> None:
         row = metrics.as_dict()
@@ -716,12 +730,15 @@ def _train(
         experiment.scalars(metrics.round, peer_figures(row))
         if link is not None:
             link.report(metrics)
+        watchdog.on_round(metrics)
 
     trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display)
     if link is not None:
         link.phase_of = lambda: trainer.phase.value  # heartbeats say when it waits for its group
     try:
         trainer.run()
+        if watchdog.reason:
+            raise WatchdogLeave(watchdog.reason)
         if trainer.missed_end is not None:
             print(
                 f"the run ended at round {trainer.missed_end} without this peer (it missed the last round)", flush=True

@@ -147,6 +147,12 @@ class ProgressDisplay:
         self.stream.write(round_line(metrics) + "\n")
         self.stream.flush()
 
+    def say(self, line: str) -> None:
+        """A permanent line of its own (the live line, if shown, is redrawn by the next update)."""
+        self.clear()
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
     def clear(self) -> None:
         """Remove the live line so that other output starts at the line's beginning."""
         if self._showing:

@@ -75,6 +75,9 @@ class RoundMetrics:
     peer's audits caught returning a wrong average (``engine.audit``)."""
     audit_s: float = 0.0
     """Seconds this peer's audits took after the all-reduce (in ``allreduce_s``)."""
+    failure: str = ""
+    """Why the round did not land here ("" if it did): no group formed, a reducer failed, its
+    group was not the round's (``peer.watchdog`` reads it)."""
     audit_bytes: int = 0
     """Bytes this peer's audits fetched from other members (not in ``bytes_received``)."""
 

@@ -199,6 +199,8 @@ class _InFlight:
     wait_s: float = 0.0
     host_s: float = 0.0
     """Host time of the landing on the training thread so far."""
+    failure: str = ""
+    """Why the round did not land here ("" if it did)."""
 
     def due(self) -> bool:
         """Whether its result, and its landing's host half if one runs, are ready."""
@@ -771,6 +773,7 @@ class Trainer:
             offenders=result.offenders if result else {},
             unaveraged=round(result.unaveraged(), 6) if result else 0.0,
             left_out=round(result.left_out_share(), 6) if result else 0.0,
+            failure=flight.failure,
             audit_s=round(result.audit_s, 4) if result else 0.0,
             audit_bytes=result.audit_bytes if result else 0,
             params=self.state.params.numel(),
@@ -1016,10 +1019,12 @@ class Trainer:
         roster claim (``RosterBook.refused``): matchmaking never starts a group the roster rule
         would refuse, so a swarm that lost its roster's majority sees failed rounds, not refusals."""
         if result is None:
-            self.roster.refused(Verdict(False, 0, self.roster.size, "no group formed"), flight.pre_digest)
+            flight.failure = "no group formed"
+            self.roster.refused(Verdict(False, 0, self.roster.size, flight.failure), flight.pre_digest)
             return None
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if result.missing:
+            flight.failure = f"{100 * result.unaveraged():.0f}% of the vector did not arrive (a reducer failed)"
             logger.warning(
                 "round %d: %.1f%% of the vector did not arrive (a reducer, or this peer's all-reduce, failed); "
                 "not landing it",
@@ -1034,6 +1039,7 @@ class Trainer:
                 self.roster.refused(found, flight.pre_digest)
             return None
         if not found.lands:
+            flight.failure = f"its group was not the round's ({found.reason})"
             logger.warning(
                 "round %d: this group is not the round's (%s); not landing it", self.state.round, found.reason
             )
