@@ -276,6 +276,11 @@ class AuditMixin:
         except MalformedTensorError:
             return "accused of a part it does not reduce"  # only a liar's verdict names one
         reducer_id = room.peer_ids[target.reducer]
+        modes = dict(zip(runner.ordered_peer_ids, runner.modes))
+        unreachable = [s for s in runner.sender_peer_ids if s != self.peer_id and modes.get(s) == AveragingMode.CLIENT]
+        if unreachable:  # nobody can dial a client-mode sender for its part: do not try every round
+            logger.debug("audit of %s inconclusive: client-mode senders %s", reducer_id, unreachable)
+            return None
         fetched = await asyncio.gather(
             *(self._fetch_part(runner, sender, target, deadline) for sender in runner.sender_peer_ids)
         )
@@ -354,7 +359,10 @@ class AuditMixin:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)  # type: ignore[attr-defined]
                 await stub.rpc_audit_verdict(message, timeout=max(0.1, deadline - time.monotonic()))
 
-        await asyncio.gather(*(tell(peer) for peer in room.peer_ids if peer != self.peer_id))
+        runner = room.runners[0]
+        clients = {peer for peer, mode in zip(runner.ordered_peer_ids, runner.modes) if mode == AveragingMode.CLIENT}
+        # nobody can dial a client-mode member, and it waits for no verdict
+        await asyncio.gather(*(tell(peer) for peer in room.peer_ids if peer != self.peer_id and peer not in clients))
 
     async def _tell_no_verdict(self, group_id: bytes, room: AuditRoom) -> None:
         """Tell the group this peer judges nothing this round (its all-reduce failed here)."""
