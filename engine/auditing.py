@@ -219,9 +219,9 @@ class AuditMixin:
         accused = room.peer_ids[target.reducer] if target is not None and own else None
         if accused is not None and target is not None and own:
             outcome.caught[str(accused)] = f"{own} (part {target.part} of fragment {target.fragment})"
-        await self._tell_verdict(group_id, room, accused, target, deadline)
+        gone = await self._tell_verdict(group_id, room, accused, target, deadline)
         if not self.client_mode:  # nobody can reach a client-mode member: it hears no verdicts
-            await self._hear_verdicts(room, deadline)
+            await self._hear_verdicts(room, deadline, gone)
         checks = {
             verdict.accused: verdict.target
             for peer, verdict in room.verdicts.items()
@@ -346,7 +346,10 @@ class AuditMixin:
         accused: PeerID | None,
         target: AuditTarget | None,
         deadline: float,
-    ) -> None:
+    ) -> set[PeerID]:
+        """Send this peer's verdict to every other member that can be dialled; the members the
+        call failed for (gone since the all-reduce, say: a peer killed mid-landing), whose
+        verdicts nobody need wait for."""
         fields = (
             [str(accused), target.fragment, target.reducer, target.part]
             if accused is not None and target is not None
@@ -354,27 +357,34 @@ class AuditMixin:
         )
         message = averaging_pb2.AveragingData(group_id=group_id, peer_id=self.serializer.dumps(fields))
 
+        gone: set[PeerID] = set()
+
         async def tell(peer: PeerID) -> None:
-            with contextlib.suppress(Exception):
+            try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)  # type: ignore[attr-defined]
                 await stub.rpc_audit_verdict(message, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - any failure: it hears nothing, says nothing
+                logger.debug("audit: could not tell %s this peer's verdict: %s", peer, exc)
+                gone.add(peer)
 
         runner = room.runners[0]
         clients = {peer for peer, mode in zip(runner.ordered_peer_ids, runner.modes) if mode == AveragingMode.CLIENT}
         # nobody can dial a client-mode member, and it waits for no verdict
         await asyncio.gather(*(tell(peer) for peer in room.peer_ids if peer != self.peer_id and peer not in clients))
+        return gone
 
     async def _tell_no_verdict(self, group_id: bytes, room: AuditRoom) -> None:
         """Tell the group this peer judges nothing this round (its all-reduce failed here)."""
         await self._tell_verdict(group_id, room, None, None, time.monotonic() + NO_VERDICT_S)
 
-    async def _hear_verdicts(self, room: AuditRoom, deadline: float) -> None:
-        """Wait until every other member's verdict is here (auxiliary members audit nothing;
-        a reducer that failed this peer is gone), or the deadline."""
+    async def _hear_verdicts(self, room: AuditRoom, deadline: float, gone: set[PeerID]) -> None:
+        """Wait until every other member's verdict is here (auxiliary members audit nothing; a
+        reducer that failed this peer, or a member this peer could not tell its own verdict, is
+        gone), or the deadline."""
         runner = room.runners[0]
         failed = {peer for runner in room.runners for peer in runner.failed_reducers}
         aux = {peer for peer, mode in zip(runner.ordered_peer_ids, runner.modes) if mode == AveragingMode.AUX}
-        expected = set(room.peer_ids) - {self.peer_id} - failed - aux
+        expected = set(room.peer_ids) - {self.peer_id} - failed - aux - gone
         while not expected <= set(room.verdicts):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
