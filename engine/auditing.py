@@ -38,6 +38,11 @@ NO_VERDICT_S = 2.0
 """How long a peer whose all-reduce failed tries to tell the others it judges nothing."""
 
 
+def _indices(values: Sequence[Any]) -> bool:
+    """Whether every value is a plain int in ``[0, 2**31)`` (no bool, no float)."""
+    return all(type(value) is int and 0 <= value < 2**31 for value in values)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One member's audit of one round: whom it caught lying (None: nobody) and where."""
@@ -166,31 +171,25 @@ class AuditMixin:
             room.changed.set()
         return averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE)
 
-    def _parse_ints(self, raw: bytes, count: int) -> tuple[int, ...] | None:
+    def _fields(self, raw: bytes, count: int) -> list[Any] | None:
+        """The ``count`` fields serialized in ``raw`` (at most ``MAX_REQUEST_BYTES``); None if not."""
         if len(raw) > MAX_REQUEST_BYTES:
             return None
         try:
             values = self.serializer.loads(raw)
         except Exception:  # noqa: BLE001 - anything unreadable is refused
             return None
-        if not isinstance(values, list | tuple) or len(values) != count:
-            return None
-        if not all(type(value) is int and 0 <= value < 2**31 for value in values):
-            return None
-        return tuple(values)
+        return list(values) if isinstance(values, list | tuple) and len(values) == count else None
+
+    def _parse_ints(self, raw: bytes, count: int) -> tuple[int, ...] | None:
+        values = self._fields(raw, count)
+        return tuple(values) if values is not None and _indices(values) else None
 
     def _parse_verdict(self, raw: bytes, room: AuditRoom) -> Verdict | None:
-        if len(raw) > MAX_REQUEST_BYTES:
-            return None
-        try:
-            values = self.serializer.loads(raw)
-        except Exception:  # noqa: BLE001 - anything unreadable is refused
-            return None
-        if not isinstance(values, list | tuple) or len(values) != 4 or not isinstance(values[0], str):
+        values = self._fields(raw, 4)
+        if values is None or not isinstance(values[0], str) or not _indices(values[1:]):
             return None
         accused, numbers = values[0], values[1:]
-        if not all(type(value) is int and 0 <= value < 2**31 for value in numbers):
-            return None
         if not accused:
             return Verdict(None, None)
         members = {str(peer): index for index, peer in enumerate(room.peer_ids)}

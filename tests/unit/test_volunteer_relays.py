@@ -28,7 +28,7 @@ from protocol.messages import sign_message
 from protocol.relay_server import Relay, describe_ports, run_token_admission
 from protocol.spec import parse_spec
 from protocol.tokens import issue_token
-from tests.unit.relay_keys import key_of, signer
+from tests.unit.relay_keys import free_ports, key_of, signer
 
 SPEC = '[run]\nname = "relays"\n'
 Probe = Callable[[object, int], tuple[bool, str, int]]
@@ -144,24 +144,13 @@ def test_the_relay_admits_the_runs_tokens_only() -> None:
         admit(token)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def _relay(admit_prefix: bytes, host: str = "127.0.0.1") -> Relay:
     def admit(token: bytes) -> str:
         if not token.startswith(admit_prefix):
             raise ValueError("not a valid access token of this run")
         return key_of(token)
 
-    relay = Relay(host=host, control_port=0, ports=_free_ports(1), admit=admit)
+    relay = Relay(host=host, control_port=0, ports=free_ports(1), admit=admit)
     relay.control_port = relay.start()
     return relay
 
@@ -190,7 +179,7 @@ def test_a_peer_holds_ports_on_the_first_two_relays_that_grant_one_on_different_
         _relay(b"ok-", "127.0.0.3"),
         _relay(b"ok-", "127.0.0.4"),
     )
-    gone = _free_ports(1)[0]
+    gone = free_ports(1)[0]
     relays = [
         RelayAddress("127.0.0.5", gone, whose="volunteer A"),
         RelayAddress("127.0.0.2", refusing.control_port, whose="volunteer B"),
@@ -234,7 +223,7 @@ def _offer(ports: Sequence[int], coordinator: Identity, probe: Probe) -> RelayOf
 
 def test_a_volunteer_relays_only_on_the_ports_the_coordinator_reaches() -> None:
     coordinator = Identity.generate()
-    control, *grants = _free_ports(4)
+    control, *grants = free_ports(4)
     reachable = {control, grants[0], grants[2]}
 
     def probe(stub: object, port: int) -> tuple[bool, str, int]:
@@ -264,7 +253,7 @@ def test_by_default_a_volunteer_relays_on_free_ports_once_its_control_port_is_re
 
     def probe(stub: object, port: int) -> tuple[bool, str, int]:
         asked.append(port)
-        picked = _free_ports(1)[0] if port == 0 else port  # as a Greeter on port 0 does
+        picked = free_ports(1)[0] if port == 0 else port  # as a Greeter on port 0 does
         return True, f"reached 127.0.0.1:{picked}", picked
 
     ports, _ = relay_ports("auto")
@@ -298,7 +287,7 @@ def test_a_volunteers_relay_refuses_a_peer_the_coordinator_revoked() -> None:
     revoked: frozenset[str] = frozenset()
 
     def probe(stub: object, port: int) -> tuple[bool, str, int]:
-        picked = _free_ports(1)[0] if port == 0 else port
+        picked = free_ports(1)[0] if port == 0 else port
         return True, f"reached 127.0.0.1:{picked}", picked
 
     ports, _ = relay_ports("auto")
