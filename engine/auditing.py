@@ -38,12 +38,6 @@ NO_VERDICT_S = 2.0
 """How long a peer whose all-reduce failed tries to tell the others it judges nothing."""
 
 
-def _troubled(room: AuditRoom) -> bool:
-    """Whether this peer saw a member fail in the round (a reducer, a sender it refused or
-    banned): then a reducer may have left out several senders' parts."""
-    return any(runner.failed_reducers or runner.refused_senders or runner.banned_senders for runner in room.runners)
-
-
 def _indices(values: Sequence[Any]) -> bool:
     """Whether every value is a plain int in ``[0, 2**31)`` (no bool, no float)."""
     return all(type(value) is int and 0 <= value < 2**31 for value in values)
@@ -324,11 +318,6 @@ class AuditMixin:
             if not found:
                 return ""
             why = why or found
-        if _troubled(room):
-            # senders failed this round: the reducer may have dropped more than one of them, which
-            # no single re-computation here reproduces; convicting it could convict an honest one
-            logger.info("audit of %s inconclusive in a round with failures: %s", reducer_id, why)
-            return None
         return why or "no part of it could be re-computed"
 
     async def _fetch_part(
