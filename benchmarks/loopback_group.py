@@ -279,3 +279,9 @@ class LoopbackSwarm:
 
     def download_state(self, accept: set[str], *, timeout: float) -> None:
         return None
+
+    def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
+        pass
+
+    def download_update(self, round_: int, digest: str, *, timeout: float) -> None:
+        return None

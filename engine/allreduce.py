@@ -317,6 +317,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         stale: frozenset[PeerID] = frozenset(),
         robust: RobustRule | None = None,
         keep_sent: bool = False,
+        keep_averaged: bool = False,
         **kwargs: Any,
     ) -> None:
         numel = sum(t.numel() for t in kwargs["tensors"])
@@ -362,6 +363,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.sent: SentParts | None = SentParts() if keep_sent else None
         """With ``keep_sent``: every part this peer sent a reducer (its own included), as
         encoded, for the group's auditors (``engine.audit``)."""
+        self.averaged: list[tuple[int, runtime_pb2.Tensor]] | None = [] if keep_averaged else None
+        """With ``keep_averaged``: every averaged part this peer took (``(start, bytes)``, start in
+        this runner's vector), as the reducers encoded them: the round's update, which members
+        keep for newcomers (``engine.update_store``)."""
         self.bytes_sent = 0
         self.bytes_received = 0
         # sizes of every part in global order (peer 0's parts, then peer 1's, ...)
@@ -462,6 +467,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
             result = await loop.run_in_executor(None, self.codec.decode, encoded, raw_part.numel())
+            self._keep_averaged(peer_index, part_index, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
 
     async def _receive_from_reducer(self, peer_id: PeerID, peer_index: int) -> None:
@@ -511,7 +517,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         numel = self.expected_numel(peer_index, part_index)
         self.bytes_received += len(serialized.buffer)
         part = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, serialized, numel)
+        self._keep_averaged(peer_index, part_index, serialized)
         self.tensor_part_container.register_processed_part(peer_index, part_index, part)
+
+    def _keep_averaged(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
+        if self.averaged is not None:
+            container = self.tensor_part_container
+            assert isinstance(container, InPlaceOutputs)
+            self.averaged.append((container.part_range(peer_index, part_index)[0], serialized))
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0

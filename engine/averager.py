@@ -39,6 +39,8 @@ from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
 from engine.robust import Alignment, RobustRule, direction_offence
 from engine.state_transfer import StateProvider, StateTransferMixin
+from engine.update_store import UpdateStore
+from engine.update_transfer import UpdateTransferMixin
 from protocol.gathered import Gathered
 from protocol.membership import MemberGate
 
@@ -56,7 +58,7 @@ if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
-class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, DecentralizedAverager):
+class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, UpdateTransferMixin, DecentralizedAverager):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
 
     After a successful ``step`` the vector (``get_tensors()[0]``) holds the weighted
@@ -70,6 +72,10 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
 
     With ``audit`` every member audits one reducer per round and leaves one caught lying out
     (``engine.audit``, ``engine.auditing``).
+
+    With ``updates`` (a store; not in client mode, where nobody could fetch from it) it keeps
+    the averaged update of each round that landed here and serves it to newcomers
+    (``engine.update_store``, ``engine.update_transfer``).
     """
 
     runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
@@ -85,9 +91,11 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
         streams: int = 1,
         robust: RobustRule | None = None,
         audit: bool = False,
+        updates: UpdateStore | None = None,
         **kwargs: Any,
     ) -> None:
         self.audit = audit
+        self.update_store = None if kwargs.get("client_mode") else updates
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
         self.fragments = fragment_bounds(numel, streams)
@@ -133,7 +141,8 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
         kwargs.pop("compression", None)
         kwargs.pop("part_size_bytes", None)
         stale = stale_members(group_info, self.serializer)
-        codec = self.codec_compression.at_round(group_round(group_info, self.serializer))
+        round_ = group_round(group_info, self.serializer)
+        codec = self.codec_compression.at_round(round_)
         if stale:
             logger.warning(
                 "round with %s: they started from another state than the group; their parts count 0",
@@ -180,6 +189,8 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
                 sorted(failed),
                 100.0 * left_out / max(1, self.numel),
             )
+        if not missing:
+            self._spool_update(round_, self._averaged_parts(runners))
         audit = AuditOutcome()
         if room is not None and runners[0].modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
             try:
@@ -201,6 +212,14 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
             audit_s=audit.seconds,
             audit_bytes=audit.bytes_received,
         )
+
+    def _averaged_parts(self, runners: Sequence[ExactAllReduceRunner]) -> list[tuple[int, Any]]:
+        """Every averaged part this round's runners took, with its start in the whole vector."""
+        return [
+            (start + offset, part)
+            for runner, (start, _end) in zip(runners, self.fragments)
+            for offset, part in (runner.averaged or [])
+        ]
 
     @staticmethod
     def _failed_reducers(runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
@@ -240,6 +259,7 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, Decentra
             stale=stale,
             robust=self.robust,
             keep_sent=self.audit,
+            keep_averaged=self.update_store is not None,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

@@ -15,6 +15,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
@@ -25,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 STATE_OVERHEAD_BYTES = 1 << 16
 """Slack over the raw tensor bytes a served state may take (serialization headers, metadata)."""
+SLOWEST_LINK_BYTES_S = 125_000
+"""The slowest download a host waits for (1 Mbit/s): a state download has no deadline of its own,
+only a server that stays silent for ``timeout`` fails (a slow link takes as long as it takes),
+so the host's wait is bounded by the state's size at this rate instead."""
 MAX_METADATA_BYTES = 4096
 """A served state's metadata (its round and digest: tens of bytes), sent once; more is refused
 before it is parsed."""
@@ -65,11 +70,12 @@ class StateTransferMixin:
         """Download (round, params, momentum) from the first peer whose state digest is in
         ``accept``; peers serving anything else are refused with a logged reason. None if none did.
         ``accept=None`` takes any state whose bytes match the digest its server claims (the
-        caller verifies that digest itself, later)."""
+        caller verifies that digest itself, later). ``timeout``: the longest a server may stay
+        silent, not the download's length."""
         future: MPFuture = MPFuture()
         wanted = None if accept is None else sorted(accept)
         self._outer_pipe.send(("_load_verified_state", [], dict(accept=wanted, timeout=timeout, future=future)))
-        return future.result(timeout=timeout * 4 + 10)
+        return future.result(timeout=timeout * 4 + 10 + 8 * self.numel / SLOWEST_LINK_BYTES_S)
 
     async def _load_verified_state(self, accept: list[str] | None, timeout: float, future: MPFuture) -> None:
         try:
@@ -89,7 +95,7 @@ class StateTransferMixin:
                     continue
                 try:
                     wanted = None if accept is None else set(accept)
-                    state = await asyncio.wait_for(self._download_state_from(peer, wanted), timeout)
+                    state = await self._download_state_from(peer, wanted, timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.warning("refused state from %s: %s", peer, str(exc) or type(exc).__name__)
                     continue
@@ -100,10 +106,10 @@ class StateTransferMixin:
                 future.set_result(None)
 
     async def _download_state_from(
-        self, peer: PeerID, accept: set[str] | None
+        self, peer: PeerID, accept: set[str] | None, timeout: float
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
         metadata: Any = None
         told = False
         tensors: list[torch.Tensor] = []
@@ -111,7 +117,7 @@ class StateTransferMixin:
         limit, received = 2 * self.numel * 4 + STATE_OVERHEAD_BYTES, 0
         whole, in_parts = self.numel * 4, 0  # bytes of one float32 vector as served (no compression)
         try:
-            async for message in stream:
+            async for message in aiter_with_timeout(stream, timeout):
                 received += len(message.metadata)  # counted against the cap too, before anything is parsed
                 if received > limit:
                     raise MalformedTensorError(f"state larger than {limit} bytes")

@@ -14,11 +14,13 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.update_store import KEPT_ROUNDS
 from peer.announce import parse_host_port
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
@@ -105,6 +107,15 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="save checkpoints here; resume from them")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints (default: 1)")
+    parser.add_argument(
+        "--keep-updates",
+        type=int,
+        default=KEPT_ROUNDS,
+        metavar="ROUNDS",
+        help="keep the averaged updates of the last ROUNDS rounds on disk (under --checkpoint-dir, else a "
+        "temporary directory) for newcomers whose state download outlasted them "
+        f"(default: {KEPT_ROUNDS}; 0: keep none)",
+    )
     parser.add_argument(
         "--wait-for-group",
         type=float,
@@ -205,6 +216,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--wait-for-group must be between 0 and 86400 seconds, got {args.wait_for_group}")
     if args.micro_batches is not None and not 1 <= args.micro_batches <= 1024:
         raise ConfigError(f"--micro-batches must be in 1..1024, got {args.micro_batches}")
+    if not 0 <= args.keep_updates <= 1000:
+        raise ConfigError(f"--keep-updates must be between 0 (none) and 1000 rounds, got {args.keep_updates}")
     if args.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
@@ -591,9 +604,15 @@ def _start_swarm(
     daemon advertises it instead of the addresses it sees locally, and takes itself as publicly
     reachable (libp2p's AutoNAT would otherwise drop a public address it could not confirm)."""
     from engine.compression import get_codec
+    from engine.update_store import UpdateStore
     from peer.swarm import Swarm
 
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
+    updates = None
+    if not args.client_mode and args.keep_updates > 0:
+        # (a checkpoint dir is one peer's: its lock; else a directory of this process's own)
+        where = args.checkpoint_dir / "updates" if args.checkpoint_dir is not None else None
+        updates = UpdateStore(where or Path(tempfile.mkdtemp(prefix="swarmtrain-updates-")), keep=args.keep_updates)
     return Swarm(
         joined.spec,
         plan.numel,
@@ -603,6 +622,7 @@ def _start_swarm(
         client_mode=args.client_mode,
         gate=gate,
         dht_kwargs=path.dht_kwargs,
+        updates=updates,
     )
 
 

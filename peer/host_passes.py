@@ -22,6 +22,9 @@ in-place pass), and they set the peak memory.
   Ranges the group could not average (a reducer failed: ``missing``) land like a failed
   round: θ_g, the momentum and the residual keep their values there and θ_local keeps its
   own, so this peer's work there folds into the next round.
+- ``roll_forward`` (a newcomer): the state of round r to that of r + 1 by the round's averaged
+  update as a member kept it (``engine.update_store``): the outer step of ``land_round`` on θ_g
+  and the momentum alone, the same bytes.
 - ``land_global`` + ``rebase_model`` (a successful round, with overlap): the same landing cut in
   two. ``land_global`` touches host state only (the residual, the outer step on θ_g and the
   momentum) and turns the launch point, which it no longer needs, into the shift
@@ -41,6 +44,7 @@ import torch
 from engine.compression import Codec, ErrorFeedback, all_finite
 from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
 from protocol.spec import OuterSection
+from protocol.updates import FetchedUpdate
 
 Ranges = Sequence[tuple[int, int]]
 """Sorted, disjoint ``[start, end)`` ranges of the flat state."""
@@ -338,6 +342,35 @@ def land_round(
                 assert launch_point is not None
                 torch.where(unsent, torch.sub(local, start).add_(launch_point[part]), new, out=new)
         piece.copy_(new)
+    state.round += 1
+
+
+@torch.no_grad()
+def roll_forward(state: GlobalState, update: FetchedUpdate, config: OuterSection, codec: Codec) -> None:
+    """Take the state of ``update.round`` one round forward as every member's landing did
+    (``land_round``: the outer step where the round averaged; θ_g and the momentum keep their
+    values in ``update.left_out`` and at the values ``codec``, bound to the round, did not
+    send), decoding the reducers' bytes part by part. ``MalformedTensorError`` if a part does
+    not decode (the state is then half changed: the caller drops it). The caller checks the
+    digest it makes."""
+    if update.round != state.round:
+        raise ValueError(f"update of round {update.round} for a state of round {state.round}")
+    missing = check_ranges(update.left_out, state.params.numel())
+    bound = codec.at_round(update.round)
+    state.wait_for_digest()
+    scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
+    theta, momentum = state.params, state.momentum
+    for start, values, buffer in update.parts:
+        decoded = bound.decode(buffer, values)
+        for window in chunks(values):
+            lo, hi = start + window.start, start + window.stop
+            present, _ = split_ranges(lo, hi, missing)
+            unsent = _unsent(bound, lo, hi - lo)
+            for kept in present:
+                width = kept.stop - kept.start
+                held = None if unsent is None else unsent[kept.start - lo : kept.stop - lo]
+                averaged = decoded[kept.start - start : kept.stop - start]
+                _sent_outer_step(theta[kept], momentum[kept], averaged, config, scratch[:width], held)
     state.round += 1
 
 

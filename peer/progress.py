@@ -71,6 +71,10 @@ class ProgressSink(Protocol):
 
     def waiting(self, round_: int) -> None: ...
 
+    def joining(self, text: str) -> None:
+        """Where this peer's join stands (state download, rolling forward), with how long it takes."""
+        ...
+
 
 class NoProgress:
     """Shows nothing (library use, tests)."""
@@ -79,6 +83,9 @@ class NoProgress:
         pass
 
     def waiting(self, round_: int) -> None:
+        pass
+
+    def joining(self, text: str) -> None:
         pass
 
 
@@ -138,6 +145,10 @@ class ProgressDisplay:
     def waiting(self, round_: int) -> None:
         if self.live:
             self._draw(f"round {round_:>4} averaging: looking for a group, then all-reduce | {self._swarm_part()}")
+
+    def joining(self, text: str) -> None:
+        """A line of its own: a join's steps are few and each may take minutes."""
+        self.say(f"joining: {text}")
 
     def round_done(self, metrics: dict[str, Any]) -> None:
         """Leave the round's permanent line (replacing the live one on a terminal)."""

@@ -30,6 +30,7 @@ from engine.outcome import GroupOutcome
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
+from engine.update_store import UpdateStore
 from peer.swarm_pace import SwarmPace
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
@@ -41,6 +42,7 @@ from protocol.roster import RosterClaim, claimed_roster
 from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
 from protocol.tokens import decode_token
+from protocol.updates import FetchedUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +177,7 @@ class Swarm:
         client_mode: bool = False,
         dht_kwargs: dict[str, Any] | None = None,
         gate: MemberGate | None = None,
+        updates: UpdateStore | None = None,
     ) -> None:
         self.spec = spec
         self.gate = gate
@@ -214,8 +217,10 @@ class Swarm:
             streams=averaging.streams,
             robust=RobustRule.for_spec(averaging),
             audit=averaging.audit,
+            updates=updates,
         )
         self.run_records = RunRecords(self.dht, self.averager.prefix)
+        self.updates = updates
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -388,9 +393,20 @@ class Swarm:
         """A state whose digest is in ``accept``, from an (admitted) peer that serves it."""
         return self.averager.load_verified_state(accept, timeout=timeout)
 
+    def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
+        """Round ``round_`` landed here from state ``pre`` to ``post``: keep its update for newcomers."""
+        self.averager.keep_update(round_, pre, post, left_out)
+
+    def download_update(self, round_: int, digest: str, *, timeout: float) -> FetchedUpdate | None:
+        """The update that takes the state of ``round_`` (``digest``) one round forward, from a
+        member that kept it (``timeout``: the longest a server may stay silent)."""
+        return self.averager.download_update(round_, digest, timeout)
+
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.averager.set_allreduce_timeout(timeout_s)
 
     def shutdown(self) -> None:
         self.averager.shutdown()
         self.dht.shutdown()
+        if self.updates is not None:
+            self.updates.close()

@@ -15,6 +15,7 @@ from protocol.agreement import Agreement, agreed_state
 from protocol.gathered import Gathered, votes
 from protocol.identity import Identity, PublicKey
 from protocol.roster import RosterClaim
+from protocol.updates import FetchedUpdate
 
 StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
 """Returns the (round, params, momentum, digest) this peer serves to others."""
@@ -141,3 +142,13 @@ class SwarmPort(Protocol):
     def serve_state(self, provider: StateProvider) -> None: ...
 
     def download_state(self, accept: set[str], *, timeout: float) -> DownloadedState | None: ...
+
+    def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
+        """Round ``round_`` landed here from state ``pre`` to ``post``: keep the averaged update
+        the swarm's last round gave this peer, for newcomers to roll forward by."""
+        ...
+
+    def download_update(self, round_: int, digest: str, *, timeout: float) -> FetchedUpdate | None:
+        """The averaged update that takes the state of ``round_`` (``digest``) one round forward,
+        from a member that kept it; None if no member did."""
+        ...

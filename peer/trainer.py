@@ -55,6 +55,7 @@ from peer.host_passes import (
     land_round,
     model_is_finite,
     rebase_model,
+    roll_forward,
     start_eagerly,
     undo_eager_start,
     write_delta_from,
@@ -72,7 +73,7 @@ from peer.state import GlobalState, flatten, load_flat
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
 from peer.task import Task
 from peer.timeouts import AdaptiveTimeouts, matchmaking_window
-from protocol.errors import VerificationError
+from protocol.errors import MalformedTensorError, VerificationError
 from protocol.gathered import Gathered
 from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
@@ -215,6 +216,9 @@ class _Landed:
     checkpoint: bool
     host_s: float
     """Host time so far (launch preparation and landing)."""
+    kept: tuple[int, str, list[tuple[int, int]]] | None = None
+    """A round that landed in sync: (its round, the digest it started from, left-out ranges),
+    for the swarm to keep its update once the new digest is known."""
 
 
 @dataclass
@@ -787,7 +791,8 @@ class Trainer:
             landing_s=round(landing_s, 4),
         )
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
-        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s)
+        kept = (self.state.round - 1, flight.pre_digest, list(result.left_out)) if result and self.in_sync else None
+        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s, kept)
         if digest_known:
             self._record_landed(wait=True)
 
@@ -802,6 +807,9 @@ class Trainer:
         digest = self.state.digest()
         if self._snapshot != (self.state.round, digest):
             self._publish()
+        if landed.kept is not None:
+            round_, pre, left_out = landed.kept
+            self.swarm.keep_update(round_, pre, digest, left_out)
         if landed.checkpoint:
             self.save_checkpoint()
         self._landed = None
@@ -1006,8 +1014,11 @@ class Trainer:
 
     def _outer(self) -> OuterSection:
         """The outer step's settings for the current round (the same lr in every member)."""
+        return self._outer_at(self.state.round)
+
+    def _outer_at(self, round_: int) -> OuterSection:
         if self.spec.schedule.outer:
-            return self.spec.outer.model_copy(update={"lr": outer_lr(self.spec, self.state.round)})
+            return self.spec.outer.model_copy(update={"lr": outer_lr(self.spec, round_)})
         return self.spec.outer
 
     def _the_rounds_state(self, result: RoundResult | None, flight: _InFlight) -> RoundResult | None:
@@ -1133,10 +1144,20 @@ class Trainer:
                 return True
             if agreed is not None and agreed.round >= self.state.round:
                 timeout = averaging.allreduce_timeout_s
+                started = time.monotonic()
+                self.progress.joining(
+                    f"downloading the swarm's state of round {agreed.round} ({self._state_mb():.0f} MB)"
+                )
                 downloaded = self.swarm.download_state({agreed.digest}, timeout=timeout)
                 if downloaded is not None:
-                    self._adopt(*downloaded, accepted={agreed.digest})
-                    return True
+                    round_, params, momentum = downloaded
+                    state = GlobalState(params.clone(), momentum.clone(), round_)
+                    rolled = self._roll_forward(state, time.monotonic() - started)
+                    if rolled is not None:
+                        self._adopt(rolled, accepted={rolled.digest()})
+                        return True
+                    # the swarm moved on past what members keep: try again with a newer state
+                    deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
                 if self._run_ended(agreed.round):
                     return False
                 # nobody serves the latest state: take the newest one somebody still serves
@@ -1176,15 +1197,71 @@ class Trainer:
             downloaded = self.swarm.download_state({state.digest}, timeout=timeout)
             if downloaded is not None:
                 logger.warning("nobody serves round %d's state; took round %d's", latest, state.round)
-                self._adopt(*downloaded, accepted={state.digest})
+                round_, params, momentum = downloaded
+                self._adopt(GlobalState(params.clone(), momentum.clone(), round_), accepted={state.digest})
                 return True
         return False
 
+    def _state_mb(self) -> float:
+        return 8 * self.state.params.numel() / 1e6
+
     @torch.no_grad()
-    def _adopt(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, *, accepted: set[str]) -> None:
-        state = GlobalState(params.clone(), momentum.clone(), round_)
+    def _roll_forward(self, state: GlobalState, download_s: float) -> GlobalState | None:
+        """The state just downloaded, taken forward by the rounds the swarm landed meanwhile
+        (``peer.host_passes.roll_forward``, by the averaged updates its members keep:
+        ``engine.update_store``), until it is the swarm's latest agreed state: then returned.
+        None when it could not be (no member keeps a round's update any more, one does not
+        decode or does not make the state its server claims, or the chain ends off the
+        swarm's state): the caller downloads a newer state. A peer whose download outlasts
+        rounds thus gets in after its download plus the updates', which are a few times smaller
+        than a state and are what its all-reduce would receive each round anyway."""
+        digest = state.digest()  # as verified by the download: the state of its round
+        rate = 8 * self._state_mb() / max(download_s, 1e-3)
+        rolled, update_bytes, started = 0, 0, time.monotonic()
+        while not self.options.stop.is_set():
+            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+            if agreed is None or agreed.round <= state.round:
+                if rolled and (agreed is None or agreed.digest != digest):
+                    logger.warning("the state rolled forward to round %d is not the swarm's", state.round)
+                    return None
+                break
+            behind = agreed.round - state.round
+            self.progress.joining(
+                f"state downloaded in {download_s:.0f} s ({rate:.1f} Mbit/s); rolling forward {behind} rounds"
+                + (f", ~{behind * update_bytes / rolled / 1e6 / max(rate / 8, 1e-6):.0f} s" if rolled else "")
+            )
+            update = self.swarm.download_update(state.round, digest, timeout=self.spec.averaging.allreduce_timeout_s)
+            if update is None:
+                logger.warning("no member keeps round %d's update any more: downloading a newer state", state.round)
+                return None
+            try:
+                roll_forward(state, update, self._outer_at(update.round), self.codec)
+            except MalformedTensorError as exc:
+                logger.warning("round %d's update from %s does not decode (%s)", update.round, update.server, exc)
+                return None
+            digest = state.digest()
+            if digest != update.post:
+                logger.warning(
+                    "round %d's update from %s does not make the state it claims", update.round, update.server
+                )
+                return None
+            rolled, update_bytes = rolled + 1, update_bytes + update.size
+        if rolled:
+            logger.info(
+                "rolled the downloaded state forward by %d rounds to round %d (%.1f MB of updates in %.1f s)",
+                rolled,
+                state.round,
+                update_bytes / 1e6,
+                time.monotonic() - started,
+            )
+        return state
+
+    @torch.no_grad()
+    def _adopt(self, state: GlobalState, *, accepted: set[str]) -> None:
+        """Make ``state`` this peer's; its digest must be in ``accepted`` (agreed by the swarm)."""
         if state.digest() not in accepted:  # the averager checked; check again where it is used
             raise VerificationError("downloaded state does not match the swarm's digest")
+        round_ = state.round
         carried = self._work_to_carry(round_)
         with self._state_lock:
             self.state = state

@@ -68,7 +68,7 @@ def test_the_downloader_closes_the_stream_once_it_holds_the_state_and_verifies_i
     server = _HeldServer(round_, params, momentum, digest)
 
     async def download() -> tuple[int, torch.Tensor, torch.Tensor]:
-        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}), 10)  # type: ignore[arg-type]
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}, 10.0), 10)  # type: ignore[arg-type]
 
     got_round, got_params, got_momentum = asyncio.run(download())
     assert got_round == round_
@@ -81,7 +81,7 @@ def test_a_state_other_than_the_one_asked_for_is_refused_and_the_stream_closed()
     server = _HeldServer(round_, params, momentum, digest)
 
     async def download() -> Any:
-        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {"blake3:other"}), 10)  # type: ignore[arg-type]
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {"blake3:other"}, 10.0), 10)  # type: ignore[arg-type]
 
     with pytest.raises(MalformedTensorError, match="not the one asked for"):
         asyncio.run(download())
@@ -110,7 +110,7 @@ def test_metadata_sent_again_or_too_large_is_refused(pad: int) -> None:
     server = _MetadataFlood(round_, params, momentum, digest, pad=pad)
 
     async def download() -> tuple[int, torch.Tensor, torch.Tensor]:
-        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}), 10)  # type: ignore[arg-type]
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}, 10.0), 10)  # type: ignore[arg-type]
 
     with pytest.raises(MalformedTensorError, match="metadata sent twice or larger than"):
         asyncio.run(download())

@@ -80,6 +80,7 @@ class RecordingSwarm:
         self.matchmaking_timeouts: list[float] = []
         self.windows: list[float] = []
         self.newcomer = False
+        self.kept: list[tuple[int, str, str, list[tuple[int, int]]]] = []
         # the averager's shared vector; NaN until the trainer writes its round into it
         self.vector = torch.full((count_params(parse_spec(SPEC).task.model),), float("nan"))
 
@@ -92,6 +93,12 @@ class RecordingSwarm:
 
     def download_state(self, accept: set[str], *, timeout: float) -> Any:
         return self.averager.load_verified_state(accept, timeout) if self.averager is not None else None
+
+    def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
+        self.kept.append((round_, pre, post, left_out))
+
+    def download_update(self, round_: int, digest: str, *, timeout: float) -> Any:
+        return None
 
     def start_round(self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0) -> _Pending:
         self.launched.append((self.vector.clone(), weight))
@@ -459,6 +466,9 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
 
         def waiting(self, round_: int) -> None:
             self.events.append(("waiting", round_))
+
+        def joining(self, text: str) -> None:
+            self.events.append(("joining", text))
 
     class SlowPending(_Pending):
         def done(self) -> bool:

@@ -1,0 +1,258 @@
+"""Kept updates between members: a member keeps the averaged update of each round that landed
+here (``engine.update_store``) and serves it to admitted peers; a newcomer that holds the state
+of round r downloads round r's update, rolls its state forward (``peer.roll_forward``) and asks
+for the next, until it holds the swarm's latest state. Mixed into ``engine.averager.ExactAverager``.
+
+The wire: one request per update, an ``AveragingData`` whose spare ``peer_id`` field holds
+``[round, digest]`` (the state the requester holds); the answer is a stream of one header
+message (``peer_id``: ``[round, pre, post, left_out, parts, bytes]``, no tensor) and then the
+update's parts in vector order (``peer_id``: the part's start; ``tensor_part``: the reducer's
+bytes). A server that does not hold the update answers ``BAD_GROUP_ID``. The downloader checks
+every field before it takes the next message, caps what it reads, and the host checks the
+digest of the state the update makes: a server can waste a downloader's time, never change
+what it adopts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.mpfuture import MPFuture
+
+from engine.allreduce import MAX_PART_VALUES, CodecCompression, part_numel
+from engine.state_transfer import SLOWEST_LINK_BYTES_S
+from engine.stream_close import until_reader_closes
+from engine.update_store import KeptUpdate, UpdateStore, read_frames
+from protocol.errors import MalformedTensorError
+from protocol.updates import FetchedUpdate, parse_ranges
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 256
+"""A request's ``[round, digest]``: ~80 bytes; more is refused unread."""
+MAX_HEADER_BYTES = 64 * 1024
+"""An update's header: its digests and left-out ranges (a few per failed reducer)."""
+MAX_SERVING = 4
+"""Updates this member streams at once; more requests are answered "busy"."""
+SLACK_BYTES = 1 << 20
+
+
+class UpdateTransferMixin:
+    """``keep_update`` and ``download_update`` (host process) and the averager-process side."""
+
+    update_store: UpdateStore | None
+    numel: int
+    prefix: str
+    dht: Any
+    peer_id: PeerID
+    serializer: Any
+    codec_compression: CodecCompression
+    _outer_pipe: Any
+    _p2p: Any
+    _matchmaking: Any
+
+    if TYPE_CHECKING:
+
+        async def _admitted(self, peer: PeerID) -> bool: ...
+
+        def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any: ...
+
+    def _spool(self) -> dict[int, asyncio.Future[None]]:
+        return self.__dict__.setdefault("_update_spool", {})
+
+    def _serving(self) -> asyncio.Semaphore:
+        semaphore = self.__dict__.get("_update_serving")
+        if semaphore is None:
+            semaphore = self.__dict__["_update_serving"] = asyncio.Semaphore(MAX_SERVING)
+        return semaphore
+
+    # --- keeping (the averager process, at the end of an all-reduce; the host, once it landed)
+
+    def _spool_update(self, round_: int, parts: Sequence[tuple[int, runtime_pb2.Tensor]]) -> None:
+        """Write the round's averaged parts to the store on a thread (the all-reduce's result is
+        not held up by the disk); ``keep_update`` waits for it."""
+        if self.update_store is None:
+            return
+        spool = self._spool()
+        spool[round_] = asyncio.get_running_loop().run_in_executor(None, self.update_store.write_pending, round_, parts)
+        for old in [r for r in spool if r < round_ - 1]:
+            spool.pop(old, None)
+
+    def keep_update(self, round_: int, pre: str, post: str, left_out: Sequence[tuple[int, int]]) -> None:
+        """The round averaged last landed here, from state ``pre`` to ``post``: keep its update
+        for newcomers (nothing if this peer keeps none)."""
+        ranges = [(int(lo), int(hi)) for lo, hi in left_out]
+        self._outer_pipe.send(("_keep_update", [], dict(round_=round_, pre=pre, post=post, left_out=ranges)))
+
+    async def _keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
+        if self.update_store is None:
+            return
+        writing = self._spool().pop(round_, None)
+        try:
+            if writing is not None:
+                await writing
+            if not self.update_store.keep(round_, pre, post, left_out):
+                logger.debug("no update of round %d to keep (this peer's all-reduce did not end here)", round_)
+        except Exception:  # a disk error costs newcomers this round, never the round
+            logger.exception("could not keep round %d's update", round_)
+
+    # --- serving (the averager process)
+
+    async def rpc_download_update(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The kept update that takes the requester's state forward by one round."""
+        async for message in until_reader_closes(self._serve_update(request, context)):
+            yield message
+
+    async def _serve_update(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._admitted(context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        asked = self._parse_request(request.peer_id)
+        chain = [] if asked is None or self.update_store is None else self.update_store.chain(*asked)
+        if not chain:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        semaphore = self._serving()
+        if semaphore.locked():
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            return
+        async with semaphore:
+            update = chain[0]
+            yield averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE, peer_id=self._header(update))
+            frames = read_frames(update.path)
+            loop = asyncio.get_running_loop()
+            while (frame := await loop.run_in_executor(None, next, frames, None)) is not None:
+                start, raw = frame
+                part = runtime_pb2.Tensor()
+                part.ParseFromString(raw)
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING, peer_id=self.serializer.dumps(start), tensor_part=part
+                )
+
+    def _header(self, update: KeptUpdate) -> bytes:
+        left_out = [list(pair) for pair in update.left_out]
+        return bytes(
+            self.serializer.dumps([update.round, update.pre, update.post, left_out, update.parts, update.size])
+        )
+
+    def _parse_request(self, raw: bytes) -> tuple[int, str] | None:
+        if len(raw) > MAX_REQUEST_BYTES:
+            return None
+        try:
+            values = self.serializer.loads(raw)
+        except Exception:  # noqa: BLE001 - anything unreadable is refused
+            return None
+        if not isinstance(values, list | tuple) or len(values) != 2:
+            return None
+        round_, digest = values
+        if type(round_) is not int or round_ < 0 or not isinstance(digest, str):
+            return None
+        return round_, digest
+
+    # --- downloading (host process, then the averager process)
+
+    def download_update(self, round_: int, digest: str, timeout: float) -> FetchedUpdate | None:
+        """The update that takes the state of ``round_`` (``digest``) one round forward, from an
+        admitted member that keeps it; None if none did. ``timeout``: the longest a server may
+        go without sending anything (a slow link takes as long as it takes)."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(
+            ("_download_update", [], dict(round_=round_, digest=digest, timeout=timeout, future=future))
+        )
+        return future.result(timeout=timeout * 4 + 10 + 4 * self.numel / SLOWEST_LINK_BYTES_S)
+
+    async def _download_update(self, round_: int, digest: str, timeout: float, future: MPFuture) -> None:
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            candidates = list(found.value.keys()) if found is not None and isinstance(found.value, dict) else []
+            random.shuffle(candidates)
+            for raw_peer in candidates:
+                try:
+                    peer = PeerID(raw_peer)
+                except Exception:  # noqa: BLE001 - a malformed DHT subkey
+                    continue
+                if peer == self.peer_id or not await self._admitted(peer):
+                    continue
+                try:
+                    update = await self._download_update_from(peer, round_, digest, timeout)
+                except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
+                    logger.info("no update of round %d from %s: %s", round_, peer, str(exc) or type(exc).__name__)
+                    continue
+                if update is not None:
+                    future.set_result(update)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_update_from(
+        self, peer: PeerID, round_: int, digest: str, timeout: float
+    ) -> FetchedUpdate | None:
+        started = time.monotonic()
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        request = averaging_pb2.AveragingData(peer_id=self.serializer.dumps([round_, digest]))
+        stream = await asyncio.wait_for(stub.rpc_download_update(request), timeout)
+        tag = self.codec_compression.dtype_tag
+        limit = int(self.numel * (self.codec_compression.codec.bytes_per_value() + 0.25)) + SLACK_BYTES
+        header: tuple[str, tuple[tuple[int, int], ...], int] | None = None
+        parts: list[tuple[int, int, bytes]] = []
+        cursor = received = 0
+        try:
+            async for message in aiter_with_timeout(stream, timeout):
+                if header is None:
+                    if message.code == averaging_pb2.BAD_GROUP_ID:
+                        return None  # it keeps no such update
+                    if message.code != averaging_pb2.NO_CODE:
+                        raise MalformedTensorError(f"it answered {averaging_pb2.MessageCode.Name(message.code)}")
+                    header = self._parse_header(message.peer_id, round_, digest)
+                    continue
+                if message.code != averaging_pb2.PART_FOR_AVERAGING or message.tensor_part.dtype != tag:
+                    raise MalformedTensorError(f"part {len(parts)} is not a {tag} part")
+                start = self.serializer.loads(message.peer_id) if len(message.peer_id) <= 16 else None
+                if type(start) is not int or start != cursor:
+                    raise MalformedTensorError(f"part {len(parts)} starts at {start}, expected {cursor}")
+                values = part_numel(message.tensor_part.size)
+                received += len(message.tensor_part.buffer)
+                if not 0 < values <= MAX_PART_VALUES or cursor + values > self.numel or received > limit:
+                    raise MalformedTensorError(f"part {len(parts)} runs past the vector or the update's size")
+                parts.append((cursor, values, bytes(message.tensor_part.buffer)))
+                cursor += values
+                if cursor == self.numel:
+                    break  # the whole update is here: close the stream (the server waits for that)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+        if header is None or cursor != self.numel:
+            raise MalformedTensorError(f"update ended after {cursor} of {self.numel} values")
+        post, left_out, _ = header
+        return FetchedUpdate(round_, digest, post, left_out, parts, time.monotonic() - started, str(peer))
+
+    def _parse_header(self, raw: bytes, round_: int, digest: str) -> tuple[str, tuple[tuple[int, int], ...], int]:
+        if len(raw) > MAX_HEADER_BYTES:
+            raise MalformedTensorError("update header too large")
+        try:
+            values = self.serializer.loads(raw)
+        except Exception as exc:  # anything unreadable is refused
+            raise MalformedTensorError("update header unreadable") from exc
+        if not isinstance(values, list | tuple) or len(values) != 6:
+            raise MalformedTensorError("update header malformed")
+        got_round, pre, post, left_out, parts, _size = values
+        if got_round != round_ or pre != digest:
+            raise MalformedTensorError(f"serves the update of round {got_round!r}, not the one asked for")
+        if not isinstance(post, str) or len(post) > 128 or type(parts) is not int or parts < 1:
+            raise MalformedTensorError("update header malformed")
+        return post, parse_ranges(left_out, self.numel), parts

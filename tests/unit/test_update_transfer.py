@@ -1,0 +1,227 @@
+"""Kept updates: what a member keeps (``engine.update_store``), what it serves and to whom, and
+what a newcomer takes from a server (``engine.update_transfer``): everything a hostile server
+could send instead is refused before the next message is read."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MSGPackSerializer
+
+from engine.allreduce import CodecCompression
+from engine.compression import get_codec
+from engine.update_store import UpdateStore, read_frames
+from engine.update_transfer import MAX_SERVING, UpdateTransferMixin
+from protocol.errors import MalformedTensorError
+
+NUMEL = 64 * 300
+WIDTH = 64 * 70  # values per part: whole blocks, the last part shorter
+CODEC = CodecCompression(get_codec("int8"))
+
+
+class _Context:
+    def __init__(self, remote_id: str) -> None:
+        self.remote_id = remote_id
+
+
+class _Member(UpdateTransferMixin):
+    """A member's averager side: a store and the admission gate's answer."""
+
+    def __init__(self, store: UpdateStore | None, admitted: set[str] = frozenset({"newcomer"})) -> None:  # type: ignore[assignment]
+        self.update_store, self.numel, self.serializer = store, NUMEL, MSGPackSerializer
+        self.codec_compression = CODEC
+        self.admitted = set(admitted)
+
+    async def _admitted(self, peer: Any) -> bool:
+        return str(peer) in self.admitted
+
+
+class _Stub:
+    def __init__(self, serve: Any) -> None:
+        self.serve = serve
+
+    async def rpc_download_update(self, request: averaging_pb2.AveragingData) -> AsyncIterator[Any]:
+        return self.serve(request)
+
+
+class _Newcomer(_Member):
+    def __init__(self, serve: Any) -> None:
+        super().__init__(None)
+        self.prefix, self._p2p, self.stub = "test", None, _Stub(serve)
+
+    def get_stub(self, p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
+        return self.stub
+
+    def fetch(self, round_: int, digest: str, timeout: float = 5.0) -> Any:
+        return asyncio.run(self._download_update_from("member", round_, digest, timeout))  # type: ignore[arg-type]
+
+
+def _parts(round_: int) -> list[tuple[int, runtime_pb2.Tensor]]:
+    values = torch.randn(NUMEL, generator=torch.Generator().manual_seed(round_)) * 1e-3
+    dither = torch.rand(WIDTH + 64, generator=torch.Generator().manual_seed(round_))
+    return [(start, CODEC.compress_average(values[start : start + WIDTH], dither)) for start in range(0, NUMEL, WIDTH)]
+
+
+def _served_by(member: _Member, who: str = "newcomer") -> Any:
+    return lambda request: member.rpc_download_update(request, _Context(who))  # type: ignore[arg-type]
+
+
+def _kept(tmp_path: Path, rounds: int = 2, keep: int = 4) -> UpdateStore:
+    store = UpdateStore(tmp_path / "updates", keep=keep)
+    for round_ in range(3, 3 + rounds):
+        store.write_pending(round_, list(reversed(_parts(round_))))  # any order in, vector order out
+        assert store.keep(round_, f"d{round_}", f"d{round_ + 1}", [(64, 128)] if round_ == 4 else [])
+    return store
+
+
+def test_a_member_keeps_the_rounds_that_landed_here_and_the_newest_few(tmp_path: Path) -> None:
+    store = UpdateStore(tmp_path / "updates", keep=2)
+    store.write_pending(3, _parts(3))
+    assert not store.keep(9, "a", "b", [])  # no all-reduce of round 9 ended here
+    store.write_pending(4, _parts(4))  # round 3's pending update never landed: a newer one came
+    assert store.keep(4, "d4", "d5", []) and store.rounds() == [4]
+    for round_ in (5, 6):
+        store.write_pending(round_, _parts(round_))
+        store.keep(round_, f"d{round_}", f"d{round_ + 1}", [])
+    assert store.rounds() == [5, 6]
+    assert sorted(p.name for p in (tmp_path / "updates").iterdir()) == ["round-5.bin", "round-6.bin"]
+    assert [u.round for u in store.chain(5, "d5")] == [5, 6]
+    assert store.chain(5, "d-other") == [] and store.chain(4, "d4") == []
+    frames = list(read_frames(store.chain(6, "d6")[0].path))
+    assert [start for start, _ in frames] == list(range(0, NUMEL, WIDTH))
+    store.close()
+    assert not (tmp_path / "updates").exists()
+
+
+def test_a_newcomer_downloads_each_round_of_the_chain_as_it_was_averaged(tmp_path: Path) -> None:
+    member = _Member(_kept(tmp_path))
+    newcomer = _Newcomer(_served_by(member))
+    first = newcomer.fetch(3, "d3")
+    assert (first.round, first.pre, first.post, first.left_out) == (3, "d3", "d4", ())
+    assert [(start, values, buffer) for start, values, buffer in first.parts] == [
+        (start, part.size[0], part.buffer) for start, part in _parts(3)
+    ]
+    second = newcomer.fetch(4, first.post)
+    assert (second.post, second.left_out) == ("d5", ((64, 128),))
+    assert newcomer.fetch(5, "d5") is None  # not kept (yet): the newcomer asks another member
+    assert newcomer.fetch(3, "d-forged") is None  # from another state: not this member's chain
+
+
+def test_an_outsider_or_a_malformed_request_gets_nothing(tmp_path: Path) -> None:
+    member = _Member(_kept(tmp_path))
+    with pytest.raises(MalformedTensorError, match="PROTOCOL_VIOLATION"):
+        _Newcomer(_served_by(member, who="stranger")).fetch(3, "d3")
+
+    async def ask(raw: bytes) -> list[Any]:
+        request = averaging_pb2.AveragingData(peer_id=raw)
+        return [m async for m in member._serve_update(request, _Context("newcomer"))]  # type: ignore[arg-type]
+
+    for raw in (b"\xc1", MSGPackSerializer.dumps([3]), MSGPackSerializer.dumps([-1, "d3"]), b"x" * 300):
+        (answer,) = asyncio.run(ask(raw))
+        assert answer.code == averaging_pb2.BAD_GROUP_ID
+
+
+def test_a_member_serves_a_few_newcomers_at_once_and_tells_the_others_it_is_busy(tmp_path: Path) -> None:
+    member = _Member(_kept(tmp_path))
+
+    async def crowd() -> list[int]:
+        request = averaging_pb2.AveragingData(peer_id=MSGPackSerializer.dumps([3, "d3"]))
+        streams = [member._serve_update(request, _Context("newcomer")) for _ in range(MAX_SERVING + 1)]
+        firsts = [await anext(stream) for stream in streams]  # each holds its place mid-stream
+        for stream in streams:
+            await stream.aclose()
+        return [m.code for m in firsts]
+
+    codes = asyncio.run(crowd())
+    assert codes.count(averaging_pb2.NO_CODE) == MAX_SERVING and codes[-1] == averaging_pb2.INTERNAL_ERROR
+
+
+def _header(**change: Any) -> averaging_pb2.AveragingData:
+    fields = {"round": 3, "pre": "d3", "post": "d4", "left_out": [], "parts": 5, "size": 1}
+    fields.update(change)
+    return averaging_pb2.AveragingData(
+        code=averaging_pb2.NO_CODE, peer_id=MSGPackSerializer.dumps(list(fields.values()))
+    )
+
+
+def _part(start: Any, part: runtime_pb2.Tensor) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(
+        code=averaging_pb2.PART_FOR_AVERAGING, peer_id=MSGPackSerializer.dumps(start), tensor_part=part
+    )
+
+
+def _honest() -> list[averaging_pb2.AveragingData]:
+    return [_header(), *(_part(start, part) for start, part in _parts(3))]
+
+
+def _replace_part(index: int, **fields: Any) -> list[averaging_pb2.AveragingData]:
+    messages = _honest()
+    part = runtime_pb2.Tensor()
+    part.CopyFrom(messages[index].tensor_part)
+    for name, value in fields.items():
+        if name == "size":
+            del part.size[:]
+            part.size.extend(value)
+        else:
+            setattr(part, name, value)
+    messages[index] = _part(MSGPackSerializer.loads(messages[index].peer_id), part)
+    return messages
+
+
+HOSTILE = {
+    "another round": [_header(round=4), *_honest()[1:]],
+    "another start state": [_header(pre="d-other"), *_honest()[1:]],
+    "left-out ranges past the vector": [_header(left_out=[[0, NUMEL + 1]]), *_honest()[1:]],
+    "overlapping left-out ranges": [_header(left_out=[[0, 64], [32, 96]]), *_honest()[1:]],
+    "left-out ranges that are not numbers": [_header(left_out=[["0", 64]]), *_honest()[1:]],
+    "a header that is not a list": [
+        averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE, peer_id=MSGPackSerializer.dumps({"round": 3})),
+        *_honest()[1:],
+    ],
+    "a huge claimed digest": [_header(post="b" * 1000), *_honest()[1:]],
+    "a part first": _honest()[1:],
+    "a gap between parts": [_header(), *_honest()[2:]],
+    "a part that starts elsewhere": [_header(), _part(64, _honest()[1].tensor_part), *_honest()[2:]],
+    "a start that is not a number": [_header(), _part(True, _honest()[1].tensor_part), *_honest()[2:]],
+    "another codec": _replace_part(2, dtype="swarmtrain:none"),
+    "a part running past the vector": _replace_part(-1, size=[NUMEL]),
+    "a part of no values": _replace_part(1, size=[0]),
+    "more bytes than an update holds": _replace_part(1, buffer=b"\0" * (2 * NUMEL + (1 << 20))),
+    "a stream that ends early": _honest()[:-1],
+    "an answer code that is not an update": [averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)],
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE))
+def test_what_a_hostile_server_sends_instead_of_an_update_is_refused(attack: str) -> None:
+    async def serve(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        for message in HOSTILE[attack]:
+            yield message
+
+    with pytest.raises(MalformedTensorError):
+        _Newcomer(serve).fetch(3, "d3")
+
+
+def test_a_server_that_stops_sending_is_given_up_after_the_timeout() -> None:
+    async def stall(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        yield _honest()[0]
+        await asyncio.sleep(60)
+        yield _honest()[1]
+
+    with pytest.raises(TimeoutError):
+        _Newcomer(stall).fetch(3, "d3", timeout=0.3)
+
+
+def test_an_honest_stream_of_the_same_messages_is_taken() -> None:
+    async def serve(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        for message in _honest():
+            yield message
+
+    update = _Newcomer(serve).fetch(3, "d3")
+    assert update.post == "d4" and sum(values for _, values, _ in update.parts) == NUMEL
