@@ -277,7 +277,10 @@ class LoopbackSwarm:
     def serve_state(self, provider: Any) -> None:
         pass
 
-    def download_state(self, accept: set[str], *, timeout: float) -> None:
+    def seen_at(self, round_: int) -> float | None:
+        return None
+
+    def download_state(self, accept: set[str], *, timeout: float, newer_than: int | None = None) -> None:
         return None
 
     def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:

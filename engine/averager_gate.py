@@ -80,6 +80,11 @@ class AdmissionGateMixin:
             yield averaging_pb2.DownloadData(metadata=self.serializer.dumps({"error": "not admitted to this run"}))
             return
         async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
+            if message.metadata and message.tensor_part.buffer:
+                # the metadata on its own first, so that a downloader that would refuse this state
+                # (another digest than it asks for) does so before any tensor bytes cross its link
+                yield averaging_pb2.DownloadData(metadata=message.metadata)
+                message = averaging_pb2.DownloadData(tensor_part=message.tensor_part)
             yield message
 
     @property

@@ -65,19 +65,29 @@ class StateTransferMixin:
         return {"round": round_, "digest": digest}, [params, momentum], None
 
     def load_verified_state(
-        self, accept: set[str] | None, timeout: float
+        self, accept: set[str] | None, timeout: float, newer_than: int | None = None
     ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Download (round, params, momentum) from the first peer whose state digest is in
-        ``accept``; peers serving anything else are refused with a logged reason. None if none did.
-        ``accept=None`` takes any state whose bytes match the digest its server claims (the
-        caller verifies that digest itself, later). ``timeout``: the longest a server may stay
-        silent, not the download's length."""
+        ``accept``, or whose state is of a round after ``newer_than`` (the swarm moved on since
+        the caller read its records: the caller verifies that state's digest against the
+        records, later); peers serving anything else are refused with a logged reason, before
+        any tensor is read. None if none did. Whatever is taken matches the digest its server
+        claims. ``accept=None`` takes any state (the caller verifies it). ``timeout``: the
+        longest a server may stay silent, not the download's length."""
         future: MPFuture = MPFuture()
         wanted = None if accept is None else sorted(accept)
-        self._outer_pipe.send(("_load_verified_state", [], dict(accept=wanted, timeout=timeout, future=future)))
+        self._outer_pipe.send(
+            (
+                "_load_verified_state",
+                [],
+                dict(accept=wanted, timeout=timeout, future=future, newer_than=newer_than),
+            )
+        )
         return future.result(timeout=timeout * 4 + 10 + 8 * self.numel / SLOWEST_LINK_BYTES_S)
 
-    async def _load_verified_state(self, accept: list[str] | None, timeout: float, future: MPFuture) -> None:
+    async def _load_verified_state(
+        self, accept: list[str] | None, timeout: float, future: MPFuture, newer_than: int | None = None
+    ) -> None:
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             found = await self.dht.get(key, latest=True, return_future=True)
@@ -95,7 +105,7 @@ class StateTransferMixin:
                     continue
                 try:
                     wanted = None if accept is None else set(accept)
-                    state = await self._download_state_from(peer, wanted, timeout)
+                    state = await self._download_state_from(peer, wanted, timeout, newer_than)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.warning("refused state from %s: %s", peer, str(exc) or type(exc).__name__)
                     continue
@@ -106,7 +116,7 @@ class StateTransferMixin:
                 future.set_result(None)
 
     async def _download_state_from(
-        self, peer: PeerID, accept: set[str] | None, timeout: float
+        self, peer: PeerID, accept: set[str] | None, timeout: float, newer_than: int | None = None
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
@@ -132,11 +142,15 @@ class StateTransferMixin:
                         raise MalformedTensorError(f"it refused: {metadata['error'][:200]}")
                     # the claim comes first: refuse a state we would not accept before its tensors
                     claimed = metadata.get("digest") if isinstance(metadata, dict) else None
-                    if not isinstance(claimed, str) or (accept is not None and claimed not in accept):
+                    claimed_round = metadata.get("round") if isinstance(metadata, dict) else None
+                    newer = newer_than is not None and type(claimed_round) is int and claimed_round > newer_than
+                    if not isinstance(claimed, str) or (accept is not None and claimed not in accept and not newer):
                         raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
                 received += len(message.tensor_part.buffer)
                 if received > limit:
                     raise MalformedTensorError(f"state larger than {limit} bytes")
+                if not message.tensor_part.buffer and not message.tensor_part.dtype:
+                    continue  # the metadata alone (our servers send it first: a refusal costs no tensor bytes)
                 if message.tensor_part.dtype and parts:
                     tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                     parts = []
@@ -155,6 +169,6 @@ class StateTransferMixin:
             raise MalformedTensorError(f"state is not two float32 vectors of {self.numel} values")
         params, momentum = tensors
         digest = state_digest(metadata["round"], params, momentum)
-        if digest not in (accept if accept is not None else {metadata.get("digest")}):
+        if digest != metadata.get("digest"):
             raise MalformedTensorError(f"state digest {digest[:19]}... of round {metadata['round']} is not the swarm's")
         return metadata["round"], params, momentum

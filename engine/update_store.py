@@ -33,10 +33,13 @@ logger = logging.getLogger(__name__)
 
 FRAME = struct.Struct("<QI")
 """A frame's header: the part's first value's position in the vector, its serialized length."""
-KEPT_ROUNDS = 4
-"""Rounds of updates a member keeps by default: a newcomer whose download outlasted more rounds
-than this downloads a newer state instead (its second download is then shorter than the first
-only by what it learned of the link; see ARCHITECTURE §3 "Joining")."""
+KEPT_ROUNDS = 16
+"""Rounds of updates a member keeps by default: a newcomer whose state download outlasted more
+rounds than this (or than ``KEPT_BYTES`` hold) downloads a newer state instead, and chases the
+swarm as it would without updates."""
+KEPT_BYTES = 4 << 30
+"""Disk a member's kept updates take at most (the newest round is kept whatever its size): 16
+rounds of a 1B model's updates with the sparse codec take 1.3 GB, with fp16 two rounds fit."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,15 @@ class KeptUpdate:
 
 
 class UpdateStore:
-    """A directory of kept updates, the newest ``keep`` rounds. Thread-safe: written on the
+    """A directory of kept updates, the newest ``keep`` rounds in at most ``max_bytes``. Thread-safe: written on the
     averager's executor threads, read by its serving coroutines."""
 
-    def __init__(self, directory: Path, keep: int = KEPT_ROUNDS) -> None:
+    def __init__(self, directory: Path, keep: int = KEPT_ROUNDS, max_bytes: int = KEPT_BYTES) -> None:
         if keep < 1:
             raise ValueError("an update store keeps at least one round")
         self.directory = directory
         self.keep_rounds = keep
+        self.max_bytes = max_bytes
         self._kept: dict[int, KeptUpdate] = {}
         self._pending: dict[int, tuple[Path, int, int]] = {}
         self._lock = threading.Lock()
@@ -99,8 +103,14 @@ class UpdateStore:
             self._kept[round_] = KeptUpdate(
                 round_, pre, post, tuple((int(lo), int(hi)) for lo, hi in left_out), kept_path, parts, size
             )
-            for old in sorted(self._kept)[: -self.keep_rounds]:
-                self._kept.pop(old).path.unlink(missing_ok=True)
+            rounds = sorted(self._kept)
+            held = sum(update.size for update in self._kept.values())
+            for old in rounds[:-1]:
+                if len(self._kept) <= self.keep_rounds and held <= self.max_bytes:
+                    break
+                dropped = self._kept.pop(old)
+                held -= dropped.size
+                dropped.path.unlink(missing_ok=True)
         return True
 
     def chain(self, round_: int, digest: str) -> list[KeptUpdate]:

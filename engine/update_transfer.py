@@ -20,6 +20,7 @@ import contextlib
 import logging
 import random
 import time
+import typing
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,18 @@ MAX_HEADER_BYTES = 64 * 1024
 """An update's header: its digests and left-out ranges (a few per failed reducer)."""
 MAX_SERVING = 4
 """Updates this member streams at once; more requests are answered "busy"."""
+SERVERS_TTL_S = 15.0
+OPEN_TIMEOUT_S = 10.0
+"""The longest a member that is gone (its ``all_averagers`` entry lives 30 s) holds up the search."""
+MAX_SERVERS_ASKED = 8
+"""Members asked for one update, at random: in a swarm of thousands a newcomer whose state no
+member rolled from (it diverged) finds out after a few requests, not thousands."""
+MAX_CHAIN = 64
+"""Updates one answer streams at most (a newcomer asks again from where it ends)."""
 SLACK_BYTES = 1 << 20
+
+_Header = tuple[int, str, str, tuple[tuple[int, int], ...], int]
+"""An update's (round, pre, post, left-out ranges, updates that follow it in the stream)."""
 
 
 class UpdateTransferMixin:
@@ -109,8 +121,9 @@ class UpdateTransferMixin:
 
     async def rpc_download_update(
         self, request: averaging_pb2.AveragingData, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """The kept update that takes the requester's state forward by one round."""
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """The kept update that takes the requester's state forward by one round. (Annotated
+        with ``typing.AsyncIterator``: hivemind's servicer reads a stream from that alone.)"""
         async for message in until_reader_closes(self._serve_update(request, context)):
             yield message
 
@@ -129,24 +142,25 @@ class UpdateTransferMixin:
         if semaphore.locked():
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             return
+        chain = chain[:MAX_CHAIN]
+        loop = asyncio.get_running_loop()
         async with semaphore:
-            update = chain[0]
-            yield averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE, peer_id=self._header(update))
-            frames = read_frames(update.path)
-            loop = asyncio.get_running_loop()
-            while (frame := await loop.run_in_executor(None, next, frames, None)) is not None:
-                start, raw = frame
-                part = runtime_pb2.Tensor()
-                part.ParseFromString(raw)
-                yield averaging_pb2.AveragingData(
-                    code=averaging_pb2.PART_FOR_AVERAGING, peer_id=self.serializer.dumps(start), tensor_part=part
-                )
+            for index, update in enumerate(chain):
+                more = len(chain) - 1 - index
+                yield averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE, peer_id=self._header(update, more))
+                frames = read_frames(update.path)
+                while (frame := await loop.run_in_executor(None, next, frames, None)) is not None:
+                    start, raw = frame
+                    part = runtime_pb2.Tensor()
+                    part.ParseFromString(raw)
+                    yield averaging_pb2.AveragingData(
+                        code=averaging_pb2.PART_FOR_AVERAGING, peer_id=self.serializer.dumps(start), tensor_part=part
+                    )
 
-    def _header(self, update: KeptUpdate) -> bytes:
+    def _header(self, update: KeptUpdate, more: int) -> bytes:
         left_out = [list(pair) for pair in update.left_out]
-        return bytes(
-            self.serializer.dumps([update.round, update.pre, update.post, left_out, update.parts, update.size])
-        )
+        fields = [update.round, update.pre, update.post, left_out, update.parts, update.size, more]
+        return bytes(self.serializer.dumps(fields))
 
     def _parse_request(self, raw: bytes) -> tuple[int, str] | None:
         if len(raw) > MAX_REQUEST_BYTES:
@@ -176,49 +190,78 @@ class UpdateTransferMixin:
 
     async def _download_update(self, round_: int, digest: str, timeout: float, future: MPFuture) -> None:
         try:
-            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-            found = await self.dht.get(key, latest=True, return_future=True)
-            candidates = list(found.value.keys()) if found is not None and isinstance(found.value, dict) else []
-            random.shuffle(candidates)
-            for raw_peer in candidates:
+            prefetched = self.__dict__.setdefault("_prefetched", {})
+            update = prefetched.pop((round_, digest), None)
+            if update is not None:  # the rest of a chain a member streamed with the last one
+                future.set_result(update)
+                return
+            prefetched.clear()
+            for peer in await self._update_servers():
                 try:
-                    peer = PeerID(raw_peer)
-                except Exception:  # noqa: BLE001 - a malformed DHT subkey
-                    continue
-                if peer == self.peer_id or not await self._admitted(peer):
-                    continue
-                try:
-                    update = await self._download_update_from(peer, round_, digest, timeout)
+                    chain = await self._download_chain_from(peer, round_, digest, timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.info("no update of round %d from %s: %s", round_, peer, str(exc) or type(exc).__name__)
                     continue
-                if update is not None:
-                    future.set_result(update)
+                if chain:
+                    self.__dict__["_update_server"] = peer  # asked first for the next round's
+                    prefetched.update({(later.round, later.pre): later for later in chain[1:]})
+                    future.set_result(chain[0])
                     return
         finally:
             if not future.done():
                 future.set_result(None)
 
-    async def _download_update_from(
-        self, peer: PeerID, round_: int, digest: str, timeout: float
-    ) -> FetchedUpdate | None:
+    async def _update_servers(self) -> list[PeerID]:
+        """Up to ``MAX_SERVERS_ASKED`` admitted members to ask, at random, the one that served the
+        last update first; the members are read from the DHT at most every ``SERVERS_TTL_S``
+        (a newcomer rolling forward by many rounds over a slow link asks for one per round)."""
+        listed, read_at = self.__dict__.get("_update_listing", ([], -SERVERS_TTL_S))
+        if time.monotonic() - read_at >= SERVERS_TTL_S:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            listed = list(found.value.keys()) if found is not None and isinstance(found.value, dict) else []
+            self.__dict__["_update_listing"] = (listed, time.monotonic())
+        peers: list[PeerID] = []
+        for raw_peer in random.sample(listed, len(listed)):
+            try:
+                peer = PeerID(raw_peer)
+            except Exception:  # noqa: BLE001 - a malformed DHT subkey
+                continue
+            if peer != self.peer_id and await self._admitted(peer):
+                peers.append(peer)
+        last = self.__dict__.get("_update_server")
+        if last in peers:
+            peers.remove(last)
+            peers.insert(0, last)
+        return peers[:MAX_SERVERS_ASKED]
+
+    async def _download_chain_from(self, peer: PeerID, round_: int, digest: str, timeout: float) -> list[FetchedUpdate]:
+        """The kept updates ``peer`` streams from the state of ``round_`` (``digest``) on, in
+        order (it sends as many as it keeps unbroken, at most ``MAX_CHAIN``); empty if it keeps
+        none. Each header must continue the one before, each update cover the vector in order."""
         started = time.monotonic()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         request = averaging_pb2.AveragingData(peer_id=self.serializer.dumps([round_, digest]))
-        stream = await asyncio.wait_for(stub.rpc_download_update(request), timeout)
+        stream = await asyncio.wait_for(stub.rpc_download_update(request), min(timeout, OPEN_TIMEOUT_S))
         tag = self.codec_compression.dtype_tag
         limit = int(self.numel * (self.codec_compression.codec.bytes_per_value() + 0.25)) + SLACK_BYTES
-        header: tuple[str, tuple[tuple[int, int], ...], int] | None = None
+        chain: list[FetchedUpdate] = []
+        header: _Header | None = None
         parts: list[tuple[int, int, bytes]] = []
-        cursor = received = 0
+        cursor = received = more = 0
         try:
             async for message in aiter_with_timeout(stream, timeout):
                 if header is None:
-                    if message.code == averaging_pb2.BAD_GROUP_ID:
-                        return None  # it keeps no such update
+                    if message.code == averaging_pb2.BAD_GROUP_ID and not chain:
+                        return []  # it keeps no such update
                     if message.code != averaging_pb2.NO_CODE:
                         raise MalformedTensorError(f"it answered {averaging_pb2.MessageCode.Name(message.code)}")
-                    header = self._parse_header(message.peer_id, round_, digest)
+                    if chain:  # the next update of the chain
+                        previous = chain[-1]
+                        header = self._parse_header(message.peer_id, previous.round + 1, previous.post, more - 1)
+                    else:
+                        header = self._parse_header(message.peer_id, round_, digest, None)
+                    parts, cursor, received = [], 0, 0
                     continue
                 if message.code != averaging_pb2.PART_FOR_AVERAGING or message.tensor_part.dtype != tag:
                     raise MalformedTensorError(f"part {len(parts)} is not a {tag} part")
@@ -232,27 +275,34 @@ class UpdateTransferMixin:
                 parts.append((cursor, values, bytes(message.tensor_part.buffer)))
                 cursor += values
                 if cursor == self.numel:
-                    break  # the whole update is here: close the stream (the server waits for that)
+                    at = time.monotonic()
+                    chain.append(FetchedUpdate(*header[:4], parts, at - started, str(peer)))
+                    started, more, header = at, header[4], None
+                    if more == 0:
+                        break  # the whole chain is here: close the stream (the server waits for that)
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
-        if header is None or cursor != self.numel:
+        if not chain:
             raise MalformedTensorError(f"update ended after {cursor} of {self.numel} values")
-        post, left_out, _ = header
-        return FetchedUpdate(round_, digest, post, left_out, parts, time.monotonic() - started, str(peer))
+        return chain  # a chain cut short: the updates that arrived whole
 
-    def _parse_header(self, raw: bytes, round_: int, digest: str) -> tuple[str, tuple[tuple[int, int], ...], int]:
+    def _parse_header(self, raw: bytes, round_: int, digest: str, more: int | None) -> _Header:
+        """An update's header: it must be the update of ``round_`` from ``digest``, and say that
+        ``more`` updates follow it (the first of a chain: fewer than ``MAX_CHAIN``)."""
         if len(raw) > MAX_HEADER_BYTES:
             raise MalformedTensorError("update header too large")
         try:
             values = self.serializer.loads(raw)
         except Exception as exc:  # anything unreadable is refused
             raise MalformedTensorError("update header unreadable") from exc
-        if not isinstance(values, list | tuple) or len(values) != 6:
+        if not isinstance(values, list | tuple) or len(values) != 7:
             raise MalformedTensorError("update header malformed")
-        got_round, pre, post, left_out, parts, _size = values
+        got_round, pre, post, left_out, parts, _size, following = values
         if got_round != round_ or pre != digest:
             raise MalformedTensorError(f"serves the update of round {got_round!r}, not the one asked for")
         if not isinstance(post, str) or len(post) > 128 or type(parts) is not int or parts < 1:
             raise MalformedTensorError("update header malformed")
-        return post, parse_ranges(left_out, self.numel), parts
+        if type(following) is not int or not 0 <= following < MAX_CHAIN or (more is not None and following != more):
+            raise MalformedTensorError("update header malformed: the chain's length")
+        return got_round, pre, post, parse_ranges(left_out, self.numel), following

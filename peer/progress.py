@@ -147,8 +147,8 @@ class ProgressDisplay:
             self._draw(f"round {round_:>4} averaging: looking for a group, then all-reduce | {self._swarm_part()}")
 
     def joining(self, text: str) -> None:
-        """A line of its own: a join's steps are few and each may take minutes."""
-        self.say(f"joining: {text}")
+        """A line of its own: a join's or re-sync's steps are few and each may take minutes."""
+        self.say(f"catching up: {text}")
 
     def round_done(self, metrics: dict[str, Any]) -> None:
         """Leave the round's permanent line (replacing the live one on a terminal)."""

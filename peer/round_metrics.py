@@ -88,6 +88,9 @@ class RoundMetrics:
     rounds that are a multiple of ``eval.every_rounds``; None otherwise."""
     data: DataRead | None = None
     """Token runs: what the round's inner steps read (``peer.data_assignment``)."""
+    at: float = 0.0
+    """Unix time the row was recorded (the round landed or failed here): for a run's timeline
+    (a join's time to first contribution, goodput over time)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics file's row (JSON-ready: the members and data as maps)."""

@@ -340,6 +340,11 @@ class Swarm:
         self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
         return [r for r in records if r.signer != exclude]
 
+    def seen_at(self, round_: int) -> float | None:
+        """When (monotonic) this peer first saw a digest record of ``round_`` (about when the swarm
+        landed it); None if it has not, or forgot."""
+        return self._pace.first_seen.get(round_)
+
     def eligible(self) -> Callable[[str], bool]:
         """Whose digest records count (``protocol.agreement``, rule 1): in a gated run the
         peers holding a valid token of the run's coordinator (looked up now); in an open run
@@ -389,9 +394,12 @@ class Swarm:
         """Serve ``provider()``'s state to members that download it (late joiners, re-syncs)."""
         self.averager.state_provider = provider
 
-    def download_state(self, accept: set[str], *, timeout: float) -> DownloadedState | None:
-        """A state whose digest is in ``accept``, from an (admitted) peer that serves it."""
-        return self.averager.load_verified_state(accept, timeout=timeout)
+    def download_state(
+        self, accept: set[str], *, timeout: float, newer_than: int | None = None
+    ) -> DownloadedState | None:
+        """A state whose digest is in ``accept`` (or of a round after ``newer_than``, which the
+        caller verifies itself), from an (admitted) peer that serves it."""
+        return self.averager.load_verified_state(accept, timeout=timeout, newer_than=newer_than)
 
     def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
         """Round ``round_`` landed here from state ``pre`` to ``post``: keep its update for newcomers."""

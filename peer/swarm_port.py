@@ -139,9 +139,19 @@ class SwarmPort(Protocol):
 
     def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]: ...
 
+    def seen_at(self, round_: int) -> float | None:
+        """When (monotonic) this peer first saw a digest record of ``round_``; None if it has not."""
+        ...
+
     def serve_state(self, provider: StateProvider) -> None: ...
 
-    def download_state(self, accept: set[str], *, timeout: float) -> DownloadedState | None: ...
+    def download_state(
+        self, accept: set[str], *, timeout: float, newer_than: int | None = None
+    ) -> DownloadedState | None:
+        """A state whose digest is in ``accept`` from a member that serves it, or, with
+        ``newer_than``, one of a later round (the swarm moved on since the caller read the
+        records: the caller checks its digest against them before adopting it)."""
+        ...
 
     def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
         """Round ``round_`` landed here from state ``pre`` to ``post``: keep the averaged update

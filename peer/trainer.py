@@ -89,6 +89,11 @@ the record's lifetime never leave newcomers without votes."""
 LANDED_CHECK_S = 2.0
 """While a round looks for its group, how often the peer reads the digest records to learn
 whether the swarm landed that round without it (``Trainer._abandon_if_landed``)."""
+JOIN_LEAD_S = 1.0
+"""A peer that adopted a state ends its first phase this long before it expects the members to
+end theirs (it saw their records some time after they landed), so that it is declared first."""
+MIN_JOIN_PHASE_S = 0.5
+"""A first phase shorter than this is not worth training: the peer joins the round at once."""
 MAX_CARRIED_ROUNDS = 2
 """A peer that re-syncs carries its uncounted local work over to the adopted state only if that
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
@@ -125,6 +130,9 @@ class _InnerPhase:
     done: int = 0
     samples: int = 0
     loss_sum: float = 0.0
+    joining: bool = False
+    """A phase cut to end as the swarm's members end theirs (``Trainer._swarm_launches_at``): its
+    round is launched as a join (``Trainer._join_timeout``)."""
 
     def over(self, stop: threading.Event) -> bool:
         return self.done >= self.steps or time.monotonic() >= self.deadline or stop.is_set()
@@ -475,11 +483,28 @@ class Trainer:
         self.model.train()
         round_ = self.state.round + (1 if ahead else 0)
         if not ahead and (self._launch_now or self.swarm.behind(self.state.round)):
-            # join the swarm's next round now, with nothing to contribute (no data round read)
+            until = self._swarm_launches_at(self.state.round) if self._launch_now else None
             self._launch_now = False
-            return _InnerPhase(started, started, 0, round_, self._data_round)
+            if until is None:  # join the swarm's next round now, with nothing to contribute (no data round read)
+                return _InnerPhase(started, started, 0, round_, self._data_round)
+            # train until the members end their phase of this round, and join it with that work
+            self._data_round = max(round_, self._data_round + 1)
+            return _InnerPhase(started, until, rounds.inner_steps or 1 << 62, round_, self._data_round, joining=True)
         self._data_round = max(round_, self._data_round + 1)
         return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, round_, self._data_round)
+
+    def _swarm_launches_at(self, round_: int) -> float | None:
+        """When (monotonic) the members holding the state of ``round_`` end its inner phase, less
+        ``JOIN_LEAD_S``: this peer first saw that state's records about when they landed it, and
+        their phase lasts the spec's time budget. None when that is unknown (no time budget, the
+        records unseen) or under ``MIN_JOIN_PHASE_S`` away: then a peer that just adopted the
+        state joins the round at once, with nothing to contribute."""
+        budget = self.spec.rounds.time_budget_s
+        seen = self.swarm.seen_at(round_)
+        if not budget or seen is None:
+            return None
+        until = seen + budget - JOIN_LEAD_S
+        return until if until - time.monotonic() >= MIN_JOIN_PHASE_S else None
 
     def _train_step(self, inner: _InnerPhase) -> None:
         self.phase = Phase.TRAINING
@@ -578,9 +603,8 @@ class Trainer:
             known=self.roster.known,
         )
         logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
-        if inner.steps:
+        if inner.steps and not inner.joining:
             self._phase_s = compute_s
-        if inner.steps:
             timeout = self.matchmaking_timeout(compute_s)
             window = matchmaking_window(timeout)
         else:  # joining: wait up to two phases
@@ -821,6 +845,7 @@ class Trainer:
             host_s=round(landed.host_s + time.monotonic() - started, 4),
             record_s=round(time.monotonic() - started, 4),
             digest_s=round(self.state.digest_s, 4),
+            at=round(time.time(), 3),
         )
         self.history.append(metrics)
         self.on_round(metrics)
@@ -1142,22 +1167,31 @@ class Trainer:
                 self.in_sync = True
                 self._publish()
                 return True
+            if agreed is not None and agreed.round > self.state.round and self._roll_own_state_forward():
+                return True
             if agreed is not None and agreed.round >= self.state.round:
                 timeout = averaging.allreduce_timeout_s
                 started = time.monotonic()
                 self.progress.joining(
                     f"downloading the swarm's state of round {agreed.round} ({self._state_mb():.0f} MB)"
                 )
-                downloaded = self.swarm.download_state({agreed.digest}, timeout=timeout)
+                logger.info("downloading the swarm's state of round %d (%.1f MB)", agreed.round, self._state_mb())
+                # a member that landed a round since the records were read serves a newer state:
+                # taken too, and held to the records once they show it (``_roll_forward``)
+                downloaded = self.swarm.download_state({agreed.digest}, timeout=timeout, newer_than=agreed.round)
                 if downloaded is not None:
                     round_, params, momentum = downloaded
+                    logger.info("downloaded the state of round %d in %.1f s", round_, time.monotonic() - started)
                     state = GlobalState(params.clone(), momentum.clone(), round_)
-                    rolled = self._roll_forward(state, time.monotonic() - started)
+                    verified = agreed.digest if round_ == agreed.round else None
+                    rolled = self._roll_forward(state, time.monotonic() - started, verified=verified)
                     if rolled is not None:
                         self._adopt(rolled, accepted={rolled.digest()})
                         return True
                     # the swarm moved on past what members keep: try again with a newer state
                     deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
+                    time.sleep(1.0)
+                    continue
                 if self._run_ended(agreed.round):
                     return False
                 # nobody serves the latest state: take the newest one somebody still serves
@@ -1205,47 +1239,79 @@ class Trainer:
     def _state_mb(self) -> float:
         return 8 * self.state.params.numel() / 1e6
 
+    def _roll_own_state_forward(self) -> bool:
+        """Re-sync by the updates of the rounds this peer missed, if its state is one the swarm
+        held and members still keep them (a round that failed here, a late launch, a newcomer
+        still at the run's initial state): an update per round instead of a whole state. True if
+        it now holds the swarm's state."""
+        rolled = self._roll_forward(self.state.clone(), None, verified=None)
+        if rolled is None or rolled.round == self.state.round:
+            return False
+        self._adopt(rolled, accepted={rolled.digest()})
+        return True
+
     @torch.no_grad()
-    def _roll_forward(self, state: GlobalState, download_s: float) -> GlobalState | None:
-        """The state just downloaded, taken forward by the rounds the swarm landed meanwhile
-        (``peer.host_passes.roll_forward``, by the averaged updates its members keep:
-        ``engine.update_store``), until it is the swarm's latest agreed state: then returned.
-        None when it could not be (no member keeps a round's update any more, one does not
-        decode or does not make the state its server claims, or the chain ends off the
-        swarm's state): the caller downloads a newer state. A peer whose download outlasts
-        rounds thus gets in after its download plus the updates', which are a few times smaller
-        than a state and are what its all-reduce would receive each round anyway."""
-        digest = state.digest()  # as verified by the download: the state of its round
-        rate = 8 * self._state_mb() / max(download_s, 1e-3)
+    def _roll_forward(
+        self, state: GlobalState, download_s: float | None, *, verified: str | None
+    ) -> GlobalState | None:
+        """``state`` taken forward by the rounds the swarm landed since (``peer.host_passes.roll_forward``,
+        by the averaged updates its members keep: ``engine.update_store``) until it is the
+        swarm's latest agreed state: then returned. ``verified``: its digest, if the records
+        agreed on it already (a state downloaded by that digest); a state newer than the records
+        (its server landed a round since they were read) is returned once they agree on it.
+        None when it could not be made the swarm's: no member keeps a round's update any more,
+        one does not decode or does not make the state its server claims, the chain ends off
+        the swarm's state, or the records never agree on it; the caller downloads a newer
+        state. A peer whose download outlasts rounds thus gets in after its download plus the
+        updates', which are a few times smaller than a state and are what its all-reduce would
+        receive each round anyway."""
+        digest = state.digest()
         rolled, update_bytes, started = 0, 0, time.monotonic()
+        patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
+        rate: float | None = None
         while not self.options.stop.is_set():
             agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
             if agreed is None or agreed.round <= state.round:
-                if rolled and (agreed is None or agreed.digest != digest):
-                    logger.warning("the state rolled forward to round %d is not the swarm's", state.round)
+                if agreed is not None and agreed.round == state.round:
+                    return self._rolled(state, rolled, update_bytes, started) if agreed.digest == digest else None
+                if agreed is None and verified == digest:
+                    return state  # as downloaded; the records have expired meanwhile
+                if time.monotonic() > patience:
+                    logger.warning("the records never agreed on the state of round %d", state.round)
                     return None
-                break
-            behind = agreed.round - state.round
-            self.progress.joining(
-                f"state downloaded in {download_s:.0f} s ({rate:.1f} Mbit/s); rolling forward {behind} rounds"
-                + (f", ~{behind * update_bytes / rolled / 1e6 / max(rate / 8, 1e-6):.0f} s" if rolled else "")
-            )
-            update = self.swarm.download_update(state.round, digest, timeout=self.spec.averaging.allreduce_timeout_s)
-            if update is None:
-                logger.warning("no member keeps round %d's update any more: downloading a newer state", state.round)
-                return None
-            try:
-                roll_forward(state, update, self._outer_at(update.round), self.codec)
-            except MalformedTensorError as exc:
-                logger.warning("round %d's update from %s does not decode (%s)", update.round, update.server, exc)
-                return None
-            digest = state.digest()
-            if digest != update.post:
-                logger.warning(
-                    "round %d's update from %s does not make the state it claims", update.round, update.server
+                time.sleep(0.5)  # the records are behind the member that served it
+                continue
+            for _ in range(agreed.round - state.round):  # the records are read again after these
+                behind = agreed.round - state.round
+                if rolled:
+                    rate = 8 * update_bytes / 1e6 / max(time.monotonic() - started, 1e-3)
+                done = "" if download_s is None else f"state downloaded in {download_s:.0f} s; "
+                eta = f", ~{behind * update_bytes / rolled * 8 / 1e6 / rate:.0f} s" if rolled and rate else ""
+                self.progress.joining(f"{done}rolling forward {behind} rounds by their updates{eta}")
+                update = self.swarm.download_update(
+                    state.round, digest, timeout=self.spec.averaging.allreduce_timeout_s
                 )
-                return None
-            rolled, update_bytes = rolled + 1, update_bytes + update.size
+                if update is None:
+                    if download_s is not None or rolled:
+                        logger.warning(
+                            "no member keeps round %d's update any more: downloading a newer state", state.round
+                        )
+                    return None
+                try:
+                    roll_forward(state, update, self._outer_at(update.round), self.codec)
+                except MalformedTensorError as exc:
+                    logger.warning("round %d's update from %s does not decode (%s)", update.round, update.server, exc)
+                    return None
+                digest = state.digest()
+                if digest != update.post:
+                    logger.warning(
+                        "round %d's update from %s does not make the state it claims", update.round, update.server
+                    )
+                    return None
+                rolled, update_bytes = rolled + 1, update_bytes + update.size
+        return None
+
+    def _rolled(self, state: GlobalState, rolled: int, update_bytes: int, started: float) -> GlobalState:
         if rolled:
             logger.info(
                 "rolled the downloaded state forward by %d rounds to round %d (%.1f MB of updates in %.1f s)",

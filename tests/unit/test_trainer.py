@@ -91,7 +91,7 @@ class RecordingSwarm:
     def serve_state(self, provider: Any) -> None:
         self.provider = provider
 
-    def download_state(self, accept: set[str], *, timeout: float) -> Any:
+    def download_state(self, accept: set[str], *, timeout: float, newer_than: int | None = None) -> Any:
         return self.averager.load_verified_state(accept, timeout) if self.averager is not None else None
 
     def keep_update(self, round_: int, pre: str, post: str, left_out: list[tuple[int, int]]) -> None:
@@ -123,6 +123,9 @@ class RecordingSwarm:
 
     def peers_at(self, round_: int, **kwargs: Any) -> set[str]:
         return set(self.others)
+
+    def seen_at(self, round_: int) -> float | None:
+        return None
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         self.allreduce_timeout = timeout_s

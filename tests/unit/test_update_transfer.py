@@ -58,8 +58,12 @@ class _Newcomer(_Member):
     def get_stub(self, p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
         return self.stub
 
+    def fetch_chain(self, round_: int, digest: str, timeout: float = 5.0) -> Any:
+        return asyncio.run(self._download_chain_from("member", round_, digest, timeout))  # type: ignore[arg-type]
+
     def fetch(self, round_: int, digest: str, timeout: float = 5.0) -> Any:
-        return asyncio.run(self._download_update_from("member", round_, digest, timeout))  # type: ignore[arg-type]
+        chain = self.fetch_chain(round_, digest, timeout)
+        return chain[0] if chain else None
 
 
 def _parts(round_: int) -> list[tuple[int, runtime_pb2.Tensor]]:
@@ -99,16 +103,29 @@ def test_a_member_keeps_the_rounds_that_landed_here_and_the_newest_few(tmp_path:
     assert not (tmp_path / "updates").exists()
 
 
-def test_a_newcomer_downloads_each_round_of_the_chain_as_it_was_averaged(tmp_path: Path) -> None:
+def test_a_member_keeps_its_updates_within_a_disk_budget_but_always_the_newest(tmp_path: Path) -> None:
+    size = sum(len(part.buffer) for _, part in _parts(3))
+    store = UpdateStore(tmp_path / "updates", keep=16, max_bytes=2 * size)
+    for round_ in range(3, 7):
+        store.write_pending(round_, _parts(round_))
+        store.keep(round_, f"d{round_}", f"d{round_ + 1}", [])
+    assert store.rounds() == [5, 6]
+    tiny = UpdateStore(tmp_path / "tiny", keep=16, max_bytes=1)
+    tiny.write_pending(3, _parts(3))
+    tiny.keep(3, "d3", "d4", [])
+    assert tiny.rounds() == [3]
+
+
+def test_a_newcomer_downloads_the_chain_of_rounds_as_they_were_averaged_in_one_answer(tmp_path: Path) -> None:
     member = _Member(_kept(tmp_path))
     newcomer = _Newcomer(_served_by(member))
-    first = newcomer.fetch(3, "d3")
+    first, second = newcomer.fetch_chain(3, "d3")
     assert (first.round, first.pre, first.post, first.left_out) == (3, "d3", "d4", ())
     assert [(start, values, buffer) for start, values, buffer in first.parts] == [
         (start, part.size[0], part.buffer) for start, part in _parts(3)
     ]
-    second = newcomer.fetch(4, first.post)
-    assert (second.post, second.left_out) == ("d5", ((64, 128),))
+    assert (second.round, second.pre, second.post, second.left_out) == (4, "d4", "d5", ((64, 128),))
+    assert [u.round for u in newcomer.fetch_chain(4, "d4")] == [4]  # from the middle on
     assert newcomer.fetch(5, "d5") is None  # not kept (yet): the newcomer asks another member
     assert newcomer.fetch(3, "d-forged") is None  # from another state: not this member's chain
 
@@ -143,7 +160,7 @@ def test_a_member_serves_a_few_newcomers_at_once_and_tells_the_others_it_is_busy
 
 
 def _header(**change: Any) -> averaging_pb2.AveragingData:
-    fields = {"round": 3, "pre": "d3", "post": "d4", "left_out": [], "parts": 5, "size": 1}
+    fields = {"round": 3, "pre": "d3", "post": "d4", "left_out": [], "parts": 5, "size": 1, "more": 0}
     fields.update(change)
     return averaging_pb2.AveragingData(
         code=averaging_pb2.NO_CODE, peer_id=MSGPackSerializer.dumps(list(fields.values()))
@@ -194,6 +211,25 @@ HOSTILE = {
     "a part of no values": _replace_part(1, size=[0]),
     "more bytes than an update holds": _replace_part(1, buffer=b"\0" * (2 * NUMEL + (1 << 20))),
     "a stream that ends early": _honest()[:-1],
+    "a chain whose next update is not the next round's": [
+        _header(more=1),
+        *_honest()[1:],
+        _header(round=5, pre="d4", post="d6"),
+        *_honest()[1:],
+    ],
+    "a chain whose next update starts elsewhere": [
+        _header(more=1),
+        *_honest()[1:],
+        _header(round=4, pre="d-other", post="d5"),
+        *_honest()[1:],
+    ],
+    "a chain whose count does not go down": [
+        _header(more=1),
+        *_honest()[1:],
+        _header(round=4, pre="d4", post="d5", more=1),
+        *_honest()[1:],
+    ],
+    "a chain longer than any answer": [_header(more=10_000), *_honest()[1:]],
     "an answer code that is not an update": [averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)],
 }
 
@@ -208,6 +244,20 @@ def test_what_a_hostile_server_sends_instead_of_an_update_is_refused(attack: str
         _Newcomer(serve).fetch(3, "d3")
 
 
+def test_a_chain_cut_short_gives_the_updates_that_arrived_whole() -> None:
+    async def serve(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        for message in [
+            _header(more=2),
+            *_honest()[1:],
+            _header(round=4, pre="d4", post="d5", more=1),
+            *_honest()[1:3],
+        ]:
+            yield message
+
+    (first,) = _Newcomer(serve).fetch_chain(3, "d3")
+    assert first.post == "d4"
+
+
 def test_a_server_that_stops_sending_is_given_up_after_the_timeout() -> None:
     async def stall(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
         yield _honest()[0]
@@ -219,9 +269,23 @@ def test_a_server_that_stops_sending_is_given_up_after_the_timeout() -> None:
 
 
 def test_an_honest_stream_of_the_same_messages_is_taken() -> None:
+    honest = [_header(more=1), *_honest()[1:], _header(round=4, pre="d4", post="d5"), *_honest()[1:]]
+
     async def serve(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
-        for message in _honest():
+        for message in honest:
             yield message
 
-    update = _Newcomer(serve).fetch(3, "d3")
-    assert update.post == "d4" and sum(values for _, values, _ in update.parts) == NUMEL
+    first, second = _Newcomer(serve).fetch_chain(3, "d3")
+    assert first.post == "d4" and sum(values for _, values, _ in first.parts) == NUMEL
+    assert (second.round, second.pre, second.post) == (4, "d4", "d5")
+
+
+def test_hivemind_serves_the_update_download_as_a_stream() -> None:
+    """hivemind's servicer reads a stream from ``typing.AsyncIterator`` alone: with another
+    annotation the stub would hand the caller a generator it cannot await."""
+    from engine.averager import ExactAverager
+
+    ExactAverager._collect_rpc_handlers()
+    (handler,) = [h for h in ExactAverager._rpc_handlers if h.method_name == "rpc_download_update"]
+    assert handler.stream_output and not handler.stream_input
+    assert handler.response_type is averaging_pb2.AveragingData

@@ -1,0 +1,263 @@
+"""A volunteer on a home link joins a running swarm: its link is 10x slower than the swarm's, so
+its state download spans several rounds. Does it get in, and how soon does its work count?
+
+    sudo .venv/bin/python -m benchmarks.slow_join [--slow 350kbit] [--fast 3500kbit] [--codec sparse]
+
+A coordinator and three peers on fast links (``--fast``) train the demo's model with rounds of a
+fixed inner phase (3 s); once they have landed 13 rounds, a fourth peer starts on a slow link
+(``--slow``). Run twice in one invocation, the same links and spec: members keeping the last 12
+rounds' averaged updates (the newcomer rolls its downloaded state forward by them,
+``peer.host_passes.roll_forward``; a run that has not yet landed that many rounds would let it
+roll the run's initial state forward instead, and download nothing), then keeping none (``--keep-updates 0``: the newcomer
+downloads whole states until one is still the swarm's when it arrives). Figures, each from the
+peers' own logs and metrics rows (``at``: when a row was recorded): the newcomer's state
+download time, the rounds it spans (against the median round of a member meanwhile), the time
+from the start of its download to its first contribution (its first round averaged in the
+swarm's state with samples), and how many rounds it rolled forward. Writes
+``slow-join-<date>.md``/``.json`` under ``--out`` (default ``benchmarks/results``). Needs root
+(namespaces); says so and exits 2 otherwise.
+
+``tests/integration/test_slow_joiner.py`` runs the first half and holds it to the issue's bound:
+first contribution within the download time plus two rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netsim import NotRootError, WanSim
+
+SW = [sys.executable, "-m", "swarmtrain"]
+SPEC = """
+[run]
+name = "slow-join"
+[task]
+kind = "bytegpt"
+[task.model]
+d_model = 64
+n_layers = 2
+n_heads = 4
+context = 64
+[data]
+source = "stdlib"
+seed = 0
+[inner]
+lr = 1e-3
+batch_size = 8
+grad_clip = 1.0
+[rounds]
+inner_steps = 100000
+time_budget_s = {phase_s}
+max_rounds = 1000
+[outer]
+lr = 0.7
+momentum = 0.9
+nesterov = true
+[averaging]
+compression = "{codec}"
+min_group_size = 2
+matchmaking_timeout_s = 10.0
+allreduce_timeout_s = 30.0
+[admission]
+mode = "open"
+"""
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+"""Each peer computes on one thread: three peers and a coordinator share this machine's two cores
+(torch's default of one thread per core has them fight over both, and all-reduces time out)."""
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+DOWNLOADING = re.compile(r"downloading the swarm's state of round (\d+)")
+DOWNLOADED = re.compile(r"downloaded the state of round (\d+) in ([\d.]+) s")
+ROLLED = re.compile(r"rolled the downloaded state forward by (\d+) rounds")
+
+
+@dataclass
+class JoinFigures:
+    """One newcomer's join, from its log and rows and a member's rows."""
+
+    keep_updates: int
+    download_s: float
+    """Its first state download, start to end."""
+    downloads: int
+    """State downloads it started before it got in."""
+    round_s: float
+    """A member's median round (landing to landing) before the newcomer came, its first left out."""
+    rolled: int
+    """Rounds it rolled its downloaded state forward by."""
+    first_contribution_s: float | None
+    """From the start of its first download to its first round averaged in the swarm's state
+    with samples; None if it never contributed before the deadline."""
+
+    @property
+    def spans(self) -> float:
+        return self.download_s / self.round_s
+
+    @property
+    def bound_s(self) -> float:
+        """The issue's bound: download time plus two rounds."""
+        return self.download_s + 2 * self.round_s
+
+
+def _stamp(line: str) -> float | None:
+    found = STAMP.match(line)
+    if not found:
+        return None
+    return datetime.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if re.search(pattern, log.read_text() if log.exists() else "", re.MULTILINE):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"{log.name} never printed {pattern!r}:\n{log.read_text()[-3000:] if log.exists() else ''}")
+
+
+def _contributed(row: dict[str, Any]) -> bool:
+    return bool(row["averaged"] and row["in_sync"] and row["samples"] > 0 and row["group_size"] >= 2)
+
+
+def run(
+    workdir: Path,
+    *,
+    slow: str = "350kbit",
+    fast: str = "3500kbit",
+    codec: str = "sparse",
+    keep_updates: int = 12,
+    start_after: int = 13,
+    phase_s: float = 3.0,
+    deadline_s: float = 150.0,
+    subnet: str = "10.79.7.0/24",
+) -> JoinFigures:
+    """One run (see the module docstring); the figures of the newcomer's join."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "spec.toml"
+    spec.write_text(SPEC.format(codec=codec, phase_s=phase_s))
+    hosts = ["coord", "p0", "p1", "p2", "late"]
+    with WanSim(hosts, rate=fast, rates={"late": slow}, prefix="sj", subnet=subnet) as sim:
+        host = sim.ip("coord")
+        log = workdir / "coordinator.log"
+        argv = [*SW, "-v", "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator")]
+        argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+        sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        _wait_for(log, r"^peers join with:", 60)
+        coordinator = f"{host}:7500"
+
+        def peer(name: str) -> subprocess.Popen[bytes]:
+            argv = [*SW, "-v", "peer", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "7700"]
+            argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
+            argv += ["--metrics-file", str(workdir / f"{name}.jsonl"), "--keep-updates", str(keep_updates)]
+            out = (workdir / f"{name}.log").open("w")
+            return sim.run(name, argv, stdout=out, stderr=subprocess.STDOUT, env=ONE_THREAD)
+
+        members = [peer("p0"), peer("p1"), peer("p2")]
+        end = time.monotonic() + deadline_s
+        while len([r for r in _rows(workdir / "p0.jsonl") if r["averaged"]]) < start_after:
+            if time.monotonic() > end or any(p.poll() is not None for p in members):
+                raise RuntimeError(f"the swarm did not land {start_after} rounds; see {workdir}")
+            time.sleep(0.3)
+        late = peer("late")
+        while not any(_contributed(r) for r in _rows(workdir / "late.jsonl")) and time.monotonic() < end:
+            if late.poll() is not None:
+                raise RuntimeError(f"the newcomer exited; see {workdir / 'late.log'}")
+            time.sleep(0.3)
+    return _figures(workdir, keep_updates)
+
+
+def _figures(workdir: Path, keep_updates: int) -> JoinFigures:
+    lines = (workdir / "late.log").read_text().splitlines()
+    starts = [t for line in lines if DOWNLOADING.search(line) and (t := _stamp(line)) is not None]
+    durations = [float(m.group(2)) for line in lines if (m := DOWNLOADED.search(line))]
+    rolled = sum(int(m.group(1)) for line in lines if (m := ROLLED.search(line)))
+    if not starts or not durations:
+        raise RuntimeError(f"the newcomer never downloaded a state; see {workdir / 'late.log'}")
+    started, download_s = starts[0], durations[0]
+    member = [r["at"] for r in _rows(workdir / "p0.jsonl") if r["averaged"]]
+    before = [b - a for a, b in zip(member, member[1:]) if b <= started]
+    round_s = statistics.median(before[1:]) if len(before) > 1 else float("nan")
+    first = next((r["at"] for r in _rows(workdir / "late.jsonl") if _contributed(r)), None)
+    return JoinFigures(
+        keep_updates=keep_updates,
+        download_s=download_s,
+        downloads=len(starts),
+        round_s=round_s,
+        rolled=rolled,
+        first_contribution_s=None if first is None else first - started,
+    )
+
+
+def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
+    lines = [
+        f"# A newcomer on a link 10x slower than the swarm's ({datetime.date.today()})",
+        "",
+        f"`sudo .venv/bin/python -m benchmarks.slow_join --slow {args.slow} --fast {args.fast} --codec {args.codec}`",
+        "",
+        "Three members and a coordinator on fast links train the demo's model (137K parameters, a 1.1 MB "
+        f"state) with {args.codec} averaging and 3 s inner phases; after their 13th round a newcomer starts on "
+        "the slow link. Times from the start of its first state download.",
+        "",
+        "| members keep | download | rounds it spans | state downloads | rolled forward | first contribution | "
+        "bound (download + 2 rounds) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        first = "none before the deadline" if r.first_contribution_s is None else f"{r.first_contribution_s:.1f} s"
+        lines.append(
+            f"| {r.keep_updates} rounds | {r.download_s:.1f} s | {r.spans:.1f} (round {r.round_s:.2f} s) | "
+            f"{r.downloads} | {r.rolled} rounds | {first} | {r.bound_s:.1f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slow", default="350kbit")
+    parser.add_argument("--fast", default="3500kbit")
+    parser.add_argument("--codec", default="sparse")
+    parser.add_argument("--deadline-s", type=float, default=240.0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    results = []
+    try:
+        for keep in (12, 0):
+            with tempfile.TemporaryDirectory(prefix="slow-join-") as tmp:
+                results.append(
+                    run(
+                        Path(tmp),
+                        slow=args.slow,
+                        fast=args.fast,
+                        codec=args.codec,
+                        keep_updates=keep,
+                        deadline_s=args.deadline_s,
+                    )
+                )
+    except NotRootError as exc:
+        print(f"slow_join: {exc}", file=sys.stderr)
+        return 2
+    stamp = datetime.date.today().isoformat()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"slow-join-{stamp}.md").write_text(_markdown(results, args))
+    rows = [{**asdict(r), "spans": r.spans, "bound_s": r.bound_s} for r in results]
+    (args.out / f"slow-join-{stamp}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(_markdown(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
