@@ -50,6 +50,9 @@ OPEN_TIMEOUT_S = 10.0
 MAX_SERVERS_ASKED = 8
 """Members asked for one update, at random: in a swarm of thousands a newcomer whose state no
 member rolled from (it diverged) finds out after a few requests, not thousands."""
+PREFETCH_BYTES = 256 << 20
+"""A newcomer holds at most about this much of a chain at once (the first update whatever its
+size): it closes the answer there and asks again from where it stopped."""
 MAX_CHAIN = 64
 """Updates one answer streams at most (a newcomer asks again from where it ends)."""
 SLACK_BYTES = 1 << 20
@@ -278,8 +281,8 @@ class UpdateTransferMixin:
                     at = time.monotonic()
                     chain.append(FetchedUpdate(*header[:4], parts, at - started, str(peer)))
                     started, more, header = at, header[4], None
-                    if more == 0:
-                        break  # the whole chain is here: close the stream (the server waits for that)
+                    if more == 0 or sum(update.size for update in chain) >= PREFETCH_BYTES:
+                        break  # the whole chain is here (or all we hold at once): close the stream
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
