@@ -92,12 +92,12 @@ def run(args: argparse.Namespace) -> int:
     add(run_check("open files", machine.open_files))
 
     spec, source = _local_spec(args, add)
-    upload: float | None = None
+    rates: dict[str, float] = {}
     if args.coordinator:
-        spec, source, upload = _remote_checks(args, spec, source, add)
+        spec, source, rates = _remote_checks(args, spec, source, add)
     elif not args.skip_network:
         add(run_check("loopback DHT", machine.loopback_dht))
-    _model_checks(args, spec, source, acc, upload, add)
+    _model_checks(args, spec, source, acc, rates, add)
 
     failed = [v for v in verdicts if v.status == "fail"]
     if args.json:
@@ -128,7 +128,9 @@ def _local_spec(args: argparse.Namespace, add: Any) -> tuple[RunSpec | None, str
 
 def _remote_checks(
     args: argparse.Namespace, spec: RunSpec | None, source: str, add: Any
-) -> tuple[RunSpec | None, str, float | None]:
+) -> tuple[RunSpec | None, str, dict[str, float]]:
+    """The checks against the coordinator; the spec to check the model against, its source, and
+    the measured link (``upload_bits_per_s``, ``download_bits_per_s``; empty if not measured)."""
     link: remote.Link | None = None
 
     def connect() -> tuple[str, dict[str, Any]]:
@@ -156,7 +158,7 @@ def _remote_checks(
         add(run_check("DHT bootstrap", lambda: remote.bootstrap(link)))
         add(_dial_back(link, args.port, announced(args.announce, port=args.port, env=os.environ)))
         bandwidth = add(run_check("bandwidth", lambda: remote.bandwidth(link)))
-        return spec, source, bandwidth.data.get("upload_bits_per_s")
+        return spec, source, {k: float(v) for k, v in bandwidth.data.items() if k.endswith("_bits_per_s") and v}
     finally:
         link.close()
 
@@ -192,9 +194,10 @@ def _model_checks(
     spec: RunSpec | None,
     source: str,
     acc: machine.Accelerator,
-    upload: float | None,
+    rates: dict[str, float],
     add: Any,
 ) -> None:
+    upload, download = rates.get("upload_bits_per_s"), rates.get("download_bits_per_s")
     if spec is None:
         for name in ("memory", "/dev/shm", "expected contribution"):
             add(skipped(name, "no run spec: pass --coordinator HOST:PORT or --spec FILE"))
@@ -232,6 +235,10 @@ def _model_checks(
         from swarmtrain.doctor.round_cost import round_cost
 
         add(run_check("averaging on this uplink", lambda: round_cost(spec.averaging, footprint.params, upload)))
+    if footprint is not None and download:
+        from swarmtrain.doctor.round_cost import join_cost
+
+        add(run_check("joining on this downlink", lambda: join_cost(spec.averaging, footprint.params, download)))
     add(run_check("/dev/shm", lambda: machine.shm(footprint)))
     if fit is None:
         add(skipped("expected contribution", "the model does not fit this machine"))

@@ -45,3 +45,21 @@ def round_cost(averaging: AveragingSection, params: int, upload_bits_per_s: floa
         f"({params:,} values at {upload_bits_per_s / 1e6:,.0f} Mbit/s; {others})"
     )
     return detail, {"upload_s_per_round": seconds, "codec": own}
+
+
+def join_cost(averaging: AveragingSection, params: int, download_bits_per_s: float) -> tuple[str, dict[str, Any]]:
+    """How long joining a running swarm takes on the measured downlink: the state (θ_g and the
+    outer momentum, 8 bytes a value), then each round the swarm landed meanwhile by its averaged
+    update in the run's codec (``peer.host_passes.roll_forward``). With rounds of R seconds a
+    join takes about ``state_s / (1 - update_s / R)``; never if an update takes a round."""
+    if params <= 0 or download_bits_per_s <= 0:
+        raise ValueError(f"need a model and a downlink, got {params} values and {download_bits_per_s} bit/s")
+    state_s = 8 * 8 * params / download_bits_per_s
+    update_s = 8 * params * averaging.wire_bytes_per_value() / download_bits_per_s
+    own = label(averaging.compression, averaging.density, averaging.bits)
+    detail = (
+        f"the state ({8 * params / 1e6:,.1f} MB) downloads in {state_s:,.1f} s at {download_bits_per_s / 1e6:,.0f} "
+        f"Mbit/s, then {update_s:,.2f} s per round the swarm landed meanwhile (its {own} update): with rounds of "
+        f"R s a join takes about {state_s:,.1f} / (1 - {update_s:,.2f} / R) s"
+    )
+    return detail, {"state_download_s": state_s, "update_s_per_round": update_s, "codec": own}

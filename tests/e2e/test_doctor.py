@@ -75,12 +75,14 @@ def test_doctor_passes_against_a_local_coordinator(coordinator: str, tmp_path: P
         "reachable from outside",
         "bandwidth",
         "memory",
+        "joining on this downlink",
         "/dev/shm",
         "expected contribution",
     ):
         assert check in ok, proc.stdout
     assert "the coordinator reached this machine at 127.0.0.1:" in ok["reachable from outside"]
     assert "samples/hour" in ok["expected contribution"] and "the run's spec" in ok["memory"]
+    assert "the state (1.1 MB) downloads in" in ok["joining on this downlink"], ok["joining on this downlink"]
     assert proc.stdout.rstrip().endswith("all checks passed")
     no_traceback(proc)
 
@@ -95,6 +97,7 @@ def test_doctor_json_is_one_document_for_scripts(coordinator: str, tmp_path: Pat
     assert checks["expected contribution"]["status"] == "skip"
     assert checks["bandwidth"]["data"]["upload_bits_per_s"] > 0
     assert checks["memory"]["data"]["params"] == 136_960
+    assert checks["joining on this downlink"]["data"]["state_download_s"] > 0
 
 
 def test_unreachable_coordinator_is_one_fail_line_with_the_fix() -> None:

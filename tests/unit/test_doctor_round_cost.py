@@ -30,3 +30,14 @@ def test_the_runs_own_codec_comes_first_whatever_it_is() -> None:
 def test_no_model_or_no_uplink_is_an_error_not_a_division(params: int, upload: float) -> None:
     with pytest.raises(ValueError, match="need a model and an uplink"):
         round_cost(AveragingSection(), params, upload)
+
+
+def test_the_join_estimate_is_the_state_then_an_update_per_round_landed_meanwhile() -> None:
+    from swarmtrain.doctor.round_cost import join_cost
+
+    detail, data = join_cost(AveragingSection(compression="fp16"), 1_000_000_000, 100e6)
+    assert data["state_download_s"] == pytest.approx(640.0)  # 8 GB at 100 Mbit/s
+    assert data["update_s_per_round"] == pytest.approx(160.0)  # 2 GB of fp16
+    assert "8,000.0 MB" in detail and "640.0 s" in detail
+    with pytest.raises(ValueError, match="downlink"):
+        join_cost(AveragingSection(), 1000, 0.0)
