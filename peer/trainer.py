@@ -483,6 +483,8 @@ class Trainer:
         self.model.train()
         round_ = self.state.round + (1 if ahead else 0)
         if not ahead and (self._launch_now or self.swarm.behind(self.state.round)):
+            if self._launch_now and self._too_late_to_join():
+                self._join_the_next_round()
             until = self._swarm_launches_at(self.state.round) if self._launch_now else None
             self._launch_now = False
             if until is None:  # join the swarm's next round now, with nothing to contribute (no data round read)
@@ -505,6 +507,29 @@ class Trainer:
             return None
         until = seen + budget - JOIN_LEAD_S
         return until if until - time.monotonic() >= MIN_JOIN_PHASE_S else None
+
+    def _too_late_to_join(self) -> bool:
+        """Whether the members holding this peer's just-adopted state have (nearly) ended their
+        phase of its round: a search launched now would come after their group formed."""
+        budget = self.spec.rounds.time_budget_s
+        seen = self.swarm.seen_at(self.state.round)
+        return bool(budget) and seen is not None and self._swarm_launches_at(self.state.round) is None
+
+    def _join_the_next_round(self) -> None:
+        """Wait (up to two phases and a matchmaking timeout) for the swarm to land the round this
+        peer came too late for, and roll its state forward by that round's update: it then joins
+        the next round from its start (``_swarm_launches_at``) rather than search after a group
+        that formed without it (its search would be given up, ``_abandon_if_landed``, and hold
+        up the next)."""
+        budget = self.spec.rounds.time_budget_s or 0.0
+        deadline = time.monotonic() + 2 * budget + self.spec.averaging.matchmaking_timeout_s
+        logger.info("round %d is under way without this peer: joining the next", self.state.round)
+        while not self.options.stop.is_set() and time.monotonic() < deadline:
+            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+            if agreed is not None and agreed.round > self.state.round:
+                self._roll_own_state_forward()  # adopts it (``_launch_now`` again) or leaves things be
+                return
+            time.sleep(0.25)
 
     def _train_step(self, inner: _InnerPhase) -> None:
         self.phase = Phase.TRAINING

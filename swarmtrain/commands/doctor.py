@@ -143,7 +143,7 @@ def _remote_checks(
     if link is None:
         for name in dependent:
             add(skipped(name, "the coordinator did not answer"))
-        return spec, source, None
+        return spec, source, {}
     try:
         add(run_check("version", lambda: remote.versions(link)))
         run_spec = _run_spec(link, add)
