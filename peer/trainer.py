@@ -490,6 +490,7 @@ class Trainer:
             if until is None:  # join the swarm's next round now, with nothing to contribute (no data round read)
                 return _InnerPhase(started, started, 0, round_, self._data_round)
             # train until the members end their phase of this round, and join it with that work
+            self._carry_over = None  # the work carried over is in the model: this phase's Δ holds it
             self._data_round = max(round_, self._data_round + 1)
             return _InnerPhase(started, until, rounds.inner_steps or 1 << 62, round_, self._data_round, joining=True)
         self._data_round = max(round_, self._data_round + 1)
@@ -1293,35 +1294,13 @@ class Trainer:
         digest = state.digest()
         rolled, update_bytes, started = 0, 0, time.monotonic()
         patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
-        rate: float | None = None
+        timeout = self.spec.averaging.allreduce_timeout_s
         while not self.options.stop.is_set():
-            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
-            if agreed is None or agreed.round <= state.round:
-                if agreed is not None and agreed.round == state.round:
-                    return self._rolled(state, rolled, update_bytes, started) if agreed.digest == digest else None
-                if agreed is None and verified == digest:
-                    return state  # as downloaded; the records have expired meanwhile
-                if time.monotonic() > patience:
-                    logger.warning("the records never agreed on the state of round %d", state.round)
-                    return None
-                time.sleep(0.5)  # the records are behind the member that served it
-                continue
-            for _ in range(agreed.round - state.round):  # the records are read again after these
-                behind = agreed.round - state.round
-                if rolled:
-                    rate = 8 * update_bytes / 1e6 / max(time.monotonic() - started, 1e-3)
-                done = "" if download_s is None else f"state downloaded in {download_s:.0f} s; "
-                eta = f", ~{behind * update_bytes / rolled * 8 / 1e6 / rate:.0f} s" if rolled and rate else ""
-                self.progress.joining(f"{done}rolling forward {behind} rounds by their updates{eta}")
-                update = self.swarm.download_update(
-                    state.round, digest, timeout=self.spec.averaging.allreduce_timeout_s
-                )
-                if update is None:
-                    if download_s is not None or rolled:
-                        logger.warning(
-                            "no member keeps round %d's update any more: downloading a newer state", state.round
-                        )
-                    return None
+            # every update members keep from here on (chains, one request each), then the records
+            while (update := self.swarm.download_update(state.round, digest, timeout=timeout)) is not None:
+                if not rolled:
+                    done = "" if download_s is None else f"state downloaded in {download_s:.0f} s; "
+                    self.progress.joining(f"{done}rolling forward by the rounds' updates")
                 try:
                     roll_forward(state, update, self._outer_at(update.round), self.codec)
                 except MalformedTensorError as exc:
@@ -1334,6 +1313,21 @@ class Trainer:
                     )
                     return None
                 rolled, update_bytes = rolled + 1, update_bytes + update.size
+                patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
+            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+            if agreed is not None and agreed.round == state.round:
+                return self._rolled(state, rolled, update_bytes, started) if agreed.digest == digest else None
+            if agreed is None and verified == digest:
+                return state  # as downloaded; the records have expired meanwhile
+            if agreed is not None and agreed.round > state.round and download_s is None and not rolled:
+                return None  # this peer's own state, and no member keeps the rounds it missed
+            if time.monotonic() > patience:
+                if agreed is not None and agreed.round > state.round:
+                    logger.warning("no member keeps round %d's update: downloading a newer state", state.round)
+                else:
+                    logger.warning("the records never agreed on the state of round %d", state.round)
+                return None
+            time.sleep(0.5)  # the records lag the member that served it, or its next update is being kept
         return None
 
     def _rolled(self, state: GlobalState, rolled: int, update_bytes: int, started: float) -> GlobalState:
