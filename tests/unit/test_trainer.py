@@ -798,3 +798,75 @@ def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
     assert not trainer.history[-1].averaged
     assert torch.equal(flatten(trainer.model), before)  # the round's work stays in the model
     assert resyncs == ([0] if landed else [])  # the swarm moved on: re-sync
+
+
+def _kept_update(trainer: Trainer, state: GlobalState, seed: int) -> Any:
+    """The update a member kept of round ``state.round`` (one part of the whole vector, encoded
+    once as a reducer does), and the state it made."""
+    from peer.host_passes import roll_forward
+    from protocol.updates import FetchedUpdate
+
+    codec = trainer.codec.at_round(state.round)
+    numel = state.params.numel()
+    average = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    buffer = codec.encode_unbiased(average, torch.rand(numel + 1024, generator=torch.Generator().manual_seed(seed)))
+    update = FetchedUpdate(state.round, state.digest(), "", (), [(0, numel, buffer)], 0.0, "member")
+    after = state.clone()
+    roll_forward(after, update, trainer._outer_at(state.round), trainer.codec)
+    return replace(update, post=after.digest()), after
+
+
+@pytest.mark.parametrize("forged", ["", "claim", "bytes"])
+def test_a_newcomer_rolls_the_state_it_downloaded_forward_by_the_kept_updates(forged: str) -> None:
+    """The swarm landed two rounds while the newcomer downloaded: it takes their updates, not a
+    newer state, and adopts the state they make once the records agree on it. A hostile member's
+    update is refused and nothing is adopted: one that does not make the state it claims, or
+    other bytes that make the state they claim, which is not the swarm's."""
+    spec = parse_spec(SPEC)
+    task = build_task(spec, shard_seed=1)
+    downloaded = GlobalState.from_model(task.model)
+    downloaded = GlobalState(downloaded.params + 0.5, downloaded.momentum + 0.1, 3)
+
+    class Swarm(RecordingSwarm):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.downloads = 0
+            self.updates: dict[int, Any] = {}
+            self.latest = Agreement(3, downloaded.digest(), 3, 3)
+
+        def accepted_state(self, **kwargs: Any) -> Agreement:
+            return self.latest
+
+        def download_state(self, accept: set[str], *, timeout: float, newer_than: int | None = None) -> Any:
+            self.downloads += 1
+            if self.downloads > 1:
+                trainer.options.stop.set()
+                return None
+            self.latest = final  # the swarm landed two rounds meanwhile
+            return (3, downloaded.params.clone(), downloaded.momentum.clone())
+
+        def fallback_states(self, **kwargs: Any) -> list[Agreement]:
+            return []
+
+        def download_update(self, round_: int, digest: str, *, timeout: float) -> Any:
+            update = self.updates.get(round_)
+            return update if update is not None and update.pre == digest else None
+
+    swarm = Swarm()
+    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    first, after_first = _kept_update(trainer, downloaded, 1)
+    second, after_second = _kept_update(trainer, after_first, 2)
+    if forged == "claim":
+        second = replace(second, post="blake3:" + "0" * 64)
+    elif forged == "bytes":
+        second, _ = _kept_update(trainer, after_first, 3)
+    swarm.updates = {3: first, 4: second}
+    final = Agreement(5, after_second.digest(), 3, 3)
+
+    assert trainer.catch_up() is not bool(forged)
+    assert swarm.downloads == (2 if forged else 1)
+    if forged:
+        assert trainer.state.round == 0  # nothing adopted
+    else:
+        assert trainer.state.round == 5 and trainer.state.digest() == after_second.digest()
+        assert torch.equal(flatten(trainer.model), trainer.state.params)
