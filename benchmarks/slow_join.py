@@ -1,7 +1,7 @@
 """A volunteer on a home link joins a running swarm: its link is 10x slower than the swarm's, so
 its state download spans several rounds. Does it get in, and how soon does its work count?
 
-    sudo .venv/bin/python -m benchmarks.slow_join [--slow 350kbit] [--fast 3500kbit] [--codec sparse]
+    make bench-join JOIN_ARGS="[--slow 350kbit] [--fast 3500kbit] [--codec sparse]"   (as root)
 
 A coordinator and three peers on fast links (``--fast``) train the demo's model with rounds of a
 fixed inner phase (3 s); once they have landed 13 rounds, a fourth peer starts on a slow link
@@ -79,6 +79,7 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 DOWNLOADING = re.compile(r"downloading the swarm's state of round (\d+)")
 DOWNLOADED = re.compile(r"downloaded the state of round (\d+) in ([\d.]+) s")
+ADOPTED = "adopted the swarm's state of round"
 ROLLED = re.compile(r"rolled the downloaded state forward by (\d+) rounds")
 
 
@@ -98,6 +99,8 @@ class JoinFigures:
     first_contribution_s: float | None
     """From the start of its first download to its first round averaged in the swarm's state
     with samples; None if it never contributed before the deadline."""
+    adopted_s: float | None = None
+    """From the start of its first download to its first adoption of the swarm's state."""
 
     @property
     def spans(self) -> float:
@@ -144,8 +147,11 @@ def run(
     phase_s: float = 3.0,
     deadline_s: float = 150.0,
     subnet: str = "10.79.7.0/24",
+    until_adopted: bool = False,
 ) -> JoinFigures:
-    """One run (see the module docstring); the figures of the newcomer's join."""
+    """One run (see the module docstring); the figures of the newcomer's join. With
+    ``until_adopted`` it ends once the newcomer holds the swarm's state (no first contribution
+    is waited for)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(codec=codec, phase_s=phase_s))
@@ -173,7 +179,13 @@ def run(
                 raise RuntimeError(f"the swarm did not land {start_after} rounds; see {workdir}")
             time.sleep(0.3)
         late = peer("late")
-        while not any(_contributed(r) for r in _rows(workdir / "late.jsonl")) and time.monotonic() < end:
+
+        def done() -> bool:
+            if until_adopted:
+                return ADOPTED in (workdir / "late.log").read_text()
+            return any(_contributed(r) for r in _rows(workdir / "late.jsonl"))
+
+        while not done() and time.monotonic() < end:
             if late.poll() is not None:
                 raise RuntimeError(f"the newcomer exited; see {workdir / 'late.log'}")
             time.sleep(0.3)
@@ -192,6 +204,7 @@ def _figures(workdir: Path, keep_updates: int) -> JoinFigures:
     before = [b - a for a, b in zip(member, member[1:]) if b <= started]
     round_s = statistics.median(before[1:]) if len(before) > 1 else float("nan")
     first = next((r["at"] for r in _rows(workdir / "late.jsonl") if _contributed(r)), None)
+    adopted = next((t for line in lines if ADOPTED in line and (t := _stamp(line)) is not None), None)
     return JoinFigures(
         keep_updates=keep_updates,
         download_s=download_s,
@@ -199,6 +212,7 @@ def _figures(workdir: Path, keep_updates: int) -> JoinFigures:
         round_s=round_s,
         rolled=rolled,
         first_contribution_s=None if first is None else first - started,
+        adopted_s=None if adopted is None else adopted - started,
     )
 
 
@@ -206,21 +220,22 @@ def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
     lines = [
         f"# A newcomer on a link 10x slower than the swarm's ({datetime.date.today()})",
         "",
-        f"`sudo .venv/bin/python -m benchmarks.slow_join --slow {args.slow} --fast {args.fast} --codec {args.codec}`",
+        f'`make bench-join JOIN_ARGS="--slow {args.slow} --fast {args.fast} --codec {args.codec}"` (as root)',
         "",
         "Three members and a coordinator on fast links train the demo's model (137K parameters, a 1.1 MB "
         f"state) with {args.codec} averaging and 3 s inner phases; after their 13th round a newcomer starts on "
         "the slow link. Times from the start of its first state download.",
         "",
-        "| members keep | download | rounds it spans | state downloads | rolled forward | first contribution | "
-        "bound (download + 2 rounds) |",
-        "|---|---|---|---|---|---|---|",
+        "| members keep | download | rounds it spans | state downloads | rolled forward | holds the swarm's state | "
+        "first contribution | bound (download + 2 rounds) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         first = "none before the deadline" if r.first_contribution_s is None else f"{r.first_contribution_s:.1f} s"
+        adopted = "never" if r.adopted_s is None else f"{r.adopted_s:.1f} s"
         lines.append(
             f"| {r.keep_updates} rounds | {r.download_s:.1f} s | {r.spans:.1f} (round {r.round_s:.2f} s) | "
-            f"{r.downloads} | {r.rolled} rounds | {first} | {r.bound_s:.1f} s |"
+            f"{r.downloads} | {r.rolled} rounds | {adopted} | {first} | {r.bound_s:.1f} s |"
         )
     return "\n".join(lines) + "\n"
 
