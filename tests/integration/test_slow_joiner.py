@@ -1,6 +1,7 @@
 """A volunteer on a link 10x slower than the swarm's joins it while it runs: its state download
 spans at least 5 rounds, yet it holds the swarm's state after one download, rolled forward by
-the rounds' kept updates (``benchmarks.slow_join``), within a round or two of the download's end.
+the rounds' kept updates (``benchmarks.slow_join``), within three rounds of the download's end
+(measured 1.0-1.8).
 Without kept updates it downloaded state after state (``make bench-join``). Its first
 contribution is not asserted here: issue #49 aims at its download plus two rounds, measured
 3.4-4.5 rounds of 3.2 s in two runs of three and none in 150 s in the third (ARCHITECTURE Known
@@ -23,4 +24,4 @@ def test_a_newcomer_whose_download_spans_rounds_gets_in_with_one_download(tmp_pa
     assert join.downloads == 1, f"it chased the swarm: {join}"
     assert join.spans >= 5, f"the download spanned {join.spans:.1f} rounds, not the 5 this test is about: {join}"
     assert join.rolled >= 1, join
-    assert join.adopted_s is not None and join.adopted_s <= join.download_s + 2 * join.round_s, join
+    assert join.adopted_s is not None and join.adopted_s <= join.download_s + 3 * join.round_s, join
