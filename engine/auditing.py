@@ -28,6 +28,7 @@ from hivemind.proto import averaging_pb2
 from engine.allreduce import MAX_WEIGHT, ExactAllReduceRunner, InPlaceOutputs
 from engine.audit import AuditTarget, auditee, choose_target, judge, reduce_like_a_reducer
 from engine.robust import RobustRule
+from engine.wire_fields import read_fields
 from protocol.errors import MalformedTensorError
 
 logger = logging.getLogger(__name__)
@@ -173,13 +174,7 @@ class AuditMixin:
 
     def _fields(self, raw: bytes, count: int) -> list[Any] | None:
         """The ``count`` fields serialized in ``raw`` (at most ``MAX_REQUEST_BYTES``); None if not."""
-        if len(raw) > MAX_REQUEST_BYTES:
-            return None
-        try:
-            values = self.serializer.loads(raw)
-        except Exception:  # noqa: BLE001 - anything unreadable is refused
-            return None
-        return list(values) if isinstance(values, list | tuple) and len(values) == count else None
+        return read_fields(self.serializer, raw, count, MAX_REQUEST_BYTES)
 
     def _parse_ints(self, raw: bytes, count: int) -> tuple[int, ...] | None:
         values = self._fields(raw, count)

@@ -33,6 +33,7 @@ from engine.allreduce import MAX_PART_VALUES, CodecCompression, part_numel
 from engine.state_transfer import SLOWEST_LINK_BYTES_S
 from engine.stream_close import until_reader_closes
 from engine.update_store import KeptUpdate, UpdateStore, read_frames
+from engine.wire_fields import read_fields
 from protocol.errors import MalformedTensorError
 from protocol.updates import FetchedUpdate, parse_ranges
 
@@ -166,13 +167,8 @@ class UpdateTransferMixin:
         return bytes(self.serializer.dumps(fields))
 
     def _parse_request(self, raw: bytes) -> tuple[int, str] | None:
-        if len(raw) > MAX_REQUEST_BYTES:
-            return None
-        try:
-            values = self.serializer.loads(raw)
-        except Exception:  # noqa: BLE001 - anything unreadable is refused
-            return None
-        if not isinstance(values, list | tuple) or len(values) != 2:
+        values = read_fields(self.serializer, raw, 2, MAX_REQUEST_BYTES)
+        if values is None:
             return None
         round_, digest = values
         if type(round_) is not int or round_ < 0 or not isinstance(digest, str):
@@ -293,14 +289,9 @@ class UpdateTransferMixin:
     def _parse_header(self, raw: bytes, round_: int, digest: str, more: int | None) -> _Header:
         """An update's header: it must be the update of ``round_`` from ``digest``, and say that
         ``more`` updates follow it (the first of a chain: fewer than ``MAX_CHAIN``)."""
-        if len(raw) > MAX_HEADER_BYTES:
-            raise MalformedTensorError("update header too large")
-        try:
-            values = self.serializer.loads(raw)
-        except Exception as exc:  # anything unreadable is refused
-            raise MalformedTensorError("update header unreadable") from exc
-        if not isinstance(values, list | tuple) or len(values) != 7:
-            raise MalformedTensorError("update header malformed")
+        values = read_fields(self.serializer, raw, 7, MAX_HEADER_BYTES)
+        if values is None:
+            raise MalformedTensorError("update header malformed, unreadable or too large")
         got_round, pre, post, left_out, parts, _size, following = values
         if got_round != round_ or pre != digest:
             raise MalformedTensorError(f"serves the update of round {got_round!r}, not the one asked for")
