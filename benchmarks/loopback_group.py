@@ -255,7 +255,14 @@ class LoopbackSwarm:
         pass
 
     def publish_digest(
-        self, identity: Any, *, round_: int, digest: str, roster: int = 0, leaving: bool = False
+        self,
+        identity: Any,
+        *,
+        round_: int,
+        digest: str,
+        roster: int = 0,
+        leaving: bool = False,
+        landed: float | None = None,
     ) -> None:
         pass
 

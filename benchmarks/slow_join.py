@@ -149,11 +149,13 @@ def run(
     subnet: str = "10.79.7.0/24",
     until_adopted: bool = False,
     steps: int = 100_000,
+    debug: bool = False,
 ) -> JoinFigures:
     """One run (see the module docstring); the figures of the newcomer's join. With
     ``until_adopted`` it ends once the newcomer holds the swarm's state (no first contribution
     is waited for). ``steps``: inner steps per phase at most (the default: the phase is the time
-    budget, as a real run's; a few steps leave the machine idle while rounds average)."""
+    budget, as a real run's; a few steps leave the machine idle while rounds average). ``debug``:
+    the newcomer logs at debug level (its log then times each read and download)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(codec=codec, phase_s=phase_s, steps=steps))
@@ -171,7 +173,8 @@ def run(
             # the members niced: their phases last the time budget whatever CPU they get, and the
             # lab must not starve what runs beside it (the suite's other lane)
             argv = ["nice", "-n", "10"] if name != "late" else []
-            argv += [*SW, "-v", "peer", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "7700"]
+            verbose = ["-v", "-v"] if debug and name == "late" else ["-v"]
+            argv += [*SW, *verbose, "peer", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "7700"]
             argv += ["--key", str(workdir / f"{name}.key"), "--checkpoint-dir", str(workdir / f"{name}-ckpt")]
             argv += ["--metrics-file", str(workdir / f"{name}.jsonl"), "--keep-updates", str(keep_updates)]
             out = (workdir / f"{name}.log").open("w")

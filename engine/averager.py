@@ -189,8 +189,8 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, UpdateTr
                 sorted(failed),
                 100.0 * left_out / max(1, self.numel),
             )
-        if not missing:
-            self._spool_update(round_, self._averaged_parts(runners))
+        # kept with the ranges it left out, which the host states when the round lands
+        self._spool_update(round_, self._averaged_parts(runners))
         audit = AuditOutcome()
         if room is not None and runners[0].modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
             try:

@@ -122,6 +122,25 @@ class PacedKeyManager(GroupKeyManager):
     (a 1 s cap made round formation at 64 members ~0.6 s slower, ``benchmarks.round_formation``:
     members that looked before their leader's declaration arrived found it late)."""
 
+    async def declare_averager(
+        self, group_key: Any, peer_id: Any, expiration_time: float, looking_for_group: bool = True
+    ) -> bool:
+        """hivemind's, but a withdrawal (``looking_for_group=False``, at the end of a search) is
+        stored in the background. hivemind withdraws as its search unwinds, under the lock that
+        lets one search run at a time; a DHT store waits for its slowest replica (seconds on a
+        home link, an RPC timeout when one is gone), so a search given up
+        (``peer.trainer.Trainer._abandon_if_landed``) held up the next round's search that long
+        ("Another look_for_group is already in progress"), and its peer lost that round too. A
+        withdrawal is only a hint (others ask a withdrawn peer and are turned away), and it
+        cannot undo a newer declaration: the DHT keeps the later expiration."""
+        if looking_for_group:
+            return bool(await super().declare_averager(group_key, peer_id, expiration_time, looking_for_group))
+        tasks: set[asyncio.Task[Any]] = self.__dict__.setdefault("_withdrawals", set())
+        task = asyncio.create_task(super().declare_averager(group_key, peer_id, expiration_time, False))
+        tasks.add(task)
+        task.add_done_callback(_withdrawn(tasks))
+        return True
+
     async def get_averagers(self, group_key: Any, only_active: bool) -> Any:
         state = self.__dict__.get("_paced")
         if state is None or state[0] != group_key:
@@ -133,6 +152,15 @@ class PacedKeyManager(GroupKeyManager):
         following = FIRST_LOOKUP_PAUSE_S if pause == 0.0 else min(LOOKUP_PAUSE_MAX_S, 2 * pause)
         self.__dict__["_paced"] = (group_key, time.monotonic(), following)
         return await super().get_averagers(group_key, only_active)
+
+
+def _withdrawn(tasks: set[asyncio.Task[Any]]) -> Any:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("could not withdraw this peer's declaration: %s", task.exception())
+
+    return done
 
 
 class RoundPotentialLeaders(PotentialLeaders):
@@ -322,6 +350,11 @@ class RoundMatchmaking(Matchmaking):
         its start (``led``)."""
         self.__dict__["_search_cpu"] = time.thread_time()
         self.__dict__["_led"] = None
+        if self.is_looking_for_group:  # hivemind waits for the last search to unwind first
+            started = time.monotonic()
+            async with self.lock_looking_for_group:
+                pass
+            logger.info("the last search took %.1f s to end before this one began", time.monotonic() - started)
         return await super().look_for_group(step)
 
     async def leader_assemble_group(self) -> Any:

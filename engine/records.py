@@ -48,12 +48,21 @@ class RunRecords:
         roster: int = 0,
         leaving: bool = False,
         wait: bool = False,
+        landed: float | None = None,
     ) -> None:
         """Sign and store ``identity``'s state digest after ``round_`` (with the state's roster
-        size as it knows it, ``protocol.roster``, and whether it is leaving; waits only if ``wait``)."""
+        size as it knows it, ``protocol.roster``, whether it is leaving, and when it landed the
+        state by averaging, ``landed``; waits only if ``wait``)."""
         now = get_dht_time()
         record = make_digest_record(
-            identity, round_=round_, digest=digest, now=now, archive=archive, roster=roster, leaving=leaving
+            identity,
+            round_=round_,
+            digest=digest,
+            now=now,
+            archive=archive,
+            roster=roster,
+            leaving=leaving,
+            landed=None if landed is None else min(landed, now),
         )
         future = self.dht.store(
             self.digest_key, record, now + RECORD_TTL_S, subkey=identity.public_key.id, return_future=True

@@ -35,7 +35,7 @@ from engine.stream_close import until_reader_closes
 from engine.update_store import KeptUpdate, UpdateStore, read_frames
 from engine.wire_fields import read_fields
 from protocol.errors import MalformedTensorError
-from protocol.updates import FetchedUpdate, parse_ranges
+from protocol.updates import FetchedUpdate, left_out_between, parse_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ MAX_CHAIN = 64
 """Updates one answer streams at most (a newcomer asks again from where it ends)."""
 SLACK_BYTES = 1 << 20
 
-_Header = tuple[int, str, str, tuple[tuple[int, int], ...], int]
+_Header = tuple[int, str, str, tuple[tuple[int, int], ...], int, int]
+"""round, pre, post, left_out, parts, more"""
 """An update's (round, pre, post, left-out ranges, updates that follow it in the stream)."""
 
 
@@ -134,11 +135,14 @@ class UpdateTransferMixin:
     async def _serve_update(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if self.update_store is None:  # keeps none (a client, the coordinator's archive): say so at once
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
         if not await self._admitted(context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         asked = self._parse_request(request.peer_id)
-        chain = [] if asked is None or self.update_store is None else self.update_store.chain(*asked)
+        chain = [] if asked is None else self.update_store.chain(*asked)
         if not chain:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -196,11 +200,15 @@ class UpdateTransferMixin:
                 return
             prefetched.clear()
             for peer in await self._update_servers():
+                asked = time.monotonic()
                 try:
                     chain = await self._download_chain_from(peer, round_, digest, timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.info("no update of round %d from %s: %s", round_, peer, str(exc) or type(exc).__name__)
                     continue
+                logger.debug(
+                    "round %d on: %d updates from %s in %.2f s", round_, len(chain), peer, time.monotonic() - asked
+                )
                 if chain:
                     self.__dict__["_update_server"] = peer  # asked first for the next round's
                     prefetched.update({(later.round, later.pre): later for later in chain[1:]})
@@ -265,25 +273,27 @@ class UpdateTransferMixin:
                 if message.code != averaging_pb2.PART_FOR_AVERAGING or message.tensor_part.dtype != tag:
                     raise MalformedTensorError(f"part {len(parts)} is not a {tag} part")
                 start = self.serializer.loads(message.peer_id) if len(message.peer_id) <= 16 else None
-                if type(start) is not int or start != cursor:
+                if type(start) is not int or not (start == cursor or left_out_between(header[3], cursor, start)):
                     raise MalformedTensorError(f"part {len(parts)} starts at {start}, expected {cursor}")
                 values = part_numel(message.tensor_part.size)
                 received += len(message.tensor_part.buffer)
-                if not 0 < values <= MAX_PART_VALUES or cursor + values > self.numel or received > limit:
+                if not 0 < values <= MAX_PART_VALUES or start + values > self.numel or received > limit:
                     raise MalformedTensorError(f"part {len(parts)} runs past the vector or the update's size")
-                parts.append((cursor, values, bytes(message.tensor_part.buffer)))
-                cursor += values
-                if cursor == self.numel:
+                parts.append((start, values, bytes(message.tensor_part.buffer)))
+                cursor = start + values
+                if len(parts) == header[4]:  # as many parts as its header said: they must cover the vector
+                    if not (cursor == self.numel or left_out_between(header[3], cursor, self.numel)):
+                        raise MalformedTensorError(f"update ends at {cursor} of {self.numel} values")
                     at = time.monotonic()
                     chain.append(FetchedUpdate(*header[:4], parts, at - started, str(peer)))
-                    started, more, header = at, header[4], None
+                    started, more, header = at, header[5], None
                     if more == 0 or sum(update.size for update in chain) >= PREFETCH_BYTES:
                         break  # the whole chain is here (or all we hold at once): close the stream
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
         if not chain:
-            raise MalformedTensorError(f"update ended after {cursor} of {self.numel} values")
+            raise MalformedTensorError(f"update ended after {len(parts)} parts, {cursor} of {self.numel} values")
         return chain  # a chain cut short: the updates that arrived whole
 
     def _parse_header(self, raw: bytes, round_: int, digest: str, more: int | None) -> _Header:
@@ -299,4 +309,7 @@ class UpdateTransferMixin:
             raise MalformedTensorError("update header malformed")
         if type(following) is not int or not 0 <= following < MAX_CHAIN or (more is not None and following != more):
             raise MalformedTensorError("update header malformed: the chain's length")
-        return got_round, pre, post, parse_ranges(left_out, self.numel), following
+        ranges = parse_ranges(left_out, self.numel)
+        if parts > self.numel:
+            raise MalformedTensorError("update header malformed: more parts than values")
+        return got_round, pre, post, ranges, parts, following

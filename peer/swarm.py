@@ -11,6 +11,7 @@ whom, with what weight, and whether it started from the same state as the others
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
 from engine.update_store import UpdateStore
-from peer.swarm_pace import SwarmPace
+from peer.swarm_pace import LandingTimes, SwarmPace
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states
@@ -52,6 +53,10 @@ DECLARATION_DELAY_S = 1.0
 PACE_LOOK_S = 1.0
 """An open-run newcomer that has seen the records only once looks again this much later, to
 measure the swarm's pace before it aims (``Swarm._meeting_round``)."""
+RECORDS_FRESH_S = 1.0
+"""A read of the digest records serves the calls of the next second (an adoption reads
+them to check agreement, to learn the state's roster and to count the group, back to back: each
+read costs a DHT lookup, about 0.6 s on a home link of 350 kbit/s)."""
 
 
 class _ExpectedRoundFailures(logging.Filter):
@@ -187,6 +192,8 @@ class Swarm:
         self._meetings = 0
         """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
         self._pace = SwarmPace()
+        self._landed = LandingTimes()
+        self._records: tuple[float, list[DigestRecord]] = (-math.inf, [])
         """When this peer first saw a digest record of each round: the swarm's pace."""
         self._in_flight: PendingRound | None = None
         quiet_expected_round_failures()
@@ -314,14 +321,22 @@ class Swarm:
         return bool(self._meeting_candidates(round_))
 
     def publish_digest(
-        self, identity: Identity, *, round_: int, digest: str, roster: int = 0, leaving: bool = False
+        self,
+        identity: Identity,
+        *,
+        round_: int,
+        digest: str,
+        roster: int = 0,
+        leaving: bool = False,
+        landed: float | None = None,
     ) -> None:
         """Sign and store this peer's post-round digest (and the state's roster size as this
-        peer knows it) in the DHT (does not block); ``leaving``: marked as its last, stored
-        before this returns (the DHT node stops soon after)."""
+        peer knows it, and when it landed the state by averaging, DHT time) in the DHT (does not
+        block); ``leaving``: marked as its last, stored before this returns (the DHT node stops
+        soon after)."""
         try:
             self.run_records.publish_digest(
-                identity, round_=round_, digest=digest, roster=roster, leaving=leaving, wait=leaving
+                identity, round_=round_, digest=digest, roster=roster, leaving=leaving, wait=leaving, landed=landed
             )
         except Exception as exc:  # noqa: BLE001 - a leave the DHT did not take: the next round waits for us
             logger.warning("could not say in the DHT that this peer leaves: %s", exc)
@@ -336,24 +351,33 @@ class Swarm:
 
     def records(self, *, exclude: PublicKey | None = None) -> list[DigestRecord]:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
-        records = self.run_records.digest_records()
-        self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
+        read_at, records = self._records
+        if time.monotonic() - read_at >= RECORDS_FRESH_S:
+            records = self.run_records.digest_records()
+            self._records = (time.monotonic(), records)
+            self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
+            self._landed.saw(records)
         return [r for r in records if r.signer != exclude]
 
     def seen_at(self, round_: int) -> float | None:
-        """When (monotonic) this peer first saw a digest record of ``round_`` (about when the swarm
-        landed it); None if it has not, or forgot."""
+        """When (monotonic) the swarm landed ``round_``: the median landing time its members
+        signed into their records (``DigestRecord.landed``), or else when this peer first saw
+        a record of it (later by its reads of the DHT, seconds on a home link); None if neither."""
+        landed = self._landed.at(round_)
+        if landed is not None:
+            return time.monotonic() - max(0.0, get_dht_time() - landed)
         return self._pace.first_seen.get(round_)
 
     def eligible(self) -> Callable[[str], bool]:
         """Whose digest records count (``protocol.agreement``, rule 1): in a gated run the
-        peers holding a valid token of the run's coordinator (looked up now); in an open run
+        peers holding a valid token of the run's coordinator (looked up at most every
+        ``RECORDS_FRESH_S``); in an open run
         the peers this one averaged with (``saw_group``)."""
         if self.gate is None:
             electorate = frozenset(self.electorate)
             return electorate.__contains__
         gate = self.gate
-        gate.refresh(self.dht)
+        gate.refresh(self.dht, max_age_s=RECORDS_FRESH_S)  # two DHT lookups: not at every call
         now = time.time()
         return lambda key: gate.is_member_key(key, now=now)
 

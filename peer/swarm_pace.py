@@ -10,9 +10,13 @@ them, never from rounds first seen in the same look (that ratio is 0/n and says 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_ROUNDS_AHEAD", "PACE_HORIZON_S", "SwarmPace"]
+from protocol.statesync import DigestRecord
+
+__all__ = ["MAX_ROUNDS_AHEAD", "PACE_HORIZON_S", "LandingTimes", "SwarmPace"]
 
 PACE_HORIZON_S = 120.0
 """Sightings older than this are forgotten: the pace is the recent one."""
@@ -66,3 +70,25 @@ class SwarmPace:
             return 1
         elapsed = now - self.first_seen[shown] + lead_s
         return 1 + min(MAX_ROUNDS_AHEAD, math.ceil(elapsed / pace))
+
+
+@dataclass
+class LandingTimes:
+    """When the swarm landed each recent round, by the landing times its members signed into
+    their digest records (``DigestRecord.landed``): per round the median over the signers (one
+    member's clock or lie moves it by no more than the members' spread). A timing hint for a
+    peer that adopted a state (when will its holders launch the next round?), never a vote."""
+
+    rounds: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def saw(self, records: Iterable[DigestRecord]) -> None:
+        for record in records:
+            if record.landed is not None and not record.archive:
+                self.rounds.setdefault(record.round, {})[record.signer.id] = record.landed
+        for old in sorted(self.rounds)[:-MAX_SIGHTINGS]:
+            del self.rounds[old]
+
+    def at(self, round_: int) -> float | None:
+        """The median landing time (DHT time) of ``round_`` its signers stated; None if none did."""
+        times = self.rounds.get(round_)
+        return statistics.median(times.values()) if times else None

@@ -126,7 +126,14 @@ class SwarmPort(Protocol):
     def saw_group(self, members: list[Gathered]) -> None: ...
 
     def publish_digest(
-        self, identity: Identity, *, round_: int, digest: str, roster: int = 0, leaving: bool = False
+        self,
+        identity: Identity,
+        *,
+        round_: int,
+        digest: str,
+        roster: int = 0,
+        leaving: bool = False,
+        landed: float | None = None,
     ) -> None: ...
 
     def roster_of(self, digest: str, *, exclude: PublicKey | None = None) -> RosterClaim: ...

@@ -79,6 +79,7 @@ from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
 from protocol.spec import OuterSection, RunSpec
 from protocol.statesync import RECORD_TTL_S
+from protocol.updates import FetchedUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,13 @@ the record's lifetime never leave newcomers without votes."""
 LANDED_CHECK_S = 2.0
 """While a round looks for its group, how often the peer reads the digest records to learn
 whether the swarm landed that round without it (``Trainer._abandon_if_landed``)."""
-JOIN_LEAD_S = 1.0
-"""A peer that adopted a state ends its first phase this long before it expects the members to
-end theirs (it saw their records some time after they landed), so that it is declared first."""
-MIN_JOIN_PHASE_S = 0.5
-"""A first phase shorter than this is not worth training: the peer joins the round at once."""
+JOIN_LEAD_S = 0.5
+"""A peer that adopted a state ends its first phase this long before the members holding it end
+theirs (``Trainer._swarm_launches_at``), so that it is declared when their leader looks: its
+last inner step may overrun the phase, and the members' landing times are signed to the
+millisecond but by clocks that differ a little."""
+MIN_JOIN_PHASE_S = 0.05
+"""A first phase shorter than this is not trained: the peer joins the round at once with no samples."""
 MAX_CARRIED_ROUNDS = 2
 """A peer that re-syncs carries its uncounted local work over to the adopted state only if that
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
@@ -227,6 +230,9 @@ class _Landed:
     kept: tuple[int, str, list[tuple[int, int]]] | None = None
     """A round that landed in sync: (its round, the digest it started from, left-out ranges),
     for the swarm to keep its update once the new digest is known."""
+    at: float | None = None
+    """When (wall clock) it landed in sync, the next round's inner phase beginning: signed into
+    the state's digest record (``DigestRecord.landed``)."""
 
 
 @dataclass
@@ -359,7 +365,7 @@ class Trainer:
         )
         if self.checkpointer is not None:
             self._restore()
-        self._snapshot = (self.state.round, self.state.digest())
+        self._snapshot: tuple[int, str, float | None] = (self.state.round, self.state.digest(), None)
         self._published_at = time.monotonic()
         swarm.serve_state(self._serve)
 
@@ -483,11 +489,13 @@ class Trainer:
         self.model.train()
         round_ = self.state.round + (1 if ahead else 0)
         if not ahead and (self._launch_now or self.swarm.behind(self.state.round)):
-            if self._launch_now and self._too_late_to_join():
+            if self._launch_now and self._too_late_to_join() and not self.roster.known:
                 self._join_the_next_round()
-            until = self._swarm_launches_at(self.state.round) if self._launch_now else None
+            launch = self._swarm_launches_at(self.state.round) if self._launch_now else None
             self._launch_now = False
-            if until is None:  # join the swarm's next round now, with nothing to contribute (no data round read)
+            until = None if launch is None else launch - JOIN_LEAD_S
+            if until is None or until - time.monotonic() < MIN_JOIN_PHASE_S:
+                # join the swarm's next round now, with nothing to contribute (no data round read)
                 return _InnerPhase(started, started, 0, round_, self._data_round)
             # train until the members end their phase of this round, and join it with that work
             self._carry_over = None  # the work carried over is in the model: this phase's Δ holds it
@@ -497,24 +505,25 @@ class Trainer:
         return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, round_, self._data_round)
 
     def _swarm_launches_at(self, round_: int) -> float | None:
-        """When (monotonic) the members holding the state of ``round_`` end its inner phase, less
-        ``JOIN_LEAD_S``: this peer first saw that state's records about when they landed it, and
+        """When (monotonic) the members holding the state of ``round_`` end its inner phase and
+        launch the round: they landed it when their digest records say (``Swarm.seen_at``), and
         their phase lasts the spec's time budget. None when that is unknown (no time budget, the
-        records unseen) or under ``MIN_JOIN_PHASE_S`` away: then a peer that just adopted the
-        state joins the round at once, with nothing to contribute."""
+        records unseen): then a peer that just adopted the state joins the round at once, with
+        nothing to contribute."""
         budget = self.spec.rounds.time_budget_s
         seen = self.swarm.seen_at(round_)
         if not budget or seen is None:
             return None
-        until = seen + budget - JOIN_LEAD_S
-        return until if until - time.monotonic() >= MIN_JOIN_PHASE_S else None
+        return seen + budget
 
     def _too_late_to_join(self) -> bool:
-        """Whether the members holding this peer's just-adopted state have (nearly) ended their
-        phase of its round: a search launched now would come after their group formed."""
-        budget = self.spec.rounds.time_budget_s
-        seen = self.swarm.seen_at(self.state.round)
-        return bool(budget) and seen is not None and self._swarm_launches_at(self.state.round) is None
+        """Whether the members holding this peer's just-adopted state have launched its round
+        already: a search launched now would come after their group formed. Not
+        asked of a peer in the roster of the state it adopted (its group made the state without
+        it, ``RosterBook.adopted``): that round's leader waits for it by name, so it joins at once
+        (a member whose all-reduce failed once cost the round its leader's whole window so)."""
+        launch = self._swarm_launches_at(self.state.round)
+        return launch is not None and time.monotonic() >= launch
 
     def _join_the_next_round(self) -> None:
         """Wait (up to two phases and a matchmaking timeout) for the swarm to land the round this
@@ -525,11 +534,22 @@ class Trainer:
         budget = self.spec.rounds.time_budget_s or 0.0
         deadline = time.monotonic() + 2 * budget + self.spec.averaging.matchmaking_timeout_s
         logger.info("round %d is under way without this peer: joining the next", self.state.round)
+        digest, records_at = self.state.digest(), time.monotonic() + LANDED_CHECK_S
+        timeout = self.spec.averaging.allreduce_timeout_s
         while not self.options.stop.is_set() and time.monotonic() < deadline:
-            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
-            if agreed is not None and agreed.round > self.state.round:
-                self._roll_own_state_forward()  # adopts it (``_launch_now`` again) or leaves things be
+            # the round's update, asked for as soon as it lands: members keep it once they hold
+            # its state (a read of the records takes seconds on a home link, an ask a round trip)
+            update = self.swarm.download_update(self.state.round, digest, timeout=timeout)
+            if update is not None:
+                rolled = self._roll_forward(self.state.clone(), None, verified=None, first=update)
+                if rolled is not None and rolled.round > self.state.round:
+                    self._adopt(rolled, accepted={rolled.digest()})  # ``_launch_now`` again
                 return
+            if time.monotonic() >= records_at:  # members that keep no updates: the records say it landed
+                records_at = time.monotonic() + LANDED_CHECK_S
+                agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+                if agreed is not None and agreed.round > self.state.round:
+                    return
             time.sleep(0.25)
 
     def _train_step(self, inner: _InnerPhase) -> None:
@@ -842,7 +862,8 @@ class Trainer:
         )
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
         kept = (self.state.round - 1, flight.pre_digest, list(result.left_out)) if result and self.in_sync else None
-        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s, kept)
+        at = time.time() if kept is not None else None
+        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s, kept, at)
         if digest_known:
             self._record_landed(wait=True)
 
@@ -855,8 +876,8 @@ class Trainer:
             return
         started = time.monotonic()
         digest = self.state.digest()
-        if self._snapshot != (self.state.round, digest):
-            self._publish()
+        if self._snapshot[:2] != (self.state.round, digest):
+            self._publish(landed=landed.at)
         if landed.kept is not None:
             round_, pre, left_out = landed.kept
             self.swarm.keep_update(round_, pre, digest, left_out)
@@ -1134,8 +1155,10 @@ class Trainer:
         agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
         return agreed is not None and agreed.round > self.state.round
 
-    def _publish(self) -> None:
-        self._snapshot = (self.state.round, self.state.digest())
+    def _publish(self, *, landed: float | None = None) -> None:
+        """Publish the digest record of this peer's state (``landed``: when it landed the state
+        by averaging, wall clock; None when it adopted it)."""
+        self._snapshot = (self.state.round, self.state.digest(), landed)
         self._republish()
 
     def _serve(self) -> tuple[int, torch.Tensor, torch.Tensor, str]:
@@ -1151,14 +1174,16 @@ class Trainer:
         (``engine.matchmaking.RoundMatchmaking``). Its vote for the state stands."""
         if self._snapshot is None or not self.in_sync:
             return
-        round_, digest = self._snapshot
-        self.swarm.publish_digest(self.identity, round_=round_, digest=digest, roster=self.roster.size, leaving=True)
+        round_, digest, landed = self._snapshot
+        self.swarm.publish_digest(
+            self.identity, round_=round_, digest=digest, roster=self.roster.size, leaving=True, landed=landed
+        )
         logger.info("said in the DHT that this peer leaves holding round %d's state", round_)
 
     def _republish(self) -> None:
         """Sign and store the served state's digest record again (no new digest computed)."""
-        round_, digest = self._snapshot
-        self.swarm.publish_digest(self.identity, round_=round_, digest=digest, roster=self.roster.size)
+        round_, digest, landed = self._snapshot
+        self.swarm.publish_digest(self.identity, round_=round_, digest=digest, roster=self.roster.size, landed=landed)
         self._published_at = time.monotonic()
 
     def wait_for_group(self) -> bool:
@@ -1278,7 +1303,7 @@ class Trainer:
 
     @torch.no_grad()
     def _roll_forward(
-        self, state: GlobalState, download_s: float | None, *, verified: str | None
+        self, state: GlobalState, download_s: float | None, *, verified: str | None, first: FetchedUpdate | None = None
     ) -> GlobalState | None:
         """``state`` taken forward by the rounds the swarm landed since (``peer.host_passes.roll_forward``,
         by the averaged updates its members keep: ``engine.update_store``) until it is the
@@ -1290,14 +1315,15 @@ class Trainer:
         the swarm's state, or the records never agree on it; the caller downloads a newer
         state. A peer whose download outlasts rounds thus gets in after its download plus the
         updates', which are a few times smaller than a state and are what its all-reduce would
-        receive each round anyway."""
+        receive each round anyway. ``first``: an update already downloaded for ``state``."""
         digest = state.digest()
         rolled, update_bytes, started = 0, 0, time.monotonic()
         patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
         timeout = self.spec.averaging.allreduce_timeout_s
         while not self.options.stop.is_set():
             # every update members keep from here on (chains, one request each), then the records
-            while (update := self.swarm.download_update(state.round, digest, timeout=timeout)) is not None:
+            while (update := first or self.swarm.download_update(state.round, digest, timeout=timeout)) is not None:
+                first = None
                 if not rolled:
                     done = "" if download_s is None else f"state downloaded in {download_s:.0f} s; "
                     self.progress.joining(f"{done}rolling forward by the rounds' updates")
@@ -1314,7 +1340,14 @@ class Trainer:
                     return None
                 rolled, update_bytes = rolled + 1, update_bytes + update.size
                 patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
+            read = time.monotonic()
             agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+            logger.debug(
+                "rolling forward at round %d: the records agree on round %s (read in %.2f s)",
+                state.round,
+                None if agreed is None else agreed.round,
+                time.monotonic() - read,
+            )
             if agreed is not None and agreed.round == state.round:
                 return self._rolled(state, rolled, update_bytes, started) if agreed.digest == digest else None
             if agreed is None and verified == digest:

@@ -171,8 +171,11 @@ class MemberGate:
             return False
         return any(key == peer_key and expires > now for expires, key in self._members.values())
 
-    def refresh(self, dht: Any) -> None:
-        """Look the run's members up in ``dht`` (a hivemind DHT, from the host process) now."""
+    def refresh(self, dht: Any, *, max_age_s: float = 0.0) -> None:
+        """Look the run's members up in ``dht`` (a hivemind DHT, from the host process) now,
+        unless the last lookup is younger than ``max_age_s``."""
+        if time.monotonic() - self._last_refresh < max_age_s:
+            return
         lookup = Lookup.from_found(dht.get(self.key, latest=True), dht.get(self.revocations_key, latest=True))
         self._last_refresh = time.monotonic()
         self.update(lookup, now=time.time())

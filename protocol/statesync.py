@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 DIGEST_KIND = "swarmtrain.state-digest.v1"
 RECORD_TTL_S = 600.0
+LANDED_SLACK_S = 1.0
+"""How far a record's landing time may lie after its signature's (a float's last digits, one
+clock read twice): a record beyond it is malformed."""
 
 
 DIGEST_PREFIX = "blake3:"
@@ -76,6 +80,11 @@ class DigestRecord:
     leaving: bool = False
     """Its signer stopped cleanly holding this state: the next round's leader need not wait
     for it (``protocol.roster.leader_may_close``); it still counts as a holder."""
+    landed: float | None = None
+    """When (DHT time: wall-clock seconds) its signer landed this state by averaging (None: it
+    adopted it, or did not say). Members start the next round's inner phase then, so a newcomer
+    that adopted the state knows when they will launch that round
+    (``peer.swarm.Swarm.seen_at``); a timing hint, never a vote."""
 
 
 def run_prefix(spec_digest: str) -> str:
@@ -98,8 +107,11 @@ def make_digest_record(
     archive: bool = False,
     roster: int = 0,
     leaving: bool = False,
+    landed: float | None = None,
 ) -> bytes:
     fields: dict[str, Any] = {"round": round_, "digest": digest}
+    if landed is not None:
+        fields["landed"] = math.floor(float(landed) * 1000) / 1000  # to the ms, never after it was
     if archive:
         fields["archive"] = True
     if roster:
@@ -119,16 +131,24 @@ def parse_digest_record(data: Any, *, now: float, max_age_s: float = RECORD_TTL_
     try:
         body = json.loads(message.body)
         round_, digest, archive = body["round"], body["digest"], body.get("archive", False)
-        roster, leaving = body.get("roster", 0), body.get("leaving", False)
+        roster, leaving, landed = body.get("roster", 0), body.get("leaving", False), body.get("landed")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise MalformedMessageError("digest record body is not {round, digest[, archive, roster, leaving]}") from exc
+        raise MalformedMessageError(
+            "digest record body is not {round, digest[, archive, roster, leaving, landed]}"
+        ) from exc
     if type(round_) is not int or round_ < 0 or not is_state_digest(digest):
         raise MalformedMessageError("digest record has a bad round or digest")
     if not isinstance(archive, bool) or not isinstance(leaving, bool):
         raise MalformedMessageError("digest record has a non-boolean archive or leaving flag")
     if type(roster) is not int or not 0 <= roster <= MAX_ROSTER:
         raise MalformedMessageError(f"digest record has a bad roster (an integer in [0, {MAX_ROSTER}])")
-    return DigestRecord(message.signer, round_, digest, archive, roster, leaving)
+    if landed is not None and (
+        type(landed) not in (int, float)
+        or not math.isfinite(landed)
+        or not 0 <= landed <= message.timestamp + LANDED_SLACK_S
+    ):
+        raise MalformedMessageError("digest record has a bad landing time (a time no later than its signature)")
+    return DigestRecord(message.signer, round_, digest, archive, roster, leaving, landed)
 
 
 def collect_records(values: dict[Any, Any], *, now: float) -> list[DigestRecord]:

@@ -25,7 +25,8 @@ class FetchedUpdate:
     """Ranges the round did not average (an audit left a reducer's out): the state keeps its
     values there, as every member's landing did."""
     parts: Sequence[tuple[int, int, bytes]]
-    """``(start, values, codec bytes)``, covering the vector in order."""
+    """``(start, values, codec bytes)``, in order, covering the vector but for ranges left out
+    (the reducers that failed there sent none)."""
     seconds: float
     server: str
 
@@ -50,3 +51,21 @@ def parse_ranges(raw: Any, numel: int) -> Ranges:
         ranges.append((lo, hi))
         end = hi
     return tuple(ranges)
+
+
+def left_out_between(left_out: Ranges, start: int, stop: int) -> bool:
+    """Whether ``[start, stop)`` (``start < stop``) lies wholly inside the union of ``left_out``
+    (sorted, disjoint ranges, ``parse_ranges``): the gap a round's failed reducers left between
+    two parts that arrived."""
+    if start >= stop:
+        return False
+    cursor = start
+    for lo, hi in left_out:
+        if hi <= cursor:
+            continue
+        if lo > cursor:
+            return False
+        cursor = hi
+        if cursor >= stop:
+            return True
+    return False

@@ -186,3 +186,21 @@ def test_known_members_are_rechecked_so_a_revocation_takes_effect() -> None:
         return [first, cached, rechecked]
 
     assert asyncio.run(scenario()) == [True, True, False]
+
+
+def test_a_refresh_within_its_max_age_reads_nothing() -> None:
+    """Every read of the digest records asks who is a member: two DHT lookups each, a second on
+    a home link, unless the last lookup is fresh enough."""
+
+    class CountingDHT:
+        gets = 0
+
+        def get(self, key: Any, latest: bool = False) -> None:
+            self.gets += 1
+
+    g, dht = gate(), CountingDHT()
+    g.refresh(dht, max_age_s=1.0)
+    g.refresh(dht, max_age_s=1.0)
+    assert dht.gets == 2  # the first refresh only
+    g.refresh(dht)
+    assert dht.gets == 4  # no max age: now

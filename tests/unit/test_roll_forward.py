@@ -88,3 +88,35 @@ def test_an_update_of_another_round_or_with_bytes_that_do_not_decode_is_refused(
     poisoned = [(0, 64, get_codec("none").encode(torch.zeros(64)).replace(b"\0\0\0\0", bytes(nan[:1].numpy()), 1))]
     with pytest.raises(MalformedTensorError):
         roll_forward(state, FetchedUpdate(3, "", "", (), poisoned, 0.0, "x"), CONFIG, get_codec("none"))
+
+
+def test_a_round_whose_reducer_failed_rolls_forward_by_the_parts_that_arrived() -> None:
+    """A reducer that failed mid-round sent none of its parts: members landed the round with its
+    range left out and kept the rest; the update is the parts that arrived, and it makes the
+    landed state without the missing ones."""
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    round_ = 5
+    start = GlobalState(flatten(model), torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3, round_)
+    averaged, parts = _parts("int8", numel, round_)
+    failed = parts[1]
+    missing = [(failed[0], failed[0] + failed[1])]
+    member = start.clone()
+    land_round(
+        model,
+        member,
+        averaged,
+        CONFIG,
+        feedback=None,
+        launch_point=None,
+        keep_progress=False,
+        staging=Staging(model),
+        missing=missing,
+        codec=get_codec("int8").at_round(round_),
+    )
+    newcomer = start.clone()
+    arrived = [part for part in parts if part is not failed]
+    roll_forward(
+        newcomer, FetchedUpdate(round_, "", "", tuple(missing), arrived, 0.0, "member"), CONFIG, get_codec("int8")
+    )
+    assert newcomer.digest() == member.digest()

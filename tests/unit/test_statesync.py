@@ -52,6 +52,13 @@ def test_record_round_trip_and_archive_flag() -> None:
     assert record == DigestRecord(me.public_key, 5, fake_digest("ab"), archive=False)
     archived = make_digest_record(me, round_=5, digest=fake_digest("ab"), now=NOW, archive=True)
     assert parse_digest_record(archived, now=NOW).archive is True
+    landed = make_digest_record(me, round_=5, digest=fake_digest("ab"), now=NOW, landed=NOW - 2.5)
+    assert parse_digest_record(landed, now=NOW).landed == NOW - 2.5
+    for late in (NOW + 0.0004, NOW + 0.0006):  # a landing time read as the record was signed
+        record = parse_digest_record(make_digest_record(me, round_=5, digest=fake_digest("ab"), now=late), now=NOW)
+        assert record.landed is None
+        stamped = make_digest_record(me, round_=5, digest=fake_digest("ab"), now=late, landed=late)
+        assert parse_digest_record(stamped, now=NOW).landed == pytest.approx(late, abs=0.001)
 
 
 def _signed(body: object, identity: Identity, kind: str = DIGEST_KIND, now: float = NOW) -> bytes:
@@ -68,8 +75,26 @@ def _signed(body: object, identity: Identity, kind: str = DIGEST_KIND, now: floa
         {"round": 1},
         {"round": 1, "digest": fake_digest("ab"), "archive": "yes"},
         [1, fake_digest("ab")],
+        {"round": 1, "digest": fake_digest("ab"), "landed": NOW + 60},
+        {"round": 1, "digest": fake_digest("ab"), "landed": -1.0},
+        {"round": 1, "digest": fake_digest("ab"), "landed": True},
+        {"round": 1, "digest": fake_digest("ab"), "landed": "yesterday"},
+        {"round": 1, "digest": fake_digest("ab"), "landed": 1e400},
     ],
-    ids=["bool-round", "negative-round", "float-round", "bad-digest", "no-digest", "string-archive", "list"],
+    ids=[
+        "bool-round",
+        "negative-round",
+        "float-round",
+        "bad-digest",
+        "no-digest",
+        "string-archive",
+        "list",
+        "landed-after-its-signature",
+        "negative-landed",
+        "bool-landed",
+        "string-landed",
+        "infinite-landed",
+    ],
 )
 def test_malformed_record_bodies_are_refused(body: object) -> None:
     with pytest.raises(VerificationError):

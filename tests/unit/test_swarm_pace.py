@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from peer.swarm_pace import MAX_ROUNDS_AHEAD, PACE_HORIZON_S, SwarmPace
+from peer.swarm_pace import MAX_ROUNDS_AHEAD, PACE_HORIZON_S, LandingTimes, SwarmPace
 
 
 def test_one_look_gives_no_pace_however_many_rounds_it_shows() -> None:
@@ -63,3 +63,20 @@ def test_a_round_is_first_seen_once() -> None:
     pace.saw({5}, now=1.0)
     pace.saw({5, 6}, now=3.0)
     assert pace.first_seen == {5: 1.0, 6: 3.0} and pace.seconds_per_round(6) == 2.0
+
+
+def test_a_rounds_landing_time_is_the_median_its_members_signed() -> None:
+    """One member's skewed clock (or lie) moves a newcomer's timing by no more than the spread
+    of the others'; archives and adopters (no landing time) say nothing."""
+    from protocol.identity import Identity
+    from protocol.statesync import DigestRecord
+
+    def record(round_: int, landed: float | None, *, archive: bool = False) -> DigestRecord:
+        return DigestRecord(Identity.generate().public_key, round_, "blake3:" + "0" * 64, archive, landed=landed)
+
+    times = LandingTimes()
+    times.saw([record(7, 100.0), record(7, 101.0), record(7, 5_000.0), record(7, None), record(7, 0.0, archive=True)])
+    assert times.at(7) == 101.0
+    assert times.at(8) is None
+    times.saw([record(8, None)])
+    assert times.at(8) is None

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import peer.trainer
 from engine.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
@@ -222,11 +223,14 @@ def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
     swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
     expected = trainer.state.clone()
     outer_step(expected, averaged, trainer.spec.outer)
+    before = time.time()
     trainer.run()
     assert trainer.state.digest() == expected.digest()
-    # hashed in the background, then recorded and published
+    # hashed in the background, then recorded and published, with when it landed (a newcomer
+    # that adopts the state times its join by it)
     assert trainer.history[-1].state_digest == expected.digest() and trainer.history[-1].digest_s > 0
     assert swarm.published[-1]["digest"] == expected.digest() and swarm.published[-1]["round_"] == 1
+    assert before <= swarm.published[-1]["landed"] <= trainer.history[-1].at + 0.001  # (``at``: to the ms)
     assert torch.equal(flatten(trainer.model), trainer.state.params)
 
 
@@ -569,7 +573,7 @@ def test_the_digest_record_is_re_signed_while_a_long_round_runs(monkeypatch: Any
     monkeypatch.setattr(peer.trainer, "REPUBLISH_S", 0.0)
     digest = trainer.state.digest()
     trainer.run()  # 2 inner steps: re-signed at each, without computing a new digest
-    steps = [p for p in swarm.published if p == {"round_": 0, "digest": digest, "roster": 0}]
+    steps = [p for p in swarm.published if p == {"round_": 0, "digest": digest, "roster": 0, "landed": None}]
     assert len(steps) >= 2
 
 
@@ -870,3 +874,90 @@ def test_a_newcomer_rolls_the_state_it_downloaded_forward_by_the_kept_updates(fo
     else:
         assert trainer.state.round == 5 and trainer.state.digest() == after_second.digest()
         assert torch.equal(flatten(trainer.model), trainer.state.params)
+
+
+def _joining_trainer(*, landed_ago: float, known: bool) -> tuple[Trainer, list[int], float]:
+    """A trainer that just adopted a state its members landed ``landed_ago`` seconds ago (their
+    phase lasts the spec's 2 s budget); ``known``: it is in that state's roster."""
+    spec = parse_spec(SPEC.replace("inner_steps = 2", "inner_steps = 1000\ntime_budget_s = 2.0"))
+    landed = time.monotonic() - landed_ago
+
+    class Swarm(RecordingSwarm):
+        def seen_at(self, round_: int) -> float | None:
+            return landed if round_ == 4 else None
+
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), Swarm(), TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    theirs = GlobalState(trainer.state.params + 0.25, trainer.state.momentum, 4)
+    trainer._adopt(theirs, accepted={theirs.digest()})
+    trainer.roster.known = known
+    skipped: list[int] = []
+    trainer._join_the_next_round = lambda: skipped.append(trainer.state.round)  # type: ignore[method-assign]
+    return trainer, skipped, landed
+
+
+def test_a_peer_that_adopted_a_state_trains_until_its_members_launch_and_joins_with_that_work() -> None:
+    """The members signed when they landed the state: their phase ends a budget later, and the
+    newcomer's first phase ends ``JOIN_LEAD_S`` before that, so its first round counts samples."""
+    trainer, skipped, landed = _joining_trainer(landed_ago=0.5, known=False)
+    inner = trainer._start_inner(ahead=False)
+    assert inner.joining and inner.steps > 0 and not skipped
+    assert inner.deadline == pytest.approx(landed + 2.0 - peer.trainer.JOIN_LEAD_S)
+
+
+def test_a_newcomer_too_late_for_the_round_of_its_state_joins_the_next_one() -> None:
+    """Its members launched that round already: a search now would come after their group
+    formed (and be given up), so it waits for them to land it and joins the next."""
+    trainer, skipped, _ = _joining_trainer(landed_ago=2.5, known=False)
+    inner = trainer._start_inner(ahead=False)
+    assert skipped == [4] and inner.steps == 0
+
+
+def test_a_member_back_in_its_roster_joins_the_round_at_once_however_late() -> None:
+    """Its group made the state without it: that round's leader waits for it by name, so it
+    searches at once (waiting for the next round cost the swarm the leader's whole window)."""
+    trainer, skipped, _ = _joining_trainer(landed_ago=2.5, known=True)
+    inner = trainer._start_inner(ahead=False)
+    assert not skipped and inner.steps == 0 and not inner.joining
+
+
+def test_a_peer_too_late_for_its_round_takes_that_rounds_update_as_soon_as_a_member_keeps_it() -> None:
+    """It asks for the update (a round trip) rather than read the records until they show the
+    round landed (a DHT lookup each, seconds on a home link), and reads the records once, to
+    adopt the state the update makes only if they agree on it."""
+    spec = parse_spec(SPEC.replace("inner_steps = 2", "inner_steps = 1000\ntime_budget_s = 2.0"))
+    asks: list[float] = []
+    reads: list[float] = []
+
+    class Swarm(RecordingSwarm):
+        update: Any = None
+        agreed: Agreement | None = None
+
+        def download_update(self, round_: int, digest: str, *, timeout: float) -> Any:
+            asks.append(time.monotonic())
+            if len(asks) < 3 or self.update is None or self.update.pre != digest:
+                return None  # not kept yet: the members are landing the round
+            update, self.update = self.update, None
+            return update
+
+        def accepted_state(self, **kwargs: Any) -> Agreement | None:
+            reads.append(time.monotonic())
+            return self.agreed
+
+    swarm = Swarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    theirs = GlobalState(trainer.state.params + 0.25, trainer.state.momentum, 4)
+    trainer._adopt(theirs, accepted={theirs.digest()})
+    swarm.update, after = _kept_update(trainer, theirs, 7)
+    swarm.agreed = Agreement(5, after.digest(), 3, 3)
+    started = time.monotonic()
+    trainer._join_the_next_round()
+    assert trainer.state.round == 5 and trainer.state.digest() == after.digest()
+    assert len(asks) >= 3 and time.monotonic() - started < peer.trainer.LANDED_CHECK_S
+    assert len(reads) == 1  # once the update arrived: the records agree on what it makes
+
+    # a forged update (the records agree on another state): nothing adopted
+    swarm.update, forged = _kept_update(trainer, after, 8)
+    swarm.agreed = Agreement(6, "blake3:" + "1" * 64, 3, 3)
+    asks.clear()
+    trainer._join_the_next_round()
+    assert trainer.state.round == 5 and trainer.state.digest() == after.digest()

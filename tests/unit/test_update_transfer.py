@@ -130,6 +130,23 @@ def test_a_newcomer_downloads_the_chain_of_rounds_as_they_were_averaged_in_one_a
     assert newcomer.fetch(3, "d-forged") is None  # from another state: not this member's chain
 
 
+def test_a_round_that_left_a_failed_reducers_range_out_is_kept_and_served_without_it(tmp_path: Path) -> None:
+    store = UpdateStore(tmp_path / "updates", keep=4)
+    arrived = [part for index, part in enumerate(_parts(3)) if index != 1]  # reducer 1 failed: none of its parts
+    store.write_pending(3, arrived)
+    assert store.keep(3, "d3", "d4", [(WIDTH, 2 * WIDTH)])
+    update = _Newcomer(_served_by(_Member(store))).fetch(3, "d3")
+    assert update.left_out == ((WIDTH, 2 * WIDTH),)
+    assert [(start, buffer) for start, _values, buffer in update.parts] == [(s, p.buffer) for s, p in arrived]
+
+
+def test_a_peer_that_keeps_no_updates_says_so_at_once_to_anyone(tmp_path: Path) -> None:
+    """The coordinator's archive and client-mode peers keep none: they answer before any
+    admission lookup (which costs a DHT read), so a newcomer asking them loses no time."""
+    archive = _Member(None, admitted=set())
+    assert _Newcomer(_served_by(archive)).fetch(3, "d3") is None
+
+
 def test_an_outsider_or_a_malformed_request_gets_nothing(tmp_path: Path) -> None:
     member = _Member(_kept(tmp_path))
     with pytest.raises(MalformedTensorError, match="PROTOCOL_VIOLATION"):
@@ -230,6 +247,15 @@ HOSTILE = {
         *_honest()[1:],
     ],
     "a chain longer than any answer": [_header(more=10_000), *_honest()[1:]],
+    "a gap the left-out ranges do not cover": [_header(left_out=[[0, 64]], parts=4), *_honest()[2:]],
+    "a gap covered, then a part going back into it": [
+        _header(left_out=[[0, WIDTH]], parts=5),
+        *_honest()[2:],
+        _honest()[1],
+    ],
+    "fewer parts than its header says": [_header(parts=6), *_honest()[1:]],
+    "more parts than its header says, short of the vector": [_header(parts=4), *_honest()[1:]],
+    "a part count past the vector": [_header(parts=NUMEL + 1), *_honest()[1:]],
     "an answer code that is not an update": [averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)],
 }
 
