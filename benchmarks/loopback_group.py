@@ -284,6 +284,9 @@ class LoopbackSwarm:
     def serve_state(self, provider: Any) -> None:
         pass
 
+    def lookup_s(self) -> float:
+        return 0.0
+
     def seen_at(self, round_: int) -> float | None:
         return None
 

@@ -22,7 +22,7 @@ import random
 import time
 import typing
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -45,9 +45,14 @@ MAX_HEADER_BYTES = 64 * 1024
 """An update's header: its digests and left-out ranges (a few per failed reducer)."""
 MAX_SERVING = 4
 """Updates this member streams at once; more requests are answered "busy"."""
+T = TypeVar("T")
 SERVERS_TTL_S = 15.0
 OPEN_TIMEOUT_S = 10.0
 """The longest a member that is gone (its ``all_averagers`` entry lives 30 s) holds up the search."""
+ANSWER_TIMEOUT_S = 3.0
+"""The longest a server may take to say whether it keeps the update asked for (a header or "none",
+a few bytes): one slower (a busy archive took 5-10 s) is asked last for ``SERVERS_TTL_S``, so that
+it does not hold up a newcomer asking every quarter second whether a round's update is kept."""
 MAX_SERVERS_ASKED = 8
 """Members asked for one update, at random: in a swarm of thousands a newcomer whose state no
 member rolled from (it diverged) finds out after a few requests, not thousands."""
@@ -118,7 +123,7 @@ class UpdateTransferMixin:
             if writing is not None:
                 await writing
             if not self.update_store.keep(round_, pre, post, left_out):
-                logger.debug("no update of round %d to keep (this peer's all-reduce did not end here)", round_)
+                logger.info("no update of round %d to keep (this peer's all-reduce did not end here)", round_)
         except Exception:  # a disk error costs newcomers this round, never the round
             logger.exception("could not keep round %d's update", round_)
 
@@ -205,6 +210,8 @@ class UpdateTransferMixin:
                     chain = await self._download_chain_from(peer, round_, digest, timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.info("no update of round %d from %s: %s", round_, peer, str(exc) or type(exc).__name__)
+                    if isinstance(exc, asyncio.TimeoutError):
+                        self.__dict__.setdefault("_slow_servers", {})[peer] = time.monotonic()
                     continue
                 logger.debug(
                     "round %d on: %d updates from %s in %.2f s", round_, len(chain), peer, time.monotonic() - asked
@@ -236,6 +243,10 @@ class UpdateTransferMixin:
                 continue
             if peer != self.peer_id and await self._admitted(peer):
                 peers.append(peer)
+        slow: dict[PeerID, float] = self.__dict__.setdefault("_slow_servers", {})
+        for peer in [peer for peer, at in slow.items() if time.monotonic() - at >= SERVERS_TTL_S]:
+            del slow[peer]
+        peers.sort(key=lambda peer: peer in slow)  # stable: the rest stay at random
         last = self.__dict__.get("_update_server")
         if last in peers:
             peers.remove(last)
@@ -257,7 +268,7 @@ class UpdateTransferMixin:
         parts: list[tuple[int, int, bytes]] = []
         cursor = received = more = 0
         try:
-            async for message in aiter_with_timeout(stream, timeout):
+            async for message in _answered(stream, timeout):
                 if header is None:
                     if message.code == averaging_pb2.BAD_GROUP_ID and not chain:
                         return []  # it keeps no such update
@@ -313,3 +324,16 @@ class UpdateTransferMixin:
         if parts > self.numel:
             raise MalformedTensorError("update header malformed: more parts than values")
         return got_round, pre, post, ranges, parts, following
+
+
+async def _answered(stream: AsyncIterator[T], timeout: float) -> AsyncIterator[T]:
+    """``stream``'s messages: the first within ``ANSWER_TIMEOUT_S`` (or ``timeout`` if shorter),
+    each next within ``timeout`` of the last (``asyncio.TimeoutError`` otherwise)."""
+    iterator = aiter(stream)
+    try:
+        first = await asyncio.wait_for(anext(iterator), min(timeout, ANSWER_TIMEOUT_S))
+    except StopAsyncIteration:
+        return
+    yield first
+    async for message in aiter_with_timeout(iterator, timeout):
+        yield message

@@ -53,6 +53,9 @@ DECLARATION_DELAY_S = 1.0
 PACE_LOOK_S = 1.0
 """An open-run newcomer that has seen the records only once looks again this much later, to
 measure the swarm's pace before it aims (``Swarm._meeting_round``)."""
+LOOKUP_DECAY = 0.7
+"""``Swarm.lookup_s`` forgets a slow lookup by this factor a read (a link's lag rises fast and
+is believed to fall slowly)."""
 RECORDS_FRESH_S = 1.0
 """A read of the digest records serves the calls of the next second (an adoption reads
 them to check agreement, to learn the state's roster and to count the group, back to back: each
@@ -194,6 +197,7 @@ class Swarm:
         self._pace = SwarmPace()
         self._landed = LandingTimes()
         self._records: tuple[float, list[DigestRecord]] = (-math.inf, [])
+        self._lookup_s = 0.0
         """When this peer first saw a digest record of each round: the swarm's pace."""
         self._in_flight: PendingRound | None = None
         quiet_expected_round_failures()
@@ -353,11 +357,20 @@ class Swarm:
         """Valid digest records in the DHT, but ``exclude``'s (whoever signed them)."""
         read_at, records = self._records
         if time.monotonic() - read_at >= RECORDS_FRESH_S:
+            started = time.monotonic()
             records = self.run_records.digest_records()
             self._records = (time.monotonic(), records)
+            took = time.monotonic() - started
+            self._lookup_s = max(took, LOOKUP_DECAY * self._lookup_s)
             self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
             self._landed.saw(records)
         return [r for r in records if r.signer != exclude]
+
+    def lookup_s(self) -> float:
+        """How long a DHT lookup takes from this peer lately (its reads of the digest records:
+        the slowest recent one, decaying by ``LOOKUP_DECAY`` a read); about as long as its
+        declaration for a round takes to be stored where the round's leader looks."""
+        return self._lookup_s
 
     def seen_at(self, round_: int) -> float | None:
         """When (monotonic) the swarm landed ``round_``: the median landing time its members

@@ -91,10 +91,12 @@ LANDED_CHECK_S = 2.0
 """While a round looks for its group, how often the peer reads the digest records to learn
 whether the swarm landed that round without it (``Trainer._abandon_if_landed``)."""
 JOIN_LEAD_S = 0.5
-"""A peer that adopted a state ends its first phase this long before the members holding it end
-theirs (``Trainer._swarm_launches_at``), so that it is declared when their leader looks: its
-last inner step may overrun the phase, and the members' landing times are signed to the
-millisecond but by clocks that differ a little."""
+"""A peer that adopted a state ends its first phase this long, plus twice its recent DHT lookup
+time (``Swarm.lookup_s``), before the members holding it end theirs (``Trainer._swarm_launches_at``),
+so that its declaration is stored where their leader looks when they launch: its last inner step
+may overrun the phase, the members' landing times are signed to the millisecond but by clocks
+that differ a little, and on a home link a store takes about a second (a newcomer that declared
+0.5 s ahead on a 250 kbit/s link was not seen)."""
 MIN_JOIN_PHASE_S = 0.05
 """A first phase shorter than this is not trained: the peer joins the round at once with no samples."""
 MAX_CARRIED_ROUNDS = 2
@@ -493,7 +495,8 @@ class Trainer:
                 self._join_the_next_round()
             launch = self._swarm_launches_at(self.state.round) if self._launch_now else None
             self._launch_now = False
-            until = None if launch is None else launch - JOIN_LEAD_S
+            # declared before the members launch: its declaration takes about a lookup to be seen
+            until = None if launch is None else launch - JOIN_LEAD_S - 2 * self.swarm.lookup_s()
             if until is None or until - time.monotonic() < MIN_JOIN_PHASE_S:
                 # join the swarm's next round now, with nothing to contribute (no data round read)
                 return _InnerPhase(started, started, 0, round_, self._data_round)

@@ -125,6 +125,9 @@ class RecordingSwarm:
     def peers_at(self, round_: int, **kwargs: Any) -> set[str]:
         return set(self.others)
 
+    def lookup_s(self) -> float:
+        return 0.0
+
     def seen_at(self, round_: int) -> float | None:
         return None
 
@@ -880,11 +883,14 @@ def _joining_trainer(*, landed_ago: float, known: bool) -> tuple[Trainer, list[i
     """A trainer that just adopted a state its members landed ``landed_ago`` seconds ago (their
     phase lasts the spec's 2 s budget); ``known``: it is in that state's roster."""
     spec = parse_spec(SPEC.replace("inner_steps = 2", "inner_steps = 1000\ntime_budget_s = 2.0"))
-    landed = time.monotonic() - landed_ago
+    stamp: dict[str, float] = {}
 
     class Swarm(RecordingSwarm):
         def seen_at(self, round_: int) -> float | None:
-            return landed if round_ == 4 else None
+            return stamp["landed"] if round_ == 4 else None
+
+        def lookup_s(self) -> float:
+            return 0.2  # its declaration takes about this long to be seen
 
     trainer = Trainer(spec, build_task(spec, shard_seed=1), Swarm(), TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
     theirs = GlobalState(trainer.state.params + 0.25, trainer.state.momentum, 4)
@@ -892,16 +898,18 @@ def _joining_trainer(*, landed_ago: float, known: bool) -> tuple[Trainer, list[i
     trainer.roster.known = known
     skipped: list[int] = []
     trainer._join_the_next_round = lambda: skipped.append(trainer.state.round)  # type: ignore[method-assign]
-    return trainer, skipped, landed
+    stamp["landed"] = time.monotonic() - landed_ago
+    return trainer, skipped, stamp["landed"]
 
 
 def test_a_peer_that_adopted_a_state_trains_until_its_members_launch_and_joins_with_that_work() -> None:
     """The members signed when they landed the state: their phase ends a budget later, and the
-    newcomer's first phase ends ``JOIN_LEAD_S`` before that, so its first round counts samples."""
+    newcomer's first phase ends ``JOIN_LEAD_S`` and two of its DHT lookups before that (its
+    declaration must be seen when they launch), so its first round counts samples."""
     trainer, skipped, landed = _joining_trainer(landed_ago=0.5, known=False)
     inner = trainer._start_inner(ahead=False)
     assert inner.joining and inner.steps > 0 and not skipped
-    assert inner.deadline == pytest.approx(landed + 2.0 - peer.trainer.JOIN_LEAD_S)
+    assert inner.deadline == pytest.approx(landed + 2.0 - peer.trainer.JOIN_LEAD_S - 2 * 0.2)
 
 
 def test_a_newcomer_too_late_for_the_round_of_its_state_joins_the_next_one() -> None:

@@ -5,6 +5,7 @@ could send instead is refused before the next message is read."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -292,6 +293,23 @@ def test_a_server_that_stops_sending_is_given_up_after_the_timeout() -> None:
 
     with pytest.raises(TimeoutError):
         _Newcomer(stall).fetch(3, "d3", timeout=0.3)
+
+
+def test_a_server_slow_to_say_whether_it_keeps_the_update_is_given_up_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first answer is a few bytes: a server that takes longer than ``ANSWER_TIMEOUT_S`` (a
+    busy archive took 10 s) is not waited for as long as a transfer's silence may last."""
+    import engine.update_transfer
+
+    monkeypatch.setattr(engine.update_transfer, "ANSWER_TIMEOUT_S", 0.2)
+
+    async def slow(_request: Any) -> AsyncIterator[averaging_pb2.AveragingData]:
+        await asyncio.sleep(60)
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _Newcomer(slow).fetch(3, "d3", timeout=30.0)
+    assert time.monotonic() - started < 5.0
 
 
 def test_an_honest_stream_of_the_same_messages_is_taken() -> None:
