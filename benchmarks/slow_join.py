@@ -1,11 +1,11 @@
 """A volunteer on a home link joins a running swarm: its link is 10x slower than the swarm's, so
 its state download spans several rounds. Does it get in, and how soon does its work count?
 
-    make bench-join JOIN_ARGS="[--slow 250kbit] [--fast 2500kbit] [--codec sparse] [--phase-s 6]"   (as root)
+    make bench-join JOIN_ARGS="[--slow 220kbit] [--fast 2200kbit] [--codec sparse] [--phase-s 8]"   (as root)
 
 A coordinator and three peers on fast links (``--fast``) train the demo's model with rounds of a
-fixed inner phase (``--phase-s``, 6 s); once they have landed 11 rounds, a fourth peer starts on a
-slow link (``--slow``). Run twice in one invocation, the same links and spec: members keeping the last 10
+fixed inner phase (``--phase-s``, 8 s); once they have landed 10 rounds, a fourth peer starts on a
+slow link (``--slow``). Run twice in one invocation, the same links and spec: members keeping the last 9
 rounds' averaged updates (the newcomer rolls its downloaded state forward by them,
 ``peer.host_passes.roll_forward``; a run that has not yet landed that many rounds would let it
 roll the run's initial state forward instead, and download nothing), then keeping none (``--keep-updates 0``: the newcomer
@@ -139,13 +139,13 @@ def _contributed(row: dict[str, Any]) -> bool:
 def run(
     workdir: Path,
     *,
-    slow: str = "250kbit",
-    fast: str = "2500kbit",
+    slow: str = "220kbit",
+    fast: str = "2200kbit",
     codec: str = "sparse",
-    keep_updates: int = 10,
-    start_after: int = 11,
-    phase_s: float = 6.0,
-    deadline_s: float = 200.0,
+    keep_updates: int = 9,
+    start_after: int = 10,
+    phase_s: float = 8.0,
+    deadline_s: float = 240.0,
     subnet: str = "10.79.7.0/24",
     until_adopted: bool = False,
     steps: int = 100_000,
@@ -232,7 +232,7 @@ def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
         f'--phase-s {args.phase_s:g}"` (as root)',
         "",
         "Three members and a coordinator on fast links train the demo's model (137K parameters, a 1.1 MB "
-        f"state) with {args.codec} averaging and {args.phase_s:g} s inner phases; after their 11th round a newcomer "
+        f"state) with {args.codec} averaging and {args.phase_s:g} s inner phases; after their 10th round a newcomer "
         "starts on the slow link. Times from the start of its first state download.",
         "",
         "| members keep | download | rounds it spans | state downloads | rolled forward | holds the swarm's state | "
@@ -251,16 +251,16 @@ def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slow", default="250kbit")
-    parser.add_argument("--fast", default="2500kbit")
+    parser.add_argument("--slow", default="220kbit")
+    parser.add_argument("--fast", default="2200kbit")
     parser.add_argument("--codec", default="sparse")
-    parser.add_argument("--phase-s", type=float, default=6.0)
+    parser.add_argument("--phase-s", type=float, default=8.0)
     parser.add_argument("--deadline-s", type=float, default=240.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     results = []
     try:
-        for keep in (10, 0):
+        for keep in (9, 0):
             with tempfile.TemporaryDirectory(prefix="slow-join-") as tmp:
                 results.append(
                     run(

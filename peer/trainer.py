@@ -97,8 +97,6 @@ so that its declaration is stored where their leader looks when they launch: its
 may overrun the phase, the members' landing times are signed to the millisecond but by clocks
 that differ a little, and on a home link a store takes about a second (a newcomer that declared
 0.5 s ahead on a 250 kbit/s link was not seen)."""
-MIN_JOIN_PHASE_S = 0.05
-"""A first phase shorter than this is not trained: the peer joins the round at once with no samples."""
 MAX_CARRIED_ROUNDS = 2
 """A peer that re-syncs carries its uncounted local work over to the adopted state only if that
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
@@ -138,9 +136,13 @@ class _InnerPhase:
     joining: bool = False
     """A phase cut to end as the swarm's members end theirs (``Trainer._swarm_launches_at``): its
     round is launched as a join (``Trainer._join_timeout``)."""
+    least: int = 0
+    """Steps taken whatever the deadline (a joining phase's one)."""
 
     def over(self, stop: threading.Event) -> bool:
-        return self.done >= self.steps or time.monotonic() >= self.deadline or stop.is_set()
+        if stop.is_set() or self.done >= self.steps:
+            return True
+        return self.done >= self.least and time.monotonic() >= self.deadline
 
     @property
     def loss(self) -> float:
@@ -495,15 +497,18 @@ class Trainer:
                 self._join_the_next_round()
             launch = self._swarm_launches_at(self.state.round) if self._launch_now else None
             self._launch_now = False
-            # declared before the members launch: its declaration takes about a lookup to be seen
-            until = None if launch is None else launch - JOIN_LEAD_S - 2 * self.swarm.lookup_s()
-            if until is None or until - time.monotonic() < MIN_JOIN_PHASE_S:
+            if launch is None or launch <= started:
                 # join the swarm's next round now, with nothing to contribute (no data round read)
                 return _InnerPhase(started, started, 0, round_, self._data_round)
-            # train until the members end their phase of this round, and join it with that work
+            # train until the members end their phase of this round, and join it with that work:
+            # at least one step, so that the round it joins counts its work (a step is a small
+            # share of a round; its declaration is that much later)
             self._carry_over = None  # the work carried over is in the model: this phase's Δ holds it
             self._data_round = max(round_, self._data_round + 1)
-            return _InnerPhase(started, until, rounds.inner_steps or 1 << 62, round_, self._data_round, joining=True)
+            # declared before the members launch: its declaration takes about a lookup to be seen
+            until = max(started, launch - JOIN_LEAD_S - 2 * self.swarm.lookup_s())
+            steps = rounds.inner_steps or 1 << 62
+            return _InnerPhase(started, until, steps, round_, self._data_round, joining=True, least=1)
         self._data_round = max(round_, self._data_round + 1)
         return _InnerPhase(started, deadline, rounds.inner_steps or 1 << 62, round_, self._data_round)
 

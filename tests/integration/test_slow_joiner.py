@@ -1,8 +1,8 @@
 """A volunteer on a link 10x slower than the swarm's joins it while it runs
-(``benchmarks.slow_join``: 250 kbit/s against 2.5 Mbit/s, rounds of a 6 s phase): its state
+(``benchmarks.slow_join``: 220 kbit/s against 2.2 Mbit/s, rounds of an 8 s phase): its state
 download spans at least 5 rounds, yet it gets in with that one download, rolled forward by the
 rounds' kept updates, and its first contribution (a round averaged into the swarm's state with
-its samples) lands within its download time plus two rounds, issue #49's bound (measured 1.6
+its samples) lands within its download time plus two rounds, issue #49's bound (measured 1.0-1.4
 rounds after the download). Without kept updates it downloads state after state and never gets
 in (``make bench-join``). In network namespaces; needs root."""
 

@@ -969,3 +969,14 @@ def test_a_peer_too_late_for_its_round_takes_that_rounds_update_as_soon_as_a_mem
     asks.clear()
     trainer._join_the_next_round()
     assert trainer.state.round == 5 and trainer.state.digest() == after.digest()
+
+
+def test_a_peer_that_adopted_a_state_late_in_the_members_phase_still_brings_one_step() -> None:
+    """Its members launch before it could train to its lead: it takes one step anyway and
+    joins with it, so the round it joins counts its work."""
+    trainer, skipped, _ = _joining_trainer(landed_ago=1.7, known=False)
+    inner = trainer._start_inner(ahead=False)
+    assert inner.joining and not skipped
+    assert not inner.over(trainer.options.stop)  # its deadline passed, its one step not taken
+    trainer._train_step(inner)
+    assert inner.over(trainer.options.stop) and inner.samples > 0
