@@ -1328,6 +1328,7 @@ class Trainer:
         rolled, update_bytes, started = 0, 0, time.monotonic()
         patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
         timeout = self.spec.averaging.allreduce_timeout_s
+        target = -1  # the round the records agreed on when last read
         while not self.options.stop.is_set():
             # every update members keep from here on (chains, one request each), then the records
             while (update := first or self.swarm.download_update(state.round, digest, timeout=timeout)) is not None:
@@ -1348,8 +1349,14 @@ class Trainer:
                     return None
                 rolled, update_bytes = rolled + 1, update_bytes + update.size
                 patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
+            if state.round < target and time.monotonic() <= patience:
+                # the records showed later rounds: their updates are being kept; asking again is a
+                # round trip, reading the records again a DHT lookup (a second on a home link)
+                time.sleep(0.25)
+                continue
             read = time.monotonic()
             agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
+            target = -1 if agreed is None else agreed.round
             logger.debug(
                 "rolling forward at round %d: the records agree on round %s (read in %.2f s)",
                 state.round,
