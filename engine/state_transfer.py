@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +93,7 @@ class StateTransferMixin:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             found = await self.dht.get(key, latest=True, return_future=True)
             candidates = list(found.value.keys()) if found is not None and isinstance(found.value, dict) else []
+            self.__dict__["_update_listing"] = (list(candidates), time.monotonic())  # whom to ask for updates next
             random.shuffle(candidates)
             for raw_peer in candidates:
                 try:
