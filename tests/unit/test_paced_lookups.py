@@ -126,3 +126,44 @@ def test_the_averagers_search_is_the_rounds() -> None:
     matchmaking.__dict__["potential_leaders"] = PotentialLeaders(PeerID(b"\x00me"), 2.0, None)
     round_matchmaking(matchmaking)
     assert type(matchmaking.potential_leaders) is RoundPotentialLeaders
+
+
+class _SlowStoreDHT:
+    """A DHT whose stores wait for a replica that answers late (a home link, a replica gone)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.stored: list[tuple[Any, Any, bool]] = []
+
+    def store(self, key: Any, subkey: Any, value: bool, expiration_time: float, return_future: bool) -> Any:
+        async def slow() -> bool:
+            await asyncio.sleep(self.delay_s)
+            self.stored.append((key, subkey, value))
+            return True
+
+        return asyncio.ensure_future(slow())
+
+
+def test_a_search_that_ends_withdraws_its_declaration_without_waiting_for_the_store() -> None:
+    """hivemind withdraws a declaration under its one-search lock: a store that waits for a slow
+    replica held up the next round's search (a search given up, ``Trainer._abandon_if_landed``,
+    lost its peer the next round too). The withdrawal is stored in the background; a
+    declaration is still awaited."""
+    keys = object.__new__(PacedKeyManager)
+    dht = _SlowStoreDHT(delay_s=0.5)
+    keys.dht = dht
+    peer = PeerID(b"\x00\x24\x08\x01\x12\x20" + bytes(32))
+
+    async def search() -> tuple[float, float]:
+        started = time.monotonic()
+        assert await keys.declare_averager("run.0b1", peer, get_dht_time() + 5, looking_for_group=True)
+        declared = time.monotonic() - started
+        started = time.monotonic()
+        assert await keys.declare_averager("run.0b1", peer, get_dht_time() + 5, looking_for_group=False)
+        withdrawn = time.monotonic() - started
+        await asyncio.sleep(0.8)  # the withdrawal is stored meanwhile
+        return declared, withdrawn
+
+    declared, withdrawn = asyncio.run(search())
+    assert declared >= 0.5 and withdrawn < 0.1
+    assert [value for _key, _subkey, value in dht.stored] == [True, False]
