@@ -4,12 +4,15 @@ its state download spans several rounds. Does it get in, and how soon does its w
     make bench-join JOIN_ARGS="[--slow 240kbit] [--fast 2400kbit] [--codec sparse] [--phase-s 8]"   (as root)
 
 A coordinator and three peers on fast links (``--fast``) train the demo's model with rounds of a
-fixed inner phase (``--phase-s``, 8 s); once they have landed 10 rounds, a fourth peer starts on a
-slow link (``--slow``). Run twice in one invocation, the same links and spec: members keeping the last 9
-rounds' averaged updates (the newcomer rolls its downloaded state forward by them,
-``peer.host_passes.roll_forward``; a run that has not yet landed that many rounds would let it
-roll the run's initial state forward instead, and download nothing), then keeping none (``--keep-updates 0``: the newcomer
-downloads whole states until one is still the swarm's when it arrives). Figures, each from the
+fixed inner phase (``--phase-s``, 8 s); they resume a run at round 100 (each from a checkpoint of
+the run's initial model at that round: a swarm that has run for a while, whose rounds the
+newcomer cannot roll its initial state forward by), and once they have landed 3 rounds a fourth
+peer starts on a slow link (``--slow``). Run three times in one invocation, the same links: members
+keeping the last 9 rounds' averaged updates, sparse at density 1/16 (the newcomer rolls its
+downloaded state forward by them, ``peer.host_passes.roll_forward``), then keeping none
+(``--keep-updates 0``: the newcomer downloads whole states until one is still the swarm's when it
+arrives), then keeping 9 at the default density 1/4 (updates 4x the bytes: rolling D rounds costs
+about D² times an update's share of a state, in rounds, so the denser codec's join is slower). Figures, each from the
 peers' own logs and metrics rows (``at``: when a row was recorded): the newcomer's state
 download time, the rounds it spans (against the median round of a member meanwhile), the time
 from the start of its download to its first contribution (its first round averaged in the
@@ -66,7 +69,7 @@ lr = 0.7
 momentum = 0.9
 nesterov = true
 [averaging]
-compression = "{codec}"
+compression = "{codec}"{density}
 min_group_size = 2
 matchmaking_timeout_s = 10.0
 allreduce_timeout_s = 30.0
@@ -88,6 +91,9 @@ class JoinFigures:
     """One newcomer's join, from its log and rows and a member's rows."""
 
     keep_updates: int
+    density: float
+    """The sparse codec's share of values sent a round (an update is ~0.98% of a state at 1/4,
+    ~0.25% at 1/16)."""
     download_s: float
     """Its first state download, start to end."""
     downloads: int
@@ -142,8 +148,10 @@ def run(
     slow: str = "240kbit",
     fast: str = "2400kbit",
     codec: str = "sparse",
+    density: float = 1 / 16,
     keep_updates: int = 9,
-    start_after: int = 10,
+    start_after: int = 3,
+    resume_at: int = 100,
     phase_s: float = 8.0,
     deadline_s: float = 240.0,
     subnet: str = "10.79.7.0/24",
@@ -155,10 +163,15 @@ def run(
     ``until_adopted`` it ends once the newcomer holds the swarm's state (no first contribution
     is waited for). ``steps``: inner steps per phase at most (the default: the phase is the time
     budget, as a real run's; a few steps leave the machine idle while rounds average). ``debug``:
-    the newcomer logs at debug level (its log then times each read and download)."""
+    the newcomer logs at debug level (its log then times each read and download). ``resume_at``:
+    the round the members resume the run at (0: they start it)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
-    spec.write_text(SPEC.format(codec=codec, phase_s=phase_s, steps=steps))
+    shares = f"\ndensity = {density}" if codec == "sparse" else ""
+    spec.write_text(SPEC.format(codec=codec, phase_s=phase_s, steps=steps, density=shares))
+    for name in ("p0", "p1", "p2"):
+        if resume_at:
+            _initial_checkpoint(spec, workdir / f"{name}-ckpt", resume_at)
     hosts = ["coord", "p0", "p1", "p2", "late"]
     with WanSim(hosts, rate=fast, rates={"late": slow}, prefix="sj", subnet=subnet) as sim:
         host = sim.ip("coord")
@@ -197,10 +210,36 @@ def run(
             if late.poll() is not None:
                 raise RuntimeError(f"the newcomer exited; see {workdir / 'late.log'}")
             time.sleep(0.3)
-    return _figures(workdir, keep_updates)
+    return _figures(workdir, keep_updates, density)
 
 
-def _figures(workdir: Path, keep_updates: int) -> JoinFigures:
+def _initial_checkpoint(spec_path: Path, directory: Path, round_: int) -> None:
+    """A checkpoint of the run's initial model (the state every peer starts from) as the state
+    of ``round_``: members that restore it resume the run there, all holding one state."""
+    import torch
+
+    from engine.checkpoint import Checkpointer
+    from peer.state import flatten
+    from peer.task import build_task
+    from protocol.spec import load_spec
+
+    spec = load_spec(spec_path)
+    model = build_task(spec, shard_seed=0).model
+    params = flatten(model)
+    record = {
+        "round": round_,
+        "params": params,
+        "momentum": torch.zeros_like(params),
+        "model": model.state_dict(),
+        "inner_optimizer": None,
+        "residual": None,
+        "inner_steps_done": 0,
+        "data_round": round_ - 1,
+    }
+    Checkpointer(directory, spec_digest=spec.digest()).save(record)
+
+
+def _figures(workdir: Path, keep_updates: int, density: float) -> JoinFigures:
     lines = (workdir / "late.log").read_text().splitlines()
     starts = [t for line in lines if DOWNLOADING.search(line) and (t := _stamp(line)) is not None]
     durations = [float(m.group(2)) for line in lines if (m := DOWNLOADED.search(line))]
@@ -215,6 +254,7 @@ def _figures(workdir: Path, keep_updates: int) -> JoinFigures:
     adopted = next((t for line in lines if ADOPTED in line and (t := _stamp(line)) is not None), None)
     return JoinFigures(
         keep_updates=keep_updates,
+        density=density,
         download_s=download_s,
         downloads=len(starts),
         round_s=round_s,
@@ -232,18 +272,20 @@ def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
         f'--phase-s {args.phase_s:g}"` (as root)',
         "",
         "Three members and a coordinator on fast links train the demo's model (137K parameters, a 1.1 MB "
-        f"state) with {args.codec} averaging and {args.phase_s:g} s inner phases; after their 10th round a newcomer "
-        "starts on the slow link. Times from the start of its first state download.",
+        f"state) with {args.codec} averaging at the density each row says and {args.phase_s:g} s inner phases, "
+        "resuming a run at round 100; "
+        "after they land 3 rounds a newcomer starts on the slow link. Times from the start of its first state "
+        "download.",
         "",
-        "| members keep | download | rounds it spans | state downloads | rolled forward | holds the swarm's state | "
-        "first contribution | bound (download + 2 rounds) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sparse density | members keep | download | rounds it spans | state downloads | rolled forward | "
+        "holds the swarm's state | first contribution | bound (download + 2 rounds) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         first = "none before the deadline" if r.first_contribution_s is None else f"{r.first_contribution_s:.1f} s"
         adopted = "never" if r.adopted_s is None else f"{r.adopted_s:.1f} s"
         lines.append(
-            f"| {r.keep_updates} rounds | {r.download_s:.1f} s | {r.spans:.1f} (round {r.round_s:.2f} s) | "
+            f"| 1/{round(1 / r.density)} | {r.keep_updates} rounds | {r.download_s:.1f} s | {r.spans:.1f} (round {r.round_s:.2f} s) | "
             f"{r.downloads} | {r.rolled} rounds | {adopted} | {first} | {r.bound_s:.1f} s |"
         )
     return "\n".join(lines) + "\n"
@@ -260,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = []
     try:
-        for keep in (9, 0):
+        # the lab's updates, then none kept, then the default density's updates (4x the bytes)
+        for density, keep in ((1 / 16, 9), (1 / 16, 0), (1 / 4, 9)):
             with tempfile.TemporaryDirectory(prefix="slow-join-") as tmp:
                 results.append(
                     run(
@@ -268,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         slow=args.slow,
                         fast=args.fast,
                         codec=args.codec,
+                        density=density,
                         keep_updates=keep,
                         phase_s=args.phase_s,
                         deadline_s=args.deadline_s,
