@@ -1,7 +1,7 @@
 """A volunteer on a home link joins a running swarm: its link is 10x slower than the swarm's, so
 its state download spans several rounds. Does it get in, and how soon does its work count?
 
-    make bench-join JOIN_ARGS="[--slow 240kbit] [--fast 2400kbit] [--codec sparse] [--phase-s 8]"   (as root)
+    make bench-join JOIN_ARGS="[--slow 220kbit] [--fast 2200kbit] [--codec sparse] [--phase-s 8]"   (as root)
 
 A coordinator and three peers on fast links (``--fast``) train the demo's model with rounds of a
 fixed inner phase (``--phase-s``, 8 s); they resume a run at round 100 (each from a checkpoint of
@@ -145,8 +145,8 @@ def _contributed(row: dict[str, Any]) -> bool:
 def run(
     workdir: Path,
     *,
-    slow: str = "240kbit",
-    fast: str = "2400kbit",
+    slow: str = "220kbit",
+    fast: str = "2200kbit",
     codec: str = "sparse",
     density: float = 1 / 16,
     keep_updates: int = 9,
@@ -293,8 +293,8 @@ def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slow", default="240kbit")
-    parser.add_argument("--fast", default="2400kbit")
+    parser.add_argument("--slow", default="220kbit")
+    parser.add_argument("--fast", default="2200kbit")
     parser.add_argument("--codec", default="sparse")
     parser.add_argument("--phase-s", type=float, default=8.0)
     parser.add_argument("--deadline-s", type=float, default=240.0)

@@ -1,11 +1,13 @@
 """A volunteer on a link 10x slower than the swarm's joins it while it runs
-(``benchmarks.slow_join``: 240 kbit/s against 2.4 Mbit/s, rounds of an 8 s phase, members that
-resumed the run at round 100, so that the newcomer cannot roll its initial state forward): its state
-download spans at least 5 rounds, yet it gets in with that one download, rolled forward by the
-rounds' kept updates, and its first contribution (a round averaged into the swarm's state with
-its samples) lands within its download time plus two rounds, issue #49's bound (measured 1.0-1.4
-rounds after the download). Without kept updates it downloads state after state and never gets
-in (``make bench-join``). In network namespaces; needs root."""
+(``benchmarks.slow_join``: 220 kbit/s against 2.2 Mbit/s, rounds of an 8 s phase, sparse updates at
+density 1/16, members that resumed the run at round 100, so that the newcomer cannot roll its
+initial state forward): its state download spans at least 5 rounds, yet it gets in with that one
+download, rolled forward by the rounds' kept updates, and its first contribution (a round
+averaged into the swarm's state with its samples) lands within its download time plus two
+rounds, issue #49's bound (measured 1.4-1.6 rounds after the download, the worst phase
+alignment included: it adopted a second after the members launched and joined the next round).
+Without kept updates it downloads state after state and never gets in (``make bench-join``). In
+network namespaces; needs root."""
 
 from __future__ import annotations
 
