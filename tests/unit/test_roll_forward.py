@@ -39,6 +39,26 @@ def _parts(codec_name: str, numel: int, round_: int) -> tuple[torch.Tensor, list
     return averaged, parts
 
 
+def _landed(
+    model: torch.nn.Module, start: GlobalState, averaged: torch.Tensor, missing: list[tuple[int, int]], codec: str
+) -> GlobalState:
+    """The state a member's landing made from ``start`` by the round's average."""
+    member = start.clone()
+    land_round(
+        model,
+        member,
+        averaged,
+        CONFIG,
+        feedback=None,
+        launch_point=None,
+        keep_progress=False,
+        staging=Staging(model),
+        missing=missing,
+        codec=get_codec(codec).at_round(start.round),
+    )
+    return member
+
+
 @pytest.mark.parametrize(
     ("codec_name", "left_out"),
     [("int8", False), ("4bit", True), ("fp16", False), ("sparse", False), ("sparse", True), ("none", True)],
@@ -51,19 +71,7 @@ def test_rolling_forward_by_the_kept_parts_makes_the_landed_state_bit_for_bit(co
     averaged, parts = _parts(codec_name, numel, round_)
     missing = [(64 * 10, 64 * 30), (numel - 64 * 3, numel)] if left_out else []
 
-    member = start.clone()
-    land_round(
-        model,
-        member,
-        averaged,
-        CONFIG,
-        feedback=None,
-        launch_point=None,
-        keep_progress=False,
-        staging=Staging(model),
-        missing=missing,
-        codec=get_codec(codec_name).at_round(round_),
-    )
+    member = _landed(model, start, averaged, missing, codec_name)
     newcomer = start.clone()
     update = FetchedUpdate(round_, start.digest(), member.digest(), tuple(missing), parts, 0.0, "member")
     roll_forward(newcomer, update, CONFIG, get_codec(codec_name))
@@ -101,19 +109,7 @@ def test_a_round_whose_reducer_failed_rolls_forward_by_the_parts_that_arrived() 
     averaged, parts = _parts("int8", numel, round_)
     failed = parts[1]
     missing = [(failed[0], failed[0] + failed[1])]
-    member = start.clone()
-    land_round(
-        model,
-        member,
-        averaged,
-        CONFIG,
-        feedback=None,
-        launch_point=None,
-        keep_progress=False,
-        staging=Staging(model),
-        missing=missing,
-        codec=get_codec("int8").at_round(round_),
-    )
+    member = _landed(model, start, averaged, missing, "int8")
     newcomer = start.clone()
     arrived = [part for part in parts if part is not failed]
     roll_forward(
