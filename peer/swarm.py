@@ -363,7 +363,7 @@ class Swarm:
             took = time.monotonic() - started
             self._lookup_s = max(took, LOOKUP_DECAY * self._lookup_s)
             self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
-            self._landed.saw(records)
+            self._landed.saw(records, self.eligible())
         return [r for r in records if r.signer != exclude]
 
     def lookup_s(self) -> float:

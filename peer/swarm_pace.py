@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from protocol.statesync import DigestRecord
@@ -81,9 +81,12 @@ class LandingTimes:
 
     rounds: dict[int, dict[str, float]] = field(default_factory=dict)
 
-    def saw(self, records: Iterable[DigestRecord]) -> None:
+    def saw(self, records: Iterable[DigestRecord], eligible: Callable[[str], bool]) -> None:
+        """One look at the records; only ``eligible`` signers' times count (those whose votes
+        count, ``protocol.agreement``): keys are free to mint, and a stranger's records for a
+        round would otherwise be its median, or push the real rounds out."""
         for record in records:
-            if record.landed is not None and not record.archive:
+            if record.landed is not None and not record.archive and eligible(record.signer.id):
                 self.rounds.setdefault(record.round, {})[record.signer.id] = record.landed
         for old in sorted(self.rounds)[:-MAX_SIGHTINGS]:
             del self.rounds[old]

@@ -67,7 +67,8 @@ def test_a_round_is_first_seen_once() -> None:
 
 def test_a_rounds_landing_time_is_the_median_its_members_signed() -> None:
     """One member's skewed clock (or lie) moves a newcomer's timing by no more than the spread
-    of the others'; archives and adopters (no landing time) say nothing."""
+    of the others'; archives and adopters (no landing time) say nothing, and strangers' records
+    (signers whose votes do not count) neither move a round's time nor push real rounds out."""
     from protocol.identity import Identity
     from protocol.statesync import DigestRecord
 
@@ -75,8 +76,14 @@ def test_a_rounds_landing_time_is_the_median_its_members_signed() -> None:
         return DigestRecord(Identity.generate().public_key, round_, "blake3:" + "0" * 64, archive, landed=landed)
 
     times = LandingTimes()
-    times.saw([record(7, 100.0), record(7, 101.0), record(7, 5_000.0), record(7, None), record(7, 0.0, archive=True)])
+    members = [record(7, 100.0), record(7, 101.0), record(7, 5_000.0), record(7, None), record(7, 0.0, archive=True)]
+    eligible = {r.signer.id for r in members}.__contains__
+    times.saw(members, eligible)
     assert times.at(7) == 101.0
     assert times.at(8) is None
-    times.saw([record(8, None)])
+    times.saw([record(8, None)], eligible)
     assert times.at(8) is None
+    # strangers (keys are free) sign many records: for a real round, and for rounds far ahead
+    strangers = [record(7, 9_999.0) for _ in range(50)] + [record(10**6 + n, 1.0) for n in range(300)]
+    times.saw(strangers, eligible)
+    assert times.at(7) == 101.0 and times.at(10**6) is None
