@@ -287,6 +287,9 @@ class LoopbackSwarm:
     def lookup_s(self) -> float:
         return 0.0
 
+    def prefetch_records(self) -> None:
+        pass
+
     def seen_at(self, round_: int) -> float | None:
         return None
 

@@ -8,10 +8,10 @@ fixed inner phase (``--phase-s``, 8 s); they resume a run at round 100 (each fro
 the run's initial model at that round: a swarm that has run for a while, whose rounds the
 newcomer cannot roll its initial state forward by), and once they have landed 3 rounds a fourth
 peer starts on a slow link (``--slow``). Run three times in one invocation, the same links: members
-keeping the last 9 rounds' averaged updates, sparse at density 1/16 (the newcomer rolls its
+keeping the last 16 rounds' averaged updates (the shipped ``--keep-updates``), sparse at density 1/16 (the newcomer rolls its
 downloaded state forward by them, ``peer.host_passes.roll_forward``), then keeping none
 (``--keep-updates 0``: the newcomer downloads whole states until one is still the swarm's when it
-arrives), then keeping 9 at the default density 1/4 (updates 4x the bytes: rolling D rounds costs
+arrives), then keeping 16 at the default density 1/4 (updates 4x the bytes: rolling D rounds costs
 about D² times an update's share of a state, in rounds, so the denser codec's join is slower). Figures, each from the
 peers' own logs and metrics rows (``at``: when a row was recorded): the newcomer's state
 download time, the rounds it spans (against the median round of a member meanwhile), the time
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.netsim import NotRootError, WanSim
+from engine.update_store import KEPT_ROUNDS
 
 SW = [sys.executable, "-m", "swarmtrain"]
 SPEC = """
@@ -149,7 +150,7 @@ def run(
     fast: str = "2200kbit",
     codec: str = "sparse",
     density: float = 1 / 16,
-    keep_updates: int = 9,
+    keep_updates: int = KEPT_ROUNDS,
     start_after: int = 3,
     resume_at: int = 100,
     phase_s: float = 8.0,
@@ -264,6 +265,26 @@ def _figures(workdir: Path, keep_updates: int, density: float) -> JoinFigures:
     )
 
 
+TOLD = re.compile(r" (INFO|WARN\w*|ERROR) | \| (group|loss) ")
+
+
+def timeline(workdir: Path, last: int = 60) -> str:
+    """What each peer said from the newcomer's start on (its INFO and WARNING lines and its
+    rounds' rows, the members' too, by time): the figures' story, for a failed check."""
+    lines = (workdir / "late.log").read_text().splitlines() if (workdir / "late.log").exists() else []
+    started = next((t for line in lines if (t := _stamp(line)) is not None), 0.0)
+    told: list[tuple[float, str]] = []
+    for name in ("late", "p0", "p1", "p2"):
+        path = workdir / f"{name}.log"
+        at = started
+        for line in path.read_text().splitlines() if path.exists() else []:
+            at = _stamp(line) or at  # a row without a stamp: after the line before it
+            if at >= started and TOLD.search(line):
+                told.append((at, f"{name:>4} {line[:220]}"))
+    told.sort(key=lambda entry: entry[0])
+    return "\n".join(line for _, line in told[-last:])
+
+
 def _markdown(results: list[JoinFigures], args: argparse.Namespace) -> str:
     lines = [
         f"# A newcomer on a link 10x slower than the swarm's ({datetime.date.today()})",
@@ -303,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         # the lab's updates, then none kept, then the default density's updates (4x the bytes)
-        for density, keep in ((1 / 16, 9), (1 / 16, 0), (1 / 4, 9)):
+        for density, keep in ((1 / 16, KEPT_ROUNDS), (1 / 16, 0), (1 / 4, KEPT_ROUNDS)):
             with tempfile.TemporaryDirectory(prefix="slow-join-") as tmp:
                 results.append(
                     run(

@@ -103,12 +103,12 @@ class AuditMixin:
         """Members (libp2p id) this peer caught lying as reducers: never grouped with again."""
         return self._audit_state()[2]
 
-    async def _admitted(self, peer: PeerID) -> bool:
+    async def _admitted(self, peer: PeerID, *, stale_ok: bool = False) -> bool:
         """Whom the averager groups with: never a reducer this peer caught lying, else as the
         run's gate says (``engine.averager_gate``)."""
         if str(peer) in self.distrusted:
             return False
-        return bool(await super()._admitted(peer))  # type: ignore[misc]
+        return bool(await super()._admitted(peer, stale_ok=stale_ok))  # type: ignore[misc]
 
     def _open_audit_room(
         self, group_id: bytes, fragment_ids: Sequence[bytes], peer_ids: Sequence[PeerID], stale: frozenset[PeerID]

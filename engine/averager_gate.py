@@ -5,6 +5,7 @@ group we average with, or download our state. Mixed into ``engine.averager.Exact
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import typing
 from typing import Any
@@ -28,17 +29,22 @@ class AdmissionGateMixin:
     peer_id: PeerID
     serializer: Any
 
-    async def _admitted(self, peer: PeerID) -> bool:
+    async def _admitted(self, peer: PeerID, *, stale_ok: bool = False) -> bool:
+        """Whether the run's gate admits ``peer`` (``MemberGate.admitted``; ``stale_ok``: a
+        member at the last lookup counts while a due lookup runs in the background)."""
         if self.gate is None or peer == self.peer_id:
             return True
         gate = self.gate
 
         async def fetch() -> Lookup:
-            members = await self.dht.get(gate.key, latest=True, return_future=True)
-            revocations = await self.dht.get(gate.revocations_key, latest=True, return_future=True)
+            # both keys at once: one lookup's time, not two (a second on a home link)
+            members, revocations = await asyncio.gather(
+                self.dht.get(gate.key, latest=True, return_future=True),
+                self.dht.get(gate.revocations_key, latest=True, return_future=True),
+            )
             return Lookup.from_found(members, revocations)
 
-        return await gate.admitted(str(peer), fetch)
+        return await gate.admitted(str(peer), fetch, stale_ok=stale_ok)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: Any

@@ -18,6 +18,7 @@ every value (signature, signer, subkey, age) and count only members' votes
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from hivemind.utils.timed_storage import get_dht_time
@@ -72,10 +73,20 @@ class RunRecords:
 
     def digest_records(self) -> list[DigestRecord]:
         """Every digest record in the DHT that verifies (invalid ones are logged and dropped)."""
-        found = self.dht.get(self.digest_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        return collect_records(found.value, now=get_dht_time())
+        return self.start_digest_records()()
+
+    def start_digest_records(self) -> Callable[[], list[DigestRecord]]:
+        """``digest_records`` begun: the lookup runs in the DHT's process while the caller does
+        something else; the returned call waits for it and verifies what it found."""
+        future = self.dht.get(self.digest_key, latest=True, return_future=True)
+
+        def finish() -> list[DigestRecord]:
+            found = future.result()
+            if found is None or not isinstance(found.value, dict):
+                return []
+            return collect_records(found.value, now=get_dht_time())
+
+        return finish
 
     def publish_token(self, token: bytes, *, libp2p_peer_id: str, expires_at: float, timeout_s: float | None) -> bool:
         """Store an access token under the peer id it is bound to, until it expires. With

@@ -89,7 +89,7 @@ class UpdateTransferMixin:
 
     if TYPE_CHECKING:
 
-        async def _admitted(self, peer: PeerID) -> bool: ...
+        async def _admitted(self, peer: PeerID, *, stale_ok: bool = False) -> bool: ...
 
         def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any: ...
 
@@ -209,7 +209,12 @@ class UpdateTransferMixin:
                 future.set_result(update)
                 return
             prefetched.clear()
-            for peer in await self._update_servers():
+            listing = time.monotonic()
+            servers = await self._update_servers()
+            logger.debug(
+                "round %d: %d servers to ask, listed in %.2f s", round_, len(servers), time.monotonic() - listing
+            )
+            for peer in servers:
                 asked = time.monotonic()
                 try:
                     chain = await self._download_chain_from(peer, round_, digest, timeout)
@@ -246,7 +251,10 @@ class UpdateTransferMixin:
                 peer = PeerID(raw_peer)
             except Exception:  # noqa: BLE001 - a malformed DHT subkey
                 continue
-            if peer != self.peer_id and await self._admitted(peer):
+            # a member at the last lookup serves at once, the lookup renewed behind it (a
+            # second on a home link, right after a state download); what it serves is
+            # verified by digest against the records whoever serves it
+            if peer != self.peer_id and await self._admitted(peer, stale_ok=True):
                 peers.append(peer)
         slow: dict[PeerID, float] = self.__dict__.setdefault("_slow_servers", {})
         for peer in [peer for peer, at in slow.items() if time.monotonic() - at >= SLOW_SERVER_S]:

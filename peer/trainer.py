@@ -1330,7 +1330,9 @@ class Trainer:
         timeout = self.spec.averaging.allreduce_timeout_s
         target = -1  # the round the records agreed on when last read
         while not self.options.stop.is_set():
-            # every update members keep from here on (chains, one request each), then the records
+            # every update members keep from here on (chains, one request each), then the records,
+            # read beside the download (each costs a lookup's time: a second on a home link)
+            self.swarm.prefetch_records()
             while (update := first or self.swarm.download_update(state.round, digest, timeout=timeout)) is not None:
                 first = None
                 if not rolled:

@@ -16,6 +16,7 @@ the run may average, as in hivemind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -119,6 +120,8 @@ class MemberGate:
         self._last_refresh = float("-inf")
         self._sighted: set[str] = set()
         """Unknown peer ids looked up for at least once (``admitted``)."""
+        self._renewing: asyncio.Future[None] | None = None
+        """A lookup running behind a ``stale_ok`` admission."""
 
     def update(self, lookup: Lookup, *, now: float) -> None:
         """Add the peers whose records ({subkey: token bytes}) hold valid tokens; forget expired
@@ -174,23 +177,40 @@ class MemberGate:
     def refresh(self, dht: Any, *, max_age_s: float = 0.0) -> None:
         """Look the run's members up in ``dht`` (a hivemind DHT, from the host process) now,
         unless the last lookup is younger than ``max_age_s``."""
+        finish = self.start_refresh(dht, max_age_s=max_age_s)
+        if finish is not None:
+            finish()
+
+    def start_refresh(self, dht: Any, *, max_age_s: float = 0.0) -> Callable[[], None] | None:
+        """``refresh`` begun: both keys are looked up at once, beside whatever else the caller
+        starts (a lookup takes a second on a home link); the returned call waits for them and
+        takes what they found. None when the last lookup is younger than ``max_age_s``."""
         if time.monotonic() - self._last_refresh < max_age_s:
-            return
-        lookup = Lookup.from_found(dht.get(self.key, latest=True), dht.get(self.revocations_key, latest=True))
-        self._last_refresh = time.monotonic()
-        self.update(lookup, now=time.time())
+            return None
+        members = dht.get(self.key, latest=True, return_future=True)
+        revocations = dht.get(self.revocations_key, latest=True, return_future=True)
+
+        def finish() -> None:
+            lookup = Lookup.from_found(members.result(), revocations.result())
+            self._last_refresh = time.monotonic()
+            self.update(lookup, now=time.time())
+
+        return finish
 
     def is_member(self, peer_id: str, *, now: float) -> bool:
         """Whether ``peer_id`` holds a token valid ``now`` that was not revoked (no lookup)."""
         expires, peer_key = self._members.get(peer_id, (float("-inf"), ""))
         return expires > now and peer_key not in self._revoked
 
-    async def admitted(self, peer_id: str, fetch: Callable[[], Awaitable[Lookup]]) -> bool:
+    async def admitted(self, peer_id: str, fetch: Callable[[], Awaitable[Lookup]], *, stale_ok: bool = False) -> bool:
         """``is_member``, looking the run up again (``fetch``) when ``peer_id`` is unknown and
         never looked up for, or the last lookup is older than ``refresh_interval_s``, or when it
         is older than ``recheck_s`` (so that a revocation takes effect within that time). The
         first sighting of an unknown peer always looks: a newcomer whose token was stored a
-        moment after the last lookup is not turned away for the rest of a round's window."""
+        moment after the last lookup is not turned away for the rest of a round's window.
+        ``stale_ok``: a peer that was a member at the last lookup is admitted at once when the
+        recheck is due, the lookup running in the background (for a download whose content is
+        verified whoever serves it: a revocation then takes effect one lookup later)."""
         since = time.monotonic() - self._last_refresh
         known = self.is_member(peer_id, now=time.time())
         first = not known and peer_id not in self._sighted
@@ -200,6 +220,14 @@ class MemberGate:
             self._sighted.add(peer_id)
         if (known and since < self.recheck_s) or (not known and not first and since < self.refresh_interval_s):
             return known
+        if known and stale_ok:
+            if self._renewing is None or self._renewing.done():
+                self._renewing = asyncio.ensure_future(self._look_up(fetch))
+            return True
+        await self._look_up(fetch)
+        return self.is_member(peer_id, now=time.time())
+
+    async def _look_up(self, fetch: Callable[[], Awaitable[Lookup]]) -> None:
         self._last_refresh = time.monotonic()
         try:
             lookup = await fetch()
@@ -207,4 +235,3 @@ class MemberGate:
             logger.warning("could not look up the run's members: %s", exc)
             lookup = Lookup(None, None)
         self.update(lookup, now=time.time())
-        return self.is_member(peer_id, now=time.time())

@@ -217,7 +217,7 @@ def test_a_new_group_drops_the_last_groups_parts() -> None:
 
 def test_a_caught_reducer_is_never_admitted_again() -> None:
     class Gated:
-        async def _admitted(self, peer: PeerID) -> bool:
+        async def _admitted(self, peer: PeerID, *, stale_ok: bool = False) -> bool:
             return True
 
     class Peer(AuditMixin, Gated):

@@ -188,15 +188,54 @@ def test_known_members_are_rechecked_so_a_revocation_takes_effect() -> None:
     assert asyncio.run(scenario()) == [True, True, False]
 
 
+def test_a_stale_ok_admission_answers_at_once_and_renews_behind_it() -> None:
+    """A newcomer asking members for updates right after a state download (the recheck due: a
+    lookup, a second on a home link) asks at once; the lookup runs behind it, and a revocation
+    it finds takes effect for the next ask. An unknown peer is never admitted without one."""
+    banned = Identity.generate()
+    records = {"QmBad": token("QmBad", peer=banned)}
+    revocations: dict[Any, Any] = {}
+    lookups: list[asyncio.Event] = []
+
+    async def fetch() -> Lookup:
+        done = asyncio.Event()
+        lookups.append(done)
+        await asyncio.sleep(0.05)
+        done.set()
+        return Lookup(dict(records), dict(revocations))
+
+    async def scenario() -> list[object]:
+        g = gate(refresh_interval_s=0.0, recheck_s=0.0)
+        first = await g.admitted("QmBad", fetch)
+        revocations["c"] = make_revocations(COORDINATOR, {banned.public_key.id}, now=time.time())
+        at_once = await g.admitted("QmBad", fetch, stale_ok=True)
+        await asyncio.sleep(0)  # the lookup it started runs: not finished yet
+        behind = len(lookups) == 2 and not lookups[-1].is_set()
+        again = await g.admitted("QmBad", fetch, stale_ok=True)  # one renewal at a time
+        once = len(lookups) == 2
+        await asyncio.sleep(0.2)
+        after = await g.admitted("QmBad", fetch, stale_ok=True)
+        stranger = await g.admitted("QmNobody", fetch, stale_ok=True)
+        return [first, at_once, behind, again, once, after, stranger]
+
+    assert asyncio.run(scenario()) == [True, True, True, True, True, False, False]
+
+
 def test_a_refresh_within_its_max_age_reads_nothing() -> None:
     """Every read of the digest records asks who is a member: two DHT lookups each, a second on
     a home link, unless the last lookup is fresh enough."""
 
+    class Found:
+        def result(self) -> None:
+            return None
+
     class CountingDHT:
         gets = 0
 
-        def get(self, key: Any, latest: bool = False) -> None:
+        def get(self, key: Any, latest: bool = False, return_future: bool = False) -> Found:
+            assert return_future  # both keys are asked at once
             self.gets += 1
+            return Found()
 
     g, dht = gate(), CountingDHT()
     g.refresh(dht, max_age_s=1.0)
@@ -204,3 +243,23 @@ def test_a_refresh_within_its_max_age_reads_nothing() -> None:
     assert dht.gets == 2  # the first refresh only
     g.refresh(dht)
     assert dht.gets == 4  # no max age: now
+
+
+def test_a_refresh_asks_for_both_keys_before_it_waits_for_either() -> None:
+    """The members and the revocations are looked up at once: one lookup's time (a second on a
+    home link), not two."""
+    asked: list[str] = []
+
+    class Found:
+        def result(self) -> None:
+            asked.append("waited")
+
+    class DHT:
+        def get(self, key: Any, latest: bool = False, return_future: bool = False) -> Found:
+            asked.append("asked")
+            return Found()
+
+    finish = gate().start_refresh(DHT())
+    assert finish is not None and asked == ["asked", "asked"]
+    finish()
+    assert asked == ["asked", "asked", "waited", "waited"]

@@ -128,6 +128,9 @@ class RecordingSwarm:
     def lookup_s(self) -> float:
         return 0.0
 
+    def prefetch_records(self) -> None:
+        pass
+
     def seen_at(self, round_: int) -> float | None:
         return None
 
