@@ -470,6 +470,8 @@ class WanSim:
         self._active = False
         self._tearing_down = False
         self._torn_down = False
+        self._deferred_signal: int | None = None
+        """A SIGINT/SIGTERM that came during teardown: raised once it is done (``__exit__``)."""
         self._created_links: list[str] = []
         self._created_netns: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
@@ -554,6 +556,11 @@ class WanSim:
             self._restore_signal_handlers()
             if self._torn_down:
                 atexit.unregister(self._atexit_teardown)
+        deferred, self._deferred_signal = self._deferred_signal, None
+        if deferred is not None and exc_type is None:  # the caller meant to stop: not go on to its next run
+            if deferred == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + deferred)
 
     def teardown(self) -> None:
         """Kill started processes, delete veths, namespaces and the bridge. Idempotent, never raises."""
@@ -763,6 +770,7 @@ class WanSim:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._tearing_down:
             log.warning("signal %s during teardown: finishing teardown first", signum)
+            self._deferred_signal = signum
             return
         log.info("signal %s: tearing down the WAN simulator", signum)
         if signum == signal.SIGINT:

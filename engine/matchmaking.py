@@ -275,6 +275,8 @@ class RoundMatchmaking(Matchmaking):
                 except Exception as exc:  # noqa: BLE001 - a DHT hiccup: look again
                     logger.debug("could not read the digest records: %s", exc)
                     records = []
+                if self.step_control is not step:  # the search ended during the lookup
+                    return
                 current = [data for data in self._metadata() if data is not None]
                 left = leavers(current, roster, records)
                 if left != self._left():
@@ -356,6 +358,26 @@ class RoundMatchmaking(Matchmaking):
                 pass
             logger.info("the last search took %.1f s to end before this one began", time.monotonic() - started)
         return await super().look_for_group(step)
+
+    async def _request_join_group(self, leader: Any) -> Any:
+        """hivemind's, with a second ask of a leader that turned this peer away: hivemind never
+        asks a leader twice in one search (``past_attempts``), and a request turned away for
+        waiting behind the leader's lock (``_check_reasons_to_reject``: a slow peer's request held
+        it) left its sender no leader to ask: it failed its round alone, and the leader's group,
+        its roster short of it, waited out the leader's window (10 s of an 8 s phase in the lab).
+        The second ask follows the next read of the declarations (a quarter second at most,
+        ``PacedKeyManager``), and only while the leader is still declared looking."""
+        group = await super()._request_join_group(leader)
+        if group is None:
+            step, asked_twice = self.__dict__.get("_asked_twice", (None, set()))
+            if step is not self.step_control:
+                step, asked_twice = self.step_control, set()
+                self.__dict__["_asked_twice"] = (step, asked_twice)
+            if leader not in asked_twice:
+                asked_twice.add(leader)
+                search = self.potential_leaders
+                search.past_attempts -= {attempt for attempt in search.past_attempts if attempt[0] == leader}
+        return group
 
     async def leader_assemble_group(self) -> Any:
         group = await super().leader_assemble_group()

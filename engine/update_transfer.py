@@ -51,13 +51,15 @@ SERVERS_TTL_S = 60.0
 that left answers nothing and is asked last): a list read as its state download began still
 serves when it ends, saving a DHT lookup (0.75 s on a 220 kbit/s link) on the way in."""
 SLOW_SERVER_S = 15.0
-"""How long a server that was slow to answer (``ANSWER_TIMEOUT_S``) is asked last."""
+"""How long a server that was slow to answer (``ANSWER_TIMEOUT_S``) is asked only when no faster
+one is there to ask."""
 OPEN_TIMEOUT_S = 10.0
 """The longest a member that is gone (its ``all_averagers`` entry lives 30 s) holds up the search."""
 ANSWER_TIMEOUT_S = 3.0
 """The longest a server may take to say whether it keeps the update asked for (a header or "none",
-a few bytes): one slower (a busy archive took 5-10 s) is asked last for ``SLOW_SERVER_S``, so that
-it does not hold up a newcomer asking every quarter second whether a round's update is kept."""
+a few bytes): one slower (a busy archive took 5-10 s) is left out for ``SLOW_SERVER_S`` where a
+faster one answered, so that it does not hold up a newcomer asking every quarter second whether a
+round's update is kept, nor each chain's end by this timeout."""
 MAX_SERVERS_ASKED = 8
 """Members asked for one update, at random: in a swarm of thousands a newcomer whose state no
 member rolled from (it diverged) finds out after a few requests, not thousands."""
@@ -214,7 +216,12 @@ class UpdateTransferMixin:
             logger.debug(
                 "round %d: %d servers to ask, listed in %.2f s", round_, len(servers), time.monotonic() - listing
             )
+            slow: dict[PeerID, float] = self.__dict__.setdefault("_slow_servers", {})
             for peer in servers:
+                if peer in slow and servers[0] not in slow:
+                    # the fast ones had nothing more: a slow one answers the same seconds later
+                    # (asked at each chain's end, it cost a newcomer 3 s a round)
+                    break
                 asked = time.monotonic()
                 try:
                     chain = await self._download_chain_from(peer, round_, digest, timeout)

@@ -661,10 +661,18 @@ class Trainer:
             self._phase_s = compute_s
             timeout = self.matchmaking_timeout(compute_s)
             window = matchmaking_window(timeout)
-        else:  # joining: wait up to two phases
-            newcomer = self.swarm.behind(self.state.round)
-            timeout = self._join_timeout(newcomer=newcomer)
-            window = self._join_window(timeout, newcomer=newcomer)
+        else:
+            # joining: it waits up to two phases, declared for its whole search so that it closes
+            # after the members it joins and follows their leader, which waits for it as a peer
+            # declared at the round's key (``engine.matchmaking.JOIN_GRACE_S``). Declared with the
+            # members' window a little before them (``JOIN_LEAD_S``), it led them, and a member
+            # that had not read its declaration yet when it launched (a store takes a second
+            # from a home link) led a group of its own: the round split, the newcomer's group
+            # waiting out its window for that member (11 s of an 8 s phase in the lab). An
+            # open-run newcomer meeting a round ahead (``SwarmPort.behind``) cannot know when the
+            # swarm gets there either: whenever it arrives, it finds the newcomer declared.
+            timeout = self._join_timeout(newcomer=self.swarm.behind(self.state.round))
+            window = matchmaking_window(timeout)
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
         flight = _InFlight(
@@ -771,19 +779,6 @@ class Trainer:
         unknown = self.timeouts.matchmaking_s if newcomer else 0.0
         phase = self._phase_s or self.spec.rounds.time_budget_s or unknown
         return max(self.timeouts.matchmaking_s, 2 * phase)
-
-    def _join_window(self, timeout: float, *, newcomer: bool) -> float:
-        """How long a round launched at once declares it would lead. A peer that adopted the
-        swarm's state declares the window the others will: having declared first, it leads the
-        round's group. An open-run newcomer meeting a round ahead (``SwarmPort.behind``) cannot
-        know when the swarm gets there (the pace it saw in the records may be off by a stalled
-        round), so it stays declared for its whole search: whenever the swarm arrives it finds
-        the newcomer there and either joins it (it declared to close first) or its leader waits
-        for it (``engine.matchmaking.JOIN_GRACE_S``). A window that ended a second before the
-        swarm arrived left it out of the swarm's quick rounds, attempt after attempt."""
-        if newcomer:
-            return matchmaking_window(timeout)
-        return matchmaking_window(self.matchmaking_timeout(self._phase_s or 0.0))
 
     @torch.no_grad()
     def _drop_local_work(self, why: str) -> None:

@@ -140,3 +140,23 @@ def test_missing_tool_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netsim.shutil, "which", lambda *a, **k: None)
     with pytest.raises(netsim.NetSimError, match="needs 'ip'"):
         WanSim(hosts=["a"])
+
+
+def test_a_stop_signal_during_teardown_stops_the_caller_once_teardown_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lab that runs several simulators in turn, stopped while one tears down, must not go on
+    to its next run (a TERM during teardown was swallowed, and the benchmark started its next
+    swarm)."""
+    import signal
+
+    monkeypatch.setattr(netsim.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netsim.shutil, "which", lambda *a, **k: "/bin/true")
+    sim = WanSim(hosts=["a"])
+    monkeypatch.setattr(sim, "teardown", lambda: None)
+    monkeypatch.setattr(sim, "_restore_signal_handlers", lambda: None)
+    sim._tearing_down = True
+    sim._on_signal(signal.SIGTERM, None)  # deferred: teardown goes on
+    sim._tearing_down = False
+    with pytest.raises(SystemExit) as stopped:
+        sim.__exit__(None, None, None)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    sim.__exit__(None, None, None)  # raised once

@@ -167,3 +167,31 @@ def test_a_search_that_ends_withdraws_its_declaration_without_waiting_for_the_st
     declared, withdrawn = asyncio.run(search())
     assert declared >= 0.5 and withdrawn < 0.1
     assert [value for _key, _subkey, value in dht.stored] == [True, False]
+
+
+def test_a_leader_that_turned_this_peer_away_is_asked_once_more_in_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hivemind asks each leader once per search (``past_attempts``). A request turned away for
+    waiting behind the leader's lock then left its sender no leader: it failed its round alone,
+    and the leader's group waited out its window for it. One more ask, after the next read of
+    the declarations; a leader that turns it away twice is not asked again."""
+    matchmaking = object.__new__(Matchmaking)
+    leaders = PotentialLeaders(PeerID(b"\x00me"), 2.0, None)
+    matchmaking.__dict__["potential_leaders"] = leaders
+    round_matchmaking(matchmaking)
+    matchmaking.__dict__["step_control"] = step = object()
+    leader = PeerID(b"\x00leader")
+
+    async def turned_away(self: Any, asked: PeerID) -> None:
+        return None
+
+    monkeypatch.setattr(Matchmaking, "_request_join_group", turned_away)
+    leaders.past_attempts.update({(leader, 5.0), (PeerID(b"\x00other"), 6.0)})
+    assert asyncio.run(matchmaking._request_join_group(leader)) is None
+    assert leaders.past_attempts == {(PeerID(b"\x00other"), 6.0)}  # the leader may be asked again
+    leaders.past_attempts.add((leader, 5.0))
+    asyncio.run(matchmaking._request_join_group(leader))
+    assert (leader, 5.0) in leaders.past_attempts  # twice: not again
+    matchmaking.__dict__["step_control"] = object()  # the next round's search
+    asyncio.run(matchmaking._request_join_group(leader))
+    assert (leader, 5.0) not in leaders.past_attempts
+    assert step is not matchmaking.step_control

@@ -333,3 +333,43 @@ def test_hivemind_serves_the_update_download_as_a_stream() -> None:
     (handler,) = [h for h in ExactAverager._rpc_handlers if h.method_name == "rpc_download_update"]
     assert handler.stream_output and not handler.stream_input
     assert handler.response_type is averaging_pb2.AveragingData
+
+
+class _Answer:
+    """What ``_download_update`` hands its result to (an ``MPFuture`` in the averager)."""
+
+    def __init__(self) -> None:
+        self.result: Any = "unset"
+
+    def set_result(self, value: Any) -> None:
+        self.result = value
+
+    def done(self) -> bool:
+        return self.result != "unset"
+
+
+def test_a_server_once_slow_is_not_asked_where_a_faster_one_had_nothing() -> None:
+    """At each chain's end every member is asked whether it keeps one more round: one slow to
+    answer (a busy archive) cost the newcomer ``ANSWER_TIMEOUT_S`` there every round. Where a
+    faster server answered, it is left out; where it is the only one, it is still asked."""
+    asked: list[str] = []
+
+    class Asker(_Newcomer):
+        def __init__(self, servers: list[str]) -> None:
+            super().__init__(None)
+            self.servers = servers
+            self.__dict__["_slow_servers"] = {"archive": time.monotonic()}
+
+        async def _update_servers(self) -> list[Any]:
+            return list(self.servers)
+
+        async def _download_chain_from(self, peer: Any, round_: int, digest: str, timeout: float) -> list[Any]:
+            asked.append(peer)
+            return []
+
+    answer = _Answer()
+    asyncio.run(Asker(["member", "archive"])._download_update(3, "d3", 5.0, answer))  # type: ignore[arg-type]
+    assert asked == ["member"] and answer.result is None
+    asked.clear()
+    asyncio.run(Asker(["archive"])._download_update(3, "d3", 5.0, _Answer()))  # type: ignore[arg-type]
+    assert asked == ["archive"]
