@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint images test-images test-slow bench-scale bench-rounds bench-quality bench-join test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint images test-images test-slow bench-scale bench-rounds bench-quality bench-join bench-churn test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -112,6 +112,9 @@ bench-quality: $(STAMP)
 # JOIN_ARGS="--slow 350kbit --fast 3500kbit --codec sparse"
 bench-join: $(STAMP)
 	$(PY) -m benchmarks.slow_join $(JOIN_ARGS)
+
+bench-churn: $(STAMP)
+	$(PY) -m benchmarks.churn $(CHURN_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

@@ -20,8 +20,9 @@ swarm's state with samples), and how many rounds it rolled forward. Writes
 ``slow-join-<date>.md``/``.json`` under ``--out`` (default ``benchmarks/results``). Needs root
 (namespaces); says so and exits 2 otherwise.
 
-``tests/integration/test_slow_joiner.py`` runs the first half and holds it to the issue's bound:
-first contribution within the download time plus two rounds.
+``tests/integration/test_slow_joiner.py`` runs the first of the three and holds it to one
+download, a roll forward and a contribution; how soon (the issue's bound: a first contribution
+within the download time plus two rounds) is this benchmark's figure.
 """
 
 from __future__ import annotations

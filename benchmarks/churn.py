@@ -1,0 +1,317 @@
+"""A public run's churn: volunteers come and go every round, and the swarm should not wait for them.
+
+    make bench-churn CHURN_ARGS="[--window-s 150] [--every-s 9] [--phase-s 8] [--rate 50mbit]"   (as root)
+
+A coordinator, three steady peers and two churning slots train the demo's model (rounds of an
+8 s inner phase) in network namespaces on links of ``--rate``. Once the swarm has landed 3
+rounds, a window of ``--window-s`` is measured. In the churning run, every ``--every-s`` (about a
+round) one slot changes, in turn: a running peer leaves, by a clean stop (SIGINT: it says so in a
+signed record, ``Trainer``'s leave) or killed with its children (SIGKILL: a lost machine), and a
+stopped one comes back with its key (a join: state download, roll forward, first round), so the
+swarm sees a join or a leave in most rounds. The churn-free run is the same with no event.
+
+Figures, from the peers' own metrics rows (``at``: when a row was recorded) and the
+coordinator's API, over the window:
+
+- **goodput**: the share of the peers' time online spent on inner steps whose round was averaged
+  into the swarm's state (in sync, in a group of two or more): each such row's ``compute_s``
+  over the seconds the peers' processes ran in the window. Waiting for a round, downloading and
+  rolling a state forward, rounds that failed, and the work a killed peer did since its last row
+  all count against it. The issue's figure is the churning run's goodput against the
+  churn-free run's.
+- **samples**: trained (every row) and averaged into the state (contributing rows).
+- **swarm rate**: samples averaged into the swarm's state per second (falls with the peers gone).
+- **rounds with two states**: rounds whose in-sync rows name more than one state digest.
+- **stuck**: the most rounds the swarm landed between a peer's (re)start and its first
+  contribution, and the longest run of a peer's consecutive rows that did not contribute.
+- **credit lost**: for each round the coordinator finalized, the samples the peers' rows say they
+  contributed less those the coordinator credited (``/api/v1/rounds``), summed where positive.
+
+Writes ``churn-<date>.md``/``.json`` under ``--out`` (default ``benchmarks/results``). Needs root
+(namespaces); says so and exits 2 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netsim import NotRootError, WanSim
+from benchmarks.slow_join import ONE_THREAD, SPEC, SW
+
+STEADY = ("s0", "s1", "s2")
+CHURNING = ("c0", "c1")
+LEAVE_WAIT_S = 60.0
+"""How long a clean stop may take (the peer finishes its round first) before it is killed."""
+
+
+@dataclass
+class ChurnFigures:
+    churn: bool
+    window_s: float
+    events: list[str] = field(default_factory=list)
+    """What happened, in order: ``"+c0"`` a start, ``"-c1 clean"``/``"-c0 kill"`` a stop."""
+    trained: int = 0
+    counted: int = 0
+    online_s: float = 0.0
+    """Seconds the peers' processes ran within the window, summed."""
+    useful_s: float = 0.0
+    """Seconds of inner steps of contributing rows within the window, summed."""
+    rounds: int = 0
+    """Rounds the swarm landed in the window."""
+    two_states: int = 0
+    stuck_start_rounds: int = 0
+    stuck_rows: int = 0
+    credit_lost: int = 0
+    credited_rounds: int = 0
+
+    @property
+    def goodput(self) -> float:
+        return self.useful_s / self.online_s if self.online_s else float("nan")
+
+    @property
+    def rate(self) -> float:
+        return self.counted / self.window_s
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _contributed(row: dict[str, Any]) -> bool:
+    return bool(row["averaged"] and row["in_sync"] and row["samples"] > 0 and row["group_size"] >= 2)
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return json.loads(answer.read())
+
+
+class _Slot:
+    """One peer's place in the lab: its namespace, key and checkpoint dir, its runs."""
+
+    def __init__(self, sim: WanSim, name: str, workdir: Path, coordinator: str) -> None:
+        self.sim, self.name, self.workdir, self.coordinator = sim, name, workdir, coordinator
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+        self.started: list[float] = []
+        self.stopped: list[float] = []
+
+    def start(self) -> None:
+        self.runs += 1
+        argv = [*SW, "-v", "peer", "--coordinator", self.coordinator, "--host", "0.0.0.0", "--port", "7700"]
+        argv += ["--key", str(self.workdir / f"{self.name}.key")]
+        argv += ["--checkpoint-dir", str(self.workdir / f"{self.name}-ckpt")]
+        argv += ["--metrics-file", str(self.workdir / f"{self.name}.jsonl")]
+        out = (self.workdir / f"{self.name}.{self.runs}.log").open("w")
+        self.proc = self.sim.run(self.name, argv, stdout=out, stderr=subprocess.STDOUT, env=ONE_THREAD)
+        self.started.append(time.time())
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, clean: bool) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        self.stopped.append(time.time())  # from here on it does no work that can count
+        if clean:
+            os.kill(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=LEAVE_WAIT_S)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the peer and what it started (DHT, averager, p2pd)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def run(
+    workdir: Path,
+    *,
+    churn: bool,
+    window_s: float = 150.0,
+    every_s: float = 9.0,
+    phase_s: float = 8.0,
+    rate: str = "50mbit",
+    subnet: str = "10.79.12.0/24",
+    start_after: int = 3,
+) -> ChurnFigures:
+    """One run (the module docstring says what it measures)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "spec.toml"
+    spec.write_text(SPEC.format(codec="sparse", phase_s=phase_s, steps=100_000, density=""))
+    figures = ChurnFigures(churn=churn, window_s=window_s)
+    hosts = ["coord", *STEADY, *CHURNING]
+    with WanSim(hosts, rate=rate, prefix="ch", subnet=subnet) as sim:
+        host = sim.ip("coord")
+        log = workdir / "coordinator.log"
+        argv = [*SW, "-v", "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator")]
+        argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+        sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        end = time.monotonic() + 60
+        while "peers join with:" not in (log.read_text() if log.exists() else ""):
+            if time.monotonic() > end:
+                raise RuntimeError(f"the coordinator did not start; see {log}")
+            time.sleep(0.3)
+        coordinator = f"{host}:7500"
+        slots = {name: _Slot(sim, name, workdir, coordinator) for name in (*STEADY, *CHURNING)}
+        for slot in slots.values():
+            slot.start()
+        end = time.monotonic() + 180
+        while len([r for r in _rows(workdir / "s0.jsonl") if r["averaged"]]) < start_after:
+            if time.monotonic() > end:
+                raise RuntimeError(f"the swarm did not land {start_after} rounds; see {workdir}")
+            time.sleep(0.5)
+        opened = time.time()
+        turn, kills = 0, 0
+        next_event = time.monotonic() + every_s
+        while time.time() < opened + window_s:
+            time.sleep(0.3)
+            if not churn or time.monotonic() < next_event:
+                continue
+            slot = slots[CHURNING[turn % len(CHURNING)]]
+            turn += 1
+            if slot.running():
+                clean = kills % 2 == 0  # alternate: a clean stop, then a kill
+                kills += 1
+                figures.events.append(f"-{slot.name} {'clean' if clean else 'kill'}")
+                slot.stop(clean)
+            else:
+                figures.events.append(f"+{slot.name}")
+                slot.start()
+            next_event = time.monotonic() + every_s
+        closed = time.time()
+        time.sleep(2 * phase_s)  # the window's last rounds reported and finalized
+        finalized = _get(f"http://{host}:8080/api/v1/rounds?limit=5000")
+    _figures(figures, workdir, slots, opened, closed, finalized)
+    return figures
+
+
+def _figures(
+    figures: ChurnFigures,
+    workdir: Path,
+    slots: dict[str, _Slot],
+    opened: float,
+    closed: float,
+    finalized: list[dict[str, Any]],
+) -> None:
+    states: dict[int, set[str]] = defaultdict(set)
+    contributed: dict[int, int] = defaultdict(int)
+    landed: dict[int, float] = {}
+    for slot in slots.values():
+        rows = _rows(workdir / f"{slot.name}.jsonl")
+        for row in rows:
+            if row["averaged"] and row["in_sync"]:
+                landed[row["round"]] = min(landed.get(row["round"], row["at"]), row["at"])
+            if _contributed(row):
+                contributed[row["round"]] += row["samples"]
+            if not opened <= row["at"] <= closed:
+                continue
+            figures.trained += row["samples"]
+            if _contributed(row):
+                figures.counted += row["samples"]
+                figures.useful_s += row["compute_s"]
+            if row["averaged"] and row["in_sync"]:
+                states[row["round"]].add(row["state_digest"])
+        streak = 0
+        for row in rows:
+            streak = 0 if _contributed(row) else streak + 1
+            figures.stuck_rows = max(figures.stuck_rows, streak)
+        for index, started in enumerate(slot.started):
+            stopped = slot.stopped[index] if index < len(slot.stopped) else closed
+            figures.online_s += max(0.0, min(stopped, closed) - max(started, opened))
+        for started in slot.started:
+            first = next((r["at"] for r in rows if r["at"] >= started and _contributed(r)), None)
+            until = first if first is not None else closed
+            waited = len([t for t in landed.values() if started < t < until])
+            figures.stuck_start_rounds = max(figures.stuck_start_rounds, waited)
+    figures.rounds = len([r for r, t in landed.items() if opened <= t <= closed])
+    figures.two_states = len([r for r, digests in states.items() if len(digests) > 1])
+    for row in finalized:
+        if row["round"] in contributed:
+            figures.credited_rounds += 1
+            figures.credit_lost += max(0, contributed[row["round"]] - row["samples"])
+
+
+def _markdown(results: list[ChurnFigures], args: argparse.Namespace) -> str:
+    base, churned = results
+    ratio = churned.goodput / base.goodput if base.goodput else float("nan")
+    lines = [
+        f"# A public run's churn: a join or a leave every {args.every_s:g} s ({datetime.date.today()})",
+        "",
+        f'`make bench-churn CHURN_ARGS="--window-s {args.window_s:g} --every-s {args.every_s:g} '
+        f'--phase-s {args.phase_s:g} --rate {args.rate}"` (as root)',
+        "",
+        "A coordinator, three steady peers and two churning slots train the demo's model (137K parameters) "
+        f"with sparse averaging and {args.phase_s:g} s inner phases on {args.rate} links; figures over a "
+        f"{args.window_s:g} s window from the peers' metrics rows and the coordinator's API "
+        "(`benchmarks/churn.py` says how each is counted).",
+        "",
+        "| run | events | rounds landed | peer-seconds online | goodput | samples trained | averaged into the state | "
+        "samples/s into the state | rounds with two states | most rounds to a first contribution | "
+        "longest non-contributing streak | credit lost (rounds compared) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {'churning' if r.churn else 'churn-free'} | {len(r.events)} | {r.rounds} | {r.online_s:.0f} | "
+            f"{r.goodput:.1%} | {r.trained} | {r.counted} | {r.rate:.0f} | {r.two_states} | {r.stuck_start_rounds} | {r.stuck_rows} | "
+            f"{r.credit_lost} ({r.credited_rounds}) |"
+        )
+    lines += ["", f"Goodput, churning against churn-free: **{ratio:.1%}** (issue #49 asks at least 90%).", ""]
+    lines.append(f"Events of the churning run: {' '.join(churned.events)}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--window-s", type=float, default=150.0)
+    parser.add_argument("--every-s", type=float, default=9.0)
+    parser.add_argument("--phase-s", type=float, default=8.0)
+    parser.add_argument("--rate", default="50mbit")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    results = []
+    try:
+        for churn in (False, True):
+            with tempfile.TemporaryDirectory(prefix="churn-") as tmp:
+                results.append(
+                    run(
+                        Path(tmp),
+                        churn=churn,
+                        window_s=args.window_s,
+                        every_s=args.every_s,
+                        phase_s=args.phase_s,
+                        rate=args.rate,
+                    )
+                )
+    except NotRootError as exc:
+        print(f"churn: {exc}", file=sys.stderr)
+        return 2
+    stamp = datetime.date.today().isoformat()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"churn-{stamp}.md").write_text(_markdown(results, args))
+    rows = [{**asdict(r), "goodput": r.goodput, "rate": r.rate} for r in results]
+    (args.out / f"churn-{stamp}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(_markdown(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
