@@ -19,7 +19,7 @@ from engine.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
-from peer.timeouts import matchmaking_window
+from peer.timeouts import AdaptiveTimeouts, matchmaking_window
 from peer.trainer import Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
 from protocol.gathered import Gathered
@@ -182,11 +182,11 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
 
 
 @pytest.mark.parametrize("newcomer", [False, True])
-def test_a_joining_round_declares_its_window_for_its_whole_search_only_as_a_newcomer(newcomer: bool) -> None:
-    """A peer that adopted the swarm's state declares the others' window (declared first, it
-    leads) and, with no phase of its own, searches one matchmaking deadline; an open-run
-    newcomer meeting a round ahead cannot tell when the swarm arrives, so it stays declared for
-    its whole search, which lasts two matchmaking deadlines when it has no phase to go by."""
+def test_a_joining_round_declares_its_window_for_its_whole_search(newcomer: bool) -> None:
+    """A round launched as a join stays declared for its whole search. With no phase of its own
+    a peer that adopted the swarm's state searches one matchmaking deadline (the others'
+    window); an open-run newcomer meeting a round ahead cannot tell when the swarm arrives, and
+    its search lasts two matchmaking deadlines when it has no phase to go by."""
     trainer, swarm = make_trainer(overlap=False)
     swarm.newcomer = newcomer
     base = trainer.timeouts.matchmaking_s
@@ -196,8 +196,29 @@ def test_a_joining_round_declares_its_window_for_its_whole_search_only_as_a_newc
     (timeout,), (window,) = swarm.matchmaking_timeouts, swarm.windows
     assert timeout == pytest.approx(2 * base if newcomer else base)
     others = matchmaking_window(base)
-    assert window == pytest.approx(matchmaking_window(timeout) if newcomer else others)
+    assert window == pytest.approx(matchmaking_window(timeout))
     assert (window > others) == newcomer
+
+
+def test_a_joining_round_declares_to_close_after_the_members_it_joins() -> None:
+    """A peer that adopted the swarm's state launches a little before the members
+    (``JOIN_LEAD_S``): declared with their window it expired first and led them, and a member
+    that had not read its declaration yet led a group of its own (the round split, 11 s of an
+    8 s phase in the lab). Its window is its whole search, two phases, so that it follows their
+    leader (which waits for it as a declared peer): here the lab's 8 s phases and 10 s
+    matchmaking deadline. (Where the deadline is over about two phases less the lead, the whole
+    search is still shorter than the members' window plus the lead, and it leads them as
+    before: ARCHITECTURE §3 "Launching at once".)"""
+    trainer, swarm = make_trainer(overlap=False)
+    trainer.timeouts = AdaptiveTimeouts(10.0, trainer.timeouts.allreduce_s)  # the lab's spec
+    trainer._phase_s = 8.0  # the members' phase, as a run with a time budget has it
+    lead = 2.0
+    flight = trainer._launch(_InnerPhase(time.monotonic(), time.monotonic(), 0, 0, 0, joining=True))
+    if flight.writing is not None:
+        trainer._start_round(flight)
+    (window,) = swarm.windows
+    members = matchmaking_window(trainer.matchmaking_timeout(8.0))
+    assert window - lead > members  # declared `lead` before them, it still expires after them
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
