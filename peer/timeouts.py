@@ -86,6 +86,14 @@ def matchmaking_windows(matchmaking_timeout_s: float) -> tuple[float, float]:
     return min_matchmaking, request
 
 
+def search_for_window(window_s: float) -> float:
+    """The shortest matchmaking timeout whose ``matchmaking_window`` is at least ``window_s``."""
+    if not window_s > 0:
+        raise ValueError(f"matchmaking window must be positive, got {window_s!r}")
+    shortest = max(2 * window_s if window_s < 1.0 else window_s + 1.0, window_s / 0.9)
+    return shortest * (1 + 1e-9)
+
+
 def matchmaking_window(timeout_s: float) -> float:
     """How long a launched round's leader waits for its group (its declared expiration), for
     a round launched with ``timeout_s`` to find one: most of it, so that peers launching a

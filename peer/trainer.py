@@ -72,7 +72,7 @@ from peer.schedule import inner_lr, outer_lr
 from peer.state import GlobalState, flatten, load_flat
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
 from peer.task import Task
-from peer.timeouts import AdaptiveTimeouts, matchmaking_window
+from peer.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
 from protocol.errors import MalformedTensorError, VerificationError
 from protocol.gathered import Gathered
 from protocol.identity import Identity
@@ -97,6 +97,9 @@ so that its declaration is stored where their leader looks when they launch: its
 may overrun the phase, the members' landing times are signed to the millisecond but by clocks
 that differ a little, and on a home link a store takes about a second (a newcomer that declared
 0.5 s ahead on a 250 kbit/s link was not seen)."""
+FOLLOW_MARGIN_S = 1.0
+"""How much later than the members it joins a joining round declares to close
+(``Trainer._follow_timeout``): the members' adaptive deadlines differ a little from its own."""
 MAX_CARRIED_ROUNDS = 2
 """A peer that re-syncs carries its uncounted local work over to the adopted state only if that
 state is at most this many rounds ahead of the one the work started from (staler work is dropped)."""
@@ -671,7 +674,10 @@ class Trainer:
             # waiting out its window for that member (11 s of an 8 s phase in the lab). An
             # open-run newcomer meeting a round ahead (``SwarmPort.behind``) cannot know when the
             # swarm gets there either: whenever it arrives, it finds the newcomer declared.
-            timeout = self._join_timeout(newcomer=self.swarm.behind(self.state.round))
+            newcomer = self.swarm.behind(self.state.round)
+            timeout = self._join_timeout(newcomer=newcomer)
+            if not newcomer:
+                timeout = max(timeout, self._follow_timeout())
             window = matchmaking_window(timeout)
         data = self.task.data_report(inner.data_round) if self.task.data_report is not None and inner.done else None
         lr = inner_lr(self.spec, inner.round, max(0, inner.done - 1))
@@ -768,6 +774,15 @@ class Trainer:
         if self.overlap:
             return max(self.timeouts.matchmaking_s, compute_s)
         return self.timeouts.matchmaking_s
+
+    def _follow_timeout(self) -> float:
+        """A search long enough that a join declared now expires after the members it joins:
+        their window (by this peer's own deadline) from their launch (``_swarm_launches_at``),
+        plus ``FOLLOW_MARGIN_S`` for the differences between their adaptive deadlines and its."""
+        launch = self._swarm_launches_at(self.state.round)
+        ahead = 0.0 if launch is None else max(0.0, launch - time.monotonic())
+        members = matchmaking_window(self.matchmaking_timeout(self._phase_s or 0.0))
+        return search_for_window(members + ahead + FOLLOW_MARGIN_S)
 
     def _join_timeout(self, *, newcomer: bool = False) -> float:
         """How long a round launched at once (``_launch_now``, or an open-run newcomer's) may look

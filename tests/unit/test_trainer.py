@@ -19,8 +19,8 @@ from engine.checkpoint import Checkpointer
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
-from peer.timeouts import AdaptiveTimeouts, matchmaking_window
-from peer.trainer import Trainer, TrainerOptions, _InnerPhase
+from peer.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
+from peer.trainer import FOLLOW_MARGIN_S, Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
 from protocol.gathered import Gathered
 from protocol.modelsize import count_params
@@ -184,9 +184,9 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
 @pytest.mark.parametrize("newcomer", [False, True])
 def test_a_joining_round_declares_its_window_for_its_whole_search(newcomer: bool) -> None:
     """A round launched as a join stays declared for its whole search. With no phase of its own
-    a peer that adopted the swarm's state searches one matchmaking deadline (the others'
-    window); an open-run newcomer meeting a round ahead cannot tell when the swarm arrives, and
-    its search lasts two matchmaking deadlines when it has no phase to go by."""
+    a peer that adopted the swarm's state searches long enough to close ``FOLLOW_MARGIN_S``
+    after the others' window; an open-run newcomer meeting a round ahead cannot tell when the
+    swarm arrives, and its search lasts two matchmaking deadlines when it has no phase to go by."""
     trainer, swarm = make_trainer(overlap=False)
     swarm.newcomer = newcomer
     base = trainer.timeouts.matchmaking_s
@@ -194,31 +194,10 @@ def test_a_joining_round_declares_its_window_for_its_whole_search(newcomer: bool
     if flight.writing is not None:
         trainer._start_round(flight)
     (timeout,), (window,) = swarm.matchmaking_timeouts, swarm.windows
-    assert timeout == pytest.approx(2 * base if newcomer else base)
     others = matchmaking_window(base)
+    assert timeout == pytest.approx(2 * base if newcomer else search_for_window(others + FOLLOW_MARGIN_S))
     assert window == pytest.approx(matchmaking_window(timeout))
-    assert (window > others) == newcomer
-
-
-def test_a_joining_round_declares_to_close_after_the_members_it_joins() -> None:
-    """A peer that adopted the swarm's state launches a little before the members
-    (``JOIN_LEAD_S``): declared with their window it expired first and led them, and a member
-    that had not read its declaration yet led a group of its own (the round split, 11 s of an
-    8 s phase in the lab). Its window is its whole search, two phases, so that it follows their
-    leader (which waits for it as a declared peer): here the lab's 8 s phases and 10 s
-    matchmaking deadline. (Where the deadline is over about two phases less the lead, the whole
-    search is still shorter than the members' window plus the lead, and it leads them as
-    before: ARCHITECTURE §3 "Launching at once".)"""
-    trainer, swarm = make_trainer(overlap=False)
-    trainer.timeouts = AdaptiveTimeouts(10.0, trainer.timeouts.allreduce_s)  # the lab's spec
-    trainer._phase_s = 8.0  # the members' phase, as a run with a time budget has it
-    lead = 2.0
-    flight = trainer._launch(_InnerPhase(time.monotonic(), time.monotonic(), 0, 0, 0, joining=True))
-    if flight.writing is not None:
-        trainer._start_round(flight)
-    (window,) = swarm.windows
-    members = matchmaking_window(trainer.matchmaking_timeout(8.0))
-    assert window - lead > members  # declared `lead` before them, it still expires after them
+    assert window >= others + (0.0 if newcomer else FOLLOW_MARGIN_S) - 1e-6
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
@@ -1007,3 +986,31 @@ def test_a_peer_that_adopted_a_state_late_in_the_members_phase_still_brings_one_
     assert not inner.over(trainer.options.stop)  # its deadline passed, its one step not taken
     trainer._train_step(inner)
     assert inner.over(trainer.options.stop) and inner.samples > 0
+
+
+@pytest.mark.parametrize("deadline_s", [10.0, 15.0, 30.0])
+def test_a_joining_round_declares_to_close_after_the_members_it_joins(deadline_s: float) -> None:
+    """A peer that adopted the swarm's state launches a little before the members
+    (``JOIN_LEAD_S``): declared with their window it expired first and led them, and a member
+    that had not read its declaration yet led a group of its own (the round split, 11 s of an
+    8 s phase in the lab). It declares to close ``FOLLOW_MARGIN_S`` after them, whatever the
+    matchmaking deadline, and follows their leader (which waits for it as a declared peer)."""
+    trainer, _, landed = _joining_trainer(landed_ago=0.5, known=False)
+    trainer.timeouts = AdaptiveTimeouts(deadline_s, trainer.timeouts.allreduce_s)
+    inner = trainer._start_inner(ahead=False)
+    assert inner.joining
+    flight = trainer._launch(inner)
+    if flight.writing is not None:
+        trainer._start_round(flight)
+    (window,) = trainer.swarm.windows  # type: ignore[attr-defined]
+    declared_at = time.monotonic()
+    launch = landed + trainer.spec.rounds.time_budget_s  # when the members launch, and declare
+    members = matchmaking_window(trainer.matchmaking_timeout(trainer._phase_s or 0.0))
+    assert declared_at + window >= launch + members + FOLLOW_MARGIN_S - 0.05
+
+
+def test_a_search_for_a_window_is_the_shortest_that_declares_it() -> None:
+    for window in (0.3, 1.0, 5.0, 9.0, 9.5, 16.0, 120.0):
+        search = search_for_window(window)
+        assert matchmaking_window(search) >= window
+        assert matchmaking_window(search * 0.99) < window
