@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.netsim import NotRootError, WanSim
-from benchmarks.slow_join import ONE_THREAD, SPEC, SW
+from benchmarks.slow_join import ONE_THREAD, SPEC, SW, contributed, metrics_rows, wait_for
 
 STEADY = ("s0", "s1", "s2")
 CHURNING = ("c0", "c1")
@@ -84,14 +84,6 @@ class ChurnFigures:
     @property
     def rate(self) -> float:
         return self.counted / self.window_s
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _contributed(row: dict[str, Any]) -> bool:
-    return bool(row["averaged"] and row["in_sync"] and row["samples"] > 0 and row["group_size"] >= 2)
 
 
 def _get(url: str) -> Any:
@@ -164,17 +156,13 @@ def run(
         argv = [*SW, "-v", "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator")]
         argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
         sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        end = time.monotonic() + 60
-        while "peers join with:" not in (log.read_text() if log.exists() else ""):
-            if time.monotonic() > end:
-                raise RuntimeError(f"the coordinator did not start; see {log}")
-            time.sleep(0.3)
+        wait_for(log, r"^peers join with:", 60)
         coordinator = f"{host}:7500"
         slots = {name: _Slot(sim, name, workdir, coordinator) for name in (*STEADY, *CHURNING)}
         for slot in slots.values():
             slot.start()
         end = time.monotonic() + 180
-        while len([r for r in _rows(workdir / "s0.jsonl") if r["averaged"]]) < start_after:
+        while len([r for r in metrics_rows(workdir / "s0.jsonl") if r["averaged"]]) < start_after:
             if time.monotonic() > end:
                 raise RuntimeError(f"the swarm did not land {start_after} rounds; see {workdir}")
             time.sleep(0.5)
@@ -212,41 +200,42 @@ def _figures(
     finalized: list[dict[str, Any]],
 ) -> None:
     states: dict[int, set[str]] = defaultdict(set)
-    contributed: dict[int, int] = defaultdict(int)
+    averaged_in: dict[int, int] = defaultdict(int)
+    """Samples the rows say were averaged into each round's state."""
     landed: dict[int, float] = {}
     for slot in slots.values():
-        rows = _rows(workdir / f"{slot.name}.jsonl")
+        rows = metrics_rows(workdir / f"{slot.name}.jsonl")
         for row in rows:
             if row["averaged"] and row["in_sync"]:
                 landed[row["round"]] = min(landed.get(row["round"], row["at"]), row["at"])
-            if _contributed(row):
-                contributed[row["round"]] += row["samples"]
+            if contributed(row):
+                averaged_in[row["round"]] += row["samples"]
             if not opened <= row["at"] <= closed:
                 continue
             figures.trained += row["samples"]
-            if _contributed(row):
+            if contributed(row):
                 figures.counted += row["samples"]
                 figures.useful_s += row["compute_s"]
             if row["averaged"] and row["in_sync"]:
                 states[row["round"]].add(row["state_digest"])
         streak = 0
         for row in rows:
-            streak = 0 if _contributed(row) else streak + 1
+            streak = 0 if contributed(row) else streak + 1
             figures.stuck_rows = max(figures.stuck_rows, streak)
         for index, started in enumerate(slot.started):
             stopped = slot.stopped[index] if index < len(slot.stopped) else closed
             figures.online_s += max(0.0, min(stopped, closed) - max(started, opened))
         for started in slot.started:
-            first = next((r["at"] for r in rows if r["at"] >= started and _contributed(r)), None)
+            first = next((r["at"] for r in rows if r["at"] >= started and contributed(r)), None)
             until = first if first is not None else closed
             waited = len([t for t in landed.values() if started < t < until])
             figures.stuck_start_rounds = max(figures.stuck_start_rounds, waited)
     figures.rounds = len([r for r, t in landed.items() if opened <= t <= closed])
     figures.two_states = len([r for r, digests in states.items() if len(digests) > 1])
     for row in finalized:
-        if row["round"] in contributed:
+        if row["round"] in averaged_in:
             figures.credited_rounds += 1
-            figures.credit_lost += max(0, contributed[row["round"]] - row["samples"])
+            figures.credit_lost += max(0, averaged_in[row["round"]] - row["samples"])
 
 
 def _markdown(results: list[ChurnFigures], args: argparse.Namespace) -> str:

@@ -127,11 +127,11 @@ def _stamp(line: str) -> float | None:
     return datetime.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
+def metrics_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
+def wait_for(log: Path, pattern: str, deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if re.search(pattern, log.read_text() if log.exists() else "", re.MULTILINE):
@@ -140,7 +140,7 @@ def _wait_for(log: Path, pattern: str, deadline_s: float) -> None:
     raise RuntimeError(f"{log.name} never printed {pattern!r}:\n{log.read_text()[-3000:] if log.exists() else ''}")
 
 
-def _contributed(row: dict[str, Any]) -> bool:
+def contributed(row: dict[str, Any]) -> bool:
     return bool(row["averaged"] and row["in_sync"] and row["samples"] > 0 and row["group_size"] >= 2)
 
 
@@ -181,7 +181,7 @@ def run(
         argv = [*SW, "-v", "coordinator", "--spec", str(spec), "--state-dir", str(workdir / "coordinator")]
         argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
         sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        _wait_for(log, r"^peers join with:", 60)
+        wait_for(log, r"^peers join with:", 60)
         coordinator = f"{host}:7500"
 
         def peer(name: str) -> subprocess.Popen[bytes]:
@@ -197,7 +197,7 @@ def run(
 
         members = [peer("p0"), peer("p1"), peer("p2")]
         end = time.monotonic() + deadline_s
-        while len([r for r in _rows(workdir / "p0.jsonl") if r["averaged"]]) < start_after:
+        while len([r for r in metrics_rows(workdir / "p0.jsonl") if r["averaged"]]) < start_after:
             if time.monotonic() > end or any(p.poll() is not None for p in members):
                 raise RuntimeError(f"the swarm did not land {start_after} rounds; see {workdir}")
             time.sleep(0.3)
@@ -206,7 +206,7 @@ def run(
         def done() -> bool:
             if until_adopted:
                 return ADOPTED in (workdir / "late.log").read_text()
-            return any(_contributed(r) for r in _rows(workdir / "late.jsonl"))
+            return any(contributed(r) for r in metrics_rows(workdir / "late.jsonl"))
 
         while not done() and time.monotonic() < end:
             if late.poll() is not None:
@@ -249,10 +249,10 @@ def _figures(workdir: Path, keep_updates: int, density: float) -> JoinFigures:
     if not starts or not durations:
         raise RuntimeError(f"the newcomer never downloaded a state; see {workdir / 'late.log'}")
     started, download_s = starts[0], durations[0]
-    member = [r["at"] for r in _rows(workdir / "p0.jsonl") if r["averaged"]]
+    member = [r["at"] for r in metrics_rows(workdir / "p0.jsonl") if r["averaged"]]
     before = [b - a for a, b in zip(member, member[1:]) if b <= started]
     round_s = statistics.median(before[1:]) if len(before) > 1 else float("nan")
-    first = next((r["at"] for r in _rows(workdir / "late.jsonl") if _contributed(r)), None)
+    first = next((r["at"] for r in metrics_rows(workdir / "late.jsonl") if contributed(r)), None)
     adopted = next((t for line in lines if ADOPTED in line and (t := _stamp(line)) is not None), None)
     return JoinFigures(
         keep_updates=keep_updates,
