@@ -48,6 +48,23 @@ case "$MODE" in
 esac
 say "engine $ENGINE, bases: $MODE"
 
+# The build writes ~5 GB (the wheelhouse, a stand-in base, two images of ~2 GB each): with less
+# free, buildah fails midway with "io: read/write on closed pipe", which names nothing.
+NEED_GB=${IMAGES_NEED_GB:-6}
+if [ "$ENGINE" = docker ]; then
+    STORE=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+    PRUNE="docker image prune"
+else
+    PRUNE="buildah rmi --prune"
+    STORE=$(buildah info --format '{{.store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage)
+fi
+for where in "$STORE" build; do
+    mkdir -p "$where" 2>/dev/null || true
+    free_gb=$(df -P -BG "$where" 2>/dev/null | awk 'NR == 2 {sub("G", "", $4); print $4}')
+    [ -z "$free_gb" ] || [ "$free_gb" -ge "$NEED_GB" ] \
+        || die "${free_gb} GB free under $where; the build needs ${NEED_GB} GB: free some (`$PRUNE` removes untagged images)"
+done
+
 build() {  # build IMAGE DOCKERFILE [--build-arg ...]
     local image=$1 file=$2
     shift 2
@@ -65,6 +82,28 @@ size_of() {
     else
         buildah inspect --type image --format '{{.Manifest}}' "$1" \
             | "$PY" -c "import json, sys; print(sum(layer['size'] for layer in json.load(sys.stdin)['layers']))"
+    fi
+}
+
+# a rebuild removes the image it replaces (else each leaves ~2 GB of untagged image behind)
+image_id() {
+    if [ "$ENGINE" = docker ]; then
+        docker image inspect --format '{{.Id}}' "$1" 2>/dev/null || true
+    else
+        buildah inspect --type image --format '{{.FromImageID}}' "$1" 2>/dev/null || true
+    fi
+}
+replace() {  # replace IMAGE DOCKERFILE [--build-arg ...]
+    local before after
+    before=$(image_id "$1")
+    build "$@"
+    after=$(image_id "$1")
+    if [ -n "$before" ] && [ "$before" != "$after" ]; then
+        if [ "$ENGINE" = docker ]; then
+            docker image rm "$before" >/dev/null 2>&1 || true
+        else
+            buildah rmi "$before" >/dev/null 2>&1 || true
+        fi
     fi
 }
 
@@ -132,7 +171,7 @@ if [ "$MODE" = standin ]; then
         buildah rm "$container" >/dev/null
         rm -rf "$ROOTFS"
     fi
-    build "$STANDIN_IMAGE" docker/standin-base.Dockerfile --build-arg "ROOT=$ROOT_IMAGE" \
+    replace "$STANDIN_IMAGE" docker/standin-base.Dockerfile --build-arg "ROOT=$ROOT_IMAGE" \
         --build-arg "TORCH_PINS=$TORCH_PINS"
     base_s=$(since "$started")
     say "stand-in base $STANDIN_IMAGE: ${base_s} s"
@@ -142,10 +181,10 @@ fi
 
 # 3. the images
 started=$(now)
-build "swarmtrain-peer:$TAG" docker/peer.Dockerfile "${PEER_ARGS[@]}"
+replace "swarmtrain-peer:$TAG" docker/peer.Dockerfile "${PEER_ARGS[@]}"
 peer_s=$(since "$started")
 started=$(now)
-build "swarmtrain-coordinator:$TAG" docker/coordinator.Dockerfile "${COORD_ARGS[@]}"
+replace "swarmtrain-coordinator:$TAG" docker/coordinator.Dockerfile "${COORD_ARGS[@]}"
 coordinator_s=$(since "$started")
 peer_size=$(size_of "swarmtrain-peer:$TAG")
 coordinator_size=$(size_of "swarmtrain-coordinator:$TAG")
