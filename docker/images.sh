@@ -62,7 +62,7 @@ for where in "$STORE" build; do
     mkdir -p "$where" 2>/dev/null || true
     free_gb=$(df -P -BG "$where" 2>/dev/null | awk 'NR == 2 {sub("G", "", $4); print $4}')
     [ -z "$free_gb" ] || [ "$free_gb" -ge "$NEED_GB" ] \
-        || die "${free_gb} GB free under $where; the build needs ${NEED_GB} GB: free some (`$PRUNE` removes untagged images)"
+        || die "${free_gb} GB free under $where; the build needs ${NEED_GB} GB: free some ('$PRUNE' removes untagged images)"
 done
 
 build() {  # build IMAGE DOCKERFILE [--build-arg ...]
