@@ -374,7 +374,7 @@ class Coordinator:
         records committed), persist the swarm's figures (and, every ``PRUNE_EVERY_S``, drop
         those older than ``history_keep_s``)."""
         self.health.tick(now)
-        for decided in self.rounds.decide(now):  # committed: health and the heartbeats' figures follow
+        for decided in self.rounds.decide(now, self._member_of):  # committed: health and heartbeats follow
             self.health.record_claim(decided.key, offence=not decided.granted and OFFENCE in decided.reason)
             self._credit_moved(
                 decided.key, pending=-decided.claimed_samples, samples=decided.granted_samples, flops=decided.flops
@@ -446,6 +446,18 @@ class Coordinator:
         """The account ``key`` earns for and when that account was first seen."""
         account = self._account_of(key)
         return account, self._first_seen_of(account)
+
+    def _member_of(self, key: str, round_: int) -> tuple[str, float] | None:
+        """``_owner_of(key)`` for a key the run admitted once and has not revoked, without a
+        claim for ``round_`` in the store; else None (``RoundLedger``'s credit in absentia: a
+        name in a claim is no admission, and a claim decided before a restart stands)."""
+        if (
+            self.store.peer(key) is None
+            or key in self.revoked_peers()
+            or self.store.claims(key=key, round=round_, limit=1)
+        ):
+            return None
+        return self._owner_of(key)
 
     def _first_seen_of(self, owner: str) -> float:
         """When the coordinator first saw ``owner`` (an account: its earliest node key; a key

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -23,6 +24,9 @@ OFFENCE = "robust averaging"
 member (``Store.denials_by_peer`` counts them: a peer's offences)."""
 MAX_FORGOTTEN = 100_000
 """Forgotten rounds the ledger remembers, to refuse late claims for them (a few MB)."""
+MIN_ABSENT_WITNESSES = 2
+"""Accounts that must attest a member whose own report never came before it is credited in
+absentia: one member's say-so credits nobody it names."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,15 @@ class ClaimVerdict:
     reason: str
     claimed_samples: int = 0
     """What the claim said (no longer pending once decided)."""
+    in_absentia: RoundClaim | None = None
+    """For a member credited without a report of its own (``decide_absent``): the claim its
+    witnesses make for it, which the store records with the decision."""
+
+
+MemberOf = Callable[[str, int], tuple[str, float] | None]
+"""``member_of(key, round)``: the account ``key`` earns for and when that account was first seen,
+or None for a key the run never admitted, has revoked, or that already has a claim for the round
+(one decided before a restart, say) (``RoundLedger.tick``)."""
 
 
 @dataclass
@@ -99,13 +112,20 @@ class _Round:
     claims: dict[str, RoundClaim] = field(default_factory=dict)
     decided: set[str] = field(default_factory=set)
     first_received: float = math.inf
+    absent: dict[str, RoundClaim] = field(default_factory=dict)
+    """Members credited in absentia: what their witnesses claim for them. Never a witness
+    themselves, and a later report of theirs is a second claim."""
 
     def pending(self) -> list[str]:
         return sorted(k for k in self.claims if k not in self.decided)
 
-    def complete(self) -> bool:
+    def unreported(self) -> list[str]:
+        """Members some claim names that neither reported nor were credited in absentia."""
         named = {m.key for c in self.claims.values() for m in c.group}
-        return named <= self.claims.keys()
+        return sorted(named - self.claims.keys() - self.absent.keys())
+
+    def complete(self) -> bool:
+        return not self.unreported()
 
 
 class RoundLedger:
@@ -140,6 +160,16 @@ class RoundLedger:
        floor(max_samples_per_second * c.duration_s)); the reason names each bound that bound.
        granted == 0: DENIED, "nothing to grant".
     Decisions are returned sorted by (round, key).
+
+    **In absentia.** A member whose report never comes (killed after its round landed, its
+    machine gone) still put its samples into the model its group agreed on. When a round is
+    decided by time and ``tick`` was given ``member_of``, every member its claims name that did
+    not report is decided by ``decide_absent``: credited if at least ``MIN_ABSENT_WITNESSES``
+    accounts attest it under rules 2-4 (a key the run never admitted, or revoked, gets nothing);
+    granted = min(floor(median of the attested weights), floor(max_samples_per_second x the
+    median of its witnesses' durations)). Nothing is recorded for a member it does not credit.
+    A member credited in absentia attests nobody, and a report of its own for that round
+    arriving later is refused as a second claim.
     """
 
     def __init__(
@@ -165,9 +195,10 @@ class RoundLedger:
         """Forgotten round numbers, oldest first (a dict keeps insertion order)."""
 
     def has(self, key: str, round_: int) -> bool:
-        """Whether ``key`` has a claim for ``round_`` here (pending or decided, not forgotten)."""
+        """Whether ``key`` has a claim for ``round_`` here (pending or decided, in absentia
+        included, not forgotten)."""
         entry = self._rounds.get(round_)
-        return entry is not None and key in entry.claims
+        return entry is not None and (key in entry.claims or key in entry.absent)
 
     def check(self, claim: RoundClaim) -> None:
         """``ValueError`` naming what is wrong if ``add`` would refuse ``claim``; changes nothing."""
@@ -189,27 +220,55 @@ class RoundLedger:
         """How many claims are waiting for a decision."""
         return sum(len(r.pending()) for r in self._rounds.values())
 
-    def tick(self, now: float) -> list[ClaimVerdict]:
-        """Decide every due claim (see the class docstring); each claim is returned once."""
+    def tick(self, now: float, member_of: MemberOf | None = None) -> list[ClaimVerdict]:
+        """Decide every due claim (see the class docstring); each claim is returned once. With
+        ``member_of``, a round decided by time also credits its unreported members in absentia."""
         decisions: list[ClaimVerdict] = []
         for number in sorted(self._rounds):
             entry = self._rounds[number]
             pending = entry.pending()
-            if pending and (entry.complete() or now - entry.first_received >= self.finalize_after_s):
-                for key in pending:
-                    decisions.append(
-                        decide(
-                            entry.claims[key],
-                            entry.claims,
-                            self.max_samples_per_second,
-                            min_attester_age_s=self.min_attester_age_s,
-                        )
+            if not pending:
+                continue
+            by_time = now - entry.first_received >= self.finalize_after_s
+            if not (by_time or entry.complete()):
+                continue
+            for key in pending:
+                decisions.append(
+                    decide(
+                        entry.claims[key],
+                        entry.claims,
+                        self.max_samples_per_second,
+                        min_attester_age_s=self.min_attester_age_s,
                     )
-                    entry.decided.add(key)
+                )
+                entry.decided.add(key)
+            if by_time and member_of is not None:
+                decisions.extend(self._credit_absent(number, entry, now, member_of))
+        decisions.sort(key=lambda d: (d.round, d.key))
         self._forget(now)
         for d in decisions:
             logger.info("round %d, %s: %s (%s)", d.round, d.key, d.status.value, d.reason)
         return decisions
+
+    def _credit_absent(self, number: int, entry: _Round, now: float, member_of: MemberOf) -> list[ClaimVerdict]:
+        credited = []
+        for key in entry.unreported():
+            owner = member_of(key, number)
+            if owner is None:
+                continue
+            verdict = decide_absent(
+                key,
+                number,
+                entry.claims,
+                self.max_samples_per_second,
+                account=owner[0],
+                now=now,
+                min_attester_age_s=self.min_attester_age_s,
+            )
+            if verdict is not None and verdict.in_absentia is not None:
+                entry.absent[key] = verdict.in_absentia
+                credited.append(verdict)
+        return credited
 
     def _forget(self, now: float) -> None:
         for number in sorted(self._rounds):
@@ -262,6 +321,59 @@ def decide(
             f"{OFFENCE} ({first.key}: {first.offence_for(claim.key)})",
         )
     return _grant(claim, attested, others, max_samples_per_second)
+
+
+def decide_absent(
+    key: str,
+    round_: int,
+    claims: dict[str, RoundClaim],
+    max_samples_per_second: float,
+    *,
+    account: str,
+    now: float,
+    min_attester_age_s: float = 0.0,
+) -> ClaimVerdict | None:
+    """Credit ``key``, which its round's ``claims`` name but which never reported, in absentia
+    (see ``RoundLedger``); None when its witnesses do not suffice (nothing is recorded then)."""
+    views = [c for c in claims.values() if c.weight_for(key) is not None]
+    agreed = agreed_state(Vote(c.key, round_, c.state_digest) for c in views)
+    if agreed is None:
+        return None
+    witnesses: dict[str, RoundClaim] = {}
+    for c in sorted(views, key=lambda c: c.key):
+        if c.state_digest != agreed.digest or c.owner == (account or key):
+            continue
+        if min_attester_age_s > 0 and not c.received_at - c.owner_since >= min_attester_age_s:
+            continue
+        witnesses.setdefault(c.owner, c)
+    if len(witnesses) < MIN_ABSENT_WITNESSES:
+        return None
+    if 2 * sum(1 for c in witnesses.values() if c.offence_for(key)) > len(witnesses):
+        return None
+    attested = sorted(w for c in witnesses.values() if (w := c.weight_for(key)) is not None)
+    duration = statistics.median(c.duration_s for c in witnesses.values())
+    median, cap = math.floor(statistics.median(attested)), math.floor(max_samples_per_second * duration)
+    granted = min(median, cap)
+    if granted <= 0:
+        return None
+    others = max(len(c.group) for c in views) - 1
+    bound = f"throughput cap {cap} ({max_samples_per_second:g} samples/s over {duration:g} s)" if cap < median else ""
+    reason = (
+        f"granted {granted} samples in absentia: its own report never came; attested {median} (median) "
+        f"by {len(attested)} of {others} group members{', ' + bound if bound else ''}, digest the group's"
+    )
+    stand_in = RoundClaim(
+        key=key,
+        account=account,
+        round=round_,
+        samples=granted,
+        group=(GroupMemberView(key=key, weight=float(median)),)
+        + tuple(GroupMemberView(key=c.key, weight=float(c.samples)) for c in witnesses.values()),
+        state_digest=agreed.digest,
+        duration_s=max(duration, 1e-3),
+        received_at=now,
+    )
+    return ClaimVerdict(key, round_, ClaimStatus.GRANTED, granted, reason, 0, stand_in)
 
 
 def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float) -> ClaimVerdict:

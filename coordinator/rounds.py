@@ -24,11 +24,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.credits import ClaimStatus, ClaimVerdict, GroupMemberView, RoundClaim, RoundLedger
+from coordinator.credits import ClaimStatus, ClaimVerdict, GroupMemberView, MemberOf, RoundClaim, RoundLedger
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
-from coordinator.store import ClaimRow, Decision, Store
+from coordinator.store import ClaimBody, ClaimRow, Decision, Store
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
 from protocol.identity import PublicKey
@@ -129,9 +129,7 @@ class RoundBook:
             key=claim.key,
             round=claim.round,
             samples=claim.samples,
-            group_json=json.dumps(
-                [[m.key, m.weight, m.offence] if m.offence else [m.key, m.weight] for m in claim.group]
-            ),
+            group_json=_group_json(claim),
             state_digest=claim.state_digest,
             duration_s=claim.duration_s,
             received_at=claim.received_at,
@@ -154,11 +152,13 @@ class RoundBook:
 
     # --- time -------------------------------------------------------------------------------
 
-    def decide(self, now: float) -> list[Decided]:
+    def decide(self, now: float, member_of: MemberOf | None = None) -> list[Decided]:
         """Decide the rounds the ledger can decide at ``now``; each round's decisions and its
-        record are committed in one transaction (``Store.finalize_round``). What was committed."""
+        record are committed in one transaction (``Store.finalize_round``). What was committed.
+        With ``member_of`` (``RoundLedger.tick``), a round decided by time credits its members
+        whose reports never came in absentia, their claims recorded with the decisions."""
         verdicts: dict[int, list[ClaimVerdict]] = {}
-        for verdict in self.ledger.tick(now):
+        for verdict in self.ledger.tick(now, member_of):
             verdicts.setdefault(verdict.round, []).append(verdict)
         decided: list[Decided] = []
         for round_, round_verdicts in sorted(verdicts.items()):
@@ -179,8 +179,9 @@ class RoundBook:
                         granted_samples=entry.granted_samples,
                         flops=entry.flops,
                         reason=entry.reason,
+                        in_absentia=_body_of(verdict.in_absentia),
                     )
-                    for entry in entries
+                    for entry, verdict in zip(entries, round_verdicts, strict=True)
                 ],
                 now=now,
                 mean_loss=sum(losses) / len(losses) if losses else None,
@@ -242,6 +243,22 @@ class RoundBook:
                 since = row.first_seen if row is not None else now
             self._last_report_at[key] = since
         return max(now - since, 1e-3)
+
+
+def _body_of(claim: RoundClaim | None) -> ClaimBody | None:
+    if claim is None:
+        return None
+    return ClaimBody(
+        samples=claim.samples,
+        group_json=_group_json(claim),
+        state_digest=claim.state_digest,
+        duration_s=claim.duration_s,
+        received_at=claim.received_at,
+    )
+
+
+def _group_json(claim: RoundClaim) -> str:
+    return json.dumps([[m.key, m.weight, m.offence] if m.offence else [m.key, m.weight] for m in claim.group])
 
 
 def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:

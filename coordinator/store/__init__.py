@@ -7,10 +7,11 @@ round-path queries return; ``schema.py`` holds the tables, ``engine.py`` opens a
 from coordinator.store.engine import sqlite_url
 from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow
 from coordinator.store.schema import SCHEMA_VERSION
-from coordinator.store.store import Decision, Store
+from coordinator.store.store import ClaimBody, Decision, Store
 
 __all__ = [
     "SCHEMA_VERSION",
+    "ClaimBody",
     "ClaimRow",
     "CreditTotals",
     "Decision",

@@ -251,19 +251,7 @@ class Store:
         received_at: float,
     ) -> bool:
         """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
-        claim = Claim(
-            key=key,
-            round=round,
-            samples=samples,
-            group_json=group_json,
-            state_digest=state_digest,
-            duration_s=duration_s,
-            received_at=received_at,
-            status=PENDING,
-            granted_samples=0,
-            flops=0.0,
-            reason="",
-        )
+        claim = _new_claim(key, round, ClaimBody(samples, group_json, state_digest, duration_s, received_at))
         try:
             with self._write() as s:
                 if _find_claim(s, key, round) is not None:
@@ -489,6 +477,21 @@ class Decision:
     granted_samples: int
     flops: float
     reason: str
+    in_absentia: ClaimBody | None = None
+    """For a member credited without a report of its own: the claim to record with the
+    decision (a claim already recorded for the key and round is decided instead)."""
+
+
+@dataclass(frozen=True)
+class ClaimBody:
+    """What a claim says: a peer's report, or what a member's witnesses say for it when its
+    own report never came (``Decision.in_absentia``)."""
+
+    samples: int
+    group_json: str
+    state_digest: str
+    duration_s: float
+    received_at: float
 
 
 def _decide(session: Session, round: int, decision: Decision, now: float) -> None:
@@ -497,6 +500,10 @@ def _decide(session: Session, round: int, decision: Decision, now: float) -> Non
     if decision.granted_samples < 0 or decision.flops < 0:
         raise ValueError(f"granted_samples and flops must be >= 0, got {decision.granted_samples} and {decision.flops}")
     claim = _find_claim(session, decision.key, round)
+    if claim is None and decision.in_absentia is not None:
+        claim = _new_claim(decision.key, round, decision.in_absentia)
+        session.add(claim)
+        session.flush()  # its id, for the credit's claim_id
     if claim is None:
         raise ValueError(f"no claim recorded for peer {decision.key} round {round}")
     if claim.status != PENDING:
@@ -515,6 +522,22 @@ def _decide(session: Session, round: int, decision: Decision, now: float) -> Non
                 granted_at=now,
             )
         )
+
+
+def _new_claim(key: str, round: int, made: ClaimBody) -> Claim:
+    return Claim(
+        key=key,
+        round=round,
+        samples=made.samples,
+        group_json=made.group_json,
+        state_digest=made.state_digest,
+        duration_s=made.duration_s,
+        received_at=made.received_at,
+        status=PENDING,
+        granted_samples=0,
+        flops=0.0,
+        reason="",
+    )
 
 
 def _find_claim(session: Session, key: str, round: int) -> Claim | None:

@@ -339,3 +339,93 @@ def test_nodes_of_one_account_do_not_attest_each_other() -> None:
     decisions = _by_key(ledger.tick(100.0))
     assert decisions["n1"].status == ClaimStatus.GRANTED and "attested by 1 of 2" in decisions["n1"].reason
     assert decisions["h"].status == ClaimStatus.GRANTED and "attested by 1 of 2" in decisions["h"].reason
+
+
+# --- in absentia: a member whose report never came -------------------------------------------
+
+GROUP_OF_FOUR = {"a": 100, "b": 160, "c": 120, "gone": 90}
+KNOWN = {"a": ("a", 0.0), "b": ("b", 0.0), "c": ("c", 0.0), "gone": ("gone", 0.0), "ally": ("acc-a", 0.0)}
+
+
+def _member_of(key: str, round_: int) -> tuple[str, float] | None:
+    return KNOWN.get(key)
+
+
+def test_a_member_killed_after_its_round_is_credited_in_absentia() -> None:
+    """Three of four report; the fourth was killed after the round landed. At finalisation its
+    witnesses' attested median is granted, and its own report arriving later is a second claim."""
+    ledger = _ledger(finalize_after_s=60.0)
+    for key in ("a", "b", "c"):
+        ledger.add(_claim(key, GROUP_OF_FOUR, duration_s=10.0))
+    assert ledger.tick(59.0, _member_of) == []
+    decisions = _by_key(ledger.tick(60.0, _member_of))
+    assert sorted(decisions) == ["a", "b", "c", "gone"]
+    gone = decisions["gone"]
+    assert (gone.status, gone.granted_samples, gone.claimed_samples) == (ClaimStatus.GRANTED, 90, 0)
+    assert gone.reason == (
+        "granted 90 samples in absentia: its own report never came; attested 90 (median) by 3 of 3 group members, "
+        "digest the group's"
+    )
+    assert gone.in_absentia is not None and gone.in_absentia.state_digest == GOOD
+    assert ledger.has("gone", 1)
+    with pytest.raises(ValueError, match="a second claim"):
+        ledger.add(_claim("gone", GROUP_OF_FOUR, received_at=70.0))
+    assert ledger.tick(200.0, _member_of) == []
+
+
+def test_in_absentia_takes_the_median_and_the_witnesses_throughput_cap() -> None:
+    ledger = _ledger(max_sps=5.0, finalize_after_s=60.0)
+    for key, said in (("a", 90), ("b", 400), ("c", 60)):  # b inflates what "gone" did
+        ledger.add(_claim(key, {**GROUP_OF_FOUR, "gone": said}, duration_s=10.0))
+    gone = _by_key(ledger.tick(60.0, _member_of))["gone"]
+    assert gone.granted_samples == 50  # cap 5 samples/s over the witnesses' median 10 s < median 90
+    assert "throughput cap 50" in gone.reason
+
+
+def test_one_witness_credits_nobody_in_absentia() -> None:
+    """A member alone cannot mint credit for a key it names (an ally, or a key of its own
+    account's friend): at least two accounts must attest a member that never reported."""
+    ledger = _ledger(finalize_after_s=60.0)
+    ledger.add(_claim("a", {"a": 100, "b": 100, "ally": 500}))
+    ledger.add(_claim("b", {"a": 100, "b": 100}))
+    decisions = _by_key(ledger.tick(60.0, _member_of))
+    assert "ally" not in decisions
+    assert not ledger.has("ally", 1)
+
+
+def test_a_name_the_run_never_admitted_is_credited_nothing() -> None:
+    ledger = _ledger(finalize_after_s=60.0)
+    group = {"a": 100, "b": 100, "c": 100, "stranger": 100}
+    for key in ("a", "b", "c"):
+        ledger.add(_claim(key, group))
+    assert "stranger" not in _by_key(ledger.tick(60.0, _member_of))
+
+
+def test_witnesses_of_the_absent_members_own_account_do_not_count() -> None:
+    """ "ally" earns for account acc-a; only a's node of that account and one outsider name it."""
+    ledger = _ledger(finalize_after_s=60.0)
+    group = {"a": 100, "b": 100, "ally": 100}
+    ledger.add(RoundClaim(**{**_claim("a", group).__dict__, "account": "acc-a"}))
+    ledger.add(_claim("b", group))
+    assert "ally" not in _by_key(ledger.tick(60.0, _member_of))
+
+
+def test_in_absentia_needs_the_groups_majority_digest_and_no_majority_of_accusers() -> None:
+    ledger = _ledger(finalize_after_s=60.0)
+    ledger.add(_claim("a", GROUP_OF_FOUR, digest="sha256:a"))
+    ledger.add(_claim("b", GROUP_OF_FOUR, digest="sha256:b"))
+    assert "gone" not in _by_key(ledger.tick(60.0, _member_of))  # a tie: no state to be credited in
+    ledger = _ledger(finalize_after_s=60.0)
+    for key in ("a", "b"):
+        ledger.add(_accusing(key, GROUP_OF_FOUR, {"gone": "clipped: norm 40 > 4"}))
+    ledger.add(_claim("c", GROUP_OF_FOUR))
+    assert "gone" not in _by_key(ledger.tick(60.0, _member_of))
+
+
+def test_a_pair_that_loses_one_member_credits_neither() -> None:
+    """A group of two where one was killed: the survivor has no witness, and one witness credits
+    nobody in absentia (the price of not letting one member mint credit for a name)."""
+    ledger = _ledger(finalize_after_s=60.0)
+    ledger.add(_claim("a", {"a": 100, "gone": 90}))
+    decisions = _by_key(ledger.tick(60.0, _member_of))
+    assert decisions["a"].status == ClaimStatus.DENIED and "gone" not in decisions

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text, update
 
-from coordinator.store import SCHEMA_VERSION, Decision, Store, sqlite_url
+from coordinator.store import SCHEMA_VERSION, ClaimBody, Decision, Store, sqlite_url
 from coordinator.store.schema import Base, SchemaVersion
 from protocol.errors import ConfigError
 from tests.conftest import plain, postgres_url
@@ -496,3 +496,30 @@ def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
             assert sorted(v for (v,) in conn.execute(text("SELECT version FROM schema_version"))) == [1, 2]
     finally:
         engine.dispose()
+
+
+def test_a_decision_in_absentia_records_its_claim_and_credit_together(store: Store) -> None:
+    """A member credited without a report of its own: its witnesses' claim is recorded with the
+    decision in one transaction; a report of its own afterwards is a duplicate."""
+    _claim(store, "p1", 9)
+    _claim(store, "p2", 9)
+    body = ClaimBody(
+        samples=80, group_json='[["gone", 80.0], ["p1", 100.0]]', state_digest="d9", duration_s=3.0, received_at=50.0
+    )
+    store.finalize_round(
+        round=9,
+        now=60.0,
+        mean_loss=None,
+        decisions=[
+            Decision(key="p1", status="granted", granted_samples=100, flops=1.0, reason="attested"),
+            Decision(
+                key="gone", status="granted", granted_samples=80, flops=0.8, reason="in absentia", in_absentia=body
+            ),
+        ],
+    )
+    (row,) = store.claims(key="gone")
+    assert (row.round, row.samples, row.status, row.granted_samples, row.state_digest) == (9, 80, "granted", 80, "d9")
+    assert store.credits_by_peer()["gone"].samples == 80
+    assert store.rounds()[0].group_size == 3 and store.rounds()[0].samples == 180
+    assert _claim(store, "gone", 9) is False  # its own report, late: nothing changes
+    assert store.credits_by_peer()["gone"].samples == 80

@@ -1,0 +1,66 @@
+"""A member killed after its round landed is credited in absentia through the coordinator's own
+path (reports, tick, store, heartbeat), and a name in a group is no admission: a key the run
+never admitted, or banned, is credited nothing however many members name it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.core import Coordinator
+from protocol.identity import Identity
+from tests.unit.conftest import new_core
+from tests.unit.test_colluding_claims import group, heartbeat, join, report
+
+SPEC = '[run]\nname = "absent"\n[credits]\nmax_samples_per_second = 100.0\n'
+T0 = 1_800_000_000.0
+SAMPLES = 40
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Coordinator]:
+    made = new_core(tmp_path, SPEC)
+    yield made
+    made.store.close()
+
+
+def _round(core: Coordinator, reporters: list[Identity], named: list[Identity], round_: int, now: float) -> None:
+    for peer in reporters:
+        report(
+            core, peer, now, round=round_, samples=SAMPLES, compute_s=9.0, state_digest="d", group=group(named, SAMPLES)
+        )
+
+
+def test_a_member_killed_after_landing_is_credited_and_sees_it_when_back(core: Coordinator) -> None:
+    members = [join(core, T0) for _ in range(4)]
+    _round(core, members[:3], members, 3, T0 + 10)  # members[3] was SIGKILLed before reporting
+    core.tick(now=T0 + 40)
+    assert members[3].public_key.id not in core.store.credits_by_peer()  # not before finalisation
+    core.tick(now=T0 + 71)
+    credits = core.store.credits_by_peer()
+    assert {k: credits[m.public_key.id].samples for k, m in enumerate(members)} == {0: 40, 1: 40, 2: 40, 3: 40}
+    (claim,) = core.store.claims(key=members[3].public_key.id)
+    assert "in absentia" in claim.reason and claim.status == "granted"
+    # it comes back with its key: its heartbeat shows the credit, and its own late report changes nothing
+    assert heartbeat(core, members[3], T0 + 80).credited_samples == SAMPLES
+    late = report(
+        core, members[3], T0 + 81, round=3, samples=SAMPLES, compute_s=9.0, state_digest="d", group=group(members, 99)
+    )
+    assert late.reason == "already reported"
+    assert core.store.credits_by_peer()[members[3].public_key.id].samples == SAMPLES
+
+
+def test_a_name_is_no_admission(core: Coordinator) -> None:
+    """Three members name a key that never joined and one the operator banned, with a large
+    weight: neither is credited, nor is anything recorded for them."""
+    members = [join(core, T0) for _ in range(3)]
+    banned = join(core, T0)
+    core.ban(banned.public_key.id, "spam", now=T0 + 1)
+    stranger = Identity.generate()
+    _round(core, members, [*members, banned, stranger], 5, T0 + 10)
+    core.tick(now=T0 + 71)
+    credits = core.store.credits_by_peer()
+    assert set(credits) == {m.public_key.id for m in members}
+    assert core.store.claims(key=stranger.public_key.id) == core.store.claims(key=banned.public_key.id) == []
