@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -16,6 +17,8 @@ import signal
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from peer.node import LocalNode
     from peer.node_env import NodeEnv
     from peer.puncher import Puncher
+    from peer.relay_keeper import RelayKeeper
     from peer.relay_service import RelayOffer
     from peer.swarm import Swarm
     from peer.task import Task
@@ -343,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
     _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
     puncher = None
+    keeper = None
     try:
         task = plan.task or _build_task(args, joined, compute, plan.shard_seed, plan.model_device)
         built = sum(p.numel() for p in task.model.parameters())
@@ -351,10 +356,13 @@ def run(args: argparse.Namespace) -> int:
         _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path, relay)
         puncher = _puncher(args, joined, swarm, path)
         link = _link_to_coordinator(args, joined, swarm, stop, path, relay, puncher)
+        keeper = _relay_keeper(args, joined, swarm, path, link, puncher)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
     finally:
+        if keeper is not None:
+            keeper.close()
         if link is not None:
             link.stop()
         if puncher is not None:
@@ -658,6 +666,74 @@ def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: Netw
     )
     puncher.start()
     return puncher
+
+
+def _relay_keeper(
+    args: argparse.Namespace,
+    joined: _Joined,
+    swarm: Swarm,
+    path: NetworkPath,
+    link: CoordinatorLink | None,
+    puncher: Puncher | None,
+) -> RelayKeeper | None:
+    """A relayed peer's watch over its relays (``peer.relay_keeper``): when all have left, new
+    ones from the coordinator's list, and the swarm moved to them."""
+    if path.kind != "relayed" or joined.client is None or link is None:
+        return None
+    from peer.network_path import Coordinated
+    from peer.relay_client import RelayAddress, RelayTunnel, open_several
+    from peer.relay_keeper import PUBLISH_S, Found, RelayKeeper
+
+    client = joined.client
+    host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
+    latest: list[bytes] = []
+
+    def find() -> Found:
+        info = client.join_as(link.rejoin)
+        latest[:] = [info.access_token]
+        listed = Coordinated(
+            address=args.coordinator,
+            stub=client.stub,
+            relay_port=info.relay_port,
+            token=lambda: info.access_token,
+            sign=client.identity.sign,
+            relays=info.relays,
+        )
+        return Found(tuple(listed.relay_addresses()), info.access_token)
+
+    def open_relays(relays: Sequence[RelayAddress], token: bytes) -> list[tuple[RelayTunnel, RelayAddress]]:
+        return open_several(
+            relays,
+            token=lambda: token,
+            sign=client.identity.sign,
+            local_port=path.port,
+            local_host=host,
+            direct=path.direct,
+            answer_punches=args.hole_punch,
+        )
+
+    def moved() -> None:
+        link.rejoin = dataclasses.replace(link.rejoin, maddrs=tuple(swarm.visible_maddrs))
+        if puncher is not None:
+            puncher.moved(swarm.dht)
+        if latest:
+            path.use_token(latest[0])
+            if puncher is not None:
+                puncher.use_token(latest[0])
+            end = time.monotonic() + PUBLISH_S  # the new node stores nothing before it meets others
+            while not swarm.publish_membership(latest[0], timeout_s=5.0) and time.monotonic() < end:
+                time.sleep(1.0)
+
+    keeper = RelayKeeper(
+        path,
+        find=find,
+        open_relays=open_relays,
+        move=swarm.move_to,
+        moved=moved,
+        say=lambda line: print(line, flush=True),
+    )
+    keeper.start()
+    return keeper
 
 
 def _say_punched(path: NetworkPath) -> None:

@@ -8,8 +8,9 @@
   (the coordinator lists the relays of reachable peers, ``peer.relay_service``, tried first)
   or the coordinator's. The peer holds a public port on up to ``RELAYS_HELD`` of them, on
   different hosts (``peer.relay_client``), and announces them all: when one relay leaves, the
-  others dial it at the next. It is a full member: it leads, reduces its part and serves state
-  like any other; its traffic crosses a relay's host twice.
+  others dial it at the next; when all have left, it finds others (``peer.relay_keeper``). It is
+  a full member: it leads, reduces its part and serves state like any other; its traffic
+  crosses a relay's host twice.
 - **client**: ``--client-mode``, or nobody can dial it and no relay grants it a port: it sends
   its parts and receives the averages over connections it opens, and never reduces or leads.
 """
@@ -36,8 +37,11 @@ DIAL_BACK_TIMEOUT_S = 15.0
 PathKind = Literal["announced", "direct", "relayed", "client"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class NetworkPath:
+    """How others reach this peer; a relayed peer's relays and announced addresses change when
+    its relays all leave (``relayed_again``, ``peer.relay_keeper``), the rest never."""
+
     kind: PathKind
     why: str
     port: int
@@ -72,6 +76,10 @@ class NetworkPath:
         """A renewed access token for the relays (they refuse an expired one on a reconnect)."""
         for tunnel in self.tunnels:
             tunnel.use_token(token)
+
+    def relayed_again(self, announced: tuple[Announced, ...], tunnels: tuple[RelayTunnel, ...], why: str) -> None:
+        """A relayed peer now reached at ``announced`` through ``tunnels`` (its old ones closed)."""
+        self.announced, self.tunnels, self.why = announced, tunnels, why
 
     def close(self) -> None:
         for tunnel in self.tunnels:

@@ -117,6 +117,8 @@ class Puncher:
         self._splices: set[asyncio.Task[None]] = set()
         self._p2p: Any = None
         """The replica of the DHT's P2P this thread talks to its daemon through."""
+        self._rebind = False
+        """Set by ``moved``: the next check replicates the new DHT node's P2P first."""
 
     def use_token(self, token: bytes) -> None:
         """A renewed access token (relays refuse an expired one)."""
@@ -144,10 +146,21 @@ class Puncher:
         if self._p2p is not None:  # the replica's client socket, not the daemon
             await self._p2p.shutdown()
 
+    def moved(self, dht: Any) -> None:
+        """The swarm restarted its DHT node (``Swarm.move_to``): talk to the new daemon from the
+        next check on."""
+        self.dht = dht
+        self._rebind = True
+
     async def _run(self) -> None:
         p2p = self._p2p = await self.dht.replicate_p2p()
         while True:
             await asyncio.sleep(self.check_s)
+            if self._rebind:
+                self._rebind = False
+                with contextlib.suppress(Exception):  # the old daemon is gone already
+                    await p2p.shutdown()
+                p2p = self._p2p = await self.dht.replicate_p2p()
             try:
                 await self._check(p2p)
             except Exception:

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -189,6 +190,9 @@ class RelayTunnel:
         """Relayed connections being taken and carried, punches being answered (the loop's thread only)."""
         self.ignored = 0
         """``Incoming`` and ``PunchCall`` messages ignored over the caps."""
+        self.down_since: float | None = None
+        """``time.monotonic()`` when the control connection ended and has not opened again since
+        (None: it is open); ``peer.relay_keeper`` finds new relays when every tunnel's is old."""
 
     @property
     def bytes_relayed(self) -> int:
@@ -249,6 +253,8 @@ class RelayTunnel:
         pause = RETRY_S[0]
         while not self._closed:
             if control is None:
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, RETRY_S[1])
                 try:
@@ -256,6 +262,7 @@ class RelayTunnel:
                 except RelayError as exc:
                     logger.warning("relay tunnel: %s (retrying in %.0f s)", exc, pause)
                     continue
+                self.down_since = None
                 if control[2] != self.port:
                     logger.warning(
                         "the relay granted port %d instead of %d: peers dialling the old one fail",

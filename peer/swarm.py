@@ -10,13 +10,18 @@ whom, with what weight, and whether it started from the same state as the others
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +29,7 @@ from hivemind import DHT
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from engine.averager import ExactAverager
@@ -191,6 +197,25 @@ def offenders_by_id(offences: dict[str, str], gathered: dict[str, Gathered | Non
     return named
 
 
+async def _routing_peers(_dht: DHT, node: Any) -> list[bytes]:
+    """The peers in a DHT node's routing table (run in the DHT's process)."""
+    return [peer.to_bytes() for peer in node.protocol.routing_table.peer_id_to_uid]
+
+
+async def _greet(peers: list[bytes], _dht: DHT, node: Any) -> int:
+    """Ping each of ``peers`` from a DHT node (run in the DHT's process): how many answered."""
+    answers = await asyncio.gather(*(node.protocol.call_ping(PeerID(peer)) for peer in peers), return_exceptions=True)
+    answered = sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+    logger.info("swarm: %d of the %d peers the old node knew answered the new one", answered, len(peers))
+    return answered
+
+
+@dataclass(frozen=True)
+class _Move:
+    dht_kwargs: dict[str, Any]
+    done: threading.Event
+
+
 class Swarm:
     """DHT node + averager for one run."""
 
@@ -224,20 +249,39 @@ class Swarm:
         """When this peer first saw a digest record of each round: the swarm's pace."""
         self._in_flight: PendingRound | None = None
         quiet_expected_round_failures()
-        self.dht = DHT(
-            initial_peers=initial_peers,
-            host_maddrs=host_maddrs,
-            client_mode=client_mode,
+        self.numel, self.codec, self.updates = numel, codec, updates
+        self._initial_peers, self._host_maddrs = list(initial_peers), list(host_maddrs)
+        self._identity_dir = tempfile.TemporaryDirectory(prefix="swarmtrain-p2p-")
+        self._dht_kwargs: dict[str, Any] = {
+            # one libp2p identity for the process's life: a move (``move_to``) restarts the
+            # daemon under it, so tokens, records and other peers' routes to it stay good
+            "identity_path": str(Path(self._identity_dir.name) / "p2p.key"),
+            "check_if_identity_free": False,
+            **(dht_kwargs or {}),
+        }
+        self._allreduce_timeout_s: float | None = None
+        self._move: _Move | None = None
+        """A move asked for by ``move_to``, made at the next ``start_round``."""
+        self.dht, self.averager = self._open()
+        self.run_records = RunRecords(self.dht, self.averager.prefix)
+
+    def _open(self) -> tuple[DHT, ExactAverager]:
+        """This peer's DHT node (its daemon announcing ``_dht_kwargs``'s addresses) and averager."""
+        spec = self.spec
+        dht = DHT(
+            initial_peers=self._initial_peers,
+            host_maddrs=self._host_maddrs,
+            client_mode=self.client_mode,
             start=True,
             record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
-            **(dht_kwargs or {}),
+            **self._dht_kwargs,
         )
         averaging = spec.averaging
         min_matchmaking_time, request_timeout = matchmaking_windows(averaging.matchmaking_timeout_s)
-        self.averager = ExactAverager(
-            numel,
-            self.dht,
-            codec=codec,
+        averager = ExactAverager(
+            self.numel,
+            dht,
+            codec=self.codec,
             prefix=run_prefix(spec.digest()),
             start=True,
             min_group_size=averaging.min_group_size,
@@ -246,15 +290,58 @@ class Swarm:
             request_timeout=request_timeout,
             allreduce_timeout=averaging.allreduce_timeout_s,
             next_chunk_timeout=averaging.allreduce_timeout_s / 3,
-            client_mode=client_mode,
-            gate=gate,
+            client_mode=self.client_mode,
+            gate=self.gate,
             streams=averaging.streams,
             robust=RobustRule.for_spec(averaging),
             audit=averaging.audit,
-            updates=updates,
+            updates=self.updates,
         )
+        return dht, averager
+
+    def move_to(self, dht_kwargs: dict[str, Any]) -> threading.Event:
+        """Restart the DHT node and the averager with ``dht_kwargs`` (new announced addresses: a
+        relayed peer whose relays all left, ``peer.relay_keeper``) under the same libp2p
+        identity, at the start of the next round, on the trainer's thread (nothing else of the
+        swarm is in use then; the process's main thread, where hivemind may set signal
+        handlers); a round still matchmaking is given up for it. The event is set once the swarm
+        runs again there."""
+        move = _Move(dict(dht_kwargs), threading.Event())
+        self._move = move
+        flight = self._in_flight
+        if flight is not None:  # a search nobody can answer: the round fails now, the next moves
+            flight.abandon()
+        return move.done
+
+    def _make_move(self) -> None:
+        move, self._move = self._move, None
+        if move is None:
+            return
+        started = time.monotonic()
+        provider = self.averager.state_provider
+        try:
+            known: list[bytes] = self.dht.run_coroutine(_routing_peers)
+        except Exception as exc:  # noqa: BLE001 - the old node may be gone already: nobody to greet
+            logger.debug("swarm: could not list the old node's peers: %s", exc)
+            known = []
+        self.averager.shutdown()
+        self.dht.shutdown()
+        self._dht_kwargs.update(move.dht_kwargs)
+        interrupt = signal.getsignal(signal.SIGINT)
+        try:
+            self.dht, self.averager = self._open()
+        finally:  # hivemind's averager sets SIGINT to ignored in the process that starts it
+            signal.signal(signal.SIGINT, interrupt)
         self.run_records = RunRecords(self.dht, self.averager.prefix)
-        self.updates = updates
+        self.averager.state_provider = provider
+        if self._allreduce_timeout_s is not None:
+            self.averager.set_allreduce_timeout(self._allreduce_timeout_s)
+        self._in_flight, self._reading, self._records = None, None, (-math.inf, [])
+        # others still hold the old addresses: a connection from the new daemon to each peer the
+        # old node knew tells it the new ones (libp2p's identify), and finds theirs
+        self.dht.run_coroutine(partial(_greet, known), return_future=True)
+        logger.info("swarm: moved to %s in %.1f s", self.visible_maddrs, time.monotonic() - started)
+        move.done.set()
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -271,6 +358,8 @@ class Swarm:
     ) -> PendingRound:
         """Start averaging the outbox's vector with whoever is looking within ``timeout`` s (see
         ``SwarmPort.start_round``)."""
+        if self._move is not None and not self.averaging():
+            self._make_move()
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         window = min(window, matchmaking_window(timeout)) if window else matchmaking_window(timeout)
         if self.client_mode:
@@ -489,6 +578,7 @@ class Swarm:
         return self.averager.download_update(round_, digest, timeout)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
+        self._allreduce_timeout_s = timeout_s
         self.averager.set_allreduce_timeout(timeout_s)
 
     def shutdown(self) -> None:
@@ -496,3 +586,4 @@ class Swarm:
         self.dht.shutdown()
         if self.updates is not None:
             self.updates.close()
+        self._identity_dir.cleanup()
