@@ -84,7 +84,6 @@ swarm tests."""
 
 
 SECOND_LANE = {
-    "test_archive.py",
     "test_authorized_averaging.py",
     "test_coordinator_crash.py",
     "test_fault_tolerance.py",
