@@ -57,14 +57,8 @@ def _peer(sim: WanSim, tmp_path: Path, name: str, coordinator: str, *extra: str)
     return sim.run(name, argv, stdout=(tmp_path / f"{name}.log").open("w"), stderr=subprocess.STDOUT)
 
 
-def _wait_for(log: Path, pattern: str, deadline_s: float) -> str:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        found = re.search(pattern, log.read_text() if log.exists() else "", re.MULTILINE)
-        if found:
-            return found.group(0)
-        time.sleep(0.5)
-    raise AssertionError(f"{log.name} never printed {pattern!r}:\n{log.read_text()[-3000:]}")
+_wait_for = relay_loss.wait_line
+"""The first line of a log matching a pattern, polled until a deadline."""
 
 
 def _reachability(sim: WanSim, host: str, coordinator: str, *extra: str) -> dict:
