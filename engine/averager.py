@@ -35,6 +35,7 @@ from engine.auditing import AuditMixin, AuditOutcome
 from engine.averager_gate import AdmissionGateMixin
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
+from engine.liveness import LivenessMixin
 from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
 from engine.robust import Alignment, RobustRule, direction_offence
@@ -58,7 +59,9 @@ if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
-class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, UpdateTransferMixin, DecentralizedAverager):
+class ExactAverager(
+    AuditMixin, AdmissionGateMixin, StateTransferMixin, UpdateTransferMixin, LivenessMixin, DecentralizedAverager
+):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
 
     After a successful ``step`` the vector (``get_tensors()[0]``) holds the weighted
@@ -324,9 +327,13 @@ class ExactAverager(AuditMixin, AdmissionGateMixin, StateTransferMixin, UpdateTr
             stats = AllReduceStats(peer_ids=list(statements), missing=[(0, self.numel)])
             return GroupOutcome(statements, stats, led, failed=str(exc))
         stats = self._stats.pop(group_info.group_id, AllReduceStats())
-        members = {str(k): Gathered.parse(v) for k, v in gathered.items()}
+        parsed = {peer: Gathered.parse(raw) for peer, raw in gathered.items()}
+        members = {str(peer): data for peer, data in parsed.items()}
         if not stats.missing:  # the state this group makes: its roster, for the next round's leader
-            self._matchmaking.note_group([data for data in members.values() if data is not None])
+            self._matchmaking.note_group(
+                [data for data in members.values() if data is not None],
+                peers={data.id: peer for peer, data in parsed.items() if data is not None and data.id},
+            )
         return GroupOutcome(members, stats, led)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:

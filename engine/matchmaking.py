@@ -8,8 +8,9 @@ group has no bound, and every peer declares an expiration near its deadline
 (``Swarm.start_round``: a long window), so peers that launch a phase apart still find the
 same leader. A long window would make every round wait for it; instead the leader closes as
 soon as every member of the roster of the group's state has joined (torchft's "fast
-quorum": the previous round's members are all back). Only a round whose roster lost a member
-(it left, died, or runs late) waits out the window. A complete roster still waits, up to
+quorum": the previous round's members are all back), said it left, or does not answer when
+asked whether it is there (``engine.liveness``: it died). Only a round whose roster lost a
+member that is alive but late waits out the window. A complete roster still waits, up to
 ``JOIN_GRACE_S``, for peers declared at the round's key that have not joined yet: a newcomer
 (or a member back from a failure) is declared there before the roster's members arrive, and
 its join request follows their declarations by one DHT lookup; closing on the roster alone
@@ -29,10 +30,12 @@ from typing import Any
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS as TIME_DISCREPANCY_S
 
+from engine.liveness import PROBE_AFTER_S, silent
 from protocol.gathered import Gathered
 from protocol.roster import leader_may_close, leavers, produced_state, verdict
 from protocol.statesync import collect_records, digest_key
@@ -220,10 +223,12 @@ class RoundMatchmaking(Matchmaking):
                 return bound
             if self.__dict__.get("_closed_step") is not self.step_control:  # hivemind reads the bound twice
                 self.__dict__["_closed_step"] = self.step_control
+                clean, gone = self._left_parts()
                 logger.info(
-                    "the roster is complete (%d members%s): starting the round's all-reduce",
+                    "the roster is complete (%d members%s%s): starting the round's all-reduce",
                     len(metadata),
-                    f", {len(left)} more left cleanly" if left else "",
+                    f", {len(clean)} more left cleanly" if clean else "",
+                    f", {len(gone)} more did not answer" if gone else "",
                 )
             return len(metadata)
         return bound
@@ -232,31 +237,46 @@ class RoundMatchmaking(Matchmaking):
     def target_group_size(self, value: int | None) -> None:
         self.__dict__["_bound"] = value
 
-    def note_group(self, members: Sequence[Gathered]) -> None:
+    def note_group(self, members: Sequence[Gathered], peers: dict[str, PeerID] | None = None) -> None:
         """Remember the roster, by name, of the state the group of ``members`` makes (the
-        averager calls this once its all-reduce is done): the next round's leader counts a
-        leave only from those (``_watch_leaves``)."""
+        averager calls this once its all-reduce is done), and where its members are (``peers``:
+        public id to libp2p peer id): the next round's leader counts a leave only from those,
+        and asks those it misses whether they are there (``_watch_leaves``)."""
         produced = produced_state(members)
         if produced is None:
             return
         rosters: dict[int, frozenset[str]] = self.__dict__.setdefault("_rosters", {})
         rosters[produced[0]] = produced[1]
+        where: dict[int, dict[str, PeerID]] = self.__dict__.setdefault("_roster_peers", {})
+        where[produced[0]] = {name: peer for name, peer in (peers or {}).items() if name in produced[1]}
         for old in sorted(rosters)[:-ROSTERS_KEPT]:
             del rosters[old]
+            where.pop(old, None)
 
     def _left(self) -> frozenset[str]:
-        """Roster members of this step's state that left cleanly, as last read."""
-        left = self.__dict__.get("_left_seen")
-        return left[1] if left is not None and left[0] is self.step_control else frozenset()
+        """Roster members of this step's state that left cleanly or did not answer, as last read."""
+        clean, gone = self._left_parts()
+        return clean | gone
+
+    def _left_parts(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(members of this step's roster that left cleanly, those that did not answer a probe)."""
+        seen = self.__dict__.get("_left_seen")
+        if seen is None or seen[0] is not self.step_control:
+            return frozenset(), frozenset()
+        return seen[1], seen[2]
 
     def _watch_leaves(self, members: Sequence[Gathered]) -> None:
         """While this leader waits for its roster, read every ``LEAVE_POLL_S`` which of the
         roster left cleanly holding the state (``protocol.roster.leavers``: signed digest records
-        marked ``leaving``, from the roster of the state as this peer saw its group make it);
-        once the others are in or gone, close. One watcher per step."""
+        marked ``leaving``, from the roster of the state as this peer saw its group make it),
+        and, once it has waited ``PROBE_AFTER_S``, ask the members still missing whether they
+        are there (``engine.liveness``); once the others are in, gone or silent, close. One
+        watcher per step."""
         step = self.step_control
         produced = produced_state(members)  # the round after the state the group starts from
-        roster = self.__dict__.get("_rosters", {}).get(produced[0] - 1) if produced is not None else None
+        if produced is None:
+            return
+        roster = self.__dict__.get("_rosters", {}).get(produced[0] - 1)
         if not roster or self.__dict__.get("_leave_watch") is step:
             return  # this peer did not see the state made: it counts no leave
         try:
@@ -264,28 +284,51 @@ class RoundMatchmaking(Matchmaking):
         except RuntimeError:
             return
         self.__dict__["_leave_watch"] = step
+        where: dict[str, PeerID] = self.__dict__.get("_roster_peers", {}).get(produced[0] - 1, {})
         key = digest_key(self.group_key_manager.prefix)
+        started = time.monotonic()
+
+        async def read_leavers() -> list[Any]:
+            try:
+                found = await self.group_key_manager.dht.get(key, latest=True, return_future=True)
+                value = found.value if found is not None else None
+                return collect_records(value, now=get_dht_time()) if isinstance(value, dict) else []
+            except Exception as exc:  # noqa: BLE001 - a DHT hiccup: look again
+                logger.debug("could not read the digest records: %s", exc)
+                return []
+
+        async def probe(missing: frozenset[str]) -> frozenset[str]:
+            if time.monotonic() - started < PROBE_AFTER_S:
+                return frozenset()
+            peers = {where[name]: name for name in sorted(missing) if name in where}
+            return frozenset(peers[peer] for peer in await silent(self._ask_alive, list(peers)))
 
         async def watch() -> None:
+            gone: frozenset[str] = frozenset()
             while self.step_control is step and self.is_looking_for_group and not self.assembled_group.done():
-                try:
-                    found = await self.group_key_manager.dht.get(key, latest=True, return_future=True)
-                    value = found.value if found is not None else None
-                    records = collect_records(value, now=get_dht_time()) if isinstance(value, dict) else []
-                except Exception as exc:  # noqa: BLE001 - a DHT hiccup: look again
-                    logger.debug("could not read the digest records: %s", exc)
-                    records = []
+                present = {data.id for data in self._metadata() if data is not None and data.id}
+                missing = frozenset(roster - present - gone)
+                records, silence = await asyncio.gather(read_leavers(), probe(missing))
                 if self.step_control is not step:  # the search ended during the lookup
                     return
                 current = [data for data in self._metadata() if data is not None]
                 left = leavers(current, roster, records)
-                if left != self._left():
-                    self.__dict__["_left_seen"] = (step, left)
-                    if leader_may_close(current, left):
+                now_present = {data.id for data in current if data.id}
+                gone = frozenset((gone | silence) - left - now_present)
+                if (left, gone) != self._left_parts():
+                    self.__dict__["_left_seen"] = (step, left, gone)
+                    if silence - left - now_present:
+                        logger.info("%d member(s) of the roster do not answer: not waiting for them", len(gone))
+                    if leader_may_close(current, left | gone):
                         self._close_after(0.0, step)
                 await asyncio.sleep(LEAVE_POLL_S)
 
         self.__dict__["_leave_task"] = loop.create_task(watch())
+
+    async def _ask_alive(self, peer: PeerID) -> Any:
+        """One probe of ``peer`` (``engine.liveness.LivenessMixin.rpc_alive``)."""
+        stub = self._servicer_type.get_stub(self._p2p, peer, namespace=self._prefix)
+        return await stub.rpc_alive(averaging_pb2.AveragingData())
 
     def _first_in_line(self) -> bool:
         """Whether this peer leads: it has read the round's declarations at least once since it
