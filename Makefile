@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint images test-images test-slow bench-scale bench-rounds bench-quality bench-join bench-churn bench-relay-loss test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv lint images test-images test-slow bench-scale bench-rounds bench-quality bench-join bench-churn bench-relay-loss bench-soak test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -120,6 +120,11 @@ bench-churn: $(STAMP)
 # nftables): the rounds until they average again. RELAY_LOSS_ARGS="--runs 3"
 bench-relay-loss: $(STAMP)
 	$(PY) -m benchmarks.relay_loss $(RELAY_LOSS_ARGS)
+
+# Injected failures at scale: 1,200 kills, leaves, joins, relay deaths and coordinator SIGKILLs
+# on SQLite then PostgreSQL (issue #49; root: namespaces, nftables NAT; about 40 minutes)
+bench-soak: $(STAMP)
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
 # Regenerate the committed gRPC stubs after editing protocol/*.proto
 # (tests/unit/test_proto_stubs.py fails while they are stale).

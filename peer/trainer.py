@@ -822,6 +822,8 @@ class Trainer:
                 while not flight.pending.wait(LANDED_CHECK_S):
                     self._abandon_if_landed(flight)
             result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
+            if result is not None:
+                logger.info("round %d averaged in a group of %d: landing it", self.state.round, result.group_size)
             landed = time.monotonic()
             flight.wait_s = landed - wait_started
             self.phase = Phase.APPLYING

@@ -1,0 +1,441 @@
+"""Injected failures at scale (issue #49): a swarm that is killed, left, joined and cut off from its
+coordinator more than a thousand times, and must lose no credit and never land two states.
+
+    make bench-soak SOAK_ARGS="[--failures 1200] [--every-s 1.5] [--minutes 60]"   (as root)
+
+A coordinator and six peer slots train the demo's model (rounds of a ``--phase-s`` inner phase)
+in network namespaces: ``d0`` and ``d1`` on direct 50mbit links (each also relays for peers
+nobody can dial), ``n0`` behind its own NAT with hole punching off (reached through ``d0``'s or
+``d1``'s relay), and ``c0``-``c2`` on 4mbit links (a state download takes a few seconds there).
+Every ``--every-s`` one failure is injected, in turn from this list, onto a slot it fits:
+
+- ``kill-averaging``: SIGKILL (with its process group: a lost machine) a peer that has launched
+  its round and is looking for its group or averaging (its log's last ``averaging round``
+  line is newer than its last landed round);
+- ``kill-download``: start a stopped peer and SIGKILL it once it is downloading or rolling the
+  swarm's state forward;
+- ``kill-landing``: SIGKILL a peer as soon as it says its round averaged and it is landing it
+  (the landing, the digest record, the checkpoint write);
+- ``leave``: Ctrl-C a peer (a clean leave: it finishes its round, says so, exits);
+- ``join``: start a stopped peer (with its key and checkpoint dir: it resumes or downloads);
+- ``relay-death``: SIGKILL the direct peer that relays for ``n0`` (both are its relays; the
+  other dies another time), restarted at a later ``join``;
+- every ``--coordinator-every`` failures, ``coordinator-kill``: SIGKILL the coordinator (with
+  its relay and DHT node) and start it again on the same state after ``--outage-s``; the first
+  half of the run keeps the coordinator's state in SQLite, the second in PostgreSQL (started
+  in the coordinator's namespace; skipped, and said so, where it cannot be).
+
+At least ``--min-up`` peers are kept running (a kill or leave that would go below it waits for
+a join). The run ends after ``--failures`` failures or ``--minutes`` minutes, whichever comes
+first; then every peer is stopped cleanly, and the coordinator is given time to finalize.
+
+Figures (from the peers' metrics rows, their logs and the coordinator's API): failures
+injected, by kind; failures survived (a round landed in one state, in a group of two or more,
+within ``SURVIVE_S`` of it); rounds landed; rounds whose averaged members hold more than one
+state; credits lost (for each round the coordinator finalized, the samples the peers' rows say
+they contributed less those it credited, summed where positive); the longest time the swarm
+landed nothing. Writes ``soak-<date>.md``/``.json`` under ``--out`` (default
+``benchmarks/results``). Needs root (namespaces); says so and exits 2 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netsim import Nat, NotRootError, WanSim
+from benchmarks.slow_join import ONE_THREAD, SPEC, SW, contributed, metrics_rows, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRECT = ("d0", "d1")
+BEHIND = ("n0",)
+SLOW = ("c0", "c1", "c2")
+KINDS = ("kill-averaging", "join", "kill-download", "leave", "kill-landing", "join", "relay-death", "join")
+"""The order failures are injected in (joins are as many as the stops, so the swarm stays up)."""
+SURVIVE_S = 120.0
+"""A failure is survived when a round lands (one state, two or more members) within this."""
+FIT_WAIT_S = 15.0
+"""How long a timed kill waits for its moment (a peer averaging, downloading, landing)."""
+LEAVE_WAIT_S = 60.0
+
+_AVERAGING = re.compile(r"averaging round (\d+): ")
+_LANDED = re.compile(r"^round +(\d+) \|", re.MULTILINE)
+_LANDING = re.compile(r"round (\d+) averaged in a group of \d+: landing it")
+_DOWNLOADING = re.compile(r"downloading the swarm's state|rolling forward at round")
+
+
+@dataclass
+class SoakFigures:
+    database: list[str] = field(default_factory=list)
+    injected: Counter[str] = field(default_factory=Counter)
+    survived: int = 0
+    failures: int = 0
+    events: list[tuple[float, str, str]] = field(default_factory=list)
+    """(when, kind, slot) of each failure."""
+    rounds: int = 0
+    two_states: int = 0
+    credit_lost: int = 0
+    credited_rounds: int = 0
+    longest_gap_s: float = 0.0
+    minutes: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+
+class _Slot:
+    def __init__(self, sim: WanSim, name: str, workdir: Path, coordinator: str, *, nat: bool) -> None:
+        self.sim, self.name, self.workdir, self.coordinator, self.nat = sim, name, workdir, coordinator, nat
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+        self.leaving: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.{self.runs}.log"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.runs and self.log.exists() else ""
+
+    def start(self) -> None:
+        self.runs += 1
+        argv = [*SW, "-v", "peer", "--coordinator", self.coordinator, "--host", "0.0.0.0", "--port", "7700"]
+        argv += ["--key", str(self.workdir / f"{self.name}.key")]
+        argv += ["--checkpoint-dir", str(self.workdir / f"{self.name}-ckpt")]
+        argv += ["--metrics-file", str(self.workdir / f"{self.name}.jsonl")]
+        if self.nat:
+            argv.append("--no-hole-punch")
+        out = self.log.open("w")
+        self.proc = self.sim.run(self.name, argv, stdout=out, stderr=subprocess.STDOUT, env=ONE_THREAD)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+    def leave(self) -> None:
+        """Ctrl-C: it finishes its round and exits; reaped later (``reap``)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            os.kill(proc.pid, signal.SIGINT)
+            self.leaving.append(proc)
+
+    def reap(self, *, deadline_s: float = 0.0) -> None:
+        end = time.monotonic() + deadline_s
+        for proc in list(self.leaving):
+            try:
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                if deadline_s:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                else:
+                    continue
+            self.leaving.remove(proc)
+
+    def averaging(self) -> bool:
+        """It launched a round that has not landed yet."""
+        text = self.text()
+        launched = [m.start() for m in _AVERAGING.finditer(text)]
+        landed = [m.start() for m in _LANDED.finditer(text)]
+        return bool(launched) and (not landed or launched[-1] > landed[-1])
+
+    def landing(self, seen: int) -> bool:
+        """It said it is landing a round, more times than ``seen``."""
+        return len(_LANDING.findall(self.text())) > seen
+
+    def downloading(self) -> bool:
+        return bool(_DOWNLOADING.search(self.text()))
+
+
+class _Coordinator:
+    def __init__(self, sim: WanSim, workdir: Path, spec: Path) -> None:
+        self.sim, self.workdir, self.spec = sim, workdir, spec
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.db: str | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        host = self.sim.ip("coord")
+        argv = [*SW, "-v", "coordinator", "--spec", str(self.spec), "--state-dir", str(self.workdir / "coordinator")]
+        argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
+        if self.db:
+            argv += ["--db", self.db]
+        log = self.workdir / f"coordinator.{self.starts}.log"
+        self.proc = self.sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        wait_for(log, r"^peers join with:", 90)
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return json.loads(answer.read())
+
+
+def _postgres(sim: WanSim, workdir: Path) -> str | None:
+    """A throwaway PostgreSQL server in the coordinator's namespace (its URL), or None."""
+    done = sim.exec(
+        "coord", ["bash", str(ROOT / ".ci" / "postgres.sh"), "start", str(workdir / "pg"), "55432"], timeout=300
+    )
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def run(
+    workdir: Path,
+    *,
+    failures: int = 1200,
+    every_s: float = 1.5,
+    minutes: float = 60.0,
+    phase_s: float = 4.0,
+    coordinator_every: int = 100,
+    outage_s: float = 20.0,
+    min_up: int = 3,
+    subnet: str = "10.79.14.0/24",
+) -> SoakFigures:
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "spec.toml"
+    spec.write_text(SPEC.format(codec="sparse", phase_s=phase_s, steps=100_000, density=""))
+    figures = SoakFigures()
+    names = [*DIRECT, *BEHIND, *SLOW]
+    rates = {name: "4mbit" for name in SLOW}
+    with WanSim(
+        ["coord", *names], rate="50mbit", rates=rates, prefix="sk", subnet=subnet, nat=dict.fromkeys(BEHIND, Nat())
+    ) as sim:
+        coordinator = _Coordinator(sim, workdir, spec)
+        coordinator.start()
+        figures.database.append("sqlite")
+        address = f"{sim.ip('coord')}:7500"
+        slots = {name: _Slot(sim, name, workdir, address, nat=name in BEHIND) for name in names}
+        for name in DIRECT:
+            slots[name].start()
+        for name in DIRECT:
+            wait_for(slots[name].log, r"^relay: serving peers", 90)
+        for name in (*BEHIND, *SLOW):
+            slots[name].start()
+        began = time.monotonic()
+        landed_seen: dict[str, int] = defaultdict(int)
+        turn = 0
+        switched = False
+        while figures.failures < failures and time.monotonic() - began < minutes * 60:
+            for slot in slots.values():
+                slot.reap()
+            if (
+                figures.failures
+                and figures.failures % coordinator_every == 0
+                and figures.events[-1][1] != "coordinator-kill"
+            ):
+                coordinator.kill()
+                _note(figures, "coordinator-kill", "coord")
+                if not switched and figures.failures >= failures // 2:
+                    switched = True
+                    url = _postgres(sim, workdir)
+                    if url is None:
+                        figures.skipped.append("PostgreSQL could not be started here: the whole soak ran on SQLite")
+                    else:
+                        coordinator.db = url
+                        figures.database.append("postgresql")
+                time.sleep(outage_s)
+                coordinator.start()
+                continue
+            kind = KINDS[turn % len(KINDS)]
+            turn += 1
+            if _inject(kind, slots, figures, landed_seen, min_up):
+                time.sleep(every_s)
+        figures.minutes = (time.monotonic() - began) / 60
+        for slot in slots.values():
+            if slot.running():
+                slot.leave()
+        for slot in slots.values():
+            slot.reap(deadline_s=LEAVE_WAIT_S)
+        time.sleep(90)  # the last rounds' claims finalized (the coordinator's by-time finalization)
+        finalized = _get(f"http://{sim.ip('coord')}:8080/api/v1/rounds?limit=100000")
+        coordinator.stop()
+        if coordinator.db:
+            sim.exec("coord", ["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", str(workdir / "pg")], timeout=120)
+    _figures(figures, workdir, names, finalized)
+    return figures
+
+
+def _note(figures: SoakFigures, kind: str, slot: str) -> None:
+    figures.failures += 1
+    figures.injected[kind] += 1
+    figures.events.append((time.time(), kind, slot))
+
+
+def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, landed_seen: dict[str, int], min_up: int) -> bool:
+    """Inject one failure of ``kind`` if some slot fits it; whether one was."""
+    up = [s for s in slots.values() if s.running()]
+    down = [s for s in slots.values() if not s.running() and not s.leaving]
+    if kind == "join":
+        if not down:
+            return False
+        slot = min(down, key=lambda s: s.runs)
+        slot.start()
+        _note(figures, kind, slot.name)
+        return True
+    if kind == "kill-download":
+        candidates = [s for s in down if s.name in SLOW]
+        if not candidates:
+            return False
+        slot = candidates[0]
+        slot.start()
+        end = time.monotonic() + 3 * FIT_WAIT_S
+        while not slot.downloading() and time.monotonic() < end and slot.running():
+            time.sleep(0.05)
+        if not slot.running():
+            return False
+        slot.kill()
+        _note(figures, kind if slot.downloading() else "kill-starting", slot.name)
+        return True
+    if len(up) <= min_up:
+        return False
+    if kind == "leave":
+        slot = up[figures.failures % len(up)]
+        slot.leave()
+        _note(figures, kind, slot.name)
+        return True
+    if kind == "relay-death":
+        relays = [s for s in up if s.name in DIRECT]
+        if len(relays) < 2:
+            return False  # n0 keeps one relay; the other comes back at a join
+        slot = relays[figures.injected["relay-death"] % 2]
+        slot.kill()
+        _note(figures, kind, slot.name)
+        return True
+    end = time.monotonic() + FIT_WAIT_S
+    while time.monotonic() < end:
+        for slot in up:
+            if not slot.running():
+                continue
+            if kind == "kill-averaging" and slot.averaging():
+                slot.kill()
+                _note(figures, kind, slot.name)
+                return True
+            if kind == "kill-landing":
+                seen = landed_seen.setdefault(slot.name + str(slot.runs), len(_LANDING.findall(slot.text())))
+                if slot.landing(seen):
+                    slot.kill()
+                    _note(figures, kind, slot.name)
+                    return True
+        time.sleep(0.02)
+    return False
+
+
+def _figures(figures: SoakFigures, workdir: Path, names: list[str], finalized: list[dict[str, Any]]) -> None:
+    states: dict[int, set[str]] = defaultdict(set)
+    averaged_in: dict[int, int] = defaultdict(int)
+    landed: dict[int, float] = {}
+    for name in names:
+        for row in metrics_rows(workdir / f"{name}.jsonl"):
+            if contributed(row):
+                averaged_in[row["round"]] += row["samples"]
+                landed[row["round"]] = min(landed.get(row["round"], row["at"]), row["at"])
+            if row["averaged"] and row["in_sync"]:
+                states[row["round"]].add(row["state_digest"])
+    figures.rounds = len(landed)
+    figures.two_states = len([r for r, digests in states.items() if len(digests) > 1])
+    times = sorted(landed.values())
+    figures.longest_gap_s = round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 1)
+    figures.survived = len([e for e in figures.events if any(e[0] < t <= e[0] + SURVIVE_S for t in times)])
+    for row in finalized:
+        if row["round"] in averaged_in:
+            figures.credited_rounds += 1
+            figures.credit_lost += max(0, averaged_in[row["round"]] - row["samples"])
+
+
+def _markdown(figures: SoakFigures, args: argparse.Namespace) -> str:
+    kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(figures.injected.items()))
+    lines = [
+        f"# Injected failures at scale ({datetime.date.today()})",
+        "",
+        f'`make bench-soak SOAK_ARGS="--failures {args.failures} --every-s {args.every_s:g} --minutes {args.minutes:g}"` (as root)',
+        "",
+        "A coordinator and six peer slots (two direct relays, one NAT'ed peer, three on 4mbit links) train the demo's "
+        f"model with {args.phase_s:g} s inner phases; `benchmarks/soak.py` says what each failure is and how each "
+        "figure is counted.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| failures injected | {figures.failures} ({kinds}) |",
+        f"| coordinator databases | {' then '.join(figures.database)} |",
+        f"| failures survived (a round landed within {SURVIVE_S:.0f} s) | {figures.survived} of {figures.failures} |",
+        f"| rounds landed | {figures.rounds} |",
+        f"| rounds with two states | {figures.two_states} |",
+        f"| credits lost (rounds compared) | {figures.credit_lost} ({figures.credited_rounds}) |",
+        f"| longest time with no round landed | {figures.longest_gap_s} s |",
+        f"| minutes | {figures.minutes:.1f} |",
+    ]
+    lines += [f"\n{note}" for note in figures.skipped]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--failures", type=int, default=1200)
+    parser.add_argument("--every-s", type=float, default=1.5)
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--phase-s", type=float, default=4.0)
+    parser.add_argument("--coordinator-every", type=int, default=100)
+    parser.add_argument("--outage-s", type=float, default=20.0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run's logs and rows in this folder")
+    args = parser.parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+            figures = run(
+                args.keep or Path(tmp),
+                failures=args.failures,
+                every_s=args.every_s,
+                minutes=args.minutes,
+                phase_s=args.phase_s,
+                coordinator_every=args.coordinator_every,
+                outage_s=args.outage_s,
+            )
+    except NotRootError as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        return 2
+    stamp = datetime.date.today().isoformat()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"soak-{stamp}.md").write_text(_markdown(figures, args))
+    (args.out / f"soak-{stamp}.json").write_text(json.dumps(asdict(figures), indent=2, default=list) + "\n")
+    print(_markdown(figures, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
