@@ -27,7 +27,7 @@ The soak is two runs of half the failures each, the same but for the coordinator
 SQLite in its state dir, then PostgreSQL (a throwaway server in the coordinator's namespace,
 ``.ci/postgres.sh``; that run is skipped, and said so, where it cannot be started).
 
-At least ``--min-up`` peers are kept running (a kill or leave that would go below it waits for
+Failures begin once the swarm has landed ``START_AFTER`` rounds. At least ``--min-up`` peers are kept running (a kill or leave that would go below it waits for
 a join). A run ends after its failures or half of ``--minutes`` minutes, whichever comes first; then every peer is stopped cleanly, and the coordinator is given time to finalize.
 
 Figures (from the peers' metrics rows, their logs and the coordinator's API): failures
@@ -71,6 +71,8 @@ SURVIVE_S = 120.0
 FIT_WAIT_S = 15.0
 """How long a timed kill waits for its moment (a peer averaging, downloading, landing)."""
 LEAVE_WAIT_S = 60.0
+START_AFTER = 3
+"""Rounds the swarm lands before the first failure."""
 
 _AVERAGING = re.compile(r"averaging round (\d+): ")
 _LANDED = re.compile(r"^round +(\d+) \|", re.MULTILINE)
@@ -253,6 +255,7 @@ def run(
             wait_for(slots[name].log, r"^relay: serving peers", 90)
         for name in (*BEHIND, *SLOW):
             slots[name].start()
+        _until_landed(workdir, names, START_AFTER)
         began = time.monotonic()
         landed_seen: dict[str, int] = defaultdict(int)
         turn = 0
@@ -288,6 +291,14 @@ def run(
             sim.exec("coord", ["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", str(workdir / "pg")], timeout=120)
     _figures(figures, workdir, names, finalized)
     return figures
+
+
+def _until_landed(workdir: Path, names: list[str], rounds: int, deadline_s: float = 240.0) -> None:
+    end = time.monotonic() + deadline_s
+    while len({r["round"] for n in names for r in metrics_rows(workdir / f"{n}.jsonl") if contributed(r)}) < rounds:
+        if time.monotonic() > end:
+            raise RuntimeError(f"the swarm did not land {rounds} rounds; see {workdir}")
+        time.sleep(0.5)
 
 
 def _progress(figures: SoakFigures, workdir: Path, names: list[str]) -> None:

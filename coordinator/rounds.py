@@ -140,7 +140,10 @@ class RoundBook:
         self.view.add(
             round=claim.round, reporter=claim.key, members=(m.key for m in claim.group), state_digest=claim.state_digest
         )
-        self._last_report_at[claim.key] = claim.received_at
+        # the time this claim drew from the peer's clock bound (``_observed_round_s``): the
+        # next report's bound starts where this one's duration ends, not at its arrival
+        since = self._last_report_at.get(claim.key, claim.received_at - claim.duration_s)
+        self._last_report_at[claim.key] = min(claim.received_at, since + claim.duration_s)
         if math.isfinite(body.loss):
             self._losses.setdefault(claim.round, []).append(body.loss)
         if body.HasField("data"):
@@ -229,10 +232,16 @@ class RoundBook:
             raise ValueError(f"round report claims {body.samples} samples but read {most} sequences")
 
     def _observed_round_s(self, key: str, now: float) -> float:
-        """The longest a round of ``key`` can have taken by the coordinator's own clock: since
-        its previous round report, or since it was first seen (both kept in the store, so a
-        restart changes nothing). A claim's throughput cap uses this, never less than 1 ms,
-        whatever time the peer says it spent."""
+        """The longest a round of ``key`` can have taken by the coordinator's own clock: the
+        time since what its earlier claims drew ended, or since it was first seen. A claim's
+        throughput cap uses this, never less than 1 ms, whatever time the peer says it spent.
+        Each recorded claim draws its own duration (``record``): the durations of all of a
+        key's claims add up to at most the time the coordinator saw it, and reports that
+        arrive together (a peer's backlog when the coordinator is back from an outage) share
+        the time since the last one. Drawing the whole gap at each arrival, as this once did,
+        gave the second report of a backlog a few milliseconds and capped its credit to
+        nothing. After a restart the bound starts at the key's last claim's arrival (the
+        store keeps it), which never allows more."""
         since = self._last_report_at.get(key)
         if since is None:  # this process has not seen it report yet: the store knows
             previous = self.store.claims(key=key, limit=1)

@@ -64,3 +64,40 @@ def test_a_name_is_no_admission(core: Coordinator) -> None:
     credits = core.store.credits_by_peer()
     assert set(credits) == {m.public_key.id for m in members}
     assert core.store.claims(key=stranger.public_key.id) == core.store.claims(key=banned.public_key.id) == []
+
+
+def test_reports_that_arrive_together_after_an_outage_are_credited_in_full(core: Coordinator) -> None:
+    """A peer trains through a coordinator outage and its reports of three rounds arrive within
+    milliseconds when the coordinator is back: each round took 9 s by the peer's word and the
+    coordinator saw 40 s pass, so all three are credited. (Each report once drew the whole time
+    since the last one: the second and third got a millisecond each, 0 samples at 100/s.)"""
+    members = [join(core, T0) for _ in range(3)]
+    for offset, round_ in ((40.0, 1), (40.001, 2), (40.002, 3)):
+        _round(core, members, members, round_, T0 + offset)
+    core.tick(now=T0 + 120)
+    credits = core.store.credits_by_peer()
+    assert {m.public_key.id: credits[m.public_key.id].samples for m in members} == {
+        m.public_key.id: 3 * SAMPLES for m in members
+    }
+
+
+def test_a_backlog_draws_no_more_time_than_passed(core: Coordinator) -> None:
+    """The clock bound is shared, not renewed: three reports 10 ms apart that each say a round
+    took 9 s, from a peer seen 10 s ago, are credited together at most 100 samples/s x 10 s."""
+    members = [join(core, T0) for _ in range(3)]
+    for offset, round_ in ((10.0, 1), (10.01, 2), (10.02, 3)):
+        for peer in members:
+            report(
+                core,
+                peer,
+                T0 + offset,
+                round=round_,
+                samples=900,
+                compute_s=9.0,
+                state_digest="d",
+                group=group(members, 900),
+            )
+    core.tick(now=T0 + 120)
+    credits = core.store.credits_by_peer()
+    assert all(credits[m.public_key.id].samples <= 100 * 10.02 for m in members)
+    assert all(credits[m.public_key.id].samples >= 100 * 10.0 for m in members)
