@@ -284,7 +284,7 @@ def run(
                 slot.leave()
         for slot in slots.values():
             slot.reap(deadline_s=LEAVE_WAIT_S)
-        time.sleep(90)  # the last rounds' claims finalized (the coordinator's by-time finalization)
+        time.sleep(75)  # the last rounds' claims finalized (the coordinator's by-time finalization)
         finalized = _get(f"http://{sim.ip('coord')}:8080/api/v1/rounds?limit=5000")
         coordinator.stop()
         if coordinator.db:
