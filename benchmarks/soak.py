@@ -71,6 +71,8 @@ SURVIVE_S = 120.0
 FIT_WAIT_S = 15.0
 """How long a timed kill waits for its moment (a peer averaging, downloading, landing)."""
 LEAVE_WAIT_S = 60.0
+TAIL_BYTES = 16_384
+POLL_S = 0.05
 START_AFTER = 3
 """Rounds the swarm lands before the first failure."""
 
@@ -108,8 +110,18 @@ class _Slot:
     def log(self) -> Path:
         return self.workdir / f"{self.name}.{self.runs}.log"
 
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.runs and self.log.exists() else ""
+    def size(self) -> int:
+        return self.log.stat().st_size if self.runs and self.log.exists() else 0
+
+    def text(self, since: int | None = None) -> str:
+        """Its current run's log from byte ``since`` (None: its last ``TAIL_BYTES``): polled every
+        few tens of milliseconds, so never the whole file."""
+        if not self.runs or not self.log.exists():
+            return ""
+        with self.log.open("rb") as log:
+            start = since if since is not None else max(0, self.size() - TAIL_BYTES)
+            log.seek(start)
+            return log.read().decode(errors="replace")
 
     def start(self) -> None:
         self.runs += 1
@@ -162,9 +174,9 @@ class _Slot:
         landed = [m.start() for m in _LANDED.finditer(text)]
         return bool(launched) and (not landed or launched[-1] > landed[-1])
 
-    def landing(self, seen: int) -> bool:
-        """It said it is landing a round, more times than ``seen``."""
-        return len(_LANDING.findall(self.text())) > seen
+    def landing(self, since: int) -> bool:
+        """It said it is landing a round after byte ``since`` of its log."""
+        return bool(_LANDING.search(self.text(since)))
 
     def downloading(self) -> bool:
         return bool(_DOWNLOADING.search(self.text()))
@@ -257,16 +269,16 @@ def run(
             slots[name].start()
         _until_landed(workdir, names, START_AFTER)
         began = time.monotonic()
-        landed_seen: dict[str, int] = defaultdict(int)
+        doomed: dict[str, float] = {}
+        """Peers started to be killed mid-download, with their deadlines."""
+        next_outage, next_progress = coordinator_every, 50
         turn = 0
         while figures.failures < failures and time.monotonic() - began < minutes * 60:
             for slot in slots.values():
                 slot.reap()
-            if (
-                figures.failures
-                and figures.failures % coordinator_every == 0
-                and figures.events[-1][1] != "coordinator-kill"
-            ):
+            _reap_downloads(slots, figures, doomed)
+            if figures.failures >= next_outage:
+                next_outage += coordinator_every
                 coordinator.kill()
                 _note(figures, "coordinator-kill", "coord")
                 time.sleep(outage_s)
@@ -274,8 +286,9 @@ def run(
                 continue
             kind = KINDS[turn % len(KINDS)]
             turn += 1
-            if _inject(kind, slots, figures, landed_seen, min_up):
-                if figures.failures % 50 == 0:
+            if _inject(kind, slots, figures, doomed, min_up):
+                if figures.failures >= next_progress:
+                    next_progress += 50
                     _progress(figures, workdir, names)
                 time.sleep(every_s)
         figures.minutes = (time.monotonic() - began) / 60
@@ -314,10 +327,23 @@ def _note(figures: SoakFigures, kind: str, slot: str) -> None:
     figures.events.append((time.time(), kind, slot))
 
 
-def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, landed_seen: dict[str, int], min_up: int) -> bool:
+def _reap_downloads(slots: dict[str, _Slot], figures: SoakFigures, doomed: dict[str, float]) -> None:
+    """Kill each peer started to be killed mid-download once its log says it downloads (or,
+    past its deadline, while it is still starting)."""
+    for name, deadline in list(doomed.items()):
+        slot = slots[name]
+        if not slot.running():
+            del doomed[name]
+        elif slot.downloading() or time.monotonic() > deadline:
+            slot.kill()
+            del doomed[name]
+            _note(figures, "kill-download" if slot.downloading() else "kill-starting", name)
+
+
+def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, doomed: dict[str, float], min_up: int) -> bool:
     """Inject one failure of ``kind`` if some slot fits it; whether one was."""
-    up = [s for s in slots.values() if s.running()]
-    down = [s for s in slots.values() if not s.running() and not s.leaving]
+    up = [s for s in slots.values() if s.running() and s.name not in doomed]
+    down = [s for s in slots.values() if not s.running() and not s.leaving and s.name not in doomed]
     if kind == "join":
         if not down:
             return False
@@ -331,13 +357,7 @@ def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, landed_see
             return False
         slot = candidates[0]
         slot.start()
-        end = time.monotonic() + 3 * FIT_WAIT_S
-        while not slot.downloading() and time.monotonic() < end and slot.running():
-            time.sleep(0.05)
-        if not slot.running():
-            return False
-        slot.kill()
-        _note(figures, kind if slot.downloading() else "kill-starting", slot.name)
+        doomed[slot.name] = time.monotonic() + 3 * FIT_WAIT_S  # killed by ``_reap_downloads``
         return True
     if len(up) <= min_up:
         return False
@@ -354,22 +374,19 @@ def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, landed_see
         slot.kill()
         _note(figures, kind, slot.name)
         return True
+    marks = {slot.name: slot.size() for slot in up}
     end = time.monotonic() + FIT_WAIT_S
     while time.monotonic() < end:
         for slot in up:
             if not slot.running():
                 continue
-            if kind == "kill-averaging" and slot.averaging():
+            if (kind == "kill-averaging" and slot.averaging()) or (
+                kind == "kill-landing" and slot.landing(marks[slot.name])
+            ):
                 slot.kill()
                 _note(figures, kind, slot.name)
                 return True
-            if kind == "kill-landing":
-                seen = landed_seen.setdefault(slot.name + str(slot.runs), len(_LANDING.findall(slot.text())))
-                if slot.landing(seen):
-                    slot.kill()
-                    _note(figures, kind, slot.name)
-                    return True
-        time.sleep(0.02)
+        time.sleep(POLL_S)
     return False
 
 
