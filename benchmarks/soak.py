@@ -12,8 +12,9 @@ Every ``--every-s`` one failure is injected, in turn from this list, onto a slot
 - ``kill-averaging``: SIGKILL (with its process group: a lost machine) a peer that has launched
   its round and is looking for its group or averaging (its log's last ``averaging round``
   line is newer than its last landed round);
-- ``kill-download``: start a stopped peer and SIGKILL it once it is downloading or rolling the
-  swarm's state forward;
+- ``kill-download``: start a stopped peer (one on a 4mbit link where one is stopped) and SIGKILL
+  it once it is downloading the swarm's state or rolling it forward (``kill-starting`` if it is
+  still starting ``3 * FIT_WAIT_S`` later);
 - ``kill-landing``: SIGKILL a peer as soon as it says its round averaged and it is landing it
   (the landing, the digest record, the checkpoint write);
 - ``leave``: Ctrl-C a peer (a clean leave: it finishes its round, says so, exits);
@@ -352,10 +353,9 @@ def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, doomed: di
         _note(figures, kind, slot.name)
         return True
     if kind == "kill-download":
-        candidates = [s for s in down if s.name in SLOW]
-        if not candidates:
+        if not down:
             return False
-        slot = candidates[0]
+        slot = min(down, key=lambda s: (s.name not in SLOW, s.runs))  # a slow link's download lasts seconds
         slot.start()
         doomed[slot.name] = time.monotonic() + 3 * FIT_WAIT_S  # killed by ``_reap_downloads``
         return True
