@@ -34,8 +34,9 @@ a join). A run ends after its failures or half of ``--minutes`` minutes, whichev
 Figures (from the peers' metrics rows, their logs and the coordinator's API): failures
 injected, by kind; failures survived (a round landed in one state, in a group of two or more,
 within ``SURVIVE_S`` of it); rounds landed; rounds whose averaged members hold more than one
-state; credits lost (for each round the coordinator finalized, the samples the peers' rows say
-they contributed less those it credited, summed where positive); the longest time the swarm
+state; credits lost (for each round the peers' rows say they averaged into the state, the samples
+they contributed less those the coordinator credited, summed where positive: a round it never
+finalized lost them all); the longest time the swarm
 landed nothing. Writes ``soak-<date>.md``/``.json`` under ``--out`` (default
 ``benchmarks/results``). Needs root (namespaces); says so and exits 2 otherwise.
 """
@@ -95,6 +96,9 @@ class SoakFigures:
     two_states: int = 0
     credit_lost: int = 0
     credited_rounds: int = 0
+    """Rounds compared: every round the peers' rows say they averaged into the state."""
+    uncredited_rounds: int = 0
+    """Of those, rounds the coordinator finalized nothing of."""
     longest_gap_s: float = 0.0
     minutes: float = 0.0
     skipped: list[str] = field(default_factory=list)
@@ -406,10 +410,13 @@ def _figures(figures: SoakFigures, workdir: Path, names: list[str], finalized: l
     times = sorted(landed.values())
     figures.longest_gap_s = round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 1)
     figures.survived = len([e for e in figures.events if any(e[0] < t <= e[0] + SURVIVE_S for t in times)])
-    for row in finalized:
-        if row["round"] in averaged_in:
-            figures.credited_rounds += 1
-            figures.credit_lost += max(0, averaged_in[row["round"]] - row["samples"])
+    credited = {row["round"]: row["samples"] for row in finalized}
+    for round_, samples in averaged_in.items():
+        # a round no claim of which the coordinator finalized (none arrived, or all were
+        # denied) credited nothing: all of its samples are lost
+        figures.credited_rounds += 1
+        figures.credit_lost += max(0, samples - credited.get(round_, 0))
+        figures.uncredited_rounds += round_ not in credited
 
 
 def _markdown(results: list[SoakFigures], args: argparse.Namespace) -> str:
@@ -425,13 +432,13 @@ def _markdown(results: list[SoakFigures], args: argparse.Namespace) -> str:
         "",
         "| database | failures injected | survived (a round landed within "
         f"{SURVIVE_S:.0f} s) | rounds landed | rounds with two states | credits lost (rounds compared) | "
-        "longest time with no round landed | minutes |",
-        "|---|---|---|---|---|---|---|---|",
+        "rounds credited nothing | longest time with no round landed | minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.database} | {r.failures} | {r.survived} | {r.rounds} | {r.two_states} | "
-            f"{r.credit_lost} ({r.credited_rounds}) | {r.longest_gap_s} s | {r.minutes:.1f} |"
+            f"{r.credit_lost} ({r.credited_rounds}) | {r.uncredited_rounds} | {r.longest_gap_s} s | {r.minutes:.1f} |"
         )
     total: Counter[str] = Counter()
     for r in results:
