@@ -122,7 +122,8 @@ bench-relay-loss: $(STAMP)
 	$(PY) -m benchmarks.relay_loss $(RELAY_LOSS_ARGS)
 
 # Injected failures at scale: 1,200 kills, leaves, joins, relay deaths and coordinator SIGKILLs
-# on SQLite then PostgreSQL (issue #49; root: namespaces, nftables NAT; about 40 minutes)
+# on SQLite then PostgreSQL (issue #49; root: namespaces, nftables NAT; about an hour here).
+# SOAK_ARGS="--failures 1200 --every-s 1 --minutes 56" is the run the README quotes
 bench-soak: $(STAMP)
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
