@@ -365,44 +365,21 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
             ("_request_join_group", "message = await asyncio.wait_for(anext(stream), timeout=self.request_timeout)"),
         ),
     ),
-    PrivateUse(
-        MATCHMAKING,
-        "_p2p",
-        "instance attribute (read)",
-        "engine/matchmaking.py (RoundMatchmaking._ask_alive)",
-        "The averager's P2P, servicer class and namespace, from which hivemind's own matchmaking "
-        "builds a stub to call a leader: ours builds one the same way to probe a roster member "
-        "that has not joined (engine.liveness).",
-        evidence=(
-            ("__init__", "self._p2p = p2p"),
-            ("_request_join_group", "self._servicer_type.get_stub(self._p2p, leader, namespace=self._prefix)"),
-        ),
-    ),
-    PrivateUse(
-        MATCHMAKING,
-        "_servicer_type",
-        "instance attribute (read)",
-        "engine/matchmaking.py (RoundMatchmaking._ask_alive)",
-        "The averager's P2P, servicer class and namespace, from which hivemind's own matchmaking "
-        "builds a stub to call a leader: ours builds one the same way to probe a roster member "
-        "that has not joined (engine.liveness).",
-        evidence=(
-            ("__init__", "self._servicer_type = servicer_type"),
-            ("_request_join_group", "self._servicer_type.get_stub(self._p2p, leader, namespace=self._prefix)"),
-        ),
-    ),
-    PrivateUse(
-        MATCHMAKING,
-        "_prefix",
-        "instance attribute (read)",
-        "engine/matchmaking.py (RoundMatchmaking._ask_alive)",
-        "The averager's P2P, servicer class and namespace, from which hivemind's own matchmaking "
-        "builds a stub to call a leader: ours builds one the same way to probe a roster member "
-        "that has not joined (engine.liveness).",
-        evidence=(
-            ("__init__", "self._prefix = prefix"),
-            ("_request_join_group", "self._servicer_type.get_stub(self._p2p, leader, namespace=self._prefix)"),
-        ),
+    *(
+        PrivateUse(
+            MATCHMAKING,
+            name,
+            "instance attribute (read)",
+            "engine/matchmaking.py (RoundMatchmaking._ask_alive)",
+            "The averager's P2P, servicer class and namespace, from which hivemind's own matchmaking "
+            "builds a stub to call a leader: ours builds one the same way to probe a roster member "
+            "that has not joined (engine.liveness).",
+            evidence=(
+                ("__init__", f"self.{name} = {name.lstrip('_')}"),
+                ("_request_join_group", "self._servicer_type.get_stub(self._p2p, leader, namespace=self._prefix)"),
+            ),
+        )
+        for name in ("_p2p", "_servicer_type", "_prefix")
     ),
     # --- hivemind.p2p.servicer.ServicerBase: how RPC handlers are found and named -----------
     PrivateUse(
