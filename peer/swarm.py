@@ -39,7 +39,7 @@ from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
 from engine.update_store import UpdateStore
-from peer.swarm_pace import LandingTimes, SwarmPace
+from peer.swarm_pace import LandingTimes, SwarmPace, landing_medians
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.timeouts import matchmaking_window, matchmaking_windows
 from protocol.agreement import Agreement, agreed_state, agreed_states
@@ -425,9 +425,11 @@ class Swarm:
         # when the window closes: a swarm up to half a window faster or slower than measured
         # (a loaded machine's swarm lands rounds unevenly) still arrives while it waits
         lead = max(DECLARATION_DELAY_S, (DECLARATION_DELAY_S + window) / 2)
-        now = time.monotonic()
+        now, dht_now = time.monotonic(), get_dht_time()
         return [
-            _Meeting(later, later + self._pace.rounds_ahead(later, lead, now), self._pace.seconds_per_round(later))
+            _Meeting(
+                later, later + self._pace.rounds_ahead(later, lead, now, dht_now), self._pace.seconds_per_round(later)
+            )
             for later in ranked
         ]
 
@@ -479,7 +481,8 @@ class Swarm:
                 else:
                     records = reading.finish()
                 self._records = (reading.started, records)
-                self._pace.saw({record.round for record in records if not record.archive}, time.monotonic())
+                rounds = {record.round for record in records if not record.archive}
+                self._pace.saw(rounds, time.monotonic(), landing_medians(records))
                 self._landed.saw(records, self.eligible())
         return [r for r in records if r.signer != exclude]
 
