@@ -32,7 +32,8 @@ from protocol.errors import AdmissionError, ConfigError, IdentityError
 from protocol.identity import PublicKey
 
 if TYPE_CHECKING:
-    from peer.coordinator_client import CoordinatorClient, CoordinatorLink, JoinInfo
+    from peer.coordinator_client import CoordinatorClient, JoinInfo
+    from peer.coordinator_link import CoordinatorLink
     from peer.network_path import NetworkPath
     from peer.node import LocalNode
     from peer.node_env import NodeEnv
@@ -757,7 +758,9 @@ def _link_to_coordinator(
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
     if joined.client is None or joined.info is None:
         return None
-    from peer.coordinator_client import CoordinatorLink, JoinAs, join_when_up
+    from peer.coordinator_client import JoinAs, join_when_up
+    from peer.coordinator_link import CoordinatorLink
+    from peer.report_outbox import OUTBOX_DIR, ReportOutbox
 
     rejoin = JoinAs(
         libp2p_peer_id=str(swarm.dht.peer_id),
@@ -777,6 +780,7 @@ def _link_to_coordinator(
         token=admitted.access_token,
         on_token=lambda token: _renewed(token, swarm, path, puncher),
         data_slot=joined.slot if joined.spec.data.source == "tokens" else None,
+        outbox=ReportOutbox(args.checkpoint_dir / OUTBOX_DIR if args.checkpoint_dir is not None else None),
     )
     if path is not None:
         link.punched_peers = lambda: len(path.direct)

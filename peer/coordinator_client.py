@@ -1,9 +1,7 @@
-"""The peer's side of the coordinator API: join, heartbeats and round reports.
-
-Every request is signed with the peer's key. ``CoordinatorLink`` runs in a background thread:
-heartbeats every interval, round reports queued and re-sent until the coordinator takes
-them (it may be down: the peer trains on regardless), and a new join when the coordinator
-says the peer is no longer admitted (after a restart). Nothing here blocks training.
+"""The peer's side of the coordinator API: join, heartbeats and round reports, one call each
+(``CoordinatorClient``), waiting for a coordinator that is down (``join_when_up``), and the
+round report a recorded round makes (``report_body``). Every request is signed with the peer's
+key. The running link (heartbeats, reports, re-joins) is ``peer.coordinator_link``.
 """
 
 from __future__ import annotations
@@ -12,9 +10,7 @@ import logging
 import math
 import os
 import platform
-import queue
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +19,6 @@ from typing import Any
 import grpc
 
 from peer.coordinator_pin import verified_answer
-from peer.progress import Credit
 from peer.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
@@ -31,7 +26,6 @@ from protocol import kinds
 from protocol.errors import AdmissionError, ConfigError, IdentityError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MAX_OFFENCE_CHARS, MAX_REPORTED_SAMPLES, SignedMessage, sign_message
-from protocol.tokens import decode_token
 
 logger = logging.getLogger(__name__)
 
@@ -315,146 +309,6 @@ def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
     return body
 
 
-class CoordinatorLink(threading.Thread):
-    """Heartbeats and queued round reports in the background; re-joins when told to."""
-
-    def __init__(
-        self,
-        client: CoordinatorClient,
-        *,
-        interval_s: float,
-        rejoin: JoinAs,
-        on_refused: Callable[[str], None] | None = None,
-        token: bytes = b"",
-        on_token: Callable[[bytes], object] | None = None,
-        data_slot: int | None = None,
-    ) -> None:
-        super().__init__(daemon=True, name="coordinator-link")
-        self.client, self.interval_s, self.rejoin = client, interval_s, rejoin
-        self.data_slot = data_slot
-        """Token runs: the first data stream this peer trains; losing it stops the peer."""
-        self.on_refused = on_refused or (lambda reason: None)
-        """Called once the coordinator refuses this peer (banned, or off the allowlist)."""
-        self.on_token = on_token or (lambda token: None)
-        """Called with each new access token (re-joins; renewal at half its lifetime)."""
-        self._renew_at = _renewal_time(token) if token else float("inf")
-        self.refused = ""
-        self.reports: queue.Queue[pb.RoundReportBody] = queue.Queue()
-        self.status = pb.HeartbeatBody(phase=pb.PEER_PHASE_JOINING)
-        self.stopping = threading.Event()
-        self.connected = False
-        self.credit: Credit | None = None
-        """This peer's credit as the coordinator's last heartbeat answer had it."""
-        self.rounds_failed = 0
-        """Rounds whose averaging failed since this peer started (metrics rows with
-        ``averaged`` false), said in every heartbeat."""
-        self._flush_lock = threading.Lock()
-        self.phase_of: Callable[[], str] = lambda: "training"
-        """The trainer's phase (``peer.trainer.Phase`` value), read at each heartbeat."""
-        self.punched_peers: Callable[[], int] = lambda: 0
-        """Peers reached over a hole-punched connection now (``peer.hole_punch.DirectPaths``)."""
-
-    def report(self, metrics: RoundMetrics) -> None:
-        """Queue the report of a round the trainer recorded; update the heartbeat figures (a
-        failed round is not reported: it counts in the heartbeats' ``rounds_failed``)."""
-        if not metrics.averaged:
-            self.rounds_failed += 1
-        self.status = pb.HeartbeatBody(
-            round=metrics.round,
-            phase=pb.PEER_PHASE_TRAINING,
-            samples_per_second=metrics.samples / max(metrics.wall_s, 1e-9),
-            samples_total=self.status.samples_total + metrics.samples,
-            loss=metrics.loss,
-            state_digest=metrics.state_digest,
-            rounds_failed=self.rounds_failed,
-        )
-        if metrics.averaged:
-            self.reports.put(report_body(metrics))
-
-    def heartbeat_body(self) -> pb.HeartbeatBody:
-        """The next heartbeat: the last round's figures and the trainer's phase now."""
-        body = pb.HeartbeatBody()
-        body.CopyFrom(self.status)
-        body.punched_peers = self.punched_peers()
-        if body.phase in (pb.PEER_PHASE_TRAINING, pb.PEER_PHASE_AVERAGING):
-            averaging = self.phase_of() == "averaging"
-            body.phase = pb.PEER_PHASE_AVERAGING if averaging else pb.PEER_PHASE_TRAINING
-        return body
-
-    def run(self) -> None:
-        while not self.stopping.wait(0 if not self.connected else self.interval_s):
-            try:
-                response = self.client.heartbeat(self.heartbeat_body())
-                self._note_credit(response)
-                if response.admitted:
-                    self._check_data_slot(response.data_slot if response.HasField("data_slot") else None)
-                if not response.admitted:
-                    logger.info("coordinator: %s", response.message)
-                    self._rejoin()
-                elif time.time() >= self._renew_at:
-                    logger.info("renewing the access token")
-                    self._rejoin()
-                self.connected = True
-                self._flush_reports()
-            except (AdmissionError, WrongRunError) as exc:
-                logger.error("the coordinator refused this peer: %s", exc)
-                self.connected = True
-                if not self.refused:
-                    self.refused = str(exc)
-                    self.on_refused(self.refused)
-            except SwarmtrainError as exc:
-                self.connected = True  # wait a whole interval before retrying
-                logger.warning("coordinator unreachable (training goes on): %s", exc)
-
-    def _note_credit(self, response: pb.HeartbeatResponse) -> None:
-        if response.admitted and response.HasField("credited_samples"):
-            self.credit = Credit(response.credited_samples, response.credited_flops, response.pending_samples)
-
-    def _check_data_slot(self, held: int | None) -> None:
-        """Raise ``AdmissionError`` when the coordinator no longer gives this peer its data
-        stream (out of touch past the lease, and another peer took it)."""
-        if self.data_slot is not None and held != self.data_slot:
-            raise AdmissionError(
-                f"the coordinator gave this peer's data stream {self.data_slot} to another peer "
-                f"(it now holds {'none' if held is None else held}); restart the peer to get a free one"
-            )
-
-    def _rejoin(self) -> None:
-        info = self.client.join_as(self.rejoin)
-        self._check_data_slot(info.data_slot)
-        self._renew_at = _renewal_time(info.access_token)
-        try:
-            self.on_token(info.access_token)
-        except Exception:
-            logger.exception("could not publish the new access token")
-
-    def _flush_reports(self) -> None:
-        with self._flush_lock:
-            while True:
-                try:
-                    body = self.reports.queue[0]
-                except IndexError:
-                    return
-                try:
-                    self.client.report_round(body)  # raises if unreachable: kept for the next try
-                except RejectedError as exc:
-                    logger.warning("coordinator refused the report of round %d: %s", body.round, exc)
-                self.reports.get_nowait()
-
-    def stop(self) -> None:
-        """Send what is queued and say we leave (best effort, bounded by the RPC timeouts)."""
-        self.stopping.set()
-        self.join(timeout=2 * RPC_TIMEOUT_S)
-        self.status = pb.HeartbeatBody(
-            round=self.status.round, phase=pb.PEER_PHASE_LEAVING, rounds_failed=self.rounds_failed
-        )
-        try:
-            self._flush_reports()
-            self._note_credit(self.client.heartbeat(self.status))
-        except SwarmtrainError as exc:
-            logger.info("could not tell the coordinator we leave: %s", exc)
-
-
 def _seconds(value: object) -> float:
     """A duration as a report may carry it: finite, >= 0 (the coordinator refuses others)."""
     try:
@@ -462,12 +316,6 @@ def _seconds(value: object) -> float:
     except (TypeError, ValueError):
         return 0.0
     return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
-
-
-def _renewal_time(token: bytes) -> float:
-    """When to ask for a new token: half-way through this one's validity."""
-    decoded = decode_token(token)
-    return decoded.issued_at + (decoded.expires_at - decoded.issued_at) / 2
 
 
 def _hardware(local_ranks: int) -> pb.Hardware:

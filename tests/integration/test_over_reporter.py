@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.compression import get_codec
-from peer.coordinator_client import CoordinatorClient, CoordinatorLink, JoinAs
+from peer.coordinator_client import CoordinatorClient, JoinAs
+from peer.coordinator_link import CoordinatorLink
 from peer.round_metrics import RoundMetrics
 from peer.swarm import Swarm
 from peer.task import build_task

@@ -20,7 +20,8 @@ from coordinator.core import Coordinator
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.http.app import create_app
 from coordinator.store import Decision
-from peer.coordinator_client import CoordinatorLink, JoinAs
+from peer.coordinator_client import JoinAs
+from peer.coordinator_link import CoordinatorLink
 from peer.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
@@ -120,8 +121,9 @@ def beat(core: Coordinator, peer: Identity, peer_link: CoordinatorLink, now: flo
 
 
 def send_reports(core: Coordinator, peer: Identity, peer_link: CoordinatorLink, now: float) -> None:
-    while not peer_link.reports.empty():
-        core.report_round(signed(peer, kinds.ROUND_REPORT, peer_link.reports.get_nowait(), now), now=now)
+    while (body := peer_link.outbox.first()) is not None:
+        core.report_round(signed(peer, kinds.ROUND_REPORT, body, now), now=now)
+        peer_link.outbox.done(body)
 
 
 def label(peer: Identity) -> str:
