@@ -46,7 +46,7 @@ from protocol.agreement import Agreement, agreed_state, agreed_states
 from protocol.gathered import Gathered
 from protocol.identity import Identity, PublicKey
 from protocol.membership import MemberGate
-from protocol.roster import RosterClaim, claimed_roster
+from protocol.roster import RosterClaim, claimed_roster, landed_beside
 from protocol.spec import RunSpec
 from protocol.statesync import DigestRecord, record_votes, run_prefix
 from protocol.tokens import decode_token
@@ -542,6 +542,12 @@ class Swarm:
         adopt when nobody serves the latest state any more (an archived checkpoint, say)."""
         states = agreed_states(record_votes(self.records(exclude=exclude)), eligible=self.eligible())
         return [state for state in states if state.round > after_round]
+
+    def landed_beside(self, round_: int, group: frozenset[str], *, within_s: float) -> frozenset[str]:
+        """Who, outside ``group`` and with a vote that counts, says it landed a round after
+        ``round_`` by averaging in the last ``within_s`` seconds (``protocol.roster.landed_beside``)."""
+        since = get_dht_time() - within_s
+        return landed_beside(self.records(), round_=round_, group=group, eligible=self.eligible(), since=since)
 
     def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]:
         """Ids of the training peers (but ``exclude``) whose latest digest record is of ``round_``

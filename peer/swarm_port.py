@@ -154,6 +154,11 @@ class SwarmPort(Protocol):
 
     def fallback_states(self, *, exclude: PublicKey | None = None, after_round: int = -1) -> list[Agreement]: ...
 
+    def landed_beside(self, round_: int, group: frozenset[str], *, within_s: float) -> frozenset[str]:
+        """Who, outside ``group`` (public ids) and with a vote that counts, landed a round after
+        ``round_`` by averaging in the last ``within_s`` s: another group landed this round."""
+        ...
+
     def peers_at(self, round_: int, *, exclude: PublicKey | None = None) -> set[str]: ...
 
     def seen_at(self, round_: int) -> float | None:

@@ -1148,7 +1148,25 @@ class Trainer:
             )
             self.roster.refused(found, flight.pre_digest)
             return None
+        if found.roster == 0 and (beside := self._landed_beside(result)):
+            flight.failure = f"{len(beside)} peers outside its group landed this round first (no roster claimed)"
+            logger.warning(
+                "round %d: %d peers outside this group landed it first and this group claims no roster; not landing it",
+                self.state.round,
+                len(beside),
+            )
+            self.roster.refused(Verdict(False, found.holders, 0, flight.failure), flight.pre_digest)
+            return None
         return result
+
+    def _landed_beside(self, result: RoundResult) -> frozenset[str]:
+        """The fence of a group that claims no roster (``protocol.roster``): who outside it
+        landed this round already, within a round's longest time (a dead peer's record of a
+        timeline the swarm rolled back from is older)."""
+        group = frozenset(member.id for member in result.members if member.id)
+        averaging = self.spec.averaging
+        within_s = 2 * (averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s)
+        return self.swarm.landed_beside(self.state.round, group, within_s=within_s)
 
     def _abandon_if_landed(self, flight: _InFlight) -> None:
         """Give up the round in flight if it is still looking for its group and the swarm has

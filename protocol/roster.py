@@ -29,12 +29,18 @@ wait out its window. A swarm
 where more than half of the roster left at once would never pass again, so a member that
 failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers ``roster``
 0 (unknown); a group where nobody claims a roster needs only ``min_group_size`` holders
-(the initial state, or after a release: the one case two groups could both land).
+(the initial state, or after a release: the one case two groups could both land). Such a
+group, before it lands, looks at the digest records (``landed_beside``): if a peer whose vote
+counts, outside the group, says it landed a later round by averaging within the last
+``fence_s``, another group landed this round first, and this one does not land (its members
+re-sync to that state and keep their work). Two groups that land within one record's trip
+through the DHT of each other can still both land; a group that forms later (the soak's second
+group of two came 28 s after the first) cannot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +57,7 @@ __all__ = [
     "Verdict",
     "in_sync_count",
     "in_sync_ids",
+    "landed_beside",
     "leader_may_close",
     "leavers",
     "produced_state",
@@ -189,4 +196,31 @@ def leavers(members: Sequence[Gathered], roster_ids: Iterable[str], records: Ite
         and (record.round, record.digest) == agreed
         and record.signer.id in roster
         and record.signer.id not in present
+    )
+
+
+def landed_beside(
+    records: Iterable[DigestRecord],
+    *,
+    round_: int,
+    group: Iterable[str],
+    eligible: Callable[[str], bool],
+    since: float,
+) -> frozenset[str]:
+    """The public ids, outside ``group`` and whose votes count (``eligible``), whose digest
+    records say they landed by averaging (``landed``, DHT time) after ``since`` a state of a
+    round after ``round_``: evidence that a group beside the one of ``group`` landed round
+    ``round_ + 1``. Adopters (no landing time) and archives say nothing, nor do records older
+    than ``since`` (a dead peer's record of a timeline the swarm rolled back from lingers until
+    it expires)."""
+    members = set(group)
+    return frozenset(
+        record.signer.id
+        for record in records
+        if record.round > round_
+        and record.landed is not None
+        and record.landed > since
+        and not record.archive
+        and record.signer.id not in members
+        and eligible(record.signer.id)
     )

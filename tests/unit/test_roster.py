@@ -17,6 +17,7 @@ from protocol.roster import (
     claimed_roster,
     in_sync_count,
     in_sync_ids,
+    landed_beside,
     leader_may_close,
     verdict,
 )
@@ -388,3 +389,25 @@ def test_a_leaving_flag_that_is_not_a_boolean_is_refused() -> None:
     raw = sign_message(Identity.generate(), DIGEST_KIND, body, now=time.time()).to_bytes()
     with pytest.raises(MalformedMessageError, match="leaving"):
         parse_digest_record(raw, now=time.time())
+
+
+def test_a_later_round_landed_outside_the_group_fences_a_group_without_a_roster() -> None:
+    """``landed_beside``: only a record landed by averaging, recently, outside the group, by a
+    signer whose vote counts, says another group landed the round; a stranger (keys are free),
+    an adopter, an archive, a member of this very group that landed first, and a dead peer's
+    record from a timeline the swarm rolled back from say nothing."""
+    from protocol.identity import Identity
+    from protocol.statesync import DigestRecord
+
+    def record(round_: int, landed: float | None, *, archive: bool = False) -> DigestRecord:
+        return DigestRecord(Identity.generate().public_key, round_, "blake3:" + "1" * 64, archive, landed=landed)
+
+    beside = record(6, 1_000.0)
+    partner = record(6, 1_000.0)
+    stranger = record(6, 1_000.0)
+    quiet = [record(6, None), record(6, 1_000.0, archive=True), record(5, 1_000.0), record(9, 100.0)]
+    records = [beside, partner, stranger, *quiet]
+    eligible = {r.signer.id for r in records if r is not stranger}.__contains__
+    found = landed_beside(records, round_=5, group={partner.signer.id}, eligible=eligible, since=900.0)
+    assert found == {beside.signer.id}
+    assert not landed_beside(quiet + [partner], round_=5, group={partner.signer.id}, eligible=eligible, since=900.0)

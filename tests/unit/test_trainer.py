@@ -74,6 +74,8 @@ class RecordingSwarm:
     """Peers the DHT shows at the trainer's round."""
     claim: RosterClaim = RosterClaim(0, frozenset())
     """What the holders of any state published about its roster."""
+    beside: frozenset[str] = frozenset()
+    """Who outside the trainer's group the DHT shows landed its round already."""
 
     def __post_init__(self) -> None:
         self.averager: Any = None
@@ -81,6 +83,7 @@ class RecordingSwarm:
         self.matchmaking_timeouts: list[float] = []
         self.windows: list[float] = []
         self.newcomer = False
+        self.fence_checks: list[tuple[int, frozenset[str]]] = []
         self.kept: list[tuple[int, str, str, list[tuple[int, int]]]] = []
         # the averager's shared vector; NaN until the trainer writes its round into it
         self.vector = torch.full((count_params(parse_spec(SPEC).task.model),), float("nan"))
@@ -124,6 +127,10 @@ class RecordingSwarm:
 
     def peers_at(self, round_: int, **kwargs: Any) -> set[str]:
         return set(self.others)
+
+    def landed_beside(self, round_: int, group: frozenset[str], *, within_s: float) -> frozenset[str]:
+        self.fence_checks.append((round_, group))
+        return self.beside
 
     def lookup_s(self) -> float:
         return 0.0
@@ -238,6 +245,36 @@ def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
     assert swarm.published[-1]["digest"] == expected.digest() and swarm.published[-1]["round_"] == 1
     assert before <= swarm.published[-1]["landed"] <= trainer.history[-1].at + 0.001  # (``at``: to the ms)
     assert torch.equal(flatten(trainer.model), trainer.state.params)
+
+
+@pytest.mark.parametrize("beside", [frozenset({"ed25519:elsewhere"}), frozenset()], ids=["landed-beside", "alone"])
+def test_a_group_that_claims_no_roster_lands_only_if_no_group_beside_it_landed_the_round(
+    beside: frozenset[str],
+) -> None:
+    """The soak's two-state round: after a roster release two groups of two each needed only
+    ``min_group_size`` holders, and the second landed round 7 28 s after the first. A group that
+    claims no roster now looks first: a peer outside it that landed the round makes it fail
+    here (its work carries over and it re-syncs to that state)."""
+    trainer, swarm = make_trainer()
+    mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest())
+    members = [mine, replace(mine, id="ed25519:partner")]
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, members, 10, 10, 0.0)
+    swarm.beside = beside
+    trainer.run()
+    assert swarm.fence_checks == [(0, frozenset(m.id for m in members))]
+    assert trainer.history[-1].averaged is not bool(beside)
+    assert trainer.state.round == (0 if beside else 1)
+
+
+def test_a_group_holding_its_rosters_majority_needs_no_fence() -> None:
+    """Two disjoint groups cannot both hold more than half of one roster: no lookup is spent."""
+    trainer, swarm = make_trainer()
+    mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest(), roster=2, known=True)
+    members = [mine, replace(mine, id="ed25519:partner")]
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, members, 10, 10, 0.0)
+    swarm.beside = frozenset({"ed25519:elsewhere"})
+    trainer.run()
+    assert swarm.fence_checks == [] and trainer.history[-1].averaged and trainer.state.round == 1
 
 
 def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: pytest.MonkeyPatch) -> None:
