@@ -3,8 +3,9 @@
 ``CoordinatorLink`` runs in a background thread; nothing here blocks training. A heartbeat goes
 every interval the coordinator set (the first at once): it carries the trainer's figures, brings
 back the peer's credit, and is how the peer learns it must join again (the coordinator
-restarted) or renew its token. A round report goes as soon as the trainer records the round,
-not at the next heartbeat: a peer killed seconds after its round landed has said it by then.
+restarted) or renew its token. A round report goes as soon as the trainer records the round
+(after a random 0 to ``REPORT_SPREAD_S``), not at the next heartbeat: a peer killed seconds
+after its round landed has said it by then.
 What the coordinator did not take yet waits in the ``ReportOutbox`` (on disk under the
 checkpoint directory: a peer killed before the answer sends it when it starts again) and goes
 again after each heartbeat the coordinator answers; a report the coordinator refuses for good is
@@ -14,6 +15,7 @@ dropped, logged.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,11 @@ from protocol.tokens import decode_token
 __all__ = ["CoordinatorLink"]
 
 logger = logging.getLogger(__name__)
+
+REPORT_SPREAD_S = 1.0
+"""A report waits a random 0 to this many seconds before it goes: a round's members land within
+a moment of each other, and thousands of reports in the same millisecond would queue at the
+coordinator behind one another (the outbox keeps a report on disk meanwhile)."""
 
 
 class CoordinatorLink(threading.Thread):
@@ -127,7 +134,7 @@ class CoordinatorLink(threading.Thread):
                 if self.stopping.is_set():
                     return
                 if time.monotonic() < self._next_beat:  # woken by a report
-                    if self.connected:
+                    if self.connected and not self.stopping.wait(random.uniform(0.0, REPORT_SPREAD_S)):
                         self._send_reports()
                     continue
             self._next_beat = time.monotonic() + self.interval_s
