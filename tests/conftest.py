@@ -72,14 +72,15 @@ BESIDE_SWARMS = {
     "test_data_prepare.py",
     "test_doctor.py",
     "test_grpc_fuzz.py",
+    "test_killed_peer_credit.py",
     "test_record_bounds.py",
     "test_reducer_close.py",
     "test_state_sync.py",
     "test_store_crash.py",
 }
 """Integration and end-to-end tests that start no swarm of peer processes (a few in-process
-averagers or DHT nodes, or one child process at a time; the outage test's two tiny peers wait a
-minute for their coordinator, then average two rounds): mostly waiting, they run beside the
+averagers or DHT nodes, or one child process at a time; the outage tests' two tiny peers wait
+for their coordinator, or average a few rounds without it): mostly waiting, they run beside the
 swarm tests."""
 
 
