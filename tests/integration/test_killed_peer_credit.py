@@ -68,16 +68,15 @@ def test_a_peer_killed_during_an_outage_is_credited_with_its_partner_once_both_a
             def decided(key: str) -> dict[int, str]:
                 return {c.round: c.status for c in store.claims(key=key, limit=100_000) if c.round in averaged}
 
+            # the survivor reports in any case: its claims are decided at the latest a minute
+            # after they arrive (the coordinator's ``finalize_after_s``)
             wait_until(
-                lambda: (
-                    all(len(decided(key)) == len(averaged) for key in keys)
-                    and "pending" not in {s for key in keys for s in decided(key).values()}
-                ),
+                lambda: len(decided(keys[0])) == len(averaged) and "pending" not in decided(keys[0]).values(),
                 180,
-                "both members' claims for the outage's rounds decided",
+                "the survivor's claims for the outage's rounds decided",
             )
             for key in keys:
-                assert set(decided(key).values()) == {"granted"}, (key, decided(key))
+                assert decided(key) == dict.fromkeys(averaged, "granted"), (key, decided(key))
             assert not list(outbox.glob("*.pb")), "the coordinator took them all: none left"
         finally:
             store.close()
