@@ -83,6 +83,8 @@ MAX_PUNCHES = 64
 MAX_PUNCHES_PER_PEER = 4
 """Punches one peer may have waiting at once, as the asker and as the holder: an admitted peer
 cannot take every slot, nor make one holder open sockets without end."""
+STOP_TASKS_S = 5.0
+"""At ``Relay.stop`` the connections' tasks, cancelled, have this long to end."""
 MAX_RELAYS_LISTED = 8
 """Volunteers' relays a coordinator's join answer lists (``JoinResponse.relays``), and the most
 a peer takes from one."""
@@ -196,11 +198,16 @@ class Relay:
         return future.result(timeout=10)
 
     def stop(self) -> None:
+        """Close the control port, release every port, end every connection's task, then the
+        loop (tasks left pending would run their cleanup at exit on a closed loop: a traceback
+        in every stopping peer's log)."""
         if not self._thread.is_alive():
             return
-        asyncio.run_coroutine_threadsafe(self._close_all(), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._close_all(), self._loop).result(timeout=15)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def stats(self) -> RelayStats:
         live = list(self._live)
@@ -218,6 +225,11 @@ class Relay:
             self._server.close()
         for held in list(self._by_peer.values()):
             self._release(held)
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_TASKS_S)
 
     async def _on_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         observed = _observed(writer)

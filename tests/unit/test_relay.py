@@ -30,7 +30,7 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import free_ports, key_of, signer, stand_in_relay
+from tests.unit.relay_keys import admit_stand_in, free_ports, key_of, signer, stand_in_relay
 
 
 def _read(data: bytes) -> object:
@@ -260,3 +260,30 @@ def test_idle_strangers_hold_a_bounded_number_of_the_relays_connections(relay: R
         assert tunnel.open() > 0
     finally:
         tunnel.close()
+
+
+def test_stopping_ends_every_connections_task_before_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """A peer leaving while others hold ports on its relay: each connection's task (the held
+    port's control connection and its pinger) ends before the loop does. Before, the loop
+    stopped with them pending and at exit they ran their cleanup on a closed loop: a traceback
+    and three "Task was destroyed but it is pending!" errors in the leaving peer's log."""
+    import gc
+
+    (port,) = free_ports(1)
+    relay = Relay(host="127.0.0.1", control_port=0, ports=[port], admit=admit_stand_in)
+    relay.control_port = relay.start()
+    echo = _Echo()
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", sign=signer(b"ok-a"), local_port=echo.port
+    )
+    try:
+        assert tunnel.open() == port
+        loop = relay._loop
+        relay.stop()
+        assert loop.is_closed() and not asyncio.all_tasks(loop)
+        del loop
+        gc.collect()
+        assert "Task was destroyed" not in caplog.text
+    finally:
+        tunnel.close()
+        echo.sock.close()
