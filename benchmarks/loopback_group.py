@@ -281,6 +281,9 @@ class LoopbackSwarm:
     def peers_at(self, round_: int, *, exclude: Any = None) -> set[str]:
         return {f"member{i}" for i in range(self.group.members) if i != self.index}
 
+    def landed_beside(self, round_: int, group: frozenset[str], *, within_s: float) -> frozenset[str]:
+        return frozenset()  # the loopback group is the whole swarm: nobody lands beside it
+
     def serve_state(self, provider: Any) -> None:
         pass
 

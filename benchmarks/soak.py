@@ -17,7 +17,8 @@ Every ``--every-s`` one failure is injected, in turn from this list, onto a slot
   still starting ``3 * FIT_WAIT_S`` later);
 - ``kill-landing``: SIGKILL a peer as soon as it says its round averaged and it is landing it
   (the landing, the digest record, the checkpoint write);
-- ``leave``: Ctrl-C a peer (a clean leave: it finishes its round, says so, exits);
+- ``leave``: SIGTERM (``docker stop``) a peer that has landed a round in this run (a clean
+  leave: it finishes its round, says so, exits; one still there a minute later is SIGKILLed, said);
 - ``join``: start a stopped peer (with its key and checkpoint dir: it resumes or downloads);
 - ``relay-death``: SIGKILL the direct peer that relays for ``n0`` (both are its relays; the
   other dies another time), restarted at a later ``join``;
@@ -109,7 +110,8 @@ class _Slot:
         self.sim, self.name, self.workdir, self.coordinator, self.nat = sim, name, workdir, coordinator, nat
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
-        self.leaving: list[subprocess.Popen[bytes]] = []
+        self.leaving: list[tuple[subprocess.Popen[bytes], float]] = []
+        """Peers asked to leave, with when they are killed if still there."""
 
     @property
     def log(self) -> Path:
@@ -153,24 +155,31 @@ class _Slot:
         proc.wait(timeout=30)
 
     def leave(self) -> None:
-        """Ctrl-C: it finishes its round and exits; reaped later (``reap``)."""
+        """``docker stop`` (SIGTERM; a Ctrl-C's SIGINT is ignored by a background job's children
+        until the peer installs its handler): it finishes its round and exits; reaped later."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            os.kill(proc.pid, signal.SIGINT)
-            self.leaving.append(proc)
+            os.kill(proc.pid, signal.SIGTERM)
+            self.leaving.append((proc, time.monotonic() + LEAVE_WAIT_S))
 
     def reap(self, *, deadline_s: float = 0.0) -> None:
+        """Collect the peers that left; one still there ``LEAVE_WAIT_S`` after it was asked
+        (or, with ``deadline_s``, after that) is SIGKILLed, said, and collected."""
         end = time.monotonic() + deadline_s
-        for proc in list(self.leaving):
+        for proc, due in list(self.leaving):
             try:
                 proc.wait(timeout=max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                if deadline_s:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=30)
-                else:
+                if not deadline_s and time.monotonic() < due:
                     continue
-            self.leaving.remove(proc)
+                print(f"soak: {self.name} did not leave within {LEAVE_WAIT_S:.0f} s: killed", flush=True)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            self.leaving.remove((proc, due))
+
+    def training(self) -> bool:
+        """Its current run has landed a round (it handles a stop request by then)."""
+        return bool(_LANDED.search(self.text()))
 
     def averaging(self) -> bool:
         """It launched a round that has not landed yet."""
@@ -366,7 +375,10 @@ def _inject(kind: str, slots: dict[str, _Slot], figures: SoakFigures, doomed: di
     if len(up) <= min_up:
         return False
     if kind == "leave":
-        slot = up[figures.failures % len(up)]
+        ready = [s for s in up if s.training()]
+        if not ready:
+            return False
+        slot = ready[figures.failures % len(ready)]
         slot.leave()
         _note(figures, kind, slot.name)
         return True

@@ -38,6 +38,7 @@ from engine.fragments import fragment_bounds, fragment_group_id
 from engine.liveness import LivenessMixin
 from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
+from engine.process_signals import OwnSignals
 from engine.robust import Alignment, RobustRule, direction_offence
 from engine.state_transfer import StateProvider, StateTransferMixin
 from engine.update_store import UpdateStore
@@ -60,7 +61,13 @@ if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
 
 
 class ExactAverager(
-    AuditMixin, AdmissionGateMixin, StateTransferMixin, UpdateTransferMixin, LivenessMixin, DecentralizedAverager
+    OwnSignals,
+    AuditMixin,
+    AdmissionGateMixin,
+    StateTransferMixin,
+    UpdateTransferMixin,
+    LivenessMixin,
+    DecentralizedAverager,
 ):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
 

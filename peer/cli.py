@@ -345,7 +345,6 @@ def run(args: argparse.Namespace) -> int:
         if relay is not None:
             relay.close()
         raise
-    _install_signal_handlers(stop)  # again: starting hivemind's averager ignored SIGINT here
     link = None
     puncher = None
     keeper = None
@@ -1003,8 +1002,8 @@ def _install_signal_handlers(stop: threading.Event) -> None:
     """First SIGINT/SIGTERM: leave after the current round; second: exit at once (130).
 
     Processes forked from this one (hivemind's DHT and averager) inherit the handler; there a
-    signal does what it would have done without it, so ``terminate()`` still ends them.
-    Call again after starting hivemind: its averager sets SIGINT to ignored in this process.
+    signal does what it would have done without it, so ``terminate()`` still ends them (the
+    averager's process ignores SIGINT itself: ``engine.process_signals``).
     """
     owner = os.getpid()
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import tempfile
 import threading
 import time
@@ -303,8 +302,7 @@ class Swarm:
         """Restart the DHT node and the averager with ``dht_kwargs`` (new announced addresses: a
         relayed peer whose relays all left, ``peer.relay_keeper``) under the same libp2p
         identity, at the start of the next round, on the trainer's thread (nothing else of the
-        swarm is in use then; the process's main thread, where hivemind may set signal
-        handlers); a round still matchmaking is given up for it. The event is set once the swarm
+        swarm is in use then); a round still matchmaking is given up for it. The event is set once the swarm
         runs again there."""
         move = _Move(dict(dht_kwargs), threading.Event())
         self._move = move
@@ -327,11 +325,7 @@ class Swarm:
         self.averager.shutdown()
         self.dht.shutdown()
         self._dht_kwargs.update(move.dht_kwargs)
-        interrupt = signal.getsignal(signal.SIGINT)
-        try:
-            self.dht, self.averager = self._open()
-        finally:  # hivemind's averager sets SIGINT to ignored in the process that starts it
-            signal.signal(signal.SIGINT, interrupt)
+        self.dht, self.averager = self._open()
         self.run_records = RunRecords(self.dht, self.averager.prefix)
         self.averager.state_provider = provider
         if self._allreduce_timeout_s is not None:
