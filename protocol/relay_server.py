@@ -232,6 +232,14 @@ class Relay:
             await asyncio.wait(tasks, timeout=STOP_TASKS_S)
 
     async def _on_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection to the control port, to its end; cancelled (``stop``), it ends quietly
+        (asyncio's stream callback reports a cancelled handler as an error with a traceback)."""
+        try:
+            await self._control(reader, writer)
+        except asyncio.CancelledError:
+            writer.close()
+
+    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         observed = _observed(writer)
         source = observed[0] if observed is not None else ""
         if self._unopened_total >= MAX_UNOPENED or self._unopened.get(source, 0) >= MAX_UNOPENED_PER_SOURCE:
