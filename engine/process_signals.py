@@ -5,8 +5,9 @@ says it leaves and stops its children in order) and hivemind's averager process,
 not die under it mid-round. hivemind makes the child ignore SIGINT by setting SIGINT to ignored
 in the *starting* process before it forks, and leaves it so while the averager gets ready
 (``DecentralizedAverager.run_in_background``): seconds in which a Ctrl-C or a supervisor's
-SIGINT to the peer is dropped, and the peer trains on as if never asked to stop (the soak's
-harness found slots whose leave never came). ``OwnSignals`` moves the ignoring into the child
+SIGINT to the peer is dropped, and the peer trains on as if never asked to stop. (A child of a
+background job inherits SIGINT ignored until the peer installs its handler: the same loss, the
+one that wedged the soak's harness.) ``OwnSignals`` moves the ignoring into the child
 (its ``run``, first thing) and starts it without touching the parent's handler.
 """
 
