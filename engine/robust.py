@@ -8,7 +8,12 @@ against the others before averaging:
 
 1. **Weights** are capped at ``weight_cap`` (2) times the lower median of the contributing
    members' weights: a member's self-reported samples never count for more than that many
-   typical members.
+   typical members. A weight far above the others' is no evidence of a lie: time-bound inner
+   phases give a datacenter GPU hundreds of times a laptop's samples, a member whose last
+   rounds failed brings their work along, and a newcomer's first round counts a few samples
+   (a soak with churn named an honest member whose 3,352 samples met a newcomer's 144). So a
+   weight is only capped, never named, unless it exceeds ``max_weight``: more samples than any
+   member can have processed (the run's credited maximum rate for a day, ``for_spec``).
 2. **Norms**: each member's part is scaled down to at most ``clip`` (1) times the lower
    median of the contributing members' part norms (no clipping when that median is 0), so
    no member moves the mean further than a typical member does. Honest members' norms are
@@ -27,9 +32,10 @@ against the others before averaging:
    a sign flip.
 
 A member is **named** (an offence, returned with the reason, to be reported and denied credit
-for the round) when its weight or norm exceeds ``flag`` (10) times its bound (a part so far
-out carries nothing to trust and is left out, not clipped: clipped, a random vector at the
-median norm still added noise worth +1.8% of held-out loss; one merely clipped is not named).
+for the round) when its weight exceeds ``max_weight``, or its norm exceeds ``flag`` (10) times
+its bound (a part so far out carries nothing to trust and is left out, not clipped: clipped, a
+random vector at the median norm still added noise worth +1.8% of held-out loss; one merely
+clipped is not named).
 Honest members mostly stay within 1.5x of the median, but not always: with a flag of 3 a
 clean 4-peer run on a loaded CI machine named an honest member whose part was 3.7x the
 median, and a named member loses its credit for the round; the attacks the tests try are
@@ -60,14 +66,16 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from protocol.spec import AveragingSection
+    from protocol.spec import AveragingSection, CreditsSection
 
 __all__ = [
     "DEFAULT_CLIP",
     "DEFAULT_FLAG",
     "DEFAULT_LEAVE_OUT_COSINE",
+    "DEFAULT_MAX_WEIGHT",
     "DEFAULT_MIN_COSINE",
     "DEFAULT_WEIGHT_CAP",
+    "HONEST_SPAN_S",
     "MIN_CONTRIBUTING_WEIGHT",
     "Alignment",
     "Reduced",
@@ -82,6 +90,12 @@ DEFAULT_MIN_COSINE = 0.0
 DEFAULT_LEAVE_OUT_COSINE = 0.0
 MIN_MEMBERS_FOR_DIRECTION = 3
 """With two members, neither can be told from the other by direction."""
+HONEST_SPAN_S = 86_400.0
+"""``for_spec``'s ``max_weight`` is the samples of this long at the run's credited maximum rate
+(``credits.max_samples_per_second``): a member whose rounds failed for a day re-syncs long
+before (``peer.watchdog``), and a self-reported 1e15 is far above it."""
+DEFAULT_MAX_WEIGHT = 10_000.0 * HONEST_SPAN_S
+"""``max_weight`` at the spec's default ``max_samples_per_second`` (10,000)."""
 MIN_CONTRIBUTING_WEIGHT = 1e-6
 """Weights at or below this (0 for a stale member, ~1e-12 for one with no samples) count
 nothing and set no median."""
@@ -100,16 +114,20 @@ class RobustRule:
     min_cosine: float = DEFAULT_MIN_COSINE
     """A member whose parts' pooled cosine with the others' is below this is named (-1: never)."""
     flag: float = DEFAULT_FLAG
-    """A weight or norm over this many times its bound names the member as an offender."""
+    """A norm over this many times its bound names the member as an offender."""
+    max_weight: float = DEFAULT_MAX_WEIGHT
+    """A weight above this (samples no member can have processed) names the member; below it a
+    weight is only capped."""
 
     @classmethod
     def off(cls) -> RobustRule:
         """The plain weighted mean: no cap, no clipping, no direction check."""
-        return cls(clip=0, weight_cap=0, leave_out_cosine=-1, min_cosine=-1)
+        return cls(clip=0, weight_cap=0, leave_out_cosine=-1, min_cosine=-1, max_weight=math.inf)
 
     @classmethod
-    def for_spec(cls, averaging: AveragingSection) -> RobustRule:
-        """The rule a run's reducers apply: the spec's keys, or ``off`` where ``robust`` is false."""
+    def for_spec(cls, averaging: AveragingSection, credits: CreditsSection | None = None) -> RobustRule:
+        """The rule a run's reducers apply: the spec's keys, or ``off`` where ``robust`` is false;
+        ``max_weight`` from ``credits.max_samples_per_second`` (``HONEST_SPAN_S``)."""
         if not averaging.robust:
             return cls.off()
         return cls(
@@ -118,6 +136,7 @@ class RobustRule:
             leave_out_cosine=averaging.leave_out_cosine,
             min_cosine=averaging.min_cosine,
             flag=averaging.flag,
+            max_weight=(credits.max_samples_per_second * HONEST_SPAN_S) if credits is not None else DEFAULT_MAX_WEIGHT,
         )
 
     def __post_init__(self) -> None:
@@ -128,6 +147,8 @@ class RobustRule:
                 raise ValueError(f"{name} must be in [-1, 1], got {getattr(self, name)}")
         if not self.flag >= 1:
             raise ValueError(f"flag must be >= 1, got {self.flag}")
+        if not self.max_weight > 0:
+            raise ValueError(f"max_weight must be > 0, got {self.max_weight}")
 
 
 @dataclass
@@ -205,13 +226,13 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], rule: R
         cap = rule.weight_cap * typical
         for i in contributing:
             if used[i] > cap:
-                if used[i] > rule.flag * cap:
-                    offences[i] = (
-                        f"weight {used[i]:.4g} is over {rule.flag * rule.weight_cap:g}x the group's median "
-                        f"{typical:.4g} (left out)"
-                    )
                 used[i] = cap
                 capped += 1
+    for i in contributing:
+        if weights[i] > rule.max_weight:
+            offences[i] = (
+                f"weight {weights[i]:.4g} is over {rule.max_weight:.4g}, more than a member can have (left out)"
+            )
     scale = [1.0] * len(parts)
     if rule.clip:
         norms = {i: float(torch.linalg.vector_norm(parts[i].float())) for i in contributing}

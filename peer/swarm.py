@@ -292,7 +292,7 @@ class Swarm:
             client_mode=self.client_mode,
             gate=self.gate,
             streams=averaging.streams,
-            robust=RobustRule.for_spec(averaging),
+            robust=RobustRule.for_spec(averaging, spec.credits),
             audit=averaging.audit,
             updates=self.updates,
         )

@@ -309,7 +309,7 @@ class AveragingSection(_Section):
     """Robust averaging: a member's self-reported samples weigh at most this many times the
     median member's (0: off; else >= 1)."""
     flag: Annotated[float, Field(ge=1, le=1e6)] = 10.0
-    """Robust averaging: a member whose norm or weight exceeds its bound this many times over
+    """Robust averaging: a member whose part's norm exceeds its bound this many times over
     is named an offender (logged, reported, denied credit for the round) and left out; below
     that it is only clipped. 3 named an honest member of a clean run under load (3.7x)."""
     leave_out_cosine: Annotated[float, Field(ge=-1, le=1)] = 0.0

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.robust import Alignment, RobustRule, direction_offence, lower_median, robust_mean
+from engine.robust import (
+    DEFAULT_MAX_WEIGHT,
+    HONEST_SPAN_S,
+    Alignment,
+    RobustRule,
+    direction_offence,
+    lower_median,
+    robust_mean,
+)
+from protocol.spec import AveragingSection, CreditsSection
 
 RULE = RobustRule(clip=1.0, weight_cap=2.0, flag=3.0)
 OFF = RobustRule.off()
@@ -55,7 +64,7 @@ def test_a_huge_self_reported_weight_is_capped_and_named() -> None:
     parts = honest(4)
     reduced = robust_mean(parts, [100.0, 100.0, 1e15, 100.0], RULE)
     mean, offences = reduced.mean, reduced.offences
-    assert list(offences) == [2] and "is over 6x the group's median 100 (left out)" in offences[2]
+    assert list(offences) == [2] and f"is over {DEFAULT_MAX_WEIGHT:.4g}, more than a member can have" in offences[2]
     median = lower_median([float(p.norm()) for p in parts])  # the medians include the named one
     expected = sum(p * min(1.0, median / float(p.norm())) for p in (parts[0], parts[1], parts[3])) / 3
     assert torch.allclose(mean, expected, atol=1e-6)
@@ -64,6 +73,27 @@ def test_a_huge_self_reported_weight_is_capped_and_named() -> None:
 def test_a_weight_within_flag_times_the_cap_is_capped_but_not_named() -> None:
     offences = robust_mean(honest(4), [100.0, 100.0, 500.0, 100.0], RULE).offences
     assert offences == {}
+
+
+def test_an_honest_heavy_member_beside_newcomers_is_capped_not_named() -> None:
+    """The soak's false accusation: a member whose last rounds failed brought 3,352 samples
+    to a round where a newcomer brought 144 (and others 0): 23x the median is honest churn (or
+    a datacenter GPU beside a laptop), capped to bound its influence, never named (a named
+    member is left out and denied its credit)."""
+    parts = honest(5)
+    weights = [144.0, 0.0, 0.0, 3352.0, 0.0]
+    reduced = robust_mean(parts, weights, RobustRule())
+    assert reduced.offences == {}
+    capped = robust_mean(parts, [144.0, 0.0, 0.0, 288.0, 0.0], RobustRule()).mean
+    assert torch.allclose(reduced.mean, capped, atol=1e-6)  # weighed as 2x the median, no more
+
+
+def test_the_weight_bound_follows_the_runs_credited_rate() -> None:
+    rule = RobustRule.for_spec(AveragingSection(), CreditsSection(max_samples_per_second=50.0))
+    assert rule.max_weight == 50.0 * HONEST_SPAN_S
+    weights = [100.0, 100.0, 50.0 * HONEST_SPAN_S + 1, 100.0]
+    assert list(robust_mean(honest(4), weights, rule).offences) == [2]
+    assert RobustRule.off().max_weight == float("inf")  # the plain mean names nobody
 
 
 def test_members_that_count_nothing_set_no_median() -> None:
