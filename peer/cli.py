@@ -831,7 +831,7 @@ def _train(
             link.report(metrics)
         watchdog.on_round(metrics)
 
-    trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display)
+    trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display, journal=link)
     if link is not None:
         link.phase_of = lambda: trainer.phase.value  # heartbeats say when it waits for its group
     try:

@@ -114,6 +114,26 @@ class CoordinatorLink(threading.Thread):
                 return
             self._wake.set()
 
+    def landing(self, metrics: RoundMetrics) -> None:
+        """The round ``metrics`` describes averaged and begins to land: keep its report without
+        the digest (``ReportOutbox.start``), for a restarted peer to finish should this one be
+        killed before the round is recorded."""
+        try:
+            self.outbox.start(report_body(metrics))
+        except OSError as exc:
+            logger.error("could not keep the report of round %d while it lands: %s", metrics.round, exc)
+
+    def holds(self, round_: int, digest: str) -> None:
+        """This peer holds the state of ``round_``: a report its previous run left unfinished for
+        that round goes now (``ReportOutbox.holds``)."""
+        try:
+            finished = self.outbox.holds(round_, digest)
+        except OSError as exc:
+            logger.error("could not finish the report of round %d: %s", round_, exc)
+            return
+        if finished:
+            self._wake.set()
+
     def heartbeat_body(self) -> pb.HeartbeatBody:
         """The next heartbeat: the last round's figures and the trainer's phase now."""
         body = pb.HeartbeatBody()

@@ -10,6 +10,17 @@ with the same directory (its node key, which signs reports, lives there too) sen
 oldest first, as soon as it is admitted; the coordinator decides a round a minute after its
 first report and takes a resent report once (``Coordinator.report_round``: "already reported").
 
+A report is whole only once its round's state is hashed, at the end of the landing; a peer
+killed between its group's all-reduce and that moment (the landing is the longest stretch of a
+round's host work) would leave its partners with a member that never reports, and a pair with
+one witness credits nobody. So when the all-reduce returns, the report without its digest is
+kept too (``start``: ``NNN.landing``). The landed round's report replaces it (``put``); a peer
+started again that comes to hold that round's state (its checkpoint resumed, or the swarm's
+state adopted, digest verified against the swarm's records) finishes it with that digest and
+sends it (``holds``): its group landed exactly that state with its contribution in it, and the
+report says no more than that. A peer that comes to hold a later round first cannot finish it:
+it goes, logged.
+
 Without a directory the outbox lives in memory only. Either way it holds at most
 ``MAX_PENDING`` reports (a coordinator away for hours): the oldest go first, logged.
 """
@@ -35,6 +46,7 @@ OUTBOX_DIR = "reports"
 MAX_PENDING = 1024
 """At most this many reports wait (each a few hundred bytes plus ~80 a group member)."""
 _SUFFIX = ".pb"
+_UNFINISHED = ".landing"
 _UNREADABLE = ".unreadable"
 
 
@@ -45,6 +57,8 @@ class ReportOutbox:
         self.where = where
         self._lock = threading.Lock()
         self._pending: deque[tuple[pb.RoundReportBody, Path | None]] = deque()
+        self._unfinished: dict[int, tuple[pb.RoundReportBody, Path | None]] = {}
+        """Reports of rounds whose landing had not finished, by round (no digest yet)."""
         if where is not None:
             where.mkdir(parents=True, exist_ok=True)
             self._load(where)
@@ -52,19 +66,21 @@ class ReportOutbox:
     def _load(self, where: Path) -> None:
         """Take up the reports a previous run of this peer left (a write it did not finish is
         no report: its temporary file goes; a file that does not parse is set aside, named)."""
-        for leftover in where.glob(f"*{_SUFFIX}.tmp"):
+        for leftover in where.glob("*.tmp"):
             leftover.unlink(missing_ok=True)
         for path in sorted(where.glob(f"*{_SUFFIX}")):
-            body = pb.RoundReportBody()
-            try:
-                body.ParseFromString(path.read_bytes())
-            except (DecodeError, OSError) as exc:
-                aside = path.with_suffix(_UNREADABLE)
-                logger.warning("report outbox: %s does not parse (%s); set aside as %s", path, exc, aside.name)
-                path.replace(aside)
-                continue
-            self._pending.append((body, path))
+            if (body := _read(path)) is not None:
+                self._pending.append((body, path))
+        for path in sorted(where.glob(f"*{_UNFINISHED}")):
+            if (body := _read(path)) is not None:
+                self._unfinished[body.round] = (body, path)
         self._trim()
+        if self._unfinished:
+            logger.info(
+                "report outbox: rounds %s were landing when this peer stopped; their reports go once it holds "
+                "that round's state",
+                sorted(self._unfinished),
+            )
         if self._pending:
             rounds = [body.round for body, _ in self._pending]
             logger.info(
@@ -72,24 +88,72 @@ class ReportOutbox:
             )
 
     def put(self, body: pb.RoundReportBody) -> None:
-        """Keep ``body`` (on disk first, when the outbox has a directory) until ``done``."""
-        path = None
-        if self.where is not None:
-            path = self.where / f"{body.round:012d}{_SUFFIX}"
-            temporary = path.with_name(path.name + ".tmp")
-            with temporary.open("wb") as handle:
-                handle.write(body.SerializeToString())
-                handle.flush()
-                os.fsync(handle.fileno())
-            temporary.replace(path)
-            directory = os.open(self.where, os.O_RDONLY)
-            try:  # the rename itself survives a power cut
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+        """Keep ``body`` (on disk first, when the outbox has a directory) until ``done``; it
+        replaces the unfinished report of its round (and any older one: never to be finished)."""
+        path = self._write(body, _SUFFIX)
         with self._lock:
             self._pending.append((body, path))
             self._trim()
+            gone = [self._unfinished.pop(r) for r in sorted(self._unfinished) if r <= body.round]
+        for _, unfinished in gone:
+            if unfinished is not None:
+                unfinished.unlink(missing_ok=True)
+
+    def start(self, body: pb.RoundReportBody) -> None:
+        """Keep the report of a round whose landing begins (``body`` without its digest) until
+        the landed round's report replaces it (``put``) or a restarted peer finishes it (``holds``)."""
+        path = self._write(body, _UNFINISHED)
+        with self._lock:
+            self._unfinished[body.round] = (body, path)
+
+    def holds(self, round_: int, digest: str) -> bool:
+        """This peer holds the state of ``round_`` (digest ``digest``, its own or verified against
+        the swarm's records): finish that round's unfinished report with it and send it; drop the
+        unfinished reports of earlier rounds (they can no longer be finished). True if one was."""
+        with self._lock:
+            gone = [(r, *self._unfinished.pop(r)) for r in sorted(self._unfinished) if r <= round_]
+        finished = False
+        for number, body, path in gone:
+            if number == round_ and digest:
+                body.state_digest = digest
+                self.put(body)
+                finished = True
+                logger.info(
+                    "report outbox: finished the report of round %d, which this peer was landing when it stopped",
+                    number,
+                )
+            else:
+                logger.info(
+                    "report outbox: the report of round %d cannot be finished (this peer holds round %d)",
+                    number,
+                    round_,
+                )
+            if path is not None:
+                path.unlink(missing_ok=True)
+        return finished
+
+    def unfinished(self) -> list[int]:
+        """The rounds whose reports wait for their digest, oldest first."""
+        with self._lock:
+            return sorted(self._unfinished)
+
+    def _write(self, body: pb.RoundReportBody, suffix: str) -> Path | None:
+        """Write ``body`` atomically under the outbox's folder (None without one)."""
+        if self.where is None:
+            return None
+        path = self.where / f"{body.round:012d}{suffix}"
+        temporary = path.with_name(path.name + ".tmp")
+        with temporary.open("wb") as handle:
+            handle.write(body.SerializeToString())
+            handle.flush()
+            os.fsync(handle.fileno())
+        temporary.replace(path)
+        directory = os.open(self.where, os.O_RDONLY)
+        try:  # the rename itself survives a power cut
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return path
 
     def first(self) -> pb.RoundReportBody | None:
         """The oldest report waiting, or None."""
@@ -115,3 +179,16 @@ class ReportOutbox:
             logger.warning("report outbox: more than %d reports waiting; dropped round %d's", MAX_PENDING, body.round)
             if path is not None:
                 path.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> pb.RoundReportBody | None:
+    """The report in ``path``, or None if it does not parse (then set aside, named)."""
+    body = pb.RoundReportBody()
+    try:
+        body.ParseFromString(path.read_bytes())
+    except (DecodeError, OSError) as exc:
+        aside = path.with_suffix(_UNREADABLE)
+        logger.warning("report outbox: %s does not parse (%s); set aside as %s", path, exc, aside.name)
+        path.replace(aside)
+        return None
+    return body

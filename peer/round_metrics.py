@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from peer.data_assignment import DataRead
 from protocol.gathered import Gathered
@@ -95,3 +95,15 @@ class RoundMetrics:
     def as_dict(self) -> dict[str, Any]:
         """The metrics file's row (JSON-ready: the members and data as maps)."""
         return dataclasses.asdict(self)
+
+
+class RoundJournal(Protocol):
+    """Where the trainer says what a report of a round needs beyond its metrics
+    (``peer.coordinator_link.CoordinatorLink``): that a round begins to land, and which state
+    this peer holds."""
+
+    def landing(self, metrics: RoundMetrics) -> None:
+        """The round averaged and its landing begins (``metrics`` without the state's digest)."""
+
+    def holds(self, round_: int, digest: str) -> None:
+        """This peer holds the state of ``round_`` with ``digest`` (resumed, or adopted verified)."""

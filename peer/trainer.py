@@ -67,7 +67,7 @@ from peer.node import LocalNode
 from peer.progress import InnerProgress, NoProgress, ProgressSink
 from peer.roster_book import RosterBook
 from peer.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
-from peer.round_metrics import RoundMetrics
+from peer.round_metrics import RoundJournal, RoundMetrics
 from peer.schedule import inner_lr, outer_lr
 from peer.state import GlobalState, flatten, load_flat
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
@@ -309,9 +309,12 @@ class Trainer:
         options: TrainerOptions,
         on_round: Callable[[RoundMetrics], None] | None = None,
         progress: ProgressSink | None = None,
+        journal: RoundJournal | None = None,
     ) -> None:
         self.spec, self.task, self.swarm, self.options = spec, task, swarm, options
         self.on_round = on_round or (lambda metrics: None)
+        self.journal = journal
+        """Told when a round begins to land and which state this peer holds (the reports)."""
         self.progress: ProgressSink = progress or NoProgress()
         # sharded over local ranks, this is the leader's plain full copy (host memory), and the
         # ranks train FSDP2 shards of it on their devices (``peer.node``)
@@ -393,6 +396,8 @@ class Trainer:
         self.inner_steps_done = int(record["inner_steps_done"])
         self._data_round = int(record.get("data_round", -1))
         logger.info("resumed from the checkpoint of round %d (%s)", self.state.round, self.state.digest()[:19])
+        if self.journal is not None:
+            self.journal.holds(self.state.round, self.state.digest())
 
     def save_checkpoint(self) -> None:
         if self.checkpointer is None:
@@ -822,10 +827,12 @@ class Trainer:
                 while not flight.pending.wait(LANDED_CHECK_S):
                     self._abandon_if_landed(flight)
             result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
-            if result is not None:
-                logger.info("round %d averaged in a group of %d: landing it", self.state.round, result.group_size)
             landed = time.monotonic()
             flight.wait_s = landed - wait_started
+            if result is not None:
+                logger.info("round %d averaged in a group of %d: landing it", self.state.round, result.group_size)
+                if self.journal is not None:
+                    self.journal.landing(self._round_metrics(flight, self.state.round + 1))
             self.phase = Phase.APPLYING
             landing = self._apply(flight, result)
             flight.host_s = time.monotonic() - landed
@@ -849,9 +856,21 @@ class Trainer:
     def _landed_round(self, flight: _InFlight, *, digest_known: bool) -> None:
         """Record a round that landed (or failed): its metrics, once the new state's digest is known."""
         result = flight.result
+        metrics = self._round_metrics(flight, self.state.round)
+        checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
+        kept = (self.state.round - 1, flight.pre_digest, list(result.left_out)) if result and self.in_sync else None
+        at = time.time() if kept is not None else None
+        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s, kept, at)
+        if digest_known:
+            self._record_landed(wait=True)
+
+    def _round_metrics(self, flight: _InFlight, round_: int) -> RoundMetrics:
+        """The metrics of the round ``flight`` averaged (or failed), numbered ``round_``, without
+        the new state's digest."""
+        result = flight.result
         landing_s = flight.landing.result() if flight.landing is not None else 0.0
-        metrics = RoundMetrics(
-            round=self.state.round,
+        return RoundMetrics(
+            round=round_,
             group_size=result.group_size if result else 1,
             samples=flight.samples,
             loss=flight.loss,
@@ -880,12 +899,6 @@ class Trainer:
             launch_s=round(flight.prep_s, 4),
             landing_s=round(landing_s, 4),
         )
-        checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
-        kept = (self.state.round - 1, flight.pre_digest, list(result.left_out)) if result and self.in_sync else None
-        at = time.time() if kept is not None else None
-        self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s, kept, at)
-        if digest_known:
-            self._record_landed(wait=True)
 
     def _record_landed(self, *, wait: bool) -> None:
         """Finish the round that landed last once the new state's digest is known (it is hashed
@@ -1434,6 +1447,8 @@ class Trainer:
             self._mirror.forget_theta()
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.in_sync = True
+        if self.journal is not None:
+            self.journal.holds(round_, state.digest())
         self.roster.adopted(
             self.swarm.roster_of(state.digest(), exclude=self.identity.public_key),
             round_=round_,

@@ -189,3 +189,64 @@ def test_a_coordinator_that_restarted_is_joined_again_before_the_report_not_take
         assert coordinator.joins == 1 and not link.refused
     finally:
         link.stop()
+
+
+def unfinished(round_: int) -> pb.RoundReportBody:
+    landing = body(round_)
+    landing.state_digest = ""
+    return landing
+
+
+def test_a_report_left_while_landing_is_finished_by_the_state_the_restarted_peer_holds(tmp_path: Path) -> None:
+    where = tmp_path / OUTBOX_DIR
+    killed = ReportOutbox(where)
+    killed.start(unfinished(12))
+    assert killed.first() is None, "nothing to send without the digest"
+    # the peer is killed while it lands round 12; started again, it resumes round 11's checkpoint
+    again = ReportOutbox(where)
+    assert again.unfinished() == [12] and again.first() is None
+    assert not again.holds(11, "blake3:" + "11" * 32)
+    assert again.unfinished() == [12]
+    # and adopts the swarm's round 12 (its group's, digest verified): the report goes with it
+    assert again.holds(12, body(12).state_digest)
+    sent = again.first()
+    assert sent is not None and sent.round == 12 and sent.samples == 120 and sent.state_digest == body(12).state_digest
+    assert again.unfinished() == [] and not list(where.glob("*.landing"))
+    assert ReportOutbox(where).first() == sent, "on disk as a whole report"
+
+
+def test_a_landed_round_replaces_its_unfinished_report(tmp_path: Path) -> None:
+    where = tmp_path / OUTBOX_DIR
+    outbox = ReportOutbox(where)
+    outbox.start(unfinished(5))
+    outbox.start(unfinished(6))
+    outbox.put(body(6))  # round 5's landing never ended in a report (the peer re-synced): it can never be
+    assert outbox.unfinished() == [] and not list(where.glob("*.landing"))
+    assert [outbox.first().round] == [6]  # type: ignore[union-attr]
+
+
+def test_a_later_state_drops_reports_that_can_no_longer_be_finished(tmp_path: Path) -> None:
+    where = tmp_path / OUTBOX_DIR
+    ReportOutbox(where).start(unfinished(12))
+    again = ReportOutbox(where)
+    assert not again.holds(15, "blake3:" + "15" * 32)  # the swarm moved on while it was away
+    assert again.unfinished() == [] and again.first() is None and not list(where.iterdir())
+
+
+def test_the_link_sends_a_finished_report_at_once(tmp_path: Path) -> None:
+    sent: list[int] = []
+
+    class Client:
+        def report_round(self, report: pb.RoundReportBody) -> pb.RoundReportResponse:
+            sent.append(report.round)
+            return pb.RoundReportResponse()
+
+    outbox = ReportOutbox(tmp_path / OUTBOX_DIR)
+    outbox.start(unfinished(3))
+    link = CoordinatorLink(Client(), interval_s=3600, rejoin=JoinAs(), outbox=outbox)  # type: ignore[arg-type]
+    link.connected = True
+    link._send_reports()
+    assert sent == []
+    link.holds(3, body(3).state_digest)
+    link._send_reports()
+    assert sent == [3] and len(outbox) == 0

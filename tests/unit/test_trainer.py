@@ -16,6 +16,7 @@ import torch
 
 import peer.trainer
 from engine.checkpoint import Checkpointer
+from peer.round_metrics import RoundMetrics
 from peer.state import GlobalState, flatten, outer_step
 from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.task import build_task
@@ -434,6 +435,42 @@ def test_first_round_waits_for_the_group_then_gives_up_at_its_deadline() -> None
     assert trainer.wait_for_group() is False  # a stop request ends the wait
 
 
+class Journal:
+    """What the trainer tells the coordinator link about reports (``RoundJournal``), in order."""
+
+    def __init__(self) -> None:
+        self.said: list[tuple[str, int, str]] = []
+
+    def landing(self, metrics: RoundMetrics) -> None:
+        self.said.append(("landing", metrics.round, metrics.state_digest))
+
+    def holds(self, round_: int, digest: str) -> None:
+        self.said.append(("holds", round_, digest))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_round_says_it_lands_before_it_is_recorded_and_a_resumed_peer_what_it_holds(
+    tmp_path: Path, overlap: bool
+) -> None:
+    """The report of a round begins when its all-reduce returns, numbered as the round it
+    becomes (a peer killed in its landing finishes it once it holds that state again)."""
+    spec = parse_spec(SPEC)
+    swarm, journal = RecordingSwarm(), Journal()
+    options = TrainerOptions(max_rounds=2, checkpoint_dir=tmp_path, overlap=overlap)
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options, journal=journal)  # type: ignore[arg-type]
+    assert journal.said == []  # nothing to resume
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], 1, 1, 0.0)
+    trainer.on_round = lambda m: journal.said.append(("round", m.round, m.state_digest))
+    trainer.run()
+    assert [(what, r) for what, r, _ in journal.said] == [("landing", 1), ("round", 1), ("landing", 2), ("round", 2)]
+    assert [d for what, _, d in journal.said if what == "landing"] == ["", ""]
+    resumed = Journal()
+    Trainer(
+        spec, build_task(spec, shard_seed=1), RecordingSwarm(), TrainerOptions(checkpoint_dir=tmp_path), journal=resumed
+    )  # type: ignore[arg-type]
+    assert resumed.said == [("holds", 2, trainer.state.digest())]
+
+
 def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
     spec = parse_spec(SPEC)
     task = build_task(spec, shard_seed=1)
@@ -459,9 +496,11 @@ def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
 
     swarm = Swarm()
     swarm.averager = Averager()
-    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    journal = Journal()
+    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1), journal=journal)  # type: ignore[arg-type]
     assert trainer.catch_up()
     assert trainer.state.round == 3 and trainer.state.digest() == served.digest()
+    assert journal.said == [("holds", 3, served.digest())]  # a report its last run left for round 3 goes
     assert Averager.asked == [{"sha256:round5"}, {"sha256:round4"}, {served.digest()}]  # newest first
 
 
