@@ -373,9 +373,11 @@ class Trainer:
         self.checkpointer = (
             Checkpointer(options.checkpoint_dir, spec_digest=spec.digest()) if options.checkpoint_dir else None
         )
+        self._resumed_landed: float | None = None
+        """When this peer landed the state its checkpoint holds (None: adopted, or no checkpoint)."""
         if self.checkpointer is not None:
             self._restore()
-        self._snapshot: tuple[int, str, float | None] = (self.state.round, self.state.digest(), None)
+        self._snapshot: tuple[int, str, float | None] = (self.state.round, self.state.digest(), self._resumed_landed)
         self._published_at = time.monotonic()
         swarm.serve_state(self._serve)
 
@@ -395,6 +397,8 @@ class Trainer:
             self.feedback.load_residual(record["residual"])
         self.inner_steps_done = int(record["inner_steps_done"])
         self._data_round = int(record.get("data_round", -1))
+        landed = record.get("landed")
+        self._resumed_landed = float(landed) if isinstance(landed, (int, float)) and math.isfinite(landed) else None
         logger.info("resumed from the checkpoint of round %d (%s)", self.state.round, self.state.digest()[:19])
         if self.journal is not None:
             self.journal.holds(self.state.round, self.state.digest())
@@ -414,6 +418,10 @@ class Trainer:
                 "residual": self.feedback.state if self.feedback is not None else None,
                 "inner_steps_done": self.inner_steps_done,
                 "data_round": self._data_round,
+                # when this peer landed this state by averaging (None: adopted): resumed, its
+                # digest record says so again, or a group beside it that lost its roster could
+                # take the round for unlanded (``protocol.roster.landed_beside``)
+                "landed": self._snapshot[2] if self._snapshot[:2] == (self.state.round, self.state.digest()) else None,
             },
             digest=self.state.digest(),
         )

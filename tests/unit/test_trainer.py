@@ -403,6 +403,10 @@ def test_checkpoint_resume_restores_everything(tmp_path) -> None:  # type: ignor
     assert resumed.inner_steps_done == trainer.inner_steps_done
     assert torch.equal(flatten(resumed.model), flatten(trainer.model))
     assert torch.equal(resumed.feedback.residual, trainer.feedback.residual)  # type: ignore[union-attr]
+    # its digest record says again when it landed that state: a group that released its roster
+    # fences on it (the soak: a pair landed round 18, both members restarted within seconds,
+    # their records lost the landing time, and a rosterless group beside them landed 18 too)
+    assert trainer._snapshot[2] is not None and resumed._snapshot == trainer._snapshot
 
 
 def test_corrupted_or_foreign_checkpoints_are_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
