@@ -57,8 +57,8 @@ OPEN_TIMEOUT_S = 10.0
 """The longest a member that is gone (its ``all_averagers`` entry lives 30 s) holds up the search."""
 ANSWER_TIMEOUT_S = 3.0
 """The longest a server may take to say whether it keeps the update asked for (a header or "none",
-a few bytes): one slower (a busy archive took 5-10 s) is left out for ``SLOW_SERVER_S`` where a
-faster one answered, so that it does not hold up a newcomer asking every quarter second whether a
+a few bytes): one slower (a busy archive took 5-10 s), or one that failed (gone: the dial
+fails), is left out for ``SLOW_SERVER_S`` where another answered, so that it does not hold up a newcomer asking every quarter second whether a
 round's update is kept, nor each chain's end by this timeout."""
 MAX_SERVERS_ASKED = 8
 """Members asked for one update, at random: in a swarm of thousands a newcomer whose state no
@@ -226,9 +226,12 @@ class UpdateTransferMixin:
                 try:
                     chain = await self._download_chain_from(peer, round_, digest, timeout)
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
+                    # a member gone (its listing lives on a while) fails to dial, a busy one
+                    # times out: either is asked last for ``SLOW_SERVER_S``, not again at each
+                    # quarter-second ask (a dial to a dead peer costs a newcomer up to
+                    # ``OPEN_TIMEOUT_S``; the soak's logs showed three failed dials a second)
                     logger.info("no update of round %d from %s: %s", round_, peer, str(exc) or type(exc).__name__)
-                    if isinstance(exc, asyncio.TimeoutError):
-                        self.__dict__.setdefault("_slow_servers", {})[peer] = time.monotonic()
+                    slow[peer] = time.monotonic()
                     continue
                 logger.debug(
                     "round %d on: %d updates from %s in %.2f s", round_, len(chain), peer, time.monotonic() - asked

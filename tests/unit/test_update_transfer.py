@@ -373,3 +373,32 @@ def test_a_server_once_slow_is_not_asked_where_a_faster_one_had_nothing() -> Non
     asked.clear()
     asyncio.run(Asker(["archive"])._download_update(3, "d3", 5.0, _Answer()))  # type: ignore[arg-type]
     assert asked == ["archive"]
+
+
+def test_a_server_that_failed_to_dial_is_asked_last_and_not_again_at_once() -> None:
+    """A member gone (its listing outlives it) fails to dial: a newcomer rolling forward asks
+    four times a second whether the next round's update is kept, and asked the dead member each
+    time (three failed dials a second in the soak's logs, each up to ``OPEN_TIMEOUT_S`` on a
+    real network). Once it failed it waits behind the others, like a slow one."""
+    asked: list[str] = []
+
+    class Asker(_Newcomer):
+        def __init__(self) -> None:
+            super().__init__(None)
+
+        async def _update_servers(self) -> list[Any]:
+            slow = self.__dict__.setdefault("_slow_servers", {})
+            return sorted(["gone", "member"], key=lambda peer: peer in slow)  # as the real listing sorts
+
+        async def _download_chain_from(self, peer: Any, round_: int, digest: str, timeout: float) -> list[Any]:
+            asked.append(peer)
+            if peer == "gone":
+                raise ConnectionError("failed to dial: all dials failed")
+            return []
+
+    asker = Asker()
+    asyncio.run(asker._download_update(3, "d3", 5.0, _Answer()))  # type: ignore[arg-type]
+    assert sorted(asked) == ["gone", "member"]
+    asked.clear()
+    asyncio.run(asker._download_update(3, "d3", 5.0, _Answer()))  # type: ignore[arg-type]
+    assert asked == ["member"]
