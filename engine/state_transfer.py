@@ -111,6 +111,9 @@ class StateTransferMixin:
                 except Exception as exc:  # noqa: BLE001 - any failure of one peer: try the next
                     logger.warning("refused state from %s: %s", peer, str(exc) or type(exc).__name__)
                     continue
+                # it is up, it is admitted and its link is warm: the rounds' updates the newcomer
+                # rolls forward by are asked of it first (``UpdateTransferMixin._update_servers``)
+                self.__dict__["_update_server"] = peer
                 future.set_result(state)
                 return
         finally:
