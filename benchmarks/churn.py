@@ -62,10 +62,8 @@ from typing import Any
 
 from benchmarks.netsim import NotRootError, WanSim
 from benchmarks.slow_join import ONE_THREAD, SPEC, SW, contributed, metrics_rows, wait_for
-from benchmarks.topologies import MAPPED_BASE, PEER_PORT, Place, Topology
+from benchmarks.topologies import PEER_PORT, PLACES, public_run
 
-CYCLE: tuple[Place, ...] = ("datacenter", "rented", "home", "home")
-"""Where peer ``i`` sits: ``CYCLE[i % 4]`` (a quarter in datacenters, a quarter rented, half at home)."""
 OUTAGE_S = 20.0
 """How long the coordinator stays down at each restart."""
 STARTUP_S = 4.0
@@ -126,13 +124,6 @@ class ChurnFigures:
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as answer:
         return json.loads(answer.read())
-
-
-def lab(peers: int) -> Topology:
-    """``peers`` hosts ``p0``... placed by ``CYCLE``, rented ones with their port mappings."""
-    places: dict[str, Place] = {f"p{i}": CYCLE[i % len(CYCLE)] for i in range(peers)}
-    mapped = {host: MAPPED_BASE + i for i, (host, place) in enumerate(places.items()) if place == "rented"}
-    return Topology("churn-lab", places, mapped)
 
 
 class _Slot:
@@ -251,7 +242,7 @@ def run(
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(codec="sparse", phase_s=phase_s, steps=100_000, density=""))
     figures = ChurnFigures(churn=churn, window_s=window_s)
-    where = lab(peers)
+    where = public_run(peers)
     names = list(where.places)
     churners = names[peers - churning :]
     rng = random.Random(seed)
@@ -400,7 +391,7 @@ def _markdown(results: list[ChurnFigures], args: argparse.Namespace) -> str:
     base, churned = results
     ratio = churned.sample_goodput / base.sample_goodput if base.sample_goodput else float("nan")
     time_ratio = churned.goodput / base.goodput if base.goodput else float("nan")
-    kinds = {place: sum(1 for p in churned.places.values() if p == place) for place in CYCLE}
+    kinds = {place: sum(1 for p in churned.places.values() if p == place) for place in PLACES}
     churning = ", ".join(f"{name} ({churned.places[name]})" for name in churned.churners)
     joins = sum(1 for e in churned.events if e.startswith("+p"))
     leaves = sum(1 for e in churned.events if e.startswith("-p"))

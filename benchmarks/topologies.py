@@ -14,7 +14,8 @@ netem), every rate a ``tc tbf``.
 
 Topologies (``--topology`` of ``benchmarks.nat_paths``): ``home-nat`` (every peer at home),
 ``rented-gpu`` (every peer rented), ``datacenter`` (every peer in one) and ``mixed`` (one
-datacenter peer, one rented, the rest at home).
+datacenter peer, one rented, the rest at home); ``public_run`` places the churn lab's peers in
+turn (a quarter in datacenters, a quarter rented, half at home).
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ def topology(name: str, peers: int) -> Topology:
     places: dict[str, Place] = {f"p{i}": order[min(i, len(order) - 1)] for i in range(peers)}
     mapped = {host: MAPPED_BASE + i for i, (host, place) in enumerate(places.items()) if place == "rented"}
     return Topology(name, places, mapped)
+
+
+PUBLIC_RUN: tuple[Place, ...] = ("datacenter", "rented", "home", "home")
+"""The public-run lab's places, in turn: a quarter of the peers in datacenters, a quarter on
+rented GPUs, half at home (``benchmarks.churn``)."""
+
+
+def public_run(peers: int) -> Topology:
+    """``peers`` hosts ``p0``... placed by ``PUBLIC_RUN`` in turn (peer ``i`` at
+    ``PUBLIC_RUN[i % 4]``), rented ones with their port mappings; ValueError under 2 peers."""
+    if peers < 2:
+        raise ValueError(f"a topology needs at least 2 peers, got {peers}")
+    places: dict[str, Place] = {f"p{i}": PUBLIC_RUN[i % len(PUBLIC_RUN)] for i in range(peers)}
+    mapped = {host: MAPPED_BASE + i for i, (host, place) in enumerate(places.items()) if place == "rented"}
+    return Topology("public-run", places, mapped)
 
 
 def lab(n_direct: int, n_relayed: int) -> Topology:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.netsim import Nat
-from benchmarks.topologies import MAPPED_BASE, PEER_PORT, lab, rtt_ms, topology
+from benchmarks.topologies import MAPPED_BASE, PEER_PORT, lab, public_run, rtt_ms, topology
 
 
 def test_mixed_puts_one_peer_in_a_datacenter_one_on_a_rented_gpu_and_the_rest_at_home() -> None:
@@ -54,3 +54,15 @@ def test_the_plain_lab_puts_nat_routers_only_and_leaves_rate_and_delay_to_the_ca
     where = lab(2, 2)
     assert where.hosts == ["coord", "d0", "d1", "r0", "r1"]
     assert where.sim_kwargs() == {"nat": {"r0": Nat(), "r1": Nat()}}
+
+
+def test_the_public_run_lab_places_a_quarter_in_datacenters_a_quarter_rented_half_at_home() -> None:
+    where = public_run(12)
+    places = list(where.places.values())
+    assert places[:4] == ["datacenter", "rented", "home", "home"] and places[4:8] == places[:4]
+    assert [places.count(p) for p in ("datacenter", "rented", "home")] == [3, 3, 6]
+    assert where.announce_ports == {"p1": MAPPED_BASE + 1, "p5": MAPPED_BASE + 5, "p9": MAPPED_BASE + 9}
+    nat = where.sim_kwargs()["nat"]
+    assert nat["p9"] == Nat(forwards={MAPPED_BASE + 9: PEER_PORT}) and nat["p2"] == Nat() and "p0" not in nat
+    with pytest.raises(ValueError, match="at least 2"):
+        public_run(1)
