@@ -15,8 +15,9 @@ killed between its group's all-reduce and that moment (the landing is the longes
 round's host work) would leave its partners with a member that never reports, and a pair with
 one witness credits nobody. So when the all-reduce returns, the report without its digest is
 kept too (``start``: ``NNN.landing``). The landed round's report replaces it (``put``); a peer
-started again that comes to hold that round's state (its checkpoint resumed, or the swarm's
-state adopted, digest verified against the swarm's records) finishes it with that digest and
+started again that comes to hold that round's state (its checkpoint resumed, the swarm's
+state adopted, or rolled forward through on the way to it, digests verified against the swarm's
+records) finishes it with that digest and
 sends it (``holds``): its group landed exactly that state with its contribution in it, and the
 report says no more than that. A peer that comes to hold a later round first cannot finish it:
 it goes, logged.

@@ -373,6 +373,8 @@ class Trainer:
         self.checkpointer = (
             Checkpointer(options.checkpoint_dir, spec_digest=spec.digest()) if options.checkpoint_dir else None
         )
+        self._rolled_through: list[tuple[int, str]] = []
+        """The states (round, digest) the last roll forward passed through, for ``_adopt``."""
         self._resumed_landed: float | None = None
         """When this peer landed the state its checkpoint holds (None: adopted, or no checkpoint)."""
         if self.checkpointer is not None:
@@ -1377,6 +1379,7 @@ class Trainer:
         receive each round anyway. ``first``: an update already downloaded for ``state``."""
         digest = state.digest()
         rolled, update_bytes, started = 0, 0, time.monotonic()
+        through = [(state.round, digest)]
         patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
         timeout = self.spec.averaging.allreduce_timeout_s
         target = -1  # the round the records agreed on when last read
@@ -1401,6 +1404,7 @@ class Trainer:
                     )
                     return None
                 rolled, update_bytes = rolled + 1, update_bytes + update.size
+                through.append((state.round, digest))
                 patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
             if state.round < target and time.monotonic() <= patience:
                 # the records showed later rounds: their updates are being kept; asking again is a
@@ -1417,7 +1421,10 @@ class Trainer:
                 time.monotonic() - read,
             )
             if agreed is not None and agreed.round == state.round:
-                return self._rolled(state, rolled, update_bytes, started) if agreed.digest == digest else None
+                if agreed.digest != digest:
+                    return None
+                self._rolled_through = through  # verified: the chain ends at the agreed state
+                return self._rolled(state, rolled, update_bytes, started)
             if agreed is None and verified == digest:
                 return state  # as downloaded; the records have expired meanwhile
             if agreed is not None and agreed.round > state.round and download_s is None and not rolled:
@@ -1456,6 +1463,13 @@ class Trainer:
         load_flat(self.model, state.params if carried is None else torch.add(state.params, carried))
         self.in_sync = True
         if self.journal is not None:
+            # the states a roll forward passed through are the swarm's too (each update's result
+            # checked, the last against the records): a report left unfinished for one of them
+            # goes with its digest
+            through, self._rolled_through = self._rolled_through, []
+            for passed, digest in through:
+                if passed < round_:
+                    self.journal.holds(passed, digest)
             self.journal.holds(round_, state.digest())
         self.roster.adopted(
             self.swarm.roster_of(state.digest(), exclude=self.identity.public_key),

@@ -943,7 +943,8 @@ def test_a_newcomer_rolls_the_state_it_downloaded_forward_by_the_kept_updates(fo
             return update if update is not None and update.pre == digest else None
 
     swarm = Swarm()
-    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    journal = Journal()
+    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1), journal=journal)  # type: ignore[arg-type]
     first, after_first = _kept_update(trainer, downloaded, 1)
     second, after_second = _kept_update(trainer, after_first, 2)
     if forged == "claim":
@@ -957,9 +958,17 @@ def test_a_newcomer_rolls_the_state_it_downloaded_forward_by_the_kept_updates(fo
     assert swarm.downloads == (2 if forged else 1)
     if forged:
         assert trainer.state.round == 0  # nothing adopted
+        assert journal.said == []  # nor a digest of a chain that ends off the swarm's given to a report
     else:
         assert trainer.state.round == 5 and trainer.state.digest() == after_second.digest()
         assert torch.equal(flatten(trainer.model), trainer.state.params)
+        # every state the roll passed through is the swarm's: a report its last run left
+        # unfinished for round 4 (killed while landing it) goes with round 4's digest
+        assert journal.said == [
+            ("holds", 3, downloaded.digest()),
+            ("holds", 4, after_first.digest()),
+            ("holds", 5, after_second.digest()),
+        ]
 
 
 def _joining_trainer(*, landed_ago: float, known: bool, lookup_s: float = 0.2) -> tuple[Trainer, list[int], float]:
