@@ -60,8 +60,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lab_coordinator import LabCoordinator
 from benchmarks.netsim import NotRootError, WanSim
-from benchmarks.slow_join import ONE_THREAD, SPEC, SW, contributed, metrics_rows, wait_for
+from benchmarks.slow_join import ONE_THREAD, SPEC, SW, contributed, metrics_rows
 from benchmarks.topologies import PEER_PORT, PLACES, public_run
 
 OUTAGE_S = 20.0
@@ -193,33 +194,6 @@ class _Slot:
         proc.wait(timeout=30)
 
 
-class _Coordinator:
-    """The lab's coordinator: started, SIGKILLed with its children, started again on its state."""
-
-    def __init__(self, sim: WanSim, workdir: Path, spec: Path) -> None:
-        self.sim, self.workdir, self.spec = sim, workdir, spec
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-        self.host = sim.ip("coord")
-
-    def start(self) -> None:
-        self.starts += 1
-        log = self.workdir / f"coordinator.{self.starts}.log"
-        argv = [*SW, "-v", "coordinator", "--spec", str(self.spec), "--state-dir", str(self.workdir / "coordinator")]
-        argv += ["--host", self.host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
-        self.proc = self.sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        wait_for(log, r"^peers join with:", 90)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-            self.proc = None
-
-
 def run(
     workdir: Path,
     *,
@@ -247,7 +221,7 @@ def run(
     churners = names[peers - churning :]
     rng = random.Random(seed)
     with WanSim(where.hosts, prefix="ch", subnet=subnet, **where.sim_kwargs()) as sim:  # type: ignore[arg-type]
-        coordinator = _Coordinator(sim, workdir, spec)
+        coordinator = LabCoordinator(sim, workdir, spec)
         coordinator.start()
         address = f"{coordinator.host}:7500"
         slots = {
@@ -311,7 +285,7 @@ def run(
         for slot in slots.values():
             if slot.proc is not None:
                 slot._end(killed=True)
-        coordinator.kill()
+        coordinator.stop()
     _figures(figures, workdir, slots, opened, closed, finalized, phase_s)
     figures.places = dict(where.places)
     figures.churners = churners

@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lab_coordinator import LabCoordinator
 from benchmarks.netsim import Nat, NotRootError, WanSim
 from benchmarks.slow_join import ONE_THREAD, SPEC, SW, contributed, metrics_rows, wait_for
 
@@ -196,41 +197,6 @@ class _Slot:
         return bool(_DOWNLOADING.search(self.text()))
 
 
-class _Coordinator:
-    def __init__(self, sim: WanSim, workdir: Path, spec: Path) -> None:
-        self.sim, self.workdir, self.spec = sim, workdir, spec
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.db: str | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        host = self.sim.ip("coord")
-        argv = [*SW, "-v", "coordinator", "--spec", str(self.spec), "--state-dir", str(self.workdir / "coordinator")]
-        argv += ["--host", host, "--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080"]
-        if self.db:
-            argv += ["--db", self.db]
-        log = self.workdir / f"coordinator.{self.starts}.log"
-        self.proc = self.sim.run("coord", argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        wait_for(log, r"^peers join with:", 90)
-
-    def kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-
-
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as answer:
         return json.loads(answer.read())
@@ -266,7 +232,7 @@ def run(
     with WanSim(
         ["coord", *names], rate="50mbit", rates=rates, prefix="sk", subnet=subnet, nat=dict.fromkeys(BEHIND, Nat())
     ) as sim:
-        coordinator = _Coordinator(sim, workdir, spec)
+        coordinator = LabCoordinator(sim, workdir, spec)
         if database == "postgresql":
             coordinator.db = _postgres(sim, workdir)
             if coordinator.db is None:
