@@ -38,7 +38,7 @@ coordinator's API, over the window:
 - **credit lost**: for each round the coordinator finalized, the samples the peers' rows say they
   contributed less those the coordinator credited (``/api/v1/rounds``), summed where positive.
 
-Writes ``churn-<date>.md``/``.json`` under ``--out`` (default ``benchmarks/results``). Needs root
+Writes ``churn-lab-<date>.md``/``.json`` under ``--out`` (default ``benchmarks/results``). Needs root
 (namespaces); says so and exits 2 otherwise.
 """
 
@@ -337,7 +337,7 @@ def _figures(
                 since = mine[-1]["at"] if mine else started + STARTUP_S
                 figures.lost += int(speed * min(phase_s, max(0.0, stopped - since)))
             first = next((r["at"] for r in mine if contributed(r)), None)
-            until = first if first is not None else closed
+            until = first if first is not None else min(stopped, closed)  # a life that ended without one: to its end
             waited = len([t for t in landed.values() if started < t < until])
             figures.stuck_start_rounds = max(figures.stuck_start_rounds, waited)
             figures.lives.append(
@@ -463,9 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stamp = datetime.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"churn-{stamp}.md").write_text(_markdown(results, args))
+    (args.out / f"churn-lab-{stamp}.md").write_text(_markdown(results, args))
     rows = [{**asdict(r), "goodput": r.sample_goodput, "time_goodput": r.goodput, "rate": r.rate} for r in results]
-    (args.out / f"churn-{stamp}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (args.out / f"churn-lab-{stamp}.json").write_text(json.dumps(rows, indent=2) + "\n")
     print(_markdown(results, args))
     return 0
 
