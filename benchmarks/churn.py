@@ -170,18 +170,19 @@ class _Slot:
             os.kill(self.proc.pid, signal.SIGINT)
             self.leaving_since = time.monotonic()
             return
-        self._end(killed=True)
+        self.end(killed=True)
 
     def poll(self) -> None:
         """A clean stop that ended is recorded; one past ``LEAVE_WAIT_S`` is killed."""
         if self.proc is None or self.leaving_since is None:
             return
         if self.proc.poll() is not None:
-            self._end(killed=False)
+            self.end(killed=False)
         elif time.monotonic() - self.leaving_since > LEAVE_WAIT_S:
-            self._end(killed=True)
+            self.end(killed=True)
 
-    def _end(self, *, killed: bool) -> None:
+    def end(self, *, killed: bool) -> None:
+        """Record the run's end (``killed``: SIGKILL it and its children first) and reap it."""
         proc, self.proc, self.leaving_since = self.proc, None, None
         assert proc is not None
         self.stopped.append(time.time())  # from here on it does no work that can count
@@ -284,7 +285,7 @@ def run(
         finalized = _get(f"http://{coordinator.host}:8080/api/v1/rounds?limit=5000")
         for slot in slots.values():
             if slot.proc is not None:
-                slot._end(killed=True)
+                slot.end(killed=True)
         coordinator.stop()
     _figures(figures, workdir, slots, opened, closed, finalized, phase_s)
     figures.places = dict(where.places)

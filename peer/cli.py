@@ -824,11 +824,11 @@ def _train(
     watchdog = Watchdog(say=display.say, leave=lambda reason: stop.set(), leave_after=args.leave_after_failures)
 
     def on_round(metrics: RoundMetrics) -> None:
+        if link is not None:  # on disk before the row says the round averaged (a kill between the two)
+            link.report(metrics)
         row = metrics.as_dict()
         report(row)
         experiment.scalars(metrics.round, peer_figures(row))
-        if link is not None:
-            link.report(metrics)
         watchdog.on_round(metrics)
 
     trainer = Trainer(spec, task, swarm, options, on_round=on_round, progress=display, journal=link)
