@@ -9,17 +9,7 @@ from typing import Any
 
 from engine.state_transfer import StateTransferMixin
 from engine.update_transfer import UpdateTransferMixin
-
-
-class _Answer:
-    def __init__(self) -> None:
-        self.result: Any = "unset"
-
-    def set_result(self, value: Any) -> None:
-        self.result = value
-
-    def done(self) -> bool:
-        return self.result != "unset"
+from tests.unit.test_update_transfer import _Answer
 
 
 class _Newcomer(StateTransferMixin, UpdateTransferMixin):
