@@ -22,7 +22,8 @@ Figures, from the peers' own metrics rows (``at``: when a row was recorded) and 
 coordinator's API, over the window:
 
 - **goodput**, as the issue defines it: samples that landed in the swarm's state (rows averaged
-  in sync in a group of two or more) over samples computed (every row's, plus the inner steps a
+  in sync in a group of two or more, with the samples of the rounds before them that failed here
+  and whose work they carried, ``carried``) over samples computed (every row's, plus the inner steps a
   killed peer took since its last row, estimated from its speed). The issue's figure is the
   churning run's goodput against the churn-free run's.
 - **time goodput**, a stricter figure: the share of the peers' time online spent on inner steps
@@ -312,12 +313,12 @@ def _figures(
             if row["averaged"] and row["in_sync"]:
                 landed[row["round"]] = min(landed.get(row["round"], row["at"]), row["at"])
             if contributed(row):
-                averaged_in[row["round"]] += row["samples"]
+                averaged_in[row["round"]] += row["samples"] + row.get("carried", 0)
             if not opened <= row["at"] <= closed:
                 continue
             figures.trained += row["samples"]
             if contributed(row):
-                figures.counted += row["samples"]
+                figures.counted += row["samples"] + row.get("carried", 0)
                 figures.useful_s += row["compute_s"]
             if row["averaged"] and row["in_sync"]:
                 states[row["round"]].add(row["state_digest"])

@@ -379,7 +379,7 @@ def _figures(figures: SoakFigures, workdir: Path, names: list[str], finalized: l
     for name in names:
         for row in metrics_rows(workdir / f"{name}.jsonl"):
             if contributed(row):
-                averaged_in[row["round"]] += row["samples"]
+                averaged_in[row["round"]] += row["samples"] + row.get("carried", 0)
                 landed[row["round"]] = min(landed.get(row["round"], row["at"]), row["at"])
             if row["averaged"] and row["in_sync"]:
                 states[row["round"]].add(row["state_digest"])

@@ -285,13 +285,14 @@ def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
         for member in metrics.members
         if (key := _public_key(member.id)) is not None
     ]
+    samples, compute_s = metrics.claimed
     body = pb.RoundReportBody(
         round=metrics.round,
-        samples=metrics.samples,
+        samples=samples,
         loss=metrics.loss if math.isfinite(metrics.loss) else math.nan,  # no ±inf on the wire
         group=group,
         state_digest=metrics.state_digest,
-        compute_s=metrics.compute_s,
+        compute_s=compute_s,
         wait_s=metrics.wait_s,
         bytes_sent=metrics.bytes_sent,
         bytes_received=metrics.bytes_received,

@@ -20,7 +20,7 @@ class RoundMetrics:
     group_size: int
     """Members of the averaging group (1 when the round failed)."""
     samples: int
-    """Samples this peer trained on and claims (0 when it dropped its work)."""
+    """Samples this peer trained on in this round's inner phase (0 when it dropped its work)."""
     loss: float
     """Mean training loss of the round's inner steps."""
     state_digest: str
@@ -41,6 +41,11 @@ class RoundMetrics:
     allreduce_s: float
     matchmaking_timeout_s: float
     allreduce_timeout_s: float
+    carried: int = 0
+    """Samples of earlier rounds that did not land here (their rows' ``samples``), whose work
+    this round's pseudo-gradient held: averaged and claimed with this round's (``claimed``)."""
+    carried_s: float = 0.0
+    """Those rounds' seconds of inner steps."""
     host_s: float = 0.0
     """Host time of the round on the training thread, outside inner steps and the wait for the
     group: preparing the launch (pseudo-gradient and codec residual written into the
@@ -91,6 +96,17 @@ class RoundMetrics:
     at: float = 0.0
     """Unix time the row was recorded (the round landed or failed here): for a run's timeline
     (a join's time to first contribution, goodput over time)."""
+
+    @property
+    def claimed(self) -> tuple[int, float]:
+        """The samples this round's report claims and the inner steps' seconds they took: the
+        round's own, plus those of earlier rounds that did not land here but whose work it
+        averaged (``carried``), except in a token run, whose report vouches for one data read
+        (the coordinator checks a claim against it: ``coordinator.rounds``): there the round's
+        own only (the carried ones weigh in the average all the same)."""
+        if self.data is not None:
+            return self.samples, self.compute_s
+        return self.samples + self.carried, self.compute_s + self.carried_s
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics file's row (JSON-ready: the members and data as maps)."""

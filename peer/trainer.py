@@ -220,6 +220,11 @@ class _InFlight:
     """Host time of the landing on the training thread so far."""
     failure: str = ""
     """Why the round did not land here ("" if it did)."""
+    carried: int = 0
+    """Samples of earlier rounds that failed here whose work this round's pseudo-gradient holds
+    (they are in its weight: ``Trainer._unlanded``)."""
+    carried_s: float = 0.0
+    """Their inner steps' seconds."""
 
     def due(self) -> bool:
         """Whether its result, and its landing's host half if one runs, are ready."""
@@ -360,6 +365,10 @@ class Trainer:
         """How long this peer's last inner phase that trained took (the join round's deadline)."""
         self._uncounted: torch.Tensor | None = None
         """Work of a round that this peer's group weighed 0 (it started from a stale state)."""
+        self._unlanded = (0, 0.0)
+        """Samples (and their inner steps' seconds) of rounds that did not land here, whose work
+        is still in the model (or carried onto an adopted state): the next round that sends it
+        weighs and claims them too, since its pseudo-gradient holds them."""
         self.inner_steps_done = 0
         self._data_round = -1
         """The last data round an inner phase read (``_InnerPhase.data_round``); checkpointed."""
@@ -662,6 +671,10 @@ class Trainer:
                         copy_model_into(self.model, self._launch_point)
         compensated = samples > 0 and self.feedback is not None
         eager = self.eager and samples > 0
+        carried, carried_s = self._unlanded if samples > 0 else (0, 0.0)
+        if carried:  # this pseudo-gradient holds their work too: weighed and claimed with it
+            self._unlanded = (0, 0.0)
+            weight = float(samples + carried)
         if eager:
             assert self._launch_point is not None
             start_eagerly(self.model, self.state, self._launch_point, self._outer(), self._staging)
@@ -670,11 +683,16 @@ class Trainer:
             id=self.identity.public_key.id,
             round=self.state.round,
             digest=pre_digest,
-            samples=samples,
+            samples=samples + carried,
             roster=self.roster.size,
             known=self.roster.known,
         )
-        logger.info("averaging round %d: %d samples, looking for a group", self.state.round, samples)
+        logger.info(
+            "averaging round %d: %d samples%s, looking for a group",
+            self.state.round,
+            samples + carried,
+            f" ({carried} of rounds that did not land here)" if carried else "",
+        )
         if inner.steps and not inner.joining:
             self._phase_s = compute_s
             timeout = self.matchmaking_timeout(compute_s)
@@ -710,6 +728,7 @@ class Trainer:
             eager,
         )
         flight.start = _Launch(weight, gather, timeout, window)
+        flight.carried, flight.carried_s = carried, carried_s
         flight.writing = writing
         if writing is None:
             self._start_round(flight)
@@ -770,6 +789,7 @@ class Trainer:
                 assert self._launch_point is not None
                 copy_model_into(self.model, self._launch_point)
                 flight.samples, flight.loss, flight.compensated = 0, float("nan"), False
+                flight.carried, flight.carried_s = 0, 0.0
                 assert flight.start is not None
                 flight.start = flight.start.claiming_nothing()
         assert flight.start is not None
@@ -822,6 +842,7 @@ class Trainer:
         load_flat(self.model, self.state.params)
         self.optimizer = inner_optimizer(self.spec, self.ranks.forward)
         self.ranks.optimizer_rebuilt()
+        self._unlanded = (0, 0.0)
 
     def _finish(self, flight: _InFlight, *, wait: bool) -> bool:
         """Land the round in flight (waiting for its result if need be): apply or undo it, record
@@ -883,6 +904,8 @@ class Trainer:
             round=round_,
             group_size=result.group_size if result else 1,
             samples=flight.samples,
+            carried=flight.carried,
+            carried_s=round(flight.carried_s, 4),
             loss=flight.loss,
             state_digest="",  # filled in by _record_landed
             bytes_sent=result.bytes_sent if result else 0,
@@ -1011,6 +1034,10 @@ class Trainer:
         the landing)."""
         self._adapt_timeouts(result)
         self._uncounted = None
+        if result is None or not result.started_in_sync(self.state.round, flight.pre_digest):
+            # its work stays in the model (or goes with it onto the state it adopts next)
+            samples, seconds = self._unlanded
+            self._unlanded = (samples + flight.samples + flight.carried, seconds + flight.compute_s + flight.carried_s)
         if result is None:
             if flight.eager and model_is_finite(self.model):
                 assert self._launch_point is not None
@@ -1495,10 +1522,12 @@ class Trainer:
             work.add_(self._uncounted)
             self._uncounted = None
         if not bool(work.any()):
+            self._unlanded = (0, 0.0)
             return None
         if adopted_round - self.state.round > MAX_CARRIED_ROUNDS or not bool(torch.isfinite(work).all()):
             logger.info(
                 "dropping this peer's local work: %d rounds stale or not finite", adopted_round - self.state.round
             )
+            self._unlanded = (0, 0.0)
             return None
         return work

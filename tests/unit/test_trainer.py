@@ -231,6 +231,35 @@ def test_failed_round_keeps_progress_for_the_next_round() -> None:
     assert trainer.state.round == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_rounds_samples_are_weighed_and_claimed_with_the_round_that_averages_its_work(
+    overlap: bool,
+) -> None:
+    """A round that fails here leaves its work in the model: the next round's pseudo-gradient
+    holds both phases' work, so its weight and its claim count both phases' samples (the churn
+    lab's failed rounds, 13% of the samples trained, were weighed and credited as if none)."""
+    trainer, swarm = make_trainer(overlap=overlap)
+
+    def round_(samples: int, compute_s: float) -> RoundMetrics:
+        phase = _InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=samples, loss_sum=2.0)
+        flight = trainer._launch(phase)
+        if flight.writing is not None:
+            trainer._start_round(flight)
+        trainer._finish(flight, wait=True)
+        trainer._record_landed(wait=True)
+        return trainer.history[-1]
+
+    failed = round_(4, 1.0)
+    assert not failed.averaged and failed.samples == 4 and failed.carried == 0
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], 10, 10, 0.0)
+    landed = round_(6, 2.0)
+    assert swarm.launched[-1][1] == 10.0  # its weight: both phases' samples
+    assert landed.averaged and (landed.samples, landed.carried) == (6, 4)
+    assert landed.claimed[0] == 10 and landed.claimed[1] == pytest.approx(3.0, abs=0.1)
+    after = round_(5, 1.0)
+    assert (after.samples, after.carried) == (5, 0) and swarm.launched[-1][1] == 5.0  # counted once
+
+
 def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
     trainer, swarm = make_trainer()
     averaged = torch.full_like(trainer.state.params, 1e-3)
