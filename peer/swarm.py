@@ -33,6 +33,7 @@ from hivemind.utils import get_dht_time
 
 from engine.averager import ExactAverager
 from engine.compression import Codec
+from engine.dht_mend import keep_bootstrapped
 from engine.outcome import GroupOutcome
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
@@ -275,6 +276,8 @@ class Swarm:
             record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
             **self._dht_kwargs,
         )
+        # rejoins the rest of the swarm through the bootstrap peers should an outage split it
+        dht.run_coroutine(partial(keep_bootstrapped, list(self._initial_peers)), return_future=True)
         averaging = spec.averaging
         min_matchmaking_time, request_timeout = matchmaking_windows(averaging.matchmaking_timeout_s)
         averager = ExactAverager(
