@@ -114,14 +114,19 @@ class CoordinatorLink(threading.Thread):
                 return
             self._wake.set()
 
-    def landing(self, metrics: RoundMetrics) -> None:
+    def landing(self, metrics: RoundMetrics, pre: str) -> None:
         """The round ``metrics`` describes averaged and begins to land: keep its report without
-        the digest (``ReportOutbox.start``), for a restarted peer to finish should this one be
-        killed before the round is recorded."""
+        the digest (``ReportOutbox.start``; ``pre``: the digest of the state it started from),
+        for a restarted peer to finish should this one be killed before the round is recorded."""
         try:
-            self.outbox.start(report_body(metrics))
+            self.outbox.start(report_body(metrics), pre)
         except OSError as exc:
             logger.error("could not keep the report of round %d while it lands: %s", metrics.round, exc)
+
+    def unfinished(self) -> list[tuple[int, str]]:
+        """The rounds a previous run of this peer was landing when it stopped, each with the
+        digest of the state it started from (``ReportOutbox.unfinished``)."""
+        return self.outbox.unfinished()
 
     def holds(self, round_: int, digest: str) -> None:
         """This peer holds the state of ``round_``: a report its previous run left unfinished for

@@ -19,8 +19,11 @@ started again that comes to hold that round's state (its checkpoint resumed, the
 state adopted, or rolled forward through on the way to it, digests verified against the swarm's
 records) finishes it with that digest and
 sends it (``holds``): its group landed exactly that state with its contribution in it, and the
-report says no more than that. A peer that comes to hold a later round first cannot finish it:
-it goes, logged.
+report says no more than that. The unfinished report keeps the digest of the state the round
+started from (``pre``): a peer that comes to hold a later round first asks a member for that
+round's update, which names the state it made (``Trainer._finish_reports``), and finishes the
+report with it (a server that lies about it costs only this report's credit: the coordinator
+grants a claim only with the digest its group's reports name). One that cannot goes, logged.
 
 Without a directory the outbox lives in memory only. Either way it holds at most
 ``MAX_PENDING`` reports (a coordinator away for hours): the oldest go first, logged.
@@ -28,6 +31,9 @@ Without a directory the outbox lives in memory only. Either way it holds at most
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 import os
 import threading
@@ -58,8 +64,9 @@ class ReportOutbox:
         self.where = where
         self._lock = threading.Lock()
         self._pending: deque[tuple[pb.RoundReportBody, Path | None]] = deque()
-        self._unfinished: dict[int, tuple[pb.RoundReportBody, Path | None]] = {}
-        """Reports of rounds whose landing had not finished, by round (no digest yet)."""
+        self._unfinished: dict[int, tuple[pb.RoundReportBody, str, Path | None]] = {}
+        """Reports of rounds whose landing had not finished, by round (no digest yet), with the
+        digest of the state each round started from."""
         if where is not None:
             where.mkdir(parents=True, exist_ok=True)
             self._load(where)
@@ -73,8 +80,9 @@ class ReportOutbox:
             if (body := _read(path)) is not None:
                 self._pending.append((body, path))
         for path in sorted(where.glob(f"*{_UNFINISHED}")):
-            if (body := _read(path)) is not None:
-                self._unfinished[body.round] = (body, path)
+            if (unfinished := _read_unfinished(path)) is not None:
+                body, pre = unfinished
+                self._unfinished[body.round] = (body, pre, path)
         self._trim()
         if self._unfinished:
             logger.info(
@@ -96,16 +104,18 @@ class ReportOutbox:
             self._pending.append((body, path))
             self._trim()
             gone = [self._unfinished.pop(r) for r in sorted(self._unfinished) if r <= body.round]
-        for _, unfinished in gone:
+        for _, _, unfinished in gone:
             if unfinished is not None:
                 unfinished.unlink(missing_ok=True)
 
-    def start(self, body: pb.RoundReportBody) -> None:
-        """Keep the report of a round whose landing begins (``body`` without its digest) until
-        the landed round's report replaces it (``put``) or a restarted peer finishes it (``holds``)."""
-        path = self._write(body, _UNFINISHED)
+    def start(self, body: pb.RoundReportBody, pre: str) -> None:
+        """Keep the report of a round whose landing begins (``body`` without its digest; ``pre``:
+        the digest of the state the round started from) until the landed round's report
+        replaces it (``put``) or a restarted peer finishes it (``holds``)."""
+        record = {"pre": pre, "body": base64.b64encode(body.SerializeToString()).decode()}
+        path = self._write_bytes(body.round, json.dumps(record).encode(), _UNFINISHED)
         with self._lock:
-            self._unfinished[body.round] = (body, path)
+            self._unfinished[body.round] = (body, pre, path)
 
     def holds(self, round_: int, digest: str) -> bool:
         """This peer holds the state of ``round_`` (digest ``digest``, its own or verified against
@@ -114,7 +124,7 @@ class ReportOutbox:
         with self._lock:
             gone = [(r, *self._unfinished.pop(r)) for r in sorted(self._unfinished) if r <= round_]
         finished = False
-        for number, body, path in gone:
+        for number, body, _pre, path in gone:
             if number == round_ and digest:
                 body.state_digest = digest
                 self.put(body)
@@ -133,19 +143,23 @@ class ReportOutbox:
                 path.unlink(missing_ok=True)
         return finished
 
-    def unfinished(self) -> list[int]:
-        """The rounds whose reports wait for their digest, oldest first."""
+    def unfinished(self) -> list[tuple[int, str]]:
+        """The rounds whose reports wait for their digest, oldest first, each with the digest of
+        the state it started from."""
         with self._lock:
-            return sorted(self._unfinished)
+            return [(r, self._unfinished[r][1]) for r in sorted(self._unfinished)]
 
     def _write(self, body: pb.RoundReportBody, suffix: str) -> Path | None:
         """Write ``body`` atomically under the outbox's folder (None without one)."""
+        return self._write_bytes(body.round, body.SerializeToString(), suffix)
+
+    def _write_bytes(self, round_: int, data: bytes, suffix: str) -> Path | None:
         if self.where is None:
             return None
-        path = self.where / f"{body.round:012d}{suffix}"
+        path = self.where / f"{round_:012d}{suffix}"
         temporary = path.with_name(path.name + ".tmp")
         with temporary.open("wb") as handle:
-            handle.write(body.SerializeToString())
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         temporary.replace(path)
@@ -180,6 +194,24 @@ class ReportOutbox:
             logger.warning("report outbox: more than %d reports waiting; dropped round %d's", MAX_PENDING, body.round)
             if path is not None:
                 path.unlink(missing_ok=True)
+
+
+def _read_unfinished(path: Path) -> tuple[pb.RoundReportBody, str] | None:
+    """The unfinished report in ``path`` and its round's starting digest, or None if it does not
+    parse (then set aside, named)."""
+    body = pb.RoundReportBody()
+    try:
+        record = json.loads(path.read_bytes())
+        body.ParseFromString(base64.b64decode(record["body"], validate=True))
+        pre = record["pre"]
+        if not isinstance(pre, str):
+            raise ValueError("its starting digest is no string")
+    except (DecodeError, OSError, ValueError, KeyError, TypeError, binascii.Error) as exc:
+        aside = path.with_suffix(_UNREADABLE)
+        logger.warning("report outbox: %s does not parse (%s); set aside as %s", path, exc, aside.name)
+        path.replace(aside)
+        return None
+    return body, pre
 
 
 def _read(path: Path) -> pb.RoundReportBody | None:

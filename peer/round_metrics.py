@@ -118,8 +118,13 @@ class RoundJournal(Protocol):
     (``peer.coordinator_link.CoordinatorLink``): that a round begins to land, and which state
     this peer holds."""
 
-    def landing(self, metrics: RoundMetrics) -> None:
-        """The round averaged and its landing begins (``metrics`` without the state's digest)."""
+    def landing(self, metrics: RoundMetrics, pre: str) -> None:
+        """The round averaged and its landing begins (``metrics`` without the state's digest;
+        ``pre``: the digest of the state it started from)."""
+
+    def unfinished(self) -> list[tuple[int, str]]:
+        """Rounds whose landing a previous run of this peer did not finish (with the digest each
+        started from), oldest first."""
 
     def holds(self, round_: int, digest: str) -> None:
         """This peer holds the state of ``round_`` with ``digest`` (resumed, or adopted verified)."""

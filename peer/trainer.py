@@ -863,7 +863,7 @@ class Trainer:
             if result is not None:
                 logger.info("round %d averaged in a group of %d: landing it", self.state.round, result.group_size)
                 if self.journal is not None:
-                    self.journal.landing(self._round_metrics(flight, self.state.round + 1))
+                    self.journal.landing(self._round_metrics(flight, self.state.round + 1), flight.pre_digest)
             self.phase = Phase.APPLYING
             landing = self._apply(flight, result)
             flight.host_s = time.monotonic() - landed
@@ -1494,6 +1494,7 @@ class Trainer:
             # checked, the last against the records): a report left unfinished for one of them
             # goes with its digest
             through, self._rolled_through = self._rolled_through, []
+            self._finish_reports(round_, passed={passed for passed, _ in through})
             for passed, digest in through:
                 if passed < round_:
                     self.journal.holds(passed, digest)
@@ -1511,6 +1512,23 @@ class Trainer:
             "; this peer's uncounted local work carried over" if carried is not None else "",
         )
         self._publish()
+
+    def _finish_reports(self, held_round: int, *, passed: set[int]) -> None:
+        """Reports a previous run of this peer left unfinished (killed while it landed their
+        rounds) for rounds before ``held_round`` that it did not pass through: it never held
+        their states, so it asks a member for each round's update, which names the state the
+        round made (``FetchedUpdate.post``), and finishes the report with that digest. A server
+        that lies costs only that report's credit (the coordinator grants a claim only with the
+        digest its group's reports name); none kept it: the report goes (``journal.holds``)."""
+        assert self.journal is not None
+        timeout = self.spec.averaging.allreduce_timeout_s
+        for round_, pre in self.journal.unfinished():
+            if round_ >= held_round or round_ in passed or not pre:
+                continue
+            update = self.swarm.download_update(round_ - 1, pre, timeout=timeout)
+            if update is not None and (update.round, update.pre) == (round_ - 1, pre) and update.post:
+                logger.info("round %d's update names the state its group made: finishing its report", round_)
+                self.journal.holds(round_, update.post)
 
     def _work_to_carry(self, adopted_round: int) -> torch.Tensor | None:
         """The local work the swarm has not counted yet (progress since this peer's start point,

@@ -191,6 +191,10 @@ def test_a_coordinator_that_restarted_is_joined_again_before_the_report_not_take
         link.stop()
 
 
+PRE = "blake3:" + "ab" * 32
+"""The digest of the state an unfinished report's round started from."""
+
+
 def unfinished(round_: int) -> pb.RoundReportBody:
     landing = body(round_)
     landing.state_digest = ""
@@ -200,13 +204,13 @@ def unfinished(round_: int) -> pb.RoundReportBody:
 def test_a_report_left_while_landing_is_finished_by_the_state_the_restarted_peer_holds(tmp_path: Path) -> None:
     where = tmp_path / OUTBOX_DIR
     killed = ReportOutbox(where)
-    killed.start(unfinished(12))
+    killed.start(unfinished(12), PRE)
     assert killed.first() is None, "nothing to send without the digest"
     # the peer is killed while it lands round 12; started again, it resumes round 11's checkpoint
     again = ReportOutbox(where)
-    assert again.unfinished() == [12] and again.first() is None
+    assert again.unfinished() == [(12, PRE)] and again.first() is None
     assert not again.holds(11, "blake3:" + "11" * 32)
-    assert again.unfinished() == [12]
+    assert again.unfinished() == [(12, PRE)]
     # and adopts the swarm's round 12 (its group's, digest verified): the report goes with it
     assert again.holds(12, body(12).state_digest)
     sent = again.first()
@@ -218,8 +222,8 @@ def test_a_report_left_while_landing_is_finished_by_the_state_the_restarted_peer
 def test_a_landed_round_replaces_its_unfinished_report(tmp_path: Path) -> None:
     where = tmp_path / OUTBOX_DIR
     outbox = ReportOutbox(where)
-    outbox.start(unfinished(5))
-    outbox.start(unfinished(6))
+    outbox.start(unfinished(5), PRE)
+    outbox.start(unfinished(6), PRE)
     outbox.put(body(6))  # round 5's landing never ended in a report (the peer re-synced): it can never be
     assert outbox.unfinished() == [] and not list(where.glob("*.landing"))
     assert [outbox.first().round] == [6]  # type: ignore[union-attr]
@@ -227,7 +231,7 @@ def test_a_landed_round_replaces_its_unfinished_report(tmp_path: Path) -> None:
 
 def test_a_later_state_drops_reports_that_can_no_longer_be_finished(tmp_path: Path) -> None:
     where = tmp_path / OUTBOX_DIR
-    ReportOutbox(where).start(unfinished(12))
+    ReportOutbox(where).start(unfinished(12), PRE)
     again = ReportOutbox(where)
     assert not again.holds(15, "blake3:" + "15" * 32)  # the swarm moved on while it was away
     assert again.unfinished() == [] and again.first() is None and not list(where.iterdir())
@@ -242,7 +246,7 @@ def test_the_link_sends_a_finished_report_at_once(tmp_path: Path) -> None:
             return pb.RoundReportResponse()
 
     outbox = ReportOutbox(tmp_path / OUTBOX_DIR)
-    outbox.start(unfinished(3))
+    outbox.start(unfinished(3), PRE)
     link = CoordinatorLink(Client(), interval_s=3600, rejoin=JoinAs(), outbox=outbox)  # type: ignore[arg-type]
     link.connected = True
     link._send_reports()
@@ -250,3 +254,12 @@ def test_the_link_sends_a_finished_report_at_once(tmp_path: Path) -> None:
     link.holds(3, body(3).state_digest)
     link._send_reports()
     assert sent == [3] and len(outbox) == 0
+
+
+def test_an_unfinished_report_that_does_not_parse_is_set_aside(tmp_path: Path) -> None:
+    where = tmp_path / OUTBOX_DIR
+    ReportOutbox(where).start(unfinished(7), PRE)
+    (where / f"{8:012d}.landing").write_bytes(b"{not json")
+    again = ReportOutbox(where)
+    assert again.unfinished() == [(7, PRE)]
+    assert [p.name for p in where.glob("*.unreadable")] == [f"{8:012d}.unreadable"]

@@ -27,6 +27,7 @@ from protocol.gathered import Gathered
 from protocol.modelsize import count_params
 from protocol.roster import RosterClaim
 from protocol.spec import parse_spec
+from protocol.updates import FetchedUpdate
 
 SPEC = """
 [run]
@@ -471,14 +472,22 @@ def test_first_round_waits_for_the_group_then_gives_up_at_its_deadline() -> None
 class Journal:
     """What the trainer tells the coordinator link about reports (``RoundJournal``), in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, unfinished: tuple[tuple[int, str], ...] = ()) -> None:
         self.said: list[tuple[str, int, str]] = []
+        self.started_from: list[str] = []
+        self.left = list(unfinished)
+        """Unfinished reports a previous run left: (round, the digest it started from)."""
 
-    def landing(self, metrics: RoundMetrics) -> None:
+    def landing(self, metrics: RoundMetrics, pre: str) -> None:
         self.said.append(("landing", metrics.round, metrics.state_digest))
+        self.started_from.append(pre)
+
+    def unfinished(self) -> list[tuple[int, str]]:
+        return list(self.left)
 
     def holds(self, round_: int, digest: str) -> None:
         self.said.append(("holds", round_, digest))
+        self.left = [(r, pre) for r, pre in self.left if r > round_]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
@@ -497,6 +506,7 @@ def test_a_round_says_it_lands_before_it_is_recorded_and_a_resumed_peer_what_it_
     trainer.run()
     assert [(what, r) for what, r, _ in journal.said] == [("landing", 1), ("round", 1), ("landing", 2), ("round", 2)]
     assert [d for what, _, d in journal.said if what == "landing"] == ["", ""]
+    assert journal.started_from[0] == GlobalState.from_model(build_task(spec, shard_seed=1).model).digest()
     resumed = Journal()
     Trainer(
         spec, build_task(spec, shard_seed=1), RecordingSwarm(), TrainerOptions(checkpoint_dir=tmp_path), journal=resumed
@@ -535,6 +545,46 @@ def test_catch_up_falls_back_to_the_newest_state_someone_still_serves() -> None:
     assert trainer.state.round == 3 and trainer.state.digest() == served.digest()
     assert journal.said == [("holds", 3, served.digest())]  # a report its last run left for round 3 goes
     assert Averager.asked == [{"sha256:round5"}, {"sha256:round4"}, {served.digest()}]  # newest first
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "nobody-keeps-it"])
+def test_a_report_left_landing_is_finished_by_its_rounds_update_when_the_peer_adopts_a_later_state(
+    kept: bool,
+) -> None:
+    """The soak's last lost credit: a member killed while it landed round 3 came back after the
+    swarm moved on and took round 5's state by download; it never held round 3's, so its report
+    went unfinished and its pair was credited nothing. The round's update, which members keep,
+    names the state it made: the report is finished with that digest before round 5 is held."""
+    spec = parse_spec(SPEC)
+    task = build_task(spec, shard_seed=1)
+    served = GlobalState.from_model(task.model)
+    served = GlobalState(served.params + 0.5, served.momentum, 5)
+    update = FetchedUpdate(2, "sha256:pre2", "sha256:post3", [], [], 0.1, "server")
+
+    class Averager:
+        state_provider = None
+
+        def load_verified_state(self, accept: set[str], timeout: float) -> Any:
+            return (5, served.params, served.momentum) if served.digest() in accept else None
+
+    class Swarm(RecordingSwarm):
+        asked: list[tuple[int, str]] = []
+
+        def accepted_state(self, **kwargs: Any) -> Agreement:
+            return Agreement(5, served.digest(), 2, 2)
+
+        def download_update(self, round_: int, digest: str, *, timeout: float) -> Any:
+            self.asked.append((round_, digest))
+            return update if kept and (round_, digest) == (2, "sha256:pre2") else None
+
+    swarm = Swarm()
+    swarm.averager = Averager()
+    journal = Journal(unfinished=((3, "sha256:pre2"),))
+    trainer = Trainer(spec, task, swarm, TrainerOptions(max_rounds=1), journal=journal)  # type: ignore[arg-type]
+    assert trainer.catch_up() and trainer.state.round == 5
+    assert (2, "sha256:pre2") in swarm.asked
+    finished = [("holds", 3, "sha256:post3")] if kept else []
+    assert journal.said == [*finished, ("holds", 5, served.digest())]
 
 
 def test_a_failed_round_while_the_swarm_moved_on_re_syncs_before_training_on() -> None:
