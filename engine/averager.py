@@ -22,6 +22,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.utils.mpfuture import MPFuture
 
 from engine.allreduce import (
     PART_SIZE_BYTES,
@@ -49,6 +50,9 @@ from protocol.membership import MemberGate
 __all__ = ["AllReduceStats", "ExactAverager", "GroupOutcome", "RoundFailedError", "StateProvider"]
 
 logger = logging.getLogger(__name__)
+
+ABANDON_ANSWER_S = 5.0
+"""How long ``ExactAverager.abandon_search`` waits for the averager process to end the search."""
 
 if "HIVEMIND_MEMORY_SHARING_STRATEGY" not in os.environ:
     # hivemind switches torch to the "file_system" strategy on import: the averager's shared
@@ -342,6 +346,38 @@ class ExactAverager(
                 peers={data.id: peer for peer, data in parsed.items() if data is not None and data.id},
             )
         return GroupOutcome(members, stats, led)
+
+    def abandon_search(self, timeout_s: float = ABANDON_ANSWER_S) -> bool:
+        """End this peer's search for a group now, if its step is still matchmaking (a leader
+        disbands its followers, who look on; a follower leaves its leader): the step then fails
+        as "could not find a group", without retrying. True if the search was ended.
+
+        hivemind's own way, ``StepControl.cancel``, cancels the step's matchmaking task without
+        awaiting it; when the task was waiting on a join request, asyncio could collect it half
+        cancelled ("Task was destroyed but it is pending"), and the search's cleanup never ran:
+        every later search of that averager found no group (a home peer of the churn lab chased
+        the swarm for 29 rounds after its first given-up search). This ends the search from
+        inside, so that hivemind's ``look_for_group`` returns and cleans up as after a timeout."""
+        future: MPFuture[bool] = MPFuture()
+        self._outer_pipe.send(("_abandon_search", [], dict(future=future)))
+        try:
+            return bool(future.result(timeout=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the averager process is busy or gone: the search runs out
+            logger.debug("could not end the search: %s", exc)
+            return False
+
+    async def _abandon_search(self, future: MPFuture[bool]) -> None:
+        matchmaking = self._matchmaking
+        async with matchmaking.lock_request_join_group:
+            step = matchmaking.step_control
+            if step is None or matchmaking.assembled_group.done():
+                future.set_result(False)  # no search, or its group formed meanwhile
+                return
+            step._allow_retries = False  # hivemind's ``_step`` would look again until the deadline
+            if matchmaking.current_followers:
+                await matchmaking.leader_disband_group()
+            matchmaking.assembled_group.set_result(None)  # ``look_for_group`` returns: no group
+        future.set_result(True)
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""

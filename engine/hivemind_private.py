@@ -33,6 +33,7 @@ MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
 POTENTIAL_LEADERS = "hivemind.averaging.matchmaking.PotentialLeaders"
 SERVICER_BASE = "hivemind.p2p.servicer.ServicerBase"
 P2P_DAEMON = "hivemind.p2p.p2p_daemon.P2P"
+STEP_CONTROL = "hivemind.averaging.control.StepControl"
 
 AVERAGING = "engine/averager.py"
 ALLREDUCE = "engine/allreduce.py"
@@ -254,12 +255,24 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "_inner_pipe",
         "pipe dispatch protocol",
         f"{AVERAGING} (ExactAverager.set_allreduce_timeout -> _set_allreduce_timeout, "
-        "load_verified_state -> _load_verified_state)",
+        "abandon_search -> _abandon_search, load_verified_state -> _load_verified_state)",
         "The averager process reads (method, args, kwargs) and runs getattr(self, method)(...) as "
         "a task: the named method must be a coroutine function of our class.",
         evidence=(
             ("_run_internal", "method, args, kwargs = self._inner_pipe.recv()"),
             ("_run_internal", "asyncio.create_task(getattr(self, method)(*args, **kwargs))"),
+        ),
+    ),
+    PrivateUse(
+        STEP_CONTROL,
+        "_allow_retries",
+        "instance attribute (written)",
+        f"{AVERAGING} (ExactAverager._abandon_search)",
+        "A search given up from inside ends as 'could not find a group'; hivemind's _step would "
+        "then look again until the step's deadline unless the step allows no retries.",
+        evidence=(
+            ("__init__", "self._allow_retries = data_for_gather, deadline, allow_retries"),
+            ("__setstate__", 'self._allow_retries = state["immutable_params"]'),
         ),
     ),
     PrivateUse(

@@ -144,12 +144,12 @@ class PendingRound:
         return True
 
     def abandon(self) -> bool:
-        """Cancel the step while it is still matchmaking (hivemind cancels its search; a leader
+        """End the step while it is still matchmaking (``ExactAverager.abandon_search``: a leader
         disbands its followers, who look on). Once its all-reduce has begun it is left alone: it
         may be a member the group needs."""
         if self.control.done() or self.control.began_allreduce:
             return False
-        return bool(self.control.cancel())
+        return self.averager.abandon_search()
 
     def result(self) -> RoundResult | None:
         """Block until the round ends; None if it failed before a group formed (no group, a

@@ -64,6 +64,7 @@ def postgres_url() -> str:
 
 
 BESIDE_SWARMS = {
+    "test_abandon_search.py",
     "test_averager_signals.py",
     "test_bad_tensors.py",
     "test_broken_member.py",
