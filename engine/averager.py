@@ -367,17 +367,7 @@ class ExactAverager(
             return False
 
     async def _abandon_search(self, future: MPFuture[bool]) -> None:
-        matchmaking = self._matchmaking
-        async with matchmaking.lock_request_join_group:
-            step = matchmaking.step_control
-            if step is None or matchmaking.assembled_group.done():
-                future.set_result(False)  # no search, or its group formed meanwhile
-                return
-            step._allow_retries = False  # hivemind's ``_step`` would look again until the deadline
-            if matchmaking.current_followers:
-                await matchmaking.leader_disband_group()
-            matchmaking.assembled_group.set_result(None)  # ``look_for_group`` returns: no group
-        future.set_result(True)
+        future.set_result(await self._matchmaking.give_up_search())
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""

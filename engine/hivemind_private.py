@@ -267,7 +267,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         STEP_CONTROL,
         "_allow_retries",
         "instance attribute (written)",
-        f"{AVERAGING} (ExactAverager._abandon_search)",
+        "engine/matchmaking.py (RoundMatchmaking.give_up_search)",
         "A search given up from inside ends as 'could not find a group'; hivemind's _step would "
         "then look again until the step's deadline unless the step allows no retries.",
         evidence=(

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.p2p import PeerID
@@ -400,7 +401,23 @@ class RoundMatchmaking(Matchmaking):
             async with self.lock_looking_for_group:
                 pass
             logger.info("the last search took %.1f s to end before this one began", time.monotonic() - started)
-        return await super().look_for_group(step)
+        group = await super().look_for_group(step)
+        return None if isinstance(group, GivenUp) else group
+
+    async def give_up_search(self) -> bool:
+        """End the search under way now, unless its group formed (``ExactAverager.abandon_search``):
+        a leader's followers are sent away (hivemind tells each its group was disbanded: a
+        ``GivenUp`` group holds nobody), and ``look_for_group`` returns no group and cleans up
+        as after a timeout; the step does not retry. True if a search was ended."""
+        async with self.lock_request_join_group:
+            step = self.step_control
+            if step is None or self.assembled_group.done():
+                return False
+            step._allow_retries = False  # hivemind's ``_step`` would look again until the deadline
+            if self.current_followers:
+                await self.leader_disband_group()
+            self.assembled_group.set_result(GivenUp(b"", (), ()))
+        return True
 
     async def _request_join_group(self, leader: Any) -> Any:
         """hivemind's, with a second ask of a leader that turned this peer away: hivemind never
@@ -523,6 +540,16 @@ class RoundMatchmaking(Matchmaking):
     @min_group_size.setter
     def min_group_size(self, value: int) -> None:
         self.__dict__["_min_group_size"] = value
+
+
+class GivenUp(GroupInfo):
+    """The "group" a given-up search resolves to (``RoundMatchmaking.give_up_search``): nobody is
+    in it, so hivemind's ``rpc_join_group`` tells each waiting follower its group was disbanded
+    (a plain None there fails its membership check with a TypeError, logged as an error, and
+    the follower gets INTERNAL_ERROR), and ``look_for_group`` turns it into no group."""
+
+    def __contains__(self, peer: object) -> bool:
+        return False
 
 
 def round_matchmaking(matchmaking: Matchmaking) -> RoundMatchmaking:

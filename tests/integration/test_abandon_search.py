@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from engine.averager import ExactAverager
 from engine.compression import get_codec
@@ -31,6 +32,21 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NUMEL = 1000
 
 
+async def _count_followers(self: ExactAverager, future: MPFuture[int]) -> None:
+    """(In the averager process) how many followers this peer's search holds as a leader now."""
+    future.set_result(len(self._matchmaking.current_followers))
+
+
+# hivemind names RPC handlers after the class: it must look like an ExactAverager
+Probed = type("ExactAverager", (ExactAverager,), {"_count_followers": _count_followers})
+
+
+def _followers(averager: ExactAverager) -> int:
+    future: MPFuture[int] = MPFuture()
+    averager._outer_pipe.send(("_count_followers", [], dict(future=future)))
+    return future.result(timeout=5)
+
+
 def _gather(peer: int, round_: int) -> bytes:
     return Gathered(id=f"peer-{peer}", round=round_, digest="blake3:" + "00" * 32, samples=1).to_wire()
 
@@ -40,7 +56,7 @@ def averagers() -> Iterator[list[ExactAverager]]:
     first = DHT(start=True, host_maddrs=LOOPBACK)
     dhts = [first] + [DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs()) for _ in range(2)]
     made = [
-        ExactAverager(
+        Probed(
             NUMEL,
             dht,
             codec=get_codec("none"),
@@ -90,3 +106,25 @@ def test_an_abandoned_search_ends_at_once_and_the_averager_averages_the_next_rou
     for thread in threads:
         thread.join(timeout=60)
     assert all(isinstance(o, GroupOutcome) and not o.failed and len(o.gathered) == 3 for o in outcomes), outcomes
+
+
+def test_a_leader_that_gives_up_sends_its_follower_away_cleanly(
+    capfd: pytest.CaptureFixture[str], averagers: list[ExactAverager]
+) -> None:
+    """A leader whose search is given up while a follower waits in its group tells the follower
+    its group was disbanded (hivemind's GROUP_DISBANDED), not an internal error: the follower
+    looks on, and neither logs an error (``capfd`` first: the averagers fork with its stderr)."""
+    leader, follower = averagers[0], averagers[1]
+    led = leader.step(gather=_gather(0, 0), scheduled_time=get_dht_time() + 8, timeout=30, wait=False)
+    following = follower.step(gather=_gather(1, 0), scheduled_time=get_dht_time() + 12, timeout=14, wait=False)
+    deadline = time.monotonic() + 8
+    while _followers(leader) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _followers(leader) == 1, "the follower never joined the leader's group"
+    assert leader.abandon_search()
+    with pytest.raises(Exception, match="could not find a group"):
+        led.result(timeout=5)
+    with pytest.raises(Exception, match="could not find a group"):  # alone, it finds no other group
+        following.result(timeout=30)
+    errors = capfd.readouterr().err
+    assert "not iterable" not in errors and "INTERNAL_ERROR" not in errors, errors
