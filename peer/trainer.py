@@ -1264,14 +1264,28 @@ class Trainer:
             return
         round_, digest, landed = self._snapshot
         self.swarm.publish_digest(
-            self.identity, round_=round_, digest=digest, roster=self.roster.size, leaving=True, landed=landed
+            self.identity, round_=round_, digest=digest, roster=self._claimed_roster(), leaving=True, landed=landed
         )
         logger.info("said in the DHT that this peer leaves holding round %d's state", round_)
+
+    def _claimed_roster(self) -> int:
+        """The roster size this peer's digest record claims for its state: its roster's, if it is
+        in that roster (it landed the state, or its group did: ``RosterBook.known``), else 0. A
+        peer that only adopted the state still gathers the size its holders published (so that
+        a group of adopters cannot land beside the roster's own), but its record says nothing:
+        adopters that re-published it kept a roster alive after its members were gone. The soak
+        met it: a pair landed a round and was killed and restarted over and over; every newcomer
+        adopted the pair's claim from the records and published it again, so each later
+        newcomer learnt it too, and no group of them ever passed the rule (no round landed for
+        nine minutes, until the run was stopped)."""
+        return self.roster.size if self.roster.known else 0
 
     def _republish(self) -> None:
         """Sign and store the served state's digest record again (no new digest computed)."""
         round_, digest, landed = self._snapshot
-        self.swarm.publish_digest(self.identity, round_=round_, digest=digest, roster=self.roster.size, landed=landed)
+        self.swarm.publish_digest(
+            self.identity, round_=round_, digest=digest, roster=self._claimed_roster(), landed=landed
+        )
         self._published_at = time.monotonic()
 
     def wait_for_group(self) -> bool:

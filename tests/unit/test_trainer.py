@@ -711,6 +711,8 @@ def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_
     assert trainer.state.digest() == theirs.digest() and not trainer.history[-1].averaged
     assert (trainer.roster.size, trainer.roster.known) == (3, holders == 2)
     assert swarm.seen == [m.id for m in [mine, *others]]  # their records count: they are its group
+    # its record claims the roster only if it is in it: an adopter's record says nothing
+    assert swarm.published[-1]["roster"] == (3 if holders == 2 else 0)
 
 
 def test_work_more_than_two_rounds_stale_is_dropped() -> None:
