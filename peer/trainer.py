@@ -1034,8 +1034,8 @@ class Trainer:
         the landing)."""
         self._adapt_timeouts(result)
         self._uncounted = None
-        if result is None or not result.started_in_sync(self.state.round, flight.pre_digest):
-            # its work stays in the model (or goes with it onto the state it adopts next)
+        counted = result is not None and result.started_in_sync(self.state.round, flight.pre_digest)
+        if not counted:  # its work stays in the model (or goes with it onto the state it adopts next)
             samples, seconds = self._unlanded
             self._unlanded = (samples + flight.samples + flight.carried, seconds + flight.compute_s + flight.carried_s)
         if result is None:
@@ -1052,7 +1052,6 @@ class Trainer:
                 logger.warning("round %d failed here but the swarm moved on; catching up", self.state.round)
                 self.in_sync = False
         else:
-            counted = result.started_in_sync(self.state.round, flight.pre_digest)
             if not counted:
                 self.in_sync = False
                 logger.warning("this peer started round %d from another state than its group", self.state.round)
