@@ -30,6 +30,16 @@ absentia: one member's say-so credits nobody it names."""
 
 
 @dataclass(frozen=True)
+class Voucher:
+    """A member's signed receipt for the reporter's parts (``protocol.receipts``), verified when
+    the report came: that member's word on the reporter's weight, given during the all-reduce,
+    which stands for its report should that never come (rule 3)."""
+
+    weight: float
+    offence: str = ""
+
+
+@dataclass(frozen=True)
 class GroupMemberView:
     """One member of the reporter's averaging group, as the reporter saw it."""
 
@@ -40,6 +50,8 @@ class GroupMemberView:
     offence: str = ""
     """Why the reporter's reducer bounded or refused that member's contribution this round
     (robust averaging, ``engine.robust``), or "" if it did not."""
+    voucher: Voucher | None = None
+    """That member's receipt for the reporter's parts, if the report carried a valid one."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +164,14 @@ class RoundLedger:
        free to mint, accounts are what an operator allows or bans. With
        ``min_attester_age_s``, an attester whose account the coordinator first saw less than
        that long before its report is no witness either (open runs: fresh accounts are free
-       to mint too). No attester: DENIED.
+       to mint too). When the round is decided with ``member_of`` (by ``tick``), a member of
+       ``c``'s group that has no claim of its own for ``r`` (it died during the all-reduce,
+       after its reducer served ``c``) attests by its **voucher**: its signed receipt for
+       ``c``'s parts, which ``c``'s report carries (``protocol.receipts``, checked in
+       ``coordinator.rounds``), under the same account and age rules (its key admitted and
+       not revoked). A voucher attests the weight, not the digest: it is that member's word
+       given before the round's state existed, worth what its report would be less the
+       digest, which in a group of two its report could not check either. No attester: DENIED.
     4. A strict majority of the attesters' reducers bounded or refused ``c``'s contribution
        (robust averaging: a clipped part, a capped weight, a part that did not decode): a
        clipped contribution is not attested work. DENIED, naming how many and the first reason.
@@ -222,7 +241,8 @@ class RoundLedger:
 
     def tick(self, now: float, member_of: MemberOf | None = None) -> list[ClaimVerdict]:
         """Decide every due claim (see the class docstring); each claim is returned once. With
-        ``member_of``, a round decided by time also credits its unreported members in absentia."""
+        ``member_of``, vouchers attest (rule 3) and a round decided by time also credits its
+        unreported members in absentia."""
         decisions: list[ClaimVerdict] = []
         for number in sorted(self._rounds):
             entry = self._rounds[number]
@@ -239,6 +259,7 @@ class RoundLedger:
                         entry.claims,
                         self.max_samples_per_second,
                         min_attester_age_s=self.min_attester_age_s,
+                        member_of=member_of,
                     )
                 )
                 entry.decided.add(key)
@@ -280,8 +301,23 @@ class RoundLedger:
                     del self._forgotten[next(iter(self._forgotten))]
 
 
+@dataclass(frozen=True)
+class _Witness:
+    """One account's word on a claim: its report's view of the claimant, or its voucher."""
+
+    key: str
+    weight: float
+    offence: str
+    voucher: bool = False
+
+
 def decide(
-    claim: RoundClaim, claims: dict[str, RoundClaim], max_samples_per_second: float, *, min_attester_age_s: float = 0.0
+    claim: RoundClaim,
+    claims: dict[str, RoundClaim],
+    max_samples_per_second: float,
+    *,
+    min_attester_age_s: float = 0.0,
+    member_of: MemberOf | None = None,
 ) -> ClaimVerdict:
     """Decide ``claim`` against all claims of its round (keyed by reporter); see ``RoundLedger``."""
     if len(claim.group) == 1:
@@ -294,33 +330,63 @@ def decide(
     digest, count = agreed.digest, agreed.votes
     if claim.state_digest != digest:
         return _denied(claim, f"digest differs from the group's ({count} of {len(views)} reports agree on {digest})")
-    witnesses: dict[str, RoundClaim] = {}
+    witnesses: dict[str, _Witness] = {}
     too_young = set()
     for c in sorted(views, key=lambda c: c.key):
         if c.key != claim.key and c.state_digest == digest and c.owner != claim.owner:
             if min_attester_age_s > 0 and not c.received_at - c.owner_since >= min_attester_age_s:
                 too_young.add(c.owner)
                 continue
-            witnesses.setdefault(c.owner, c)
-    weights = {c.key: c.weight_for(claim.key) for c in witnesses.values()}
-    attested = sorted(w for w in weights.values() if w is not None)
+            view = next(m for m in c.group if m.key == claim.key)
+            witnesses.setdefault(c.owner, _Witness(c.key, view.weight, view.offence))
+    if member_of is not None:
+        too_young |= _vouchers(claim, claims, witnesses, member_of, min_attester_age_s)
     others = len(claim.group) - 1
-    if not attested:
+    if not witnesses:
         young = (
             f"; {len(too_young)} account(s) younger than the run's min_attester_age_s ({min_attester_age_s:g} s)"
             if too_young
             else ""
         )
         return _denied(claim, f"no group member of another account attests it (its group lists {others} others{young})")
-    accusers = [c for c in views if c.key in weights and c.offence_for(claim.key)]
-    if 2 * len(accusers) > len(weights):
-        first = sorted(accusers, key=lambda c: c.key)[0]
+    accusers = sorted((w for w in witnesses.values() if w.offence), key=lambda w: w.key)
+    if 2 * len(accusers) > len(witnesses):
+        first = accusers[0]
         return _denied(
             claim,
-            f"its contribution was bounded by {len(accusers)} of {len(weights)} attesting members' "
-            f"{OFFENCE} ({first.key}: {first.offence_for(claim.key)})",
+            f"its contribution was bounded by {len(accusers)} of {len(witnesses)} attesting members' "
+            f"{OFFENCE} ({first.key}: {first.offence})",
         )
-    return _grant(claim, attested, others, max_samples_per_second)
+    attested = sorted(w.weight for w in witnesses.values())
+    vouched = sum(1 for w in witnesses.values() if w.voucher)
+    return _grant(claim, attested, others, max_samples_per_second, vouched)
+
+
+def _vouchers(
+    claim: RoundClaim,
+    claims: dict[str, RoundClaim],
+    witnesses: dict[str, _Witness],
+    member_of: MemberOf,
+    min_attester_age_s: float,
+) -> set[str]:
+    """Add to ``witnesses`` the vouchers of ``claim``'s group members that have no claim of
+    their own for the round (rule 3); returns the accounts too young to attest."""
+    too_young = set()
+    for member in sorted(claim.group, key=lambda m: m.key):
+        if member.voucher is None or member.key == claim.key or member.key in claims:
+            continue
+        owner = member_of(member.key, claim.round)
+        if owner is None:  # never admitted, revoked, or it holds a claim after all
+            continue
+        account, since = owner
+        account = account or member.key
+        if account == claim.owner or account in witnesses:
+            continue
+        if min_attester_age_s > 0 and not claim.received_at - since >= min_attester_age_s:
+            too_young.add(account)
+            continue
+        witnesses[account] = _Witness(member.key, member.voucher.weight, member.voucher.offence, voucher=True)
+    return too_young
 
 
 def decide_absent(
@@ -376,12 +442,14 @@ def decide_absent(
     return ClaimVerdict(key, round_, ClaimStatus.GRANTED, granted, reason, 0, stand_in)
 
 
-def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float) -> ClaimVerdict:
+def _grant(claim: RoundClaim, attested: list[float], others: int, max_sps: float, vouched: int = 0) -> ClaimVerdict:
     """Grant the least of the claim, the attested median and the throughput cap."""
     median = math.floor(statistics.median(attested))
     cap = math.floor(max_sps * claim.duration_s)
     granted = min(claim.samples, median, cap)
     witnesses = f"by {len(attested)} of {others} group members"
+    if vouched:
+        witnesses += f" ({vouched} by the receipt of a member whose report never came)"
     parts = [f"claimed {claim.samples}"] if granted < claim.samples else []
     if median == granted < claim.samples:
         parts.append(f"attested {median} (median) {witnesses}")
@@ -432,11 +500,22 @@ def _check_group(claim: RoundClaim) -> None:
             raise ValueError(f"claim group offence for {member.key} must be a string of <= {MAX_OFFENCE_CHARS} chars")
         if "\x00" in member.offence:
             raise ValueError(f"claim group offence for {member.key} contains a NUL character")
+        if member.voucher is not None:
+            _check_voucher(member.key, member.voucher)
         if member.key in seen:
             raise ValueError(f"claim group lists {member.key} twice")
         seen.add(member.key)
     if claim.key not in seen:
         raise ValueError(f"claim group does not list the reporter {claim.key} itself")
+
+
+def _check_voucher(key: str, voucher: Voucher) -> None:
+    if not isinstance(voucher, Voucher):
+        raise ValueError(f"claim group voucher for {key} must be a Voucher, got {voucher!r}")
+    if not _is_number(voucher.weight) or not math.isfinite(voucher.weight) or voucher.weight < 0:
+        raise ValueError(f"claim group voucher weight for {key} must be finite and >= 0, got {voucher.weight!r}")
+    if not isinstance(voucher.offence, str) or len(voucher.offence) > MAX_OFFENCE_CHARS or "\x00" in voucher.offence:
+        raise ValueError(f"claim group voucher offence for {key} must be a string of <= {MAX_OFFENCE_CHARS} chars")
 
 
 def _is_int(value: object) -> bool:

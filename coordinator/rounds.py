@@ -24,7 +24,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.credits import ClaimStatus, ClaimVerdict, GroupMemberView, MemberOf, RoundClaim, RoundLedger
+from coordinator.credits import (
+    ClaimStatus,
+    ClaimVerdict,
+    GroupMemberView,
+    MemberOf,
+    RoundClaim,
+    RoundLedger,
+    Voucher,
+)
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
@@ -32,7 +40,9 @@ from coordinator.store import ClaimBody, ClaimRow, Decision, Store
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
 from protocol.identity import PublicKey
+from protocol.receipts import ReceiptError, read_receipt
 from protocol.spec import RunSpec
+from protocol.statesync import run_prefix
 
 __all__ = ["Decided", "RoundBook"]
 
@@ -63,6 +73,8 @@ class RoundBook:
             max_samples_per_second=spec.credits.max_samples_per_second,
             min_attester_age_s=spec.credits.min_attester_age_s,
         )
+        self.run = run_prefix(spec.digest())
+        """What a receipt names as its run (``protocol.receipts``)."""
         self.view = RoundWindow(ROUND_WINDOW)
         """Groups, states and peers averaged of the newest rounds reported (``coordinator.round_view``)."""
         self._losses: dict[int, list[float]] = {}
@@ -101,7 +113,8 @@ class RoundBook:
                 member_key = PublicKey(bytes(member.public_key)).id
             except Exception as exc:
                 raise MalformedMessageError(f"round report names a malformed group member key ({exc})") from exc
-            group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence))
+            voucher = self._voucher(member_key, member.receipt, key, body.round)
+            group.append(GroupMemberView(key=member_key, weight=member.weight, offence=member.offence, voucher=voucher))
         duration = min(max(body.compute_s + body.wait_s, 1e-3), self._observed_round_s(key, now))
         return RoundClaim(
             key=key,
@@ -114,6 +127,21 @@ class RoundBook:
             duration_s=duration,
             received_at=now,
         )
+
+    def _voucher(self, member: str, receipt: bytes, reporter: str, round_: int) -> Voucher | None:
+        """``member``'s receipt for ``reporter``'s parts in ``round_``, if the report carried one
+        that holds (``protocol.receipts``); one that does not is dropped, never the report: it
+        came from another member, whom the reporter cannot vouch for."""
+        if not receipt or member == reporter:
+            return None
+        try:
+            read = read_receipt(bytes(receipt), reducer=member, run=self.run, round_=round_, sender=reporter)
+        except ReceiptError as exc:
+            logger.info(
+                "round %d: %s's report carries a receipt of %s that does not hold: %s", round_, reporter, member, exc
+            )
+            return None
+        return Voucher(weight=read.weight, offence=read.offence)
 
     def already_reported(self, key: str, round_: int) -> bool:
         """Whether the ledger holds an undecided claim of ``key`` for ``round_``."""
@@ -267,7 +295,17 @@ def _body_of(claim: RoundClaim | None) -> ClaimBody | None:
 
 
 def _group_json(claim: RoundClaim) -> str:
-    return json.dumps([[m.key, m.weight, m.offence] if m.offence else [m.key, m.weight] for m in claim.group])
+    """The group as the store keeps it: ``[key, weight]``, ``[key, weight, offence]`` or, with a
+    voucher, ``[key, weight, offence, [voucher weight, voucher offence]]``."""
+    rows: list[list[object]] = []
+    for m in claim.group:
+        row: list[object] = [m.key, m.weight]
+        if m.offence or m.voucher is not None:
+            row.append(m.offence)
+        if m.voucher is not None:
+            row.append([m.voucher.weight, m.voucher.offence])
+        rows.append(row)
+    return json.dumps(rows)
 
 
 def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
@@ -279,7 +317,12 @@ def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
 
 def _claim_from_row(row: ClaimRow) -> RoundClaim:
     group = tuple(
-        GroupMemberView(key=entry[0], weight=entry[1], offence=entry[2] if len(entry) > 2 else "")
+        GroupMemberView(
+            key=entry[0],
+            weight=entry[1],
+            offence=entry[2] if len(entry) > 2 else "",
+            voucher=Voucher(weight=entry[3][0], offence=entry[3][1]) if len(entry) > 3 else None,
+        )
         for entry in json.loads(row.group_json)
     )
     return RoundClaim(

@@ -48,6 +48,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from engine.audit import SentParts
 from engine.compression import Codec
+from engine.receipts import ReceiptSigner, attach, taken
 from engine.robust import Alignment, RobustRule, robust_mean
 from engine.stream_close import until_reader_closes
 from protocol.agreement import Vote, agreed_state
@@ -318,6 +319,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         robust: RobustRule | None = None,
         keep_sent: bool = False,
         keep_averaged: bool = False,
+        receipts: ReceiptSigner | None = None,
         **kwargs: Any,
     ) -> None:
         numel = sum(t.numel() for t in kwargs["tensors"])
@@ -367,6 +369,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         """With ``keep_averaged``: every averaged part this peer took (``(start, bytes)``, start in
         this runner's vector), as the reducers encoded them: the round's update, which members
         keep for newcomers (``engine.update_store``)."""
+        self.signer = receipts
+        """Signs this reducer's receipt for each sender (``engine.receipts``); None: it sends none."""
+        self.receipts: dict[PeerID, bytes] = {}
+        """Each reducer's receipt for this peer's parts, as it came with its last averaged part."""
         self.bytes_sent = 0
         self.bytes_received = 0
         # sizes of every part in global order (peer 0's parts, then peer 1's, ...)
@@ -498,6 +504,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 await self._take_averaged_part(peer_index, part_index, msg.tensor_part)
                 part_index += 1
+                if receipt := taken(msg):  # the latest one stands (``_receipt``)
+                    self.receipts[peer_id] = receipt
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             self.failed_reducers[peer_id] = reason
@@ -592,7 +600,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 encoded = await self._encode_once(part_index, averaged)
                 part_index += 1
                 self.bytes_sent += len(encoded.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                if part_index in (1, self.tensor_part_reducer.num_parts):
+                    reply = attach(reply, self._receipt(sender, sender_index, weight))
+                yield reply
         except BaseException as exc:
             ended = f"{type(exc).__name__}: {exc}"
             raise
@@ -609,6 +620,21 @@ class ExactAllReduceRunner(AllReduceRunner):
                     ended,
                 )
                 await self._ban_sender(sender)
+
+    def _receipt(self, sender: PeerID, sender_index: int, weight: float) -> bytes:
+        """This reducer's receipt for ``sender``'s parts (``engine.receipts``), sent with the
+        first averaged part (should this peer die before the last, the sender holds its word) and
+        again with the last, naming what its reducer bounded of them all; the sender keeps the
+        latest."""
+        if self.signer is None:
+            return b""
+        reducer = self.tensor_part_reducer
+        named = reducer.named() if isinstance(reducer, RobustPartReducer) else {}
+        try:
+            return self.signer(sender, weight, named.get(sender_index, ""))
+        except Exception:  # a receipt is never worth the round
+            logger.exception("could not sign a receipt for %s", sender)
+            return b""
 
     async def wait_until_served(self, timeout: float) -> bool:
         """Wait until every sender that streamed parts to this reducer holds its last averaged

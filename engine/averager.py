@@ -40,11 +40,13 @@ from engine.liveness import LivenessMixin
 from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
 from engine.process_signals import OwnSignals
+from engine.receipts import ReceiptSigner
 from engine.robust import Alignment, RobustRule, direction_offence
 from engine.state_transfer import StateProvider, StateTransferMixin
 from engine.update_store import UpdateStore
 from engine.update_transfer import UpdateTransferMixin
 from protocol.gathered import Gathered
+from protocol.identity import Identity
 from protocol.membership import MemberGate
 
 __all__ = ["AllReduceStats", "ExactAverager", "GroupOutcome", "RoundFailedError", "StateProvider"]
@@ -90,6 +92,10 @@ class ExactAverager(
     With ``updates`` (a store; not in client mode, where nobody could fetch from it) it keeps
     the averaged update of each round that landed here and serves it to newcomers
     (``engine.update_store``, ``engine.update_transfer``).
+
+    With ``receipt_key`` (the node's identity, PEM) its reducer signs a receipt for each sender
+    it served (``protocol.receipts``), and it keeps the receipts its reducers sent it
+    (``AllReduceStats.receipts``).
     """
 
     runner_class: type[ExactAllReduceRunner] = ExactAllReduceRunner
@@ -106,9 +112,12 @@ class ExactAverager(
         robust: RobustRule | None = None,
         audit: bool = False,
         updates: UpdateStore | None = None,
+        receipt_key: bytes | None = None,
         **kwargs: Any,
     ) -> None:
         self.audit = audit
+        self._receipt_key = receipt_key
+        self._receipt_identity: Identity | None = None
         self.update_store = None if kwargs.get("client_mode") else updates
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
@@ -166,8 +175,9 @@ class ExactAverager(
         flat = vector.view(-1)
         fragment_ids = [fragment_group_id(group_id, index) for index in range(len(self.fragments))]
         room = self._open_audit_room(group_id, fragment_ids, group_info.peer_ids, stale) if self.audit else None
+        signer = self._receipt_signer(group_info, round_)
         runners = [
-            self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs)
+            self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs, signer)
             for fragment_id, (start, end) in zip(fragment_ids, self.fragments)
         ]
         if room is not None:
@@ -225,7 +235,32 @@ class ExactAverager(
             left_out=sorted(audit.left_out),
             audit_s=audit.seconds,
             audit_bytes=audit.bytes_received,
+            receipts=self._receipts(runners),
         )
+
+    def _receipt_signer(self, group_info: GroupInfo, round_: int) -> ReceiptSigner | None:
+        """Who signs this round's receipts: the node's identity, for the round the group lands
+        (its agreed state's round + 1, the round its members report)."""
+        if self._receipt_key is None:
+            return None
+        if self._receipt_identity is None:  # loaded in the averager's process, once
+            self._receipt_identity = Identity.from_pem(self._receipt_key, source="the node's key")
+        ids = {}
+        for peer, raw in zip(group_info.peer_ids, group_info.gathered):
+            data = gathered_metadata(raw)
+            if data is not None and data.id:
+                ids[str(peer)] = data.id
+        return ReceiptSigner(self._receipt_identity, run=self.prefix, round_=round_ + 1, ids=ids)
+
+    @staticmethod
+    def _receipts(runners: Sequence[ExactAllReduceRunner]) -> dict[str, bytes]:
+        """Each reducer's receipt for this peer's parts (libp2p id → bytes), the first fragment's
+        that came: one vouches for the sender's weight as well as any."""
+        receipts: dict[str, bytes] = {}
+        for runner in runners:
+            for peer, receipt in runner.receipts.items():
+                receipts.setdefault(str(peer), receipt)
+        return receipts
 
     def _averaged_parts(self, runners: Sequence[ExactAllReduceRunner]) -> list[tuple[int, Any]]:
         """Every averaged part this round's runners took, with its start in the whole vector."""
@@ -267,9 +302,11 @@ class ExactAverager(
         stale: frozenset[Any],
         codec: CodecCompression,
         kwargs: dict[str, Any],
+        signer: ReceiptSigner | None = None,
     ) -> ExactAllReduceRunner:
         runner = self.runner_class(
             codec=codec,
+            receipts=signer,
             stale=stale,
             robust=self.robust,
             keep_sent=self.audit,

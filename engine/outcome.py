@@ -36,6 +36,8 @@ class AllReduceStats:
     """Seconds of this peer's audits after the all-reduce (``engine.auditing``)."""
     audit_bytes: int = 0
     """Bytes this peer's audits fetched from other members."""
+    receipts: dict[str, bytes] = field(default_factory=dict)
+    """Each reducer (libp2p id) → its signed receipt for this peer's parts (``protocol.receipts``)."""
 
 
 @dataclass(frozen=True)

@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     gate = _member_gate(joined)
     try:
         relay = _relay_offer(args, joined, path, gate)
-        swarm = _start_swarm(args, joined, plan, path, gate)
+        swarm = _start_swarm(args, joined, plan, path, gate, node.node)
     except BaseException:
         path.close()
         if relay is not None:
@@ -605,7 +605,12 @@ def _relay_offer(
 
 
 def _start_swarm(
-    args: argparse.Namespace, joined: _Joined, plan: _Plan, path: NetworkPath, gate: MemberGate | None
+    args: argparse.Namespace,
+    joined: _Joined,
+    plan: _Plan,
+    path: NetworkPath,
+    gate: MemberGate | None,
+    identity: Identity,
 ) -> Swarm:
     """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
     average with it (``gate``). With an announced address, the
@@ -631,6 +636,7 @@ def _start_swarm(
         gate=gate,
         dht_kwargs=path.dht_kwargs,
         updates=updates,
+        identity=identity,
     )
 
 

@@ -281,6 +281,7 @@ def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
             public_key=key.raw,
             weight=reported_weight(member.samples),
             offence=str(metrics.offenders.get(member.id, ""))[:MAX_OFFENCE_CHARS],
+            receipt=metrics.receipts.get(member.id, b""),
         )
         for member in metrics.members
         if (key := _public_key(member.id)) is not None

@@ -71,6 +71,9 @@ class RoundMetrics:
     offenders: dict[str, str] = field(default_factory=dict)
     """Members (public id) whose contribution this peer's reducer bounded (robust averaging:
     a capped weight, a clipped part) or refused, with why; reported to the coordinator."""
+    receipts: dict[str, bytes] = field(default_factory=dict)
+    """Members (public id) → the receipt each one's reducer signed for this peer's parts
+    (``protocol.receipts``), reported to the coordinator; not in the metrics row."""
 
     unaveraged: float = 0.0
     """Fraction of the state the group could not average this round (a member's reducer
@@ -109,8 +112,10 @@ class RoundMetrics:
         return self.samples + self.carried, self.compute_s + self.carried_s
 
     def as_dict(self) -> dict[str, Any]:
-        """The metrics file's row (JSON-ready: the members and data as maps)."""
-        return dataclasses.asdict(self)
+        """The metrics file's row (JSON-ready: the members and data as maps; no receipts)."""
+        row = dataclasses.asdict(self)
+        del row["receipts"]
+        return row
 
 
 class RoundJournal(Protocol):

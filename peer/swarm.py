@@ -179,6 +179,7 @@ class PendingRound:
             allreduce_s=stats.allreduce_s,
             round_s=waited,
             offenders=offenders_by_id(stats.offences, gathered),
+            receipts=by_public_id(stats.receipts, gathered),
             missing=list(stats.missing),
             left_out=list(stats.left_out),
             audit_s=stats.audit_s,
@@ -194,6 +195,17 @@ def offenders_by_id(offences: dict[str, str], gathered: dict[str, Gathered | Non
     for peer, reason in offences.items():
         data = gathered.get(peer)
         named[data.id if data is not None and data.id else peer] = reason
+    return named
+
+
+def by_public_id(receipts: dict[str, bytes], gathered: dict[str, Gathered | None]) -> dict[str, bytes]:
+    """``receipts`` (libp2p peer id → receipt) keyed by the public id each member gathered;
+    those of members that gathered none are dropped (nobody could check them)."""
+    named = {}
+    for peer, receipt in receipts.items():
+        data = gathered.get(peer)
+        if data is not None and data.id:
+            named[data.id] = receipt
     return named
 
 
@@ -231,9 +243,12 @@ class Swarm:
         dht_kwargs: dict[str, Any] | None = None,
         gate: MemberGate | None = None,
         updates: UpdateStore | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.spec = spec
         self.gate = gate
+        self._receipt_key = identity.to_pem() if identity is not None else None
+        """The node's key, with which its reducer signs receipts (``protocol.receipts``)."""
         self.client_mode = client_mode
         self.electorate: set[str] = set()
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
@@ -298,6 +313,7 @@ class Swarm:
             robust=RobustRule.for_spec(averaging, spec.credits),
             audit=averaging.audit,
             updates=self.updates,
+            receipt_key=self._receipt_key,
         )
         return dht, averager
 

@@ -61,6 +61,9 @@ class RoundResult:
     ``missing`` (every member that caught the liar leaves out the same ranges)."""
     audit_s: float = 0.0
     audit_bytes: int = 0
+    receipts: dict[str, bytes] = field(default_factory=dict)
+    """Members (public id) → the receipt each one's reducer signed for this peer's parts
+    (``protocol.receipts``): their word, reported with the round, should they never report."""
     led: dict[str, float] | None = None
     """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
     event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""

@@ -917,6 +917,7 @@ class Trainer:
             averaged=result is not None,
             members=result.members if result else [],
             offenders=result.offenders if result else {},
+            receipts=result.receipts if result else {},
             unaveraged=round(result.unaveraged(), 6) if result else 0.0,
             left_out=round(result.left_out_share(), 6) if result else 0.0,
             failure=flight.failure,

@@ -209,16 +209,32 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., admitted: _Optional[bool] = ..., message: _Optional[str] = ..., credited_samples: _Optional[int] = ..., credited_flops: _Optional[float] = ..., pending_samples: _Optional[int] = ..., data_slot: _Optional[int] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("public_key", "libp2p_peer_id", "weight", "offence")
+    __slots__ = ("public_key", "libp2p_peer_id", "weight", "offence", "receipt")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     LIBP2P_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     OFFENCE_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     libp2p_peer_id: str
     weight: float
     offence: str
-    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., weight: _Optional[float] = ..., offence: _Optional[str] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., libp2p_peer_id: _Optional[str] = ..., weight: _Optional[float] = ..., offence: _Optional[str] = ..., receipt: _Optional[bytes] = ...) -> None: ...
+
+class ReceiptBody(_message.Message):
+    __slots__ = ("run", "round", "sender", "weight", "offence")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OFFENCE_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    round: int
+    sender: bytes
+    weight: float
+    offence: str
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[bytes] = ..., weight: _Optional[float] = ..., offence: _Optional[str] = ...) -> None: ...
 
 class RoundReportBody(_message.Message):
     __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received", "validation_loss", "data", "allreduce_s")

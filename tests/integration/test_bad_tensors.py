@@ -17,6 +17,9 @@ from engine.allreduce import CodecCompression, ExactAllReduceRunner
 from engine.averager import ExactAverager
 from engine.compression import get_codec
 from engine.outcome import GroupOutcome
+from protocol.gathered import Gathered
+from protocol.identity import Identity
+from protocol.receipts import read_receipt
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 NUMEL = 5000
@@ -74,6 +77,7 @@ def run_group(
     outcomes: dict[int, GroupOutcome] | None = None,
     codec_name: str = "none",
     vector: Callable[[int, int], torch.Tensor] | None = None,
+    keys: list[Identity] | None = None,
 ) -> list[torch.Tensor | None]:
     """Each member's vector after one step (None where its step failed); ``outcomes``, when
     given, receives each completed step's outcome (what it left out of the round, and why)."""
@@ -99,6 +103,7 @@ def run_group(
                 next_chunk_timeout=next_chunk_timeout,
                 client_mode=malicious,  # the attacker only sends; honest peers reduce
                 streams=streams,
+                receipt_key=keys[i].to_pem() if keys is not None else None,
             )
             if malicious and bad is not None:
                 averager.codec_compression = bad(codec)  # before the averager process starts
@@ -138,6 +143,25 @@ def test_honest_group_averages_exactly() -> None:
     assert all(r is not None for r in results[:2])
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3
+
+
+def test_each_reducer_signs_a_receipt_for_what_it_took_from_each_sender() -> None:
+    """Members 0 and 1 reduce (2 only sends, in client mode): each sender holds, from each
+    reducer, a receipt for its own parts in the round the group lands, at the weight it sent."""
+    keys = [Identity.generate() for _ in range(3)]
+    gathers = [Gathered(id=k.public_key.id, round=4, digest="d", samples=1.0).to_wire() for k in keys]
+    outcomes: dict[int, GroupOutcome] = {}
+    results = run_group(None, gathers=gathers, keys=keys, outcomes=outcomes)
+    assert all(r is not None for r in results), results
+    for i in range(3):
+        stated = outcomes[i].gathered
+        reducers = {stated[peer].id for peer in outcomes[i].stats.receipts}  # type: ignore[union-attr]
+        assert reducers == {keys[j].public_key.id for j in (0, 1) if j != i}, i
+        for peer, receipt in outcomes[i].stats.receipts.items():
+            reducer = stated[peer]
+            assert reducer is not None
+            read = read_receipt(receipt, reducer=reducer.id, run="badtensors", round_=5, sender=keys[i].public_key.id)
+            assert (read.weight, read.offence) == (1.0, "")
 
 
 STREAMED = 4 * 2**16 + 1000

@@ -84,6 +84,11 @@ def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, server_db_ur
             assert int(said.group(1).replace(",", "")) <= credits[key]["samples"]
         assert sum(c["samples"] for c in credits.values()) <= sum(trained.values())
         assert store.rounds()
+        # every report carries each other member's receipt for its parts, which the coordinator
+        # checked and kept as that member's voucher ([key, weight, offence, [weight, offence]])
+        for claim in store.claims():
+            others = [entry for entry in json.loads(claim.group_json) if entry[0] != claim.key]
+            assert others and all(len(entry) == 4 for entry in others), (claim.round, claim.group_json)
         final = status(address)
         assert final["current_round"] >= 1 and final["run_name"] == "coord"
         assert final["archive"].startswith("every ") and (
