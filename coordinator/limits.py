@@ -15,6 +15,7 @@ import re
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
 from protocol.messages import MAX_REPORTED_SAMPLES
+from protocol.receipts import MAX_RECEIPT_BYTES, REPORTED_RECEIPTS
 
 __all__ = [
     "MAX_BYTES",
@@ -73,6 +74,13 @@ def check_report(body: pb.RoundReportBody) -> None:
     for member in body.group:
         _check_range("round report group weight", member.weight, 0, MAX_SAMPLES)
         check_text("round report group libp2p_peer_id", member.libp2p_peer_id)
+        if len(member.receipt) > MAX_RECEIPT_BYTES:
+            raise MalformedMessageError(
+                f"round report receipt is {len(member.receipt)} bytes, at most {MAX_RECEIPT_BYTES}"
+            )
+    receipts = sum(1 for member in body.group if member.receipt)
+    if receipts > REPORTED_RECEIPTS:
+        raise MalformedMessageError(f"round report carries {receipts} receipts, at most {REPORTED_RECEIPTS}")
     if body.HasField("validation_loss"):
         _check_range("round report validation_loss", body.validation_loss, 0, 1e6)
     if body.HasField("data"):

@@ -26,6 +26,7 @@ from protocol import kinds
 from protocol.errors import AdmissionError, ConfigError, IdentityError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MAX_OFFENCE_CHARS, MAX_REPORTED_SAMPLES, SignedMessage, sign_message
+from protocol.receipts import reported
 
 logger = logging.getLogger(__name__)
 
@@ -275,13 +276,15 @@ def _public_key(public_id: str) -> PublicKey | None:
 
 
 def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
-    """The round report of a round this peer averaged (``protocol/swarmtrain.proto``)."""
+    """The round report of a round this peer averaged (``protocol/swarmtrain.proto``), with at
+    most ``REPORTED_RECEIPTS`` of its members' receipts (``protocol.receipts.reported``)."""
+    receipts = reported(metrics.receipts)
     group = [
         pb.GroupMember(
             public_key=key.raw,
             weight=reported_weight(member.samples),
             offence=str(metrics.offenders.get(member.id, ""))[:MAX_OFFENCE_CHARS],
-            receipt=metrics.receipts.get(member.id, b""),
+            receipt=receipts.get(member.id, b""),
         )
         for member in metrics.members
         if (key := _public_key(member.id)) is not None

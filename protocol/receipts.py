@@ -34,11 +34,24 @@ from protocol.errors import IdentityError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MAX_OFFENCE_CHARS, MAX_REPORTED_SAMPLES, SignedMessage, sign_message
 
-__all__ = ["MAX_RECEIPT_BYTES", "Receipt", "ReceiptError", "read_receipt", "sign_receipt"]
+__all__ = [
+    "MAX_RECEIPT_BYTES",
+    "REPORTED_RECEIPTS",
+    "Receipt",
+    "ReceiptError",
+    "read_receipt",
+    "reported",
+    "sign_receipt",
+]
 
 MAX_RECEIPT_BYTES = 1024
-"""The largest receipt a member keeps or a report may carry (one is ~300 bytes with a long
-offence); a larger one is dropped unread."""
+"""The largest receipt a member keeps or a report may carry (one is ~230 bytes, ~530 with the
+longest offence); a larger one is dropped unread."""
+REPORTED_RECEIPTS = 4
+"""Receipts a round report carries at most (``reported``). A voucher counts only where no
+member of another account reported, which in a group of five or more would take four deaths
+in one all-reduce; the bound keeps a report of the largest group under the coordinator's
+request limit and its checks at a few signatures per report, at any group size."""
 
 
 class ReceiptError(ValueError):
@@ -108,3 +121,11 @@ def read_receipt(data: bytes, *, reducer: str, run: str, round_: int, sender: st
     if len(body.offence) > MAX_OFFENCE_CHARS or "\x00" in body.offence:
         raise ReceiptError(f"receipt offence must be at most {MAX_OFFENCE_CHARS} characters without NUL")
     return Receipt(reducer, run, body.round, sender, body.weight, body.offence)
+
+
+def reported(receipts: dict[str, bytes]) -> dict[str, bytes]:
+    """The receipts (member's public id → receipt; a peer holds none of its own) a report
+    carries: those of the ``REPORTED_RECEIPTS`` members with the smallest ids (any choice
+    serves; this one is the same whenever the report is made again)."""
+    chosen = sorted(key for key, receipt in receipts.items() if receipt)
+    return {key: receipts[key] for key in chosen[:REPORTED_RECEIPTS]}

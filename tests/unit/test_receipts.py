@@ -14,9 +14,10 @@ import pytest
 from coordinator.core import Coordinator
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
+from protocol.errors import MalformedMessageError
 from protocol.identity import Identity
 from protocol.messages import sign_message
-from protocol.receipts import MAX_RECEIPT_BYTES, ReceiptError, read_receipt, sign_receipt
+from protocol.receipts import MAX_RECEIPT_BYTES, REPORTED_RECEIPTS, ReceiptError, read_receipt, reported, sign_receipt
 from protocol.statesync import run_prefix
 from tests.unit.conftest import new_core
 from tests.unit.test_colluding_claims import join, report
@@ -182,3 +183,26 @@ def test_a_receipt_survives_a_coordinator_restart(tmp_path: Path) -> None:
         assert _credited(second, survivor) == 25
     finally:
         second.store.close()
+
+
+def test_a_report_carries_at_most_a_few_receipts_and_none_oversized(core: Coordinator) -> None:
+    """A peer reports its ``REPORTED_RECEIPTS`` smallest members' receipts; a report that
+    carries more, or an oversized one, is refused as malformed and records nothing (a receipt
+    is checked by signature: unbounded, every report could cost the coordinator thousands)."""
+    run = run_prefix(core.digest)
+    reporter = join(core, T0)
+    members = [join(core, T0) for _ in range(REPORTED_RECEIPTS + 2)]
+    receipts = {m.public_key.id: _receipt(m, reporter, run=run) for m in members}
+    kept = reported(receipts)
+    assert list(kept) == sorted(receipts)[:REPORTED_RECEIPTS]
+    for carried in (
+        {m.public_key.id: receipts[m.public_key.id] for m in members},
+        {members[0].public_key.id: bytes(MAX_RECEIPT_BYTES + 1)},
+    ):
+        group = [pb.GroupMember(public_key=reporter.public_key.raw, weight=SAMPLES)] + [
+            pb.GroupMember(public_key=m.public_key.raw, weight=SAMPLES, receipt=carried.get(m.public_key.id, b""))
+            for m in members
+        ]
+        with pytest.raises(MalformedMessageError, match="receipt"):
+            report(core, reporter, T0 + 10, round=ROUND, samples=SAMPLES, compute_s=9.0, state_digest="d", group=group)
+    assert core.store.claims() == []
