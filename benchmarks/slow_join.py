@@ -321,15 +321,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase-s", type=float, default=8.0)
     parser.add_argument("--deadline-s", type=float, default=240.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--keep", type=Path, default=None, help="keep each run's logs and rows under this folder")
+    parser.add_argument("--only", choices=("1/16", "none", "1/4"), help="one run: that density's, or keeping none")
+    parser.add_argument("--debug", action="store_true", help="the newcomer logs at debug level (each read timed)")
     args = parser.parse_args(argv)
     results = []
+    # the lab's updates, then none kept, then the default density's updates (4x the bytes)
+    runs = {"1/16": (1 / 16, KEPT_ROUNDS), "none": (1 / 16, 0), "1/4": (1 / 4, KEPT_ROUNDS)}
     try:
-        # the lab's updates, then none kept, then the default density's updates (4x the bytes)
-        for density, keep in ((1 / 16, KEPT_ROUNDS), (1 / 16, 0), (1 / 4, KEPT_ROUNDS)):
+        for name, (density, keep) in runs.items():
+            if args.only is not None and name != args.only:
+                continue
             with tempfile.TemporaryDirectory(prefix="slow-join-") as tmp:
+                workdir = Path(tmp) if args.keep is None else args.keep / name.replace("/", "-")
                 results.append(
                     run(
-                        Path(tmp),
+                        workdir,
+                        debug=args.debug,
                         slow=args.slow,
                         fast=args.fast,
                         codec=args.codec,
