@@ -406,6 +406,14 @@ class ExactAverager(
     async def _abandon_search(self, future: MPFuture[bool]) -> None:
         future.set_result(await self._matchmaking.give_up_search())
 
+    def set_request_timeout(self, timeout_s: float) -> None:
+        """How long this peer's join requests wait for a leader's answer from now on (hivemind's
+        ``request_timeout``), before the next step (the pipe keeps the order)."""
+        self._outer_pipe.send(("_set_request_timeout", [], dict(timeout_s=float(timeout_s))))
+
+    async def _set_request_timeout(self, timeout_s: float) -> None:
+        self._matchmaking.request_timeout = timeout_s
+
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         """Change the all-reduce deadline (and per-chunk sender/reducer timeouts) from now on."""
         self._outer_pipe.send(("_set_allreduce_timeout", [], dict(timeout_s=float(timeout_s))))

@@ -73,6 +73,15 @@ PREFETCH_FRESH_S = 5.0
 after it began (the update download it ran beside takes a few seconds on a home link); an
 older one is dropped and the records read again."""
 
+JOINING_REQUEST_FACTOR = 4.0
+"""A joining search (``start_round(joining=True)``) waits this many times hivemind's
+``request_timeout`` for a leader's answer to its join request. A newcomer on a slow link,
+right after its download and roll, has its link's queue full: in the join lab (220 kbit/s) the
+members' leader accepted its request, which completed the roster, and began at once, while the
+newcomer gave up after 1 s; the group then waited for a member that never started, and no
+member landed the round. Members keep the short wait (it breaks two peers asking each other
+at once; a newcomer's search lasts phases, not seconds)."""
+
 
 @dataclass(frozen=True)
 class _Reading:
@@ -295,6 +304,7 @@ class Swarm:
         dht.run_coroutine(partial(keep_bootstrapped, list(self._initial_peers)), return_future=True)
         averaging = spec.averaging
         min_matchmaking_time, request_timeout = matchmaking_windows(averaging.matchmaking_timeout_s)
+        self._request_timeout_s = self._requests_at = request_timeout
         averager = ExactAverager(
             self.numel,
             dht,
@@ -367,12 +377,22 @@ class Swarm:
             yield tensors[0]
 
     def start_round(
-        self, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
+        self,
+        *,
+        weight: float,
+        gather: Gathered,
+        timeout: float | None = None,
+        window: float | None = None,
+        joining: bool = False,
     ) -> PendingRound:
         """Start averaging the outbox's vector with whoever is looking within ``timeout`` s (see
         ``SwarmPort.start_round``)."""
         if self._move is not None and not self.averaging():
             self._make_move()
+        requests = self._request_timeout_s * (JOINING_REQUEST_FACTOR if joining else 1.0)
+        if requests != self._requests_at:
+            self.averager.set_request_timeout(requests)
+            self._requests_at = requests
         timeout = timeout or self.spec.averaging.matchmaking_timeout_s
         window = min(window, matchmaking_window(timeout)) if window else matchmaking_window(timeout)
         if self.client_mode:

@@ -118,10 +118,18 @@ class SwarmPort(Protocol):
         ...
 
     def start_round(
-        self, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
+        self,
+        *,
+        weight: float,
+        gather: Gathered,
+        timeout: float | None = None,
+        window: float | None = None,
+        joining: bool = False,
     ) -> PendingAverage:
         """Average the outbox's vector with whoever is looking within ``timeout`` s; this peer
-        declares it would lead a group for ``window`` s (default ``matchmaking_window(timeout)``)."""
+        declares it would lead a group for ``window`` s (default ``matchmaking_window(timeout)``).
+        ``joining``: a newcomer's search for the round in progress (it waits longer for a
+        leader's answer: ``peer.swarm.JOINING_REQUEST_FACTOR``)."""
         ...
 
     def set_allreduce_timeout(self, timeout_s: float) -> None: ...

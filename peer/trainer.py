@@ -181,6 +181,7 @@ class _Launch:
     gather: Gathered
     timeout: float
     window: float
+    joining: bool = False
 
     def claiming_nothing(self) -> _Launch:
         """The same launch taking part with zeros: weight negligible, no samples claimed."""
@@ -727,7 +728,7 @@ class Trainer:
             data,
             eager,
         )
-        flight.start = _Launch(weight, gather, timeout, window)
+        flight.start = _Launch(weight, gather, timeout, window, joining=inner.joining or not inner.steps)
         flight.carried, flight.carried_s = carried, carried_s
         flight.writing = writing
         if writing is None:
@@ -795,7 +796,7 @@ class Trainer:
         assert flight.start is not None
         start = flight.start
         flight.pending = self.swarm.start_round(
-            weight=start.weight, gather=start.gather, timeout=start.timeout, window=start.window
+            weight=start.weight, gather=start.gather, timeout=start.timeout, window=start.window, joining=start.joining
         )
         flight.launched_at = time.monotonic()
         flight.prep_s += flight.launched_at - started

@@ -35,7 +35,13 @@ def install(attack: str) -> None:
     original = Swarm.start_round
 
     def start_round(
-        self: Swarm, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
+        self: Swarm,
+        *,
+        weight: float,
+        gather: Gathered,
+        timeout: float | None = None,
+        window: float | None = None,
+        joining: bool = False,
     ) -> Any:
         if attack in ("x100", "sign-flip"):
             with self.outbox() as out:
@@ -46,7 +52,7 @@ def install(attack: str) -> None:
                 out.normal_().mul_(scale)
         elif attack == "samples":
             weight, gather = float(HUGE), dataclasses.replace(gather, samples=HUGE)
-        return original(self, weight=weight, gather=gather, timeout=timeout, window=window)
+        return original(self, weight=weight, gather=gather, timeout=timeout, window=window, joining=joining)
 
     Swarm.start_round = start_round  # type: ignore[method-assign]
 

@@ -84,6 +84,8 @@ class RecordingSwarm:
         self.provider: Any = None
         self.matchmaking_timeouts: list[float] = []
         self.windows: list[float] = []
+        self.joinings: list[bool] = []
+        """Each launch's ``joining`` (a newcomer's search waits longer for a leader's answer)."""
         self.newcomer = False
         self.fence_checks: list[tuple[int, frozenset[str]]] = []
         self.kept: list[tuple[int, str, str, list[tuple[int, int]]]] = []
@@ -106,10 +108,13 @@ class RecordingSwarm:
     def download_update(self, round_: int, digest: str, *, timeout: float) -> Any:
         return None
 
-    def start_round(self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0) -> _Pending:
+    def start_round(
+        self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0, joining: bool = False
+    ) -> _Pending:
         self.launched.append((self.vector.clone(), weight))
         self.matchmaking_timeouts.append(timeout)
         self.windows.append(window)
+        self.joinings.append(joining)
         return _Pending(self.next_result)
 
     def accepted_state(self, **kwargs: Any) -> None:
@@ -188,6 +193,7 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     (timeout,) = swarm.matchmaking_timeouts
     expected = compute_s if overlap else base
     assert timeout == pytest.approx(expected, rel=0.01)
+    assert swarm.joinings == [False]  # a member's round: hivemind's short wait for a leader
 
 
 @pytest.mark.parametrize("newcomer", [False, True])
@@ -207,6 +213,7 @@ def test_a_joining_round_declares_its_window_for_its_whole_search(newcomer: bool
     assert timeout == pytest.approx(2 * base if newcomer else search_for_window(others + FOLLOW_MARGIN_S))
     assert window == pytest.approx(matchmaking_window(timeout))
     assert window >= others + (0.0 if newcomer else FOLLOW_MARGIN_S) - 1e-6
+    assert swarm.joinings == [True]  # a newcomer's search waits longer for a leader's answer
 
 
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
@@ -647,7 +654,9 @@ def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging()
             return False
 
     class Swarm(RecordingSwarm):
-        def start_round(self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0) -> _Pending:
+        def start_round(
+            self, *, weight: float, gather: Gathered, timeout: float, window: float = 0.0, joining: bool = False
+        ) -> _Pending:
             super().start_round(weight=weight, gather=gather, timeout=timeout, window=window)
             return SlowPending(None)
 
@@ -1173,6 +1182,7 @@ def test_a_joining_round_declares_to_close_after_the_members_it_joins(deadline_s
     if flight.writing is not None:
         trainer._start_round(flight)
     (window,) = trainer.swarm.windows  # type: ignore[attr-defined]
+    assert trainer.swarm.joinings == [True]  # type: ignore[attr-defined]
     declared_at = time.monotonic()
     launch = landed + trainer.spec.rounds.time_budget_s  # when the members launch, and declare
     members = matchmaking_window(trainer.matchmaking_timeout(trainer._phase_s or 0.0))
