@@ -241,7 +241,13 @@ class LoopbackSwarm:
         yield self.vector
 
     def start_round(
-        self, *, weight: float, gather: Gathered, timeout: float | None = None, window: float | None = None
+        self,
+        *,
+        weight: float,
+        gather: Gathered,
+        timeout: float | None = None,
+        window: float | None = None,
+        joining: bool = False,
     ) -> _Pending:
         assert gather.round is not None, "a trainer states the round it launches"
         pending = _Pending(self, gather.round, self.steps())
