@@ -79,11 +79,10 @@ def test_a_receipt_reads_back_as_signed_and_nothing_else_does() -> None:
         "another sender": dict(sender=other.public_key.id),
         "another reducer": dict(reducer=other.public_key.id),
     }
-    for what, change in wrong.items():
+    for change in wrong.values():
         args = dict(reducer=reducer.public_key.id, run=run, round_=ROUND, sender=sender.public_key.id) | change
         with pytest.raises(ReceiptError):
             read_receipt(good, **args)  # type: ignore[arg-type]
-        assert what
     expect = dict(reducer=reducer.public_key.id, run=run, round_=ROUND, sender=sender.public_key.id)
     body = pb.ReceiptBody(run=run, round=ROUND, sender=sender.public_key.raw, weight=SAMPLES)
     forged = sign_message(other, kinds.RECEIPT, body.SerializeToString(), now=T0)
@@ -206,3 +205,17 @@ def test_a_report_carries_at_most_a_few_receipts_and_none_oversized(core: Coordi
         with pytest.raises(MalformedMessageError, match="receipt"):
             report(core, reporter, T0 + 10, round=ROUND, samples=SAMPLES, compute_s=9.0, state_digest="d", group=group)
     assert core.store.claims() == []
+
+
+def test_a_sender_keeps_a_reducers_receipt_only_if_it_is_not_oversized() -> None:
+    """A hostile reducer's reply may carry anything in its receipt field: a sender keeps at most
+    ``MAX_RECEIPT_BYTES`` of it (the coordinator judges the rest), and a reply without one
+    carries none."""
+    from hivemind.proto import averaging_pb2
+
+    from engine.receipts import attach, taken
+
+    reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+    assert taken(reply) == b""
+    assert taken(attach(reply, b"r" * MAX_RECEIPT_BYTES)) == b"r" * MAX_RECEIPT_BYTES
+    assert taken(attach(reply, b"r" * (MAX_RECEIPT_BYTES + 1))) == b""
