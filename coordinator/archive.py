@@ -21,6 +21,7 @@ import torch
 
 from engine.checkpoint import Checkpointer
 from protocol.errors import ConfigError
+from protocol.spec import RunSpec
 from protocol.statesync import state_digest
 
 logger = logging.getLogger(__name__)
@@ -52,11 +53,11 @@ class LoadedState:
 class CheckpointArchive:
     """``directory``: the archive of one run (``spec_digest``); keeps the newest ``keep``."""
 
-    def __init__(self, directory: Path, *, spec_digest: str, keep: int) -> None:
+    def __init__(self, directory: Path, *, spec_digest: str, keep: int, spec: RunSpec | None = None) -> None:
         if keep < 1:
             raise ConfigError(f"archived checkpoints to keep must be >= 1, got {keep}")
         self.directory = Path(directory)
-        self.checkpointer = Checkpointer(self.directory, spec_digest=spec_digest, keep=keep)
+        self.checkpointer = Checkpointer(self.directory, spec_digest=spec_digest, keep=keep, spec=spec)
         self.keep = keep
 
     def save(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, *, now: float) -> ArchivedState:

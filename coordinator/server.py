@@ -120,7 +120,7 @@ class CoordinatorServer:
                 dht=self.dht,
                 identity=identity,
                 archive=CheckpointArchive(
-                    config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep
+                    config.state_dir / "archive", spec_digest=spec.digest(), keep=config.archive_keep, spec=spec
                 ),
                 every=config.archive_every,
                 finalized=lambda: self.store.rounds(limit=1000),

@@ -9,6 +9,7 @@ run, or whose recomputed state digest differs from the one stored.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from protocol.errors import ConfigError
+from protocol.spec import RunSpec
 from protocol.statesync import state_digest
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,12 @@ _PREFIX, _SUFFIX = "round-", ".pt"
 class Checkpointer:
     """Saves to and restores from one directory."""
 
-    def __init__(self, directory: Path, *, spec_digest: str, keep: int = 2) -> None:
+    def __init__(self, directory: Path, *, spec_digest: str, keep: int = 2, spec: RunSpec | None = None) -> None:
+        """``spec``: the run's spec, written into each checkpoint so that one found on disk says
+        which run it is (``swarmtrain export`` needs nothing else); its digest is ``spec_digest``."""
+        if spec is not None and spec.digest() != spec_digest:
+            raise ValueError("the spec given is not the run spec_digest names")
+        self._spec_json = spec.canonical_json().decode() if spec is not None else None
         if keep < 1:
             raise ConfigError(f"checkpoints to keep must be >= 1, got {keep}")
         self.directory = Path(directory)
@@ -55,6 +62,8 @@ class Checkpointer:
         unless ``prune`` is False (the caller calls ``prune()`` itself), drop the oldest beyond
         ``keep``. ``digest``: the state's digest when the caller already has it (else computed)."""
         record = {"format": FORMAT, "spec_digest": self.spec_digest, **payload}
+        if self._spec_json is not None:
+            record["spec_json"] = self._spec_json
         if digest is None:
             digest = state_digest(record["round"], record["params"], record["momentum"])
         record["state_digest"] = digest
@@ -86,17 +95,7 @@ class Checkpointer:
         return None
 
     def _problem(self, record: Any) -> str | None:
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            return "not a swarmtrain checkpoint of this format"
-        if record.get("spec_digest") != self.spec_digest:
-            return f"made for another run ({record.get('spec_digest')})"
-        try:
-            digest = state_digest(record["round"], record["params"], record["momentum"])
-        except (KeyError, TypeError, ValueError) as exc:
-            return f"incomplete ({exc})"
-        if digest != record.get("state_digest"):
-            return "state does not match its digest (corrupted or edited)"
-        return None
+        return checkpoint_problem(record, self.spec_digest)
 
     def _files(self) -> list[Path]:
         return [p for p in self.directory.glob(f"{_PREFIX}*{_SUFFIX}") if p.is_file()]
@@ -105,6 +104,73 @@ class Checkpointer:
         """Delete all but the newest ``keep`` checkpoints."""
         for old in sorted(self._files(), reverse=True)[self.keep :]:
             old.unlink(missing_ok=True)
+
+
+def checkpoint_problem(record: Any, spec_digest: str) -> str | None:
+    """What makes a loaded checkpoint unusable for the run ``spec_digest``, or None: another
+    format, another run, missing parts, or a state that does not match its digest."""
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        return "not a swarmtrain checkpoint of this format"
+    if record.get("spec_digest") != spec_digest:
+        return f"made for another run ({record.get('spec_digest')})"
+    try:
+        digest = state_digest(record["round"], record["params"], record["momentum"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"incomplete ({exc})"
+    if digest != record.get("state_digest"):
+        return "state does not match its digest (corrupted or edited)"
+    return None
+
+
+def read_checkpoint(path: Path, *, spec_digest: str | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` (a file, or a directory of them: its newest that verifies),
+    verified, for the run ``spec_digest`` (None: the run the checkpoint carries, ``spec_json``,
+    itself checked against the digest it names); ConfigError naming the file and what is wrong."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted((p for p in path.glob(f"{_PREFIX}*{_SUFFIX}") if p.is_file()), reverse=True)
+        if not files:
+            raise ConfigError(f"{path}: holds no checkpoint ({_PREFIX}*{_SUFFIX})")
+        problems = []
+        for file in files:
+            try:
+                return read_checkpoint(file, spec_digest=spec_digest)
+            except ConfigError as exc:
+                logger.warning("skipping %s", exc)
+                problems.append(str(exc))
+        raise ConfigError(f"{path}: no checkpoint there verifies (newest: {problems[0]})")
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such file or directory") from exc
+    except Exception as exc:
+        raise ConfigError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {str(exc)[:120]})") from exc
+    if spec_digest is None and isinstance(loaded, dict):
+        spec_digest = _carried_digest(loaded, path)
+    problem = checkpoint_problem(loaded, spec_digest or "")
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
+    return dict(loaded)
+
+
+def checkpoint_spec(record: dict[str, Any]) -> RunSpec | None:
+    """The run spec a checkpoint carries (None for one written before checkpoints did)."""
+    text = record.get("spec_json")
+    if not isinstance(text, str):
+        return None
+    try:
+        return RunSpec.model_validate(json.loads(text))
+    except ValueError:
+        return None
+
+
+def _carried_digest(record: dict[str, Any], path: Path) -> str:
+    spec = checkpoint_spec(record)
+    if spec is None:
+        raise ConfigError(f"{path}: carries no run spec (written by an older swarmtrain): pass the run's --spec")
+    if spec.digest() != record.get("spec_digest"):
+        raise ConfigError(f"{path}: the spec it carries is not the run it names (corrupted or edited)")
+    return spec.digest()
 
 
 def _alive(pid: int) -> bool:

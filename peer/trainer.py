@@ -381,7 +381,9 @@ class Trainer:
         self.identity = options.identity or Identity.generate()
         self.timeouts = AdaptiveTimeouts(spec.averaging.matchmaking_timeout_s, spec.averaging.allreduce_timeout_s)
         self.checkpointer = (
-            Checkpointer(options.checkpoint_dir, spec_digest=spec.digest()) if options.checkpoint_dir else None
+            Checkpointer(options.checkpoint_dir, spec_digest=spec.digest(), spec=spec)
+            if options.checkpoint_dir
+            else None
         )
         self._rolled_through: list[tuple[int, str]] = []
         """The states (round, digest) the last roll forward passed through, for ``_adopt``."""

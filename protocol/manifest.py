@@ -212,6 +212,11 @@ def verify_shards(directory: str | Path, manifest: Manifest, progress: Callable[
             )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""A tokenizer directory's files (``tokenizer.json`` is its identity; the others configure
+how transformers loads it): a prepared data directory carries a copy, and so does an export."""
+
+
 def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
     """``sha256:<hex>`` of ``tokenizer_dir/tokenizer.json``, the tokenizer's identity in a
     manifest and a run spec; ConfigError if the file is absent."""

@@ -18,7 +18,7 @@ from coordinator import cli as coordinator_cli
 from peer import cli as peer_cli
 from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__, node_launcher
-from swarmtrain.commands import admin, data, demo, doctor, keygen, spec, status
+from swarmtrain.commands import admin, data, demo, doctor, export, keygen, spec, status
 from swarmtrain.lifetime import leave_with_parent, tie_children_to_this_process
 
 EXIT_ERROR = 1
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_parser(commands)
     spec.add_parser(commands)
     data.add_parser(commands)
+    export.add_parser(commands)
     doctor.add_parser(commands)
     return parser
 

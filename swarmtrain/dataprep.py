@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from protocol.errors import ConfigError
 from protocol.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    TOKENIZER_FILES,
     Manifest,
     ShardEntry,
     dtype_for_vocab,
@@ -382,11 +384,16 @@ def prepare(
                 tokens=tokens,
                 sources=[name for _, name in sources],
             )
+            for name in TOKENIZER_FILES:  # the data and its tokenizer publish together
+                if (tokenizer_dir / name).is_file():
+                    _copy_atomic(tokenizer_dir / name, out_dir / name)
             _write_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
         except BaseException:
             for writer in writers.values():
                 writer.abort()
             (out_dir / f".{MANIFEST_NAME}.tmp").unlink(missing_ok=True)
+            for name in TOKENIZER_FILES:
+                (out_dir / name).unlink(missing_ok=True)
             if created:
                 try:
                     out_dir.rmdir()
@@ -456,6 +463,13 @@ def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
             batch, chars = [], 0
     if batch:
         yield batch
+
+
+def _copy_atomic(source: Path, path: Path) -> None:
+    """Copy ``source``'s bytes to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, path)
 
 
 def _write_atomic(path: Path, text: str) -> None:

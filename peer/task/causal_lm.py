@@ -19,6 +19,7 @@ import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from protocol.manifest import weights_sha256
 from protocol.modelsize import lm_shape, task_flops_per_sample
 from protocol.spec import CausalLMSection, RunSpec
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 _TIED_DEFAULT = {"gpt2": True}
@@ -41,22 +45,39 @@ formula's assumption, passed to transformers explicitly so its defaults cannot d
 _SCALED_PROJECTIONS = {"gpt2": ("c_proj",)}
 
 
+def lm_config(lm: CausalLMSection, *, use_cache: bool = False) -> Any:
+    """The spec's transformers config (ties the head as the size formula assumes)."""
+    from transformers import AutoConfig
+
+    kwargs = dict(lm.config)
+    kwargs.setdefault("tie_word_embeddings", _TIED_DEFAULT.get(lm.architecture, False))
+    kwargs["use_cache"] = use_cache
+    try:
+        return AutoConfig.for_model(lm.architecture, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"task.causal_lm.config: transformers refuses it ({exc})") from exc
+
+
+def plain_lm_model(lm: CausalLMSection, *, use_cache: bool = False) -> PreTrainedModel:
+    """The spec's transformers model in fp32 on CPU with its parameters left as allocated (the
+    caller writes every one), its head tied as the spec says: the module ``build_lm_model``
+    trains, before the loss head, and what an export saves. Its ``parameters()`` order is the
+    flat state's."""
+    from transformers import AutoModelForCausalLM
+
+    config = lm_config(lm, use_cache=use_cache)
+    with torch.random.fork_rng(devices=[]), _skip_transformers_init():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention).float()
+    model.tie_weights()  # post_init's own tying was skipped with transformers' init
+    return model
+
+
 def build_lm_model(lm: CausalLMSection, *, seed: int, weights_dir: str | Path | None = None) -> torch.nn.Module:
     """The spec's model, on CPU, initialised from ``seed`` alone (the global RNG untouched), or
     loaded from the spec's weights (continued pretraining; ``weights_dir`` overrides where this
     machine keeps them)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(lm.config)
-    kwargs.setdefault("tie_word_embeddings", _TIED_DEFAULT.get(lm.architecture, False))
-    kwargs["use_cache"] = False
-    try:
-        config = AutoConfig.for_model(lm.architecture, **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"task.causal_lm.config: transformers refuses it ({exc})") from exc
-    with torch.random.fork_rng(devices=[]), _skip_transformers_init():
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=lm.attention).float()
-    model.tie_weights()  # post_init's own tying was skipped with transformers' init
+    model = plain_lm_model(lm)
+    config = model.config
     if lm.weights is not None:
         _load_weights(model, lm, weights_dir)
     else:

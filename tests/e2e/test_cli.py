@@ -28,12 +28,12 @@ def no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
 def test_help_lists_the_role_commands() -> None:
     proc = sw("--help")
     assert proc.returncode == 0
-    for command in ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor", "data"]:
+    for command in ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor", "data", "export"]:
         assert f"    {command}" in proc.stdout
 
 
 @pytest.mark.parametrize(
-    "command", ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor", "data"]
+    "command", ["peer", "coordinator", "status", "admin", "demo", "keygen", "spec", "doctor", "data", "export"]
 )
 def test_every_command_has_help(command: str) -> None:
     proc = sw(command, "--help")
@@ -200,3 +200,37 @@ def test_a_tmpdir_too_long_for_torchs_socket_is_one_clear_line(tmp_path: Path, r
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not key.exists() and not (tmp_path / "state").exists()
     no_traceback(proc)
+
+
+def test_export_writes_a_model_directory_or_says_in_one_line_why_not(tmp_path: Path) -> None:
+    """A demo peer's checkpoint (the byte model) exported as a user does it; a missing source, a
+    used output directory and a file that is no checkpoint each get one line and write nothing."""
+    import torch
+
+    from engine.checkpoint import Checkpointer
+    from peer.state import flatten
+    from peer.task.bytegpt import build_model
+    from protocol.spec import load_spec
+
+    spec = load_spec(REPO / "swarmtrain" / "demo.toml")
+    params = flatten(build_model(spec.task.model, seed=1))
+    saver = Checkpointer(tmp_path / "ckpt", spec_digest=spec.digest(), spec=spec)
+    saver.save({"round": 9, "params": params, "momentum": torch.zeros_like(params)})
+    done = sw("export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model"))
+    assert done.returncode == 0, done.stderr
+    assert f"exported round 9 of {spec.run.name} ({params.numel():,} parameters, gpt2)" in done.stdout
+    assert {"config.json", "model.safetensors", "tokenizer.json", "swarmtrain.json"} <= {
+        p.name for p in (tmp_path / "model").iterdir()
+    }
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    for args, needle in (
+        ([str(tmp_path / "nowhere"), "--out", str(tmp_path / "m1")], "nowhere: no such file or directory"),
+        ([str(tmp_path / "ckpt"), "--out", str(tmp_path / "model")], "not an empty directory"),
+        ([str(tmp_path / "junk.pt"), "--out", str(tmp_path / "m2")], "junk.pt: not a readable checkpoint"),
+        ([str(tmp_path / "ckpt")], "the following arguments are required: --out"),
+    ):
+        refused = sw("export", *args)
+        assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert needle in refused.stderr, refused.stderr
+        no_traceback(refused)
+    assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()

@@ -85,7 +85,11 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
     try:
         address = coordinator.address()
         for i in range(3):
-            logged = ["--log-to", f"tensorboard:{tmp / 'tb-peer0'}"] if i == 0 else []
+            logged = (
+                ["--log-to", f"tensorboard:{tmp / 'tb-peer0'}", "--checkpoint-dir", str(tmp / "ckpt0")]
+                if i == 0
+                else []
+            )
             # peer 2 computes the same steps its own way (a GPU's memory/speed choice): same run, same group
             own = ["--micro-batches", "2", "--activation-checkpointing", "on"] if i == 2 else []
             peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged, *own), tmp, f"peer{i}"))
@@ -180,6 +184,10 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         )
         assert {"swarm/mean_loss", "swarm/peers_online", "swarm/samples"} <= set(swarm_events.Tags()["scalars"])
 
+        # the model out: the peer's newest checkpoint as a transformers model with the run's
+        # tokenizer (which `data prepare` put beside the shards), its weights the checkpoint's
+        exported_model(tmp / "ckpt0", tmp / "export", rows["peer0"])
+
         # peers whose data differs from the run's are refused, with one line naming the mismatch
         files = run_dir["files"]
         other_tok = tmp / "other-tokenizer"
@@ -203,3 +211,27 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
 def fetch(base: str, path: str) -> Any:
     with urllib.request.urlopen(base + path, timeout=30) as response:
         return json.loads(response.read())
+
+
+def exported_model(checkpoints: Path, out: Path, rows: list[dict[str, Any]]) -> None:
+    """`swarmtrain export` of a peer's checkpoint directory: it loads with transformers, holds the
+    checkpoint's state bit for bit, and generates text with the run's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.checkpoint import read_checkpoint
+
+    done = swarmtrain("export", str(checkpoints), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    record = read_checkpoint(checkpoints)
+    assert f"exported round {record['round']} of llama-tiny (1,262,720 parameters, llama)" in done.stdout, done.stdout
+    assert record["state_digest"] in {r["state_digest"] for r in rows}  # a state the swarm averaged into
+    provenance = json.loads((out / "swarmtrain.json").read_text())
+    assert (provenance["round"], provenance["state_digest"]) == (record["round"], record["state_digest"])
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), record["params"])
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    prompt = tokenizer("def main(", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    text = tokenizer.decode(generated[0][prompt["input_ids"].shape[1] :])
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 12 and text.strip(), text
