@@ -142,7 +142,15 @@ def add_parser(commands: Any) -> None:
         "--data-dir",
         type=Path,
         default=None,
-        help="token runs: where this machine keeps the run's prepared data (default: the spec's data.path)",
+        help="token runs: where this machine keeps the run's prepared data (default: the spec's data.path, or "
+        "for a run that publishes its data, a folder of the run under ~/.cache/swarmtrain/data)",
+    )
+    parser.add_argument(
+        "--data-cap",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="token runs that publish their data: keep at most GB of fetched shards on disk (default: no cap)",
     )
     parser.add_argument(
         "--weights-dir",
@@ -213,6 +221,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--spec FILE or --coordinator HOST:PORT is required")
     if args.max_rounds is not None and args.max_rounds < 1:
         raise ConfigError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+    if args.data_cap is not None and not 0.001 <= args.data_cap <= 1e6:
+        raise ConfigError(f"--data-cap must be between 0.001 and 1000000 GB, got {args.data_cap:g}")
     if not 0 <= args.leave_after_failures <= 1_000_000:
         raise ConfigError(
             f"--leave-after-failures must be between 0 (never) and 1000000, got {args.leave_after_failures}"
@@ -458,9 +468,11 @@ def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:
     try:
         compute = _local_compute(spec, args)
         if spec.data.source == "tokens":
-            from peer.task.tokens import check_data
+            from peer.task.tokens import open_data
 
-            check_data(spec, args.data_dir)
+            _, _, fetcher = open_data(spec, args.data_dir)  # the manifest and tokenizer: fetched now
+            if fetcher is not None:
+                fetcher.close()
             lm = spec.task.causal_lm
             if lm is not None and lm.weights is not None:
                 from protocol.manifest import weights_sha256
@@ -474,6 +486,10 @@ def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:
     return compute
 
 
+def _data_cap(gb: float | None) -> int | None:
+    return None if gb is None else int(gb * 1e9)
+
+
 def _build_task(args: argparse.Namespace, joined: _Joined, compute: RunSpec, shard_seed: int, device: str) -> Task:
     from peer.task import build_task
 
@@ -484,6 +500,7 @@ def _build_task(args: argparse.Namespace, joined: _Joined, compute: RunSpec, sha
         slot=joined.slot,
         data_dir=args.data_dir,
         weights_dir=args.weights_dir,
+        data_cap_bytes=_data_cap(args.data_cap),
     )
 
 
@@ -520,6 +537,7 @@ def _plan(
             name: str(value) if value is not None else None
             for name, value in (("data_dir", args.data_dir), ("weights_dir", args.weights_dir))
         }
+        paths["data_cap"] = None if args.data_cap is None else str(args.data_cap)
         local_node.share(
             {
                 "spec": spec_text,
@@ -924,6 +942,7 @@ def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
             slot=slot,
             data_dir=shared["data_dir"],
             weights_dir=shared["weights_dir"],
+            data_cap_bytes=_data_cap(None if shared.get("data_cap") is None else float(shared["data_cap"])),
         )
         run_worker(local_node, spec, task, shard=shard)
     finally:

@@ -1,22 +1,28 @@
 """Who trains on what: the disjoint, deterministic data assignment of a token run.
 
-The prepared training data is ``N`` sequences (``protocol.manifest``). The run has
+The prepared training data is ``N`` sequences in shards (``protocol.manifest``). The run has
 ``S = data.slots`` data streams; the coordinator gives each peer's GPUs their streams (a node
 of W GPUs holds W consecutive ones). A round reads ``S`` *pages* of ``P = H x B`` sequences
 (H inner steps of B sequences), one per stream; an epoch is ``R = N // (S x P)`` whole
 rounds (the ``N - R x S x P`` sequences left over sit out that epoch, other ones each epoch).
-In round ``r`` (epoch ``e = r // R``, round ``q = r mod R`` of it) stream ``k`` trains
+In round ``r`` (epoch ``e = r // R``, round ``q = r mod R`` of it) stream ``k`` trains page
+``q x S + k``: positions ``[(q x S + k) x P, (q x S + k + 1) x P)`` of epoch ``e``'s order. Sample
+``i`` of step ``s`` is the page's offset ``o = (s x B + i) x c mod P`` (``c``, the smallest stride
+>= H coprime to P, spreads each batch over the whole page), and a position is a sequence by
+two keyed pseudo-random permutations (``permute``: a Feistel network over the next power of four,
+cycle-walked into range), keyed by the run's data seed and the epoch:
 
-    position(r, k, step, i) = ((q x S + k) x H + step) x B + i        (< R x S x P <= N)
-    sequence = permutation_e(position)
+    the shards of the training split, in the epoch's shard order, laid end to end; position p
+    falls in shard t at row j of it; the sequence is shard t's row permute_e,t(j).
 
-where ``permutation_e`` is a keyed pseudo-random permutation of ``[0, N)`` (a Feistel
-network over the next power of four, cycle-walked into range), keyed by the run's data seed
-and the epoch: each epoch visits each sequence at most once, in a fresh order, without
-storing the order anywhere. Within an epoch distinct (round, stream, step, i) are distinct
-positions, hence distinct sequences: no two streams ever train the same sequence in the
-same round, and no sequence is trained twice in an epoch. A round never straddles two
-epochs (whose orders are unrelated). It needs ``S x P <= N`` (checked when the task is built).
+So a page reads a run of whole shards (and parts of the two at its ends): a peer needs only
+the shards of its own pages, fetched ahead of them (``peer.task.fetch``), while each batch
+mixes rows of every shard of the page, in a fresh order each epoch. Each epoch still visits
+each sequence at most once, and distinct (round, stream, step, i) of an epoch are distinct
+positions, hence distinct sequences: no two streams ever train the same sequence in the same
+round, and none is trained twice in an epoch. A round never straddles two epochs (whose orders
+are unrelated). It needs ``S x P <= N`` (checked when the task is built). Prepared shards of a
+few thousand sequences keep what a page fetches near what it trains.
 
 Anyone holding the spec and the manifest recomputes who trained what from (run, round,
 stream): a peer reports the digest of the sequence ids it read (``ids_digest``); the
@@ -26,7 +32,11 @@ Pure integer arithmetic and BLAKE2b: the same on every machine.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
+import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -60,11 +70,47 @@ class DataAssignment:
     steps: int
     batch: int
     seed: int
+    shards: tuple[int, ...] = ()
+    """Sequences in each shard of the split, in the manifest's order (sum: ``sequences``);
+    empty: one shard of them all."""
 
     def __post_init__(self) -> None:
         for name in ("sequences", "slots", "steps", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shards and (min(self.shards) < 1 or sum(self.shards) != self.sequences):
+            raise ValueError(f"shard sizes must be >= 1 and add up to the {self.sequences} sequences")
+
+    @functools.cached_property
+    def _sizes(self) -> tuple[int, ...]:
+        return self.shards or (self.sequences,)
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        """Each shard's first sequence id."""
+        return [0, *itertools.accumulate(self._sizes)][:-1]
+
+    @functools.cached_property
+    def _stride(self) -> int:
+        """``c``: the smallest stride >= H coprime to the page size (a batch's samples a stride apart)."""
+        stride = self.steps
+        while math.gcd(stride, self.page) != 1:
+            stride += 1
+        return stride
+
+    def _order(self, epoch: int) -> tuple[list[int], list[int]]:
+        """Epoch ``epoch``'s shard order and where each shard starts in it (the last two epochs
+        asked are kept: computing one costs a permutation of the shards)."""
+        cache: dict[int, tuple[list[int], list[int]]] = self.__dict__.setdefault("_orders", {})
+        found = cache.get(epoch)  # (the trainer and the prefetcher ask from two threads)
+        if found is None:
+            count = len(self._sizes)
+            order = [permute(j, count, key=(self.seed, epoch, -1)) for j in range(count)]
+            found = (order, [0, *itertools.accumulate(self._sizes[t] for t in order)][:-1])
+            cache[epoch] = found
+            for old in sorted(list(cache))[:-2]:
+                cache.pop(old, None)
+        return found
 
     @property
     def page(self) -> int:
@@ -97,8 +143,25 @@ class DataAssignment:
         ids = []
         for i in range(self.batch):
             epoch, position = self.position(round_, slot, step, i)
-            ids.append(permute(position, self.sequences, key=(self.seed, epoch)))
+            page, offset = divmod(position, self.page)
+            ids.append(self.sequence(epoch, page * self.page + offset * self._stride % self.page))
         return ids
+
+    def sequence(self, epoch: int, position: int) -> int:
+        """The sequence at ``position`` of epoch ``epoch``'s order (module doc)."""
+        order, begins = self._order(epoch)
+        j = bisect.bisect_right(begins, position) - 1
+        shard = order[j]
+        row = permute(position - begins[j], self._sizes[shard], key=(self.seed, epoch, shard))
+        return self._starts[shard] + row
+
+    def page_shards(self, round_: int, slot: int) -> list[int]:
+        """The shards (manifest order) that stream ``slot``'s page of round ``round_`` reads."""
+        epoch, first = self.position(round_, slot, 0, 0)
+        order, begins = self._order(epoch)
+        low = bisect.bisect_right(begins, first) - 1
+        high = bisect.bisect_right(begins, first + self.page - 1) - 1
+        return [order[j] for j in range(low, high + 1)]
 
     def epoch(self, round_: int) -> float:
         """The data order's position at the start of round ``round_``, in epochs."""
@@ -113,14 +176,14 @@ def ids_digest(ids: Iterable[int]) -> str:
     return h.hexdigest()
 
 
-def permute(value: int, size: int, *, key: tuple[int, int]) -> int:
+def permute(value: int, size: int, *, key: tuple[int, ...]) -> int:
     """A keyed pseudo-random permutation of ``[0, size)``: a balanced Feistel network over
     ``[0, 4^k)`` (the smallest power of four >= size), repeated on values that fall outside
     ``[0, size)`` (cycle walking; expected < 4 passes)."""
     if not 0 <= value < size:
         raise ValueError(f"{value} is not in [0, {size})")
     half_bits = max(1, ((size - 1).bit_length() + 1) // 2)
-    prefix = f"swarmtrain/data/{key[0]}/{key[1]}/".encode()
+    prefix = ("swarmtrain/data/" + "".join(f"{part}/" for part in key)).encode()
     x = value
     while True:
         x = _feistel(x, half_bits, prefix)

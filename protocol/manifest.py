@@ -153,9 +153,10 @@ class Manifest(_Model):
         return sum(self.shard_bytes(entry) for entry in (*self.train, *self.validation))
 
 
-def load_manifest(directory: str | Path) -> Manifest:
+def load_manifest(directory: str | Path, *, require_shards: bool = True) -> Manifest:
     """Read and validate ``directory/manifest.json`` and check that every shard file exists
-    with the size its row count implies. ConfigError (one line naming the file or field)
+    with the size its row count implies (``require_shards`` False: only those present, for a
+    directory a peer fills as it needs them). ConfigError (one line naming the file or field)
     otherwise. Does not hash the shards: that is ``verify_shards``."""
     root = Path(directory)
     path = root / MANIFEST_NAME
@@ -169,33 +170,44 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    manifest = parse_manifest(text, source=str(path))
+    for entry in (*manifest.train, *manifest.validation):
+        shard = root / entry.file
+        if require_shards or shard.exists():
+            check_shard_size(shard, manifest, entry)
+    return manifest
+
+
+def parse_manifest(text: str, *, source: str) -> Manifest:
+    """A manifest from its JSON text; ConfigError naming ``source`` and the first problem."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+        raise ConfigError(f"{source}: not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
     try:
-        manifest = Manifest.model_validate(data)
+        return Manifest.model_validate(data)
     except ValidationError as exc:
         problems = [_describe(err) for err in exc.errors()]
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-        raise ConfigError(f"{path}: {problems[0]}{more}") from exc
-    for entry in (*manifest.train, *manifest.validation):
-        shard = root / entry.file
-        expected = manifest.shard_bytes(entry)
-        try:
-            actual = shard.stat().st_size
-        except FileNotFoundError as exc:
-            raise ConfigError(f"{shard}: shard file listed in {MANIFEST_NAME} is missing") from exc
-        except OSError as exc:
-            raise ConfigError(f"{shard}: cannot read ({exc.strerror or exc})") from exc
-        if not shard.is_file():
-            raise ConfigError(f"{shard}: shard listed in {MANIFEST_NAME} is not a regular file")
-        if actual != expected:
-            raise ConfigError(
-                f"{shard}: {actual} bytes, expected {expected} ({entry.sequences} sequences of "
-                f"{manifest.seq_len + 1} {manifest.dtype} tokens): truncated, or not the file the manifest lists"
-            )
-    return manifest
+        raise ConfigError(f"{source}: {problems[0]}{more}") from exc
+
+
+def check_shard_size(shard: Path, manifest: Manifest, entry: ShardEntry) -> None:
+    """ConfigError unless ``shard`` is a regular file of the size ``entry`` implies."""
+    expected = manifest.shard_bytes(entry)
+    try:
+        actual = shard.stat().st_size
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{shard}: shard file listed in {MANIFEST_NAME} is missing") from exc
+    except OSError as exc:
+        raise ConfigError(f"{shard}: cannot read ({exc.strerror or exc})") from exc
+    if not shard.is_file():
+        raise ConfigError(f"{shard}: shard listed in {MANIFEST_NAME} is not a regular file")
+    if actual != expected:
+        raise ConfigError(
+            f"{shard}: {actual} bytes, expected {expected} ({entry.sequences} sequences of "
+            f"{manifest.seq_len + 1} {manifest.dtype} tokens): truncated, or not the file the manifest lists"
+        )
 
 
 def verify_shards(directory: str | Path, manifest: Manifest, progress: Callable[[int], None] | None = None) -> None:

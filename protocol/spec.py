@@ -164,6 +164,11 @@ class DataSection(_Section):
     path: str | None = None
     """Directory of text files (source = 'dir') or of prepared token shards (source =
     'tokens'; a peer may keep them elsewhere: `swarmtrain peer --data-dir`)."""
+    url: Annotated[str, Field(pattern=r"^(https?://[^\s]+|hf://datasets/[^\s]+)$", max_length=2048)] | None = None
+    """source = 'tokens': where the prepared directory is published, for peers to fetch the
+    shards their data streams read (checked against the manifest): an HTTP(S) URL of the
+    directory (any static file server: `swarmtrain data serve`, nginx, a bucket), or
+    'hf://datasets/ORG/NAME[@REVISION][/PATH]' on the Hugging Face Hub."""
     manifest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
     """source = 'tokens': the digest of the prepared data's manifest (printed by `swarmtrain
     data prepare`); a peer whose data does not match refuses to start."""
@@ -182,10 +187,13 @@ class DataSection(_Section):
     def _path_matches_source(self) -> DataSection:
         if self.source == "dir" and not self.path:
             raise ValueError("source = 'dir' needs path = '/directory/of/text'")
-        if self.source == "tokens" and not (self.path and self.manifest and self.tokenizer):
+        if self.source == "tokens" and not ((self.path or self.url) and self.manifest and self.tokenizer):
             raise ValueError(
-                "source = 'tokens' needs path, manifest and tokenizer (`swarmtrain data prepare` prints the digests)"
+                "source = 'tokens' needs manifest, tokenizer (`swarmtrain data prepare` prints the digests) and "
+                "path or url (where the prepared directory is)"
             )
+        if self.source != "tokens" and self.url is not None:
+            raise ValueError(f"url is only used with source = 'tokens' (source is {self.source!r})")
         if self.source == "stdlib" and self.path is not None:
             raise ValueError(f"path is only used with source = 'dir' or 'tokens' (source is {self.source!r})")
         if self.source != "tokens" and (self.manifest is not None or self.tokenizer is not None):

@@ -321,7 +321,7 @@ def prepare(
     seq_len: int,
     validation_fraction: float,
     text_field: str = "text",
-    shard_sequences: int = 65536,
+    shard_sequences: int = 4096,
     seed: int = 0,
     progress: bool = True,
 ) -> Manifest:

@@ -280,3 +280,23 @@ class LocalCoordinator(Child):
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
+
+
+class LocalDataServer(Child):
+    """A `swarmtrain data serve` child publishing a prepared directory on loopback."""
+
+    def __init__(self, directory: Path, log: Path, *, host: str = "127.0.0.1") -> None:
+        super().__init__(["data", "serve", str(directory), "--host", host, "--port", "0"], log, "data-server", {})
+
+    def url(self, deadline_s: float = 60.0) -> str:
+        """The base URL it serves the directory at (ends with /): a spec's ``data.url``."""
+        return self.printed(r"^serving .* at (http://\S+/)$", deadline_s)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()

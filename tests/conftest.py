@@ -71,6 +71,7 @@ BESIDE_SWARMS = {
     "test_checkpoint_crash.py",
     "test_cli.py",
     "test_coordinator_outage.py",
+    "test_data_fetch.py",
     "test_data_prepare.py",
     "test_dht_mend.py",
     "test_doctor.py",

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from peer.data_assignment import DataAssignment
 from peer.task.base import Batch, Task, derive_seed
 from peer.task.lm_head import LossHead, install_loss_head
 from peer.task.portable_init import portable_init_
-from peer.task.tokens import AssignedBatches, TokenShards, check_data, eval_batches
+from peer.task.tokens import AssignedBatches, TokenShards, eval_batches, open_data, run_assignment
 from protocol.errors import ConfigError
 from protocol.manifest import weights_sha256
 from protocol.modelsize import lm_shape, task_flops_per_sample
@@ -186,19 +185,16 @@ def build_causal_lm(
     slot: int,
     data_dir: str | Path | None,
     weights_dir: str | Path | None = None,
+    data_cap_bytes: int | None = None,
 ) -> Task:
-    """This peer's causal-LM task: the model, data stream ``slot``'s batches, validation."""
+    """This peer's causal-LM task: the model, data stream ``slot``'s batches, validation. A run
+    that publishes its data (``data.url``) fetches the shards as its pages need them, keeping at
+    most ``data_cap_bytes`` of them."""
     lm = spec.task.causal_lm
     assert lm is not None and spec.rounds.inner_steps is not None  # the spec enforces both
-    directory, manifest = check_data(spec, data_dir)
-    train = TokenShards(directory, manifest, manifest.train)
-    assignment = DataAssignment(
-        sequences=train.sequences,
-        slots=spec.data.slots,
-        steps=spec.rounds.inner_steps,
-        batch=spec.inner.batch_size,
-        seed=spec.data.seed,
-    )
+    directory, manifest, fetcher = open_data(spec, data_dir, cap_bytes=data_cap_bytes)
+    train = TokenShards(directory, manifest, manifest.train, fetcher=fetcher)
+    assignment = run_assignment(spec, manifest)
     if not assignment.round_fits_epoch():
         raise ConfigError(
             f"one round of the run reads {spec.data.slots} streams x {assignment.page} sequences, more than the "
@@ -208,7 +204,7 @@ def build_causal_lm(
     model = build_lm_model(lm, seed=derive_seed(spec.data.seed, "model-init"), weights_dir=weights_dir).to(device)
     evaluate = None
     if spec.eval.every_rounds and manifest.validation:
-        val = TokenShards(directory, manifest, manifest.validation)
+        val = TokenShards(directory, manifest, manifest.validation, fetcher=fetcher)
         # in micro-batches, like training: no more activation memory than a training step
         micro = spec.inner.batch_size // lm.micro_batches
         evaluate = functools.partial(

@@ -38,12 +38,14 @@ def build_task(
     slot: int | None = None,
     data_dir: str | Path | None = None,
     weights_dir: str | Path | None = None,
+    data_cap_bytes: int | None = None,
 ) -> Task:
     """The task of one peer. ``shard_seed`` picks its random windows; ``num_shards`` > 1
     also splits the training files (this peer keeps files ``shard_index::num_shards``,
     byte-level task only). A causal-LM task trains data stream ``slot`` (handed out by the
     coordinator) of the prepared data at ``data_dir`` (default: the spec's ``data.path``),
-    starting from the weights at ``weights_dir`` if the spec names weights.
+    starting from the weights at ``weights_dir`` if the spec names weights; a run that publishes
+    its data fetches the shards it reads, keeping at most ``data_cap_bytes`` of them.
     Raises ConfigError for a bad corpus, data that does not match the spec, or a bad factory."""
     if spec.task.kind == "bytegpt":
         shards = {"num_shards": num_shards, "shard_index": shard_index}
@@ -59,7 +61,9 @@ def build_task(
                 slot,
                 spec.data.slots,
             )
-        return build_causal_lm(spec, device=device, slot=slot, data_dir=data_dir, weights_dir=weights_dir)
+        return build_causal_lm(
+            spec, device=device, slot=slot, data_dir=data_dir, weights_dir=weights_dir, data_cap_bytes=data_cap_bytes
+        )
     if num_shards != 1:
         raise ConfigError(f"num_shards = {num_shards}: import tasks shard their data by shard_seed only")
     return _build_import(spec, shard_seed=shard_seed, device=device)

@@ -63,7 +63,12 @@ def add_parser(commands: Any) -> None:
     )
     prep.add_argument("--text-field", default="text", metavar="NAME", help="record field of the text (default text)")
     prep.add_argument(
-        "--shard-sequences", type=int, default=65536, metavar="N", help="sequences per shard file (default 65536)"
+        "--shard-sequences",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="sequences per shard file (default 4096: a peer fetches the shards its pages read, so small ones "
+        "keep what it fetches near what it trains)",
     )
     prep.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the validation split (default 0)")
     prep.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -77,6 +82,36 @@ def add_parser(commands: Any) -> None:
     ver.add_argument("directory", type=Path, metavar="DIR")
     ver.add_argument("--no-progress", action="store_true", help="no progress bar")
     ver.set_defaults(run=run_verify)
+
+    serve = actions.add_parser(
+        "serve",
+        help="publish a prepared directory over HTTP for peers to fetch (the spec's data.url)",
+        description="Serve DIR's files over HTTP (range requests, so broken transfers resume), read-only: "
+        "put http://HOST:PORT/ in the run spec's [data] url. Any static file server (nginx, a bucket) does too.",
+    )
+    serve.add_argument("directory", type=Path, metavar="DIR", help="a directory made by `swarmtrain data prepare`")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8090, help="TCP port (default 8090; 0: any free port)")
+    serve.set_defaults(run=run_serve)
+
+    fetch = actions.add_parser(
+        "fetch",
+        help="fetch a run's published data (all of it, or the first GB) and verify it",
+        description="Fetch the prepared data a run spec publishes (data.url) into a directory, every file "
+        "checked against the spec's digests; a broken transfer resumes. Peers fetch what they need by "
+        "themselves: this is for a mirror, or a machine that fetches ahead.",
+    )
+    fetch.add_argument("spec", type=Path, metavar="SPEC", help="the run spec (TOML) with [data] url")
+    fetch.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where to put it (default: where a peer of the run looks, as `swarmtrain peer --data-dir`)",
+    )
+    fetch.add_argument("--cap", type=float, default=None, metavar="GB", help="stop at this many GB of shards")
+    fetch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    fetch.set_defaults(run=run_fetch)
 
     weights = actions.add_parser(
         "weights",
@@ -174,3 +209,71 @@ def _check_inputs(inputs: list[Path]) -> None:
     for path in inputs:
         if not path.exists():
             raise ConfigError(f"input {str(path)!r}: no such file or directory")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
+    manifest = load_manifest(args.directory)  # a prepared directory, whole
+    import socket
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.staticfiles import StaticFiles
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((args.host, args.port))  # no SO_REUSEPORT: a port in use is refused, never shared
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} ({exc.strerror}): choose another --port") from exc
+    sock.listen(2048)  # listening before the line below: a client that read it may connect at once
+    port = sock.getsockname()[1]
+    app = Starlette(routes=[Mount("/", app=StaticFiles(directory=str(args.directory)))])
+    shards = len(manifest.train) + len(manifest.validation)
+    print(
+        f"serving {args.directory} ({manifest.total_bytes() / 1e6:.1f} MB in {shards} shards, manifest "
+        f"{manifest.digest()}) at http://{args.host}:{port}/",
+        flush=True,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[sock])
+    return 0
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    from protocol.spec import load_spec
+
+    spec = load_spec(args.spec)
+    if spec.data.url is None:
+        raise ConfigError(f"{args.spec}: the run publishes no data ([data] url): its peers need a copy of data.path")
+    if args.cap is not None and not args.cap > 0:
+        raise ConfigError(f"--cap must be > 0 GB, got {args.cap}")
+    from peer.task.tokens import open_data
+
+    directory, manifest, fetcher = open_data(spec, args.data_dir)
+    assert fetcher is not None  # data.url is set
+    entries = [*manifest.validation, *manifest.train]
+    total = sum(manifest.shard_bytes(e) for e in entries)
+    if args.cap is not None:
+        kept, budget = [], int(args.cap * 1e9)
+        for entry in entries:
+            if manifest.shard_bytes(entry) > budget:
+                break
+            budget -= manifest.shard_bytes(entry)
+            kept.append(entry)
+        entries, total = kept, sum(manifest.shard_bytes(e) for e in kept)
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="data", disable=args.no_progress) as bar:
+        try:
+            for entry in entries:
+                fetcher.shard(manifest, entry)
+                bar.update(manifest.shard_bytes(entry))
+        finally:
+            fetcher.close()
+    print(f"{len(entries)} shards ({total / 1e6:.1f} MB) of manifest {manifest.digest()} verified in {directory}")
+    print(f"fetched {fetcher.fetched_bytes / 1e6:.1f} MB; the rest was here already")
+    return 0

@@ -128,7 +128,12 @@ def test_shards_hold_the_input_documents_split_by_document(
     assert len(manifest.train) > 1, "the test should span several shards"
     assert all(entry.sequences == SHARD_SEQUENCES for entry in manifest.train[:-1])
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", *(e.file for e in (*manifest.train, *manifest.validation))]
+        [
+            "manifest.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            *(e.file for e in (*manifest.train, *manifest.validation)),
+        ]
     )
 
     tokenizer = dataprep.load_tokenizer(tokenizer_dir)

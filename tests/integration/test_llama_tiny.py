@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from peer.data_assignment import DataAssignment, ids_digest
+from peer.data_assignment import ids_digest
 from peer.task.data import stdlib_files
+from peer.task.tokens import run_assignment
 from protocol.manifest import load_manifest
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all, wait_until
@@ -123,13 +124,7 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
 
         # the data: recomputed from (run, round, stream) it is what each peer read; disjoint
         manifest = load_manifest(spec.data.path or "")
-        assignment = DataAssignment(
-            sequences=manifest.train_sequences(),
-            slots=spec.data.slots,
-            steps=spec.rounds.inner_steps or 0,
-            batch=spec.inner.batch_size,
-            seed=spec.data.seed,
-        )
+        assignment = run_assignment(spec, manifest)
         slots = {rs[0]["data"]["slot"] for rs in rows.values()}
         assert len(slots) == 3, slots  # the coordinator gave each peer its own stream
         trained: dict[int, dict[str, set[int]]] = {}

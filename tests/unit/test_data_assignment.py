@@ -88,3 +88,46 @@ def test_out_of_range_samples_and_bad_sizes_are_refused() -> None:
     assert not DataAssignment(sequences=10, slots=2, steps=2, batch=4, seed=0).round_fits_epoch()
     with pytest.raises(ValueError):
         permute(10, 10, key=(0, 0))
+
+
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    slots=st.integers(1, 4),
+    steps=st.integers(1, 4),
+    batch=st.integers(1, 4),
+)
+@settings(max_examples=60, deadline=None)
+def test_with_shards_an_epoch_is_still_a_permutation_and_a_page_reads_only_its_shards(
+    sizes: list[int], slots: int, steps: int, batch: int
+) -> None:
+    a = DataAssignment(sequences=sum(sizes), slots=slots, steps=steps, batch=batch, seed=5, shards=tuple(sizes))
+    if not a.round_fits_epoch():
+        return
+    starts = [sum(sizes[:t]) for t in range(len(sizes))]
+    shard_of = {seq: t for t, start in enumerate(starts) for seq in range(start, start + sizes[t])}
+    for epoch in range(2):
+        seen = []
+        for q in range(a.rounds_per_epoch):
+            round_ = epoch * a.rounds_per_epoch + q
+            for slot in range(slots):
+                ids = [i for step in range(steps) for i in a.batch_ids(round_, slot, step)]
+                assert {shard_of[i] for i in ids} <= set(a.page_shards(round_, slot))
+                seen += ids
+        assert len(seen) == len(set(seen))  # at most once per epoch
+        full = sorted(a.sequence(epoch, p) for p in range(a.sequences))
+        assert full == list(range(a.sequences))  # the epoch's order is a permutation
+
+
+def test_a_page_reads_few_shards_and_each_batch_mixes_them() -> None:
+    # 64 shards of 100 sequences, pages of 20 steps x 10 = 200 sequences: about 2-3 shards a page
+    a = DataAssignment(sequences=6400, slots=4, steps=20, batch=10, seed=1, shards=(100,) * 64)
+    for round_ in range(3):
+        for slot in range(4):
+            touched = a.page_shards(round_, slot)
+            assert 2 <= len(touched) <= 3
+            batch = a.batch_ids(round_, slot, 0)
+            assert len({i // 100 for i in batch}) >= 2  # a batch is not one shard's rows
+    # every epoch its own shard order
+    assert [a.page_shards(0, s) for s in range(4)] != [a.page_shards(a.rounds_per_epoch, s) for s in range(4)]
+    with pytest.raises(ValueError, match="add up to"):
+        DataAssignment(sequences=10, slots=1, steps=1, batch=1, seed=0, shards=(4, 5))
