@@ -483,8 +483,10 @@ class RunSpec(_Section):
         return None
 
     def canonical_json(self) -> bytes:
-        """Canonical form of everything the digest covers (all but ``admission``)."""
-        data = self.model_dump(mode="json", exclude={"admission"})
+        """Canonical form of everything the digest covers: all but ``admission`` (who may join)
+        and ``data.url`` (where the data is fetched from: its bytes are pinned by the manifest's
+        digest, so an operator moves them to another server without forking the run)."""
+        data = self.model_dump(mode="json", exclude={"admission": True, "data": {"url"}})
         return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
     def digest(self) -> str:

@@ -118,13 +118,18 @@ class DataFetcher:
     def manifest(self, digest: str) -> Manifest:
         """The run's manifest, from disk if it is the one ``digest`` names, else fetched."""
         path = self.directory / MANIFEST_NAME
-        if path.is_file():
+        if path.exists():  # never write over another dataset's files
             try:
-                local = parse_manifest(path.read_text(encoding="utf-8"), source=str(path))
-                if local.digest() == digest:
-                    return local
+                local: Manifest | None = parse_manifest(path.read_text(encoding="utf-8"), source=str(path))
             except (ConfigError, OSError, UnicodeDecodeError):
-                pass  # another run's or a broken one: fetched again below
+                local = None
+            if local is not None and local.digest() == digest:
+                return local
+            held = local.digest() if local is not None else "an unreadable one"
+            raise ConfigError(
+                f"data manifest mismatch: {self.directory} holds other data (manifest {held}), the run uses "
+                f"{digest}: give the peer an empty --data-dir (it fetches the run's data there)"
+            )
         body = self._required(MANIFEST_NAME)
         try:
             manifest = parse_manifest(body.decode("utf-8"), source=self.source.url(MANIFEST_NAME))

@@ -60,6 +60,13 @@ def add_parser(commands: Any) -> None:
         "--activation-checkpointing", choices=("on", "off"), default=None, help="check the peer flag of that name"
     )
     parser.add_argument("--compile", choices=("on", "off"), default=None, help="check the peer flag of that name")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="token runs: where the peer will keep the run's data (as `swarmtrain peer --data-dir`)",
+    )
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     parser.set_defaults(run=run)
 
@@ -230,6 +237,10 @@ def _model_checks(
         return f"{detail}; {source}", data
 
     add(run_check("memory", memory))
+    if spec.data.source == "tokens":
+        from swarmtrain.doctor.data import data_check
+
+        add(run_check("data", lambda: data_check(spec, args.data_dir)))
     footprint = fit.footprint if fit is not None else _footprint_or_none(spec, acc)
     if footprint is not None and upload:
         from swarmtrain.doctor.round_cost import round_cost

@@ -56,15 +56,26 @@ def served(prepared: Path, tmp_path: Path) -> Iterator[tuple[Path, str]]:
     assert not any("Traceback" in line for line in server.lines), "\n".join(server.lines[-20:])
 
 
-def spec_for(data: Path, url: str, *, slots: int = 4) -> RunSpec:
-    manifest = load_manifest(data)
-    return parse_spec(
+def spec_toml(spec: RunSpec) -> str:
+    return (
         "[run]\nname='fetch'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\n"
         f"seq_len={SEQ_LEN}\n[task.causal_lm.config]\nvocab_size=300\nhidden_size=16\nintermediate_size=32\n"
         "num_hidden_layers=1\nnum_attention_heads=2\nnum_key_value_heads=1\n"
-        f"[data]\nsource='tokens'\nurl='{url}'\nmanifest='{manifest.digest()}'\n"
-        f"tokenizer='{tokenizer_sha256(data)}'\nslots={slots}\n[inner]\nbatch_size=4\n[rounds]\ninner_steps=5\n"
+        f"[data]\nsource='tokens'\nurl='{spec.data.url}'\nmanifest='{spec.data.manifest}'\n"
+        f"tokenizer='{spec.data.tokenizer}'\nslots={spec.data.slots}\n[inner]\nbatch_size=4\n[rounds]\ninner_steps=5\n"
     )
+
+
+def spec_for(data: Path, url: str, *, slots: int = 4) -> RunSpec:
+    manifest = load_manifest(data)
+    draft = parse_spec(
+        "[run]\nname='x'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\nseq_len=16\n"
+        "[task.causal_lm.config]\nvocab_size=300\nhidden_size=16\nintermediate_size=32\nnum_hidden_layers=1\n"
+        "num_attention_heads=2\nnum_key_value_heads=1\n[rounds]\ninner_steps=5\n"
+        f"[data]\nsource='tokens'\nurl='{url}'\nmanifest='{manifest.digest()}'\n"
+        f"tokenizer='{tokenizer_sha256(data)}'\nslots={slots}\n"
+    )
+    return parse_spec(spec_toml(draft))
 
 
 def disk_bytes(directory: Path) -> int:
@@ -207,13 +218,7 @@ def test_data_fetch_and_verify_from_the_command_line(served: tuple[Path, str], p
     _, url = served
     spec_file = tmp_path / "run.toml"
     spec = spec_for(prepared, url)
-    text = (
-        "[run]\nname='fetch'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\n"
-        f"seq_len={SEQ_LEN}\n[task.causal_lm.config]\nvocab_size=300\nhidden_size=16\nintermediate_size=32\n"
-        "num_hidden_layers=1\nnum_attention_heads=2\nnum_key_value_heads=1\n"
-        f"[data]\nsource='tokens'\nurl='{url}'\nmanifest='{spec.data.manifest}'\n"
-        f"tokenizer='{spec.data.tokenizer}'\nslots=4\n[inner]\nbatch_size=4\n[rounds]\ninner_steps=5\n"
-    )
+    text = spec_toml(spec)
     spec_file.write_text(text)
     env = {**os.environ, "SWARMTRAIN_HOME": str(tmp_path / "home")}
     done = subprocess.run([*swarmtrain_executable(), "data", "fetch", str(spec_file), "--no-progress"],
@@ -232,3 +237,31 @@ def test_data_fetch_and_verify_from_the_command_line(served: tuple[Path, str], p
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "publishes no data" in refused.stderr
+
+
+def test_the_doctor_checks_the_published_data_and_says_what_a_round_reads(
+    served: tuple[Path, str], prepared: Path, tmp_path: Path
+) -> None:
+    root, url = served
+    spec = spec_for(prepared, url)
+    text = spec_toml(spec)
+    spec_file = tmp_path / "run.toml"
+    spec_file.write_text(text)
+
+    def doctor() -> str:
+        done = subprocess.run(
+            [*swarmtrain_executable(), "doctor", "--spec", str(spec_file), "--skip-network", "--no-benchmark",
+             "--key", str(tmp_path / "k")], capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        line = next((line for line in done.stdout.splitlines() if " data: " in line), "")
+        assert line, done.stdout + done.stderr
+        return line
+
+    line = doctor()
+    assert line.startswith(f"ok    data: published at {url}: 0.00 GB in ") and "MB of it per round" in line, line
+    (root / MANIFEST_NAME).write_text((root / MANIFEST_NAME).read_text().replace('"documents": ', '"documents": 1'))
+    line = doctor()
+    assert line.startswith("FAIL  data: ") and "the run uses" in line and "-> fix: ask the operator" in line, line
+    spec_file.write_text(text.replace(f"url='{url}'", f"path='{tmp_path / 'nowhere'}'"))
+    line = doctor()
+    assert line.startswith("FAIL  data: ") and "no such directory" in line and "--data-dir" in line, line

@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,14 @@ from peer.task.data import stdlib_files
 from peer.task.tokens import run_assignment
 from protocol.manifest import load_manifest
 from protocol.spec import load_spec
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all, wait_until
+from swarmtrain.localswarm import (
+    LocalCoordinator,
+    LocalDataServer,
+    LocalPeer,
+    swarmtrain_executable,
+    wait_all,
+    wait_until,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-tiny.toml"
 ZEROS = "sha256:" + "0" * 64
@@ -41,11 +49,11 @@ def swarmtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[
     return subprocess.run([*swarmtrain_executable(), *args], capture_output=True, text=True, timeout=timeout)
 
 
-def prepared(tmp: Path, name: str, files: list[Path], tokenizer: Path) -> tuple[str, str]:
+def prepared(tmp: Path, name: str, files: list[Path], tokenizer: Path, *extra: str) -> tuple[str, str]:
     """`swarmtrain data prepare` of ``files``: the (manifest, tokenizer) digests it printed."""
     done = swarmtrain(
         "data", "prepare", *map(str, files), "--tokenizer", str(tokenizer), "--seq-len", "64",
-        "--out", str(tmp / name), "--no-progress",
+        "--out", str(tmp / name), "--no-progress", *extra,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     manifest = re.search(r"^manifest: (sha256:[0-9a-f]{64})$", done.stdout, re.MULTILINE)
@@ -55,23 +63,28 @@ def prepared(tmp: Path, name: str, files: list[Path], tokenizer: Path) -> tuple[
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("llama")
     files = stdlib_files()[:160]
     made = swarmtrain(
         "data", "tokenizer", "--vocab-size", "2048", "--out", str(tmp / "tokenizer"), *map(str, files[:80])
     )
     assert made.returncode == 0, made.stderr
-    manifest, tokenizer = prepared(tmp, "data", files, tmp / "tokenizer")
+    manifest, tokenizer = prepared(tmp, "data", files, tmp / "tokenizer", "--shard-sequences", "256")
     text = EXAMPLE.read_text()
     assert text.count(ZEROS) == 2
     text = text.replace(f'manifest = "{ZEROS}"', f'manifest = "{manifest}"')
     text = text.replace(f'tokenizer = "{ZEROS}"', f'tokenizer = "{tokenizer}"')
-    text = text.replace('path = "data/llama-tiny"', f'path = "{tmp / "data"}"')
+    # the operator publishes the data (`swarmtrain data serve`); the volunteers fetch what they read
+    server = LocalDataServer(tmp / "data", tmp / "data-server.log")
+    text = text.replace('path = "data/llama-tiny"', f'path = "{tmp / "data"}"\nurl = "{server.url()}"')
     text = text.replace("max_rounds = 8", f"max_rounds = {ROUNDS}")
     spec = tmp / "llama-tiny.toml"
     spec.write_text(text)
-    return {"tmp": tmp, "spec": spec, "files": files}
+    try:
+        yield {"tmp": tmp, "spec": spec, "files": files}
+    finally:
+        server.stop()
 
 
 def peer_args(address: str, key: Path, *extra: str) -> list[str]:
@@ -93,7 +106,8 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
             )
             # peer 2 computes the same steps its own way (a GPU's memory/speed choice): same run, same group
             own = ["--micro-batches", "2", "--activation-checkpointing", "on"] if i == 2 else []
-            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged, *own), tmp, f"peer{i}"))
+            fetched = ["--data-dir", str(tmp / f"data-peer{i}")]  # empty: it fetches its shards
+            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged, *own, *fetched), tmp, f"peer{i}"))
         for peer, code in zip(peers, wait_all(peers, 240)):
             assert code == 0, "\n".join(peer.lines[-30:])
         assert any("computes with 2 micro-batches and activation checkpointing on" in line for line in peers[2].lines)
@@ -143,6 +157,15 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
                 for b in range(a + 1, len(names)):
                     assert not per_peer[names[a]] & per_peer[names[b]], (data_round, names[a], names[b])
 
+        # data in: each peer fetched its own stream's shards (its pages' and the next two rounds'), no others
+        for name, rs in rows.items():
+            slot = rs[0]["data"]["slot"]
+            trained_rounds = {r["data"]["round"] for r in rs}
+            needed = {i for r in trained_rounds for i in assignment.page_shards(r, slot)}
+            ahead = {i for r in range(max(trained_rounds) + 3) for i in assignment.page_shards(r, slot)}
+            on_disk = {i for i, e in enumerate(manifest.train) if (tmp / f"data-{name}" / e.file).is_file()}
+            assert needed <= on_disk <= ahead and len(on_disk) < len(manifest.train) / 2, (name, needed, on_disk)
+
         # the coordinator: validation loss and progress through the data
         http = coordinator.http()
         wait_until(lambda: fetch(http, "api/v1/status")["validation_loss"] is not None, 60, "validation loss")
@@ -190,7 +213,7 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         assert made.returncode == 0, made.stderr
         prepared(tmp, "other-tokens", files[:40], other_tok)
         prepared(tmp, "other-data", files[:40], tmp / "tokenizer")
-        for data_dir, named in (("other-tokens", "tokenizer mismatch"), ("other-data", "data manifest mismatch")):
+        for data_dir, named in (("other-tokens", "data manifest mismatch"), ("other-data", "data manifest mismatch")):
             refused = swarmtrain(
                 "peer", *peer_args(address, tmp / "k-refused", "--data-dir", str(tmp / data_dir)), timeout=120
             )

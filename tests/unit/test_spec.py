@@ -154,3 +154,24 @@ def test_spec_is_immutable() -> None:
     with pytest.raises(pydantic.ValidationError):
         spec.outer.lr = 1.0  # type: ignore[misc]
     assert isinstance(spec, RunSpec)
+
+
+def test_a_token_run_names_where_its_data_is_published() -> None:
+    base = (
+        "[run]\nname='lm'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\nseq_len=16\n"
+        "[task.causal_lm.config]\nvocab_size=300\nhidden_size=32\nintermediate_size=88\nnum_hidden_layers=2\n"
+        "num_attention_heads=4\nnum_key_value_heads=2\n[rounds]\ninner_steps=2\n"
+        "[data]\nsource='tokens'\nmanifest='sha256:" + "0" * 64 + "'\ntokenizer='sha256:" + "0" * 64 + "'\n"
+    )
+    for url in ("https://data.example.org/run-1/", "http://10.0.0.2:8090/", "hf://datasets/org/name@v1/prepared"):
+        spec = parse_spec(base + f"url='{url}'\n")
+        assert spec.data.url == url and spec.data.path is None  # the url alone is enough
+    with pytest.raises(SpecError, match="needs manifest, tokenizer .* and path or url"):
+        parse_spec(base)
+    for bad in ("ftp://host/x", "file:///etc/", "https://host/ spaced", "hf://models/org/name"):
+        with pytest.raises(SpecError, match="data.url"):
+            parse_spec(base + f"url='{bad}'\n")
+    with pytest.raises(SpecError, match="url is only used with source = 'tokens'"):
+        parse_spec("[run]\nname='x'\n[data]\nurl='https://host/'\n")
+    # where the data is published is not the run: its bytes are pinned by the manifest's digest
+    assert parse_spec(base + "url='https://a/'\n").digest() == parse_spec(base + "url='https://b/'\n").digest()
