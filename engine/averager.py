@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -30,12 +31,15 @@ from engine.allreduce import (
     ExactAllReduceRunner,
     RoundFailedError,
     group_round,
+    part_size_bytes,
     stale_members,
 )
 from engine.auditing import AuditMixin, AuditOutcome
 from engine.averager_gate import AdmissionGateMixin
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
+from engine.link_timeouts import CAP as LINK_CAP
+from engine.link_timeouts import RoundTimeouts, stretched
 from engine.liveness import LivenessMixin
 from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
@@ -131,6 +135,12 @@ class ExactAverager(
         self._stats: dict[bytes, AllReduceStats] = {}
         self.state_provider: StateProvider | None = None
         """Set in the host process: returns the (round, params, momentum, digest) to serve."""
+        own = kwargs.get("allreduce_timeout")
+        self._own_allreduce_s: float | None = None if own is None else float(own)
+        """This peer's all-reduce deadline; hivemind's (``_allreduce_timeout``) is ``LINK_CAP``
+        times it: the longest a round stretched to a slow member's link may take."""
+        if own is not None:
+            kwargs["allreduce_timeout"] = LINK_CAP * float(own)
         super().__init__(
             [torch.zeros(numel, dtype=torch.float32)],
             dht,
@@ -332,7 +342,7 @@ class ExactAverager(
             return
         async for _ in runner:
             pass
-        if not await runner.wait_until_served(timeout=float(self.allreduce_kwargs.get("reducer_timeout") or 60.0)):
+        if not await runner.wait_until_served(timeout=float(runner.reducer_timeout or 60.0)):
             logger.info("all-reduce: some members had not taken their last averaged parts from this peer")
         if self.peer_id in runner.failed_reducers:
             # this peer's own parts failed here (a local fault): the others may hold its range
@@ -365,15 +375,21 @@ class ExactAverager(
         # each member's share of the vector is equal, not what it says its bandwidth is
         group_info = dataclasses.replace(group_info, gathered=equal_shares(group_info.gathered))
         led = self._matchmaking.led()  # a RoundMatchmaking (AdmissionGateMixin._matchmaking)
+        timeouts = self._round_timeouts(group_info)
+        kwargs.update(sender_timeout=timeouts.sender_s, reducer_timeout=timeouts.reducer_s)
         try:
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        except MatchmakingException as exc:  # hivemind wraps every failure of the all-reduce in it
+            deadline = None if math.isinf(timeouts.allreduce_s) else timeouts.allreduce_s
+            gathered = await asyncio.wait_for(
+                super()._aggregate_with_group(group_info, min_vector_size, **kwargs), deadline
+            )
+        except (TimeoutError, MatchmakingException) as exc:  # hivemind wraps the all-reduce's failures
             self._stats.pop(group_info.group_id, None)
             statements = {
                 str(peer): gathered_metadata(raw) for peer, raw in zip(group_info.peer_ids, group_info.gathered)
             }
             stats = AllReduceStats(peer_ids=list(statements), missing=[(0, self.numel)])
-            return GroupOutcome(statements, stats, led, failed=str(exc))
+            why = str(exc) or f"the all-reduce outlasted its {timeouts.allreduce_s:.1f} s"
+            return GroupOutcome(statements, stats, led, failed=why)
         stats = self._stats.pop(group_info.group_id, AllReduceStats())
         parsed = {peer: Gathered.parse(raw) for peer, raw in gathered.items()}
         members = {str(peer): data for peer, data in parsed.items()}
@@ -383,6 +399,31 @@ class ExactAverager(
                 peers={data.id: peer for peer, data in parsed.items() if data is not None and data.id},
             )
         return GroupOutcome(members, stats, led)
+
+    def _round_timeouts(self, group_info: GroupInfo) -> RoundTimeouts:
+        """This round's deadlines: this peer's own (``set_allreduce_timeout``), stretched to the
+        slowest link the group's members stated (``engine.link_timeouts``): every member computes
+        the same from the same statements."""
+        own = self._own_allreduce_s
+        base = RoundTimeouts(
+            sender_s=float(self.allreduce_kwargs.get("sender_timeout") or (own or 180.0) / 3),
+            reducer_s=float(self.allreduce_kwargs.get("reducer_timeout") or 2 * (own or 180.0) / 3),
+            allreduce_s=math.inf if own is None else own,
+        )
+        if own is None:  # no deadline: nothing to stretch
+            return base
+        links = [data.link if data is not None else None for data in map(gathered_metadata, group_info.gathered)]
+        codec = self.codec_compression.codec
+        size = len(group_info.peer_ids)
+        largest = max(end - start for start, end in self.fragments)
+        return stretched(
+            links,
+            part_bytes=part_size_bytes(largest, codec, size),
+            vector_bytes=int(self.numel * codec.bytes_per_value()),
+            group_size=size,
+            streams=len(self.fragments),
+            base=base,
+        )
 
     def abandon_search(self, timeout_s: float = ABANDON_ANSWER_S) -> bool:
         """End this peer's search for a group now, if its step is still matchmaking (a leader
@@ -419,6 +460,9 @@ class ExactAverager(
         self._outer_pipe.send(("_set_allreduce_timeout", [], dict(timeout_s=float(timeout_s))))
 
     async def _set_allreduce_timeout(self, timeout_s: float) -> None:
-        self._allreduce_timeout = timeout_s
+        self._own_allreduce_s = timeout_s
+        # hivemind's own deadline only bounds the longest a round may be stretched to
+        # (``_round_timeouts``), which ``_aggregate_with_group`` enforces itself
+        self._allreduce_timeout = LINK_CAP * timeout_s
         self.allreduce_kwargs["sender_timeout"] = timeout_s / 3
         self.allreduce_kwargs["reducer_timeout"] = 2 * timeout_s / 3

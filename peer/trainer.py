@@ -74,7 +74,7 @@ from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, Swar
 from peer.task import Task
 from peer.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
 from protocol.errors import MalformedTensorError, VerificationError
-from protocol.gathered import Gathered
+from protocol.gathered import MAX_LINK, MIN_LINK, Gathered
 from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
 from protocol.spec import OuterSection, RunSpec
@@ -349,6 +349,10 @@ class Trainer:
         self.eager = self.overlap and spec.averaging.overlap_start == "eager"
         """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
+        self.link: float | None = None
+        """Bytes a second this peer's link carries (its last state download; halved after each
+        round whose vector did not arrive whole), stated to its groups (``Gathered.link``), which
+        stretch a round's deadlines to their slowest member's (``engine.link_timeouts``)."""
         self.missed_end: int | None = None
         """The run's final round, when the swarm landed it without this peer and nobody serves
         its state any more: the run is over for this peer too (``catch_up``)."""
@@ -689,6 +693,7 @@ class Trainer:
             samples=samples + carried,
             roster=self.roster.size,
             known=self.roster.known,
+            link=self.link,
         )
         logger.info(
             "averaging round %d: %d samples%s, looking for a group",
@@ -1181,6 +1186,8 @@ class Trainer:
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if result.missing:
             flight.failure = f"{100 * result.unaveraged():.0f}% of the vector did not arrive (a reducer failed)"
+            if self.link is not None:  # maybe a deadline too short for this link: ask for longer ones
+                self.link = max(MIN_LINK, self.link / 2)
             logger.warning(
                 "round %d: %.1f%% of the vector did not arrive (a reducer, or this peer's all-reduce, failed); "
                 "not landing it",
@@ -1337,7 +1344,9 @@ class Trainer:
                 downloaded = self.swarm.download_state({agreed.digest}, timeout=timeout, newer_than=agreed.round)
                 if downloaded is not None:
                     round_, params, momentum = downloaded
-                    logger.info("downloaded the state of round %d in %.1f s", round_, time.monotonic() - started)
+                    took = time.monotonic() - started
+                    logger.info("downloaded the state of round %d in %.1f s", round_, took)
+                    self.link = max(MIN_LINK, min(MAX_LINK, (params.numel() + momentum.numel()) * 4 / max(took, 1e-3)))
                     state = GlobalState(params.clone(), momentum.clone(), round_)
                     verified = agreed.digest if round_ == agreed.round else None
                     rolled = self._roll_forward(state, time.monotonic() - started, verified=verified)

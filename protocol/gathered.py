@@ -51,6 +51,11 @@ class Gathered:
     """Whether it is itself in that roster."""
     meet: int | None = None
     """The round whose DHT key the round meets under, where not its own (``peer.swarm``)."""
+    link: float | None = None
+    """Bytes a second its link carries, as it measured it (its last state download, halved after
+    each round it did not get whole; None: unmeasured): the group stretches the round's
+    deadlines to it (``engine.link_timeouts``), within bounds, so that a member on a slow link
+    is not cut off mid-part."""
 
     def vote(self, voter: str) -> Vote | None:
         """Its vote as ``voter`` ("after round ``round`` I hold ``digest``"), if it stated both."""
@@ -74,6 +79,8 @@ class Gathered:
         }
         if self.meet is not None:
             wire["meet"] = self.meet
+        if self.link is not None:
+            wire["link"] = self.link
         return wire
 
     @classmethod
@@ -91,7 +98,19 @@ class Gathered:
             roster=roster if type(roster) is int and 0 < roster <= MAX_ROSTER else 0,
             known=data.get("known") is True,
             meet=_round(data.get("meet")),
+            link=_link(data.get("link")),
         )
+
+
+MIN_LINK, MAX_LINK = 1e3, 1e12
+"""A stated link outside these bytes a second is no statement (how long a slow statement makes a
+group wait is capped besides: ``engine.link_timeouts``)."""
+
+
+def _link(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if MIN_LINK <= value <= MAX_LINK else None
 
 
 def _number(value: object) -> float:
