@@ -21,16 +21,29 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output")
     parser.add_argument("--spec", type=Path, required=True, help="run spec (TOML)")
-    parser.add_argument("--state-dir", type=Path, default=Path("coordinator-state"), help="keys and SQLite database")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("coordinator-state"),
+        help="keys, SQLite database, archive and model export (default: ./coordinator-state)",
+    )
     parser.add_argument(
         "--db", default=None, metavar="URL", help="SQLAlchemy database URL (default: SQLite in --state-dir)"
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--grpc-port", type=int, default=7500, help="gRPC API port (0: any free port)")
-    parser.add_argument("--dht-port", type=int, default=0, help="DHT port (0: any free port)")
-    parser.add_argument("--http-port", type=int, default=8080, help="dashboard, JSON API, /metrics (0: any free port)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every interface)")
+    parser.add_argument("--grpc-port", type=int, default=7500, help="gRPC API port (default: 7500; 0: any free port)")
+    parser.add_argument("--dht-port", type=int, default=0, help="DHT port (default: 0, any free port)")
     parser.add_argument(
-        "--relay-port", type=int, default=7800, help="relay for peers nobody can dial: its port (0: any free port)"
+        "--http-port",
+        type=int,
+        default=8080,
+        help="dashboard, JSON API, /metrics (default: 8080; 0: any free port)",
+    )
+    parser.add_argument(
+        "--relay-port",
+        type=int,
+        default=7800,
+        help="relay for peers nobody can dial: its port (default: 7800; 0: any free port)",
     )
     parser.add_argument(
         "--relay-ports",
@@ -53,7 +66,8 @@ def add_parser(commands: Any) -> None:
         action="append",
         default=[],
         metavar="ID",
-        help="public id of a key that may run `swarmtrain admin` (repeatable; the coordinator's own key always may)",
+        help="public id of a key that may run `swarmtrain admin` (repeatable; default: none, the coordinator's own key "
+        "always may)",
     )
     parser.add_argument(
         "--max-requests-per-source",
@@ -68,7 +82,7 @@ def add_parser(commands: Any) -> None:
         action="append",
         default=[],
         metavar="KIND:WHERE",
-        help="also log the swarm's figures per round to tensorboard:DIR or wandb:PROJECT; repeatable",
+        help="also log the swarm's figures per round to tensorboard:DIR or wandb:PROJECT; repeatable (default: none)",
     )
     parser.set_defaults(run=run)
 
@@ -103,6 +117,14 @@ def run(args: argparse.Namespace) -> int:
     for target in args.log_to:
         parse_target(target)
     load_spec(args.spec)  # fail with the spec's own errors before starting anything
+    for flag, port in (
+        ("--grpc-port", args.grpc_port),
+        ("--http-port", args.http_port),
+        ("--relay-port", args.relay_port),
+    ):
+        if flag == "--relay-port" and relay_ports is None:
+            continue
+        check_port_free(args.host, port, flag)
     from coordinator.server import CoordinatorServer, ServerConfig
 
     server = CoordinatorServer(
@@ -154,3 +176,23 @@ def run(args: argparse.Namespace) -> int:
     server.stop()
     print("coordinator stopped", flush=True)
     return 0
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """ConfigError, before anything starts, if ``port`` on ``host`` is taken (another coordinator,
+    most likely): the servers bind without SO_REUSEPORT, so they would fail later, after the DHT
+    and the archive averager started, and gRPC's default would even share the port silently."""
+    if port == 0:
+        return
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} ({exc.strerror}): another coordinator may be running there; stop it "
+                f"or choose another {flag}"
+            ) from exc

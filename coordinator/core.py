@@ -327,7 +327,7 @@ class Coordinator:
             evaluated=self.store.latest_validation(),
             peers_online=summary.peers_online,
             samples_per_second=summary.samples_per_second,
-            rounds_per_hour=rounds_per_hour(rounds),
+            rounds_per_hour=rounds_per_hour(rounds, now) if summary.peers_online else 0.0,
             data=self.data_progress(),
             rounds=self.round_view.figures(),
             peers=self.health.peers(),

@@ -22,10 +22,12 @@ import grpc
 from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
+from coordinator.exporter import ModelExporter
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
 from engine.record_bounds import RunRecordBounds
+from protocol.errors import ConfigError
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import task_params
 from protocol.relay_server import Relay, run_token_admission
@@ -80,6 +82,7 @@ class CoordinatorServer:
         self.grpc_port = 0
         self.dht = None
         self.archiver: Archiver | None = None
+        self.exporter: ModelExporter | None = None
         self.relay: Relay | None = None
         self.archive_off = ""
         self._revoked: set[str] = set()
@@ -130,6 +133,8 @@ class CoordinatorServer:
                 gate=gate,
             )
             self.archiver.start()
+            self.exporter = ModelExporter(self.archiver.archive, config.state_dir / "export")
+            self.exporter.start()
         if config.relay_ports is not None:
             admit = run_token_admission(
                 coordinator_key=self.core.identity.public_key,
@@ -148,9 +153,12 @@ class CoordinatorServer:
         rate = config.max_requests_per_source
         add_to_server(servicer, self.server, limiter=SourceLimiter(rate) if rate > 0 else None)
         self.health = add_health_service(self.server)
-        self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        try:
+            self.grpc_port = self.server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            self.grpc_port = 0
         if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
+            raise ConfigError(f"cannot listen on {config.host}:{config.grpc_port}: choose another --grpc-port")
         if config.log_to:
             from protocol.experiment_log import ExperimentLog
 
@@ -200,7 +208,9 @@ class CoordinatorServer:
         sock.bind((self.config.host, self.config.http_port))
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(self.core, lock, archiver=self.archiver), log_level="warning", lifespan="off"
+            create_app(self.core, lock, archiver=self.archiver, exporter=self.exporter),
+            log_level="warning",
+            lifespan="off",
         )
         self.http = uvicorn.Server(config)
         self.http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -277,6 +287,8 @@ class CoordinatorServer:
         self.http.should_exit = True
         self.http_thread.join(timeout=10)
         self.server.stop(grace=2).wait()
+        if self.exporter is not None:
+            self.exporter.stop()
         if self.archiver is not None:
             self.archiver.stop()
         if self.relay is not None:

@@ -35,8 +35,10 @@ T = TypeVar("T")
 SERVICE = "swarmtrain.v1.Coordinator"
 MAX_REQUEST_BYTES = 1 << 20
 """Largest request the server reads: a round report of the largest group is ~300 KB."""
-SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
-"""Options for ``grpc.server`` (a larger request is refused with RESOURCE_EXHAUSTED)."""
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.so_reuseport", 0)]
+"""Options for ``grpc.server``: a larger request is refused with RESOURCE_EXHAUSTED; the port is
+bound without SO_REUSEPORT (gRPC's default would let a second coordinator share it, the kernel
+splitting the peers between the two)."""
 
 
 def add_to_server(servicer: CoordinatorServicer, server: grpc.Server, *, limiter: SourceLimiter | None = None) -> None:

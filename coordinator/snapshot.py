@@ -56,9 +56,20 @@ class SwarmSnapshot:
         return self.latest.state_digest if self.latest is not None else ""
 
 
-def rounds_per_hour(rounds: list[RoundRow]) -> float:
-    """The pace of ``rounds`` (newest first) between the first and the last one finalized."""
-    if len(rounds) < 2:
+PACE_WINDOW_S = 600.0
+"""The pace counts the rounds finalized in the last this many seconds."""
+MIN_PACE_SPAN_S = 60.0
+"""...over at least this long: rounds finalized in a burst (a restarted coordinator deciding the
+reports peers kept for it) are not a pace of a round a second."""
+
+
+def rounds_per_hour(rounds: list[RoundRow], now: float) -> float:
+    """The swarm's pace at ``now``: rounds finalized in the last ``PACE_WINDOW_S`` per hour, over
+    the time since the first of them (at least ``MIN_PACE_SPAN_S``); 0 once none was lately. Was
+    the span between the newest and oldest stored rounds, whatever their age: a coordinator
+    restarted with no peer said 4293.5 rounds/h."""
+    recent = [r for r in rounds if now - PACE_WINDOW_S <= r.finalized_at <= now]
+    if not recent:
         return 0.0
-    span = rounds[0].finalized_at - rounds[-1].finalized_at
-    return 3600.0 * (len(rounds) - 1) / span if span > 0 else 0.0
+    span = max(now - min(r.finalized_at for r in recent), MIN_PACE_SPAN_S)
+    return 3600.0 * len({r.round for r in recent}) / span

@@ -9,6 +9,7 @@ pod resets). ``--announce HOST:PORT`` says it by hand and wins over the environm
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -68,6 +69,21 @@ def parse_host_port(text: str, *, what: str = "--announce") -> tuple[str, int]:
     if address.is_unspecified or address.is_multicast:
         raise ConfigError(f"{what}: {host} cannot be dialled")
     return str(address), port
+
+
+def coordinator_address(text: str) -> str:
+    """argparse type of ``--coordinator``: ``HOST:PORT`` checked at once (a bare host would
+    otherwise be dialled for the whole timeout), returned as given."""
+    try:
+        parse_host_port(text, what="the address")
+    except ConfigError as exc:
+        if ":" not in text:
+            example = f"{text.strip() or 'localhost'}:7500"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} has no port: give HOST:PORT, the coordinator's gRPC address (e.g. {example})"
+            ) from exc
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text.strip()
 
 
 def provider_ports(env: Mapping[str, str]) -> dict[str, dict[int, int]]:

@@ -18,13 +18,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.update_store import KEPT_ROUNDS
-from peer.announce import parse_host_port
+from peer.announce import coordinator_address, parse_host_port
 from peer.node_identity import NodeIdentity, node_identity
 from peer.progress import ProgressDisplay
 from peer.round_metrics import RoundMetrics
@@ -53,14 +53,20 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "peer",
         help="run a training peer (join a run through a coordinator or peers)",
-        description="Run a training peer. Without --initial-peers it starts a new swarm and prints "
-        "the multiaddrs others join with.",
+        description="Run a training peer. With --coordinator it joins that coordinator's run (the usual "
+        "way); with --spec and --initial-peers it joins the peers at those multiaddrs; with --spec alone it "
+        "starts a swarm of its own and prints the multiaddrs others join with.",
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output (-vv: debug)"
     )
     parser.add_argument("--spec", type=Path, help="run spec (TOML)")
-    parser.add_argument("--coordinator", metavar="HOST:PORT", help="join through a coordinator (issue #4)")
+    parser.add_argument(
+        "--coordinator",
+        type=coordinator_address,
+        metavar="HOST:PORT",
+        help="join the run of the coordinator at HOST:PORT (its gRPC port, 7500 by default)",
+    )
     parser.add_argument(
         "--coordinator-key",
         metavar="ID",
@@ -78,7 +84,12 @@ def add_parser(commands: Any) -> None:
         "rented GPU's or a router's port mapping: external port != --port); default: from vast.ai's or "
         "RunPod's variables when they map --port, else the addresses this machine sees",
     )
-    parser.add_argument("--client-mode", action="store_true", help="make no inbound connections (behind NAT)")
+    parser.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="never be dialled: no relay, no hole punching; the peer only dials out and averages without "
+        "reducing (a peer behind NAT needs no flag: it is relayed and hole-punched by default)",
+    )
     parser.add_argument(
         "--relay-ports",
         default="auto",
@@ -341,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _install_signal_handlers(stop)
     node, created, _checkpoint_lock = _identities(args)  # the lock is held while the peer runs
-    joined = _join(args, node, node_env)
+    joined = _join(args, node, node_env, stop)
     compute = _checked_compute(args, joined)
     plan = _plan(args, joined, compute, node, node_env)
     path = _network_path(args, joined)
@@ -413,7 +424,7 @@ def _identities(args: argparse.Namespace) -> tuple[NodeIdentity, bool, object]:
     return node, created, checkpoint_lock
 
 
-def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None) -> _Joined:
+def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None, stop: threading.Event) -> _Joined:
     """The run: through the coordinator (``--coordinator``: joined; the spec is the
     coordinator's, and its DHT addresses join ``args.initial_peers``), else ``--spec``."""
     from protocol.spec import load_spec, parse_spec
@@ -436,7 +447,7 @@ def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None
     )
     local_digest = load_spec(args.spec).digest() if args.spec else ""
     who = JoinAs(spec_digest=local_digest, reachable=not args.client_mode)
-    info = join_when_up(client, who, say=lambda line: print(line, flush=True))
+    info = join_when_up(client, who, say=lambda line: print(line, flush=True), sleep=_until_stopped(stop))
     pins.remember(args.coordinator, info.coordinator_key)
     spec = parse_spec(info.spec_toml, source=f"spec from {args.coordinator}")
     if spec.digest() != info.spec_digest:
@@ -484,6 +495,18 @@ def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:
         joined.leave()
         raise
     return compute
+
+
+def _until_stopped(stop: threading.Event) -> Callable[[float], None]:
+    """A pause between tries that a SIGINT/SIGTERM ends: the peer then exits at once, cleanly
+    (nothing is running yet), instead of waiting on for a coordinator that is not there."""
+
+    def pause(seconds: float) -> None:
+        if stop.wait(seconds):
+            print("stopped before the coordinator answered", flush=True)
+            raise SystemExit(0)
+
+    return pause
 
 
 def _data_cap(gb: float | None) -> int | None:

@@ -215,10 +215,29 @@ class CoordinatorClient:
             error = (
                 CoordinatorUnavailableError if exc.code() in _UNAVAILABLE else _FATAL.get(exc.code(), SwarmtrainError)
             )
-            raise error(f"coordinator {self.address}: {exc.details() or exc.code().name}") from exc
+            raise error(f"coordinator {self.address}: {plain_rpc_error(exc)}") from exc
 
     def close(self) -> None:
         self.channel.close()
+
+
+def plain_rpc_error(exc: grpc.RpcError) -> str:
+    """What a failed call to the coordinator means, in words, with what to check: gRPC's own
+    details ("failed to connect to all addresses; last error: UNKNOWN: ipv4:...") say neither."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer within {RPC_TIMEOUT_S:g} s (a firewall, or the wrong port?)"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        lowered = details.lower()
+        if "connection refused" in lowered:
+            return "connection refused: nothing listens there (is the coordinator running, and is this its gRPC port?)"
+        if "dns" in lowered or "resolve" in lowered or "name or service not known" in lowered:
+            return "the host name does not resolve (a typo in HOST?)"
+        if "timeout" in lowered or "timed out" in lowered or "unreachable" in lowered:
+            return "the address cannot be reached from here (a firewall, or a private address?)"
+        return "not reachable (is the coordinator running, and is HOST:PORT its gRPC address?)"
+    first = details.splitlines()[0] if details else code.name
+    return first[:300]
 
 
 def join_when_up(

@@ -7,6 +7,7 @@ stderr, ``swarmtrain <command>: error: ...``; never a bare traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import io
 import logging
 import os
@@ -55,11 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:  # the subcommands' parsers (argparse keeps them here)
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
+
+
+def did_you_mean(parser: argparse.ArgumentParser, command: str, extra: Sequence[str]) -> str:
+    """``" (did you mean --x?)"`` for the first unknown flag close to one ``command`` takes."""
+    options: list[str] = []
+    sub = _command_parser(parser, command)
+    if sub is not None:
+        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        for inner in (a for a in sub._actions if isinstance(a, argparse._SubParsersAction)):
+            for choice in inner.choices.values():  # e.g. `data prepare`: the action's own flags too
+                options += [o for a in choice._actions for o in a.option_strings if o.startswith("--")]
+    for flag in extra:
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag.split("=", 1)[0], options, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = _command_parser(parser, args.command) or parser
+        command.error(f"unrecognized arguments: {' '.join(extra)}{did_you_mean(parser, args.command, extra)}")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     _whole_lines()
     _configure_logging(args.verbose)

@@ -5,7 +5,10 @@ documents are read in a fixed order, tokenized with the run's tokenizer (an EOS 
 concatenated and cut into rows of ``seq_len + 1`` tokens. Whole documents are held out for
 validation, chosen by a hash of (seed, document index), so the same inputs, tokenizer and
 flags give the same bytes and the same manifest digest on any machine. Rows are written as
-they fill, so memory stays bounded by one tokenization batch.
+they fill, so memory stays bounded by one tokenization batch; then each split's rows are
+shuffled across its shards by a seeded permutation (``row_order``: one pass over the split,
+one shard in memory at a time), so that every shard is a random sample of the split (a peer
+reads whole shards: ``peer.data_assignment``).
 
 Inputs are files, or directories searched recursively (sorted; names starting with '.' and
 ``__pycache__`` skipped): ``.txt``/``.py``/``.md`` are one document per file (UTF-8);
@@ -277,11 +280,45 @@ class _SplitWriter:
         self.written[-1] = final
         self.shards.append(ShardEntry(file=final.name, sequences=self._rows, sha256="sha256:" + self._hash.hexdigest()))
 
-    def close(self) -> list[ShardEntry]:
-        """Finish the last shard; the shards written, in order."""
+    def close(self, *, shuffle_seed: int | None = None) -> list[ShardEntry]:
+        """Finish the last shard; with ``shuffle_seed``, rewrite the split's rows in a seeded
+        random order (``row_order``) into shards of the same sizes. The shards, in order."""
         if self._file is not None:
             self._finish()
+        if shuffle_seed is not None and self.shards:
+            self._shuffle(shuffle_seed)
         return self.shards
+
+    def _shuffle(self, seed: int) -> None:
+        """A peer reads a run of whole shards each round (``peer.data_assignment``), so a shard
+        must be a random sample of the split, not a stretch of a few documents: rows in
+        document order made every round of a tiny Llama run train on one or two source files."""
+        row = self.seq_len + 1
+        sizes = [entry.sequences for entry in self.shards]
+        starts = np.cumsum([0, *sizes])
+        sources = [
+            np.memmap(self.out_dir / entry.file, dtype=self.dtype, mode="r", shape=(entry.sequences, row))
+            for entry in self.shards
+        ]
+        order = row_order(int(starts[-1]), seed=seed, split=self.prefix)
+        rewritten: list[tuple[Path, ShardEntry]] = []
+        for index, entry in enumerate(self.shards):
+            take = order[starts[index] : starts[index + 1]]
+            which = np.searchsorted(starts, take, side="right") - 1
+            out = np.empty((len(take), row), dtype=self.dtype)
+            for source in np.unique(which):
+                picked = which == source
+                out[picked] = sources[source][take[picked] - starts[source]]
+            data = out.tobytes()
+            path = self.out_dir / f".{entry.file}.shuffled"
+            self.written.append(path)
+            path.write_bytes(data)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            rewritten.append((path, ShardEntry(file=entry.file, sequences=entry.sequences, sha256=digest)))
+        del sources
+        for path, entry in rewritten:
+            os.replace(path, self.out_dir / entry.file)
+        self.shards = [entry for _, entry in rewritten]
 
     def abort(self) -> None:
         """Close and remove every file written (after a failure)."""
@@ -290,6 +327,15 @@ class _SplitWriter:
             self._file = None
         for path in self.written:
             path.unlink(missing_ok=True)
+
+
+def row_order(rows: int, *, seed: int, split: str) -> np.ndarray:
+    """The shuffled split's row p is row ``row_order(...)[p]`` of the split in document order: a
+    permutation by sorting a seeded PCG64's raw 64-bit outputs (a bit generator's stream is the
+    same in every NumPy version, unlike ``Generator.permutation``)."""
+    key = int.from_bytes(hashlib.sha256(f"swarmtrain-rows:{seed}:{split}".encode()).digest()[:8], "big")
+    raw = np.random.PCG64(key).random_raw(rows)
+    return np.argsort(raw, kind="stable")
 
 
 def validation_documents(n_documents: int, fraction: float, seed: int) -> set[int]:
@@ -366,7 +412,8 @@ def prepare(
                 total=n_documents,
                 progress=progress,
             )
-            train, validation = writers["train"].close(), writers["validation"].close()
+            train = writers["train"].close(shuffle_seed=seed)
+            validation = writers["validation"].close(shuffle_seed=seed)
             if not train:
                 raise ConfigError(
                     f"the inputs hold too few training tokens for one sequence of seq_len + 1 = {seq_len + 1} tokens"

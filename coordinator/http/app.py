@@ -15,20 +15,26 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from fastapi import FastAPI, Query
-from fastapi.responses import HTMLResponse, PlainTextResponse
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse
 from prometheus_client import generate_latest
 
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.credits import OFFENCE
+from coordinator.exporter import ModelExporter
 from coordinator.http import schemas
 from coordinator.http.metrics import metrics_registry
 from protocol.identity import PublicKey
 
 
 def create_app(
-    core: Coordinator, lock: threading.Lock, clock: Callable[[], float] = time.time, *, archiver: Archiver | None = None
+    core: Coordinator,
+    lock: threading.Lock,
+    clock: Callable[[], float] = time.time,
+    *,
+    archiver: Archiver | None = None,
+    exporter: ModelExporter | None = None,
 ) -> FastAPI:
     app = FastAPI(title="swarmtrain coordinator", version="1", docs_url=None, redoc_url=None)
 
@@ -68,6 +74,36 @@ def create_app(
             "checkpoints": [dataclasses.asdict(c) for c in archiver.checkpoints()],
             "last_error": archiver.last_error,
         }
+
+    @app.get("/api/v1/model", response_model=schemas.Model)
+    def model() -> dict[str, Any]:
+        """The newest archived round as a transformers model directory (``swarmtrain export``)."""
+        latest = exporter.latest() if exporter is not None else None
+        error = exporter.last_error if exporter is not None else ""
+        if latest is None:
+            return {"last_error": error}
+        return {
+            "round": latest.round,
+            "state_digest": latest.state_digest,
+            "architecture": latest.architecture,
+            "parameters": latest.parameters,
+            "files": [{"name": f.name, "bytes": f.bytes, "url": f"model/{f.name}"} for f in latest.files],
+            "last_error": error,
+        }
+
+    @app.get(
+        "/model/{name}",
+        response_class=FileResponse,
+        responses={
+            200: {"content": {"application/octet-stream": {}}, "description": "the file"},
+            404: {"description": "no file of that name in the latest model export (or none yet)"},
+        },
+    )
+    def model_file(name: str) -> FileResponse:
+        path = exporter.file(name) if exporter is not None else None
+        if path is None:
+            raise HTTPException(status_code=404, detail=f"no file {name!r} in the latest model export")
+        return FileResponse(path, filename=name)
 
     @app.get("/api/v1/peers", response_model=list[schemas.PeerRow])
     def peers() -> list[dict[str, Any]]:

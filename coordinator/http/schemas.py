@@ -57,6 +57,21 @@ class Checkpoints(BaseModel):
     last_error: str
 
 
+class ModelFile(BaseModel):
+    name: str
+    bytes: int = Field(ge=0)
+    url: str = Field(description="where to download it (relative to the coordinator's HTTP root)")
+
+
+class Model(BaseModel):
+    round: int | None = Field(None, description="the archived round exported; None: no export yet")
+    state_digest: str | None = None
+    architecture: str | None = Field(None, description="the transformers model_type (gpt2 for the byte model)")
+    parameters: int | None = None
+    files: list[ModelFile] = Field(default_factory=list)
+    last_error: str = ""
+
+
 class PeerRow(BaseModel):
     key: str
     account: str | None

@@ -67,8 +67,23 @@ def export_model(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"{out_dir}: not an empty directory (export writes a new one)")
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-tokenizer-") as fetched:
+        return _export(spec, params, out_dir, round_, state_digest, tokenizer_dir, Path(fetched))
+
+
+def _export(
+    spec: RunSpec,
+    params: torch.Tensor,
+    out_dir: Path,
+    round_: int,
+    state_digest: str,
+    tokenizer_dir: Path | None,
+    scratch: Path,
+) -> Exported:
+    tokenizer_files: Path | None = None
     if spec.task.kind == "causal_lm":
-        model, tokenizer = _causal_lm(spec, tokenizer_dir), None
+        tokenizer_files = _tokenizer_dir(spec, tokenizer_dir, scratch)
+        model, tokenizer = _causal_lm(spec, tokenizer_files), None
     elif spec.task.kind == "bytegpt":
         model, tokenizer = _bytegpt_as_gpt2(spec), byte_tokenizer()
     else:
@@ -99,8 +114,10 @@ def export_model(
         model.save_pretrained(str(staging), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
-        else:
-            _copy_tokenizer(spec, tokenizer_dir, staging)
+        elif tokenizer_files is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_files / name).is_file():
+                    shutil.copyfile(tokenizer_files / name, staging / name)
         (staging / PROVENANCE).write_text(json.dumps(asdict(record), indent=2) + "\n", encoding="utf-8")
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
@@ -112,14 +129,13 @@ def export_model(
     return record
 
 
-def _causal_lm(spec: RunSpec, tokenizer_dir: Path | None) -> Any:
+def _causal_lm(spec: RunSpec, tokenizer_dir: Path) -> Any:
     from peer.task.causal_lm import plain_lm_model  # transformers: only for this task
 
     lm = spec.task.causal_lm
     assert lm is not None  # the spec enforces it for this kind
-    _tokenizer_dir(spec, tokenizer_dir)  # refuse a wrong tokenizer before building the model
     model = plain_lm_model(lm, use_cache=True)
-    tokenizer = _load_tokenizer(_tokenizer_dir(spec, tokenizer_dir))
+    tokenizer = _load_tokenizer(tokenizer_dir)
     for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if name in lm.config:
             continue  # the spec set it: the run's word
@@ -129,8 +145,22 @@ def _causal_lm(spec: RunSpec, tokenizer_dir: Path | None) -> Any:
     return model
 
 
-def _tokenizer_dir(spec: RunSpec, given: Path | None) -> Path:
-    directory = Path(given if given is not None else str(spec.data.path))
+def _tokenizer_dir(spec: RunSpec, given: Path | None, scratch: Path) -> Path:
+    """The run's tokenizer: in ``given``, else where a peer keeps the run's data, else fetched
+    from where the run publishes it into ``scratch``; checked against the spec's digest."""
+    from peer.task.tokens import data_directory
+
+    directory = Path(given) if given is not None else data_directory(spec)
+    if given is None and not (directory / "tokenizer.json").is_file() and spec.data.url is not None:
+        from peer.task.fetch import DataFetcher, parse_source
+
+        assert spec.data.tokenizer is not None  # the spec enforces it for token runs
+        fetcher = DataFetcher(parse_source(spec.data.url), scratch)
+        try:
+            fetcher.tokenizer(spec.data.tokenizer)
+        finally:
+            fetcher.close()
+        directory = scratch
     digest = tokenizer_sha256(directory)
     if digest != spec.data.tokenizer:
         raise ConfigError(
@@ -147,13 +177,6 @@ def _load_tokenizer(directory: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{directory}: transformers cannot load the tokenizer ({str(exc)[:160]})") from exc
-
-
-def _copy_tokenizer(spec: RunSpec, given: Path | None, staging: Path) -> None:
-    directory = _tokenizer_dir(spec, given)
-    for name in TOKENIZER_FILES:
-        if (directory / name).is_file():
-            shutil.copyfile(directory / name, staging / name)
 
 
 def _bytegpt_as_gpt2(spec: RunSpec) -> Any:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer.announce import coordinator_address
 from protocol.errors import ConfigError
 from swarmtrain.commands import rpc
 
@@ -31,6 +32,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--coordinator",
         default="127.0.0.1:7500",
+        type=coordinator_address,
         metavar="HOST:PORT",
         help="the coordinator's gRPC address (default: 127.0.0.1:7500)",
     )

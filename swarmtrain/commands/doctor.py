@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from peer.announce import Announced, announced, parse_host_port
+from peer.announce import Announced, announced, coordinator_address, parse_host_port
 from peer.dial_back import Greeter
 from peer.footprint import Footprint, estimate
 from protocol.errors import ConfigError, SpecError
@@ -25,7 +25,8 @@ from protocol.spec import RunSpec, load_spec, local_compute, parse_spec
 from swarmtrain.doctor import machine, remote
 from swarmtrain.doctor.verdict import Verdict, run_check, skipped
 
-DEFAULT_PORT = 31337
+DEFAULT_PORT = 0
+"""As `swarmtrain peer --port`: any free port the system picks."""
 """The port the doctor asks the coordinator to dial back (the peer image's port)."""
 
 
@@ -36,13 +37,19 @@ def add_parser(commands: Any) -> None:
         description="Check that this machine can run a swarmtrain peer, and how much it would contribute. "
         "One line per check; each failure says what to do. Exit status 1 if any check failed.",
     )
-    parser.add_argument("--coordinator", metavar="HOST:PORT", help="the run's coordinator (checks the network too)")
+    parser.add_argument(
+        "--coordinator",
+        type=coordinator_address,
+        metavar="HOST:PORT",
+        help="the run's coordinator (checks the network too)",
+    )
     parser.add_argument("--spec", type=Path, default=None, help="a run spec (default: the coordinator's)")
     parser.add_argument(
         "--port",
         type=int,
         default=DEFAULT_PORT,
-        help=f"TCP port the peer will listen on, for the dial-back check (default: {DEFAULT_PORT})",
+        help="TCP port the peer will listen on, for the dial-back check (default: 0, any free port, as "
+        "`swarmtrain peer --port`; give the peer's --port where a mapping or firewall opens one)",
     )
     parser.add_argument(
         "--announce",

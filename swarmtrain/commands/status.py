@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from peer.announce import coordinator_address
 from swarmtrain.commands import rpc
 
 SHOWN_ROUNDS = 5
@@ -16,7 +17,13 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "status", help="show a run's swarm health from its coordinator", description="Show a run's swarm health."
     )
-    parser.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's gRPC address")
+    parser.add_argument(
+        "--coordinator",
+        required=True,
+        type=coordinator_address,
+        metavar="HOST:PORT",
+        help="the coordinator's gRPC address",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator")
     parser.set_defaults(run=run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -234,3 +235,120 @@ def test_export_writes_a_model_directory_or_says_in_one_line_why_not(tmp_path: P
         assert needle in refused.stderr, refused.stderr
         no_traceback(refused)
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_second_coordinator_on_a_taken_port_is_refused_in_one_line(tmp_path: Path) -> None:
+    """gRPC's default SO_REUSEPORT let a second coordinator share the first one's port silently
+    (the kernel split the peers between them): now each port is checked before anything starts."""
+    from swarmtrain.localswarm import LocalCoordinator
+
+    spec = REPO / "swarmtrain" / "demo.toml"
+    grpc_port, http_port = _free_port(), _free_port()
+    first = LocalCoordinator(spec, tmp_path / "first", grpc_port=grpc_port, http_port=http_port, host="127.0.0.1")
+    try:
+        assert first.address().endswith(f":{grpc_port}")
+        for flag, flags, taken in (
+            ("--grpc-port", ["--grpc-port", str(grpc_port), "--http-port", "0"], grpc_port),
+            ("--http-port", ["--grpc-port", "0", "--http-port", str(http_port)], http_port),
+        ):
+            second = sw("coordinator", "--spec", str(spec), "--state-dir", str(tmp_path / "second"),
+                        "--host", "127.0.0.1", "--relay-port", "0", "--archive-every", "0", *flags)  # fmt: skip
+            assert second.returncode == 1, second.stdout + second.stderr
+            lines = second.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{taken}" in lines[0], second.stderr
+            assert "another coordinator may be running there" in lines[0] and f"another {flag}" in lines[0]
+            no_traceback(second)
+    finally:
+        first.stop()
+
+
+@pytest.mark.parametrize("command", [["status"], ["admin", "list"], ["peer"], ["doctor"]])
+def test_a_coordinator_address_without_a_port_is_refused_at_once(command: list[str]) -> None:
+    import time
+
+    started = time.monotonic()
+    proc = sw(*command, "--coordinator", "localhost")
+    assert proc.returncode == 2 and time.monotonic() - started < 30  # not the 10 s dial of a bad address
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'localhost' has no port: give HOST:PORT" in lines[0] and "localhost:7500" in lines[0]
+    no_traceback(proc)
+
+
+def test_a_misspelt_flag_gets_the_flag_it_was_meant_to_be() -> None:
+    for args, meant in (
+        (["peer", "--coordinatr", "h:1"], "--coordinator"),
+        (["coordinator", "--spec", "x.toml", "--http-prt", "1"], "--http-port"),
+        (["status", "--coordinator", "h:1", "--jsn"], "--json"),
+    ):
+        proc = sw(*args)
+        assert proc.returncode == 2 and f"(did you mean {meant}?)" in proc.stderr, proc.stderr
+        assert f"see `swarmtrain {args[0]} --help`" in proc.stderr
+        no_traceback(proc)
+
+
+def test_the_help_texts_say_what_the_flags_do_and_their_defaults() -> None:
+    peer = sw("peer", "--help").stdout
+    assert "issue #" not in peer and "(behind NAT)" not in peer
+    assert "a peer behind NAT needs no flag" in " ".join(peer.split())
+    assert "With --coordinator it joins" in " ".join(peer.split())
+    options = " ".join(sw("coordinator", "--help").stdout.split("options:", 1)[1].split())
+    for flag, default in (("--state-dir", "./coordinator-state"), ("--host", "0.0.0.0"), ("--grpc-port", "7500"),
+                          ("--http-port", "8080"), ("--relay-port", "7800"), ("--dht-port", "0")):  # fmt: skip
+        described = re.search(rf"{flag} [A-Z_]+ (.*?)(?= --[a-z]|$)", options)
+        assert described and f"default: {default}" in described.group(1), (flag, described and described.group(1))
+
+
+def test_the_doctor_checks_the_port_the_peer_would_take() -> None:
+    """`doctor --port` defaulted to 31337 where `peer --port` takes any free port: the same now."""
+    from swarmtrain.cli import build_parser
+
+    parser = build_parser()
+    peer = parser.parse_args(["peer", "--coordinator", "h:1"])
+    doctor = parser.parse_args(["doctor"])
+    assert doctor.port == peer.port == 0
+
+
+def test_a_peer_whose_coordinator_is_not_there_says_so_in_words(tmp_path: Path) -> None:
+    """It printed gRPC's own details ("failed to connect to all addresses; last error: UNKNOWN:
+    ipv4:..."); now what they mean and what to check, and it keeps waiting for the coordinator."""
+    import threading
+
+    from swarmtrain.localswarm import wait_until
+
+    port = _free_port()  # nothing listens there
+    proc = subprocess.Popen(
+        [EXE, "peer", "--coordinator", f"127.0.0.1:{port}", "--key", str(tmp_path / "k")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env={**os.environ, "SWARMTRAIN_HOME": str(tmp_path)},
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        wait_until(lambda: any("is not answering" in line for line in lines), 60, "the peer's waiting line")
+        said = next(line for line in lines if "is not answering" in line)
+        assert "connection refused: nothing listens there" in said and "failed to connect" not in said, said
+        assert proc.poll() is None  # still waiting for its coordinator
+    finally:
+        proc.terminate()  # a supervisor's stop: it waited on for the coordinator, deaf to it
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # reaped either way (by pid)
+            proc.wait()
+            raise
+    assert code == 0 and any("stopped before the coordinator answered" in line for line in lines), lines
+    assert "Traceback" not in "".join(lines)

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from coordinator.archive import CheckpointArchive
 from protocol.spec import load_spec
-from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_until
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, swarmtrain_executable, wait_until
 from tests.integration.specs import tiny_spec
 from tests.integration.test_coordinator_swarm import status
 
@@ -106,6 +110,30 @@ def test_archive_keeps_verified_checkpoints_and_serves_them_when_no_peer_can(tmp
         terminal = status(coordinator.address())
         assert terminal["last_checkpoint_round"] == latest.round
         assert terminal["archive"] == f"every {EVERY} rounds, last {KEEP} kept"
+
+        # model out: the coordinator exports the newest archived round and links it; anyone downloads
+        # it and loads it with transformers; nothing but the export's own files is served
+        wait_until(lambda: get(base, "api/v1/model")["round"] == latest.round, 180, "the archive's model export")
+        model = get(base, "api/v1/model")
+        assert model["state_digest"] == latest.state_digest and model["architecture"] == "gpt2", model
+        downloaded = tmp_path / "downloaded-model"
+        downloaded.mkdir()
+        for entry in model["files"]:
+            with urllib.request.urlopen(base + entry["url"], timeout=30) as response:
+                (downloaded / entry["name"]).write_bytes(response.read())
+            assert (downloaded / entry["name"]).stat().st_size == entry["bytes"]
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(downloaded))
+        assert sum(p.numel() for p in loaded.parameters()) == model["parameters"] == latest.params.numel()
+        for name in ("index.json", "..%2Fcoordinator.log", "swarmtrain.json.bak"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(base + "model/" + name, timeout=10)
+            assert refused.value.code == 404
+        # and by hand, from the coordinator's state directory
+        done = subprocess.run([*swarmtrain_executable(), "export", str(state), "--out", str(tmp_path / "by-hand")],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0 and f"exported round {latest.round} of archive" in done.stdout, done.stderr
 
         # no peer left to serve the latest state: a newcomer falls back to the archive
         _, round_, row = newcomer(coordinator.address(), tmp_path, "late1")

@@ -80,6 +80,9 @@ def _documents(py_files: list[Path]) -> list[str]:
     return texts + [t for t in JSONL_TEXTS if t] + PARQUET_TEXTS + [MD_TEXT]
 
 
+SPLIT_PREFIX = {"train": "train", "validation": "val"}
+
+
 def _stream(directory: Path, manifest: Manifest, split: str) -> np.ndarray:
     """A split's token stream rebuilt from its rows (consecutive rows share one token)."""
     rows = [
@@ -88,7 +91,9 @@ def _stream(directory: Path, manifest: Manifest, split: str) -> np.ndarray:
     ]
     if not rows:
         return np.empty(0, dtype=np.int64)
-    table = np.concatenate(rows).astype(np.int64)
+    shuffled = np.concatenate(rows).astype(np.int64)
+    table = np.empty_like(shuffled)  # back in document order: row p of the split is row order[p]
+    table[dataprep.row_order(len(shuffled), seed=0, split=SPLIT_PREFIX[split])] = shuffled
     return np.concatenate([table[0], table[1:, 1:].reshape(-1)])
 
 
