@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from coordinator import cli as coordinator_cli
 from peer import cli as peer_cli
@@ -27,13 +27,36 @@ EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error on one line and points at --help."""
+    """argparse that reports a usage error on one line and points at --help, and remembers its
+    flags and subcommands (argparse keeps them private) to suggest what a misspelt flag meant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.flags: list[str] = []  # before argparse's own __init__ adds --help
+        self.subcommands: list[Any] = []
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        self.flags += [name for name in args if isinstance(name, str) and name.startswith("--")]
+        return super().add_argument(*args, **kwargs)
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.subcommands.append(action)
+        return action
+
+    def command(self, name: str) -> _Parser | None:
+        """The parser of subcommand ``name``."""
+        for action in self.subcommands:
+            found = action.choices.get(name)
+            if isinstance(found, _Parser):
+                return found
+        return None
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(
         prog="swarmtrain",
         description="Train one model together with GPU peers across the internet.",
@@ -56,22 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
-    for action in parser._actions:  # the subcommands' parsers (argparse keeps them here)
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            return action.choices[command]
-    return None
-
-
-def did_you_mean(parser: argparse.ArgumentParser, command: str, extra: Sequence[str]) -> str:
+def did_you_mean(parser: _Parser, command: str, extra: Sequence[str]) -> str:
     """``" (did you mean --x?)"`` for the first unknown flag close to one ``command`` takes."""
-    options: list[str] = []
-    sub = _command_parser(parser, command)
-    if sub is not None:
-        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
-        for inner in (a for a in sub._actions if isinstance(a, argparse._SubParsersAction)):
-            for choice in inner.choices.values():  # e.g. `data prepare`: the action's own flags too
-                options += [o for a in choice._actions for o in a.option_strings if o.startswith("--")]
+    sub = parser.command(command)
+    if sub is None:
+        return ""
+    options = list(sub.flags)
+    for action in sub.subcommands:  # e.g. `data prepare`: the action's own flags too
+        options += [flag for choice in action.choices.values() if isinstance(choice, _Parser) for flag in choice.flags]
     for flag in extra:
         if flag.startswith("--"):
             close = difflib.get_close_matches(flag.split("=", 1)[0], options, n=1, cutoff=0.6)
@@ -84,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_any_arguments", False):
-        command = _command_parser(parser, args.command) or parser
+        command = parser.command(args.command) or parser
         command.error(f"unrecognized arguments: {' '.join(extra)}{did_you_mean(parser, args.command, extra)}")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     _whole_lines()
