@@ -5,8 +5,8 @@ links they shrink to a few seconds, which cuts off a member on a link 10x slower
 reducers stop waiting for its first part, it stops waiting for theirs) although it is alive and
 sending. Every member states the bytes a second its link carries (``Gathered.link``: measured
 from its state download), so every member of a group computes the same stretched deadlines from
-what the group gathered: long enough for the slowest stated link to drain its queue and carry a
-part to each reducer (the wait for a sender's next part), that and the averaged parts back (the
+what the group gathered: long enough for the slowest stated link to carry what may be ahead of a
+part and the part to each reducer (the wait for a sender's next part), that and the averaged parts back (the
 wait for a reducer),
 and its whole share both ways (the round), each at most ``CAP`` times the peer's own deadline, so
 a member that understates its link gains at most what a member that slow would get.
@@ -20,9 +20,11 @@ from dataclasses import dataclass
 CAP = 4.0
 """A stretched deadline is at most this many times the peer's own."""
 QUEUE_BYTES = 64 * 1024
-"""What a slow link's queue may hold ahead of a member's parts (a home router's or a shaper's
-buffer: at 220 kbit/s, 2.4 s of delay before the first byte of a part is sent). The slow-join
-lab's newcomer sent 2 kB parts, yet its reducer gave up on it 2.5 s after the round began."""
+"""What may be ahead of a member's first part on its link, in bytes: the group's start message
+and the member's other traffic on the same connections (DHT lookups, records, update
+downloads), a router's or a shaper's buffer. The slow-join lab's newcomer sent 2 kB parts (0.6 s
+for all of them at its 21 kB/s), yet a reducer gave up on it 2.5 s after the round began: at that
+rate 64 KiB is 3 s more."""
 SLACK = 1.5
 """Transfer times are multiplied by this (a stated rate is a measurement, not a promise)."""
 MARGIN_S = 1.0
