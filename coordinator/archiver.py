@@ -37,6 +37,8 @@ from protocol.tokens import issue_token
 logger = logging.getLogger(__name__)
 
 POLL_S = 2.0
+STOP_JOIN_S = 5.0
+"""How long ``stop`` waits for the loop's thread once the averager is down."""
 MAX_BACKOFF_S = 60.0
 REPUBLISH_S = RECORD_TTL_S / 4
 
@@ -75,6 +77,8 @@ class Archiver:
         self._next_fetch_at = 0.0
         self._backoff_s = POLL_S
         self._stop = threading.Event()
+        self._saving = threading.Lock()
+        """Held while a checkpoint is written: ``stop`` waits for it, never for a download."""
         self._thread = threading.Thread(target=self._loop, name="archiver", daemon=True)
         averager.allow_state_sharing = False
         averager.state_provider = self._provide
@@ -89,10 +93,15 @@ class Archiver:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop in seconds: a checkpoint being written is finished (up to ``SAVE_GRACE_S``), a
+        download is not waited for (it took up to 4 fetch timeouts: one stop took 144 s); the
+        averager goes first, which ends the download, and the loop's thread is a daemon."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.fetch_timeout_s * 4 + 15)
-        self.averager.shutdown()
+        with self._saving:  # never mid-write: a half-written checkpoint is a temp file anyway, but
+            pass  # the newest verified state should reach the disk when it is that close
+        if self.averager.is_alive():
+            self.averager.shutdown()
+        self._thread.join(timeout=STOP_JOIN_S)
 
     def checkpoints(self) -> list[ArchivedState]:
         return self.archive.list()
@@ -104,6 +113,9 @@ class Archiver:
             try:
                 self.poll(now=get_dht_time())
             except Exception:
+                if self._stop.is_set():  # the averager went down under a pass: the coordinator stops
+                    logger.debug("archive pass ended by the stop", exc_info=True)
+                    return
                 logger.exception("archive pass failed")
 
     def poll(self, *, now: float) -> ArchivedState | None:
@@ -150,7 +162,8 @@ class Archiver:
             )
             logger.warning("archive: %s", self.last_error)
             return None
-        entry = self.archive.save(candidate.round, candidate.params, candidate.momentum, now=now)
+        with self._saving:
+            entry = self.archive.save(candidate.round, candidate.params, candidate.momentum, now=now)
         self._serve(candidate)
         self._publish(now)
         self.last_error = ""
