@@ -350,9 +350,9 @@ class Trainer:
         """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
         self.link: float | None = None
-        """Bytes a second this peer's link carries (its last state download; halved after each
-        round whose vector did not arrive whole), stated to its groups (``Gathered.link``), which
-        stretch a round's deadlines to their slowest member's (``engine.link_timeouts``)."""
+        """Bytes a second this peer's link carries (its last state download, waits included: a
+        low estimate), stated to its groups (``Gathered.link``), which stretch a round's deadlines
+        to their slowest member's (``engine.link_timeouts``)."""
         self.missed_end: int | None = None
         """The run's final round, when the swarm landed it without this peer and nobody serves
         its state any more: the run is over for this peer too (``catch_up``)."""
@@ -1186,8 +1186,6 @@ class Trainer:
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
         if result.missing:
             flight.failure = f"{100 * result.unaveraged():.0f}% of the vector did not arrive (a reducer failed)"
-            if self.link is not None:  # maybe a deadline too short for this link: ask for longer ones
-                self.link = max(MIN_LINK, self.link / 2)
             logger.warning(
                 "round %d: %.1f%% of the vector did not arrive (a reducer, or this peer's all-reduce, failed); "
                 "not landing it",

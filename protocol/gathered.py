@@ -52,8 +52,8 @@ class Gathered:
     meet: int | None = None
     """The round whose DHT key the round meets under, where not its own (``peer.swarm``)."""
     link: float | None = None
-    """Bytes a second its link carries, as it measured it (its last state download, halved after
-    each round it did not get whole; None: unmeasured): the group stretches the round's
+    """Bytes a second its link carries, as it measured it (its last state download; None:
+    unmeasured): the group stretches the round's
     deadlines to it (``engine.link_timeouts``), within bounds, so that a member on a slow link
     is not cut off mid-part."""
 

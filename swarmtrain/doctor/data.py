@@ -9,20 +9,21 @@ from typing import Any
 from protocol.errors import ConfigError
 from protocol.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from protocol.spec import RunSpec
-from swarmtrain.doctor.verdict import CheckFailed
+from swarmtrain.doctor.verdict import CheckFailed, CheckWarning
 
 
 def data_check(spec: RunSpec, data_dir: Path | None) -> tuple[str, dict[str, Any]]:
-    """A token run's data: whole here (as the peer will check it), else published at
-    ``data.url`` (its manifest fetched and checked against the spec's digest, nothing written)."""
+    """A token run's data: whole here (as the peer will check it; a warning if not, a copy being a
+    setup step), else published at ``data.url`` (its manifest fetched and checked against the
+    spec's digest, nothing written: a failure if the URL does not serve the run's data)."""
     from peer.task.tokens import check_data, data_directory
 
     directory = data_directory(spec, data_dir)
     if spec.data.url is None:
         try:
             _, manifest = check_data(spec, directory)
-        except ConfigError as exc:
-            raise CheckFailed(
+        except ConfigError as exc:  # a setup step, not something this machine lacks: a warning
+            raise CheckWarning(
                 str(exc),
                 "copy the run's prepared directory here and pass --data-dir, or ask the operator to "
                 "publish it ([data] url)",
