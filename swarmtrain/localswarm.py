@@ -109,6 +109,16 @@ class Child:
         """SIGKILL the child and every process of the group it leads (ours, by pgid)."""
         kill_group(self.proc)
 
+    def terminate(self, grace_s: float) -> None:
+        """SIGTERM (a clean stop), up to ``grace_s`` for it to exit, then ``kill`` what is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
 
 class LocalPeer(Child):
     """One `swarmtrain peer` child."""
@@ -273,13 +283,7 @@ class LocalCoordinator(Child):
         return self.printed(r"^http: (http://\S+/)", deadline_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+        self.terminate(grace_s)
 
 
 class LocalDataServer(Child):
@@ -293,10 +297,4 @@ class LocalDataServer(Child):
         return self.printed(r"^serving .* at (http://\S+/)$", deadline_s)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+        self.terminate(grace_s)

@@ -265,3 +265,23 @@ def test_the_doctor_checks_the_published_data_and_says_what_a_round_reads(
     spec_file.write_text(text.replace(f"url='{url}'", f"path='{tmp_path / 'nowhere'}'"))
     line = doctor()
     assert line.startswith("warn  data: ") and "no such directory" in line and "--data-dir" in line, line
+
+
+def test_the_data_server_serves_the_directory_and_nothing_outside_it(served: tuple[Path, str], tmp_path: Path) -> None:
+    """A stranger asks `swarmtrain data serve` for files outside the published directory."""
+    import urllib.error
+    import urllib.request
+
+    root, url = served
+    (root.parent / "secret.key").write_text("not for strangers")
+    with urllib.request.urlopen(url + MANIFEST_NAME, timeout=10) as response:
+        assert response.read() == (root / MANIFEST_NAME).read_bytes()
+    for path in ("../secret.key", "..%2Fsecret.key", "%2e%2e/secret.key", "%2e%2e%2fsecret.key", "/etc/passwd",
+                 "..%5Csecret.key"):  # fmt: skip
+        try:
+            with urllib.request.urlopen(url + path, timeout=10) as response:
+                body = response.read()
+        except urllib.error.HTTPError as exc:
+            assert exc.code in (400, 404), (path, exc.code)
+            continue
+        assert b"not for strangers" not in body and b"root:" not in body, path
