@@ -23,6 +23,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.mpfuture import MPFuture
 
 from engine.allreduce import (
@@ -424,6 +425,15 @@ class ExactAverager(
             streams=len(self.fragments),
             base=base,
         )
+
+    async def remove_p2p_handlers(self, p2p: Any, *, namespace: str | None = None) -> None:
+        """hivemind's, at shutdown, but quiet when the p2p daemon is already gone: a Ctrl-C at a
+        terminal reaches the daemon too (it shares the process group), and the removal then
+        failed on its closed socket with a 30-line traceback from the averager's thread."""
+        try:
+            await super().remove_p2p_handlers(p2p, namespace=namespace)
+        except (OSError, P2PDaemonError) as exc:
+            logger.debug("averager handlers not removed: the p2p daemon is gone (%s)", exc)
 
     def abandon_search(self, timeout_s: float = ABANDON_ANSWER_S) -> bool:
         """End this peer's search for a group now, if its step is still matchmaking (a leader
