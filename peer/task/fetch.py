@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 from filelock import FileLock
@@ -380,13 +379,3 @@ def _write_atomic(path: Path, body: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(body)
     os.replace(tmp, path)
-
-
-def describe(manifest: Manifest) -> dict[str, Any]:
-    """Sizes a volunteer sees before fetching: all shards, and the largest shard."""
-    entries = (*manifest.train, *manifest.validation)
-    return {
-        "total_bytes": manifest.total_bytes(),
-        "largest_shard_bytes": max(manifest.shard_bytes(e) for e in entries),
-        "shards": len(entries),
-    }
