@@ -74,6 +74,18 @@ def add_parser(commands: Any) -> None:
         metavar="DIR",
         help="token runs: where the peer will keep the run's data (as `swarmtrain peer --data-dir`)",
     )
+    parser.add_argument(
+        "--requirements",
+        action="store_true",
+        help="print what one peer of the run needs (GPU memory, host RAM, disk, GB per day up and down) and exit",
+    )
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --requirements: seconds per round for the per-day figures (default: the spec's time budget)",
+    )
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     parser.set_defaults(run=run)
 
@@ -83,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         parse_host_port(args.announce)  # a ConfigError naming what is wrong, before any check
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"swarmtrain doctor: error: --port must be 0-65535, got {args.port}")
+    if args.requirements:
+        return _requirements(args)
     verdicts: list[Verdict] = []
 
     def add(verdict: Verdict) -> Verdict:
@@ -121,6 +135,34 @@ def run(args: argparse.Namespace) -> int:
         summary = f"{len(failed)} check(s) failed" if failed else "all checks passed"
         print(summary + (f", {warned} warning(s)" if warned else ""))
     return 1 if failed else 0
+
+
+def _requirements(args: argparse.Namespace) -> int:
+    """``--requirements``: the spec's (``--spec``, else the coordinator's) needs of one peer."""
+    from swarmtrain.doctor.requirements import requirements
+
+    if args.spec is not None:
+        spec, source = load_spec(args.spec), str(args.spec)
+    elif args.coordinator:
+        link = remote.connect(args.coordinator)
+        try:
+            spec = parse_spec(link.info.spec_toml, source="the coordinator's spec")
+        finally:
+            link.close()
+        source = f"the run's spec ({args.coordinator})"
+    else:
+        raise ConfigError("--requirements needs the run's spec: --spec FILE or --coordinator HOST:PORT")
+    try:
+        needs = requirements(spec, round_s=args.round_s)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if args.json:
+        print(json.dumps({"spec": source, "run": spec.run.name, **needs.as_dict()}, indent=2))
+        return 0
+    print(f"one peer of {spec.run.name} ({source}) needs:")
+    for line in needs.lines():
+        print(f"  {line}")
+    return 0
 
 
 def _local_spec(args: argparse.Namespace, add: Any) -> tuple[RunSpec | None, str]:

@@ -383,3 +383,20 @@ def test_a_coordinator_stops_within_seconds_and_quietly(tmp_path: Path, how: str
     assert code == 0 and took < 20, (code, took, said[-2000:])
     assert "coordinator stopped" in said and "Traceback" not in said, said[-3000:]
     assert "Averager shutdown has no effect" not in said, said[-3000:]
+
+
+def test_the_doctor_prints_what_one_peer_needs_from_the_spec_alone() -> None:
+    proc = sw("doctor", "--requirements", "--spec", str(REPO / "examples" / "llama-1b.toml"), "--round-s", "300")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("one peer of llama-1b"), proc.stdout
+    for line in ("model         1,235,814,400 parameters", "GPU memory    26.3 GiB per GPU", "per day at one round every 300 s"):
+        assert line in proc.stdout, proc.stdout
+    as_json = sw("doctor", "--requirements", "--spec", str(REPO / "examples" / "demo.toml"), "--json")
+    assert as_json.returncode == 0 and '"up_bytes_per_day"' in as_json.stdout, as_json.stdout
+    for flags, needle in (
+        ([], "--requirements needs the run's spec: --spec FILE or --coordinator HOST:PORT"),
+        (["--spec", str(REPO / "examples" / "demo.toml"), "--round-s", "-5"], "a round lasts a positive number"),
+    ):
+        bad = sw("doctor", "--requirements", *flags)
+        assert bad.returncode != 0 and needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        no_traceback(bad)

@@ -1,4 +1,4 @@
-"""The README's coordinator-less swarm, exactly as written, on one machine: three peers with
+"""The volunteer guide's coordinator-less swarm, exactly as written, on one machine: three peers with
 the default identity (one account key) and the default hosts (all interfaces). Each runs as
 its own member (its own node key, endorsed by the account), and they train in sync."""
 
@@ -19,7 +19,7 @@ ROUNDS_IN_SYNC = 3
 
 def readme_commands() -> tuple[list[str], list[str]]:
     """The README's first peer command and its joining one (comments stripped)."""
-    lines = [line.split("#")[0].split() for line in (REPO / "README.md").read_text().splitlines()]
+    lines = [line.split("#")[0].split() for line in (REPO / "docs" / "volunteer.md").read_text().splitlines()]
     commands = [line for line in lines if line[:3] == ["swarmtrain", "peer", "--spec"]]
     first = next(line for line in commands if "--initial-peers" not in line)
     joining = next(line for line in commands if "--initial-peers" in line)
