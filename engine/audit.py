@@ -22,7 +22,12 @@ those inputs can redo it (BTARD, arXiv 2106.11257, checks its aggregators this w
   bit for bit on the same build; across CPUs a summation order can flip the rounding of a few
   values, never many (``MAX_FLIPPED_SHARE``), and never move the part far
   (``MAX_DISTANCE``). A reducer may legitimately have dropped one sender (a broken stream, a
-  part it refused): a result that matches the inputs less one sender is honest too.
+  part it refused): a result that matches the inputs less one sender is honest too. It may also
+  have dropped every sender whose parts came too late (a reducer on a slow home link gives up on
+  them at its sender timeout and serves them no average): each sender says, with the part it
+  serves the auditor, whether the reducer served it its average, and a result that matches the
+  inputs less the senders it did not serve is honest as well. A sender that says so falsely only
+  adds one more honest candidate: the reducer that averaged its part still matches all inputs.
 
 What it costs per member and round: the auditor fetches one part from each other sender (at
 most ``PART_SIZE_BYTES`` each, ``(n - 1)`` parts), and re-computes one part; a sender keeps
@@ -34,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -115,12 +120,16 @@ class SentParts:
 
 
 def reduce_like_a_reducer(
-    parts: Sequence[torch.Tensor | None], weights: Sequence[float], rule: RobustRule, leave_out: int | None = None
+    parts: Sequence[torch.Tensor | None],
+    weights: Sequence[float],
+    rule: RobustRule,
+    leave_out: int | Collection[int] | None = None,
 ) -> torch.Tensor | None:
     """The mean a reducer following ``rule`` takes of ``parts`` (decoded, in sender order; None:
-    a part it could not have used), less sender ``leave_out``. None if no part is left."""
+    a part it could not have used), less sender(s) ``leave_out``. None if no part is left."""
+    left_out = {leave_out} if isinstance(leave_out, int) else set(leave_out or ())
     kept = [
-        (part, weight) for i, (part, weight) in enumerate(zip(parts, weights)) if part is not None and i != leave_out
+        (part, weight) for i, (part, weight) in enumerate(zip(parts, weights)) if part is not None and i not in left_out
     ]
     if not kept:
         return None

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 256
 """An audit request or verdict is a few small fields (serialized into the message's ``peer_id``)."""
+UNSERVED = b"unserved"
+"""Marks a part served for an audit whose reducer served its sender no average (it gave up on
+the sender's parts, or the stream broke): in the reply's spare ``peer_id`` field."""
 NO_VERDICT_S = 2.0
 """How long a peer whose all-reduce failed tries to tell the others it judges nothing."""
 
@@ -148,10 +151,16 @@ class AuditMixin:
         position = self._parse_ints(request.peer_id, 2)
         sent = room.runners[index].sent
         kept = sent.get(*position) if position is not None and sent is not None else None
-        if kept is None:
+        if kept is None or position is None or position[0] >= len(room.peer_ids):
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         encoded, weight = kept
-        return averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, tensor_part=encoded, weight=weight)
+        unserved = room.peer_ids[position[0]] in room.runners[index].failed_reducers
+        return averaging_pb2.AveragingData(
+            code=averaging_pb2.PART_FOR_AVERAGING,
+            tensor_part=encoded,
+            weight=weight,
+            peer_id=UNSERVED if unserved else b"",
+        )
 
     async def rpc_audit_verdict(
         self, request: averaging_pb2.AveragingData, context: P2PContext
@@ -280,14 +289,17 @@ class AuditMixin:
         )
         parts: list[torch.Tensor | None] = []
         weights: list[float] = []
+        unserved: set[int] = set()
         loop = asyncio.get_running_loop()
-        for sender, got in zip(runner.sender_peer_ids, fetched):
+        for index, (sender, got) in enumerate(zip(runner.sender_peer_ids, fetched)):
             if got is None:
                 if sender == reducer_id:
                     return "it did not serve its own part for the audit"
                 logger.info("audit of %s inconclusive: %s did not serve its part", reducer_id, sender)
                 return None
-            encoded, weight = got
+            encoded, weight, not_averaged = got
+            if not_averaged and sender != reducer_id:
+                unserved.add(index)
             if sender != self.peer_id:
                 outcome.bytes_received += len(encoded.buffer)
             try:
@@ -303,7 +315,10 @@ class AuditMixin:
         shape = returned.shape
         dither = runner.dither()
         why = ""
-        for leave_out in (None, *range(len(parts))):
+        candidates: list[int | frozenset[int] | None] = [None, *range(len(parts))]
+        if len(unserved) > 1:  # the senders it gave up on (one alone is among the singles)
+            candidates.append(frozenset(unserved))
+        for leave_out in candidates:
             mean = reduce_like_a_reducer(parts, weights, self.robust, leave_out)
             if mean is None:
                 continue
@@ -317,9 +332,15 @@ class AuditMixin:
 
     async def _fetch_part(
         self, runner: ExactAllReduceRunner, sender: PeerID, target: AuditTarget, deadline: float
-    ) -> tuple[Any, float] | None:
+    ) -> tuple[Any, float, bool] | None:
+        """``sender``'s part for ``target`` as it sent it: the part, its weight, and whether the
+        reducer served the sender no average; None if it did not serve the part."""
         if sender == self.peer_id:
-            return runner.sent.get(target.reducer, target.part) if runner.sent is not None else None
+            kept = runner.sent.get(target.reducer, target.part) if runner.sent is not None else None
+            if kept is None:
+                return None
+            reducer = runner.ordered_peer_ids[target.reducer]
+            return kept[0], kept[1], reducer in runner.failed_reducers
         request = averaging_pb2.AveragingData(
             group_id=runner.group_id, peer_id=self.serializer.dumps([target.reducer, target.part])
         )
@@ -331,7 +352,7 @@ class AuditMixin:
             return None
         if reply.code != averaging_pb2.PART_FOR_AVERAGING:
             return None
-        return reply.tensor_part, float(reply.weight)
+        return reply.tensor_part, float(reply.weight), reply.peer_id == UNSERVED
 
     async def _tell_verdict(
         self,

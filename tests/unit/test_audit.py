@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from engine.allreduce import CodecCompression, RobustPartReducer
+from engine.allreduce import CodecCompression, InPlaceOutputs, RobustPartReducer
 from engine.audit import MIN_FLIPS, AuditTarget, SentParts, auditee, choose_target, judge, reduce_like_a_reducer
-from engine.auditing import AuditMixin, AuditRoom
+from engine.auditing import UNSERVED, AuditMixin, AuditRoom
 from engine.compression import get_codec
 from engine.robust import RobustRule
 
@@ -128,6 +129,7 @@ class _Runner:
     def __init__(self) -> None:
         self.sent = SentParts()
         self.sent.keep(1, 0, CodecCompression(get_codec("fp16")).compress(torch.ones(8), info=None), 3.0)
+        self.failed_reducers: dict[PeerID, str] = {}
 
 
 class _Peer(AuditMixin):
@@ -155,6 +157,9 @@ def test_a_member_gets_the_part_as_sent_and_a_stranger_gets_nothing() -> None:
     peer = _Peer(members)
     reply = _ask(peer, members[1], b"group/fragment/1", [1, 0])
     assert reply.code == averaging_pb2.PART_FOR_AVERAGING and reply.weight == 3.0 and reply.tensor_part.buffer
+    assert reply.peer_id == b""  # its reducer served it the average
+    peer.room.runners[1].failed_reducers[members[1]] = "TimeoutError"  # type: ignore[attr-defined]
+    assert _ask(peer, members[1], b"group/fragment/1", [1, 0]).peer_id == UNSERVED
     stranger = _ids(1)[0]
     assert _ask(peer, stranger, b"group", [1, 0]).code == averaging_pb2.PROTOCOL_VIOLATION
     assert _ask(peer, members[1], b"another group", [1, 0]).code == averaging_pb2.BAD_GROUP_ID
@@ -234,3 +239,73 @@ def test_rotation_over_many_groups_spreads_audits() -> None:
         (member, auditee(os.urandom(20), member, range(5))) for member, _ in itertools.product(range(5), range(200))
     }
     assert len(pairs) == 5 * 4  # every member audits every other reducer over time
+
+
+class _RecheckRunner:
+    """A fragment of four senders whose reducer (index 2) averaged its range's single part."""
+
+    def __init__(self, members: list[PeerID], numel: int) -> None:
+        self.ordered_peer_ids = self.sender_peer_ids = members
+        self.modes = [AveragingMode.NODE] * len(members)
+        self.codec = CodecCompression(get_codec("fp16"))
+        vector = torch.zeros(numel * len(members))
+        self.tensor_part_container = InPlaceOutputs([vector], [1.0] * len(members), part_size_bytes=4 * numel)
+        self.failed_reducers: dict[PeerID, str] = {}
+        self.sent = None
+        self.numel = numel
+
+    def expected_numel(self, peer_index: int, part_index: int) -> int:
+        return self.numel
+
+    def dither(self) -> torch.Tensor:
+        return DITHER
+
+
+class _Auditor(AuditMixin):
+    serializer = MSGPackSerializer
+    robust = RULE
+    client_mode = False
+
+    def __init__(self, members: list[PeerID], runner: _RecheckRunner, served: list[tuple[Any, float, bool]]) -> None:
+        self.peer_id = members[0]
+        self.room = self._open_audit_room(b"group", [b"group"], members, frozenset())
+        self.room.runners.append(runner)  # type: ignore[arg-type]
+        self.served = served
+
+    async def _fetch_part(self, runner: Any, sender: PeerID, target: AuditTarget, deadline: float) -> Any:
+        return self.served[self.room.peer_ids.index(sender)]
+
+
+@pytest.mark.parametrize("lying", [False, True])
+def test_a_reducer_that_gave_up_on_late_senders_is_honest_and_a_liar_is_still_caught(lying: bool) -> None:
+    """A reducer on a slow link averages the parts that came in time and serves the late senders
+    no average (``Reducer: received 50.0% of input tensors``): the senders say so with their
+    parts, and its result, the average of the others, is honest. Before, every auditor took it
+    for a liar ("5632 of 5632 values differ") and left it out of the run for good."""
+    members, numel = _ids(4), 512
+    runner = _RecheckRunner(members, numel)
+    parts = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+    weights = [1.0, 2.0, 1.0, 3.0]
+    encoded = [runner.codec.compress(part, info=None) for part in parts]
+    received = [runner.codec.decode(part, numel) for part in encoded]  # what the reducer averages
+    averaged = reduce_like_a_reducer(received, weights, RULE, leave_out={1, 3})  # senders 1 and 3 came too late
+    assert averaged is not None
+    if lying:
+        averaged = averaged + 0.5 * averaged.abs().mean()
+    returned = runner.codec.decode(runner.codec.compress_average(averaged, DITHER), numel)
+    lo, hi = runner.tensor_part_container.part_range(2, 0)
+    runner.tensor_part_container.output[lo:hi] = returned
+    target = AuditTarget(0, 2, 0)
+
+    def recheck(unserved: set[int]) -> str | None:
+        served = [(encoded[i], weights[i], i in unserved) for i in range(4)]
+        auditor = _Auditor(members, runner, served)
+        from engine.auditing import AuditOutcome
+
+        return asyncio.run(auditor._recheck(auditor.room, target, deadline=1e18, outcome=AuditOutcome()))
+
+    if lying:
+        assert "values differ" in (recheck({1, 3}) or "")  # the unserved senders' word does not cover a lie
+    else:
+        assert recheck({1, 3}) == ""
+        assert "values differ" in (recheck(set()) or "")  # what every auditor concluded before the senders said it
