@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # project's `torch` requirement does not pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: all venv lint images test-images test-slow bench-scale bench-rounds bench-quality bench-join bench-churn bench-relay-loss bench-soak test test-unit test-integration test-e2e demo bench proto clean
+.PHONY: all venv web lint images test-images test-slow bench-scale bench-rounds bench-quality bench-join bench-churn bench-relay-loss bench-soak test test-unit test-integration test-e2e demo bench proto clean
 
 all: test
 
@@ -23,7 +23,21 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -e ".[dev]"
 	touch $(STAMP)
 
-venv: $(STAMP)
+venv: $(STAMP) web
+
+# The dashboard's charting library (uPlot, pinned with its digest in web/package-lock.json),
+# installed with npm (Debian's package where it is missing) and copied into the package, which
+# serves it itself: no CDN. pip installs it as package data from there.
+WEB_VENDOR := coordinator/http/static/vendor
+WEB_ASSETS := $(WEB_VENDOR)/uPlot.iife.min.js $(WEB_VENDOR)/uPlot.min.css $(WEB_VENDOR)/uPlot.LICENSE
+web: $(WEB_ASSETS)
+$(WEB_ASSETS): web/package.json web/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "installing npm (Debian's package)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null; }
+	cd web && npm ci --no-audit --no-fund --loglevel=error
+	mkdir -p $(WEB_VENDOR)
+	cp web/node_modules/uplot/dist/uPlot.iife.min.js web/node_modules/uplot/dist/uPlot.min.css $(WEB_VENDOR)/
+	cp web/node_modules/uplot/LICENSE $(WEB_VENDOR)/uPlot.LICENSE
 
 # The suite runs against SQLite and, where PostgreSQL can be started here (root installs
 # Debian's package), against a throwaway PostgreSQL server too.
@@ -39,7 +53,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint
+test: $(STAMP) web lint
 	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"
 	@.ci/nftables.sh || echo "the NAT lab's tests will be skipped"
 	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
@@ -58,7 +72,7 @@ test-slow: $(STAMP)
 
 # The peer and coordinator images (docker/images.sh): with docker where an engine runs, else
 # with buildah from a local Debian 12 stand-in base. IMAGES_BASE=real|standin, IMAGES_TAG=...
-images: $(STAMP)
+images: $(STAMP) web
 	PY=$(PY) bash docker/images.sh
 
 # Builds both images from the stand-in base and runs a swarm from them
@@ -73,12 +87,12 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) web
 	$(PY) -m pytest -q tests/e2e
 
 # A local coordinator (SQLite, dashboard) and 3 CPU peers train the embedded demo spec, then
 # a summary with each peer's verified credit.
-demo: $(STAMP)
+demo: $(STAMP) web
 	$(VENV)/bin/swarmtrain demo
 
 # The WAN benchmark (issue #5; not part of `make test`): needs root for network namespaces.

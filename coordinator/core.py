@@ -34,6 +34,7 @@ from coordinator.limits import (
     check_report,
     check_text,
 )
+from coordinator.progress import run_progress
 from coordinator.round_view import RoundFigures, RoundWindow
 from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
@@ -319,6 +320,14 @@ class Coordinator:
         """The swarm at ``now``: what every status view shows (``coordinator.snapshot``)."""
         summary = self.health.summary(now)
         rounds = self.store.rounds(limit=50)
+        pace = rounds_per_hour(rounds, now) if summary.peers_online else 0.0
+        progress = run_progress(
+            self.spec,
+            current_round=rounds[0].round if rounds else 0,
+            granted_samples=sum(c.samples for c in self.store.credits_by_peer().values()),
+            samples_per_second=summary.samples_per_second,
+            rounds_per_hour=pace,
+        )
         return SwarmSnapshot(
             at=now,
             run_name=self.spec.run.name,
@@ -327,10 +336,11 @@ class Coordinator:
             evaluated=self.store.latest_validation(),
             peers_online=summary.peers_online,
             samples_per_second=summary.samples_per_second,
-            rounds_per_hour=rounds_per_hour(rounds, now) if summary.peers_online else 0.0,
+            rounds_per_hour=pace,
             data=self.data_progress(),
             rounds=self.round_view.figures(),
             peers=self.health.peers(),
+            progress=progress,
         )
 
     def status(self, *, now: float) -> pb.StatusResponse:
@@ -381,7 +391,10 @@ class Coordinator:
             )
         summary = self.health.summary(now)
         self.store.record_sample(
-            now=now, peers_online=summary.peers_online, samples_per_second=summary.samples_per_second
+            now=now,
+            peers_online=summary.peers_online,
+            samples_per_second=summary.samples_per_second,
+            rounds_failed=self.health.rounds_failed_total(),
         )
         if now - self._pruned_at >= PRUNE_EVERY_S:
             self.store.prune_samples(before=now - self.history_keep_s)

@@ -36,7 +36,7 @@ from coordinator.credits import (
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
-from coordinator.store import ClaimBody, ClaimRow, Decision, Store
+from coordinator.store import ClaimBody, ClaimRow, Decision, RoundTiming, Store
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
 from protocol.identity import PublicKey
@@ -78,6 +78,8 @@ class RoundBook:
         self.view = RoundWindow(ROUND_WINDOW)
         """Groups, states and peers averaged of the newest rounds reported (``coordinator.round_view``)."""
         self._losses: dict[int, list[float]] = {}
+        self._timings: dict[int, dict[str, RoundTiming]] = {}
+        """How each reporter's round went (only granted ones count)."""
         self._val_losses: dict[int, dict[str, float]] = {}
         """Validation losses reported per round, by reporter (only granted ones count)."""
         self._epochs: dict[int, dict[str, float]] = {}
@@ -174,6 +176,14 @@ class RoundBook:
         self._last_report_at[claim.key] = min(claim.received_at, since + claim.duration_s)
         if math.isfinite(body.loss):
             self._losses.setdefault(claim.round, []).append(body.loss)
+        self._timings.setdefault(claim.round, {})[claim.key] = RoundTiming(
+            compute_s=body.compute_s,
+            matchmaking_s=max(0.0, body.wait_s - body.allreduce_s),
+            allreduce_s=body.allreduce_s,
+            landing_s=body.host_s,
+            bytes_sent=float(body.bytes_sent),
+            bytes_received=float(body.bytes_received),
+        )
         if body.HasField("data"):
             self._data_read[claim.key] = body.data.round
             self._epochs.setdefault(claim.round, {})[claim.key] = body.data.epoch
@@ -199,6 +209,7 @@ class RoundBook:
             granted = {entry.key for entry in entries if entry.granted}
             val_loss = _lower_median(self._val_losses.pop(round_, {}), granted)
             epoch = _lower_median(self._epochs.pop(round_, {}), granted)
+            timing = _timing(self._timings.pop(round_, {}), granted)
             if epoch is not None:
                 self.data_epoch = max(self.data_epoch, epoch)
             self.store.finalize_round(
@@ -217,6 +228,7 @@ class RoundBook:
                 now=now,
                 mean_loss=sum(losses) / len(losses) if losses else None,
                 validation_loss=val_loss,
+                timing=timing,
             )
             decided.extend(entries)
         return decided
@@ -313,6 +325,17 @@ def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
     three or more reporters no single one can move it at all; None if none reported."""
     chosen = sorted(value for key, value in values.items() if key in keys)
     return chosen[(len(chosen) - 1) // 2] if chosen else None
+
+
+def _timing(reported: dict[str, RoundTiming], keys: set[str]) -> RoundTiming | None:
+    """Each figure the lower median of what ``keys`` reported (None: none of them reported)."""
+    if not any(key in keys for key in reported):
+        return None
+    figures = {
+        name: _lower_median({key: getattr(t, name) for key, t in reported.items()}, keys)
+        for name in (f.name for f in dataclasses.fields(RoundTiming))
+    }
+    return RoundTiming(**figures)
 
 
 def _claim_from_row(row: ClaimRow) -> RoundClaim:

@@ -208,7 +208,7 @@ class CoordinatorServer:
         sock.bind((self.config.host, self.config.http_port))
         self.http_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            create_app(self.core, lock, archiver=self.archiver, exporter=self.exporter),
+            create_app(self.core, lock, archiver=self.archiver, exporter=self.exporter, grpc_port=self.grpc_port),
             log_level="warning",
             lifespan="off",
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coordinator.health import PeerHealth
+from coordinator.progress import RunProgress
 from coordinator.round_view import RoundFigures
 from coordinator.store import RoundRow
 
@@ -46,6 +47,8 @@ class SwarmSnapshot:
     """How the newest reported rounds averaged, highest first (``coordinator.round_view``)."""
     peers: list[PeerHealth]
     """Every known peer, by key."""
+    progress: RunProgress | None = None
+    """How far the run is, and its ETA (``coordinator.progress``)."""
 
     @property
     def current_round(self) -> int:

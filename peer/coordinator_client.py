@@ -320,6 +320,7 @@ def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
         bytes_sent=metrics.bytes_sent,
         bytes_received=metrics.bytes_received,
         allreduce_s=_seconds(metrics.allreduce_s),
+        host_s=_seconds(metrics.host_s),
     )
     if metrics.val_loss is not None and math.isfinite(metrics.val_loss):
         body.validation_loss = metrics.val_loss

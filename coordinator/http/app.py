@@ -13,16 +13,19 @@ import threading
 import time
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import generate_latest
 
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.credits import OFFENCE
 from coordinator.exporter import ModelExporter
+from coordinator.health import PeerHealth
 from coordinator.http import schemas
 from coordinator.http.metrics import metrics_registry
 from protocol.identity import PublicKey
@@ -35,6 +38,7 @@ def create_app(
     *,
     archiver: Archiver | None = None,
     exporter: ModelExporter | None = None,
+    grpc_port: int = 0,
 ) -> FastAPI:
     app = FastAPI(title="swarmtrain coordinator", version="1", docs_url=None, redoc_url=None)
 
@@ -61,6 +65,10 @@ def create_app(
             "validation_round": snap.evaluated.round if snap.evaluated else None,
             "data": dataclasses.asdict(snap.data) if snap.data is not None else None,
             "rounds": [dataclasses.asdict(f) for f in snap.rounds],
+            "rounds_per_hour": snap.rounds_per_hour,
+            "progress": dataclasses.asdict(snap.progress) if snap.progress is not None else None,
+            "join": {"grpc_port": grpc_port, "coordinator_key": core.identity.public_key.id},
+            "network_paths": _network_paths(snap.peers),
         }
 
     @app.get("/api/v1/checkpoints", response_model=schemas.Checkpoints)
@@ -169,8 +177,25 @@ def create_app(
     def dashboard() -> HTMLResponse:
         return HTMLResponse((resources.files("coordinator.http") / "dashboard.html").read_text(encoding="utf-8"))
 
+    # the dashboard's script and its charting library (uPlot, put there by `make web`): served
+    # from the package, never from a CDN
+    static = Path(str(resources.files("coordinator.http") / "static"))
+    app.mount("/static", StaticFiles(directory=static, check_dir=False), name="static")
+
     _ = PublicKey  # keys are printed as public ids throughout
     return app
+
+
+def _network_paths(peers: list[PeerHealth]) -> dict[str, int]:
+    """Online peers by how others reach them (``direct``, ``announced``, ``relayed``, ``client``;
+    ``unknown`` for a peer that did not say)."""
+    counts: dict[str, int] = {}
+    for peer in peers:
+        if peer.state.value in ("offline", "unreachable"):
+            continue
+        path = peer.network_path or "unknown"
+        counts[path] = counts.get(path, 0) + 1
+    return counts
 
 
 def _local_ranks(hardware_json: str) -> int:

@@ -27,6 +27,23 @@ class RoundView(BaseModel):
     decided: bool = Field(description="the coordinator decided the round's claims")
 
 
+class Progress(BaseModel):
+    tokens_per_sample: int | None = Field(None, ge=0)
+    tokens_trained: int = Field(ge=0, description="granted samples x tokens per sample")
+    tokens_per_second: float = Field(ge=0, description="the swarm's samples/s x tokens per sample")
+    end: str = Field(description="what ends the run: tokens (schedule.total_tokens), rounds (max_rounds) or none")
+    target: int | None = Field(None, description="the total tokens or the last round (None: no end)")
+    fraction: float | None = Field(None, ge=0, le=1, description="how much of the run is done")
+    eta_s: float | None = Field(
+        None, ge=0, description="seconds to the end at the current pace (None: no end, or idle)"
+    )
+
+
+class Join(BaseModel):
+    grpc_port: int = Field(ge=0, description="the coordinator's gRPC port (0: not known here)")
+    coordinator_key: str = Field(description="the key peers pin with --coordinator-key")
+
+
 class Status(BaseModel):
     run_name: str
     spec_digest: str
@@ -40,6 +57,10 @@ class Status(BaseModel):
     validation_round: int | None = None
     data: DataProgress | None = Field(None, description="token runs: progress through the data")
     rounds: list[RoundView] = Field(default_factory=list, description="the newest rounds reported, highest first")
+    rounds_per_hour: float = Field(0.0, ge=0, description="rounds finalized per hour lately (0: idle)")
+    progress: Progress | None = None
+    join: Join | None = Field(None, description="what a volunteer joins with (the host is the one this page came from)")
+    network_paths: dict[str, int] = Field(default_factory=dict, description="online peers by how others reach them")
 
 
 class Checkpoint(BaseModel):
@@ -101,6 +122,13 @@ class RoundRow(BaseModel):
     mean_loss: float | None
     samples: int = Field(ge=0)
     validation_loss: float | None = Field(description="median validation loss its reporters published, if evaluated")
+    states: int | None = Field(None, ge=0, description="distinct states its granted reporters landed (>1: split)")
+    compute_s: float | None = Field(None, ge=0, description="inner steps (lower median of the granted reporters')")
+    matchmaking_s: float | None = Field(None, ge=0, description="the wait for the group, less the all-reduce")
+    allreduce_s: float | None = Field(None, ge=0, description="the all-reduce, group formed to result")
+    landing_s: float | None = Field(None, ge=0, description="host work on the training thread: launch and landing")
+    bytes_sent: float | None = Field(None, ge=0, description="bytes a reporter sent in the round")
+    bytes_received: float | None = Field(None, ge=0, description="bytes a reporter received in the round")
 
 
 class Contribution(BaseModel):
@@ -125,3 +153,4 @@ class HistoryPoint(BaseModel):
     at: float
     peers_online: int = Field(ge=0)
     samples_per_second: float = Field(ge=0)
+    rounds_failed: int = Field(0, ge=0, description="failed rounds summed over the peers since the coordinator started")

@@ -5,7 +5,7 @@ round-path queries return; ``schema.py`` holds the tables, ``engine.py`` opens a
 """
 
 from coordinator.store.engine import sqlite_url
-from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow
+from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow, RoundTiming
 from coordinator.store.schema import SCHEMA_VERSION
 from coordinator.store.store import ClaimBody, Decision, Store
 
@@ -18,6 +18,7 @@ __all__ = [
     "PeerCredit",
     "PeerRow",
     "RoundRow",
+    "RoundTiming",
     "Store",
     "sqlite_url",
 ]

@@ -97,6 +97,15 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 _MIGRATIONS = {
     # version 1 -> 2: create_all added the data_slots table; rounds gains a column
     1: ("ALTER TABLE rounds ADD COLUMN validation_loss FLOAT",),
+    # version 2 -> 3: the rounds' states and time split, the swarm's failed rounds
+    2: (
+        "ALTER TABLE rounds ADD COLUMN states INTEGER",
+        *(
+            f"ALTER TABLE rounds ADD COLUMN {column} FLOAT"
+            for column in ("compute_s", "matchmaking_s", "allreduce_s", "landing_s", "bytes_sent", "bytes_received")
+        ),
+        "ALTER TABLE swarm_samples ADD COLUMN rounds_failed INTEGER NOT NULL DEFAULT 0",
+    ),
 }
 """Statements that take a database from version ``key`` to ``key + 1`` (new tables come from
 ``create_all``), run in one transaction with the new version's record."""

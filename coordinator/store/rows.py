@@ -13,6 +13,7 @@ __all__ = [
     "PeerCredit",
     "PeerRow",
     "RoundRow",
+    "RoundTiming",
     "RunRow",
     "SwarmPoint",
 ]
@@ -39,6 +40,23 @@ class ClaimRow:
 
 
 @dataclass(frozen=True)
+class RoundTiming:
+    """How a round's time went and what it sent, as its granted reporters said: each figure
+    the lower median of theirs (None: nobody said)."""
+
+    compute_s: float | None = None
+    """Inner steps."""
+    matchmaking_s: float | None = None
+    """The wait for the group, less the all-reduce (0 when the round landed during the next
+    round's inner steps)."""
+    allreduce_s: float | None = None
+    landing_s: float | None = None
+    """Host work on the training thread: preparing the launch and landing the result."""
+    bytes_sent: float | None = None
+    bytes_received: float | None = None
+
+
+@dataclass(frozen=True)
 class RoundRow:
     """One finalized round (``rounds`` table)."""
 
@@ -52,6 +70,15 @@ class RoundRow:
     samples: int
     """Granted samples."""
     validation_loss: float | None
+    states: int | None = None
+    """Distinct state digests its granted reporters landed (more than 1: the round split;
+    None: recorded before this was kept)."""
+    compute_s: float | None = None
+    matchmaking_s: float | None = None
+    allreduce_s: float | None = None
+    landing_s: float | None = None
+    bytes_sent: float | None = None
+    bytes_received: float | None = None
 
 
 @dataclass(frozen=True)
@@ -122,3 +149,5 @@ class SwarmPoint:
     at: float
     peers_online: int
     samples_per_second: float
+    rounds_failed: int = 0
+    """Rounds whose averaging failed, summed over the swarm's peers since the coordinator started."""

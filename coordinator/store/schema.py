@@ -10,10 +10,11 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The layout written by this code; recorded in ``schema_version`` on creation. Version 2
-added ``rounds.validation_loss`` and the ``data_slots`` table (``engine`` migrates a
-version-1 database in place)."""
+added ``rounds.validation_loss`` and the ``data_slots`` table, version 3 the rounds' states
+and time split and ``swarm_samples.rounds_failed`` (``engine`` migrates an older database in
+place)."""
 
 PENDING, GRANTED, DENIED = "pending", "granted", "denied"
 """The values of ``claims.status``."""
@@ -121,6 +122,15 @@ class RoundRecord(Base):
     samples: Mapped[int] = mapped_column(BigInteger)
     validation_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     """Median of the validation losses the round's granted reporters published (eval.every_rounds)."""
+    states: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Distinct state digests of the round's granted claims (more than 1: it split)."""
+    compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """This and the five below: lower medians of what the granted reporters said (``RoundTiming``)."""
+    matchmaking_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    allreduce_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    landing_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bytes_sent: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bytes_received: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class DataSlot(Base):
@@ -140,3 +150,4 @@ class SwarmSample(Base):
     at: Mapped[float] = mapped_column(Float, index=True)
     peers_online: Mapped[int] = mapped_column(Integer)
     samples_per_second: Mapped[float] = mapped_column(Float)
+    rounds_failed: Mapped[int] = mapped_column(Integer, default=0)

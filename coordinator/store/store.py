@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from coordinator.store.rows import (
     PeerCredit,
     PeerRow,
     RoundRow,
+    RoundTiming,
     RunRow,
     SwarmPoint,
 )
@@ -67,8 +69,19 @@ _PEER_FIELDS = (
     "first_seen",
     "last_seen",
 )
-_ROUND_FIELDS = ("round", "state_digest", "finalized_at", "group_size", "mean_loss", "samples", "validation_loss")
-_SAMPLE_FIELDS = ("at", "peers_online", "samples_per_second")
+_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(RoundTiming))
+_ROUND_FIELDS = (
+    "round",
+    "state_digest",
+    "finalized_at",
+    "group_size",
+    "mean_loss",
+    "samples",
+    "validation_loss",
+    "states",
+    *_TIMING_FIELDS,
+)
+_SAMPLE_FIELDS = ("at", "peers_online", "samples_per_second", "rounds_failed")
 
 
 class Store:
@@ -297,6 +310,7 @@ class Store:
         mean_loss: float | None,
         now: float,
         validation_loss: float | None = None,
+        timing: RoundTiming | None = None,
     ) -> None:
         """Decide ``decisions`` (claims of ``round``) and write the round's record: one transaction.
 
@@ -305,8 +319,9 @@ class Store:
         claims (group size) and the granted samples. A round with no granted claim has no
         record: one
         peer's denied report (of round 2**31 - 1, say) is not a round of the swarm, and must
-        not become its current round in status and joins, nor the archive's digest. ``mean_loss`` and
-        ``validation_loss`` None keep a value recorded earlier. A crash leaves either all of
+        not become its current round in status and joins, nor the archive's digest. ``mean_loss``,
+        ``validation_loss`` and ``timing`` None keep a value recorded earlier; ``states`` counts
+        the distinct digests of the granted claims. A crash leaves either all of
         it or none of it. Raises ``ValueError`` like ``decide_claim``; nothing is written then.
         """
         with self._write() as s:
@@ -326,6 +341,10 @@ class Store:
             else:
                 mean_loss = record.mean_loss if mean_loss is None else mean_loss
                 validation_loss = record.validation_loss if validation_loss is None else validation_loss
+            if timing is not None:
+                for name in _TIMING_FIELDS:
+                    setattr(record, name, getattr(timing, name))
+            record.states = len({c.state_digest for c in granted if c.state_digest})
             record.state_digest, record.finalized_at, record.group_size = majority, now, len(claims)
             record.mean_loss = mean_loss
             record.validation_loss = validation_loss
@@ -448,10 +467,19 @@ class Store:
         with self._read() as s:
             return [_round_row(r) for r in s.scalars(query)]
 
-    def record_sample(self, *, now: float, peers_online: int, samples_per_second: float) -> None:
+    def record_sample(
+        self, *, now: float, peers_online: int, samples_per_second: float, rounds_failed: int = 0
+    ) -> None:
         """Append one point of the swarm time series (``at`` = now)."""
         with self._write() as s:
-            s.add(SwarmSample(at=now, peers_online=peers_online, samples_per_second=samples_per_second))
+            s.add(
+                SwarmSample(
+                    at=now,
+                    peers_online=peers_online,
+                    samples_per_second=samples_per_second,
+                    rounds_failed=rounds_failed,
+                )
+            )
 
     def samples(self, since: float) -> list[SwarmPoint]:
         """Points with ``at >= since``, oldest first."""

@@ -71,7 +71,8 @@ class Requirements:
             f"GPU memory    {gib(self.gpu_bytes)} per GPU (the spec's micro-batches and checkpointing)",
             f"host RAM      {gib(self.host_bytes)} with a GPU, {gib(self.cpu_host_bytes)} training on the CPU",
             f"/dev/shm      {gib(self.shm_bytes)} (docker: --shm-size)",
-            f"disk          {_size(self.disk_bytes)} (checkpoints, kept updates" + (", a day of data)" if data and self.round_s else ")"),
+            f"disk          {_size(self.disk_bytes)} (checkpoints, kept updates"
+            + (", a day of data)" if data and self.round_s else ")"),
             f"upload        {_size(self.up_per_round)} per round"
             + (f", {up / GB:,.1f} GB per day {pace}" if up is not None else f"; {pace}"),
             f"download      {_size(self.down_per_round)} per round{data}"

@@ -389,7 +389,11 @@ def test_the_doctor_prints_what_one_peer_needs_from_the_spec_alone() -> None:
     proc = sw("doctor", "--requirements", "--spec", str(REPO / "examples" / "llama-1b.toml"), "--round-s", "300")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("one peer of llama-1b"), proc.stdout
-    for line in ("model         1,235,814,400 parameters", "GPU memory    26.3 GiB per GPU", "per day at one round every 300 s"):
+    for line in (
+        "model         1,235,814,400 parameters",
+        "GPU memory    26.3 GiB per GPU",
+        "per day at one round every 300 s",
+    ):
         assert line in proc.stdout, proc.stdout
     as_json = sw("doctor", "--requirements", "--spec", str(REPO / "examples" / "demo.toml"), "--json")
     assert as_json.returncode == 0 and '"up_bytes_per_day"' in as_json.stdout, as_json.stdout

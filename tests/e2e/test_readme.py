@@ -7,8 +7,9 @@ block marked ``role=NAME`` runs with a home directory of that role's own (``HOME
 account key), and ``HOST:PORT`` (the address the operator hands out) stands for the
 coordinator's ``127.0.0.1:7500``, ``HOST:`` for ``127.0.0.1:``. A block marked ``until=N`` is a
 volunteer's peer: it runs in the background (its own terminal), and before the next block the
-session waits until it has printed N round lines, then stops it as the volunteer's Ctrl-C would
-(SIGTERM: the round in flight finishes first) and waits for it to be gone. The blocks use the
+session waits until it has printed N round lines, then stops it as the volunteer's Ctrl-C does
+(SIGINT to the block's process group: the peer finishes the round in flight, its helper
+processes ignore it) and waits for the group to be gone. The blocks use the
 coordinator's fixed ports (7500 gRPC, 8080 HTTP), so they run in a network namespace of their
 own (``unshare --net``, only loopback, up) and a PID namespace of their own: killing the
 ``unshare`` process this test started (by its pid; ``--kill-child``) kills every process the
@@ -16,8 +17,9 @@ blocks started, whatever they forked. Where namespaces are not permitted the blo
 process group this test leads, and only if those ports are free here.
 
 The copy holds the working tree's files (``git ls-files -co --exclude-standard``, mtimes
-kept), so the README being edited is the one that runs. Its ``.venv`` is a directory of its
-own whose ``bin`` links to this environment's, with a fresh ``make`` stamp: ``make demo``
+kept), so the README being edited is the one that runs, and the dashboard's charting library
+that ``make web`` built here. Its ``.venv`` is a directory of its
+own whose ``bin``, ``lib`` and ``pyvenv.cfg`` link to this environment's, with a fresh ``make`` stamp: ``make demo``
 finds the environment installed and never runs pip (checked with ``make -q`` first), so the
 shared environment is never re-installed from the copy.
 """
@@ -110,7 +112,7 @@ def session_script(blocks: list[Block], homes: Path, scratch: Path) -> str:
     fi
     sleep 1
   done
-  kill -TERM -- -$pid
+  kill -INT -- -$pid  # a terminal's Ctrl-C: SIGINT to the foreground process group
   deadline=$((SECONDS + 120))
   while kill -0 -- -$pid 2>/dev/null; do
     [ $SECONDS -lt $deadline ] || {{ echo "block $block did not stop within 120 s"; cat $log; return 1; }}
@@ -137,9 +139,16 @@ def fresh_copy(dest: Path) -> None:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, target, follow_symlinks=False)
+    # the dashboard's charting library, as `make web` left it here (ignored by git, newer than
+    # web/package-lock.json): `make demo` in the copy finds it built and runs no npm
+    vendor = REPO / "coordinator" / "http" / "static" / "vendor"
+    if vendor.is_dir():
+        shutil.copytree(vendor, dest / vendor.relative_to(REPO))
     venv = dest / ".venv"
     venv.mkdir()
-    (venv / "bin").symlink_to(Path(sys.prefix) / "bin")
+    for name in ("bin", "lib", "lib64", "pyvenv.cfg"):  # `python` there is this environment's too
+        if (Path(sys.prefix) / name).exists():
+            (venv / name).symlink_to(Path(sys.prefix) / name)
     (venv / ".installed").touch()  # newer than every copied file: make installs nothing
 
 
@@ -255,8 +264,9 @@ def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(
     operator = section(output, 1)
     assert "examples/demo.toml: ok sha256:" in operator, operator
     assert "one peer of demo (examples/demo.toml) needs:" in operator and "GB per day" in operator, operator
-    assert "grpc: 127.0.0.1:7500" in operator and "http: http://127.0.0.1:8080/" in operator, operator
-    assert "peers join with: swarmtrain peer --coordinator 127.0.0.1:7500 --coordinator-key ed25519:" in operator
+    # the coordinator runs in the background: its lines may come after `status` answered
+    assert "grpc: 127.0.0.1:7500" in output and "http: http://127.0.0.1:8080/" in output, output[:6000]
+    assert "peers join with: swarmtrain peer --coordinator 127.0.0.1:7500 --coordinator-key ed25519:" in output
 
     volunteers = [i for i, block in enumerate(blocks) if block.until is not None]
     assert len(volunteers) == 2
@@ -272,7 +282,9 @@ def test_the_readme_walk_through_runs_as_written_in_a_fresh_copy(
         assert re.search(r"^network: direct", volunteer, re.M), volunteer
         assert len(re.findall(r"^round +\d+ \| loss", volunteer, re.M)) >= 4, volunteer
         assert "peer stopped cleanly" in volunteer, volunteer[-3000:]
-        accounts += re.findall(r"^peer ed25519:\S+ of account (ed25519:\S+)( \(new identity\))? joining", volunteer, re.M)
+        accounts += re.findall(
+            r"^peer ed25519:\S+ of account (ed25519:\S+)( \(new identity\))? joining", volunteer, re.M
+        )
     assert len(accounts) == 2 and len({a for a, _ in accounts}) == 2, accounts
     assert sorted(bool(new) for _, new in accounts) == [False, True], accounts
     # each leaves with the coordinator's account of its work: credited, or still pending

@@ -10,13 +10,17 @@
   from (run, round, stream), and no sequence was trained by two peers in the same round;
 - peers whose tokenizer or data differ from the run's are refused with one line naming it;
 - a peer and the coordinator log their figures to TensorBoard (`--log-to`), read back with
-  tensorboard's own reader (issue #16).
+  tensorboard's own reader (issue #16);
+- a public run rehearsed (issue #50): volunteers on links of their own, one behind NAT, fetch
+  their shards over HTTP, and the coordinator's archive exports to a transformers model.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -253,3 +257,68 @@ def exported_model(checkpoints: Path, out: Path, rows: list[dict[str, Any]]) -> 
     generated = model.generate(**prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     text = tokenizer.decode(generated[0][prompt["input_ids"].shape[1] :])
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 12 and text.strip(), text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.skipif(shutil.which("nft") is None, reason="the NAT router needs nft (Debian's nftables)")
+def test_a_public_run_rehearsed_data_in_over_http_a_volunteer_behind_nat_and_the_model_out(
+    run_dir: dict[str, Any],
+) -> None:
+    """The public run of issue #50, rehearsed on this machine: the operator's coordinator and
+    `swarmtrain data serve` on a public host, a datacenter volunteer, a rented GPU's and a home
+    volunteer behind NAT (nftables masquerade), each on its own network namespace and link; every
+    volunteer starts with an empty data directory and fetches its shards over HTTP across its
+    link; the home volunteer is reached through a relay. After a few rounds the operator exports
+    the coordinator's archive, and transformers loads and runs it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.netsim import Nat, WanSim
+    from benchmarks.relay_loss import wait_line
+
+    tmp, names = run_dir["tmp"] / "rehearsal", ["datacenter", "rented", "home"]
+    tmp.mkdir()
+    source = run_dir["spec"].read_text()
+    with WanSim(["public", *names], rate="100mbit", prefix="rhs", subnet="10.79.7.0/24", nat={"home": Nat()}) as sim:
+        host = sim.ip("public")
+        spec = tmp / "run.toml"
+        spec.write_text(re.sub(r'^url = ".*"$', f'url = "http://{host}:8090/"', source, count=1, flags=re.M))
+        sw = [*swarmtrain_executable()]
+        served = tmp / "data-server.log"
+        sim.run("public", [*sw, "data", "serve", str(run_dir["tmp"] / "data"), "--host", host, "--port", "8090"],
+                stdout=served.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+        coordinator_log = tmp / "coordinator.log"
+        argv = [*sw, "coordinator", "--spec", str(spec), "--state-dir", str(tmp / "state"), "--host", host]
+        argv += ["--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080", "--archive-every", "2"]
+        sim.run("public", argv, stdout=coordinator_log.open("w"), stderr=subprocess.STDOUT)
+        wait_line(coordinator_log, r"^peers join with:", 60)
+        volunteers = {}
+        for name in names:
+            argv = [*sw, "peer", "--coordinator", f"{host}:7500", "--host", "0.0.0.0", "--port", "7700"]
+            argv += ["--key", str(tmp / f"{name}.key"), "--data-dir", str(tmp / f"data-{name}")]
+            argv += ["--metrics-file", str(tmp / f"{name}.jsonl")]
+            log = (tmp / f"{name}.log").open("w")
+            volunteers[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
+        line = wait_line(tmp / "home.log", r"^network: .*$", 120)
+        assert line.startswith("network: relayed at"), line
+        for name, proc in volunteers.items():
+            code = proc.wait(timeout=300)
+            assert code == 0, (tmp / f"{name}.log").read_text()[-3000:]
+        # data in: each volunteer fetched its own stream's shards over HTTP, and no more than it reads ahead
+        manifest = load_manifest(str(run_dir["tmp"] / "data"))
+        for name in names:
+            rows = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+            averaged = [r for r in rows if r["averaged"]]
+            assert len(averaged) >= ROUNDS - 2, (name, [r["round"] for r in averaged])
+            on_disk = [e.file for e in manifest.train if (tmp / f"data-{name}" / e.file).is_file()]
+            assert 0 < len(on_disk) < len(manifest.train) / 2, (name, on_disk)
+        # model out: the coordinator's archive, exported as an operator does, loads and generates
+        wait_until(lambda: any((tmp / "state" / "archive").glob("*.pt")), 60, "an archived round")
+    out = tmp / "model"
+    done = swarmtrain("export", str(tmp / "state"), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^exported round \d+ of llama-tiny \(1,262,720 parameters, llama\)", done.stdout, re.M)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    prompt = tokenizer("import os", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 8

@@ -60,7 +60,9 @@ def test_the_readmes_table_is_what_the_doctor_computes() -> None:
     from peer.footprint import gib
 
     readme = (EXAMPLES.parent / "README.md").read_text()
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `examples/([\w-]+)\.toml` \(.*?\) \| (.*) \|$", readme, re.M)}
+    rows = {
+        m.group(1): m.group(2) for m in re.finditer(r"^\| `examples/([\w-]+)\.toml` \(.*?\) \| (.*) \|$", readme, re.M)
+    }
     assert set(rows) == {"llama-1b", "gpu-100m", "demo"}, rows
     for name, row in rows.items():
         needs = req.requirements(load_spec(EXAMPLES / f"{name}.toml"))

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text, update
 
-from coordinator.store import SCHEMA_VERSION, ClaimBody, Decision, Store, sqlite_url
+from coordinator.store import SCHEMA_VERSION, ClaimBody, Decision, RoundTiming, Store, sqlite_url
 from coordinator.store.schema import Base, SchemaVersion
 from protocol.errors import ConfigError
 from tests.conftest import plain, postgres_url
 
+TIMING = ("compute_s", "matchmaking_s", "allreduce_s", "landing_s", "bytes_sent", "bytes_received")
 POSTGRES_ENV = "SWARMTRAIN_TEST_POSTGRES_URL"
 
 
@@ -309,6 +310,8 @@ def test_finalize_round_decides_and_records_together(store: Store) -> None:
             "mean_loss": 2.0,
             "samples": 100,
             "validation_loss": None,
+            "states": 1,
+            **dict.fromkeys(TIMING, None),
         },  # fmt: skip
     ]
     # a later decision for the same round adds to the record and keeps the loss
@@ -350,7 +353,9 @@ def test_samples_since_and_prune(store: Store) -> None:
     for t in range(10):
         store.record_sample(now=float(t), peers_online=t, samples_per_second=t * 1.5)
     assert [s.at for s in store.samples(since=7.0)] == [7.0, 8.0, 9.0]
-    assert plain(store.samples(since=9.0)) == [{"at": 9.0, "peers_online": 9, "samples_per_second": 13.5}]
+    assert plain(store.samples(since=9.0)) == [
+        {"at": 9.0, "peers_online": 9, "samples_per_second": 13.5, "rounds_failed": 0}
+    ]
     assert store.prune_samples(before=5.0) == 5
     assert store.prune_samples(before=5.0) == 0
     assert [s.at for s in store.samples(since=0.0)] == [5.0, 6.0, 7.0, 8.0, 9.0]
@@ -479,23 +484,58 @@ def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
     try:  # what version 1 looked like: no validation_loss, no data_slots, version 1 recorded
         with engine.begin() as conn:
             conn.execute(text("DROP TABLE data_slots"))
-            conn.execute(text("ALTER TABLE rounds DROP COLUMN validation_loss"))
+            for column in ("validation_loss", "states", *TIMING):
+                conn.execute(text(f"ALTER TABLE rounds DROP COLUMN {column}"))
+            conn.execute(text("ALTER TABLE swarm_samples DROP COLUMN rounds_failed"))
             conn.execute(update(SchemaVersion).values(version=1))
     finally:
         engine.dispose()
     with Store(store_url) as store:
         assert plain(store.rounds()) == [
             {"round": 0, "state_digest": "sha256:d", "finalized_at": 2.0, "group_size": 1, "mean_loss": 2.0,
-             "samples": 5, "validation_loss": None}
+             "samples": 5, "validation_loss": None, "states": None, **dict.fromkeys(TIMING, None)}
         ]  # fmt: skip
         store.assign_data_slots(peer_key="a", slots=[0, 1], now=3.0)
         assert store.data_slots() == {0: "a", 1: "a"}
     engine = create_engine(store_url)
     try:
         with engine.begin() as conn:
-            assert sorted(v for (v,) in conn.execute(text("SELECT version FROM schema_version"))) == [1, 2]
+            assert sorted(v for (v,) in conn.execute(text("SELECT version FROM schema_version"))) == [1, 2, 3]
     finally:
         engine.dispose()
+
+
+def test_a_version_2_database_gains_the_rounds_time_split_and_keeps_its_rows(store_url: str) -> None:
+    with Store(store_url) as store:
+        store.set_run(spec_digest="sha256:x", spec_toml="", name="r")
+        store.record_claim(
+            key="a", round=0, samples=5, group_json="[]", state_digest="sha256:d", duration_s=1.0, received_at=1.0
+        )
+        store.finalize_round(round=0, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=2.0)
+        store.record_sample(now=2.0, peers_online=1, samples_per_second=3.0)
+    engine = create_engine(store_url)
+    try:  # version 2: no states, no time split, no failed rounds in the samples
+        with engine.begin() as conn:
+            for column in ("states", *TIMING):
+                conn.execute(text(f"ALTER TABLE rounds DROP COLUMN {column}"))
+            conn.execute(text("ALTER TABLE swarm_samples DROP COLUMN rounds_failed"))
+            conn.execute(update(SchemaVersion).values(version=2))
+    finally:
+        engine.dispose()
+    with Store(store_url) as store:
+        assert [(r.round, r.samples, r.states, r.compute_s) for r in store.rounds()] == [(0, 5, None, None)]
+        assert [(p.at, p.rounds_failed) for p in store.samples(since=0.0)] == [(2.0, 0)]
+        store.record_claim(
+            key="a", round=1, samples=5, group_json="[]", state_digest="sha256:e", duration_s=1.0, received_at=3.0
+        )
+        timing = RoundTiming(compute_s=4.0, matchmaking_s=0.5, allreduce_s=1.5, landing_s=0.25, bytes_sent=9.0)
+        store.finalize_round(
+            round=1, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=4.0, timing=timing
+        )
+        store.record_sample(now=4.0, peers_online=1, samples_per_second=3.0, rounds_failed=2)
+        newest = store.rounds()[0]
+        assert (newest.states, newest.compute_s, newest.landing_s, newest.bytes_received) == (1, 4.0, 0.25, None)
+        assert store.samples(since=3.0)[0].rounds_failed == 2
 
 
 def test_a_decision_in_absentia_records_its_claim_and_credit_together(store: Store) -> None:
