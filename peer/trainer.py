@@ -1506,7 +1506,16 @@ class Trainer:
         if state.digest() not in accepted:  # the averager checked; check again where it is used
             raise VerificationError("downloaded state does not match the swarm's digest")
         round_ = state.round
-        carried = self._work_to_carry(round_)
+        self.roster.adopted(
+            self.swarm.roster_of(state.digest(), exclude=self.identity.public_key),
+            round_=round_,
+            me=self.identity.public_key.id,
+        )
+        carried: torch.Tensor | None = None
+        if self.roster.known:  # its own group made this state without it: its work is averaged in
+            self._drop_averaged_work(round_)
+        else:
+            carried = self._work_to_carry(round_)
         with self._state_lock:
             self.state = state
         if self._mirror is not None:
@@ -1523,11 +1532,6 @@ class Trainer:
                 if passed < round_:
                     self.journal.holds(passed, digest)
             self.journal.holds(round_, state.digest())
-        self.roster.adopted(
-            self.swarm.roster_of(state.digest(), exclude=self.identity.public_key),
-            round_=round_,
-            me=self.identity.public_key.id,
-        )
         self._launch_now, self._carry_over = True, carried
         logger.info(
             "adopted the swarm's state of round %d (%s), digest verified%s",
@@ -1553,6 +1557,20 @@ class Trainer:
             if update is not None and (update.round, update.pre) == (round_ - 1, pre) and update.post:
                 logger.info("round %d's update names the state its group made: finishing its report", round_)
                 self.journal.holds(round_, update.post)
+
+    def _drop_averaged_work(self, adopted_round: int) -> None:
+        """The state adopted is the one this peer's own group made while a reducer failed it
+        (``RosterBook.missed``): the group averaged this peer's parts in (its reporters name it,
+        and the coordinator credits it for that round in absentia), so carrying the same work
+        onto that state would weigh and claim it twice. Dropped; what the failed reducer's range
+        lacked of it is lost, a sliver of one round."""
+        self._uncounted = None
+        if self._unlanded != (0, 0.0):
+            logger.info(
+                "round %d's state holds this peer's work (its group averaged it in): not carrying it again",
+                adopted_round - 1,
+            )
+        self._unlanded = (0, 0.0)
 
     def _work_to_carry(self, adopted_round: int) -> torch.Tensor | None:
         """The local work the swarm has not counted yet (progress since this peer's start point,

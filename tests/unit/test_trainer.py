@@ -722,6 +722,14 @@ def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_
     assert swarm.seen == [m.id for m in [mine, *others]]  # their records count: they are its group
     # its record claims the roster only if it is in it: an adopter's record says nothing
     assert swarm.published[-1]["roster"] == (3 if holders == 2 else 0)
+    # its work: averaged in by its group, whose state it adopted (the group's reporters name it):
+    # carried again it would be weighed and claimed twice. Onto another state it is carried.
+    [(vector, _)] = swarm.launched
+    if holders == 2:
+        assert torch.equal(flatten(trainer.model), theirs.params) and trainer._unlanded == (0, 0.0)
+    else:
+        assert torch.equal(flatten(trainer.model), torch.add(theirs.params, -vector))
+        assert trainer._unlanded[0] > 0
 
 
 def test_work_more_than_two_rounds_stale_is_dropped() -> None:
