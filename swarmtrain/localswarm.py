@@ -253,8 +253,10 @@ class LocalCoordinator(Child):
         http_port: int = 0,
         extra: list[str] | None = None,
         host: str | None = None,
+        executable: list[str] | None = None,
     ) -> None:
-        """``host`` None: the coordinator's default (every interface), as an operator runs it."""
+        """``host`` None: the coordinator's default (every interface), as an operator runs it;
+        ``executable``: how to run ``swarmtrain`` (e.g. inside a network namespace)."""
         state_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             "coordinator",
@@ -272,7 +274,7 @@ class LocalCoordinator(Child):
             *(["--db", db_url] if db_url else []),
             *(extra or []),
         ]
-        super().__init__(argv, state_dir / "coordinator.log", "coordinator", {})
+        super().__init__(argv, state_dir / "coordinator.log", "coordinator", {}, executable=executable)
 
     def address(self, deadline_s: float = 120.0) -> str:
         """HOST:PORT of its gRPC API."""
@@ -289,8 +291,11 @@ class LocalCoordinator(Child):
 class LocalDataServer(Child):
     """A `swarmtrain data serve` child publishing a prepared directory on loopback."""
 
-    def __init__(self, directory: Path, log: Path, *, host: str = "127.0.0.1") -> None:
-        super().__init__(["data", "serve", str(directory), "--host", host, "--port", "0"], log, "data-server", {})
+    def __init__(
+        self, directory: Path, log: Path, *, host: str = "127.0.0.1", executable: list[str] | None = None
+    ) -> None:
+        argv = ["data", "serve", str(directory), "--host", host, "--port", "0"]
+        super().__init__(argv, log, "data-server", {}, executable=executable)
 
     def url(self, deadline_s: float = 60.0) -> str:
         """The base URL it serves the directory at (ends with /): a spec's ``data.url``."""

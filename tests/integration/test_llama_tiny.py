@@ -24,12 +24,14 @@ import shutil
 import subprocess
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmarks.netsim import Nat, WanSim
 from peer.data_assignment import ids_digest
 from peer.task.data import stdlib_files
 from peer.task.tokens import run_assignment
@@ -46,6 +48,8 @@ from swarmtrain.localswarm import (
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama-tiny.toml"
 ZEROS = "sha256:" + "0" * 64
+URL_MARK = "http://data.invalid/"
+"""The spec's data URL until the test knows where its data server listens."""
 ROUNDS = 5
 
 
@@ -79,30 +83,78 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     assert text.count(ZEROS) == 2
     text = text.replace(f'manifest = "{ZEROS}"', f'manifest = "{manifest}"')
     text = text.replace(f'tokenizer = "{ZEROS}"', f'tokenizer = "{tokenizer}"')
-    # the operator publishes the data (`swarmtrain data serve`); the volunteers fetch what they read
-    server = LocalDataServer(tmp / "data", tmp / "data-server.log")
-    text = text.replace('path = "data/llama-tiny"', f'path = "{tmp / "data"}"\nurl = "{server.url()}"')
+    text = text.replace('path = "data/llama-tiny"', f'path = "{tmp / "data"}"\nurl = "{URL_MARK}"')
     text = text.replace("max_rounds = 8", f"max_rounds = {ROUNDS}")
     spec = tmp / "llama-tiny.toml"
     spec.write_text(text)
-    try:
-        yield {"tmp": tmp, "spec": spec, "files": files}
-    finally:
-        server.stop()
+    yield {"tmp": tmp, "spec": spec, "files": files}
 
 
-def peer_args(address: str, key: Path, *extra: str) -> list[str]:
-    return ["--coordinator", address, "--host", "127.0.0.1", "--key", str(key), *extra]
+class Place:
+    """Where the run's processes live: a public host (coordinator, data server), a datacenter
+    volunteer, a rented GPU's and a home volunteer behind NAT (nftables masquerade), each in a
+    network namespace of its own behind its own link (``benchmarks.netsim``), where this machine
+    allows it (root, nft); else all on loopback, with every other check the same."""
+
+    HOSTS = ("public", "datacenter", "rented", "home")
+
+    def __init__(self, stack: ExitStack) -> None:
+        self.sim: WanSim | None = None
+        if os.geteuid() == 0 and shutil.which("nft") is not None:
+            sim = WanSim(list(self.HOSTS), rate="100mbit", prefix="llm", subnet="10.79.7.0/24", nat={"home": Nat()})
+            self.sim = stack.enter_context(sim)
+
+    def ip(self, host: str) -> str:
+        return self.sim.ip(host) if self.sim is not None else "127.0.0.1"
+
+    def listen(self) -> str:
+        """A peer's ``--host``: every interface of its namespace, or loopback."""
+        return "0.0.0.0" if self.sim is not None else "127.0.0.1"
+
+    def executable(self, host: str) -> list[str]:
+        """``swarmtrain`` as run on ``host``."""
+        inside = ["ip", "netns", "exec", self.sim.netns(host)] if self.sim is not None else []
+        return [*inside, *swarmtrain_executable()]
+
+
+def peer_args(address: str, key: Path, *extra: str, host: str = "127.0.0.1") -> list[str]:
+    return ["--coordinator", address, "--host", host, "--key", str(key), *extra]
 
 
 def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]) -> None:
-    tmp, spec_file = run_dir["tmp"], run_dir["spec"]
+    """Also the public run of issue #50, rehearsed (in namespaces where allowed, ``Place``): the
+    operator's coordinator and `swarmtrain data serve` on the public host, three volunteers
+    starting with empty data directories that fetch their shards over HTTP across their links,
+    the home one behind NAT reached through the coordinator's relay; afterwards the operator
+    exports the coordinator's archive and transformers loads and runs it."""
+    tmp = run_dir["tmp"]
+    with ExitStack() as stack:
+        place = Place(stack)
+        public = place.ip("public")
+        # the operator publishes the data (`swarmtrain data serve`); the volunteers fetch what they read
+        server = LocalDataServer(
+            tmp / "data", tmp / "data-server.log", host=public, executable=place.executable("public")
+        )
+        stack.callback(server.stop)
+        spec_file = tmp / "run.toml"
+        spec_file.write_text(run_dir["spec"].read_text().replace(URL_MARK, server.url()))
+        _train_and_check(run_dir, spec_file, place)
+
+
+def _train_and_check(run_dir: dict[str, Any], spec_file: Path, place: Place) -> None:
+    tmp = run_dir["tmp"]
     spec = load_spec(spec_file)
-    coordinator = LocalCoordinator(spec_file, tmp / "state", extra=["--log-to", f"tensorboard:{tmp / 'tb-swarm'}"])
+    coordinator = LocalCoordinator(
+        spec_file,
+        tmp / "state",
+        host=place.ip("public"),
+        extra=["--log-to", f"tensorboard:{tmp / 'tb-swarm'}", "--archive-every", "2"],
+        executable=place.executable("public"),
+    )
     peers: list[LocalPeer] = []
     try:
         address = coordinator.address()
-        for i in range(3):
+        for i, host in enumerate(("datacenter", "rented", "home")):
             logged = (
                 ["--log-to", f"tensorboard:{tmp / 'tb-peer0'}", "--checkpoint-dir", str(tmp / "ckpt0")]
                 if i == 0
@@ -111,7 +163,11 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
             # peer 2 computes the same steps its own way (a GPU's memory/speed choice): same run, same group
             own = ["--micro-batches", "2", "--activation-checkpointing", "on"] if i == 2 else []
             fetched = ["--data-dir", str(tmp / f"data-peer{i}")]  # empty: it fetches its shards
-            peers.append(LocalPeer(peer_args(address, tmp / f"k{i}", *logged, *own, *fetched), tmp, f"peer{i}"))
+            args = peer_args(address, tmp / f"k{i}", *logged, *own, *fetched, host=place.listen())
+            peers.append(LocalPeer(args, tmp, f"peer{i}", executable=place.executable(host)))
+        if place.sim is not None:  # the home volunteer: nobody can dial it, a relay carries it
+            network = peers[2].printed(r"^(network: .*)$", 120)
+            assert network.startswith(f"network: relayed at /ip4/{place.ip('public')}/tcp/"), network
         for peer, code in zip(peers, wait_all(peers, 240)):
             assert code == 0, "\n".join(peer.lines[-30:])
         assert any("computes with 2 micro-batches and activation checkpointing on" in line for line in peers[2].lines)
@@ -210,6 +266,10 @@ def test_three_peers_train_llama_tiny_on_prepared_tokens(run_dir: dict[str, Any]
         # tokenizer (which `data prepare` put beside the shards), its weights the checkpoint's
         exported_model(tmp / "ckpt0", tmp / "export", rows["peer0"])
 
+        # the operator's model out: the coordinator's archive, exported, loads and generates
+        wait_until(lambda: any((tmp / "state" / "archive").glob("round-*.pt")), 60, "an archived round")
+        exported_archive(tmp / "state", tmp / "export-archive")
+
         # peers whose data differs from the run's are refused, with one line naming the mismatch
         files = run_dir["files"]
         other_tok = tmp / "other-tokenizer"
@@ -235,6 +295,23 @@ def fetch(base: str, path: str) -> Any:
         return json.loads(response.read())
 
 
+def exported_archive(state_dir: Path, out: Path) -> None:
+    """`swarmtrain export` of the coordinator's state directory (its newest archived round), as
+    an operator takes the model home: transformers loads it and it generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    done = swarmtrain("export", str(state_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^exported round \d+ of llama-tiny \(1,262,720 parameters, llama\)", done.stdout, re.M), (
+        done.stdout
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    prompt = tokenizer("import os", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
+
+
 def exported_model(checkpoints: Path, out: Path, rows: list[dict[str, Any]]) -> None:
     """`swarmtrain export` of a peer's checkpoint directory: it loads with transformers, holds the
     checkpoint's state bit for bit, and generates text with the run's tokenizer."""
@@ -257,68 +334,3 @@ def exported_model(checkpoints: Path, out: Path, rows: list[dict[str, Any]]) -> 
     generated = model.generate(**prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     text = tokenizer.decode(generated[0][prompt["input_ids"].shape[1] :])
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 12 and text.strip(), text
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-@pytest.mark.skipif(shutil.which("nft") is None, reason="the NAT router needs nft (Debian's nftables)")
-def test_a_public_run_rehearsed_data_in_over_http_a_volunteer_behind_nat_and_the_model_out(
-    run_dir: dict[str, Any],
-) -> None:
-    """The public run of issue #50, rehearsed on this machine: the operator's coordinator and
-    `swarmtrain data serve` on a public host, a datacenter volunteer, a rented GPU's and a home
-    volunteer behind NAT (nftables masquerade), each on its own network namespace and link; every
-    volunteer starts with an empty data directory and fetches its shards over HTTP across its
-    link; the home volunteer is reached through a relay. After a few rounds the operator exports
-    the coordinator's archive, and transformers loads and runs it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from benchmarks.netsim import Nat, WanSim
-    from benchmarks.relay_loss import wait_line
-
-    tmp, names = run_dir["tmp"] / "rehearsal", ["datacenter", "rented", "home"]
-    tmp.mkdir()
-    source = run_dir["spec"].read_text()
-    with WanSim(["public", *names], rate="100mbit", prefix="rhs", subnet="10.79.7.0/24", nat={"home": Nat()}) as sim:
-        host = sim.ip("public")
-        spec = tmp / "run.toml"
-        spec.write_text(re.sub(r'^url = ".*"$', f'url = "http://{host}:8090/"', source, count=1, flags=re.M))
-        sw = [*swarmtrain_executable()]
-        served = tmp / "data-server.log"
-        sim.run("public", [*sw, "data", "serve", str(run_dir["tmp"] / "data"), "--host", host, "--port", "8090"],
-                stdout=served.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
-        coordinator_log = tmp / "coordinator.log"
-        argv = [*sw, "coordinator", "--spec", str(spec), "--state-dir", str(tmp / "state"), "--host", host]
-        argv += ["--grpc-port", "7500", "--dht-port", "7600", "--http-port", "8080", "--archive-every", "2"]
-        sim.run("public", argv, stdout=coordinator_log.open("w"), stderr=subprocess.STDOUT)
-        wait_line(coordinator_log, r"^peers join with:", 60)
-        volunteers = {}
-        for name in names:
-            argv = [*sw, "peer", "--coordinator", f"{host}:7500", "--host", "0.0.0.0", "--port", "7700"]
-            argv += ["--key", str(tmp / f"{name}.key"), "--data-dir", str(tmp / f"data-{name}")]
-            argv += ["--metrics-file", str(tmp / f"{name}.jsonl")]
-            log = (tmp / f"{name}.log").open("w")
-            volunteers[name] = sim.run(name, argv, stdout=log, stderr=subprocess.STDOUT)
-        line = wait_line(tmp / "home.log", r"^network: .*$", 120)
-        assert line.startswith("network: relayed at"), line
-        for name, proc in volunteers.items():
-            code = proc.wait(timeout=300)
-            assert code == 0, (tmp / f"{name}.log").read_text()[-3000:]
-        # data in: each volunteer fetched its own stream's shards over HTTP, and no more than it reads ahead
-        manifest = load_manifest(str(run_dir["tmp"] / "data"))
-        for name in names:
-            rows = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
-            averaged = [r for r in rows if r["averaged"]]
-            assert len(averaged) >= ROUNDS - 2, (name, [r["round"] for r in averaged])
-            on_disk = [e.file for e in manifest.train if (tmp / f"data-{name}" / e.file).is_file()]
-            assert 0 < len(on_disk) < len(manifest.train) / 2, (name, on_disk)
-        # model out: the coordinator's archive, exported as an operator does, loads and generates
-        wait_until(lambda: any((tmp / "state" / "archive").glob("*.pt")), 60, "an archived round")
-    out = tmp / "model"
-    done = swarmtrain("export", str(tmp / "state"), "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    assert re.search(r"^exported round \d+ of llama-tiny \(1,262,720 parameters, llama\)", done.stdout, re.M)
-    model = AutoModelForCausalLM.from_pretrained(str(out))
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    prompt = tokenizer("import os", return_tensors="pt")
-    generated = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
