@@ -29,7 +29,7 @@ def test_demo_trains_summarises_and_cleans_up(tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"
     workdir = tmp_path / "work"
     proc = subprocess.run(
-        [EXE, "demo", "--rounds", "4", "--summary-json", str(summary_path), "--workdir", str(workdir)],
+        [EXE, "demo", "--rounds", "3", "--summary-json", str(summary_path), "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         timeout=600,
