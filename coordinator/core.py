@@ -321,10 +321,11 @@ class Coordinator:
         summary = self.health.summary(now)
         rounds = self.store.rounds(limit=50)
         pace = rounds_per_hour(rounds, now) if summary.peers_online else 0.0
+        granted = self.store.granted_samples()
         progress = run_progress(
             self.spec,
             current_round=rounds[0].round if rounds else 0,
-            granted_samples=sum(c.samples for c in self.store.credits_by_peer().values()),
+            granted_samples=granted,
             samples_per_second=summary.samples_per_second,
             rounds_per_hour=pace,
         )
@@ -337,7 +338,7 @@ class Coordinator:
             peers_online=summary.peers_online,
             samples_per_second=summary.samples_per_second,
             rounds_per_hour=pace,
-            data=self.data_progress(),
+            data=self.data_progress(granted),
             rounds=self.round_view.figures(),
             peers=self.health.peers(),
             progress=progress,
@@ -400,13 +401,15 @@ class Coordinator:
             self.store.prune_samples(before=now - self.history_keep_s)
             self._pruned_at = now
 
-    def data_progress(self) -> DataProgress | None:
-        """Token runs: how far the run is through its data (tokens trained: granted samples x
-        sequence length; the data order's position in epochs, as reported); None otherwise."""
+    def data_progress(self, granted: int | None = None) -> DataProgress | None:
+        """Token runs: how far the run is through its data (tokens trained: the ``granted``
+        samples, by default the ledger's, x sequence length; the data order's position in
+        epochs, as reported); None otherwise."""
         if self.data_slots is None:
             return None
         seq_len = self.spec.sequence_length() or 0
-        granted = sum(c.samples for c in self.store.credits_by_peer().values())
+        if granted is None:
+            granted = self.store.granted_samples()
         return DataProgress(
             tokens_trained=granted * seq_len,
             epoch=self.data_epoch,

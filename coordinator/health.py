@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Concatenate, ParamSpec, TypeVar
@@ -64,6 +64,19 @@ PHASES: dict[str, PeerState] = {
 
 _SILENT = (PeerState.UNREACHABLE, PeerState.OFFLINE)
 _WORKING = ("training", "averaging")
+
+
+NETWORK_PATHS = ("direct", "announced", "relayed", "client", "unknown")
+"""How others reach a peer, as it said when it joined (``unknown``: it did not say)."""
+
+
+def network_paths(peers: Iterable[PeerHealth]) -> dict[str, int]:
+    """``peers`` counted by network path, every path named (0 where none)."""
+    counts = dict.fromkeys(NETWORK_PATHS, 0)
+    for peer in peers:
+        path = peer.network_path or "unknown"
+        counts[path] = counts.get(path, 0) + 1
+    return counts
 
 
 class UnknownPeerError(SwarmtrainError, ValueError):

@@ -25,7 +25,7 @@ from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.credits import OFFENCE
 from coordinator.exporter import ModelExporter
-from coordinator.health import PeerHealth
+from coordinator.health import network_paths
 from coordinator.http import schemas
 from coordinator.http.metrics import metrics_registry
 from protocol.identity import PublicKey
@@ -50,6 +50,7 @@ def create_app(
     def status() -> dict[str, Any]:
         with lock:
             snap = core.snapshot(now=clock())
+            online = core.health.online(snap.at)
         kept = archiver.checkpoints() if archiver is not None else []
         latest_checkpoint = kept[0] if kept else None
         return {
@@ -68,7 +69,7 @@ def create_app(
             "rounds_per_hour": snap.rounds_per_hour,
             "progress": dataclasses.asdict(snap.progress) if snap.progress is not None else None,
             "join": {"grpc_port": grpc_port, "coordinator_key": core.identity.public_key.id},
-            "network_paths": _network_paths(snap.peers),
+            "network_paths": {path: n for path, n in network_paths(online).items() if n},
         }
 
     @app.get("/api/v1/checkpoints", response_model=schemas.Checkpoints)
@@ -184,18 +185,6 @@ def create_app(
 
     _ = PublicKey  # keys are printed as public ids throughout
     return app
-
-
-def _network_paths(peers: list[PeerHealth]) -> dict[str, int]:
-    """Online peers by how others reach them (``direct``, ``announced``, ``relayed``, ``client``;
-    ``unknown`` for a peer that did not say)."""
-    counts: dict[str, int] = {}
-    for peer in peers:
-        if peer.state.value in ("offline", "unreachable"):
-            continue
-        path = peer.network_path or "unknown"
-        counts[path] = counts.get(path, 0) + 1
-    return counts
 
 
 def _local_ranks(hardware_json: str) -> int:

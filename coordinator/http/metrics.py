@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from coordinator.core import Coordinator
-from coordinator.health import PeerHealth
+from coordinator.health import PeerHealth, network_paths
 
 PEER_LABEL_CHARS = 20
 """Characters of a public id in the ``peer`` label (``ed25519:`` and 72 bits of the key)."""
@@ -142,9 +142,8 @@ class SwarmCollector(Collector):
             "Online peers by how others reach them (direct, announced, relayed, client; unknown: not said)",
             labels=["path"],
         )
-        said = [peer.network_path or "unknown" for peer in online]
-        for path in ("direct", "announced", "relayed", "client", "unknown"):
-            paths.add_metric([path], said.count(path))
+        for path, count in network_paths(online).items():
+            paths.add_metric([path], count)
         yield paths
         yield _gauge(
             "swarmtrain_hole_punched_connections",

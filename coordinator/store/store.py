@@ -395,6 +395,11 @@ class Store:
                 for k, n, f, r in s.execute(query.group_by(Credit.key))
             }
 
+    def granted_samples(self) -> int:
+        """Samples granted to every peer so far (one aggregate over the ledger)."""
+        with self._read() as s:
+            return int(s.scalar(select(func.coalesce(func.sum(Credit.samples), 0))) or 0)
+
     def credit_of(self, key: str) -> PeerCredit:
         """One peer's credit: granted so far, and claimed but not decided yet (its heartbeats
         show it this; both sums use the (key, round) indexes)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from swarmtrain.localswarm import LocalPeer
+from swarmtrain.localswarm import LocalPeer, start_peers
 from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, status, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -58,20 +58,7 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
                 )
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / "dashboard-empty.png"), full_page=True)
-                for i in range(2):
-                    args = [
-                        "--coordinator",
-                        address,
-                        "--host",
-                        "127.0.0.1",
-                        "--key",
-                        str(tmp_path / f"k{i}"),
-                        "--shard-seed",
-                        str(i),
-                        "--max-rounds",
-                        "500",
-                    ]
-                    peers.append(LocalPeer(args, tmp_path, f"peer{i}"))
+                peers += start_peers(spec, 2, tmp_path, ["--max-rounds", "500"], coordinator=address)
                 wait_for(
                     lambda: status(address).get("current_round", 0) >= 3 and status(address)["peers_online"] == 2,
                     180,

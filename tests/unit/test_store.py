@@ -473,23 +473,33 @@ def test_denials_by_peer_count_reasons(store: Store) -> None:
     assert store.denials_by_peer("50%_") == {}  # LIKE wildcards in the text are escaped
 
 
-def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
+def _an_older_database(store_url: str, version: int) -> None:
+    """A store holding one decided round (and one swarm sample), rewritten to what ``version``
+    looked like: version 2 had no rounds' states and time split, no failed rounds in the samples;
+    version 1 had neither those nor ``validation_loss`` nor ``data_slots``."""
     with Store(store_url) as store:
         store.set_run(spec_digest="sha256:x", spec_toml="", name="r")
         store.record_claim(
             key="a", round=0, samples=5, group_json="[]", state_digest="sha256:d", duration_s=1.0, received_at=1.0
         )
         store.finalize_round(round=0, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=2.0)
+        store.record_sample(now=2.0, peers_online=1, samples_per_second=3.0)
     engine = create_engine(store_url)
-    try:  # what version 1 looked like: no validation_loss, no data_slots, version 1 recorded
+    try:
         with engine.begin() as conn:
-            conn.execute(text("DROP TABLE data_slots"))
-            for column in ("validation_loss", "states", *TIMING):
+            dropped = ("states", *TIMING) if version == 2 else ("validation_loss", "states", *TIMING)
+            if version == 1:
+                conn.execute(text("DROP TABLE data_slots"))
+            for column in dropped:
                 conn.execute(text(f"ALTER TABLE rounds DROP COLUMN {column}"))
             conn.execute(text("ALTER TABLE swarm_samples DROP COLUMN rounds_failed"))
-            conn.execute(update(SchemaVersion).values(version=1))
+            conn.execute(update(SchemaVersion).values(version=version))
     finally:
         engine.dispose()
+
+
+def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
+    _an_older_database(store_url, 1)
     with Store(store_url) as store:
         assert plain(store.rounds()) == [
             {"round": 0, "state_digest": "sha256:d", "finalized_at": 2.0, "group_size": 1, "mean_loss": 2.0,
@@ -506,22 +516,7 @@ def test_a_version_1_database_is_migrated_in_place(store_url: str) -> None:
 
 
 def test_a_version_2_database_gains_the_rounds_time_split_and_keeps_its_rows(store_url: str) -> None:
-    with Store(store_url) as store:
-        store.set_run(spec_digest="sha256:x", spec_toml="", name="r")
-        store.record_claim(
-            key="a", round=0, samples=5, group_json="[]", state_digest="sha256:d", duration_s=1.0, received_at=1.0
-        )
-        store.finalize_round(round=0, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=2.0)
-        store.record_sample(now=2.0, peers_online=1, samples_per_second=3.0)
-    engine = create_engine(store_url)
-    try:  # version 2: no states, no time split, no failed rounds in the samples
-        with engine.begin() as conn:
-            for column in ("states", *TIMING):
-                conn.execute(text(f"ALTER TABLE rounds DROP COLUMN {column}"))
-            conn.execute(text("ALTER TABLE swarm_samples DROP COLUMN rounds_failed"))
-            conn.execute(update(SchemaVersion).values(version=2))
-    finally:
-        engine.dispose()
+    _an_older_database(store_url, 2)
     with Store(store_url) as store:
         assert [(r.round, r.samples, r.states, r.compute_s) for r in store.rounds()] == [(0, 5, None, None)]
         assert [(p.at, p.rounds_failed) for p in store.samples(since=0.0)] == [(2.0, 0)]
