@@ -31,7 +31,7 @@ class RosterBook:
 
     - ``size``: its roster size (0: unknown: the initial state, or released);
     - ``known``: this peer is in that roster (it landed the state by averaging, or its group
-      landed it without it: ``missed``);
+      landed it without it: ``missed``); a release keeps it (``refused``);
     - ``failures``: rounds in a row its group failed the roster rule at this state.
     """
 
@@ -76,7 +76,12 @@ class RosterBook:
     def refused(self, verdict: Verdict, digest: str) -> None:
         """This peer's round did not land at the state ``digest`` (its group failed the roster
         rule, no group formed, or a reducer failed it): after ``ROSTER_RELEASE_AFTER`` such
-        rounds in a row, stop claiming the roster."""
+        rounds in a row, stop claiming the roster's size. It stays ``known``: it is still one of
+        the members that made the state, so it counts toward the majority a holder that still
+        claims the size asks for. A newcomer that adopted the state before the release claims
+        the size and is not known; released members that counted for nothing beside it failed
+        every group they formed with it until it released too (two NAT'ed peers whose relays
+        both died, with a new volunteer: a minute without a round)."""
         self._missed = None
         self.failures = self.failures + 1 if self._state == digest else 1
         self._state = digest
@@ -87,4 +92,4 @@ class RosterBook:
                 self.size,
                 verdict.reason,
             )
-            self.size, self.known = 0, False
+            self.size = 0

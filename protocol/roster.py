@@ -28,7 +28,10 @@ took (``peer.roster_book.RosterBook.adopted``): else the next round's leader, mi
 wait out its window. A swarm
 where more than half of the roster left at once would never pass again, so a member that
 failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers ``roster``
-0 (unknown); a group where nobody claims a roster needs only ``min_group_size`` holders
+0 (it claims no size) but stays ``known`` (it is still one of the roster: where another holder
+still claims the size, it counts toward that majority, and two disjoint groups still cannot
+both hold more than half of one roster); a group where nobody claims a roster needs only
+``min_group_size`` holders
 (the initial state, or after a release: the one case two groups could both land). Such a
 group, before it lands, looks at the digest records (``landed_beside``): if a peer whose vote
 counts, outside the group, says it landed a later round by averaging within the last

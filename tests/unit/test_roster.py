@@ -121,12 +121,35 @@ def test_a_peer_releases_its_roster_after_repeated_refusals() -> None:
         book.refused(refusal, D)
         assert book.size == 9, attempt
     book.refused(refusal, D)
-    assert (book.size, book.known) == (0, False)
+    assert (book.size, book.known) == (0, True)  # it claims no size, and is still one of the roster
     book.adopted(RosterClaim(4, frozenset()), round_=6, me="x")
     assert (book.size, book.known) == (4, False)
     book.refused(refusal, D)
     book.refused(refusal, E)  # another state: the count starts again
     assert book.size == 4
+
+
+def test_members_that_released_their_roster_count_toward_a_newcomers_claim_of_it() -> None:
+    """Two members of a roster of 3 released it (their rounds found no group while their relays
+    were gone); a newcomer that adopted the state before the release still claims the size.
+    The two are 2 of the 3 members: their group with it lands, and its leader may close once
+    the third is gone. Before, released members counted as unknown and every such group failed
+    until the newcomer released too."""
+    book = RosterBook()
+    book.landed([member(3)] * 3)
+    for _ in range(ROSTER_RELEASE_AFTER):
+        book.refused(verdict([member(3)], min_group_size=2), D)
+    released = member(book.size, known=book.known)
+    newcomer = member(3, known=False)
+    group = [released, released, newcomer]
+    found = verdict(group, min_group_size=2)
+    assert found.lands and found.roster == 3, found
+    assert not leader_may_close(group)  # the third member: the leader asks whether it is there
+    assert leader_may_close(group, left={"gone"})
+    # one released member and the newcomer: 1 of 3 is no majority, as before the release
+    assert not verdict([released, newcomer], min_group_size=2).lands
+    # nobody claims a size any longer: the group needs min_group_size holders, as before
+    assert verdict([released, released], min_group_size=2).lands
 
 
 def named(i: int, roster: int = 5, digest: str = D, round_: int = 5) -> Gathered:
