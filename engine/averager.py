@@ -42,7 +42,7 @@ from engine.fragments import fragment_bounds, fragment_group_id
 from engine.link_timeouts import CAP as LINK_CAP
 from engine.link_timeouts import RoundTimeouts, stretched
 from engine.liveness import LivenessMixin
-from engine.matchmaking import equal_shares, gathered_metadata, round_group_bits
+from engine.matchmaking import KeptRosters, equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
 from engine.process_signals import OwnSignals
 from engine.receipts import ReceiptSigner
@@ -456,6 +456,28 @@ class ExactAverager(
 
     async def _abandon_search(self, future: MPFuture[bool]) -> None:
         future.set_result(await self._matchmaking.give_up_search())
+
+    def kept_rosters(self, timeout_s: float = ABANDON_ANSWER_S) -> KeptRosters:
+        """The rosters this averager's matchmaking remembers (``RoundMatchmaking.kept_rosters``;
+        none if its process does not answer within ``timeout_s``)."""
+        future: MPFuture[KeptRosters] = MPFuture()
+        self._outer_pipe.send(("_kept_rosters", [], dict(future=future)))
+        try:
+            return future.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the averager process is busy or gone: nothing to keep
+            logger.debug("could not read the kept rosters: %s", exc)
+            return {}
+
+    async def _kept_rosters(self, future: MPFuture[KeptRosters]) -> None:
+        future.set_result(self._matchmaking.kept_rosters())
+
+    def keep_rosters(self, kept: KeptRosters) -> None:
+        """Hand ``kept`` (a former averager's ``kept_rosters`` of this peer) to this one's
+        matchmaking, before the next step (the pipe keeps the order)."""
+        self._outer_pipe.send(("_keep_rosters", [], dict(kept=kept)))
+
+    async def _keep_rosters(self, kept: KeptRosters) -> None:
+        self._matchmaking.keep_rosters(kept)
 
     def set_request_timeout(self, timeout_s: float) -> None:
         """How long this peer's join requests wait for a leader's answer from now on (hivemind's

@@ -42,6 +42,7 @@ from protocol.roster import leader_may_close, leavers, produced_state, verdict
 from protocol.statesync import collect_records, digest_key
 
 __all__ = [
+    "KeptRosters",
     "PacedKeyManager",
     "RoundMatchmaking",
     "RoundPotentialLeaders",
@@ -52,6 +53,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+KeptRosters = dict[int, tuple[frozenset[str], dict[str, bytes]]]
+"""The rosters a matchmaking remembers, by the round of the state each made: the members' public
+ids and their libp2p peer ids as bytes (``RoundMatchmaking.kept_rosters``; picklable, to cross
+from the averager's process to the next averager's)."""
 
 STALE_REQUEST_FRACTION = 0.5
 """A join request that waited longer than this fraction of ``request_timeout`` before the
@@ -217,7 +223,7 @@ class RoundMatchmaking(Matchmaking):
         metadata = self._metadata()  # parsed once per round (the bound is read at every join)
         members = [data for data in metadata if data is not None]
         left = self._left()
-        if not leader_may_close(members, left):
+        if not self._may_close(members, left):
             self._watch_leaves(members)
         elif self._first_in_line():
             if self._grace_left() > 0:
@@ -253,6 +259,50 @@ class RoundMatchmaking(Matchmaking):
         for old in sorted(rosters)[:-ROSTERS_KEPT]:
             del rosters[old]
             where.pop(old, None)
+
+    def kept_rosters(self) -> KeptRosters:
+        """The rosters this matchmaking remembers (``note_group``), to hand to the next one of
+        this peer (``keep_rosters``): a relayed peer that moves its swarm to a new relay
+        restarts its averager, and a leader that forgot the roster of its state could neither
+        count a leave nor ask a missing member whether it is there: it waited out its window."""
+        rosters: dict[int, frozenset[str]] = self.__dict__.get("_rosters", {})
+        where: dict[int, dict[str, PeerID]] = self.__dict__.get("_roster_peers", {})
+        return {
+            round_: (ids, {name: peer.to_bytes() for name, peer in where.get(round_, {}).items()})
+            for round_, ids in rosters.items()
+        }
+
+    def keep_rosters(self, kept: KeptRosters) -> None:
+        """Remember ``kept`` (another matchmaking's ``kept_rosters`` of this peer) beside what
+        this one noted itself, which wins."""
+        rosters: dict[int, frozenset[str]] = self.__dict__.setdefault("_rosters", {})
+        where: dict[int, dict[str, PeerID]] = self.__dict__.setdefault("_roster_peers", {})
+        for round_, (ids, peers) in kept.items():
+            if round_ not in rosters:
+                rosters[round_] = frozenset(ids)
+                where[round_] = {name: PeerID(peer) for name, peer in peers.items() if name in ids}
+        for old in sorted(rosters)[:-ROSTERS_KEPT]:
+            del rosters[old]
+            where.pop(old, None)
+
+    def _may_close(self, members: Sequence[Gathered], left: frozenset[str]) -> bool:
+        """Whether this leader may start the all-reduce before its window ends: the roster its
+        group's holders claim is in or left (``protocol.roster.leader_may_close``), or, where
+        they claim none (they released it after rounds without a group,
+        ``peer.roster_book.RosterBook.refused``), every member of the roster this peer saw make
+        the group's state, by name, is in the group or left, and the group lands by the rule.
+        Closing picks who is in the round, never which state lands (``protocol.roster.verdict``
+        does); without this, the first round after an outage that made the members release
+        waited out its whole window although all of them were back."""
+        if leader_may_close(members, left):
+            return True
+        produced = produced_state(members)
+        roster = self.__dict__.get("_rosters", {}).get(produced[0] - 1) if produced is not None else None
+        if not roster:
+            return False
+        present = {data.id for data in members if data.id}
+        smallest: int = self.__dict__.get("_min_group_size", 1)
+        return roster <= present | left and verdict(list(members), min_group_size=smallest).lands
 
     def _left(self) -> frozenset[str]:
         """Roster members of this step's state that left cleanly or did not answer, as last read."""
@@ -320,7 +370,7 @@ class RoundMatchmaking(Matchmaking):
                     self.__dict__["_left_seen"] = (step, left, gone)
                     if silence - left - now_present:
                         logger.info("%d member(s) of the roster do not answer: not waiting for them", len(gone))
-                    if leader_may_close(current, left | gone):
+                    if self._may_close(current, left | gone):
                         self._close_after(0.0, step)
                 await asyncio.sleep(LEAVE_POLL_S)
 

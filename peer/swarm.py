@@ -330,7 +330,7 @@ class Swarm:
     def move_to(self, dht_kwargs: dict[str, Any]) -> threading.Event:
         """Restart the DHT node and the averager with ``dht_kwargs`` (new announced addresses: a
         relayed peer whose relays all left, ``peer.relay_keeper``) under the same libp2p
-        identity, at the start of the next round, on the trainer's thread (nothing else of the
+        identity, keeping the rosters its matchmaking remembers, at the start of the next round, on the trainer's thread (nothing else of the
         swarm is in use then); a round still matchmaking is given up for it. The event is set once the swarm
         runs again there."""
         move = _Move(dict(dht_kwargs), threading.Event())
@@ -346,6 +346,7 @@ class Swarm:
             return
         started = time.monotonic()
         provider = self.averager.state_provider
+        rosters = self.averager.kept_rosters()  # the next round's leader asks after its roster's members
         try:
             known: list[bytes] = self.dht.run_coroutine(_routing_peers)
         except Exception as exc:  # noqa: BLE001 - the old node may be gone already: nobody to greet
@@ -357,6 +358,7 @@ class Swarm:
         self.dht, self.averager = self._open()
         self.run_records = RunRecords(self.dht, self.averager.prefix)
         self.averager.state_provider = provider
+        self.averager.keep_rosters(rosters)
         if self._allreduce_timeout_s is not None:
             self.averager.set_allreduce_timeout(self._allreduce_timeout_s)
         self._in_flight, self._reading, self._records = None, None, (-math.inf, [])

@@ -434,3 +434,59 @@ def test_a_later_round_landed_outside_the_group_fences_a_group_without_a_roster(
     found = landed_beside(records, round_=5, group={partner.signer.id}, eligible=eligible, since=900.0)
     assert found == {beside.signer.id}
     assert not landed_beside(quiet + [partner], round_=5, group={partner.signer.id}, eligible=eligible, since=900.0)
+
+
+def test_a_matchmaking_hands_its_rosters_to_the_next_one_of_its_peer() -> None:
+    """A relayed peer that moves its swarm to a new relay restarts its averager
+    (``peer.swarm.Swarm.move_to``): the new matchmaking takes the rosters the old one noted, by
+    name and libp2p id, across processes (they pickle), so that the next round's leader can
+    ask a missing member whether it is there instead of waiting out its window; what the new
+    one noted itself wins, and no more than ``ROSTERS_KEPT`` are kept."""
+    import pickle
+
+    from hivemind.p2p import PeerID
+
+    from engine.matchmaking import ROSTERS_KEPT
+
+    old = _matchmaking(None, 2, member(3), [])
+    made = [named(i, roster=3, round_=r) for r in (1, 2, 3, 4, 5) for i in range(3)]
+    for r in (1, 2, 3, 4, 5):
+        old.note_group([m for m in made if m.round == r], peers={f"p{i}": PeerID(f"q{i}".encode()) for i in range(3)})
+    kept = pickle.loads(pickle.dumps(old.kept_rosters()))
+    assert sorted(kept) == [3, 4, 5, 6][-ROSTERS_KEPT:]
+    assert kept[6] == (frozenset({"p0", "p1", "p2"}), {f"p{i}": f"q{i}".encode() for i in range(3)})
+
+    new = _matchmaking(None, 2, member(3), [])
+    new.note_group([named(7, roster=2, round_=5), named(8, roster=2, round_=5)])  # its own view of round 6's state
+    new.keep_rosters(kept)
+    mine = new.kept_rosters()
+    assert mine[6][0] == {"p7", "p8"}  # its own, not the handed one
+    assert mine[5] == kept[5] and new.__dict__["_roster_peers"][5]["p1"] == PeerID(b"q1")
+    assert len(mine) <= ROSTERS_KEPT
+
+
+def test_a_leader_whose_members_released_the_roster_closes_once_the_roster_it_saw_is_back() -> None:
+    """Its members released the roster's size (rounds without a group while their relays were
+    gone): nobody claims one, so the claimed roster cannot end the wait. The leader saw the
+    group of p0, p1 and p2 make the state: once p1 and p2 are back (or one is in and the other
+    did not answer), it starts the round instead of waiting out its window; without that
+    roster, or with a member still missing, it waits as before."""
+    released = [named(i, roster=0) for i in range(3)]
+    for member_ in released:
+        assert member_.known and member_.roster == 0
+
+    def leader(followers: list[Gathered], saw: bool = True) -> Any:
+        made = _matchmaking(None, 2, released[0], followers)
+        if saw:  # the group that made round 5's state: p0, p1, p2 (at round 4)
+            made.note_group([named(i, roster=3, round_=4) for i in range(3)])
+        return made
+
+    assert leader(released[1:]).target_group_size == 3
+    assert leader(released[1:], saw=False).target_group_size is None  # the window decides
+    assert leader(released[1:2]).target_group_size is None  # p2 may still come
+    one_gone = leader(released[1:2])
+    one_gone.__dict__["_left_seen"] = (one_gone.step_control, frozenset(), frozenset({"p2"}))
+    assert one_gone.target_group_size == 2
+    # a newcomer beside them changes nothing: the roster it saw is in
+    newcomer = replace(member(0, known=False), id="new")
+    assert leader([*released[1:], newcomer]).target_group_size == 4
