@@ -209,8 +209,8 @@ def test_relayed_peers_go_on_through_their_other_relay_and_find_a_new_one_when_b
     other again at the other relay, with no restart. SIGKILL the other: nobody can dial them, and
     each says so. A third volunteer comes with a relay: each NAT'ed peer takes a port there, moves
     its swarm to it (``peer.relay_keeper``), and averages again, with one state among the averaged
-    members throughout. How many rounds that takes is ``make bench-relay-loss``'s figure (the
-    issue's bound: two rounds); printed here."""
+    members throughout, within the issue's bound of two rounds after the new relay is listed
+    (``make bench-relay-loss`` measures it over several runs: one round, ~9 s)."""
     figures = relay_loss.run(tmp_path)
     ip = figures.ips
     relays = f"/ip4/({re.escape(ip['ra'])}|{re.escape(ip['rb'])})/tcp/\\d+"
@@ -220,6 +220,7 @@ def test_relayed_peers_go_on_through_their_other_relay_and_find_a_new_one_when_b
         moved = f"network: relayed at /ip4/{re.escape(ip['rc'])}/tcp/\\d+ \\(its relays left; a port on the relay of volunteer "
         assert re.match(moved, figures.moved[name]), figures.moved
     assert figures.split_rounds == {}, figures.split_rounds
+    assert all(n <= relay_loss.BOUND_ROUNDS for n in figures.rounds_after_new_relay.values()), figures
     print(
         f"rounds before averaging again: at the other relay {figures.rounds_after_first_kill}, after the new relay "
         f"was listed {figures.rounds_after_new_relay} ({figures.seconds_after_new_relay} s)",
