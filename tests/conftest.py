@@ -85,21 +85,7 @@ BESIDE_SWARMS = {
 }
 """Integration and end-to-end tests that start no swarm of peer processes (a few in-process
 averagers or DHT nodes, or one child process at a time; the outage tests' two tiny peers wait
-for their coordinator, or average a few rounds without it): mostly waiting, they run beside the
-swarm tests."""
-
-
-SECOND_LANE = {
-    "test_authorized_averaging.py",
-    "test_coordinator_crash.py",
-    "test_fault_tolerance.py",
-    "test_forged_state.py",
-    "test_hostile_peers.py",
-    "test_nat.py",
-}
-"""Swarm tests that run one at a time in a lane of their own, beside the other swarm tests'
-lane (about half of the swarms' time each). Two swarms at once fit this machine's two cores
-since a waiting peer no longer spins DHT lookups (``engine.matchmaking.PacedKeyManager``)."""
+for their coordinator, or average a few rounds without it): they keep pytest-timeout's 300 s."""
 
 
 SWARM_TIMEOUT_S = 600
@@ -111,39 +97,64 @@ only a guard against a hang: it is no measure of speed, and a chain that took 90
 beside the other lane took more than 300 s on a machine 1.5x slower with every step inside
 its own deadline (``test_coordinator_crash``)."""
 
-LIGHT_FIRST = ("test_bad_tensors.py", "test_doctor.py", "test_cli.py", "test_broken_member.py", "test_state_sync.py")
-"""The longest light files (about 30-120 s each here), handed out before the other light ones:
-the longest first makes the two workers' last minutes even."""
+EXPECTED_S = {
+    "test_nat.py": 340,
+    "test_hostile_peers.py": 260,
+    "test_coordinator_crash.py": 210,
+    "test_forged_state.py": 180,
+    "test_local_ranks.py": 165,
+    "test_one_swarm.py": 145,
+    "test_slow_joiner.py": 140,
+    "test_llama_tiny.py": 135,
+    "test_bad_tensors.py": 125,
+    "test_archive.py": 120,
+    "test_readme.py": 115,
+    "test_swarm_training.py": 115,
+    "test_coordinator_outage.py": 105,
+    "test_authorized_averaging.py": 95,
+    "test_fault_tolerance.py": 95,
+    "test_reachability_and_leave.py": 80,
+    "test_cli.py": 75,
+    "test_killed_peer_credit.py": 70,
+    "test_coordinator_swarm.py": 60,
+    "test_state_sync.py": 45,
+    "test_clean_leave.py": 45,
+    "test_compiled_blocks.py": 40,
+    "test_doctor.py": 40,
+    "test_demo.py": 40,
+    "test_readme_swarm.py": 35,
+    "test_dashboard.py": 35,
+    "test_broken_member.py": 30,
+}
+"""The integration and end-to-end files of 30 s or more, with their seconds in a ``make test``
+here (the junit times of two runs, rounded), which orders them (longest first); any other file
+counts as ``OTHER_FILE_S``. A wrong figure costs balance, never a result."""
+OTHER_FILE_S = 20.0
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup --no-loadscope-reorder``),
-    the tests that start swarms of processes (integration, e2e) run in two lanes, one test at
-    a time in each (``SECOND_LANE``). xdist hands out the groups in the order of the
-    collection, so the items are put in that order: the two lanes first (each worker starts
-    on one), then the light tests (``BESIDE_SWARMS``, one group per file: a file's module
-    fixtures run once; ``LIGHT_FIRST`` first), then the unit tests (one test each). Whichever
-    worker is free takes the next one, beside the lane still running and at the end, so that
-    both workers finish together."""
-    order: dict[int, tuple[int, int, int]] = {}
+    each integration or end-to-end file is one group (one worker runs all of it, so a file's
+    module fixtures, a shared swarm, run once), handed out longest first (``EXPECTED_S``), then
+    the unit tests, one test each. xdist hands out the groups in the order of the collection,
+    and whichever worker is free takes the next: the long swarms start first, the files that
+    mostly wait (an outage of 60 s, a link of 220 kbit/s) run beside swarms that use the CPU
+    rather than beside each other at the end, and the last minutes are short files and unit
+    tests, so both workers finish together. (The swarm files ran in two lanes before, then the
+    light files: those waited side by side at the end, with the CPU 25-50% idle for minutes.)
+    A test that starts a swarm gets ``SWARM_TIMEOUT_S``."""
+    order: dict[int, tuple[int, float, int]] = {}
     for index, item in enumerate(items):
         parts = item.path.parts
         if "unit" in parts:
-            order[id(item)] = (4, 0, index)
+            order[id(item)] = (1, 0.0, index)
             continue
         name = item.path.name
-        first = LIGHT_FIRST.index(name) if name in LIGHT_FIRST else 0
-        if name in BESIDE_SWARMS:
-            group, rank = f"light-{item.path.stem}", 2 if name in LIGHT_FIRST else 3
-        elif name in SECOND_LANE:
-            group, rank = "swarms-b", 0
-        else:
-            group, rank = "swarms", 1
-        if rank < 2 and item.get_closest_marker("timeout") is None:
+        if name not in BESIDE_SWARMS and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SWARM_TIMEOUT_S))
-        order[id(item)] = (rank, first, index)
-        item.add_marker(pytest.mark.xdist_group(group))
+        order[id(item)] = (0, -EXPECTED_S.get(name, OTHER_FILE_S), index)
+        item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(REPO_ROOT))))
     items.sort(key=lambda item: order[id(item)])
 
 
