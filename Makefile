@@ -53,13 +53,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
+BESIDE_LOG ?= /tmp/swarmtrain-beside-swarms-$$$$.log
+BESIDE_JUNIT ?=
 test: $(STAMP) web lint
 	@.ci/chromium.sh || echo "the dashboard's browser test will be skipped"
 	@.ci/nftables.sh || echo "the NAT lab's tests will be skipped"
 	@url=$$(.ci/postgres.sh start $(PG_DIR) $(PG_PORT) 2>/tmp/swarmtrain-pg.err) \
 		|| { echo "PostgreSQL unavailable: $$(cat /tmp/swarmtrain-pg.err); its tests are skipped"; url=""; }; \
-	SWARMTRAIN_TEST_POSTGRES_URL=$$url $(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=20 tests; code=$$?; \
-	.ci/postgres.sh stop $(PG_DIR); exit $$code
+	export SWARMTRAIN_TEST_POSTGRES_URL=$$url; \
+	$(PY) -m pytest -q -m beside_swarms --durations=10 $(BESIDE_JUNIT:%=--junitxml=%) tests > $(BESIDE_LOG) 2>&1 & beside=$$!; \
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not beside_swarms" --durations=20 tests; code=$$?; \
+	wait $$beside; beside_code=$$?; \
+	echo "--- the unit and light integration tests, run beside the swarms (tests/conftest.py):"; cat $(BESIDE_LOG); rm -f $(BESIDE_LOG); \
+	.ci/postgres.sh stop $(PG_DIR); [ $$code -ne 0 ] && exit $$code; exit $$beside_code
 
 # The suite as a slower or shared machine runs it: `make test` with a busy loop on one core
 # beside it (LOAD=2: both cores); CPUS=1.33 also caps the suite and the loops at 1.33 CPUs in

@@ -85,7 +85,8 @@ BESIDE_SWARMS = {
 }
 """Integration and end-to-end tests that start no swarm of peer processes (a few in-process
 averagers or DHT nodes, or one child process at a time; the outage tests' two tiny peers wait
-for their coordinator, or average a few rounds without it): they keep pytest-timeout's 300 s."""
+for their coordinator, or average a few rounds without it): mostly waiting, they keep
+pytest-timeout's 300 s and, with the unit tests, carry the ``beside_swarms`` mark."""
 
 
 SWARM_TIMEOUT_S = 600
@@ -134,24 +135,29 @@ OTHER_FILE_S = 20.0
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup --no-loadscope-reorder``),
-    each integration or end-to-end file is one group (one worker runs all of it, so a file's
-    module fixtures, a shared swarm, run once), handed out longest first (``EXPECTED_S``), then
-    the unit tests, one test each. xdist hands out the groups in the order of the collection,
-    and whichever worker is free takes the next: the long swarms start first, the files that
-    mostly wait (an outage of 60 s, a link of 220 kbit/s) run beside swarms that use the CPU
-    rather than beside each other at the end, and the last minutes are short files and unit
-    tests, so both workers finish together. (The swarm files ran in two lanes before, then the
-    light files: those waited side by side at the end, with the CPU 25-50% idle for minutes.)
-    A test that starts a swarm gets ``SWARM_TIMEOUT_S``."""
+    """``make test`` runs the suite in two pytest sessions at once. The tests that start swarms
+    of peer processes (integration and e2e files not in ``BESIDE_SWARMS``) run under
+    pytest-xdist (``-n 2 --dist loadgroup --no-loadscope-reorder -m "not beside_swarms"``):
+    each file is one group (one worker runs all of it, so a file's module fixtures, a shared
+    swarm, run once), handed out longest first (``EXPECTED_S``) to whichever worker is free, so
+    that both finish together. Beside them, one more session runs the rest in order
+    (``-m beside_swarms``: the light files, longest first, then the unit tests): the light
+    files mostly wait (a 60 s coordinator outage, killed peers' outages, state transfers), and
+    the two workers left the CPU 18-40% idle while they ran there, so the two sessions never
+    run more than two swarms at once and leave less of it idle. A test that starts a swarm gets
+    ``SWARM_TIMEOUT_S``."""
     order: dict[int, tuple[int, float, int]] = {}
+    beside = pytest.mark.beside_swarms
     for index, item in enumerate(items):
         parts = item.path.parts
         if "unit" in parts:
             order[id(item)] = (1, 0.0, index)
+            item.add_marker(beside)
             continue
         name = item.path.name
-        if name not in BESIDE_SWARMS and item.get_closest_marker("timeout") is None:
+        if name in BESIDE_SWARMS:
+            item.add_marker(beside)
+        elif item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SWARM_TIMEOUT_S))
         order[id(item)] = (0, -EXPECTED_S.get(name, OTHER_FILE_S), index)
         item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(REPO_ROOT))))
