@@ -330,9 +330,9 @@ class Swarm:
     def move_to(self, dht_kwargs: dict[str, Any]) -> threading.Event:
         """Restart the DHT node and the averager with ``dht_kwargs`` (new announced addresses: a
         relayed peer whose relays all left, ``peer.relay_keeper``) under the same libp2p
-        identity, keeping the rosters its matchmaking remembers, at the start of the next round, on the trainer's thread (nothing else of the
-        swarm is in use then); a round still matchmaking is given up for it. The event is set once the swarm
-        runs again there."""
+        identity, keeping the rosters its matchmaking remembers, at the start of the next round,
+        on the trainer's thread (nothing else of the swarm is in use then); a round still
+        matchmaking is given up for it. The event is set once the swarm runs again there."""
         move = _Move(dict(dht_kwargs), threading.Event())
         self._move = move
         flight = self._in_flight

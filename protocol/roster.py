@@ -169,8 +169,9 @@ def leader_may_close(members: Sequence[Gathered], left: Iterable[str] = ()) -> b
     its window ends: every member of the roster of the group's state is in (the roster's
     ``known`` members, as many as the roster claims) or has left it (``left``: public ids of
     roster members that said they stopped cleanly holding the group's state, ``leavers``).
-    Without a claimed roster the leader waits out its window (the first round, or after a
-    roster release). A leave only ends the wait: ``verdict`` still needs more than half of the
+    Without a claimed roster this rule does not close (the first round, or after a roster
+    release); a leader that saw the state made closes by its roster's names instead
+    (``engine.matchmaking.RoundMatchmaking._may_close``). A leave only ends the wait: ``verdict`` still needs more than half of the
     whole roster in the group, so a "leaver" that lies lowers no majority."""
     _stated, agreed = _agreed(members)
     if agreed is None:
