@@ -897,7 +897,7 @@ class Trainer:
         result = flight.result
         metrics = self._round_metrics(flight, self.state.round)
         checkpoint = result is not None and self.state.round % self.options.checkpoint_every == 0
-        kept = (self.state.round - 1, flight.pre_digest, list(result.left_out)) if result and self.in_sync else None
+        kept = (self.state.round - 1, flight.pre_digest, list(result.left_out)) if result and flight.counted else None
         at = time.time() if kept is not None else None
         self._landed = _Landed(metrics, checkpoint, flight.prep_s + flight.host_s, kept, at)
         if digest_known:
@@ -921,7 +921,12 @@ class Trainer:
             compute_s=round(flight.compute_s, 4),
             wait_s=round(flight.wait_s, 4),
             wall_s=round(flight.compute_s + (time.monotonic() - flight.launched_at), 4),
-            in_sync=self.in_sync,
+            # an averaged round's row says whether it counted (it started from its group's state),
+            # not what the peer is by the time the row is written: with the landing on its own
+            # thread, a peer whose round did not count may re-sync before its row is recorded,
+            # and its row then named its own stale landing "in sync" (the churn lab counted it
+            # as a second state and as credit lost, which the coordinator had rightly denied)
+            in_sync=flight.counted if result is not None else self.in_sync,
             averaged=result is not None,
             members=result.members if result else [],
             offenders=result.offenders if result else {},
@@ -1044,6 +1049,7 @@ class Trainer:
         self._adapt_timeouts(result)
         self._uncounted = None
         counted = result is not None and result.started_in_sync(self.state.round, flight.pre_digest)
+        flight.counted = counted
         if not counted:  # its work stays in the model (or goes with it onto the state it adopts next)
             samples, seconds = self._unlanded
             self._unlanded = (samples + flight.samples + flight.carried, seconds + flight.compute_s + flight.carried_s)
@@ -1073,7 +1079,6 @@ class Trainer:
             keep_progress = self.overlap and model_is_finite(self.model)
             outer = self._outer()
             if self.options.host_thread and keep_progress and self._launch_point is not None and not self.ranks.sharded:
-                flight.counted = counted
                 feedback = self.feedback if flight.compensated and counted else None
                 return self._landing_thread().submit(
                     self._land_global, result.averaged, outer, feedback, flight.eager, result.left_out

@@ -1203,3 +1203,36 @@ def test_a_search_for_a_window_is_the_shortest_that_declares_it() -> None:
         search = search_for_window(window)
         assert matchmaking_window(search) >= window
         assert matchmaking_window(search * 0.99) < window
+
+
+def test_an_averaged_rows_in_sync_says_whether_its_round_counted_not_what_the_peer_is_later() -> None:
+    """With the landing on its own thread, a round's row is written after the landing, and a
+    peer whose round did not count (it started from another state than its group) may have
+    re-synced by then (``in_sync`` True again). Its row then called its own stale landing "in
+    sync": the churn lab counted the round as two states and the claim the coordinator denied as
+    credit lost. The row says whether the round counted; a failed round's row says whether the
+    peer is still in sync."""
+    from concurrent.futures import Future
+
+    from peer.trainer import _InFlight
+
+    trainer, _swarm = make_trainer(overlap=True)
+    done: Future[Any] = Future()
+    done.set_result(None)
+    flight = _InFlight(
+        pending=done,  # type: ignore[arg-type]
+        compensated=True,
+        samples=8,
+        loss=1.0,
+        compute_s=0.1,
+        pre_digest="stale",
+        launched_at=0.0,
+        result=RoundResult(torch.zeros_like(trainer.state.params), 8, [], 10, 10, 0.0),
+    )
+    trainer.in_sync = True  # it re-synced after the landing, before the row was written
+    flight.counted = False
+    assert not trainer._round_metrics(flight, 3).in_sync
+    flight.counted = True
+    assert trainer._round_metrics(flight, 3).in_sync
+    failed = replace(flight, result=None, counted=False)
+    assert trainer._round_metrics(failed, 3).in_sync  # no result: the peer's own standing
