@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +34,8 @@ AHEAD = 1_000_000
 in-process trainers of this spec land about 20 rounds a second here, so 1,000 rounds ahead was
 reached once, while the open-run newcomer spent its first searches at the sybils' round."""
 SYBILS = 3
+ROUND_PACE_S = 0.5
+"""The honest members' pause after each round while the open-run newcomer joins."""
 ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((blake3:[0-9a-f]+)")
 
 
@@ -186,8 +189,12 @@ def test_open_run_votes_from_keys_that_never_averaged_do_not_make_a_state_the_sw
         assert newcomer.catch_up() and newcomer.state.round == 0
         # the members train on until the newcomer is done: each round meets at its own DHT key,
         # and the newcomer tries the later rounds it sees, the sybils' among them, in turn
+        # at the pace of a real swarm, whose rounds outlast a join: unpaced, two in-process
+        # trainers land ~20 rounds a second, and a newcomer (no kept updates to roll forward
+        # by, in process) adopts a round the swarm has left before it can launch
         for trainer in trainers:
             trainer.options.max_rounds = None
+            trainer.on_round = lambda metrics: time.sleep(ROUND_PACE_S)
         members = [threading.Thread(target=t.run, daemon=True) for t in trainers]
         for thread in members:
             thread.start()
