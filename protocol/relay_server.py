@@ -176,8 +176,9 @@ class Relay:
         self._pending: dict[int, _Port] = {}
         self._relayed = 0
         """Bytes of the splices that ended."""
-        self._live: list[tuple[list[int], list[int]]] = []
-        """Byte counts of the splices running now (libp2p keeps its connections open for hours)."""
+        self._live: dict[int, tuple[list[int], list[int]]] = {}
+        """Byte counts of the splices running now, by connection id (libp2p keeps its connections
+        open for hours). Keyed, never looked up by value: two splices' counts are often equal."""
         self._server: asyncio.Server | None = None
         self._punches: dict[int, tuple[asyncio.Future[tuple[str, int]], tuple[str, int]]] = {}
         self._punching: dict[str, int] = {}
@@ -210,7 +211,7 @@ class Relay:
             self._loop.close()
 
     def stats(self) -> RelayStats:
-        live = list(self._live)
+        live = list(self._live.values())
         running = sum(a[0] + b[0] for a, b in live)
         return RelayStats(peers=len(self._by_peer), connections=len(live), bytes_relayed=self._relayed + running)
 
@@ -392,12 +393,12 @@ class Relay:
             self._pending.pop(conn_id, None)
         held.active += 1
         counts: tuple[list[int], list[int]] = ([0], [0])
-        self._live.append(counts)
+        self._live[conn_id] = counts
         try:
             await pipe_both((reader, writer), taken, counts)
         finally:
             held.active -= 1
-            self._live.remove(counts)
+            del self._live[conn_id]
             self._relayed += counts[0][0] + counts[1][0]
 
     async def _punch_ask(self, ask: PunchAsk, peer: str, writer: asyncio.StreamWriter) -> None:

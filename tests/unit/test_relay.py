@@ -146,6 +146,37 @@ def test_an_admitted_peer_gets_a_port_whose_connections_reach_it_both_ways(relay
         echo.sock.close()
 
 
+def _echoed(conn: socket.socket, payload: bytes) -> None:
+    conn.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        got += conn.recv(1 << 16)
+    assert got == payload.upper()
+
+
+def test_splices_that_overlap_are_each_counted_whichever_ends_first(relay: Relay) -> None:
+    """Two splices often carry equal byte counts: the one that ended must never take the other's
+    place among the live ones (the churn lab's relays logged "list.remove(x): x not in list"
+    on every such pair, and the longer splice's bytes went uncounted)."""
+    echo = _Echo()
+    tunnel = RelayTunnel(
+        RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"ok-a", sign=signer(b"ok-a"), local_port=echo.port
+    )
+    try:
+        port = tunnel.open()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as first:
+            _echoed(first, b"ab")
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as second:
+                _echoed(second, b"cd")  # the same counts as the first's, so far
+            wait_until(lambda: relay.stats().connections == 1, 10, "the second splice to end")
+            _echoed(first, b"efgh")
+        wait_until(lambda: relay.stats().connections == 0, 10, "the first splice to end")
+        assert relay.stats().bytes_relayed == 2 * (2 + 2 + 4)
+    finally:
+        tunnel.close()
+        echo.sock.close()
+
+
 def test_a_peer_without_a_valid_token_gets_no_port_and_is_told_why(relay: Relay) -> None:
     tunnel = RelayTunnel(
         RelayAddress("127.0.0.1", relay.control_port), token=lambda: b"forged", sign=signer(b"forged"), local_port=1
