@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+BOOTSTRAP_WAIT_S = 600.0
+"""How long a peer keeps starting its DHT node while none of its bootstrap peers answers (a
+coordinator restarting between this peer's join and its DHT's start: ``engine.dht_start``)."""
+
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
@@ -678,6 +682,7 @@ def _start_swarm(
         dht_kwargs=path.dht_kwargs,
         updates=updates,
         identity=identity,
+        bootstrap_wait_s=BOOTSTRAP_WAIT_S,
     )
 
 

@@ -34,6 +34,7 @@ from hivemind.utils import get_dht_time
 from engine.averager import ExactAverager
 from engine.compression import Codec
 from engine.dht_mend import keep_bootstrapped
+from engine.dht_start import start_dht
 from engine.outcome import GroupOutcome
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
@@ -253,8 +254,12 @@ class Swarm:
         gate: MemberGate | None = None,
         updates: UpdateStore | None = None,
         identity: Identity | None = None,
+        bootstrap_wait_s: float = 0.0,
     ) -> None:
+        """``bootstrap_wait_s``: how long to keep starting the DHT node while none of
+        ``initial_peers`` answers (``engine.dht_start``); 0 fails at the first refusal."""
         self.spec = spec
+        self._bootstrap_wait_s = bootstrap_wait_s
         self.gate = gate
         self._receipt_key = identity.to_pem() if identity is not None else None
         """The node's key, with which its reducer signs receipts (``protocol.receipts``)."""
@@ -292,13 +297,16 @@ class Swarm:
     def _open(self) -> tuple[DHT, ExactAverager]:
         """This peer's DHT node (its daemon announcing ``_dht_kwargs``'s addresses) and averager."""
         spec = self.spec
-        dht = DHT(
-            initial_peers=self._initial_peers,
-            host_maddrs=self._host_maddrs,
-            client_mode=self.client_mode,
-            start=True,
-            record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
-            **self._dht_kwargs,
+        dht = start_dht(
+            lambda: DHT(
+                initial_peers=self._initial_peers,
+                host_maddrs=self._host_maddrs,
+                client_mode=self.client_mode,
+                start=False,
+                record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
+                **self._dht_kwargs,
+            ),
+            wait_s=self._bootstrap_wait_s,
         )
         # rejoins the rest of the swarm through the bootstrap peers should an outage split it
         dht.run_coroutine(partial(keep_bootstrapped, list(self._initial_peers)), return_future=True)

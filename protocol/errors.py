@@ -88,3 +88,7 @@ class AdmissionError(SwarmtrainError):
 
 class WrongRunError(AdmissionError):
     """The peer runs another spec than the coordinator's run."""
+
+
+class BootstrapError(SwarmtrainError):
+    """No bootstrap peer of the swarm's DHT answered for as long as the peer would wait."""
