@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -134,21 +135,24 @@ class _Carried:
 
     def __init__(self) -> None:
         self.ended = 0
-        self.running: list[tuple[list[int], list[int]]] = []
+        self.running: dict[int, tuple[list[int], list[int]]] = {}
+        """By connection, never looked up by value: two connections' counts are often equal."""
+        self._keys = itertools.count()
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[tuple[list[int], list[int]]]:
         """Counts for one connection's ``pipe_both`` while the block runs."""
         counts: tuple[list[int], list[int]] = ([0], [0])
-        self.running.append(counts)
+        key = next(self._keys)
+        self.running[key] = counts
         try:
             yield counts
         finally:
-            self.running.remove(counts)
+            del self.running[key]
             self.ended += counts[0][0] + counts[1][0]
 
     def total(self) -> int:
-        return self.ended + sum(there[0] + back[0] for there, back in list(self.running))
+        return self.ended + sum(there[0] + back[0] for there, back in list(self.running.values()))
 
 
 class RelayTunnel:

@@ -320,3 +320,20 @@ def test_stopping_ends_every_connections_task_before_the_loop(caplog: pytest.Log
     finally:
         tunnel.close()
         echo.sock.close()
+
+
+def test_a_tunnels_connections_are_each_counted_whichever_ends_first() -> None:
+    """The tunnel's end of the same mistake: two connections with equal counts, the later one
+    ending first, and the first's bytes must still count once it ends (it raised ValueError in
+    the churn lab's volunteers, and the exit line undercounted)."""
+    from peer.relay_client import _Carried
+
+    carried = _Carried()
+    with carried.counting() as first:
+        first[0][0] = first[1][0] = 2
+        with carried.counting() as second:
+            second[0][0] = second[1][0] = 2
+        first[0][0] += 4
+        first[1][0] += 4
+        assert carried.total() == 4 + 12
+    assert carried.total() == 16 and carried.running == {}
