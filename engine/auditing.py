@@ -26,7 +26,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from engine.allreduce import MAX_WEIGHT, ExactAllReduceRunner, InPlaceOutputs
-from engine.audit import AuditTarget, auditee, choose_target, judge, reduce_like_a_reducer
+from engine.audit import AuditTarget, auditee, choose_target, judge, leave_out_candidates, reduce_like_a_reducer
 from engine.robust import RobustRule
 from engine.wire_fields import read_fields
 from protocol.errors import MalformedTensorError
@@ -315,10 +315,7 @@ class AuditMixin:
         shape = returned.shape
         dither = runner.dither()
         why = ""
-        candidates: list[int | frozenset[int] | None] = [None, *range(len(parts))]
-        if len(unserved) > 1:  # the senders it gave up on (one alone is among the singles)
-            candidates.append(frozenset(unserved))
-        for leave_out in candidates:
+        for leave_out in leave_out_candidates(len(parts), unserved):
             mean = reduce_like_a_reducer(parts, weights, self.robust, leave_out)
             if mean is None:
                 continue
