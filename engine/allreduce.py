@@ -380,6 +380,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             part.numel() for peer_parts in self.tensor_part_container._input_parts_by_peer for part, _ in peer_parts
         ]
 
+    def holds_average_of(self, peer_id: PeerID) -> bool:
+        """Whether this peer holds every averaged part of reducer ``peer_id``: False while they
+        are still on their way, as when they never came (what it tells an auditor: an average
+        that has not arrived yet may never arrive, and that reducer may have dropped this peer's
+        parts; ``engine.audit``)."""
+        done = self._received_all.get(self.ordered_peer_ids.index(peer_id))
+        return done is not None and done.is_set() and peer_id not in self.failed_reducers
+
     def missing_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` ranges of this runner's vector whose average this peer does not hold:
         those of the reducers in ``failed_reducers``, each whole (parts of it that did arrive

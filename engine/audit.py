@@ -25,7 +25,8 @@ those inputs can redo it (BTARD, arXiv 2106.11257, checks its aggregators this w
   part it refused): a result that matches the inputs less one sender is honest too. It may also
   have dropped every sender whose parts came too late (a reducer on a slow home link gives up on
   them at its sender timeout and serves them no average): each sender says, with the part it
-  serves the auditor, whether the reducer served it its average, and a result that matches the
+  serves the auditor, whether the reducer served it its average (whether it holds all of it yet:
+  one still on its way is not served), and a result that matches the
   inputs less the senders it did not serve is honest as well. A sender that says so falsely only
   adds one more honest candidate: the reducer that averaged its part still matches all inputs.
   "Not served" covers more than "dropped": a busy reducer whose average reached a sender after

@@ -154,7 +154,10 @@ class AuditMixin:
         if kept is None or position is None or position[0] >= len(room.peer_ids):
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         encoded, weight = kept
-        unserved = room.peer_ids[position[0]] in room.runners[index].failed_reducers
+        # not served *yet* counts as not served: the reducer may have given up on this peer's
+        # parts while its average to this peer times out later (the churn lab's auditors asked
+        # a second before those timeouts, were told "served", and convicted honest reducers)
+        unserved = not room.runners[index].holds_average_of(room.peer_ids[position[0]])
         return averaging_pb2.AveragingData(
             code=averaging_pb2.PART_FOR_AVERAGING,
             tensor_part=encoded,
@@ -337,7 +340,7 @@ class AuditMixin:
             if kept is None:
                 return None
             reducer = runner.ordered_peer_ids[target.reducer]
-            return kept[0], kept[1], reducer in runner.failed_reducers
+            return kept[0], kept[1], not runner.holds_average_of(reducer)
         request = averaging_pb2.AveragingData(
             group_id=runner.group_id, peer_id=self.serializer.dumps([target.reducer, target.part])
         )

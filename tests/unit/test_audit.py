@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
@@ -130,6 +131,11 @@ class _Runner:
         self.sent = SentParts()
         self.sent.keep(1, 0, CodecCompression(get_codec("fp16")).compress(torch.ones(8), info=None), 3.0)
         self.failed_reducers: dict[PeerID, str] = {}
+        self.held: set[PeerID] = set()
+        """Reducers whose every averaged part this peer holds."""
+
+    def holds_average_of(self, peer_id: PeerID) -> bool:
+        return peer_id in self.held and peer_id not in self.failed_reducers
 
 
 class _Peer(AuditMixin):
@@ -157,7 +163,9 @@ def test_a_member_gets_the_part_as_sent_and_a_stranger_gets_nothing() -> None:
     peer = _Peer(members)
     reply = _ask(peer, members[1], b"group/fragment/1", [1, 0])
     assert reply.code == averaging_pb2.PART_FOR_AVERAGING and reply.weight == 3.0 and reply.tensor_part.buffer
-    assert reply.peer_id == b""  # its reducer served it the average
+    assert reply.peer_id == UNSERVED  # its reducer's average is still on its way: not served yet
+    peer.room.runners[1].held.add(members[1])  # type: ignore[attr-defined]
+    assert _ask(peer, members[1], b"group/fragment/1", [1, 0]).peer_id == b""  # served
     peer.room.runners[1].failed_reducers[members[1]] = "TimeoutError"  # type: ignore[attr-defined]
     assert _ask(peer, members[1], b"group/fragment/1", [1, 0]).peer_id == UNSERVED
     stranger = _ids(1)[0]
@@ -360,3 +368,23 @@ def test_the_left_out_candidates_are_every_subset_of_the_unserved_once_likeliest
     many = leave_out_candidates(12, set(range(EVERY_SUBSET_OF + 1)))
     assert len(many) == 1 + 1 + (EVERY_SUBSET_OF + 1) + 12  # beyond the bound: the likeliest only
     assert leave_out_candidates(3, set()) == [None, 0, 1, 2]
+
+
+def test_a_sender_holds_a_reducers_average_only_once_every_part_came_and_none_failed() -> None:
+    """The flag a sender serves an auditor with: an average still on its way is not served (the
+    churn lab's senders said "served" a second before their wait for it timed out, and their
+    auditors convicted the honest reducers that had dropped their late parts)."""
+    from types import SimpleNamespace
+
+    from engine.allreduce import ExactAllReduceRunner
+
+    members = _ids(3)
+    runner = SimpleNamespace(ordered_peer_ids=members, _received_all={}, failed_reducers={})
+    holds = partial(ExactAllReduceRunner.holds_average_of, runner)
+    assert not holds(members[1])  # nothing asked of it yet
+    runner._received_all[1] = asyncio.Event()
+    assert not holds(members[1])  # on its way
+    runner._received_all[1].set()
+    assert holds(members[1])
+    runner.failed_reducers[members[1]] = "TimeoutError"
+    assert not holds(members[1])
