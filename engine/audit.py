@@ -32,7 +32,7 @@ those inputs can redo it (BTARD, arXiv 2106.11257, checks its aggregators this w
   "Not served" covers more than "dropped": a busy reducer whose average reached a sender after
   that sender's timeout used the sender's part all the same, so the reducer's inputs are all
   senders less *some* of those it did not serve (``leave_out_candidates``: every such subset
-  while there are at most ``EVERY_SUBSET_OF`` unserved senders, else the likeliest). The churn
+  while there are at most 6 unserved senders, else the likeliest ``MAX_LEFT_OUT_SETS``). The churn
   lab, with 12 peers on 2 cores, had three honest reducers convicted in one run for want of
   this (about a quarter of a part's values differing: the included late senders' share).
 
@@ -74,27 +74,44 @@ MAX_DISTANCE = 0.05
 """...and by at most this much in L2 distance, relative to the re-computed part's norm."""
 
 
-EVERY_SUBSET_OF = 6
-"""Up to this many senders that were served no average, the re-computation tries every subset
-of them left out (at most 2**6 = 64 re-computations of one part); beyond, the likeliest
-(``leave_out_candidates``)."""
+MAX_LEFT_OUT_SETS = 64
+"""How many sets of senders that were served no average the re-computation tries left out, at
+most (besides each single sender): every subset while there are up to 6 of them, else the
+likeliest (``leave_out_candidates``); each try re-computes one part."""
 
 
 def leave_out_candidates(senders: int, unserved: Collection[int]) -> list[int | frozenset[int] | None]:
     """The sets of senders an honest reducer may have left out of a part, likeliest first: none;
-    all of ``unserved`` (the senders it served no average: it gave up on their late parts); all
-    of them but one (one whose average was late, not its part); each sender alone (a broken
-    stream, a refused part); then every other subset of ``unserved`` while there are at most
-    ``EVERY_SUBSET_OF``. Each appears once."""
+    all of ``unserved`` (the senders that do not hold its average: it gave up on their late
+    parts); all of them but one (one whose average is late, not its part); each sender alone (a
+    broken stream, a refused part); then subsets of ``unserved`` from both ends (two of them and
+    all but those two, then three, ...), up to ``MAX_LEFT_OUT_SETS`` sets of them in all. A sender
+    still waiting for the average it will get also says it holds none, so the set the reducer
+    really dropped can be any subset. Each set appears once."""
     late = sorted(set(unserved))
     found: list[int | frozenset[int] | None] = [None]
+    seen: set[frozenset[int]] = {frozenset()}
+    budget = [MAX_LEFT_OUT_SETS]
+
+    def add(candidate: int | frozenset[int]) -> None:
+        key = frozenset({candidate}) if isinstance(candidate, int) else candidate
+        if key in seen or (not isinstance(candidate, int) and budget[0] <= 0):
+            return
+        seen.add(key)
+        found.append(candidate)
+        if not isinstance(candidate, int):
+            budget[0] -= 1
+
     if len(late) > 1:
-        found.append(frozenset(late))
-        found += [frozenset(late) - {kept} for kept in late] if len(late) > 2 else []
-    found += list(range(senders))
-    if 2 < len(late) <= EVERY_SUBSET_OF:
-        for size in range(len(late) - 2, 1, -1):
-            found += [frozenset(subset) for subset in itertools.combinations(late, size)]
+        add(frozenset(late))
+    for kept in late if len(late) > 2 else ():
+        add(frozenset(late) - {kept})
+    for sender in range(senders):
+        add(sender)
+    for small in range(2, len(late) // 2 + 1):  # each subset, then all of them but it
+        for subset in itertools.combinations(late, small):
+            add(frozenset(subset))
+            add(frozenset(late) - frozenset(subset))
     return found
 
 

@@ -319,6 +319,9 @@ class AuditMixin:
         dither = runner.dither()
         why = ""
         for leave_out in leave_out_candidates(len(parts), unserved):
+            if time.monotonic() > deadline:  # not every candidate tried: no conviction on that
+                logger.info("audit of %s inconclusive: out of time re-computing it", reducer_id)
+                return None
             mean = reduce_like_a_reducer(parts, weights, self.robust, leave_out)
             if mean is None:
                 continue

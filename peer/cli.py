@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
     gate = _member_gate(joined)
     try:
         relay = _relay_offer(args, joined, path, gate)
-        swarm = _start_swarm(args, joined, plan, path, gate, node.node)
+        swarm = _start_swarm(args, joined, plan, path, gate, node.node, stop)
     except BaseException:
         path.close()
         if relay is not None:
@@ -501,13 +501,14 @@ def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:
     return compute
 
 
-def _until_stopped(stop: threading.Event) -> Callable[[float], None]:
+def _until_stopped(stop: threading.Event, waited_for: str = "the coordinator") -> Callable[[float], None]:
     """A pause between tries that a SIGINT/SIGTERM ends: the peer then exits at once, cleanly
-    (nothing is running yet), instead of waiting on for a coordinator that is not there."""
+    (nothing is running yet), instead of waiting on for ``waited_for`` (a coordinator, the
+    swarm's bootstrap peers) that is not there."""
 
     def pause(seconds: float) -> None:
         if stop.wait(seconds):
-            print("stopped before the coordinator answered", flush=True)
+            print(f"stopped before {waited_for} answered", flush=True)
             raise SystemExit(0)
 
     return pause
@@ -656,6 +657,7 @@ def _start_swarm(
     path: NetworkPath,
     gate: MemberGate | None,
     identity: Identity,
+    stop: threading.Event | None = None,
 ) -> Swarm:
     """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
     average with it (``gate``). With an announced address, the
@@ -683,6 +685,7 @@ def _start_swarm(
         updates=updates,
         identity=identity,
         bootstrap_wait_s=BOOTSTRAP_WAIT_S,
+        bootstrap_pause=_until_stopped(stop, "the swarm's bootstrap peers") if stop is not None else time.sleep,
     )
 
 

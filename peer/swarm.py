@@ -255,11 +255,13 @@ class Swarm:
         updates: UpdateStore | None = None,
         identity: Identity | None = None,
         bootstrap_wait_s: float = 0.0,
+        bootstrap_pause: Callable[[float], None] = time.sleep,
     ) -> None:
         """``bootstrap_wait_s``: how long to keep starting the DHT node while none of
-        ``initial_peers`` answers (``engine.dht_start``); 0 fails at the first refusal."""
+        ``initial_peers`` answers (``engine.dht_start``), pausing with ``bootstrap_pause``
+        between tries (one that a stop request ends); 0 fails at the first refusal."""
         self.spec = spec
-        self._bootstrap_wait_s = bootstrap_wait_s
+        self._bootstrap_wait_s, self._bootstrap_pause = bootstrap_wait_s, bootstrap_pause
         self.gate = gate
         self._receipt_key = identity.to_pem() if identity is not None else None
         """The node's key, with which its reducer signs receipts (``protocol.receipts``)."""
@@ -307,6 +309,7 @@ class Swarm:
                 **self._dht_kwargs,
             ),
             wait_s=self._bootstrap_wait_s,
+            sleep=self._bootstrap_pause,
         )
         # rejoins the rest of the swarm through the bootstrap peers should an outage split it
         dht.run_coroutine(partial(keep_bootstrapped, list(self._initial_peers)), return_future=True)

@@ -67,3 +67,22 @@ def test_a_node_whose_bootstrap_node_stays_down_says_so_and_leaves_no_process() 
     with pytest.raises(BootstrapError, match="none of the swarm's bootstrap peers answered within 3 s"):
         start_dht(lambda: DHT(initial_peers=maddrs, host_maddrs=LOOPBACK, start=False), wait_s=3)
     assert {child.pid for child in multiprocessing.active_children()} <= before
+
+
+def test_a_stop_request_ends_the_wait_for_a_bootstrap_node_at_once() -> None:
+    """Ctrl-C (or ``docker stop``) while a peer waits for its bootstrap node ends the wait: the
+    CLI's pause raises ``SystemExit`` once the stop is set, and the failed node is reaped."""
+    maddrs, _identity, _port = _bootstrap_node_then_down()
+    stop = threading.Event()
+
+    def pause(seconds: float) -> None:
+        stop.set()  # the user stops the peer during its first pause
+        if stop.wait(seconds):
+            raise SystemExit(0)
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    started_at = time.monotonic()
+    with pytest.raises(SystemExit):
+        start_dht(lambda: DHT(initial_peers=maddrs, host_maddrs=LOOPBACK, start=False), wait_s=600, sleep=pause)
+    assert time.monotonic() - started_at < 60, "the wait went on after the stop"
+    assert {child.pid for child in multiprocessing.active_children()} <= before
