@@ -283,25 +283,35 @@ class _Auditor(AuditMixin):
         return self.served[self.room.peer_ids.index(sender)]
 
 
-@pytest.mark.parametrize("lying", [False, True])
-def test_a_reducer_that_gave_up_on_late_senders_is_honest_and_a_liar_is_still_caught(lying: bool) -> None:
-    """A reducer on a slow link averages the parts that came in time and serves the late senders
-    no average (``Reducer: received 50.0% of input tensors``): the senders say so with their
-    parts, and its result, the average of the others, is honest. Before, every auditor took it
-    for a liar ("5632 of 5632 values differ") and left it out of the run for good."""
+def _reducer_without_late_senders(
+    *, seed: int, lying: bool
+) -> tuple[list[PeerID], _RecheckRunner, list[Any], list[float]]:
+    """Four members; reducer 2's result for its part 0 (in the runner's vector) averages the
+    senders' parts less senders 1 and 3, whose parts came too late, shifted if ``lying``; the
+    members, the runner, the parts as encoded and their weights."""
     members, numel = _ids(4), 512
     runner = _RecheckRunner(members, numel)
-    parts = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+    parts = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + i)) for i in range(4)]
     weights = [1.0, 2.0, 1.0, 3.0]
     encoded = [runner.codec.compress(part, info=None) for part in parts]
     received = [runner.codec.decode(part, numel) for part in encoded]  # what the reducer averages
-    averaged = reduce_like_a_reducer(received, weights, RULE, leave_out={1, 3})  # senders 1 and 3 came too late
+    averaged = reduce_like_a_reducer(received, weights, RULE, leave_out={1, 3})
     assert averaged is not None
     if lying:
         averaged = averaged + 0.5 * averaged.abs().mean()
     returned = runner.codec.decode(runner.codec.compress_average(averaged, DITHER), numel)
     lo, hi = runner.tensor_part_container.part_range(2, 0)
     runner.tensor_part_container.output[lo:hi] = returned
+    return members, runner, encoded, weights
+
+
+@pytest.mark.parametrize("lying", [False, True])
+def test_a_reducer_that_gave_up_on_late_senders_is_honest_and_a_liar_is_still_caught(lying: bool) -> None:
+    """A reducer on a slow link averages the parts that came in time and serves the late senders
+    no average (``Reducer: received 50.0% of input tensors``): the senders say so with their
+    parts, and its result, the average of the others, is honest. Before, every auditor took it
+    for a liar ("5632 of 5632 values differ") and left it out of the run for good."""
+    members, runner, encoded, weights = _reducer_without_late_senders(seed=10, lying=lying)
     target = AuditTarget(0, 2, 0)
 
     def recheck(unserved: set[int]) -> str | None:
@@ -327,19 +337,7 @@ def test_a_busy_reducer_that_used_a_late_average_senders_part_is_honest_and_a_li
     sender 0's own timeout, so sender 0 says it was served none too, although the reducer used
     its part. Its result, the average of senders 0 and 2, is honest; every auditor took it for a
     liar before ("704 of 2816 values differ") and left it out of the run for good."""
-    members, numel = _ids(4), 512
-    runner = _RecheckRunner(members, numel)
-    parts = [torch.randn(numel, generator=torch.Generator().manual_seed(20 + i)) for i in range(4)]
-    weights = [1.0, 2.0, 1.0, 3.0]
-    encoded = [runner.codec.compress(part, info=None) for part in parts]
-    received = [runner.codec.decode(part, numel) for part in encoded]
-    averaged = reduce_like_a_reducer(received, weights, RULE, leave_out={1, 3})
-    assert averaged is not None
-    if lying:
-        averaged = averaged + 0.5 * averaged.abs().mean()
-    returned = runner.codec.decode(runner.codec.compress_average(averaged, DITHER), numel)
-    lo, hi = runner.tensor_part_container.part_range(2, 0)
-    runner.tensor_part_container.output[lo:hi] = returned
+    members, runner, encoded, weights = _reducer_without_late_senders(seed=20, lying=lying)
     served = [(encoded[i], weights[i], i in {0, 1, 3}) for i in range(4)]
     auditor = _Auditor(members, runner, served)
     from engine.auditing import AuditOutcome
