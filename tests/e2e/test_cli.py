@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("swarmtrain", path=str(Path(sys.executable).parent)) or "swarmtrain"
 
@@ -237,21 +239,13 @@ def test_export_writes_a_model_directory_or_says_in_one_line_why_not(tmp_path: P
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_second_coordinator_on_a_taken_port_is_refused_in_one_line(tmp_path: Path) -> None:
     """gRPC's default SO_REUSEPORT let a second coordinator share the first one's port silently
     (the kernel split the peers between them): now each port is checked before anything starts."""
     from swarmtrain.localswarm import LocalCoordinator
 
     spec = REPO / "swarmtrain" / "demo.toml"
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     first = LocalCoordinator(spec, tmp_path / "first", grpc_port=grpc_port, http_port=http_port, host="127.0.0.1")
     try:
         assert first.address().endswith(f":{grpc_port}")
@@ -323,7 +317,7 @@ def test_a_peer_whose_coordinator_is_not_there_says_so_in_words(tmp_path: Path) 
 
     from swarmtrain.localswarm import wait_until
 
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     proc = subprocess.Popen(
         [EXE, "peer", "--coordinator", f"127.0.0.1:{port}", "--key", str(tmp_path / "k")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,

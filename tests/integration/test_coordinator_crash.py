@@ -6,7 +6,6 @@ themselves and new rounds are recorded (issue #14's crash loop)."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 from pathlib import Path
 
@@ -15,12 +14,7 @@ from engine.checkpoint import Checkpointer
 from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalPeer
 from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, status, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.ports import free_port
 
 
 def granted(store: Store) -> set[tuple[str, int]]:

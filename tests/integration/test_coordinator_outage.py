@@ -10,7 +10,7 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all, wait_until
 from tests.integration.specs import tiny_spec
-from tests.unit.relay_keys import free_ports
+from tests.ports import free_ports
 
 SPEC = tiny_spec("outage", context=16)
 OUTAGE_S = 60.0

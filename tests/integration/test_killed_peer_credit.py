@@ -19,7 +19,7 @@ from coordinator.store import Store
 from peer.report_outbox import OUTBOX_DIR
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
 from tests.integration.specs import tiny_spec
-from tests.unit.relay_keys import free_ports
+from tests.ports import free_ports
 
 SPEC = tiny_spec("outbox", context=16)
 OUTAGE_ROUNDS = 3

@@ -5,7 +5,6 @@ stand-in tokens."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -30,18 +29,6 @@ def key_of(token: bytes) -> str:
 def signer(token: bytes) -> Callable[[bytes], bytes]:
     """Signs with the key ``token`` names (what the peer holding it proves the relay)."""
     return identity(token).sign
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` TCP ports on loopback that were free a moment ago (held together, so distinct)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def admit_stand_in(token: bytes) -> str:

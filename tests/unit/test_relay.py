@@ -30,7 +30,8 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import admit_stand_in, free_ports, key_of, signer, stand_in_relay
+from tests.ports import free_ports
+from tests.unit.relay_keys import admit_stand_in, key_of, signer, stand_in_relay
 
 
 def _read(data: bytes) -> object:

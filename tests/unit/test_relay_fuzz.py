@@ -48,7 +48,8 @@ from protocol.relay_wire import (
     read_message,
 )
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import free_ports, signer, stand_in_relay
+from tests.ports import free_ports
+from tests.unit.relay_keys import signer, stand_in_relay
 
 SEED = 20261127
 PARSER_INPUTS = 10_000

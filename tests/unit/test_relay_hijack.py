@@ -34,7 +34,7 @@ from protocol.relay_wire import (
 )
 from protocol.tokens import issue_token
 from swarmtrain.localswarm import wait_until
-from tests.unit.relay_keys import free_ports
+from tests.ports import free_ports
 
 RUN = "sha256:run"
 

@@ -28,7 +28,8 @@ from protocol.messages import sign_message
 from protocol.relay_server import Relay, describe_ports, run_token_admission
 from protocol.spec import parse_spec
 from protocol.tokens import issue_token
-from tests.unit.relay_keys import free_ports, key_of, signer
+from tests.ports import free_ports
+from tests.unit.relay_keys import key_of, signer
 
 SPEC = '[run]\nname = "relays"\n'
 Probe = Callable[[object, int], tuple[bool, str, int]]

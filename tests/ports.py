@@ -1,0 +1,99 @@
+"""Ports a test hands to a process it starts, which no other test and no outgoing connection takes.
+
+A port bound to 0 and closed again lies in the kernel's ephemeral range: until the test's
+process binds it, any outgoing connection on the machine (gRPC, a DHT, the other pytest
+session) may be given it, and a coordinator restarted on its old port after an outage waits
+seconds with it free. One CI run lost a coordinator that way ("Address already in use").
+These ports come from below (or above) that range, where the kernel never assigns one, and
+each is claimed machine-wide by a file naming the claiming process, so two tests (in either
+of the suite's concurrent sessions) never get the same one; a dead process's claims lapse.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import tempfile
+from pathlib import Path
+
+CLAIMS = Path(tempfile.gettempdir()) / f"swarmtrain-test-ports-{os.getuid()}"
+"""One file per claimed port, holding the claiming process's pid (per user: the suite runs as one)."""
+LOWEST = 10_000
+"""No port below this is handed out (well-known and registered services live there)."""
+TRIES = 1_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999
+
+
+def _candidates() -> range:
+    """The wider of the gaps below and above the ephemeral range."""
+    low, high = _ephemeral_range()
+    below, above = range(LOWEST, low), range(high + 1, 65_536)
+    return below if len(below) >= len(above) else above
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this process; a claim whose process is gone is taken over."""
+    CLAIMS.mkdir(exist_ok=True)
+    path = CLAIMS / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or "0")
+            except (OSError, ValueError):
+                return False
+            if owner == os.getpid() or (owner and _alive(owner)):
+                return False
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports, free now, outside the ephemeral range, claimed for this process."""
+    candidates, ports = _candidates(), []
+    for _ in range(TRIES):
+        if len(ports) == n:
+            return ports
+        port = random.choice(candidates)
+        if port not in ports and _bindable(port) and _claim(port):
+            ports.append(port)
+    if len(ports) == n:
+        return ports
+    raise RuntimeError(f"found {len(ports)} of {n} free ports in {candidates} after {TRIES} tries")
+
+
+def free_port() -> int:
+    """One port as :func:`free_ports` gives them."""
+    return free_ports(1)[0]
