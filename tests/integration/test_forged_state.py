@@ -10,11 +10,13 @@ import re
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from engine.compression import get_codec
+from peer.round_metrics import RoundMetrics
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions
@@ -36,6 +38,8 @@ reached once, while the open-run newcomer spent its first searches at the sybils
 SYBILS = 3
 ROUND_PACE_S = 0.5
 """The honest members' pause after each round while the open-run newcomer joins."""
+ROUND_WAIT_S = 5.0
+"""The longest a member's pause lasts while the newcomer holds an older round than its own."""
 ADOPTED = re.compile(r"adopted the swarm's state of round (\d+) \((blake3:[0-9a-f]+)")
 
 
@@ -63,6 +67,22 @@ class Forger:
 
     def shutdown(self) -> None:
         self.swarm.shutdown()
+
+
+def paced(member: Trainer, newcomer: Trainer) -> Callable[[RoundMetrics], None]:
+    """``member``'s pause after each round: ``ROUND_PACE_S``, then while ``newcomer``, past its
+    first group, holds an older round (up to ``ROUND_WAIT_S``): a real swarm's rounds outlast a
+    newcomer's join."""
+
+    def pause(metrics: RoundMetrics) -> None:
+        until = time.monotonic() + ROUND_WAIT_S
+        time.sleep(ROUND_PACE_S)
+        # once the newcomer knows whom to believe (its first group): before, it aims at a round
+        # ahead by the pace it measures from the records
+        while newcomer.swarm.electorate and newcomer.state.round < member.state.round and time.monotonic() < until:
+            time.sleep(0.05)
+
+    return pause
 
 
 def gated_observer(state_dir: Path, dht_maddr: str) -> Swarm:
@@ -191,10 +211,13 @@ def test_open_run_votes_from_keys_that_never_averaged_do_not_make_a_state_the_sw
         # and the newcomer tries the later rounds it sees, the sybils' among them, in turn
         # at the pace of a real swarm, whose rounds outlast a join: unpaced, two in-process
         # trainers land ~20 rounds a second, and a newcomer (no kept updates to roll forward
-        # by, in process) adopts a round the swarm has left before it can launch
+        # by, in process) adopts a round the swarm has left before it can launch;
+        # they also wait while the newcomer holds an older round than theirs (seconds): a loaded
+        # machine (CI's, two sessions of tests on it) took the newcomer 2-5 paced rounds from
+        # adopting a state to launching its round, so it met only rounds the swarm had landed
         for trainer in trainers:
             trainer.options.max_rounds = None
-            trainer.on_round = lambda metrics: time.sleep(ROUND_PACE_S)
+            trainer.on_round = paced(trainer, newcomer)
         members = [threading.Thread(target=t.run, daemon=True) for t in trainers]
         for thread in members:
             thread.start()
