@@ -23,7 +23,7 @@ other members landed (the driver's view) instead of looking the agreed state up 
 
 Formation time is from the last member's launch to the group's all-reduce start (what
 matchmaking adds once everyone is looking); the first round is reported apart: with no
-roster yet its leader waits out its window by design (docs/ARCHITECTURE.md §3). All members
+roster yet its leader waits out its window by design (docs/design/round.md, "The round at any size"). All members
 share this machine's cores, so formation time here grows with the whole swarm's work; the
 leader's own part of it is measured apart: the CPU its averager's event loop spends from its
 search's start to assembling the group (``RoundMatchmaking.led``: the join requests, the roster

@@ -89,7 +89,7 @@ class ExactAverager(
     must be given the same ``streams``: it is the spec's ``averaging.streams``), each averaged
     by its own ``ExactAllReduceRunner``, all at once, with the same group, over their own
     libp2p streams: one stream per sender-reducer pair caps at what one stream's flow-control
-    window carries (``benchmarks/wan_averaging.py``, ARCHITECTURE §3 step 7, "Parallel streams").
+    window carries (``benchmarks/wan_averaging.py``, docs/design/round.md step 7, "Parallel streams").
 
     With ``audit`` every member audits one reducer per round and leaves one caught lying out
     (``engine.audit``, ``engine.auditing``).

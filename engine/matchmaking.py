@@ -513,7 +513,7 @@ class RoundMatchmaking(Matchmaking):
         ``BAD_EXPIRATION_TIME``: that sender should lead). A declared peer's is its declaration,
         as in hivemind. A client-mode peer never declares and cannot lead; hivemind would send
         its window, which ends before the leader's whenever it launched first, so every leader
-        turned it away and it averaged nothing that round (ARCHITECTURE §3). It sends its real
+        turned it away and it averaged nothing that round (docs/design/round.md, step 6). It sends its real
         limit instead, the end of its round's search: a leader that closes by then accepts it."""
         if self.client_mode and math.isfinite(self.potential_leaders.search_end_time):
             return float(self.potential_leaders.search_end_time)

@@ -433,7 +433,7 @@ class Swarm:
         """The round whose DHT key this peer's group meets at (``ExactAverager._step``): its own,
         except for a newcomer to an open run, whose electorate is empty so it sees no agreed
         state to adopt: it meets a later round the DHT shows, so that its first group (where it
-        is stale, weight 0) is the evidence it re-syncs from (ARCHITECTURE §4 "Open runs").
+        is stale, weight 0) is the evidence it re-syncs from (docs/design/records.md, "Open runs").
         It meets the round *after* one the records show (the swarm launches that one within
         about a phase, and the newcomer, declared first, leads it; the round shown may already
         be launched). Anyone may sign records for any round, so it tries each such round in

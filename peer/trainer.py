@@ -1,6 +1,6 @@
 """The peer's training loop: DiLoCo inner phase, swarm averaging, outer step.
 
-Per round r (see docs/ARCHITECTURE.md, "One round, step by step"):
+Per round r (see docs/design/round.md):
 1. inner phase: from the round's start point, up to H optimizer steps (or the time budget)
    on this peer's shard; AdamW/SGD, gradient clipping, bf16 autocast on CUDA;
 2. pseudo-gradient Δ = θ_g − θ_local, written straight into the averager's shared vector,

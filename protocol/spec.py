@@ -362,7 +362,7 @@ class AveragingSection(_Section):
         if isinstance(data, dict) and "target_group_size" in data:
             raise ValueError(
                 "target_group_size was retired: a round's group is the whole swarm, with no size bound "
-                "(docs/ARCHITECTURE.md §3 step 6); remove the key"
+                "(docs/design/round.md, step 6); remove the key"
             )
         return data
 

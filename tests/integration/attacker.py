@@ -8,7 +8,7 @@ ATTACK is one of ``ATTACKS``: ``x100`` (its pseudo-gradient scaled by 100), ``si
 weight and gathered sample count of 1e15, a self-reported sample count nobody can check inside
 the all-reduce), ``lying-reducer`` (it sends honestly, but as a reducer returns its average
 shifted by a tenth of a typical value's size, the same bytes to every member: their states
-agree, robust averaging never sees it; ARCHITECTURE "Known gaps" had it undetected).
+agree, robust averaging never sees it; the design's known gaps had it undetected).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ contributes (a round averaged into the swarm's state with its samples). Without 
 downloads state after state and never gets in (``make bench-join``).
 
 How soon is measured, not asserted (a timed bound is a benchmark's, and this one sits within a
-second of what the round's timing allows: ARCHITECTURE §3 "Meeting the members' phase"): the
+second of what the round's timing allows: docs/design/joining.md, "Meeting the members' phase"): the
 figures are printed, and issue #49's bound (a first contribution within the download plus two
 rounds) is the benchmark's row. In network namespaces; needs root."""
 
