@@ -40,7 +40,7 @@ def measure_averaging(part_bytes: int, values: int, codec_name: str, rounds: int
 
     import engine.allreduce
     from engine.averager import ExactAverager
-    from engine.compression import get_codec
+    from engine.codecs import get_codec
 
     engine.allreduce.part_size_bytes = lambda numel, codec, group_size: part_bytes  # type: ignore[assignment]
     torch.set_num_threads(1)

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from engine.allreduce import part_size_bytes
-from engine.compression import Codec, get_codec
+from engine.codecs import get_codec
+from engine.compression import Codec
 from engine.fragments import fragment_bounds
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
 from peer.swarm_port import RoundResult

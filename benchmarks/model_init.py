@@ -20,7 +20,8 @@ from benchmarks.one_row import write_one_row
 from peer.task import causal_lm
 from peer.task.base import derive_seed
 from peer.task.portable_init import portable_init_
-from protocol.modelsize import lm_shape, task_params
+from protocol.lm_shape import lm_shape
+from protocol.modelsize import task_params
 from protocol.spec import load_spec
 
 

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from benchmarks.scale import process_tree, pss_bytes
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.roster_book import RosterBook
 from peer.swarm import PendingRound, Swarm
 from peer.swarm_port import RoundResult

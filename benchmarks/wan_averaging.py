@@ -211,7 +211,7 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
     from hivemind import DHT
 
     from engine.averager import ExactAverager
-    from engine.compression import get_codec
+    from engine.codecs import get_codec
     from engine.robust import RobustRule
 
     torch.set_num_threads(1)

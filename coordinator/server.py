@@ -179,7 +179,7 @@ class CoordinatorServer:
             self.archive_off = "off (an imported task that declares no task.params)"
             return None, None
         from engine.averager import ExactAverager
-        from engine.compression import get_codec
+        from engine.codecs import get_codec
         from protocol.membership import MemberGate
 
         self.archive_off = ""

@@ -4,7 +4,7 @@ Every codec maps a 1-D float32 CPU tensor to bytes and back. In the swarm all-re
 *reducer* of a part encodes the averaged values once and every peer decodes the very same
 bytes, so replicas agree bit for bit only if ``decode`` is a pure function of the bytes.
 
-Codecs (``get_codec(name)``):
+Codecs (``engine.codecs.get_codec(name)``):
 
 ``none``  raw IEEE float32, little-endian; 4 bytes per value; lossless.
 ``fp16``  IEEE half, little-endian; 2 bytes per value. Values are clamped to ±65504 (the
@@ -467,26 +467,6 @@ class TwoBitCodec(_BlockAbsmaxCodec):
         if bool((codes[numel:] != 0).any()):
             raise MalformedTensorError(f"{self.name} codec: a pad code is not 0")
         return codes[:numel].to(torch.float32) - self._OFFSET
-
-
-_CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoneCodec, Fp16Codec, Int8Codec, FourBitCodec)}
-CODEC_NAMES: tuple[str, ...] = (*_CODECS, "sparse")
-
-
-def get_codec(name: str, density: float | None = None, bits: int | None = None) -> Codec:
-    """The codec called ``name`` (``sparse`` at ``density`` with its values in ``bits``, the
-    spec's defaults when not given; the others take neither); ``ValueError`` naming the valid
-    names otherwise."""
-    if name == "sparse":
-        from engine.sparse_codec import DEFAULT_BITS, DEFAULT_DENSITY, SparseCodec
-
-        return SparseCodec(DEFAULT_DENSITY if density is None else density, bits=bits or DEFAULT_BITS)
-    if density is not None or bits is not None:
-        raise ValueError(f"codec {name!r} takes no density or bits (only sparse does)")
-    try:
-        return _CODECS[name]()
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODEC_NAMES)}") from None
 
 
 RESIDUAL_DTYPE = torch.bfloat16

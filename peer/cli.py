@@ -663,7 +663,7 @@ def _start_swarm(
     average with it (``gate``). With an announced address, the
     daemon advertises it instead of the addresses it sees locally, and takes itself as publicly
     reachable (libp2p's AutoNAT would otherwise drop a public address it could not confirm)."""
-    from engine.compression import get_codec
+    from engine.codecs import get_codec
     from engine.update_store import UpdateStore
     from peer.swarm import Swarm
 

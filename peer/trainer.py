@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from engine.checkpoint import Checkpointer
-from engine.compression import ErrorFeedback, get_codec
+from engine.codecs import get_codec
+from engine.compression import ErrorFeedback
 from peer.data_assignment import DataRead
 from peer.device_mirror import DeviceMirror, room_for
 from peer.host_passes import (

@@ -45,13 +45,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from protocol.agreement import agreed_state
 from protocol.gathered import MAX_ROSTER, Gathered, votes
-
-if TYPE_CHECKING:  # statesync reads MAX_ROSTER from here
-    from protocol.statesync import DigestRecord
+from protocol.statesync import DigestRecord
 
 __all__ = [
     "MAX_ROSTER",

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from protocol.errors import ConfigError, IdentityError, SpecError
 from protocol.identity import PublicKey
+from protocol.lm_shape import lm_shape
 
 SPEC_VERSION: Literal[1] = 1
 _FACTORY_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -112,8 +113,6 @@ class CausalLMSection(_Section):
 
     @model_validator(mode="after")
     def _shape_known(self) -> CausalLMSection:
-        from protocol.modelsize import lm_shape  # the formulas live with the parameter counts
-
         shape = lm_shape(self.architecture, self.config)
         if shape.max_positions is not None and self.seq_len > shape.max_positions:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds the config's maximum positions ({shape.max_positions})")

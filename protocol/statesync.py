@@ -26,9 +26,9 @@ import torch
 
 from protocol.agreement import Vote
 from protocol.errors import MalformedMessageError, VerificationError
+from protocol.gathered import MAX_ROSTER
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage, sign_message
-from protocol.roster import MAX_ROSTER
 
 logger = logging.getLogger(__name__)
 

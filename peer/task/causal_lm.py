@@ -29,8 +29,9 @@ from peer.task.lm_head import LossHead, install_loss_head
 from peer.task.portable_init import portable_init_
 from peer.task.tokens import AssignedBatches, TokenShards, eval_batches, open_data, run_assignment
 from protocol.errors import ConfigError
+from protocol.lm_shape import lm_shape
 from protocol.manifest import weights_sha256
-from protocol.modelsize import lm_shape, task_flops_per_sample
+from protocol.modelsize import task_flops_per_sample
 from protocol.spec import CausalLMSection, RunSpec
 
 if TYPE_CHECKING:

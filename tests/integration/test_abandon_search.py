@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from engine.averager import ExactAverager
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.outcome import GroupOutcome
 from protocol.gathered import Gathered
 

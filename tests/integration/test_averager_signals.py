@@ -10,7 +10,7 @@ from pathlib import Path
 from hivemind import DHT
 
 from engine.averager import ExactAverager
-from engine.compression import get_codec
+from engine.codecs import get_codec
 
 SIGINT_BIT = 1 << (signal.SIGINT - 1)
 

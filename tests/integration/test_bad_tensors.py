@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 
 from engine.allreduce import CodecCompression, ExactAllReduceRunner
 from engine.averager import ExactAverager
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.outcome import GroupOutcome
 from protocol.gathered import Gathered
 from protocol.identity import Identity

@@ -28,7 +28,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from engine.allreduce import CodecCompression, ExactAllReduceRunner
 from engine.averager import ExactAverager
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.outcome import GroupOutcome
 from protocol.gathered import Gathered
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.state import flatten, load_flat
 from peer.swarm import Swarm
 from peer.task import build_task

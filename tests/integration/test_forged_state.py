@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.round_metrics import RoundMetrics
 from peer.swarm import Swarm
 from peer.task import build_task

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hivemind.averaging.matchmaking import Matchmaking
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.matchmaking import JOIN_GRACE_S
 from peer.swarm import Swarm
 from protocol.gathered import Gathered

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.coordinator_client import CoordinatorClient, JoinAs
 from peer.coordinator_link import CoordinatorLink
 from peer.round_metrics import RoundMetrics

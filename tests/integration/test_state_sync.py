@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.swarm import Swarm
 from peer.task import build_task
 from peer.trainer import Trainer, TrainerOptions

@@ -22,7 +22,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from engine.allreduce import CodecCompression, InPlaceOutputs, RobustPartReducer
 from engine.audit import MIN_FLIPS, AuditTarget, SentParts, auditee, choose_target, judge, reduce_like_a_reducer
 from engine.auditing import UNSERVED, AuditMixin, AuditRoom
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.robust import RobustRule
 
 RULE = RobustRule()

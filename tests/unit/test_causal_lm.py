@@ -10,7 +10,7 @@ from peer.inner_step import Precision, inner_optimizer, inner_step
 from peer.task.base import Task
 from peer.task.causal_lm import build_lm_model, causal_lm_loss
 from protocol.errors import SpecError
-from protocol.modelsize import lm_flops_per_sample, lm_shape
+from protocol.lm_shape import lm_flops_per_sample, lm_shape
 from protocol.spec import CausalLMSection, parse_spec
 
 CONFIGS = {

@@ -5,7 +5,8 @@ import struct
 import pytest
 import torch
 
-from engine.compression import CODEC_NAMES, FP16_MAX, RESIDUAL_DTYPE, Codec, ErrorFeedback, get_codec
+from engine.codecs import CODEC_NAMES, get_codec
+from engine.compression import FP16_MAX, RESIDUAL_DTYPE, Codec, ErrorFeedback
 from protocol.errors import MalformedTensorError, VerificationError
 
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 1000]

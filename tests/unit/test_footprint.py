@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from engine.compression import RESIDUAL_DTYPE, get_codec
+from engine.codecs import get_codec
+from engine.compression import RESIDUAL_DTYPE
 from peer.footprint import LOSSY_CODECS, RESIDUAL_BYTES, estimate
 from peer.swarm_port import RoundResult
 from peer.task import build_task

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
 from coordinator.store import Store, sqlite_url
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import MalformedTensorError, SpecError, SwarmtrainError

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compression import RESIDUAL_DTYPE, ErrorFeedback, get_codec
+from engine.codecs import get_codec
+from engine.compression import RESIDUAL_DTYPE, ErrorFeedback
 from peer.host_passes import Staging, land_round, start_eagerly, undo_eager_start, write_pseudo_gradient
 from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat, outer_step
 from protocol.spec import OuterSection

@@ -10,7 +10,7 @@ from hivemind.proto import runtime_pb2
 
 import engine.allreduce as allreduce
 from engine.allreduce import MAX_PART_DIMS, MAX_PART_VALUES, CodecCompression
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from protocol.errors import MalformedTensorError
 
 

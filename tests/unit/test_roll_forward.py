@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from peer.host_passes import Staging, land_round, roll_forward
 from peer.state import GlobalState, flatten
 from protocol.errors import MalformedTensorError

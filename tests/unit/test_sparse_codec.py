@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compression import RESIDUAL_DTYPE, Codec, ErrorFeedback, FourBitCodec, TwoBitCodec, get_codec
+from engine.codecs import get_codec
+from engine.compression import RESIDUAL_DTYPE, Codec, ErrorFeedback, FourBitCodec, TwoBitCodec
 from engine.sparse_codec import DENSITIES, KEPT, SparseCodec, kept_positions
 from protocol.errors import MalformedTensorError
 from protocol.spec import AveragingSection

@@ -319,23 +319,27 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     """The landing's host half (residual, outer step, the re-base shift) runs on the landing
     thread: one that waits for inner steps to happen sees them happen (on the training thread
     it would wait in vain), the round still lands the outer step everyone takes, and the model
-    is re-based onto it with its progress since the launch."""
+    is re-based onto it with its progress since the launch. Each phase ends once a landing
+    finished during it (the first after two steps), not by a time budget: a busy machine's
+    steps took longer than a 3 s phase left the landing, which then waited for steps in vain."""
     import threading
 
     import peer.trainer as trainer_module
 
     real, busy, stepped = trainer_module.land_global, threading.Event(), threading.Event()
     saw_steps: list[bool] = []
+    landed: list[bool] = []
 
     def land_global_waiting_for_steps(*args: Any, **kwargs: Any) -> None:
         busy.set()
         saw_steps.append(stepped.wait(timeout=30))
         real(*args, **kwargs)
+        landed.append(True)
         busy.clear()
 
     monkeypatch.setattr(trainer_module, "land_global", land_global_waiting_for_steps)
     spec = parse_spec(
-        SPEC.replace("inner_steps = 2", "inner_steps = 100000").replace("[rounds]", "[rounds]\ntime_budget_s = 3.0")
+        SPEC.replace("inner_steps = 2", "inner_steps = 100000").replace("[rounds]", "[rounds]\ntime_budget_s = 120.0")
     )
     swarm = RecordingSwarm()
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=2, overlap=True))  # type: ignore[arg-type]
@@ -347,12 +351,16 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     during: list[int] = []
     step = trainer._train_step
 
+    phases: dict[int, int] = {}  # a phase (by id) -> landings finished when it began
+
     def counted_step(inner: _InnerPhase) -> None:
+        began = phases.setdefault(id(inner), len(landed))
         if busy.is_set():
             during.append(inner.done)
-            if len(during) >= 3:
-                stepped.set()
+            stepped.set()
         step(inner)
+        if (len(phases) == 1 and inner.done >= 2) or len(landed) > began:
+            inner.steps = inner.done  # this phase did its part: end it
 
     trainer._train_step = counted_step  # type: ignore[method-assign]
     trainer.run()

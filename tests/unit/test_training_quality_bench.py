@@ -12,7 +12,7 @@ import torch
 from benchmarks.loopback_group import LoopbackGroup, RobustTally, reduce_group, reducer_ranges
 from benchmarks.quality_runs import Setup, build_spec, run_inprocess, spec_text, to_toml
 from benchmarks.training_quality import main, suites, worker_pool
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.robust import RobustRule
 from protocol.spec import parse_spec
 

@@ -16,7 +16,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
 from engine.allreduce import CodecCompression
-from engine.compression import get_codec
+from engine.codecs import get_codec
 from engine.update_store import UpdateStore, read_frames
 from engine.update_transfer import MAX_SERVING, UpdateTransferMixin
 from protocol.errors import MalformedTensorError
