@@ -2,7 +2,7 @@
 
     sudo python -m benchmarks.hole_punch [--tries 10] [--delay-ms 0] [--out benchmarks/results]
 
-The simultaneous open alone, without a swarm (``peer.hole_punch`` makes it through a relay, and
+The simultaneous open alone, without a swarm (``peer.net.hole_punch`` makes it through a relay, and
 ``benchmarks.nat_paths --hole-punch on`` measures the swarm over it): a rendezvous on the public
 segment (where a relay would be) sees the address each peer's connection comes from; each peer
 then connects to the other's observed address from the same local port at the same moment

@@ -3,7 +3,7 @@
 What one volunteer's GPU contributes between two averaging rounds: the spec's model built
 as a peer builds it (``peer.task.causal_lm.build_lm_model``: portable init, fp32 masters),
 the spec's inner optimizer, micro-batches, activation checkpointing and autocast
-(``peer.inner_step``), on random tokens (``peer.throughput``, which ``swarmtrain doctor`` uses
+(``peer.node.inner_step``), on random tokens (``peer.node.throughput``, which ``swarmtrain doctor`` uses
 too; the data path is not what is measured). Prints and
 writes a Markdown and JSON result to ``benchmarks/results/``.
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.one_row import write_one_row
-from peer import throughput
+from peer.node import throughput
 from protocol.errors import ConfigError
 from protocol.modelsize import task_params
 from protocol.spec import RunSpec, load_spec, local_compute

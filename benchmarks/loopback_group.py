@@ -31,7 +31,7 @@ from engine.codecs import get_codec
 from engine.compression import Codec
 from engine.fragments import fragment_bounds
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
-from peer.swarm_port import RoundResult
+from peer.round.swarm_port import RoundResult
 from peer.task.base import derive_seed, generator
 from protocol.gathered import Gathered
 from protocol.roster import RosterClaim
@@ -228,7 +228,7 @@ class _Pending:
 
 
 class LoopbackSwarm:
-    """Member ``index`` of a ``LoopbackGroup``: the ``peer.swarm_port.SwarmPort`` a trainer uses."""
+    """Member ``index`` of a ``LoopbackGroup``: the ``peer.round.swarm_port.SwarmPort`` a trainer uses."""
 
     def __init__(self, group: LoopbackGroup, index: int, numel: int) -> None:
         self.group, self.index = group, index

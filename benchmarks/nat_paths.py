@@ -17,7 +17,7 @@ the hosts sit where a named topology puts them (``benchmarks.topologies``: home 
 with port mappings, datacenters, with their rates and delays) and each peer's path is the one
 its ``network:`` line names. By default the peers run with ``--no-hole-punch``, so that the
 relayed members' numbers are the relay's; with ``--hole-punch on`` they hole-punch direct
-connections to relayed peers, as peers do by default (``peer.puncher``); the punched
+connections to relayed peers, as peers do by default (``peer.net.puncher``); the punched
 connections and the bytes they carried come from the peers' lines at exit. Writes
 ``benchmarks/results/nat-paths-DATE[-TOPOLOGY][-volunteers][-punched].{md,json}``.
 """

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loopback_group import LoopbackGroup, LoopbackSwarm
+from peer.round.trainer import Trainer, TrainerOptions
 from peer.task import build_task
-from peer.trainer import Trainer, TrainerOptions
 from protocol.identity import Identity
 from protocol.modelsize import count_params
 from protocol.spec import RunSpec, parse_spec

@@ -6,7 +6,7 @@ that runs no relay; two direct volunteers ``ra`` and ``rb`` that relay for other
 relays. Once the NAT'ed peers averaged 2 rounds, ``ra`` is SIGKILLed (its whole process group:
 the machine left), and they must go on at ``rb``; then ``rb`` is, and nobody can dial them until
 a third volunteer ``rc`` comes with a relay: each NAT'ed peer takes a port there and moves its
-swarm to it (``peer.relay_keeper``). Figures, per NAT'ed peer: its rounds that ended after the
+swarm to it (``peer.net.relay_keeper``). Figures, per NAT'ed peer: its rounds that ended after the
 first kill before it averaged again, and after ``rc`` joined (its relay listed to peers) before
 it averaged again, with the seconds; rounds whose averaged members hold two states. The issue
 asks for averaging again within two rounds of a new relay being available.

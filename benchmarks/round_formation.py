@@ -4,7 +4,7 @@ For each swarm size N, N members average round after round; reported per N: the 
 form the round, the fraction of rounds that landed exactly one state, the peers averaged,
 bytes per member, the all-reduce time, memory per member, and how each grows with N.
 
-What is real: every member is a swarm member as a peer runs it (``peer.swarm.Swarm``): its
+What is real: every member is a swarm member as a peer runs it (``peer.swarm.swarm.Swarm``): its
 own hivemind DHT node and p2pd daemon, the ``ExactAverager`` (in its own process) with the
 round's matchmaking (``engine.matchmaking``: one group of any size, the per-round group
 key, the leader closing once the roster is complete), the exact butterfly all-reduce over
@@ -55,9 +55,9 @@ import torch
 
 from benchmarks.scale import process_tree, pss_bytes
 from engine.codecs import get_codec
-from peer.roster_book import RosterBook
-from peer.swarm import PendingRound, Swarm
-from peer.swarm_port import RoundResult
+from peer.round.roster_book import RosterBook
+from peer.round.swarm_port import RoundResult
+from peer.swarm.swarm import PendingRound, Swarm
 from protocol.gathered import Gathered
 from protocol.identity import Identity
 from protocol.roster import verdict

@@ -9,7 +9,7 @@ the run's initial model at that round: a swarm that has run for a while, whose r
 newcomer cannot roll its initial state forward by), and once they have landed 3 rounds a fourth
 peer starts on a slow link (``--slow``). Run three times in one invocation, the same links: members
 keeping the last 16 rounds' averaged updates (the shipped ``--keep-updates``), sparse at density 1/16 (the newcomer rolls its
-downloaded state forward by them, ``peer.host_passes.roll_forward``), then keeping none
+downloaded state forward by them, ``peer.round.host_passes.roll_forward``), then keeping none
 (``--keep-updates 0``: the newcomer downloads whole states until one is still the swarm's when it
 arrives), then keeping 16 at the default density 1/4 (updates 4x the bytes: rolling D rounds costs
 about D² times an update's share of a state, in rounds, so the denser codec's join is slower). Figures, each from the
@@ -221,7 +221,7 @@ def _initial_checkpoint(spec_path: Path, directory: Path, round_: int) -> None:
     import torch
 
     from engine.checkpoint import Checkpointer
-    from peer.state import flatten
+    from peer.round.state import flatten
     from peer.task import build_task
     from protocol.spec import load_spec
 

@@ -107,7 +107,7 @@ MAX_PUNCHED_PEERS = 100_000
 """More peers than a run has: a heartbeat that says it reaches more directly is malformed."""
 
 NETWORK_PATHS = ("", "direct", "announced", "relayed", "client")
-"""What a peer may say of how it is reached (``peer.network_path``; "" before it knows)."""
+"""What a peer may say of how it is reached (``peer.net.network_path``; "" before it knows)."""
 
 
 def check_network_path(path: str) -> None:

@@ -2,7 +2,7 @@
 
 The design goal is one group and one state a round; these figures are how an operator sees a
 round that split. They come from the round reports (``Coordinator.report_round``): a peer
-reports a round only when its averaging succeeded (``peer.coordinator_client.CoordinatorLink
+reports a round only when its averaging succeeded (``peer.link.coordinator_client.CoordinatorLink
 .report``; a failed round only counts in its heartbeats' ``rounds_failed``), naming the round
 of the state it landed, every member of its group (itself included) and that state's digest.
 For round r:

@@ -248,7 +248,7 @@ class RoundBook:
 
     def _check_data_read(self, key: str, body: pb.RoundReportBody) -> None:
         """Token runs: a report that claims samples says what it read, from a stream it holds
-        (``peer.data_assignment`` lets anyone recompute the ids from it). Raises ValueError."""
+        (``peer.task.data_assignment`` lets anyone recompute the ids from it). Raises ValueError."""
         if self.data_slots is None:
             if body.HasField("data"):
                 raise ValueError("round report names a data stream, but this run hands out none")

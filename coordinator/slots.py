@@ -1,4 +1,4 @@
-"""The data streams of a token run, handed out to peers (``peer.data_assignment``).
+"""The data streams of a token run, handed out to peers (``peer.task.data_assignment``).
 
 A run has ``data.slots`` streams; in each round stream k trains the k-th page of the data and
 no other stream does, so the coordinator must never give one stream to two live peers. A

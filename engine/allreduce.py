@@ -19,7 +19,7 @@ bad scales) or a non-finite/non-positive weight gets the sender excluded from th
 with a logged reason. A reducer that sends no averaged parts, stops halfway or sends parts
 that do not decode does not fail the round: its whole range is *missing*
 (``ExactAllReduceRunner.missing_ranges``), the rest of the vector holds the average, and the
-caller leaves the missing ranges out of this round (``peer.host_passes.land_round``). Every
+caller leaves the missing ranges out of this round (``peer.round.host_passes.land_round``). Every
 member that lost that reducer leaves out the same range, so replicas stay identical.
 
 Which members count is decided before the all-reduce from what they gathered

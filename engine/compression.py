@@ -153,7 +153,7 @@ class Codec(abc.ABC):
     def unsent(self, start: int, count: int) -> torch.Tensor | None:
         """Which of the vector's values ``[start, start + count)`` this codec does not send at
         all (a bool mask), or None when it sends every value. A round leaves those values as
-        if their range had not been averaged (``peer.host_passes``: θ_g, the momentum and the
+        if their range had not been averaged (``peer.round.host_passes``: θ_g, the momentum and the
         residual keep their values there, the model its own progress)."""
         return None
 

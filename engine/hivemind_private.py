@@ -40,7 +40,7 @@ ALLREDUCE = "engine/allreduce.py"
 GATE = "engine/averager_gate.py"
 STATE = "engine/state_transfer.py"
 BAD_TENSORS = "tests/integration/test_bad_tensors.py"
-PUNCHER = "peer/puncher.py"
+PUNCHER = "peer/net/puncher.py"
 
 
 @dataclass(frozen=True)

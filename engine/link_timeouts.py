@@ -1,6 +1,6 @@
 """A round's deadlines stretched to its slowest member's link.
 
-A peer's averaging deadlines follow what its rounds took (``peer.timeouts``): in a swarm on fast
+A peer's averaging deadlines follow what its rounds took (``peer.round.timeouts``): in a swarm on fast
 links they shrink to a few seconds, which cuts off a member on a link 10x slower mid-part (its
 reducers stop waiting for its first part, it stops waiting for theirs) although it is alive and
 sending. Every member states the bytes a second its link carries (``Gathered.link``: measured

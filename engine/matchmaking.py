@@ -139,7 +139,7 @@ class PacedKeyManager(GroupKeyManager):
         stored in the background. hivemind withdraws as its search unwinds, under the lock that
         lets one search run at a time; a DHT store waits for its slowest replica (seconds on a
         home link, an RPC timeout when one is gone), so a search given up
-        (``peer.trainer.Trainer._abandon_if_landed``) held up the next round's search that long
+        (``peer.round.trainer.Trainer._abandon_if_landed``) held up the next round's search that long
         ("Another look_for_group is already in progress"), and its peer lost that round too. A
         withdrawal is only a hint (others ask a withdrawn peer and are turned away), and it
         cannot undo a newer declaration: the DHT keeps the later expiration."""
@@ -180,7 +180,7 @@ class RoundPotentialLeaders(PotentialLeaders):
     hivemind stops looking once the earliest declared peer it knows would lead after its own
     search ends, on the premise that a peer that declares later expires later (each declares
     now + the same window). A round's peers declare windows of their own length (each one's
-    adaptive matchmaking timeout, ``peer.timeouts``), so a peer that launches late can declare
+    adaptive matchmaking timeout, ``peer.round.timeouts``), so a peer that launches late can declare
     the earliest expiration and lead the round: the others, no longer looking, never asked it,
     it failed the round alone, and they waited out their windows as a smaller group (three
     peers behind NAT lost a round so on a loaded machine). The lookups stay paced
@@ -289,7 +289,7 @@ class RoundMatchmaking(Matchmaking):
         """Whether this leader may start the all-reduce before its window ends: the roster its
         group's holders claim is in or left (``protocol.roster.leader_may_close``), or, where
         they claim none (they released it after rounds without a group,
-        ``peer.roster_book.RosterBook.refused``), every member of the roster this peer saw make
+        ``peer.round.roster_book.RosterBook.refused``), every member of the roster this peer saw make
         the group's state, by name, is in the group or left, and the group lands by the rule.
         Closing picks who is in the round, never which state lands (``protocol.roster.verdict``
         does); without this, the first round after an outage that made the members release

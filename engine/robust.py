@@ -93,7 +93,7 @@ MIN_MEMBERS_FOR_DIRECTION = 3
 HONEST_SPAN_S = 86_400.0
 """``for_spec``'s ``max_weight`` is the samples of this long at the run's credited maximum rate
 (``credits.max_samples_per_second``): a member whose rounds failed for a day re-syncs long
-before (``peer.watchdog``), and a self-reported 1e15 is far above it."""
+before (``peer.round.watchdog``), and a self-reported 1e15 is far above it."""
 DEFAULT_MAX_WEIGHT = 10_000.0 * HONEST_SPAN_S
 """``max_weight`` at the spec's default ``max_samples_per_second`` (10,000)."""
 MIN_CONTRIBUTING_WEIGHT = 1e-6

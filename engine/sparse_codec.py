@@ -9,7 +9,7 @@ position as the butterfly all-reduce does with a dense codec, and the average it
 has the same 64 positions per block.
 
 A value the round does not send is left out of the round, as a range whose reducer failed
-is (``Codec.unsent``, ``peer.host_passes``): θ_g and the momentum keep their values there,
+is (``Codec.unsent``, ``peer.round.host_passes``): θ_g and the momentum keep their values there,
 and each member's model keeps its own progress, so the next time the value is sent its
 pseudo-gradient holds every inner step since it was last averaged. Each value is thus
 averaged DiLoCo's way every ``1/density`` rounds, and the rounds take turns. Carrying the

@@ -24,23 +24,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.update_store import KEPT_ROUNDS
-from peer.announce import coordinator_address, parse_host_port
-from peer.node_identity import NodeIdentity, node_identity
-from peer.progress import ProgressDisplay
-from peer.round_metrics import RoundMetrics
+from peer.net.announce import coordinator_address, parse_host_port
+from peer.node.node_identity import NodeIdentity, node_identity
+from peer.round.progress import ProgressDisplay
+from peer.round.round_metrics import RoundMetrics
 from protocol.errors import AdmissionError, ConfigError, IdentityError
 from protocol.identity import PublicKey
 
 if TYPE_CHECKING:
-    from peer.coordinator_client import CoordinatorClient, JoinInfo
-    from peer.coordinator_link import CoordinatorLink
-    from peer.network_path import NetworkPath
-    from peer.node import LocalNode
-    from peer.node_env import NodeEnv
-    from peer.puncher import Puncher
-    from peer.relay_keeper import RelayKeeper
-    from peer.relay_service import RelayOffer
-    from peer.swarm import Swarm
+    from peer.link.coordinator_client import CoordinatorClient, JoinInfo
+    from peer.link.coordinator_link import CoordinatorLink
+    from peer.net.network_path import NetworkPath
+    from peer.net.puncher import Puncher
+    from peer.net.relay_keeper import RelayKeeper
+    from peer.net.relay_service import RelayOffer
+    from peer.node.node import LocalNode
+    from peer.node.node_env import NodeEnv
+    from peer.swarm.swarm import Swarm
     from peer.task import Task
     from protocol.identity import Identity
     from protocol.membership import MemberGate
@@ -260,7 +260,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError("--announce is for peers others dial; a --client-mode peer is never dialled")
     if args.nproc_per_node is not None and not 1 <= args.nproc_per_node <= 64:
         raise ConfigError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
-    from peer.relay_service import relay_ports
+    from peer.net.relay_service import relay_ports
 
     ports, _ = relay_ports(args.relay_ports)
     if ports is not None and args.port and args.port in ports:
@@ -284,7 +284,7 @@ def ranks_to_launch(args: argparse.Namespace) -> int | None:
     explicit ``--nproc-per-node N`` always makes a node of N ranks, one included (torch.distributed
     and, with ``--fsdp on``, FSDP2 over a single GPU)."""
     check_args(args)
-    from peer.node_env import NodeEnv
+    from peer.node.node_env import NodeEnv
 
     node_env = NodeEnv.from_environ()
     if node_env is not None:
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     from protocol.tmpdir import check_tmpdir
 
     check_tmpdir()  # hivemind's averager shares tensors through torch's socket there
-    from peer.node_env import NodeEnv
+    from peer.node.node_env import NodeEnv
 
     node_env = NodeEnv.from_environ()
     if node_env is not None and node_env.rank > 0:
@@ -435,9 +435,9 @@ def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None
 
     if not args.coordinator:
         return _Joined(load_spec(args.spec), args.data_slot)
-    from peer.bootstrap import bootstrap_for
-    from peer.coordinator_client import CoordinatorClient, JoinAs, join_when_up
-    from peer.coordinator_pin import PinnedKeys
+    from peer.link.coordinator_client import CoordinatorClient, JoinAs, join_when_up
+    from peer.link.coordinator_pin import PinnedKeys
+    from peer.swarm.bootstrap import bootstrap_for
     from protocol.version import __version__
 
     pins = PinnedKeys(args.checkpoint_dir)
@@ -461,7 +461,7 @@ def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None
             f"the coordinator at {args.coordinator} runs {info.spec_digest}, not the --spec given ({local_digest}); "
             "drop --spec to take the coordinator's, or check the address"
         )
-    # the coordinator's DHT addresses on the host we reached it on (see peer.bootstrap)
+    # the coordinator's DHT addresses on the host we reached it on (see peer.swarm.bootstrap)
     args.initial_peers = bootstrap_for(info.bootstrap_maddrs, args.coordinator) + list(args.initial_peers)
     return _Joined(spec, info.data_slot, client, info)
 
@@ -546,7 +546,7 @@ def _plan(
     device = _device(args.device, node_env)
     local_node = None
     if node_env is not None:
-        from peer.node import LocalNode
+        from peer.node.node import LocalNode
 
         local_node = LocalNode(node_env, device=device)
     shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
@@ -582,9 +582,9 @@ def _plan(
 
 
 def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
-    """How others reach this peer (``peer.network_path``); ``args.port`` and ``args.client_mode``
+    """How others reach this peer (``peer.net.network_path``); ``args.port`` and ``args.client_mode``
     follow the choice."""
-    from peer.network_path import Coordinated, choose_path
+    from peer.net.network_path import Coordinated, choose_path
 
     coordinated = None
     if joined.client is not None and joined.info is not None:
@@ -629,12 +629,12 @@ def _member_gate(joined: _Joined) -> MemberGate | None:
 def _relay_offer(
     args: argparse.Namespace, joined: _Joined, path: NetworkPath, gate: MemberGate | None
 ) -> RelayOffer | None:
-    """The relay this peer runs for peers nobody can dial (``peer.relay_service``): only a peer
+    """The relay this peer runs for peers nobody can dial (``peer.net.relay_service``): only a peer
     the coordinator dialled back; None without a coordinator. It refuses the peers ``gate``
     shows revoked."""
     if joined.client is None or joined.info is None:
         return None
-    from peer.relay_service import RelayOffer, offer_relay, relay_ports
+    from peer.net.relay_service import RelayOffer, offer_relay, relay_ports
 
     if not path.dialled_back:
         return RelayOffer(None, f"this peer is {path.kind}, not dialled back directly")
@@ -665,7 +665,7 @@ def _start_swarm(
     reachable (libp2p's AutoNAT would otherwise drop a public address it could not confirm)."""
     from engine.codecs import get_codec
     from engine.update_store import UpdateStore
-    from peer.swarm import Swarm
+    from peer.swarm.swarm import Swarm
 
     ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
     updates = None
@@ -700,11 +700,11 @@ def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Punc
 
 
 def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
-    """Hole punching to the relayed peers this one dials (``peer.puncher``), with
+    """Hole punching to the relayed peers this one dials (``peer.net.puncher``), with
     ``--hole-punch`` (the default): through a coordinator, which lists the relays; not in client mode."""
     if joined.info is None or joined.client is None or args.client_mode or not args.hole_punch:
         return None
-    from peer.puncher import Puncher, relays_by_ip
+    from peer.net.puncher import Puncher, relays_by_ip
 
     listed = list(joined.info.relays)
     if joined.info.relay_port:
@@ -731,13 +731,13 @@ def _relay_keeper(
     link: CoordinatorLink | None,
     puncher: Puncher | None,
 ) -> RelayKeeper | None:
-    """A relayed peer's watch over its relays (``peer.relay_keeper``): when all have left, new
+    """A relayed peer's watch over its relays (``peer.net.relay_keeper``): when all have left, new
     ones from the coordinator's list, and the swarm moved to them."""
     if path.kind != "relayed" or joined.client is None or link is None:
         return None
-    from peer.network_path import Coordinated
-    from peer.relay_client import RelayAddress, RelayTunnel, open_several
-    from peer.relay_keeper import PUBLISH_S, Found, RelayKeeper
+    from peer.net.network_path import Coordinated
+    from peer.net.relay_client import RelayAddress, RelayTunnel, open_several
+    from peer.net.relay_keeper import PUBLISH_S, Found, RelayKeeper
 
     client = joined.client
     host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
@@ -812,9 +812,9 @@ def _link_to_coordinator(
     its libp2p id), publish the membership token, and start the heartbeats and reports."""
     if joined.client is None or joined.info is None:
         return None
-    from peer.coordinator_client import JoinAs, join_when_up
-    from peer.coordinator_link import CoordinatorLink
-    from peer.report_outbox import OUTBOX_DIR, ReportOutbox
+    from peer.link.coordinator_client import JoinAs, join_when_up
+    from peer.link.coordinator_link import CoordinatorLink
+    from peer.link.report_outbox import OUTBOX_DIR, ReportOutbox
 
     rejoin = JoinAs(
         libp2p_peer_id=str(swarm.dht.peer_id),
@@ -855,9 +855,9 @@ def _train(
 ) -> None:
     """Run the trainer until done or told to leave; each round goes to the progress line, the
     metrics file, the experiment log and the coordinator."""
-    from peer.node import Command
-    from peer.trainer import Trainer, TrainerOptions
-    from peer.watchdog import Watchdog, WatchdogLeave
+    from peer.node.node import Command
+    from peer.round.trainer import Trainer, TrainerOptions
+    from peer.round.watchdog import Watchdog, WatchdogLeave
     from protocol.experiment_log import ExperimentLog, peer_figures
 
     options = TrainerOptions(
@@ -947,9 +947,9 @@ def _local_compute(spec: RunSpec, args: argparse.Namespace) -> RunSpec:
 
 
 def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
-    """A local rank other than the leader: it trains what the leader tells it (``peer.node``);
+    """A local rank other than the leader: it trains what the leader tells it (``peer.node.node``);
     the leader alone talks to the swarm and the coordinator."""
-    from peer.node import LocalNode, rank_shard_seed, run_worker
+    from peer.node.node import LocalNode, rank_shard_seed, run_worker
     from peer.task import build_task
     from protocol.spec import parse_spec
 

@@ -136,7 +136,7 @@ PEER_FIGURES = (
     "lr",
     "unaveraged",
 )
-"""A peer's round metrics (``peer.round_metrics``) logged per round."""
+"""A peer's round metrics (``peer.round.round_metrics``) logged per round."""
 
 
 def peer_figures(metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,13 +44,13 @@ class Gathered:
     """The digest of that state (None: it stated none)."""
     samples: float = 0.0
     """The samples it claims for the round, as it stated them (its say-so: bounded where a
-    report carries it, ``peer.coordinator_client.reported_weight``)."""
+    report carries it, ``peer.link.coordinator_client.reported_weight``)."""
     roster: int = 0
     """The roster size of its pre-round state as it knows it (0: unknown; ``protocol.roster``)."""
     known: bool = False
     """Whether it is itself in that roster."""
     meet: int | None = None
-    """The round whose DHT key the round meets under, where not its own (``peer.swarm``)."""
+    """The round whose DHT key the round meets under, where not its own (``peer.swarm.swarm``)."""
     link: float | None = None
     """Bytes a second its link carries, as it measured it (its last state download; None:
     unmeasured): the group stretches the round's

@@ -1,6 +1,6 @@
 """The relay: a public TCP port for each admitted peer that nobody can dial. The coordinator
 runs one (``coordinator.server``), and so does every reachable peer that does not opt out
-(``peer.relay_service``): a relayed peer tries the volunteers' relays the coordinator lists
+(``peer.net.relay_service``): a relayed peer tries the volunteers' relays the coordinator lists
 before the coordinator's own, so the coordinator's uplink does not carry every relayed peer.
 
 Measured in the NAT lab (``benchmarks/netsim.py``, hivemind 1.1.12): libp2p's circuit relay in
@@ -15,7 +15,7 @@ ciphertext and can neither read nor forge a part.
 
 It also times hole punches (``protocol.relay_wire``: ``PunchAsk`` … ``PunchGo``): it tells a
 port's holder and an admitted asker where each other's fresh socket came from, so that the two
-open a direct connection and stop crossing it (``peer.hole_punch``).
+open a direct connection and stop crossing it (``peer.net.hole_punch``).
 
 Caps: a list of ports (one port per peer: their number is the most peers relayed at once; 0
 stands for any free port, picked at the grant), a number of connections per port, a deadline

@@ -1,5 +1,5 @@
 """The relay's wire: how a peer behind NAT gets a public port on a relay and takes the
-connections that arrive there (``protocol.relay_server`` serves it, ``peer.relay_client`` uses it).
+connections that arrive there (``protocol.relay_server`` serves it, ``peer.net.relay_client`` uses it).
 
 A peer that nobody can dial keeps one *control* connection open to the relay. It sends
 ``Open(token)`` (its access token: only admitted peers get a port); the relay answers
@@ -12,7 +12,7 @@ connection as ``Incoming(id, host, port)`` (where it comes from, as the relay se
 through unchanged. ``Ping`` keeps the control connection alive both ways; ``Refused(reason)``
 ends it.
 
-Hole punching (``peer.hole_punch``): a peer that reached another at its relay port asks for a
+Hole punching (``peer.net.hole_punch``): a peer that reached another at its relay port asks for a
 direct connection from a fresh socket: ``PunchAsk(token, port)``, proven as an ``Open`` is
 (``Challenge``, ``Proof``). The relay tells the port's
 holder, on its control connection, where the asker's socket came from: ``PunchCall(id, host,

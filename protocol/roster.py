@@ -24,7 +24,7 @@ state but do not count (else a group of them could pass beside the roster's own)
 a member of the group that produced the state, which a reducer failed (it could not land the
 round itself and took the state by download), is in that roster by the definition above and
 counts again once more than half of the roster, by name, publish that they hold the state it
-took (``peer.roster_book.RosterBook.adopted``): else the next round's leader, missing it, would
+took (``peer.round.roster_book.RosterBook.adopted``): else the next round's leader, missing it, would
 wait out its window. A swarm
 where more than half of the roster left at once would never pass again, so a member that
 failed the rule ``ROSTER_RELEASE_AFTER`` times in a row at the same state gathers ``roster``

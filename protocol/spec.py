@@ -367,7 +367,7 @@ class AveragingSection(_Section):
 
 
 class ScheduleSection(_Section):
-    """The learning rate over the run, by the swarm's position (``peer.schedule``):
+    """The learning rate over the run, by the swarm's position (``peer.node.schedule``):
     tokens = (round x H + step) x data.slots x inner.batch_size x sequence length, the same
     number on every peer at the same point, whenever it joined."""
 

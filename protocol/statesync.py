@@ -85,7 +85,7 @@ class DigestRecord:
     """When (DHT time: wall-clock seconds) its signer landed this state by averaging (None: it
     adopted it, or did not say). Members start the next round's inner phase then, so a newcomer
     that adopted the state knows when they will launch that round
-    (``peer.swarm.Swarm.seen_at``); a timing hint, never a vote."""
+    (``peer.swarm.swarm.Swarm.seen_at``); a timing hint, never a vote."""
 
 
 def run_prefix(spec_digest: str) -> str:

@@ -8,7 +8,7 @@ flags give the same bytes and the same manifest digest on any machine. Rows are 
 they fill, so memory stays bounded by one tokenization batch; then each split's rows are
 shuffled across its shards by a seeded permutation (``row_order``: one pass over the split,
 one shard in memory at a time), so that every shard is a random sample of the split (a peer
-reads whole shards: ``peer.data_assignment``).
+reads whole shards: ``peer.task.data_assignment``).
 
 Inputs are files, or directories searched recursively (sorted; names starting with '.' and
 ``__pycache__`` skipped): ``.txt``/``.py``/``.md`` are one document per file (UTF-8);
@@ -290,7 +290,7 @@ class _SplitWriter:
         return self.shards
 
     def _shuffle(self, seed: int) -> None:
-        """A peer reads a run of whole shards each round (``peer.data_assignment``), so a shard
+        """A peer reads a run of whole shards each round (``peer.task.data_assignment``), so a shard
         must be a random sample of the split, not a stretch of a few documents: rows in
         document order made every round of a tiny Llama run train on one or two source files."""
         row = self.seq_len + 1

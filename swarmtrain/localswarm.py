@@ -141,7 +141,7 @@ class LocalPeer(Child):
         super().__init__(argv, workdir / f"{name}.log", name, env, executable=executable)
 
     def node_id(self, deadline_s: float = 60.0) -> str:
-        """The public id of the node key this peer signs with (``peer.node_identity``)."""
+        """The public id of the node key this peer signs with (``peer.node.node_identity``)."""
         return self.printed(r"^peer (\S+) of account ", deadline_s)
 
     def wait_for_maddr(self, deadline_s: float = 120.0) -> str:

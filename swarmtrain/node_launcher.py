@@ -6,7 +6,7 @@ session, so a Ctrl-C in the terminal reaches only this launcher; it passes SIGIN
 to rank 0 (the leader), which finishes its round, tells the other ranks to stop and leaves the
 swarm. The ranks die with the launcher (``swarmtrain.lifetime``).
 
-Every rank touches a heartbeat file from a thread every few seconds (``peer.node``); one
+Every rank touches a heartbeat file from a thread every few seconds (``peer.node.node``); one
 that falls silent for ``--rank-timeout`` seconds (a stopped or frozen process) is killed and
 counts as lost. A rank that exits with an error, is killed or is lost so ends the node as a unit: the leader is told to
 leave (its collectives with the lost rank fail, so it cannot average a half-updated state; its
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from peer.node_env import HEARTBEAT_ENV
+from peer.node.node_env import HEARTBEAT_ENV
 from swarmtrain.lifetime import PARENT_ENV
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def launch(command: Sequence[str], nproc: int, *, rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> int:
     """Run ``command`` (a ``swarmtrain`` argv) as ``nproc`` local ranks; the node's exit status.
-    A rank whose heartbeat (``peer.node_env.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
+    A rank whose heartbeat (``peer.node.node_env.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
     port = _free_port()
     beats = Path(tempfile.mkdtemp(prefix="swarmtrain-node-"))
     procs: list[subprocess.Popen[bytes]] = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.data_assignment import DataRead
+from peer.task.data_assignment import DataRead
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs, targets), CPU tensors; ``loss_fn`` moves them to the model's device."""
@@ -34,7 +34,7 @@ class Task:
     validation data."""
     batch_at: Callable[[int, int], Batch] | None = None
     """Positional data (token runs): the batch of inner step ``step`` of round ``round``, as
-    assigned to this peer's data stream (``peer.data_assignment``); None: ``batches``."""
+    assigned to this peer's data stream (``peer.task.data_assignment``); None: ``batches``."""
     data_report: Callable[[int], DataRead | None] | None = None
     """What a round read (stream, steps, digest of the sequence ids), for its report."""
     micro_batches: int = 1

@@ -4,7 +4,7 @@
 - The model is built on CPU from ``[task.causal_lm]`` and initialised with
   ``peer.task.portable_init`` (seeded by the run's data seed), so every peer starts from the
   same bytes whatever its CPU or GPU; parameters are fp32 masters (autocast does the rest,
-  ``peer.inner_step``).
+  ``peer.node.inner_step``).
 - Its parameter count must equal ``protocol.modelsize``'s formula, which the coordinator
   uses for credits and the archive: a transformers version that builds another model is
   refused rather than mis-credited.

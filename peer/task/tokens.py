@@ -1,7 +1,7 @@
 """Prepared token shards (``swarmtrain data prepare``) read by a peer, and its batches.
 
 The shards are memory-mapped: a peer reads only the rows its batches need, so a corpus of
-any size costs page cache, not process memory. Which rows: ``peer.data_assignment``
+any size costs page cache, not process memory. Which rows: ``peer.task.data_assignment``
 (stream ``slot`` of the run trains page ``round x slots + slot``); this module reads them
 and remembers which sequence ids each round read, for the round's report.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from peer.data_assignment import DataAssignment, DataRead, ids_digest
 from peer.task.base import Batch
+from peer.task.data_assignment import DataAssignment, DataRead, ids_digest
 from peer.task.fetch import DataFetcher, Prefetcher, parse_source
 from protocol.errors import ConfigError
 from protocol.manifest import Manifest, ShardEntry, load_manifest
@@ -93,7 +93,7 @@ def check_data(
 
 
 def run_assignment(spec: RunSpec, manifest: Manifest) -> DataAssignment:
-    """Who trains what in this run (``peer.data_assignment``), over the manifest's training shards."""
+    """Who trains what in this run (``peer.task.data_assignment``), over the manifest's training shards."""
     assert spec.rounds.inner_steps is not None  # the spec enforces it for token runs
     return DataAssignment(
         sequences=manifest.train_sequences(),
@@ -185,7 +185,7 @@ class AssignedBatches:
 
     def report(self, round_: int) -> DataRead | None:
         """What round ``round_`` read (and forget it): the stream, the steps and the digest of
-        the sequence ids in order (``peer.data_assignment.ids_digest``)."""
+        the sequence ids in order (``peer.task.data_assignment.ids_digest``)."""
         ids = self._read.pop(round_, None)
         for stale in [r for r in self._read if r < round_]:
             del self._read[stale]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.announce import coordinator_address
+from peer.net.announce import coordinator_address
 from protocol.errors import ConfigError
 from swarmtrain.commands import rpc
 

@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from peer.announce import Announced, announced, coordinator_address, parse_host_port
-from peer.dial_back import Greeter
-from peer.footprint import Footprint, estimate
+from peer.net.announce import Announced, announced, coordinator_address, parse_host_port
+from peer.net.dial_back import Greeter
+from peer.node.footprint import Footprint, estimate
 from protocol.errors import ConfigError, SpecError
 from protocol.identity import default_key_path
 from protocol.modelsize import task_params

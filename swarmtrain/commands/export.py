@@ -58,7 +58,7 @@ def source_directory(source: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from engine.checkpoint import checkpoint_spec, read_checkpoint
-    from peer.task.export import export_model
+    from peer.export import export_model
     from protocol.spec import load_spec
 
     if not args.source.exists():

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from peer.announce import coordinator_address
+from peer.net.announce import coordinator_address
 from swarmtrain.commands import rpc
 
 SHOWN_ROUNDS = 5

@@ -17,7 +17,7 @@ MEASURE_BUDGET_S = 15.0
 def expected(
     spec: RunSpec, *, device: str, params: int, upload_bits_per_s: float | None, gpus: int = 1
 ) -> tuple[str, dict[str, Any]]:
-    from peer.throughput import measure
+    from peer.node.throughput import measure
 
     try:
         speed = measure(spec, device=device, steps=MEASURE_STEPS, warmup=1, budget_s=MEASURE_BUDGET_S)

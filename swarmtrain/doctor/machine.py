@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peer.footprint import Footprint, estimate, gib
+from peer.node.footprint import Footprint, estimate, gib
 from protocol.identity import Identity
 from protocol.spec import RunSpec, local_compute
 from swarmtrain.doctor.verdict import CheckFailed, CheckWarning

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from peer.announce import Announced
-from peer.dial_back import Greeter, ask_dial_back
+from peer.net.announce import Announced
+from peer.net.dial_back import Greeter, ask_dial_back
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.messages import MessageVerifier
@@ -145,7 +145,7 @@ def bootstrap(link: Link) -> str:
 def dial_back(link: Link, greeter: Greeter, announce: Announced | None = None) -> tuple[str, dict[str, Any]]:
     """Ask the coordinator to connect back to ``greeter``'s port (the announced port, with
     ``announce``) and read its greeting; say the path a peer on this machine would take
-    (``peer.network_path``) and how to make it direct."""
+    (``peer.net.network_path``) and how to make it direct."""
     try:
         seen = ask_dial_back(link.stub, greeter, timeout_s=PROBE_TIMEOUT_S, port=announce.port if announce else 0)
     except grpc.RpcError as exc:

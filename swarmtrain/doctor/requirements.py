@@ -1,7 +1,7 @@
 """What one peer of a run needs, from the spec alone: GPU memory, host RAM, ``/dev/shm``, disk,
 and the bytes it moves per round and per day (``swarmtrain doctor --requirements``).
 
-Memory is ``peer.footprint``'s estimate at the spec's own compute settings (its micro-batches
+Memory is ``peer.node.footprint``'s estimate at the spec's own compute settings (its micro-batches
 and activation checkpointing; a peer may choose others). The link figures count what a member
 sends and receives in a butterfly all-reduce at the large-group bound (2·S each way, S the
 pseudo-gradient's bytes in the run's codec), a join's state download (θ_g and the outer
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peer.footprint import FP32, LOSSY_CODECS, RESIDUAL_BYTES, estimate, gib
+from peer.node.footprint import FP32, LOSSY_CODECS, RESIDUAL_BYTES, estimate, gib
 from protocol.manifest import ITEMSIZE, dtype_for_vocab
 from protocol.modelsize import VOCAB_SIZE, task_params
 from protocol.spec import RunSpec

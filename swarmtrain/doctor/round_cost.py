@@ -50,7 +50,7 @@ def round_cost(averaging: AveragingSection, params: int, upload_bits_per_s: floa
 def join_cost(averaging: AveragingSection, params: int, download_bits_per_s: float) -> tuple[str, dict[str, Any]]:
     """How long joining a running swarm takes on the measured downlink: the state (θ_g and the
     outer momentum, 8 bytes a value), then each round the swarm landed meanwhile by its averaged
-    update in the run's codec (``peer.host_passes.roll_forward``). With rounds of R seconds a
+    update in the run's codec (``peer.round.host_passes.roll_forward``). With rounds of R seconds a
     join takes about ``state_s / (1 - update_s / R)``; never if an update takes a round."""
     if params <= 0 or download_bits_per_s <= 0:
         raise ValueError(f"need a model and a downlink, got {params} values and {download_bits_per_s} bit/s")

@@ -211,7 +211,7 @@ def test_export_writes_a_model_directory_or_says_in_one_line_why_not(tmp_path: P
     import torch
 
     from engine.checkpoint import Checkpointer
-    from peer.state import flatten
+    from peer.round.state import flatten
     from peer.task.bytegpt import build_model
     from protocol.spec import load_spec
 

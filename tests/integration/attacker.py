@@ -29,7 +29,7 @@ def install(attack: str) -> None:
     if attack == "lying-reducer":
         _lie_as_reducer()
         return
-    from peer.swarm import Swarm
+    from peer.swarm.swarm import Swarm
     from protocol.gathered import Gathered
 
     original = Swarm.start_round

@@ -17,7 +17,7 @@ from typing import Any
 def install(round_: int) -> None:
     """Patch this process's ``Trainer._apply`` to kill the process group as it begins to land
     the round that becomes ``round_``."""
-    from peer.trainer import Trainer
+    from peer.round.trainer import Trainer
 
     original = Trainer._apply
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from peer.node import rank_shard_seed
+from peer.node.node import rank_shard_seed
 from peer.task import Task, build_task
 from peer.task.base import Batch
 from protocol.spec import RunSpec

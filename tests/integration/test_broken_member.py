@@ -97,7 +97,7 @@ def run_group(
     broken: type[ExactAllReduceRunner] | type[CodecCompression], *, as_a_peer_does: bool = False
 ) -> list[dict[str, Any] | None]:
     """Each member's outcome (its vector and stats; None if its step raised). ``as_a_peer_does``:
-    every member states what it starts from and may retry (``peer.swarm.Swarm.start_round``);
+    every member states what it starts from and may retry (``peer.swarm.swarm.Swarm.start_round``);
     the outcome then also holds the ``GroupOutcome`` itself."""
     codec = get_codec("none")
     first = DHT(start=True, host_maddrs=LOOPBACK)
@@ -199,7 +199,7 @@ def test_a_member_whose_own_all_reduce_fails_ends_its_round_with_its_group_and_d
     retry looks for a group at a round key the group has left (the others land without this
     member and move on), for up to the whole matchmaking timeout. The step ends at once
     instead, with the statements of the group it was in (``GroupOutcome.failed``): the peer
-    knows which roster the state its group makes will have (``peer.roster_book``)."""
+    knows which roster the state its group makes will have (``peer.round.roster_book``)."""
     outcomes = run_group(FailsHere, as_a_peer_does=True)
     mine = outcomes[3]
     assert mine is not None, "the failed member's step raised (it retried until its deadline)"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.codecs import get_codec
-from peer.swarm import Swarm
+from peer.swarm.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec
 

@@ -1,5 +1,5 @@
 """Peers started while their coordinator is down (issue #49): each says once that the
-coordinator is not answering, keeps trying with backoff (``peer.coordinator_client.
+coordinator is not answering, keeps trying with backoff (``peer.link.coordinator_client.
 join_when_up``), joins when it comes back after a 60 s outage, and the two average every round.
 Before, a peer exited at once with a raw gRPC error."""
 

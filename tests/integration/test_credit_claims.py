@@ -13,7 +13,7 @@ import pytest
 from coordinator.core import Coordinator
 from coordinator.servicer import CoordinatorServicer
 from coordinator.store import Store, sqlite_url
-from peer.coordinator_client import CoordinatorClient, RejectedError
+from peer.link.coordinator_client import CoordinatorClient, RejectedError
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds

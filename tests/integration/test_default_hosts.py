@@ -4,7 +4,7 @@ all interfaces (no --host), the peers join at 127.0.0.1, and they average every 
 On a machine with a non-loopback interface the coordinator hands out one DHT address per
 interface; peers once bootstrapped from all of them and, when libp2p connected over an address
 it deems unroutable (this machine's 192.0.2.2, a documentation range), the coordinator could not
-route peers to each other and no round found a group (peer.bootstrap)."""
+route peers to each other and no round found a group (peer.swarm.bootstrap)."""
 
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from engine.codecs import get_codec
-from peer.round_metrics import RoundMetrics
-from peer.swarm import Swarm
+from peer.round.round_metrics import RoundMetrics
+from peer.round.trainer import Trainer, TrainerOptions
+from peer.swarm.swarm import Swarm
 from peer.task import build_task
-from peer.trainer import Trainer, TrainerOptions
 from protocol.agreement import agreed_states
 from protocol.identity import Identity
 from protocol.membership import MemberGate

@@ -27,7 +27,7 @@ import torch
 
 from coordinator.store import Store, sqlite_url
 from engine.checkpoint import Checkpointer
-from peer.state import load_flat
+from peer.round.state import load_flat
 from peer.task import build_task
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_all, wait_until

@@ -19,7 +19,7 @@ from hivemind.averaging.matchmaking import Matchmaking
 
 from engine.codecs import get_codec
 from engine.matchmaking import JOIN_GRACE_S
-from peer.swarm import Swarm
+from peer.swarm.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec
 

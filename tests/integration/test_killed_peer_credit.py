@@ -1,6 +1,6 @@
 """A pair averages while its coordinator is down, one member is SIGKILLed, the coordinator
 comes back and the killed member is started again with its checkpoint directory: every round
-the pair averaged during the outage is credited to both (``peer.report_outbox``). Before, a
+the pair averaged during the outage is credited to both (``peer.link.report_outbox``). Before, a
 report waited in memory for the next heartbeat the coordinator answered and died with its
 peer; the pair's survivor then reported alone, and one member's say-so credits nobody, so
 neither was credited for those rounds (the 1,200-failure soak's lost credit).
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from coordinator.store import Store
-from peer.report_outbox import OUTBOX_DIR
+from peer.link.report_outbox import OUTBOX_DIR
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
 from tests.integration.specs import tiny_spec
 from tests.ports import free_ports

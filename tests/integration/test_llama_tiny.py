@@ -32,8 +32,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.netsim import Nat, WanSim
-from peer.data_assignment import ids_digest
 from peer.task.data import stdlib_files
+from peer.task.data_assignment import ids_digest
 from peer.task.tokens import run_assignment
 from protocol.manifest import load_manifest
 from protocol.spec import load_spec

@@ -12,7 +12,7 @@ import torch
 
 from coordinator.archive import CheckpointArchive
 from coordinator.exporter import ModelExporter
-from peer.state import flatten
+from peer.round.state import flatten
 from peer.task.bytegpt import build_model
 from protocol.spec import parse_spec
 

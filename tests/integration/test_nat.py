@@ -208,7 +208,7 @@ def test_relayed_peers_go_on_through_their_other_relay_and_find_a_new_one_when_b
     announces both. SIGKILL one volunteer (its machine left): the NAT'ed peers average with each
     other again at the other relay, with no restart. SIGKILL the other: nobody can dial them, and
     each says so. A third volunteer comes with a relay: each NAT'ed peer takes a port there, moves
-    its swarm to it (``peer.relay_keeper``), and averages again, with one state among the averaged
+    its swarm to it (``peer.net.relay_keeper``), and averages again, with one state among the averaged
     members throughout, within the issue's bound of two rounds after the new relay is listed
     (``make bench-relay-loss`` measures it over several runs: one round, ~9 s)."""
     figures = relay_loss.run(tmp_path)

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.codecs import get_codec
-from peer.coordinator_client import CoordinatorClient, JoinAs
-from peer.coordinator_link import CoordinatorLink
-from peer.round_metrics import RoundMetrics
-from peer.swarm import Swarm
+from peer.link.coordinator_client import CoordinatorClient, JoinAs
+from peer.link.coordinator_link import CoordinatorLink
+from peer.round.round_metrics import RoundMetrics
+from peer.round.trainer import Trainer, TrainerOptions
+from peer.swarm.swarm import Swarm
 from peer.task import build_task
-from peer.trainer import Trainer, TrainerOptions
 from protocol.identity import Identity
 from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalCoordinator, start_peers, wait_all, wait_until

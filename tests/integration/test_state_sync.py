@@ -8,9 +8,9 @@ import threading
 import torch
 
 from engine.codecs import get_codec
-from peer.swarm import Swarm
+from peer.round.trainer import Trainer, TrainerOptions
+from peer.swarm.swarm import Swarm
 from peer.task import build_task
-from peer.trainer import Trainer, TrainerOptions
 from protocol.spec import parse_spec
 from tests.integration.specs import tiny_spec
 

@@ -62,7 +62,7 @@ def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:
     product module counts digests with a Counter or max(..., key=count) of its own."""
     callers = {
         "protocol/statesync.py": "Vote",
-        "peer/swarm.py": "agreed_state",
+        "peer/swarm/swarm.py": "agreed_state",
         "engine/allreduce.py": "agreed_state",
         "coordinator/credits.py": "agreed_state",
         "coordinator/store/store.py": "agreed_state",

@@ -1,11 +1,11 @@
-"""The address a peer announces (``peer.announce``): ``--announce``, else a provider's port
+"""The address a peer announces (``peer.net.announce``): ``--announce``, else a provider's port
 mapping of the listening port, else none; malformed input is one clear error or ignored."""
 
 from __future__ import annotations
 
 import pytest
 
-from peer.announce import Announced, announced, parse_host_port, provider_ports
+from peer.net.announce import Announced, announced, parse_host_port, provider_ports
 from protocol.errors import ConfigError
 
 VAST = {"PUBLIC_IPADDR": "203.0.113.7", "VAST_TCP_PORT_4000": "41234", "VAST_TCP_PORT_22": "41000"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from peer.bootstrap import bootstrap_for
+from peer.swarm.bootstrap import bootstrap_for
 
 MADDRS = ["/ip4/127.0.0.1/tcp/1/p2p/QmX", "/ip4/192.0.2.2/tcp/1/p2p/QmX", "/ip4/10.1.2.3/tcp/1/p2p/QmX"]
 

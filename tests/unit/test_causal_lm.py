@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.inner_step import Precision, inner_optimizer, inner_step
+from peer.node.inner_step import Precision, inner_optimizer, inner_step
 from peer.task.base import Task
 from peer.task.causal_lm import build_lm_model, causal_lm_loss
 from protocol.errors import SpecError

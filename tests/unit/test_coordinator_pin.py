@@ -2,7 +2,7 @@
 spec, bootstrap peers and relays in the join answer (issue #48, low finding 3). The coordinator
 signs each answer, bound to the request (``protocol.kinds.JOIN_ANSWER``); the peer reads the
 answer only from the signed body and refuses a signer other than the key it pinned
-(``--coordinator-key``, or the first key met at that address: ``peer.coordinator_pin``). Real
+(``--coordinator-key``, or the first key met at that address: ``peer.link.coordinator_pin``). Real
 gRPC servers on loopback: the real coordinator, and an impostor in front of it."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from coordinator.core import Coordinator
 from coordinator.servicer import CoordinatorServicer
-from peer.coordinator_client import CoordinatorClient
-from peer.coordinator_pin import PINS_FILE, CoordinatorIdentityError, PinnedKeys
+from peer.link.coordinator_client import CoordinatorClient
+from peer.link.coordinator_pin import PINS_FILE, CoordinatorIdentityError, PinnedKeys
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.errors import ConfigError

@@ -1,4 +1,4 @@
-"""``peer.data_assignment``: a keyed permutation per epoch; disjoint streams and rounds."""
+"""``peer.task.data_assignment``: a keyed permutation per epoch; disjoint streams and rounds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.data_assignment import DataAssignment, ids_digest, permute
+from peer.task.data_assignment import DataAssignment, ids_digest, permute
 
 
 @given(size=st.integers(1, 3000), seed=st.integers(0, 2**63 - 1), epoch=st.integers(0, 50))

@@ -1,11 +1,11 @@
 """The doctor's memory verdicts on GPU machines it cannot run on here: the same estimate
-(``peer.footprint``) against given free memory (``swarmtrain.doctor.machine.memory``)."""
+(``peer.node.footprint``) against given free memory (``swarmtrain.doctor.machine.memory``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from peer.footprint import GIB
+from peer.node.footprint import GIB
 from protocol.spec import load_spec, local_compute
 from swarmtrain.doctor.machine import Accelerator, memory
 from swarmtrain.doctor.verdict import CheckFailed

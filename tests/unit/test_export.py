@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.state import flatten
+from peer.export import PROVENANCE, byte_tokenizer, export_model
+from peer.round.state import flatten
 from peer.task.bytegpt import build_model
 from peer.task.causal_lm import build_lm_model, causal_lm_loss
-from peer.task.export import PROVENANCE, byte_tokenizer, export_model
 from protocol.errors import ConfigError
 from protocol.manifest import tokenizer_sha256
 from protocol.spec import RunSpec, parse_spec

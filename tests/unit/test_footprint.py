@@ -1,4 +1,4 @@
-"""The doctor's memory estimate (``peer.footprint``) against what a real trainer holds:
+"""The doctor's memory estimate (``peer.node.footprint``) against what a real trainer holds:
 every float32 storage alive after a round, plus the gradients during an inner step."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 from engine.codecs import get_codec
 from engine.compression import RESIDUAL_DTYPE
-from peer.footprint import LOSSY_CODECS, RESIDUAL_BYTES, estimate
-from peer.swarm_port import RoundResult
+from peer.node.footprint import LOSSY_CODECS, RESIDUAL_BYTES, estimate
+from peer.round.swarm_port import RoundResult
+from peer.round.trainer import Trainer, TrainerOptions
 from peer.task import build_task
-from peer.trainer import Trainer, TrainerOptions
 from protocol.spec import load_spec, parse_spec
 from tests.unit.test_trainer import RecordingSwarm
 
@@ -35,7 +35,7 @@ compression = "{codec}"
 overlap = {overlap}
 """
 SCRATCH = 2 << 20
-"""Chunk buffers of the host passes (``peer.state.CHUNK_VALUES``), not per parameter."""
+"""Chunk buffers of the host passes (``peer.round.state.CHUNK_VALUES``), not per parameter."""
 AT_REST = ("gradients", "activations", "logits", "runtime", "serving state to newcomers", "CUDA context")
 """Items that are not allocated between rounds (or not by the trainer's own tensors)."""
 
@@ -129,7 +129,7 @@ def test_the_gpu_estimate_covers_what_an_h200_allocated(micro_batches: int, chec
     import json
     from pathlib import Path
 
-    from peer.footprint import GIB
+    from peer.node.footprint import GIB
     from protocol.spec import local_compute
 
     name = f"lm-throughput-2026-11-25-h200-llama-1b{H200_RESULTS[(micro_batches, checkpointing)]}.json"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from peer.coordinator_client import JoinAs
-from peer.coordinator_link import CoordinatorLink
+from peer.link.coordinator_client import JoinAs
+from peer.link.coordinator_link import CoordinatorLink
 from protocol import coordinator_pb2 as pb
 from tests.unit.test_metrics_exposition import row
 

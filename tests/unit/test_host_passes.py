@@ -8,8 +8,8 @@ import torch
 
 from engine.codecs import get_codec
 from engine.compression import RESIDUAL_DTYPE, ErrorFeedback
-from peer.host_passes import Staging, land_round, start_eagerly, undo_eager_start, write_pseudo_gradient
-from peer.state import CHUNK_VALUES, GlobalState, flatten, load_flat, outer_step
+from peer.round.host_passes import Staging, land_round, start_eagerly, undo_eager_start, write_pseudo_gradient
+from peer.round.state import CHUNK_VALUES, GlobalState, flatten, load_flat, outer_step
 from protocol.spec import OuterSection
 
 
@@ -295,7 +295,7 @@ def test_landing_in_two_halves_gives_the_global_state_of_land_round_bit_for_bit(
     """``land_global`` (host state only, the landing thread) then ``rebase_model`` (between two
     inner steps): θ_g, the momentum and the residual are land_round's very bytes; the model
     its value to float rounding (θ_local + (θ_g_new − start) instead of (θ_local − start) + θ_g_new)."""
-    from peer.host_passes import land_global, rebase_model
+    from peer.round.host_passes import land_global, rebase_model
 
     config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
     codec = get_codec(codec_name)

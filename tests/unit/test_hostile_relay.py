@@ -1,5 +1,5 @@
 """A volunteer's relay is a stranger's program: what one that lies can make a relayed peer do
-(``peer.relay_client``, ``peer.hole_punch``). Each test runs a hostile relay on loopback, speaking
+(``peer.net.relay_client``, ``peer.net.hole_punch``). Each test runs a hostile relay on loopback, speaking
 the relay wire to a real ``RelayTunnel``: a flood of ``Incoming`` takes at most the tunnel's caps
 of connections and descriptors; a ``PunchGo`` naming another host than its call, or an address
 more local than the relay, is refused before any connect; a punch tries at most
@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-import peer.hole_punch as hole_punch
-import peer.relay_client as relay_client
-from peer.hole_punch import MAX_ATTEMPTS, PunchError, check_target, simultaneous_open
-from peer.relay_client import RelayAddress, RelayTunnel
+import peer.net.hole_punch as hole_punch
+import peer.net.relay_client as relay_client
+from peer.net.hole_punch import MAX_ATTEMPTS, PunchError, check_target, simultaneous_open
+from peer.net.relay_client import RelayAddress, RelayTunnel
 from protocol.relay_wire import (
     Granted,
     Incoming,

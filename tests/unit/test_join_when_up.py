@@ -1,4 +1,4 @@
-"""A peer started while its coordinator is down waits for it (``peer.coordinator_client.
+"""A peer started while its coordinator is down waits for it (``peer.link.coordinator_client.
 join_when_up``): tries again with backoff (1, 2, 4, ... s, at most 30 s apart, jittered), says so
 once, and says when it answered; a refusal is not retried. The real outage:
 ``tests/integration/test_coordinator_outage.py``."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from peer.coordinator_client import (
+from peer.link.coordinator_client import (
     JOIN_BACKOFF_MAX_S,
     CoordinatorUnavailableError,
     JoinAs,

@@ -20,9 +20,9 @@ from coordinator.core import Coordinator
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.http.app import create_app
 from coordinator.store import Decision
-from peer.coordinator_client import JoinAs
-from peer.coordinator_link import CoordinatorLink
-from peer.round_metrics import RoundMetrics
+from peer.link.coordinator_client import JoinAs
+from peer.link.coordinator_link import CoordinatorLink
+from peer.round.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import MalformedMessageError

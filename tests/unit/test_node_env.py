@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peer.cli import ranks_to_launch
-from peer.node import NodeEnv, rank_shard_seed
+from peer.node.node import NodeEnv, rank_shard_seed
 from protocol.errors import ConfigError
 from swarmtrain.node_launcher import describe_exit, rank_env
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from peer.progress import CLEAR_LINE, Credit, InnerProgress, ProgressDisplay, round_line
+from peer.round.progress import CLEAR_LINE, Credit, InnerProgress, ProgressDisplay, round_line
 
 
 class Terminal(io.StringIO):

@@ -1,4 +1,4 @@
-"""How a peer reads the digest records (``peer.swarm.Swarm.records``): a read serves the calls of
+"""How a peer reads the digest records (``peer.swarm.swarm.Swarm.records``): a read serves the calls of
 the next ``RECORDS_FRESH_S``, and one begun by ``prefetch_records`` (beside an update download,
 so that both take one lookup's time on a home link) serves the next call unless it is old."""
 
@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-import peer.swarm as swarm_module
-from peer.swarm import PREFETCH_FRESH_S, Swarm
-from peer.swarm_pace import LandingTimes, SwarmPace
+import peer.swarm.swarm as swarm_module
+from peer.swarm.swarm import PREFETCH_FRESH_S, Swarm
+from peer.swarm.swarm_pace import LandingTimes, SwarmPace
 from protocol.statesync import DigestRecord
 
 

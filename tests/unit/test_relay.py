@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer.relay_client import RelayAddress, RelayError, RelayTunnel
+from peer.net.relay_client import RelayAddress, RelayError, RelayTunnel
 from protocol.errors import MalformedMessageError
 from protocol.relay_server import MAX_UNOPENED, MAX_UNOPENED_PER_SOURCE, Relay
 from protocol.relay_wire import (
@@ -327,7 +327,7 @@ def test_a_tunnels_connections_are_each_counted_whichever_ends_first() -> None:
     """The tunnel's end of the same mistake: two connections with equal counts, the later one
     ending first, and the first's bytes must still count once it ends (it raised ValueError in
     the churn lab's volunteers, and the exit line undercounted)."""
-    from peer.relay_client import _Carried
+    from peer.net.relay_client import _Carried
 
     carried = _Carried()
     with carried.counting() as first:

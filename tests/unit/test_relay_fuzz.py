@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer.relay_client import RelayAddress, RelayTunnel
+from peer.net.relay_client import RelayAddress, RelayTunnel
 from protocol.errors import MalformedMessageError
 from protocol.relay_server import Relay
 from protocol.relay_wire import (

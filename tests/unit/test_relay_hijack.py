@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from peer.relay_client import RelayAddress, RelayError, RelayTunnel
+from peer.net.relay_client import RelayAddress, RelayError, RelayTunnel
 from protocol.identity import Identity
 from protocol.relay_server import Relay, run_token_admission
 from protocol.relay_wire import (

@@ -7,10 +7,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from peer.announce import Announced
-from peer.network_path import NetworkPath
-from peer.relay_client import RelayAddress, RelayError
-from peer.relay_keeper import Found, RelayKeeper
+from peer.net.announce import Announced
+from peer.net.network_path import NetworkPath
+from peer.net.relay_client import RelayAddress, RelayError
+from peer.net.relay_keeper import Found, RelayKeeper
 
 
 @dataclass

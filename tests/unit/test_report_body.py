@@ -1,4 +1,4 @@
-"""The round report a peer sends (``peer.coordinator_client.report_body``): built from the
+"""The round report a peer sends (``peer.link.coordinator_client.report_body``): built from the
 typed round record, with what other members stated bounded before it goes on the wire."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from peer.coordinator_client import report_body
-from peer.data_assignment import DataRead
+from peer.link.coordinator_client import report_body
+from peer.task.data_assignment import DataRead
 from protocol.identity import Identity
 from protocol.messages import MAX_REPORTED_SAMPLES
 from tests.unit.test_metrics_exposition import row

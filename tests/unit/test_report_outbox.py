@@ -1,5 +1,5 @@
-"""Round reports leave at once and survive a killed peer (``peer.report_outbox``,
-``peer.coordinator_link``): before, a report waited in memory for the next heartbeat (seconds
+"""Round reports leave at once and survive a killed peer (``peer.link.report_outbox``,
+``peer.link.coordinator_link``): before, a report waited in memory for the next heartbeat (seconds
 to a minute) and died with the process, and its round's pair credited neither member."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from peer import report_outbox
-from peer.coordinator_client import CoordinatorUnavailableError, JoinAs
-from peer.coordinator_link import CoordinatorLink
-from peer.report_outbox import OUTBOX_DIR, ReportOutbox
+from peer.link import report_outbox
+from peer.link.coordinator_client import CoordinatorUnavailableError, JoinAs
+from peer.link.coordinator_link import CoordinatorLink
+from peer.link.report_outbox import OUTBOX_DIR, ReportOutbox
 from protocol import coordinator_pb2 as pb
 from protocol.errors import AdmissionError
 from protocol.identity import Identity

@@ -57,7 +57,7 @@ def test_the_lines_name_every_resource() -> None:
 
 def test_the_readmes_table_is_what_the_doctor_computes() -> None:
     """The README's requirements at the example specs are the doctor's, not copied by hand."""
-    from peer.footprint import gib
+    from peer.node.footprint import gib
 
     readme = (EXAMPLES.parent / "README.md").read_text()
     rows = {

@@ -1,5 +1,5 @@
 """A newcomer that rolls a downloaded state forward by a round's kept update
-(``peer.host_passes.roll_forward``) makes the very bytes every member's landing made: the
+(``peer.round.host_passes.roll_forward``) makes the very bytes every member's landing made: the
 state digest would otherwise refuse it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.codecs import get_codec
-from peer.host_passes import Staging, land_round, roll_forward
-from peer.state import GlobalState, flatten
+from peer.round.host_passes import Staging, land_round, roll_forward
+from peer.round.state import GlobalState, flatten
 from protocol.errors import MalformedTensorError
 from protocol.spec import OuterSection
 from protocol.updates import FetchedUpdate

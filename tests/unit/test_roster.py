@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.matchmaking import gathered_metadata
-from peer.roster_book import RosterBook
+from peer.round.roster_book import RosterBook
 from protocol.gathered import Gathered
 from protocol.roster import (
     ROSTER_RELEASE_AFTER,
@@ -438,7 +438,7 @@ def test_a_later_round_landed_outside_the_group_fences_a_group_without_a_roster(
 
 def test_a_matchmaking_hands_its_rosters_to_the_next_one_of_its_peer() -> None:
     """A relayed peer that moves its swarm to a new relay restarts its averager
-    (``peer.swarm.Swarm.move_to``): the new matchmaking takes the rosters the old one noted, by
+    (``peer.swarm.swarm.Swarm.move_to``): the new matchmaking takes the rosters the old one noted, by
     name and libp2p id, across processes (they pickle), so that the next round's leader can
     ask a missing member whether it is there instead of waiting out its window; what the new
     one noted itself wins, and no more than ``ROSTERS_KEPT`` are kept."""

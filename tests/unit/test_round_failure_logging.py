@@ -10,7 +10,7 @@ import pytest
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 
-from peer.swarm import quiet_expected_round_failures
+from peer.swarm.swarm import quiet_expected_round_failures
 
 NAME = "hivemind.averaging.averager"
 

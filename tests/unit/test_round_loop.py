@@ -1,4 +1,4 @@
-"""The round loop's decisions (``peer.round_loop``), case by case: what a peer does next from
+"""The round loop's decisions (``peer.round.round_loop``), case by case: what a peer does next from
 where its round is."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from peer.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
+from peer.round.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
 
 # (inner, training, flight, due, leaving_out_of_sync) -> step
 TABLE = [

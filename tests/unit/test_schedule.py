@@ -1,4 +1,4 @@
-"""``peer.schedule``: the learning rate by the swarm's position."""
+"""``peer.node.schedule``: the learning rate by the swarm's position."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from peer.schedule import inner_lr, outer_lr, swarm_tokens, tokens_per_swarm_step
+from peer.node.schedule import inner_lr, outer_lr, swarm_tokens, tokens_per_swarm_step
 from protocol.errors import SpecError
 from protocol.spec import parse_spec
 

@@ -71,7 +71,7 @@ def test_block_aligned_slices_encode_as_the_whole_does() -> None:
 
 def test_error_feedback_keeps_the_quantization_error_of_what_was_sent_and_nothing_for_the_rest() -> None:
     """A value the round did not send is left out of the round (its model keeps its progress,
-    ``peer.host_passes``): its residual stays as it was; a sent one keeps what 4 bits dropped."""
+    ``peer.round.host_passes``): its residual stays as it was; a sent one keeps what 4 bits dropped."""
     codec = SparseCodec(1 / 4, round_=None)
     n = 256 * 3 + 40
     feedback = ErrorFeedback(codec, n)

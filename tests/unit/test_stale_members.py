@@ -9,7 +9,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
 from engine.allreduce import RoundFailedError, stale_members
-from peer.swarm_port import RoundResult
+from peer.round.swarm_port import RoundResult
 from protocol.gathered import Gathered
 
 PEERS = [PeerID(f"peer{i}".encode()) for i in range(4)]

@@ -1,9 +1,9 @@
 """The swarm's pace as a newcomer measures it from its looks at the digest records
-(``peer.swarm_pace``): the DHT shows each member's latest round only."""
+(``peer.swarm.swarm_pace``): the DHT shows each member's latest round only."""
 
 from __future__ import annotations
 
-from peer.swarm_pace import MAX_ROUNDS_AHEAD, PACE_HORIZON_S, LandingTimes, SwarmPace, landing_medians
+from peer.swarm.swarm_pace import MAX_ROUNDS_AHEAD, PACE_HORIZON_S, LandingTimes, SwarmPace, landing_medians
 
 
 def test_one_look_gives_no_pace_however_many_rounds_it_shows() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.timeouts import MIN_TIMEOUT_S, AdaptiveTimeouts, matchmaking_windows
+from peer.round.timeouts import MIN_TIMEOUT_S, AdaptiveTimeouts, matchmaking_windows
 
 
 def test_deadlines_follow_measurements_within_bounds() -> None:

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-import peer.trainer
+import peer.round.trainer
 from engine.checkpoint import Checkpointer
-from peer.round_metrics import RoundMetrics
-from peer.state import GlobalState, flatten, outer_step
-from peer.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
+from peer.round.round_metrics import RoundMetrics
+from peer.round.state import GlobalState, flatten, outer_step
+from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
+from peer.round.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
+from peer.round.trainer import FOLLOW_MARGIN_S, Trainer, TrainerOptions, _InnerPhase
 from peer.task import build_task
-from peer.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
-from peer.trainer import FOLLOW_MARGIN_S, Trainer, TrainerOptions, _InnerPhase
 from protocol.agreement import Agreement
 from protocol.gathered import Gathered
 from protocol.modelsize import count_params
@@ -324,7 +324,7 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     steps took longer than a 3 s phase left the landing, which then waited for steps in vain."""
     import threading
 
-    import peer.trainer as trainer_module
+    import peer.round.trainer as trainer_module
 
     real, busy, stepped = trainer_module.land_global, threading.Event(), threading.Event()
     saw_steps: list[bool] = []
@@ -351,10 +351,12 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     during: list[int] = []
     step = trainer._train_step
 
-    phases: dict[int, int] = {}  # a phase (by id) -> landings finished when it began
+    phases: list[tuple[_InnerPhase, int]] = []  # each phase (held: an id is reused) and the landings before it
 
     def counted_step(inner: _InnerPhase) -> None:
-        began = phases.setdefault(id(inner), len(landed))
+        if not phases or phases[-1][0] is not inner:
+            phases.append((inner, len(landed)))
+        began = phases[-1][1]
         if busy.is_set():
             during.append(inner.done)
             stepped.set()
@@ -642,7 +644,7 @@ def test_a_failed_round_with_nobody_ahead_keeps_this_peer_s_state() -> None:
 
 
 def test_the_progress_display_sees_every_inner_step_and_the_wait_for_averaging() -> None:
-    from peer.progress import InnerProgress
+    from peer.round.progress import InnerProgress
 
     class Sink:
         def __init__(self) -> None:
@@ -759,10 +761,10 @@ def test_non_finite_local_work_is_never_carried() -> None:
 def test_the_digest_record_is_re_signed_while_a_long_round_runs(monkeypatch: Any) -> None:
     """Records expire after RECORD_TTL_S: a round longer than that must not leave newcomers
     without this peer's vote."""
-    import peer.trainer
+    import peer.round.trainer
 
     trainer, swarm = make_trainer()
-    monkeypatch.setattr(peer.trainer, "REPUBLISH_S", 0.0)
+    monkeypatch.setattr(peer.round.trainer, "REPUBLISH_S", 0.0)
     digest = trainer.state.digest()
     trainer.run()  # 2 inner steps: re-signed at each, without computing a new digest
     steps = [p for p in swarm.published if p == {"round_": 0, "digest": digest, "roster": 0, "landed": None}]
@@ -908,7 +910,7 @@ def _two_mirrored_rounds(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap_start", ["local", "eager"])
 def test_a_device_mirror_lands_the_same_bytes_as_the_host_path(device: str, overlap_start: str) -> None:
-    """With overlap, a mirror of the launch point on the model's device (``peer.device_mirror``:
+    """With overlap, a mirror of the launch point on the model's device (``peer.round.device_mirror``:
     captured device to device at the launch, downloaded and re-based through on the landing
     thread, θ_g staged there for the validation) sends, lands and validates exactly what the
     host path does (on a GPU: through the pinned launch point, asynchronously); the validation
@@ -928,7 +930,7 @@ def test_a_device_mirror_lands_the_same_bytes_as_the_host_path(device: str, over
 
 
 def test_a_mirror_is_made_only_where_a_cuda_device_has_room() -> None:
-    from peer.device_mirror import room_for
+    from peer.round.device_mirror import room_for
 
     assert not room_for(torch.device("cpu"), 1, 10)  # a host "mirror" would be one more host copy
     trainer, _ = make_trainer(overlap=True)
@@ -967,7 +969,7 @@ def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
     after the window (two phases) at a key nobody comes to: it fails here like any failed
     round (the work stays in the model, the peer re-syncs). A round not landed yet is left
     alone, and the records are read at most every ``LANDED_CHECK_S``."""
-    import peer.trainer as trainer_module
+    import peer.round.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "LANDED_CHECK_S", 0.05)
     trainer, swarm = make_trainer(overlap=False)
@@ -1000,7 +1002,7 @@ def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
 def _kept_update(trainer: Trainer, state: GlobalState, seed: int) -> Any:
     """The update a member kept of round ``state.round`` (one part of the whole vector, encoded
     once as a reducer does), and the state it made."""
-    from peer.host_passes import roll_forward
+    from peer.round.host_passes import roll_forward
     from protocol.updates import FetchedUpdate
 
     codec = trainer.codec.at_round(state.round)
@@ -1108,7 +1110,7 @@ def test_a_peer_that_adopted_a_state_trains_until_its_members_launch_and_joins_w
     trainer, skipped, landed = _joining_trainer(landed_ago=0.0, known=False)
     inner = trainer._start_inner(ahead=False)
     assert inner.joining and inner.steps > 0 and not skipped
-    assert inner.deadline == pytest.approx(landed + 2.0 - peer.trainer.JOIN_LEAD_S - 2 * 0.2)  # 1.1 s ahead
+    assert inner.deadline == pytest.approx(landed + 2.0 - peer.round.trainer.JOIN_LEAD_S - 2 * 0.2)  # 1.1 s ahead
 
 
 def test_a_newcomer_too_late_for_the_round_of_its_state_joins_the_next_one() -> None:
@@ -1152,7 +1154,7 @@ def test_a_peer_too_late_for_its_round_takes_that_rounds_update_as_soon_as_a_mem
             reads.append(time.monotonic())
             return self.agreed
 
-    monkeypatch.setattr(peer.trainer, "LANDED_CHECK_S", 600.0)  # the records' own look, for runs keeping none
+    monkeypatch.setattr(peer.round.trainer, "LANDED_CHECK_S", 600.0)  # the records' own look, for runs keeping none
     swarm = Swarm()
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
     theirs = GlobalState(trainer.state.params + 0.25, trainer.state.momentum, 4)
@@ -1222,7 +1224,7 @@ def test_an_averaged_rows_in_sync_says_whether_its_round_counted_not_what_the_pe
     peer is still in sync."""
     from concurrent.futures import Future
 
-    from peer.trainer import _InFlight
+    from peer.round.trainer import _InFlight
 
     trainer, _swarm = make_trainer(overlap=True)
     done: Future[Any] = Future()

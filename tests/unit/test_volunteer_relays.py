@@ -16,10 +16,10 @@ import pytest
 from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
 from coordinator.store import Store, sqlite_url
-from peer.coordinator_client import _relays
-from peer.network_path import Coordinated
-from peer.relay_client import RelayAddress, RelayError, open_several
-from peer.relay_service import RelayOffer, offer_relay, relay_ports
+from peer.link.coordinator_client import _relays
+from peer.net.network_path import Coordinated
+from peer.net.relay_client import RelayAddress, RelayError, open_several
+from peer.net.relay_service import RelayOffer, offer_relay, relay_ports
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import ConfigError, MalformedMessageError

@@ -1,4 +1,4 @@
-"""The peer's watchdog (``peer.watchdog``): failed rounds in a row are said on one line with the
+"""The peer's watchdog (``peer.round.watchdog``): failed rounds in a row are said on one line with the
 last reason (again every few more), never silently; the peer leaves cleanly only when told to
 (``--leave-after-failures``) or when the host runs out of memory."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from peer.round_metrics import RoundMetrics
-from peer.watchdog import REMIND_EVERY, WARN_AFTER, Watchdog, available_memory_fraction
+from peer.round.round_metrics import RoundMetrics
+from peer.round.watchdog import REMIND_EVERY, WARN_AFTER, Watchdog, available_memory_fraction
 
 
 def _round(n: int, averaged: bool, failure: str = "") -> RoundMetrics:

@@ -1,7 +1,7 @@
 """The peer's host-side work per round, as a few chunked passes over the state.
 
 No pass allocates anything the size of the model: each walks the model's parameters in
-``flatten`` order (``peer.state.model_pieces``) and the flat vectors (θ_g, outer momentum,
+``flatten`` order (``peer.round.state.model_pieces``) and the flat vectors (θ_g, outer momentum,
 the averager's shared vector, the codec residual, the launch point) slice by slice, with
 buffers of one chunk. Fresh full-size temporaries cost more than the arithmetic (every page
 of a new tensor is faulted in and zeroed: ~0.4 s per GB here, against ~0.05 s per GB for an
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.compression import Codec, ErrorFeedback, all_finite
-from peer.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
+from peer.round.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
 from protocol.spec import OuterSection
 from protocol.updates import FetchedUpdate
 

@@ -1,5 +1,5 @@
 """Direct paths to relayed peers: this peer's connections that run through a relay's port are
-replaced, one by one, by hole-punched ones (``peer.hole_punch``), so that averaging traffic
+replaced, one by one, by hole-punched ones (``peer.net.hole_punch``), so that averaging traffic
 stops crossing the relay's host.
 
 Every ``CHECK_S`` the puncher lists the connections of this peer's libp2p daemon. One whose
@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.hole_punch import DirectPaths, NotRelayed, PunchError, punch
-from peer.loop_thread import cancel_other_tasks, stop_loop_thread
+from peer.net.hole_punch import DirectPaths, NotRelayed, PunchError, punch
+from peer.net.loop_thread import cancel_other_tasks, stop_loop_thread
 from protocol.relay_wire import pipe_both
 
 logger = logging.getLogger(__name__)

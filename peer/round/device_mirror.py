@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from peer.state import parameter_views
+from peer.round.state import parameter_views
 
 logger = logging.getLogger(__name__)
 

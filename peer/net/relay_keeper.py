@@ -1,6 +1,6 @@
 """A relayed peer whose relays all left finds new ones, and the swarm follows, with no restart.
 
-A relayed peer (``peer.network_path``) holds ports on up to ``RELAYS_HELD`` relays and announces
+A relayed peer (``peer.net.network_path``) holds ports on up to ``RELAYS_HELD`` relays and announces
 them: while one answers, others reach it there. When every one of its tunnels has had its control
 connection down for ``LOST_AFTER_S`` (the relays' volunteers stopped, their machines vanished),
 nobody can dial it: ``RelayKeeper`` asks the coordinator for the relays online now (a join
@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from peer.announce import Announced
-from peer.network_path import NetworkPath
-from peer.relay_client import RelayAddress, RelayTunnel
+from peer.net.announce import Announced
+from peer.net.network_path import NetworkPath
+from peer.net.relay_client import RelayAddress, RelayTunnel
 from protocol.errors import SwarmtrainError
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from peer.data_assignment import DataRead
+from peer.task.data_assignment import DataRead
 from protocol.gathered import Gathered
 
 
@@ -65,7 +65,7 @@ class RoundMetrics:
     took on the landing thread while the next inner steps ran (not in ``host_s``; 0 when the
     round landed on the training thread)."""
     local_world_size: int = 1
-    """Local ranks (GPUs) of this node that trained the round (``peer.node``)."""
+    """Local ranks (GPUs) of this node that trained the round (``peer.node.node``)."""
     members: list[Gathered] = field(default_factory=list)
     """What each group member stated (``protocol.gathered``): id, round, digest, samples, roster."""
     offenders: dict[str, str] = field(default_factory=dict)
@@ -85,17 +85,17 @@ class RoundMetrics:
     """Seconds this peer's audits took after the all-reduce (in ``allreduce_s``)."""
     failure: str = ""
     """Why the round did not land here ("" if it did): no group formed, a reducer failed, its
-    group was not the round's (``peer.watchdog`` reads it)."""
+    group was not the round's (``peer.round.watchdog`` reads it)."""
     audit_bytes: int = 0
     """Bytes this peer's audits fetched from other members (not in ``bytes_received``)."""
 
     lr: float = 0.0
-    """The inner learning rate of the round's last step (``peer.schedule``)."""
+    """The inner learning rate of the round's last step (``peer.node.schedule``)."""
     val_loss: float | None = None
     """Validation loss of the state after the round (θ_g) on the run's held-out batches, on
     rounds that are a multiple of ``eval.every_rounds``; None otherwise."""
     data: DataRead | None = None
-    """Token runs: what the round's inner steps read (``peer.data_assignment``)."""
+    """Token runs: what the round's inner steps read (``peer.task.data_assignment``)."""
     at: float = 0.0
     """Unix time the row was recorded (the round landed or failed here): for a run's timeline
     (a join's time to first contribution, goodput over time)."""
@@ -120,7 +120,7 @@ class RoundMetrics:
 
 class RoundJournal(Protocol):
     """Where the trainer says what a report of a round needs beyond its metrics
-    (``peer.coordinator_link.CoordinatorLink``): that a round begins to land, and which state
+    (``peer.link.coordinator_link.CoordinatorLink``): that a round begins to land, and which state
     this peer holds."""
 
     def landing(self, metrics: RoundMetrics, pre: str) -> None:

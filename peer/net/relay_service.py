@@ -1,6 +1,6 @@
 """The relay a reachable volunteer runs for peers nobody can dial (``protocol.relay_server``).
 
-A peer whose own port the coordinator dialled back (``peer.network_path``: direct) offers a
+A peer whose own port the coordinator dialled back (``peer.net.network_path``: direct) offers a
 relay unless told not to (``--relay-ports none``). By default (``auto``) the relay takes any
 free ports, its control port checked by the coordinator's dial-back: a machine that takes a
 connection on a port the system picked takes them on any, so the ports it grants later need no
@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from peer.dial_back import Greeter, ask_dial_back
+from peer.net.dial_back import Greeter, ask_dial_back
 from protocol.errors import ConfigError
 from protocol.identity import PublicKey
 from protocol.relay_server import Relay, RelayStats, describe_ports, parse_port_range, run_token_admission

@@ -1,14 +1,14 @@
 """How other peers reach this one, chosen once at start and printed.
 
-- **announced**: ``--announce`` or a provider's port mapping (``peer.announce``); the daemon
+- **announced**: ``--announce`` or a provider's port mapping (``peer.net.announce``); the daemon
   advertises that address only.
-- **direct**: the coordinator dialled this machine back on its port (``peer.dial_back``), or
+- **direct**: the coordinator dialled this machine back on its port (``peer.net.dial_back``), or
   the run has no coordinator to ask (the addresses the daemon sees are advertised).
 - **relayed**: the dial-back failed (NAT, firewall) and relays grant it ports: volunteers'
-  (the coordinator lists the relays of reachable peers, ``peer.relay_service``, tried first)
+  (the coordinator lists the relays of reachable peers, ``peer.net.relay_service``, tried first)
   or the coordinator's. The peer holds a public port on up to ``RELAYS_HELD`` of them, on
-  different hosts (``peer.relay_client``), and announces them all: when one relay leaves, the
-  others dial it at the next; when all have left, it finds others (``peer.relay_keeper``). It is
+  different hosts (``peer.net.relay_client``), and announces them all: when one relay leaves, the
+  others dial it at the next; when all have left, it finds others (``peer.net.relay_keeper``). It is
   a full member: it leads, reduces its part and serves state like any other; its traffic
   crosses a relay's host twice.
 - **client**: ``--client-mode``, or nobody can dial it and no relay grants it a port: it sends
@@ -25,10 +25,10 @@ from typing import Any, Literal
 
 import grpc
 
-from peer.announce import Announced, announced, parse_host_port
-from peer.dial_back import Greeter, ask_dial_back
-from peer.hole_punch import DirectPaths
-from peer.relay_client import RelayAddress, RelayError, RelayTunnel, open_several
+from peer.net.announce import Announced, announced, parse_host_port
+from peer.net.dial_back import Greeter, ask_dial_back
+from peer.net.hole_punch import DirectPaths
+from peer.net.relay_client import RelayAddress, RelayError, RelayTunnel, open_several
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ PathKind = Literal["announced", "direct", "relayed", "client"]
 @dataclass
 class NetworkPath:
     """How others reach this peer; a relayed peer's relays and announced addresses change when
-    its relays all leave (``relayed_again``, ``peer.relay_keeper``), the rest never."""
+    its relays all leave (``relayed_again``, ``peer.net.relay_keeper``), the rest never."""
 
     kind: PathKind
     why: str
@@ -51,7 +51,7 @@ class NetworkPath:
     tunnels: tuple[RelayTunnel, ...] = ()
     """A relayed peer's ports on relays, one per address in ``announced``."""
     direct: DirectPaths = field(default_factory=DirectPaths)
-    """Hosts reached over punched connections (``peer.hole_punch``), shared by the tunnels and
+    """Hosts reached over punched connections (``peer.net.hole_punch``), shared by the tunnels and
     the puncher."""
     dialled_back: bool = False
     """Whether the coordinator reached ``port`` (a direct peer that may relay for others)."""
@@ -132,7 +132,7 @@ def choose_path(
 ) -> NetworkPath:
     """The path for a peer started with these flags (see the module's docstring). ``port``: the
     ``--port`` flag (0: one is picked here when the choice needs a fixed one). ``hole_punch``: a
-    relayed peer answers the punches others ask for (``peer.hole_punch``)."""
+    relayed peer answers the punches others ask for (``peer.net.hole_punch``)."""
     if client_mode:
         return NetworkPath("client", "--client-mode", port)
     mapped = announced(announce, port=port, env=env)

@@ -1,6 +1,6 @@
 """How much memory a peer needs for a run, from the spec alone (``swarmtrain doctor``).
 
-The per-parameter costs are the buffers a peer really holds (``peer.trainer``'s module
+The per-parameter costs are the buffers a peer really holds (``peer.round.trainer``'s module
 docstring; ``tests/unit/test_footprint.py`` measures them on a real trainer and checks this
 estimate against what it allocated):
 

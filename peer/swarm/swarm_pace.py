@@ -1,5 +1,5 @@
 """How fast the swarm lands rounds, as one peer sees its digest records: what an open run's
-newcomer aims by (``peer.swarm.Swarm._meeting_round``).
+newcomer aims by (``peer.swarm.swarm.Swarm._meeting_round``).
 
 The DHT keeps one digest record per signer, its latest, so a look at the records shows each
 member's current round, not the rounds between two looks. Two clocks measure the pace:

@@ -15,7 +15,7 @@ Per round r (see docs/design/round.md):
    half (residual, outer step, the re-base shift) runs on a landing thread while the inner
    steps go on, and only the re-base (θ_local += shift) runs between two inner steps.
 
-Steps 2 and 4 are chunked in-place passes (``peer.host_passes``): beyond the training state
+Steps 2 and 4 are chunked in-place passes (``peer.round.host_passes``): beyond the training state
 a peer holds θ_g, the outer momentum, the averager's vector, the residual (lossy codecs) and,
 with overlap, the launch point, plus buffers of one chunk.
 
@@ -24,8 +24,8 @@ the next round; so does its Δ in the ranges of a reducer that failed mid-round 
 lands). A peer that finds it started a round from another state than its group's majority is
 flagged out of sync.
 
-Each completed round yields a ``RoundMetrics`` (``peer.round_metrics``). The trainer talks to
-the swarm only through ``peer.swarm_port.SwarmPort``.
+Each completed round yields a ``RoundMetrics`` (``peer.round.round_metrics``). The trainer talks to
+the swarm only through ``peer.round.swarm_port.SwarmPort``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ import torch
 from engine.checkpoint import Checkpointer
 from engine.codecs import get_codec
 from engine.compression import ErrorFeedback
-from peer.data_assignment import DataRead
-from peer.device_mirror import DeviceMirror, room_for
-from peer.host_passes import (
+from peer.node.inner_step import Precision, inner_optimizer, inner_step
+from peer.node.local_ranks import local_ranks
+from peer.node.node import LocalNode
+from peer.node.schedule import inner_lr, outer_lr
+from peer.round.device_mirror import DeviceMirror, room_for
+from peer.round.host_passes import (
     Staging,
     copy_model_into,
     land_global,
@@ -62,18 +65,15 @@ from peer.host_passes import (
     write_delta_from,
     write_pseudo_gradient,
 )
-from peer.inner_step import Precision, inner_optimizer, inner_step
-from peer.local_ranks import local_ranks
-from peer.node import LocalNode
-from peer.progress import InnerProgress, NoProgress, ProgressSink
-from peer.roster_book import RosterBook
-from peer.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
-from peer.round_metrics import RoundJournal, RoundMetrics
-from peer.schedule import inner_lr, outer_lr
-from peer.state import GlobalState, flatten, load_flat
-from peer.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
+from peer.round.progress import InnerProgress, NoProgress, ProgressSink
+from peer.round.roster_book import RosterBook
+from peer.round.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
+from peer.round.round_metrics import RoundJournal, RoundMetrics
+from peer.round.state import GlobalState, flatten, load_flat
+from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
+from peer.round.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
 from peer.task import Task
-from peer.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
+from peer.task.data_assignment import DataRead
 from protocol.errors import MalformedTensorError, VerificationError
 from protocol.gathered import MAX_LINK, MIN_LINK, Gathered
 from protocol.identity import Identity
@@ -207,7 +207,7 @@ class _InFlight:
     lr: float = 0.0
     data: DataRead | None = None
     eager: bool = False
-    """The next inner phase started at θ̂ (``peer.host_passes.start_eagerly``), not the launch point."""
+    """The next inner phase started at θ̂ (``peer.round.host_passes.start_eagerly``), not the launch point."""
     result: RoundResult | None = None
     """The round's outcome, once known."""
     start: _Launch | None = None
@@ -278,12 +278,12 @@ class TrainerOptions:
     stop: threading.Event = field(default_factory=threading.Event)
     """Set to finish the current round cleanly and return."""
     node: LocalNode | None = None
-    """This peer's local ranks when it is the leader of several (``peer.node``); None: one rank."""
+    """This peer's local ranks when it is the leader of several (``peer.node.node``); None: one rank."""
     shard: bool = False
     """With ``node``: FSDP2-shard the model over the local ranks instead of replicating it (DDP)."""
     device_mirror: bool | None = None
     """With overlap, keep the launch point (and θ_g for the validation) on the model's device
-    (``peer.device_mirror``): None where a CUDA device has room once the first inner phase ran,
+    (``peer.round.device_mirror``): None where a CUDA device has room once the first inner phase ran,
     True always (any device: tests), False never."""
 
 
@@ -291,7 +291,7 @@ class Trainer:
     """Runs rounds until ``max_rounds`` or ``options.stop``; ``on_round`` gets each round's metrics.
 
     A round is a small state machine (``phase``), driven by ``_rounds`` one
-    ``peer.round_loop.Step`` per turn:
+    ``peer.round.round_loop.Step`` per turn:
 
     - ``TRAINING`` owns the model, the inner optimizer, the current ``_InnerPhase`` and
       ``inner_steps_done``. When the inner phase is over, ``_launch`` turns its work into a
@@ -324,7 +324,7 @@ class Trainer:
         """Told when a round begins to land and which state this peer holds (the reports)."""
         self.progress: ProgressSink = progress or NoProgress()
         # sharded over local ranks, this is the leader's plain full copy (host memory), and the
-        # ranks train FSDP2 shards of it on their devices (``peer.node``)
+        # ranks train FSDP2 shards of it on their devices (``peer.node.node``)
         self.model = task.model if options.node is not None and options.shard else task.model.to(options.device)
         self.state = GlobalState.from_model(self.model)
         self._state_lock = threading.Lock()
@@ -335,7 +335,7 @@ class Trainer:
         use_feedback = spec.averaging.error_feedback and self.codec.lossy
         self.feedback = ErrorFeedback(self.codec, self.state.params.numel()) if use_feedback else None
         self.ranks = local_ranks(options.node, self.model, shard=options.shard)
-        """This node's local ranks (``peer.local_ranks``): inner steps run ``ranks.forward``."""
+        """This node's local ranks (``peer.node.local_ranks``): inner steps run ``ranks.forward``."""
         self.optimizer = inner_optimizer(spec, self.ranks.forward)
         self.precision = Precision.for_device(options.device)
         self.overlap = spec.averaging.overlap if options.overlap is None else options.overlap
@@ -460,7 +460,7 @@ class Trainer:
                 self._lander = None
 
     def _rounds(self) -> list[RoundMetrics]:
-        """The round loop: each turn does what ``peer.round_loop.next_step`` says."""
+        """The round loop: each turn does what ``peer.round.round_loop.next_step`` says."""
         flight: _InFlight | None = None
         inner: _InnerPhase | None = None
         while True:
@@ -776,7 +776,7 @@ class Trainer:
     def _write_delta(self, mirror: DeviceMirror | None) -> bool:
         """On the landing thread: the launch point from the device mirror (when there is one),
         then the averager's vector ← θ_g − launch point (+ residual)
-        (``peer.host_passes.write_delta_from``); zeros if that is not finite. Whether it was."""
+        (``peer.round.host_passes.write_delta_from``); zeros if that is not finite. Whether it was."""
         assert self._launch_point is not None
         if mirror is not None:
             mirror.download(self._launch_point)
@@ -1131,7 +1131,7 @@ class Trainer:
         eager: bool,
         left_out: list[tuple[int, int]],
     ) -> float:
-        """The landing's host half (``peer.host_passes.land_global``), on the landing thread: the
+        """The landing's host half (``peer.round.host_passes.land_global``), on the landing thread: the
         model is not touched, the launch point becomes the re-base shift. Its seconds."""
         started = time.monotonic()
         assert self._launch_point is not None
@@ -1423,7 +1423,7 @@ class Trainer:
     def _roll_forward(
         self, state: GlobalState, download_s: float | None, *, verified: str | None, first: FetchedUpdate | None = None
     ) -> GlobalState | None:
-        """``state`` taken forward by the rounds the swarm landed since (``peer.host_passes.roll_forward``,
+        """``state`` taken forward by the rounds the swarm landed since (``peer.round.host_passes.roll_forward``,
         by the averaged updates its members keep: ``engine.update_store``) until it is the
         swarm's latest agreed state: then returned. ``verified``: its digest, if the records
         agreed on it already (a state downloaded by that digest); a state newer than the records

@@ -3,7 +3,7 @@ it connects to the host it saw the request come from, on a port this machine nam
 says whether it read there the greeting this machine said it serves. A ``Greeter`` on that
 port writes a random greeting, so an answer from another program (or a NAT router's own
 service) does not count. The
-doctor runs it, and so does a peer before it chooses how it is reached (``peer.network_path``).
+doctor runs it, and so does a peer before it chooses how it is reached (``peer.net.network_path``).
 """
 
 from __future__ import annotations

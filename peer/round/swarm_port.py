@@ -1,4 +1,4 @@
-"""What the trainer needs from the swarm: the small typed interface ``peer.swarm.Swarm``
+"""What the trainer needs from the swarm: the small typed interface ``peer.swarm.swarm.Swarm``
 implements (and the unit tests' in-memory swarm), so that the training loop never reaches
 into hivemind's DHT or averager."""
 
@@ -129,7 +129,7 @@ class SwarmPort(Protocol):
         """Average the outbox's vector with whoever is looking within ``timeout`` s; this peer
         declares it would lead a group for ``window`` s (default ``matchmaking_window(timeout)``).
         ``joining``: a newcomer's search for the round in progress (it waits longer for a
-        leader's answer: ``peer.swarm.JOINING_REQUEST_FACTOR``)."""
+        leader's answer: ``peer.swarm.swarm.JOINING_REQUEST_FACTOR``)."""
         ...
 
     def set_allreduce_timeout(self, timeout_s: float) -> None: ...

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 
-from peer.hole_punch import DirectPaths, PunchError, answer
-from peer.loop_thread import stop_loop_thread
+from peer.net.hole_punch import DirectPaths, PunchError, answer
+from peer.net.loop_thread import stop_loop_thread
 from protocol.errors import MalformedMessageError, SwarmtrainError
 from protocol.relay_wire import (
     OPENING,
@@ -180,7 +180,7 @@ class RelayTunnel:
         """The port the relay granted (0 before ``open``)."""
         self.connections = 0
         self.punched = 0
-        """Direct connections opened with peers that asked for a punch (``peer.hole_punch``)."""
+        """Direct connections opened with peers that asked for a punch (``peer.net.hole_punch``)."""
         self._relayed: _Carried = _Carried()
         self._direct: _Carried = _Carried()
         self._loop = asyncio.new_event_loop()
@@ -196,7 +196,7 @@ class RelayTunnel:
         """``Incoming`` and ``PunchCall`` messages ignored over the caps."""
         self.down_since: float | None = None
         """``time.monotonic()`` when the control connection ended and has not opened again since
-        (None: it is open); ``peer.relay_keeper`` finds new relays when every tunnel's is old."""
+        (None: it is open); ``peer.net.relay_keeper`` finds new relays when every tunnel's is old."""
 
     @property
     def bytes_relayed(self) -> int:

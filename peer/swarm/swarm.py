@@ -40,9 +40,9 @@ from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
 from engine.update_store import UpdateStore
-from peer.swarm_pace import LandingTimes, SwarmPace, landing_medians
-from peer.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
-from peer.timeouts import matchmaking_window, matchmaking_windows
+from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
+from peer.round.timeouts import matchmaking_window, matchmaking_windows
+from peer.swarm.swarm_pace import LandingTimes, SwarmPace, landing_medians
 from protocol.agreement import Agreement, agreed_state, agreed_states
 from protocol.gathered import Gathered
 from protocol.identity import Identity, PublicKey
@@ -340,7 +340,7 @@ class Swarm:
 
     def move_to(self, dht_kwargs: dict[str, Any]) -> threading.Event:
         """Restart the DHT node and the averager with ``dht_kwargs`` (new announced addresses: a
-        relayed peer whose relays all left, ``peer.relay_keeper``) under the same libp2p
+        relayed peer whose relays all left, ``peer.net.relay_keeper``) under the same libp2p
         identity, keeping the rosters its matchmaking remembers, at the start of the next round,
         on the trainer's thread (nothing else of the swarm is in use then); a round still
         matchmaking is given up for it. The event is set once the swarm runs again there."""

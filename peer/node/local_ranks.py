@@ -1,5 +1,5 @@
 """The local ranks of a node, as the training loop sees them: one object behind which a single
-rank does nothing and several ranks (``peer.node.LocalNode``: DDP, or FSDP2 shards) are told
+rank does nothing and several ranks (``peer.node.node.LocalNode``: DDP, or FSDP2 shards) are told
 what the leader does.
 
 The leader's loop calls, in this order, for every stretch of inner steps:
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from peer.node import Command, LocalNode
+from peer.node.node import Command, LocalNode
 
 __all__ = ["LocalRanks", "NodeRanks", "OneRank", "local_ranks"]
 
@@ -69,7 +69,7 @@ class OneRank:
 
 
 class NodeRanks:
-    """The leader of a node of several ranks (``peer.node``)."""
+    """The leader of a node of several ranks (``peer.node.node``)."""
 
     def __init__(self, node: LocalNode, model: torch.nn.Module, *, shard: bool) -> None:
         self.node = node

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from peer.state import load_flat
+from peer.round.state import load_flat
 from peer.task.bytegpt import ByteGPT
 from protocol.errors import ConfigError
 from protocol.manifest import TOKENIZER_FILES, tokenizer_sha256

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.inner_step import Precision, inner_optimizer, inner_step
+from peer.node.inner_step import Precision, inner_optimizer, inner_step
 from peer.task.base import Batch, Task, derive_seed
 from protocol.modelsize import VOCAB_SIZE, task_flops_per_sample
 from protocol.spec import RunSpec

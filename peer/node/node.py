@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peer.inner_step import Precision, inner_optimizer, inner_step
-from peer.node_env import HEARTBEAT_ENV, NodeEnv
+from peer.node.inner_step import Precision, inner_optimizer, inner_step
+from peer.node.node_env import HEARTBEAT_ENV, NodeEnv
 from peer.task import Task
 from peer.task.base import derive_seed
 from protocol.spec import RunSpec

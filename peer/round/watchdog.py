@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from peer.round_metrics import RoundMetrics
+from peer.round.round_metrics import RoundMetrics
 from protocol.errors import SwarmtrainError
 
 __all__ = [

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from peer.coordinator_client import (
+from peer.link.coordinator_client import (
     RPC_TIMEOUT_S,
     CoordinatorClient,
     CoordinatorUnavailableError,
@@ -28,9 +28,9 @@ from peer.coordinator_client import (
     RejectedError,
     report_body,
 )
-from peer.progress import Credit
-from peer.report_outbox import ReportOutbox
-from peer.round_metrics import RoundMetrics
+from peer.link.report_outbox import ReportOutbox
+from peer.round.progress import Credit
+from peer.round.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol.errors import AdmissionError, SwarmtrainError, WrongRunError
 from protocol.tokens import decode_token
@@ -87,9 +87,9 @@ class CoordinatorLink(threading.Thread):
         self._next_beat = 0.0
         """When (monotonic) the next heartbeat is due."""
         self.phase_of: Callable[[], str] = lambda: "training"
-        """The trainer's phase (``peer.trainer.Phase`` value), read at each heartbeat."""
+        """The trainer's phase (``peer.round.trainer.Phase`` value), read at each heartbeat."""
         self.punched_peers: Callable[[], int] = lambda: 0
-        """Peers reached over a hole-punched connection now (``peer.hole_punch.DirectPaths``)."""
+        """Peers reached over a hole-punched connection now (``peer.net.hole_punch.DirectPaths``)."""
 
     def report(self, metrics: RoundMetrics) -> None:
         """Keep the report of a round the trainer recorded and wake the thread to send it;

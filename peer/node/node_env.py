@@ -1,6 +1,6 @@
 """Where this process sits in a node of several local ranks (issue #13): torchrun's
 environment variables, read without importing torch, so that ``swarmtrain`` decides whether
-to launch ranks (``swarmtrain.node_launcher``) before any heavy import; ``peer.node`` holds
+to launch ranks (``swarmtrain.node_launcher``) before any heavy import; ``peer.node.node`` holds
 the process group itself."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 from protocol.errors import ConfigError
 
 HEARTBEAT_ENV = "SWARMTRAIN_RANK_HEARTBEAT"
-"""A file each rank touches every ``peer.node.HEARTBEAT_EVERY_S`` (set by ``swarmtrain.node_launcher``,
+"""A file each rank touches every ``peer.node.node.HEARTBEAT_EVERY_S`` (set by ``swarmtrain.node_launcher``,
 which declares a rank hung when it stops)."""
 
 

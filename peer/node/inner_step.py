@@ -1,12 +1,12 @@
 """One inner (local) training step, the same on a node's leader and on its other ranks.
 
 With several local ranks the model passed in is wrapped in ``DistributedDataParallel``
-(``peer.node``): its backward averages the gradients across the node's ranks, so every rank
+(``peer.node.node``): its backward averages the gradients across the node's ranks, so every rank
 clips and steps on the same gradient and the ranks' models stay equal.
 
 Precision: parameters stay fp32 masters. On CUDA the forward runs under bf16 autocast where
 the GPU supports bf16, else fp16 autocast with a gradient scaler (``Precision``); on CPU in
-fp32. The learning rate follows the swarm's position (``peer.schedule``).
+fp32. The learning rate follows the swarm's position (``peer.node.schedule``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from peer.schedule import inner_lr
+from peer.node.schedule import inner_lr
 from peer.task import Task
 from protocol.spec import RunSpec
 
@@ -43,7 +43,7 @@ def inner_optimizer(spec: RunSpec, model: torch.nn.Module) -> torch.optim.Optimi
 
 
 def set_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, round_: int, step: int) -> None:
-    """The inner learning rate of step ``step`` of round ``round_`` (``peer.schedule``)."""
+    """The inner learning rate of step ``step`` of round ``round_`` (``peer.node.schedule``)."""
     lr = inner_lr(spec, round_, step)
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -1,7 +1,7 @@
 """The peer's side of the coordinator API: join, heartbeats and round reports, one call each
 (``CoordinatorClient``), waiting for a coordinator that is down (``join_when_up``), and the
 round report a recorded round makes (``report_body``). Every request is signed with the peer's
-key. The running link (heartbeats, reports, re-joins) is ``peer.coordinator_link``.
+key. The running link (heartbeats, reports, re-joins) is ``peer.link.coordinator_link``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from peer.coordinator_pin import verified_answer
-from peer.round_metrics import RoundMetrics
+from peer.link.coordinator_pin import verified_answer
+from peer.round.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
@@ -84,9 +84,9 @@ class JoinAs:
     reachable: bool = True
     spec_digest: str = ""
     network_path: str = ""
-    """How others reach it (``peer.network_path``): direct, announced, relayed or client."""
+    """How others reach it (``peer.net.network_path``): direct, announced, relayed or client."""
     relay_port: int = 0
-    """The control port of the relay it runs for others (``peer.relay_service``); 0: none."""
+    """The control port of the relay it runs for others (``peer.net.relay_service``); 0: none."""
 
 
 # a restarted coordinator is found again within seconds (gRPC's default backoff grows to 120 s)
@@ -101,7 +101,7 @@ def _relays(listed: Sequence[str]) -> tuple[tuple[str, int], ...]:
     """The ``HOST:PORT`` entries of a join answer's relays, at most ``MAX_RELAYS_LISTED``; the
     rest (malformed: the coordinator is not trusted to send well-formed input) are logged and
     left out."""
-    from peer.announce import parse_host_port
+    from peer.net.announce import parse_host_port
     from protocol.relay_server import MAX_RELAYS_LISTED
 
     relays: list[tuple[str, int]] = []
@@ -127,9 +127,9 @@ class CoordinatorClient:
         coordinator_key: PublicKey | None = None,
     ) -> None:
         """``identity`` signs every request; ``endorsement`` (the account's signature over its
-        public key, see ``peer.node_identity``) names the account it earns for;
+        public key, see ``peer.node.node_identity``) names the account it earns for;
         ``coordinator_key``: the key its join answers must be signed with
-        (``peer.coordinator_pin``; None: the first answer's signer, kept for later joins)."""
+        (``peer.link.coordinator_pin``; None: the first answer's signer, kept for later joins)."""
         if ":" not in address:
             raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
         self.address, self.identity, self.software_version = address, identity, software_version
