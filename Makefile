@@ -46,7 +46,7 @@ PG_PORT ?= auto
 
 # The layering rule (import-linter contracts in pyproject.toml), lint + format (ruff) and types
 # (mypy) of the product packages; `make test` runs it first and fails on any violation.
-LINTED := protocol engine peer coordinator swarmtrain benchmarks tests
+LINTED := protocol engine relay peer coordinator swarmtrain benchmarks tests
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check $(LINTED)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from protocol.tmpdir import check_tmpdir
 
     check_tmpdir()  # the archive averager shares tensors through torch's socket there
-    from protocol.relay_server import parse_port_range
+    from relay.server import parse_port_range
 
     relay_ports = parse_port_range(args.relay_ports)
     for name in ("grpc_port", "dht_port", "http_port", "relay_port"):

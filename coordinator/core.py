@@ -46,9 +46,9 @@ from protocol.errors import AdmissionError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage, sign_message
 from protocol.modelsize import task_flops_per_sample
-from protocol.relay_server import MAX_RELAYS_LISTED, RelayStats
 from protocol.spec import RunSpec
 from protocol.tokens import issue_token
+from relay.server import MAX_RELAYS_LISTED, RelayStats
 
 logger = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from engine.record_bounds import RunRecordBounds
 from protocol.errors import ConfigError
 from protocol.identity import Identity, load_or_create
 from protocol.modelsize import task_params
-from protocol.relay_server import Relay, run_token_admission
 from protocol.spec import RunSpec, parse_spec
 from protocol.statesync import run_prefix
+from relay.server import Relay, run_token_admission
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class ServerConfig:
     log_to: tuple[str, ...] = ()
     """Experiment trackers for the swarm's figures (``protocol.experiment_log``)."""
     relay_port: int = 0
-    """The relay's control port (``protocol.relay_server``; 0: any free port)."""
+    """The relay's control port (``relay.server``; 0: any free port)."""
     relay_ports: range | None = None
     """Ports the relay grants to peers nobody can dial (None: no relay)."""
 

@@ -27,7 +27,7 @@ from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.errors import AdmissionError, MalformedMessageError, VerificationError, WrongRunError
-from protocol.relay_server import MAX_RELAYS_LISTED
+from relay.server import MAX_RELAYS_LISTED
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -68,7 +68,7 @@ class JoinInfo:
     data_slot: int | None = None
     """Token runs: the first data stream this node trains (None: the run gives none)."""
     relay_port: int = 0
-    """The coordinator's relay port on its host (``protocol.relay_server``); 0: it runs none."""
+    """The coordinator's relay port on its host (``relay.server``); 0: it runs none."""
     relays: tuple[tuple[str, int], ...] = ()
     """Volunteers' relays (host, control port), to try in this order before the coordinator's
     (entries that are not ``HOST:PORT`` are left out)."""
@@ -102,7 +102,7 @@ def _relays(listed: Sequence[str]) -> tuple[tuple[str, int], ...]:
     rest (malformed: the coordinator is not trusted to send well-formed input) are logged and
     left out."""
     from peer.net.announce import parse_host_port
-    from protocol.relay_server import MAX_RELAYS_LISTED
+    from relay.server import MAX_RELAYS_LISTED
 
     relays: list[tuple[str, int]] = []
     for entry in listed[:MAX_RELAYS_LISTED]:

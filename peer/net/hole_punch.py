@@ -1,5 +1,5 @@
 """A direct TCP connection between two peers that each sit behind a NAT, by a simultaneous open
-that a relay times (``protocol.relay_wire``: ``PunchAsk``, ``PunchCall``, ``PunchAnswer``,
+that a relay times (``relay.wire``: ``PunchAsk``, ``PunchCall``, ``PunchAnswer``,
 ``PunchGo``).
 
 Each side opens a fresh socket on a free local port and reaches the relay's control port from
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from protocol.errors import MalformedMessageError, SwarmtrainError
-from protocol.relay_wire import (
+from relay.wire import (
     NOT_HELD,
     PUNCHING,
     Challenge,

@@ -32,7 +32,7 @@ from typing import Any
 
 from peer.net.hole_punch import DirectPaths, NotRelayed, PunchError, punch
 from peer.net.loop_thread import cancel_other_tasks, stop_loop_thread
-from protocol.relay_wire import pipe_both
+from relay.wire import pipe_both
 
 logger = logging.getLogger(__name__)
 

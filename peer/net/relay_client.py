@@ -1,4 +1,4 @@
-"""A peer's end of a relay (``protocol.relay_server``): a public port for a peer nobody can dial.
+"""A peer's end of a relay (``relay.server``): a public port for a peer nobody can dial.
 
 ``RelayTunnel.open`` asks the relay for a port and returns it; the peer announces
 ``relay-host:port`` as its swarm address. Each connection the relay announces is taken on a
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from peer.net.hole_punch import DirectPaths, PunchError, answer
 from peer.net.loop_thread import stop_loop_thread
 from protocol.errors import MalformedMessageError, SwarmtrainError
-from protocol.relay_wire import (
+from relay.wire import (
     OPENING,
     Challenge,
     Granted,
@@ -171,7 +171,7 @@ class RelayTunnel:
     ) -> None:
         self.relay, self.token, self.local_port, self.local_host = relay, token, local_port, local_host
         self.sign = sign
-        """Signs with the key the token names (the relay's challenge: ``protocol.relay_wire.prove``)."""
+        """Signs with the key the token names (the relay's challenge: ``relay.wire.prove``)."""
         self.answer_punches = answer_punches
         """Whether to answer a peer's punch (``--hole-punch``); else the asker's punch times out."""
         self.direct = direct if direct is not None else DirectPaths()

@@ -1,4 +1,4 @@
-"""The relay a reachable volunteer runs for peers nobody can dial (``protocol.relay_server``).
+"""The relay a reachable volunteer runs for peers nobody can dial (``relay.server``).
 
 A peer whose own port the coordinator dialled back (``peer.net.network_path``: direct) offers a
 relay unless told not to (``--relay-ports none``). By default (``auto``) the relay takes any
@@ -32,7 +32,7 @@ import grpc
 from peer.net.dial_back import Greeter, ask_dial_back
 from protocol.errors import ConfigError
 from protocol.identity import PublicKey
-from protocol.relay_server import Relay, RelayStats, describe_ports, parse_port_range, run_token_admission
+from relay.server import Relay, RelayStats, describe_ports, parse_port_range, run_token_admission
 
 logger = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ def test_the_secret_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
     assert not any(word in f for f in found for word in ("readme", "parser", "tokenizers"))
 
 
-PACKAGES = ("protocol", "engine", "peer", "coordinator", "swarmtrain")
+PACKAGES = ("protocol", "engine", "relay", "peer", "coordinator", "swarmtrain")
 HASH_INSTALLED = """
 import hashlib, importlib, json, pathlib, sys
 found = {}

@@ -1,5 +1,5 @@
 """What the relay tests share: keys for their stand-in tokens (the relay wants proof of the key a
-token names, ``protocol.relay_wire.Challenge``, so each stand-in token ``b"ok-a"``, ... names a
+token names, ``relay.wire.Challenge``, so each stand-in token ``b"ok-a"``, ... names a
 key of its own, generated once per test session), free loopback ports and a relay that admits
 stand-in tokens."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from protocol.identity import Identity
-from protocol.relay_server import Relay
+from relay.server import Relay
 
 _KEYS: dict[bytes, Identity] = {}
 

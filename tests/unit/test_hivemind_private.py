@@ -23,7 +23,7 @@ import torch
 from engine.hivemind_private import HIVEMIND_VERSION, MIRRORED_KINDS, PRIVATE_USES, PrivateUse
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PRODUCT_PACKAGES = ("protocol", "engine", "peer", "coordinator", "swarmtrain", "benchmarks")
+PRODUCT_PACKAGES = ("protocol", "engine", "relay", "peer", "coordinator", "swarmtrain", "benchmarks")
 
 NOT_HIVEMIND: dict[tuple[str, str], str] = {
     ("swarmtrain/lifetime.py", "os._exit"): "the standard library's documented exit without cleanup",

@@ -1,4 +1,4 @@
-"""Hole punching's rendezvous at a relay (``protocol.relay_server``, ``peer.net.hole_punch``): each
+"""Hole punching's rendezvous at a relay (``relay.server``, ``peer.net.hole_punch``): each
 side learns where the other's fresh socket comes from; a punch the relay cannot place is
 refused and changes nothing; a relay tunnel takes no relayed connection from a host it reaches
 over a punched one; and the puncher picks only connections at a relay's port. (The simultaneous
@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import pytest
 
 import peer.net.relay_client as relay_client
-import protocol.relay_server as relay_server
+import relay.server as relay_server
 from peer.net.hole_punch import DirectPaths, NotRelayed, PunchError, _rendezvous
 from peer.net.puncher import relay_target, relays_by_ip
 from peer.net.relay_client import RelayAddress, RelayTunnel
-from protocol.relay_server import Relay
-from protocol.relay_wire import (
+from relay.server import Relay
+from relay.wire import (
     OPENING,
     Challenge,
     Granted,

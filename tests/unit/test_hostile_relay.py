@@ -19,7 +19,7 @@ import peer.net.hole_punch as hole_punch
 import peer.net.relay_client as relay_client
 from peer.net.hole_punch import MAX_ATTEMPTS, PunchError, check_target, simultaneous_open
 from peer.net.relay_client import RelayAddress, RelayTunnel
-from protocol.relay_wire import (
+from relay.wire import (
     Granted,
     Incoming,
     Message,

@@ -10,7 +10,7 @@ from pathlib import Path
 import networkx as nx
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "engine", "peer", "coordinator", "swarmtrain")
+PACKAGES = ("protocol", "engine", "relay", "peer", "coordinator", "swarmtrain")
 
 
 def module_name(path: Path) -> str:

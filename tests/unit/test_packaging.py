@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("protocol", "engine", "peer", "coordinator", "swarmtrain")
+TOP = ("protocol", "engine", "relay", "peer", "coordinator", "swarmtrain")
 
 
 def test_every_package_in_the_tree_is_shipped() -> None:

@@ -13,8 +13,8 @@ import pytest
 
 from peer.net.relay_client import RelayAddress, RelayError, RelayTunnel
 from protocol.errors import MalformedMessageError
-from protocol.relay_server import MAX_UNOPENED, MAX_UNOPENED_PER_SOURCE, Relay
-from protocol.relay_wire import (
+from relay.server import MAX_UNOPENED, MAX_UNOPENED_PER_SOURCE, Relay
+from relay.wire import (
     MAX_TOKEN_BYTES,
     Granted,
     Incoming,

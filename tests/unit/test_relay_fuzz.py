@@ -1,4 +1,4 @@
-"""Fuzzing of the relay wire (``protocol.relay_wire``), the control and punch messages both ends
+"""Fuzzing of the relay wire (``relay.wire``), the control and punch messages both ends
 read from a stranger: 10,000 inputs into the parser (random bytes behind each message type,
 and valid encodings cut short, bit-flipped, with their length fields changed), and 400 more
 streams into a live relay's control port. No input crashes the parser, hangs it (a bounded read
@@ -17,8 +17,8 @@ import pytest
 
 from peer.net.relay_client import RelayAddress, RelayTunnel
 from protocol.errors import MalformedMessageError
-from protocol.relay_server import Relay
-from protocol.relay_wire import (
+from relay.server import Relay
+from relay.wire import (
     CHALLENGE,
     GRANTED,
     INCOMING,

@@ -1,6 +1,6 @@
 """A stranger who read every access token in the run's DHT, against a relay on loopback with the
 run's real admission (``run_token_admission``, tokens signed by the coordinator): a token alone
-opens nothing, since the relay wants proof of the key it names (``protocol.relay_wire.Challenge``).
+opens nothing, since the relay wants proof of the key it names (``relay.wire.Challenge``).
 The stranger gets 0 connections meant for a member, 0 ports, and no member's address."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 
 from peer.net.relay_client import RelayAddress, RelayError, RelayTunnel
 from protocol.identity import Identity
-from protocol.relay_server import Relay, run_token_admission
-from protocol.relay_wire import (
+from protocol.tokens import issue_token
+from relay.server import Relay, run_token_admission
+from relay.wire import (
     OPENING,
     PUNCHING,
     Challenge,
@@ -32,7 +33,6 @@ from protocol.relay_wire import (
     prove,
     read_message,
 )
-from protocol.tokens import issue_token
 from swarmtrain.localswarm import wait_until
 from tests.ports import free_ports
 

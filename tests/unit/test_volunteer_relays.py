@@ -25,9 +25,9 @@ from protocol import kinds
 from protocol.errors import ConfigError, MalformedMessageError
 from protocol.identity import Identity
 from protocol.messages import sign_message
-from protocol.relay_server import Relay, describe_ports, run_token_admission
 from protocol.spec import parse_spec
 from protocol.tokens import issue_token
+from relay.server import Relay, describe_ports, run_token_admission
 from tests.ports import free_ports
 from tests.unit.relay_keys import key_of, signer
 

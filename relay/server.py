@@ -9,11 +9,11 @@ hivemind's p2pd resets every relayed connection after about 128 KiB each way, wh
 punching (DCUtR) starts only once a host has a public address observed by several directly
 connected peers, which a swarm of NAT'ed volunteers around one coordinator never gives. So
 the relay works below libp2p: the peer's daemon is announced at ``relay-host:port`` and every
-connection there is spliced to a connection the peer opened itself (``protocol.relay_wire``).
+connection there is spliced to a connection the peer opened itself (``relay.wire``).
 libp2p's session (TLS or noise, then yamux) runs end to end through it; the relay sees only
 ciphertext and can neither read nor forge a part.
 
-It also times hole punches (``protocol.relay_wire``: ``PunchAsk`` … ``PunchGo``): it tells a
+It also times hole punches (``relay.wire``: ``PunchAsk`` … ``PunchGo``): it tells a
 port's holder and an admitted asker where each other's fresh socket came from, so that the two
 open a direct connection and stop crossing it (``peer.net.hole_punch``).
 
@@ -38,7 +38,7 @@ from typing import Any
 
 from protocol.errors import ConfigError, MalformedMessageError, SwarmtrainError
 from protocol.identity import PublicKey
-from protocol.relay_wire import (
+from relay.wire import (
     NONCE_BYTES,
     NOT_HELD,
     OPENING,
@@ -164,7 +164,7 @@ def describe_ports(ports: Sequence[int]) -> str:
 
 
 class Relay:
-    """Serves ``protocol.relay_wire`` on ``host:control_port``, granting ports from ``ports``."""
+    """Serves ``relay.wire`` on ``host:control_port``, granting ports from ``ports``."""
 
     def __init__(self, *, host: str, control_port: int, ports: Sequence[int], admit: Admit) -> None:
         if not ports:
@@ -404,7 +404,7 @@ class Relay:
     async def _punch_ask(self, ask: PunchAsk, peer: str, writer: asyncio.StreamWriter) -> None:
         """Tell the holder of ``ask.port`` where the asker's socket comes from; once it answers
         from a fresh socket, tell the asker (``peer``, proven) where that one comes from
-        (``protocol.relay_wire``)."""
+        (``relay.wire``)."""
         asker = _observed(writer)
         try:
             held = next((h for h in self._by_peer.values() if h.port == ask.port), None)
