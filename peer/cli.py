@@ -9,48 +9,33 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.update_store import KEPT_ROUNDS
 from peer.net.announce import coordinator_address, parse_host_port
-from peer.node.node_identity import NodeIdentity, node_identity
+from peer.node.node_identity import NodeIdentity
 from peer.round.progress import ProgressDisplay
 from peer.round.round_metrics import RoundMetrics
-from protocol.errors import AdmissionError, ConfigError, IdentityError
-from protocol.identity import PublicKey
+from protocol.errors import AdmissionError, ConfigError
 
 if TYPE_CHECKING:
-    from peer.link.coordinator_client import CoordinatorClient, JoinInfo
+    from peer.boot.plan import Plan
     from peer.link.coordinator_link import CoordinatorLink
     from peer.net.network_path import NetworkPath
-    from peer.net.puncher import Puncher
-    from peer.net.relay_keeper import RelayKeeper
     from peer.net.relay_service import RelayOffer
-    from peer.node.node import LocalNode
-    from peer.node.node_env import NodeEnv
     from peer.swarm.swarm import Swarm
     from peer.task import Task
     from protocol.identity import Identity
-    from protocol.membership import MemberGate
     from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
-
-BOOTSTRAP_WAIT_S = 600.0
-"""How long a peer keeps starting its DHT node while none of its bootstrap peers answers (a
-coordinator restarting between this peer's join and its DHT's start: ``engine.dht_start``)."""
 
 
 def add_parser(commands: Any) -> None:
@@ -303,45 +288,9 @@ def ranks_to_launch(args: argparse.Namespace) -> int | None:
     return count if count > 1 else None
 
 
-@dataclass
-class _Joined:
-    """What joining gave this peer: the run's spec and, through a coordinator, the client, the
-    join's answer and the data stream it was given."""
-
-    spec: RunSpec
-    slot: int | None
-    client: CoordinatorClient | None = None
-    info: JoinInfo | None = None
-
-    def leave(self) -> None:
-        """Give back what the join took (the data stream) when the peer stops before training."""
-        if self.client is not None:
-            self.client.leave()
-
-
-@dataclass
-class _Plan:
-    """How this node trains: on which device, over which local ranks, a model of what size."""
-
-    device: str
-    """This process's torch device."""
-    local_node: LocalNode | None
-    numel: int
-    shard: bool
-    """FSDP2 shards over the local ranks: the leader keeps a plain full copy of the model in
-    host memory for the round's host passes, the ranks train shards of it on their devices."""
-    shard_seed: int
-    task: Task | None
-    """Built already when the spec alone does not say the model's size."""
-
-    @property
-    def model_device(self) -> str:
-        return "cpu" if self.shard else self.device
-
-
 def run(args: argparse.Namespace) -> int:
     """``swarmtrain peer`` as the leader (or only rank) of its node, in named steps; a node's
-    other local ranks run ``_run_worker``."""
+    other local ranks run ``run_worker_rank``."""
     check_args(args)
     from protocol.tmpdir import check_tmpdir
 
@@ -350,21 +299,35 @@ def run(args: argparse.Namespace) -> int:
 
     node_env = NodeEnv.from_environ()
     if node_env is not None and node_env.rank > 0:
-        return _run_worker(args, node_env)
+        from peer.boot.plan import run_worker_rank
+
+        return run_worker_rank(args, node_env)
     # from here on a signal means "leave cleanly": a SIGTERM while torch imports or the DHT
     # starts must not kill the process with its hivemind children running
     stop = threading.Event()
     _install_signal_handlers(stop)
-    node, created, _checkpoint_lock = _identities(args)  # the lock is held while the peer runs
-    joined = _join(args, node, node_env, stop)
-    compute = _checked_compute(args, joined)
-    plan = _plan(args, joined, compute, node, node_env)
-    path = _network_path(args, joined)
+    from peer.boot.join import checked_compute, identities, join_run
+    from peer.boot.network import (
+        link_to_coordinator,
+        member_gate,
+        network_path,
+        relay_offer,
+        say_punched,
+        start_puncher,
+        start_relay_keeper,
+    )
+    from peer.boot.plan import build_peer_task, plan_node, start_swarm
+
+    node, created, _checkpoint_lock = identities(args)  # the lock is held while the peer runs
+    joined = join_run(args, node, node_env, stop)
+    compute = checked_compute(args, joined)
+    plan = plan_node(args, joined, compute, node, node_env)
+    path = network_path(args, joined)
     relay = None
-    gate = _member_gate(joined)
+    gate = member_gate(joined)
     try:
-        relay = _relay_offer(args, joined, path, gate)
-        swarm = _start_swarm(args, joined, plan, path, gate, node.node, stop)
+        relay = relay_offer(args, joined, path, gate)
+        swarm = start_swarm(args, joined, plan, path, gate, node.node, stop)
     except BaseException:
         path.close()
         if relay is not None:
@@ -374,14 +337,14 @@ def run(args: argparse.Namespace) -> int:
     puncher = None
     keeper = None
     try:
-        task = plan.task or _build_task(args, joined, compute, plan.shard_seed, plan.model_device)
+        task = plan.task or build_peer_task(args, joined, compute, plan.shard_seed, plan.model_device)
         built = sum(p.numel() for p in task.model.parameters())
         if built != plan.numel:
             raise ConfigError(f"the task's model has {built} parameters, its spec says {plan.numel}")
         _announce(joined.spec.run.name, node, created, swarm, args, plan, node_env, path, relay)
-        puncher = _puncher(args, joined, swarm, path)
-        link = _link_to_coordinator(args, joined, swarm, stop, path, relay, puncher)
-        keeper = _relay_keeper(args, joined, swarm, path, link, puncher)
+        puncher = start_puncher(args, joined, swarm, path)
+        link = link_to_coordinator(args, joined, swarm, stop, path, relay, puncher)
+        keeper = start_relay_keeper(args, joined, swarm, path, link, puncher)
         _train(args, joined.spec, task, swarm, plan, link, node.node, stop)
         if link is not None and link.refused:
             raise AdmissionError(f"the coordinator refused this peer: {link.refused}")
@@ -395,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hole punch: {puncher.describe()}", flush=True)
         swarm.shutdown()
         if args.hole_punch:
-            _say_punched(path)
+            say_punched(path)
         path.close()
         if relay is not None:
             carried = relay.stats()
@@ -411,444 +374,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _identities(args: argparse.Namespace) -> tuple[NodeIdentity, bool, object]:
-    """The account key (created if absent, said once) and this node's key endorsed by it;
-    whether the account was created; the checkpoint directory's lock (one peer per directory)."""
-    from protocol.identity import default_key_path, load_or_create
-
-    key_path = args.key or default_key_path()
-    account, created = load_or_create(key_path)
-    if created:
-        print(
-            f"created your account key at {key_path} (mode 0600): it is your identity and holds your credit; "
-            "back it up, and use it on every machine you run peers on",
-            flush=True,
-        )
-    node, checkpoint_lock = node_identity(account, args.checkpoint_dir)
-    return node, created, checkpoint_lock
-
-
-def _join(args: argparse.Namespace, node: NodeIdentity, node_env: NodeEnv | None, stop: threading.Event) -> _Joined:
-    """The run: through the coordinator (``--coordinator``: joined; the spec is the
-    coordinator's, and its DHT addresses join ``args.initial_peers``), else ``--spec``."""
-    from protocol.spec import load_spec, parse_spec
-
-    if not args.coordinator:
-        return _Joined(load_spec(args.spec), args.data_slot)
-    from peer.link.coordinator_client import CoordinatorClient, JoinAs, join_when_up
-    from peer.link.coordinator_pin import PinnedKeys
-    from peer.swarm.bootstrap import bootstrap_for
-    from protocol.version import __version__
-
-    pins = PinnedKeys(args.checkpoint_dir)
-    client = CoordinatorClient(
-        args.coordinator,
-        node.node,
-        software_version=__version__,
-        endorsement=node.endorsement,
-        local_ranks=node_env.world_size if node_env is not None else 1,
-        coordinator_key=_coordinator_key(args.coordinator_key) or pins.expected(args.coordinator),
-    )
-    local_digest = load_spec(args.spec).digest() if args.spec else ""
-    who = JoinAs(spec_digest=local_digest, reachable=not args.client_mode)
-    info = join_when_up(client, who, say=lambda line: print(line, flush=True), sleep=_until_stopped(stop))
-    pins.remember(args.coordinator, info.coordinator_key)
-    spec = parse_spec(info.spec_toml, source=f"spec from {args.coordinator}")
-    if spec.digest() != info.spec_digest:
-        raise ConfigError(f"the coordinator's spec does not match the digest it announced ({info.spec_digest})")
-    if local_digest and info.spec_digest != local_digest:
-        raise ConfigError(
-            f"the coordinator at {args.coordinator} runs {info.spec_digest}, not the --spec given ({local_digest}); "
-            "drop --spec to take the coordinator's, or check the address"
-        )
-    # the coordinator's DHT addresses on the host we reached it on (see peer.swarm.bootstrap)
-    args.initial_peers = bootstrap_for(info.bootstrap_maddrs, args.coordinator) + list(args.initial_peers)
-    return _Joined(spec, info.data_slot, client, info)
-
-
-def _coordinator_key(given: str | None) -> PublicKey | None:
-    if not given:
-        return None
-    try:
-        return PublicKey.from_id(given)
-    except IdentityError as exc:
-        raise ConfigError(f"--coordinator-key: {exc}") from exc
-
-
-def _checked_compute(args: argparse.Namespace, joined: _Joined) -> RunSpec:
-    """The spec this peer builds its task from (its own micro-batches, checkpointing and
-    compilation: never the run's spec or its digest), once a token run's data and weights are
-    checked to be the run's. Refused here, the peer gives its data stream back."""
-    spec = joined.spec
-    try:
-        compute = _local_compute(spec, args)
-        if spec.data.source == "tokens":
-            from peer.task.tokens import open_data
-
-            _, _, fetcher = open_data(spec, args.data_dir)  # the manifest and tokenizer: fetched now
-            if fetcher is not None:
-                fetcher.close()
-            lm = spec.task.causal_lm
-            if lm is not None and lm.weights is not None:
-                from protocol.manifest import weights_sha256
-
-                weights = args.weights_dir or str(lm.weights_path)
-                if weights_sha256(weights) != lm.weights:
-                    raise ConfigError(f"weights mismatch: the weights in {weights} are not the run's {lm.weights}")
-    except ConfigError:
-        joined.leave()
-        raise
-    return compute
-
-
-def _until_stopped(stop: threading.Event, waited_for: str = "the coordinator") -> Callable[[float], None]:
-    """A pause between tries that a SIGINT/SIGTERM ends: the peer then exits at once, cleanly
-    (nothing is running yet), instead of waiting on for ``waited_for`` (a coordinator, the
-    swarm's bootstrap peers) that is not there."""
-
-    def pause(seconds: float) -> None:
-        if stop.wait(seconds):
-            print(f"stopped before {waited_for} answered", flush=True)
-            raise SystemExit(0)
-
-    return pause
-
-
-def _data_cap(gb: float | None) -> int | None:
-    return None if gb is None else int(gb * 1e9)
-
-
-def _build_task(args: argparse.Namespace, joined: _Joined, compute: RunSpec, shard_seed: int, device: str) -> Task:
-    from peer.task import build_task
-
-    return build_task(
-        compute,
-        shard_seed=shard_seed,
-        device=device,
-        slot=joined.slot,
-        data_dir=args.data_dir,
-        weights_dir=args.weights_dir,
-        data_cap_bytes=_data_cap(args.data_cap),
-    )
-
-
-def _plan(
-    args: argparse.Namespace, joined: _Joined, compute: RunSpec, node: NodeIdentity, node_env: NodeEnv | None
-) -> _Plan:
-    """Where and over which local ranks this node trains. The model's size decides whether it
-    shards (``use_fsdp``) and sizes the averager. hivemind's DHT and averager processes are
-    forked from this one, so the model is built after them, or each would keep its first pages
-    (copy-on-write) once training rewrites them: one more copy in host memory. Only a task whose
-    size the spec does not say (``known_param_count``) is built first, to measure it. The other
-    local ranks get what they need to build theirs (``LocalNode.share``)."""
-    from peer.task import known_param_count
-
-    device = _device(args.device, node_env)
-    local_node = None
-    if node_env is not None:
-        from peer.node.node import LocalNode
-
-        local_node = LocalNode(node_env, device=device)
-    shard_seed = args.shard_seed if args.shard_seed is not None else node.seed
-    task: Task | None = None
-    numel = known_param_count(joined.spec)
-    shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
-    if numel is None:
-        task = _build_task(args, joined, compute, shard_seed, "cpu" if shard else device)
-        numel = sum(p.numel() for p in task.model.parameters())
-        shard = local_node is not None and use_fsdp(args.fsdp, numel, device)
-        if shard:
-            task.model.to("cpu")
-    if local_node is not None:
-        spec_text = joined.info.spec_toml if joined.info is not None else args.spec.read_text()
-        paths = {
-            name: str(value) if value is not None else None
-            for name, value in (("data_dir", args.data_dir), ("weights_dir", args.weights_dir))
-        }
-        paths["data_cap"] = None if args.data_cap is None else str(args.data_cap)
-        local_node.share(
-            {
-                "spec": spec_text,
-                "seed": shard_seed,
-                "shard": shard,
-                "slot": joined.slot,
-                "micro_batches": args.micro_batches,
-                "activation_checkpointing": args.activation_checkpointing,
-                "compile": args.compile,
-                **paths,
-            }
-        )
-    return _Plan(device, local_node, numel, shard, shard_seed, task)
-
-
-def _network_path(args: argparse.Namespace, joined: _Joined) -> NetworkPath:
-    """How others reach this peer (``peer.net.network_path``); ``args.port`` and ``args.client_mode``
-    follow the choice."""
-    from peer.net.network_path import Coordinated, choose_path
-
-    coordinated = None
-    if joined.client is not None and joined.info is not None:
-        info = joined.info
-        coordinated = Coordinated(
-            address=args.coordinator,
-            stub=joined.client.stub,
-            relay_port=info.relay_port,
-            token=lambda: info.access_token,
-            sign=joined.client.identity.sign,
-            relays=info.relays,
-        )
-    host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
-    path = choose_path(
-        client_mode=args.client_mode,
-        announce=args.announce,
-        port=args.port,
-        env=os.environ,
-        coordinated=coordinated,
-        local_host=host,
-        hole_punch=args.hole_punch,
-    )
-    args.port, args.client_mode = path.port, path.client_mode
-    return path
-
-
-def _member_gate(joined: _Joined) -> MemberGate | None:
-    """Which peers the run's coordinator admitted, from its tokens and revocations in the DHT
-    (``protocol.membership``; refreshed by the swarm); None without a coordinator."""
-    if joined.info is None:
-        return None
-    from protocol.membership import MemberGate
-    from protocol.statesync import run_prefix
-
-    return MemberGate(
-        coordinator_key=joined.info.coordinator_key,
-        run_digest=joined.info.spec_digest,
-        prefix=run_prefix(joined.info.spec_digest),
-    )
-
-
-def _relay_offer(
-    args: argparse.Namespace, joined: _Joined, path: NetworkPath, gate: MemberGate | None
-) -> RelayOffer | None:
-    """The relay this peer runs for peers nobody can dial (``peer.net.relay_service``): only a peer
-    the coordinator dialled back; None without a coordinator. It refuses the peers ``gate``
-    shows revoked."""
-    if joined.client is None or joined.info is None:
-        return None
-    from peer.net.relay_service import RelayOffer, offer_relay, relay_ports
-
-    if not path.dialled_back:
-        return RelayOffer(None, f"this peer is {path.kind}, not dialled back directly")
-    ports, why_not = relay_ports(args.relay_ports)
-    return offer_relay(
-        ports,
-        why_not,
-        stub=joined.client.stub,
-        coordinator_key=joined.info.coordinator_key,
-        run_digest=joined.info.spec_digest,
-        host=args.host or "0.0.0.0",
-        revoked=(lambda: gate.revoked) if gate is not None else frozenset,
-    )
-
-
-def _start_swarm(
-    args: argparse.Namespace,
-    joined: _Joined,
-    plan: _Plan,
-    path: NetworkPath,
-    gate: MemberGate | None,
-    identity: Identity,
-    stop: threading.Event | None = None,
-) -> Swarm:
-    """This peer's DHT node and averager; in a coordinator's run only peers holding its tokens
-    average with it (``gate``). With an announced address, the
-    daemon advertises it instead of the addresses it sees locally, and takes itself as publicly
-    reachable (libp2p's AutoNAT would otherwise drop a public address it could not confirm)."""
-    from engine.codecs import get_codec
-    from engine.update_store import UpdateStore
-    from peer.swarm.swarm import Swarm
-
-    ip = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
-    updates = None
-    if not args.client_mode and args.keep_updates > 0:
-        # (a checkpoint dir is one peer's: its lock; else a directory of this process's own)
-        where = args.checkpoint_dir / "updates" if args.checkpoint_dir is not None else None
-        updates = UpdateStore(where or Path(tempfile.mkdtemp(prefix="swarmtrain-updates-")), keep=args.keep_updates)
-    return Swarm(
-        joined.spec,
-        plan.numel,
-        get_codec(joined.spec.averaging.compression, joined.spec.averaging.density, joined.spec.averaging.bits),
-        initial_peers=list(args.initial_peers),
-        host_maddrs=[f"/ip4/{ip}/tcp/{args.port}"],
-        client_mode=args.client_mode,
-        gate=gate,
-        dht_kwargs=path.dht_kwargs,
-        updates=updates,
-        identity=identity,
-        bootstrap_wait_s=BOOTSTRAP_WAIT_S,
-        bootstrap_pause=_until_stopped(stop, "the swarm's bootstrap peers") if stop is not None else time.sleep,
-    )
-
-
-def _renewed(token: bytes, swarm: Swarm, path: NetworkPath | None, puncher: Puncher | None = None) -> None:
-    """A renewed access token goes to the swarm's membership record, to the relays it holds
-    ports on, and to the puncher (relays admit punches by token)."""
-    swarm.publish_membership(token)
-    if path is not None:
-        path.use_token(token)
-    if puncher is not None:
-        puncher.use_token(token)
-
-
-def _puncher(args: argparse.Namespace, joined: _Joined, swarm: Swarm, path: NetworkPath) -> Puncher | None:
-    """Hole punching to the relayed peers this one dials (``peer.net.puncher``), with
-    ``--hole-punch`` (the default): through a coordinator, which lists the relays; not in client mode."""
-    if joined.info is None or joined.client is None or args.client_mode or not args.hole_punch:
-        return None
-    from peer.net.puncher import Puncher, relays_by_ip
-
-    listed = list(joined.info.relays)
-    if joined.info.relay_port:
-        listed.append((parse_host_port(args.coordinator, what="--coordinator")[0], joined.info.relay_port))
-    relays = relays_by_ip(listed)
-    info = joined.info
-    puncher = Puncher(
-        swarm.dht,
-        relays=relays,
-        token=lambda: info.access_token,
-        sign=joined.client.identity.sign,
-        quiet=lambda: not swarm.averaging(),
-        direct=path.direct,
-    )
-    puncher.start()
-    return puncher
-
-
-def _relay_keeper(
-    args: argparse.Namespace,
-    joined: _Joined,
-    swarm: Swarm,
-    path: NetworkPath,
-    link: CoordinatorLink | None,
-    puncher: Puncher | None,
-) -> RelayKeeper | None:
-    """A relayed peer's watch over its relays (``peer.net.relay_keeper``): when all have left, new
-    ones from the coordinator's list, and the swarm moved to them."""
-    if path.kind != "relayed" or joined.client is None or link is None:
-        return None
-    from peer.net.network_path import Coordinated
-    from peer.net.relay_client import RelayAddress, RelayTunnel, open_several
-    from peer.net.relay_keeper import PUBLISH_S, Found, RelayKeeper
-
-    client = joined.client
-    host = args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1"
-    latest: list[bytes] = []
-
-    def find() -> Found:
-        info = client.join_as(link.rejoin)
-        latest[:] = [info.access_token]
-        listed = Coordinated(
-            address=args.coordinator,
-            stub=client.stub,
-            relay_port=info.relay_port,
-            token=lambda: info.access_token,
-            sign=client.identity.sign,
-            relays=info.relays,
-        )
-        return Found(tuple(listed.relay_addresses()), info.access_token)
-
-    def open_relays(relays: Sequence[RelayAddress], token: bytes) -> list[tuple[RelayTunnel, RelayAddress]]:
-        return open_several(
-            relays,
-            token=lambda: token,
-            sign=client.identity.sign,
-            local_port=path.port,
-            local_host=host,
-            direct=path.direct,
-            answer_punches=args.hole_punch,
-        )
-
-    def moved() -> None:
-        link.rejoin = dataclasses.replace(link.rejoin, maddrs=tuple(swarm.visible_maddrs))
-        if puncher is not None:
-            puncher.moved(swarm.dht)
-        if latest:
-            path.use_token(latest[0])
-            if puncher is not None:
-                puncher.use_token(latest[0])
-            end = time.monotonic() + PUBLISH_S  # the new node stores nothing before it meets others
-            while not swarm.publish_membership(latest[0], timeout_s=5.0) and time.monotonic() < end:
-                time.sleep(1.0)
-
-    keeper = RelayKeeper(
-        path,
-        find=find,
-        open_relays=open_relays,
-        move=swarm.move_to,
-        moved=moved,
-        say=lambda line: print(line, flush=True),
-    )
-    keeper.start()
-    return keeper
-
-
-def _say_punched(path: NetworkPath) -> None:
-    """The punches other peers asked this one for at its relays, at exit."""
-    answered = sum(tunnel.punched for tunnel in path.tunnels)
-    if path.tunnels:
-        carried = sum(tunnel.bytes_punched for tunnel in path.tunnels)
-        print(f"hole punch: answered {answered} (carried {carried:,} bytes directly)", flush=True)
-
-
-def _link_to_coordinator(
-    args: argparse.Namespace,
-    joined: _Joined,
-    swarm: Swarm,
-    stop: threading.Event,
-    path: NetworkPath | None = None,
-    relay: RelayOffer | None = None,
-    puncher: Puncher | None = None,
-) -> CoordinatorLink | None:
-    """Through a coordinator: join again with this peer's swarm addresses (the token now names
-    its libp2p id), publish the membership token, and start the heartbeats and reports."""
-    if joined.client is None or joined.info is None:
-        return None
-    from peer.link.coordinator_client import JoinAs, join_when_up
-    from peer.link.coordinator_link import CoordinatorLink
-    from peer.link.report_outbox import OUTBOX_DIR, ReportOutbox
-
-    rejoin = JoinAs(
-        libp2p_peer_id=str(swarm.dht.peer_id),
-        maddrs=tuple(swarm.visible_maddrs),
-        reachable=not args.client_mode,
-        spec_digest=joined.info.spec_digest,
-        network_path=path.kind if path is not None else "",
-        relay_port=relay.control_port if relay is not None else 0,
-    )
-    admitted = join_when_up(joined.client, rejoin, say=lambda line: print(line, flush=True))
-    _renewed(admitted.access_token, swarm, path, puncher)
-    link = CoordinatorLink(
-        joined.client,
-        interval_s=joined.info.heartbeat_interval_s,
-        rejoin=rejoin,
-        on_refused=lambda reason: stop.set(),
-        token=admitted.access_token,
-        on_token=lambda token: _renewed(token, swarm, path, puncher),
-        data_slot=joined.slot if joined.spec.data.source == "tokens" else None,
-        outbox=ReportOutbox(args.checkpoint_dir / OUTBOX_DIR if args.checkpoint_dir is not None else None),
-    )
-    if path is not None:
-        link.punched_peers = lambda: len(path.direct)
-    link.start()
-    print(f"joined through coordinator {args.coordinator}", flush=True)
-    return link
-
-
 def _train(
     args: argparse.Namespace,
     spec: RunSpec,
     task: Task,
     swarm: Swarm,
-    plan: _Plan,
+    plan: Plan,
     link: CoordinatorLink | None,
     identity: Identity,
     stop: threading.Event,
@@ -905,96 +436,13 @@ def _train(
                 plan.local_node.send(Command.STOP)
 
 
-def _device(requested: str | None, node_env: Any) -> str:
-    """The torch device of this process: ``--device``, else CUDA if there is one; with several
-    local ranks on CUDA, rank r takes GPU r."""
-    import torch
-
-    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    if node_env is not None and device == "cuda":
-        return f"cuda:{node_env.rank}"
-    return device
-
-
-TRAINING_BYTES_PER_PARAM = 16
-"""fp32 parameters, gradients and AdamW's two moments."""
-
-
-def use_fsdp(choice: str, numel: int | None, device: str) -> bool:
-    """Whether a node of several ranks shards its model (``--fsdp``): ``on``/``off``, or ``auto``:
-    on CUDA when the training state, with a quarter more for activations and buffers, exceeds
-    one GPU's memory (unknown size: no); never on CPU."""
-    if choice != "auto":
-        return choice == "on"
-    if numel is None or not device.startswith("cuda"):
-        return False
-    import torch
-
-    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return numel * TRAINING_BYTES_PER_PARAM * 1.25 > memory
-
-
-def _local_compute(spec: RunSpec, args: argparse.Namespace) -> RunSpec:
-    """The spec this peer builds its task from: the run's, with ``--micro-batches`` and
-    ``--activation-checkpointing`` applied (``protocol.spec.local_compute``)."""
-    from protocol.spec import local_compute
-
-    checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
-    compile_blocks = None if args.compile is None else args.compile == "on"
-    return local_compute(
-        spec, micro_batches=args.micro_batches, checkpointing=checkpointing, compile_blocks=compile_blocks
-    )
-
-
-def _run_worker(args: argparse.Namespace, node_env: Any) -> int:
-    """A local rank other than the leader: it trains what the leader tells it (``peer.node.node``);
-    the leader alone talks to the swarm and the coordinator."""
-    from peer.node.node import LocalNode, rank_shard_seed, run_worker
-    from peer.task import build_task
-    from protocol.spec import parse_spec
-
-    local_node = LocalNode(node_env, device=_device(args.device, node_env))
-    try:
-        shared = local_node.share(None)
-        spec = parse_spec(shared["spec"], source="the spec of this node's leader")
-        args.micro_batches = shared.get("micro_batches")
-        args.activation_checkpointing = shared.get("activation_checkpointing")
-        args.compile = shared.get("compile")
-        spec = _local_compute(spec, args)  # the leader's choice (checked there)
-        seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
-        shard = bool(shared["shard"])
-        # a node holds consecutive data streams, one per rank
-        slot = None if shared["slot"] is None else int(shared["slot"]) + node_env.rank
-        device = "cpu" if shard else local_node.device
-        task = build_task(
-            spec,
-            shard_seed=seed,
-            device=device,
-            slot=slot,
-            data_dir=shared["data_dir"],
-            weights_dir=shared["weights_dir"],
-            data_cap_bytes=_data_cap(None if shared.get("data_cap") is None else float(shared["data_cap"])),
-        )
-        run_worker(local_node, spec, task, shard=shard)
-    finally:
-        local_node.close()
-    # done, cleanly: leave without the interpreter's finalization, which destroys what gloo's
-    # worker threads may still hold (FSDP2's async work) and then aborts the process now and
-    # then ("terminate called without an active exception": a rank killed by SIGABRT after
-    # a clean stop). This rank writes no files; its output is flushed first.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _announce(
     run_name: str,
     node: NodeIdentity,
     created: bool,
     swarm: Any,
     args: argparse.Namespace,
-    plan: _Plan,
+    plan: Plan,
     node_env: Any = None,
     path: NetworkPath | None = None,
     relay: RelayOffer | None = None,

@@ -80,7 +80,7 @@ def test_a_lost_rank_is_described_in_words() -> None:
 
 
 def test_fsdp_is_chosen_by_flag_or_only_when_the_training_state_outgrows_a_gpu() -> None:
-    from peer.cli import use_fsdp
+    from peer.boot.plan import use_fsdp
 
     assert use_fsdp("on", None, "cpu") and not use_fsdp("off", 10**12, "cuda:0")
     assert not use_fsdp("auto", 10**12, "cpu")  # never on CPU
