@@ -50,7 +50,7 @@ from engine.compression import ErrorFeedback
 from peer.node.inner_step import Precision, inner_optimizer, inner_step
 from peer.node.local_ranks import local_ranks
 from peer.node.node import LocalNode
-from peer.node.schedule import inner_lr, outer_lr
+from peer.node.schedule import inner_lr
 from peer.round.device_mirror import DeviceMirror, room_for
 from peer.round.host_passes import (
     Staging,
@@ -59,13 +59,13 @@ from peer.round.host_passes import (
     land_round,
     model_is_finite,
     rebase_model,
-    roll_forward,
     start_eagerly,
     undo_eager_start,
     write_delta_from,
     write_pseudo_gradient,
 )
 from peer.round.progress import InnerProgress, NoProgress, ProgressSink
+from peer.round.resync import Resync, outer_at
 from peer.round.roster_book import RosterBook
 from peer.round.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
 from peer.round.round_metrics import RoundJournal, RoundMetrics
@@ -74,13 +74,12 @@ from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult
 from peer.round.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
 from peer.task import Task
 from peer.task.data_assignment import DataRead
-from protocol.errors import MalformedTensorError, VerificationError
-from protocol.gathered import MAX_LINK, MIN_LINK, Gathered
+from protocol.errors import VerificationError
+from protocol.gathered import Gathered
 from protocol.identity import Identity
 from protocol.roster import Verdict, verdict
 from protocol.spec import OuterSection, RunSpec
 from protocol.statesync import RECORD_TTL_S
-from protocol.updates import FetchedUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -350,10 +349,6 @@ class Trainer:
         self.eager = self.overlap and spec.averaging.overlap_start == "eager"
         """With overlap, the next inner phase starts at θ̂, not at the launch point."""
         self.in_sync = True
-        self.link: float | None = None
-        """Bytes a second this peer's link carries (its last state download, waits included: a
-        low estimate), stated to its groups (``Gathered.link``), which stretch a round's deadlines
-        to their slowest member's (``engine.link_timeouts``)."""
         self.missed_end: int | None = None
         """The run's final round, when the swarm landed it without this peer and nobody serves
         its state any more: the run is over for this peer too (``catch_up``)."""
@@ -384,14 +379,17 @@ class Trainer:
         """The landing thread (overlap), made at the first landing."""
         self.phase = Phase.RESYNCING
         self.identity = options.identity or Identity.generate()
+        self.resync = Resync(spec, swarm, self.identity.public_key, self.codec, options.stop, self.progress)
+        """Finds the swarm's state (``peer.round.resync``); its ``link``, the bytes a second this
+        peer's link carries (its last state download, waits included: a low estimate), is stated
+        to its groups (``Gathered.link``), which stretch a round's deadlines to their slowest
+        member's (``engine.link_timeouts``)."""
         self.timeouts = AdaptiveTimeouts(spec.averaging.matchmaking_timeout_s, spec.averaging.allreduce_timeout_s)
         self.checkpointer = (
             Checkpointer(options.checkpoint_dir, spec_digest=spec.digest(), spec=spec)
             if options.checkpoint_dir
             else None
         )
-        self._rolled_through: list[tuple[int, str]] = []
-        """The states (round, digest) the last roll forward passed through, for ``_adopt``."""
         self._resumed_landed: float | None = None
         """When this peer landed the state its checkpoint holds (None: adopted, or no checkpoint)."""
         if self.checkpointer is not None:
@@ -584,9 +582,10 @@ class Trainer:
             # its state (a read of the records takes seconds on a home link, an ask a round trip)
             update = self.swarm.download_update(self.state.round, digest, timeout=timeout)
             if update is not None:
-                rolled = self._roll_forward(self.state.clone(), None, verified=None, first=update)
-                if rolled is not None and rolled.round > self.state.round:
-                    self._adopt(rolled, accepted={rolled.digest()})  # ``_launch_now`` again
+                rolled = self.resync.roll_forward(self.state.clone(), None, verified=None, first=update)
+                if rolled is not None and rolled.state.round > self.state.round:
+                    # ``_launch_now`` again
+                    self._adopt(rolled.state, accepted={rolled.state.digest()}, through=rolled.through)
                 return
             if time.monotonic() >= records_at:  # members that keep no updates: the records say it landed
                 records_at = time.monotonic() + LANDED_CHECK_S
@@ -694,7 +693,7 @@ class Trainer:
             samples=samples + carried,
             roster=self.roster.size,
             known=self.roster.known,
-            link=self.link,
+            link=self.resync.link,
         )
         logger.info(
             "averaging round %d: %d samples%s, looking for a group",
@@ -1170,12 +1169,7 @@ class Trainer:
 
     def _outer(self) -> OuterSection:
         """The outer step's settings for the current round (the same lr in every member)."""
-        return self._outer_at(self.state.round)
-
-    def _outer_at(self, round_: int) -> OuterSection:
-        if self.spec.schedule.outer:
-            return self.spec.outer.model_copy(update={"lr": outer_lr(self.spec, round_)})
-        return self.spec.outer
+        return outer_at(self.spec, self.state.round)
 
     def _the_rounds_state(self, result: RoundResult | None, flight: _InFlight) -> RoundResult | None:
         """``result`` if it is the round's one state, else None (the round failed here: its
@@ -1305,210 +1299,28 @@ class Trainer:
     def wait_for_group(self) -> bool:
         """Wait (up to ``options.wait_for_group_s``) until ``min_group_size`` peers, this one
         included, published a digest for this peer's round. True if they did."""
-        needed = self.spec.averaging.min_group_size
-        deadline = time.monotonic() + self.options.wait_for_group_s
-        seen = -1
-        while not self.options.stop.is_set():
-            others = self.swarm.peers_at(self.state.round, exclude=self.identity.public_key)
-            if len(others) + 1 >= needed:
-                return True
-            if len(others) != seen:
-                seen = len(others)
-                logger.info("waiting for the group: %d of %d peers in the swarm", seen + 1, needed)
-            if time.monotonic() >= deadline:
-                logger.warning("starting with %d of %d peers; the first rounds may train alone", seen + 1, needed)
-                return False
-            self.options.stop.wait(0.5)
-        return False
+        return self.resync.wait_for_group(self.state.round, self.options.wait_for_group_s)
 
     def catch_up(self) -> bool:
-        """Adopt the swarm's latest state if ours is not it: download it from a peer, verified
-        against the digest the run's *other* members agree on (``protocol.agreement``). True if
-        we hold the swarm's state."""
-        averaging = self.spec.averaging
-        deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
+        """Adopt the swarm's latest state if ours is not it (``Resync.catch_up``). True if we
+        hold the swarm's state."""
         self.phase = Phase.RESYNCING
-        while not self.options.stop.is_set():
-            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
-            if agreed is not None and agreed.digest == self.state.digest():
-                self.in_sync = True
-                self._publish()
-                return True
-            if agreed is not None and agreed.round > self.state.round and self._roll_own_state_forward():
-                return True
-            if agreed is not None and agreed.round >= self.state.round:
-                timeout = averaging.allreduce_timeout_s
-                started = time.monotonic()
-                self.progress.joining(
-                    f"downloading the swarm's state of round {agreed.round} ({self._state_mb():.0f} MB)"
-                )
-                logger.info("downloading the swarm's state of round %d (%.1f MB)", agreed.round, self._state_mb())
-                # a member that landed a round since the records were read serves a newer state:
-                # taken too, and held to the records once they show it (``_roll_forward``)
-                downloaded = self.swarm.download_state({agreed.digest}, timeout=timeout, newer_than=agreed.round)
-                if downloaded is not None:
-                    round_, params, momentum = downloaded
-                    took = time.monotonic() - started
-                    logger.info("downloaded the state of round %d in %.1f s", round_, took)
-                    self.link = max(MIN_LINK, min(MAX_LINK, (params.numel() + momentum.numel()) * 4 / max(took, 1e-3)))
-                    state = GlobalState(params.clone(), momentum.clone(), round_)
-                    verified = agreed.digest if round_ == agreed.round else None
-                    rolled = self._roll_forward(state, time.monotonic() - started, verified=verified)
-                    if rolled is not None:
-                        self._adopt(rolled, accepted={rolled.digest()})
-                        return True
-                    # the swarm moved on past what members keep: try again with a newer state
-                    deadline = time.monotonic() + averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s
-                    time.sleep(1.0)
-                    continue
-                if self._run_ended(agreed.round):
-                    return False
-                # nobody serves the latest state: take the newest one somebody still serves
-                # (the coordinator's archive, or a peer a round behind), if newer than ours
-                if self._adopt_fallback(agreed.round, timeout):
-                    return True
-            elif self.in_sync:
-                self._publish()  # no member has anything newer than we do
-                return True
-            if time.monotonic() > deadline:
-                logger.warning("could not get the swarm's latest state; training on out of sync")
-                return False
-            time.sleep(1.0)
-        return False
-
-    def _run_ended(self, latest: int) -> bool:
-        """Whether the swarm's latest agreed round is the run's last (``rounds.max_rounds``) and
-        its state could not be had: the others landed it and left. An older state would only
-        have this peer train rounds alone that nobody averages any more, so it stops."""
-        final = self.spec.rounds.max_rounds
-        if final is None or latest < final:
+        found = self.resync.catch_up(self.state, self.in_sync)
+        if found.ended is not None:
+            self.missed_end = found.ended
             return False
-        self.missed_end = latest
-        logger.warning(
-            "the run ended at round %d without this peer (it missed the last round, and nobody serves its state"
-            " any more); stopping at round %d",
-            latest,
-            self.state.round,
-        )
-        return True
-
-    def _adopt_fallback(self, latest: int, timeout: float) -> bool:
-        older = self.swarm.fallback_states(exclude=self.identity.public_key, after_round=self.state.round)
-        for state in older:
-            if state.round == latest:
-                continue  # just tried
-            downloaded = self.swarm.download_state({state.digest}, timeout=timeout)
-            if downloaded is not None:
-                logger.warning("nobody serves round %d's state; took round %d's", latest, state.round)
-                round_, params, momentum = downloaded
-                self._adopt(GlobalState(params.clone(), momentum.clone(), round_), accepted={state.digest})
-                return True
-        return False
-
-    def _state_mb(self) -> float:
-        return 8 * self.state.params.numel() / 1e6
-
-    def _roll_own_state_forward(self) -> bool:
-        """Re-sync by the updates of the rounds this peer missed, if its state is one the swarm
-        held and members still keep them (a round that failed here, a late launch, a newcomer
-        still at the run's initial state): an update per round instead of a whole state. True if
-        it now holds the swarm's state."""
-        rolled = self._roll_forward(self.state.clone(), None, verified=None)
-        if rolled is None or rolled.round == self.state.round:
-            return False
-        self._adopt(rolled, accepted={rolled.digest()})
-        return True
+        if found.adopt is not None:
+            self._adopt(found.adopt.state, accepted=set(found.accepted), through=found.adopt.through)
+            return True
+        if found.held:
+            self.in_sync = True
+            self._publish()
+        return found.held
 
     @torch.no_grad()
-    def _roll_forward(
-        self, state: GlobalState, download_s: float | None, *, verified: str | None, first: FetchedUpdate | None = None
-    ) -> GlobalState | None:
-        """``state`` taken forward by the rounds the swarm landed since (``peer.round.host_passes.roll_forward``,
-        by the averaged updates its members keep: ``engine.update_store``) until it is the
-        swarm's latest agreed state: then returned. ``verified``: its digest, if the records
-        agreed on it already (a state downloaded by that digest); a state newer than the records
-        (its server landed a round since they were read) is returned once they agree on it.
-        None when it could not be made the swarm's: no member keeps a round's update any more,
-        one does not decode or does not make the state its server claims, the chain ends off
-        the swarm's state, or the records never agree on it; the caller downloads a newer
-        state. A peer whose download outlasts rounds thus gets in after its download plus the
-        updates', which are a few times smaller than a state and are what its all-reduce would
-        receive each round anyway. ``first``: an update already downloaded for ``state``."""
-        digest = state.digest()
-        rolled, update_bytes, started = 0, 0, time.monotonic()
-        through = [(state.round, digest)]
-        patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
-        timeout = self.spec.averaging.allreduce_timeout_s
-        target = -1  # the round the records agreed on when last read
-        while not self.options.stop.is_set():
-            # every update members keep from here on (chains, one request each), then the records,
-            # read beside the download (each costs a lookup's time: a second on a home link)
-            self.swarm.prefetch_records()
-            while (update := first or self.swarm.download_update(state.round, digest, timeout=timeout)) is not None:
-                first = None
-                if not rolled:
-                    done = "" if download_s is None else f"state downloaded in {download_s:.0f} s; "
-                    self.progress.joining(f"{done}rolling forward by the rounds' updates")
-                try:
-                    roll_forward(state, update, self._outer_at(update.round), self.codec)
-                except MalformedTensorError as exc:
-                    logger.warning("round %d's update from %s does not decode (%s)", update.round, update.server, exc)
-                    return None
-                digest = state.digest()
-                if digest != update.post:
-                    logger.warning(
-                        "round %d's update from %s does not make the state it claims", update.round, update.server
-                    )
-                    return None
-                rolled, update_bytes = rolled + 1, update_bytes + update.size
-                through.append((state.round, digest))
-                patience = time.monotonic() + self.spec.averaging.matchmaking_timeout_s
-            if state.round < target and time.monotonic() <= patience:
-                # the records showed later rounds: their updates are being kept; asking again is a
-                # round trip, reading the records again a DHT lookup (a second on a home link)
-                time.sleep(0.25)
-                continue
-            read = time.monotonic()
-            agreed = self.swarm.accepted_state(exclude=self.identity.public_key)
-            target = -1 if agreed is None else agreed.round
-            logger.debug(
-                "rolling forward at round %d: the records agree on round %s (read in %.2f s)",
-                state.round,
-                None if agreed is None else agreed.round,
-                time.monotonic() - read,
-            )
-            if agreed is not None and agreed.round == state.round:
-                if agreed.digest != digest:
-                    return None
-                self._rolled_through = through  # verified: the chain ends at the agreed state
-                return self._rolled(state, rolled, update_bytes, started)
-            if agreed is None and verified == digest:
-                return state  # as downloaded; the records have expired meanwhile
-            if agreed is not None and agreed.round > state.round and download_s is None and not rolled:
-                return None  # this peer's own state, and no member keeps the rounds it missed
-            if time.monotonic() > patience:
-                if agreed is not None and agreed.round > state.round:
-                    logger.warning("no member keeps round %d's update: downloading a newer state", state.round)
-                else:
-                    logger.warning("the records never agreed on the state of round %d", state.round)
-                return None
-            time.sleep(0.5)  # the records lag the member that served it, or its next update is being kept
-        return None
-
-    def _rolled(self, state: GlobalState, rolled: int, update_bytes: int, started: float) -> GlobalState:
-        if rolled:
-            logger.info(
-                "rolled the downloaded state forward by %d rounds to round %d (%.1f MB of updates in %.1f s)",
-                rolled,
-                state.round,
-                update_bytes / 1e6,
-                time.monotonic() - started,
-            )
-        return state
-
-    @torch.no_grad()
-    def _adopt(self, state: GlobalState, *, accepted: set[str]) -> None:
-        """Make ``state`` this peer's; its digest must be in ``accepted`` (agreed by the swarm)."""
+    def _adopt(self, state: GlobalState, *, accepted: set[str], through: tuple[tuple[int, str], ...] = ()) -> None:
+        """Make ``state`` this peer's; its digest must be in ``accepted`` (agreed by the swarm);
+        ``through``: the states a roll forward passed on the way (``Rolled.through``)."""
         if state.digest() not in accepted:  # the averager checked; check again where it is used
             raise VerificationError("downloaded state does not match the swarm's digest")
         round_ = state.round
@@ -1532,7 +1344,6 @@ class Trainer:
             # the states a roll forward passed through are the swarm's too (each update's result
             # checked, the last against the records): a report left unfinished for one of them
             # goes with its digest
-            through, self._rolled_through = self._rolled_through, []
             self._finish_reports(round_, passed={passed for passed, _ in through})
             for passed, digest in through:
                 if passed < round_:

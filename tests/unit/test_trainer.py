@@ -1003,6 +1003,7 @@ def _kept_update(trainer: Trainer, state: GlobalState, seed: int) -> Any:
     """The update a member kept of round ``state.round`` (one part of the whole vector, encoded
     once as a reducer does), and the state it made."""
     from peer.round.host_passes import roll_forward
+    from peer.round.resync import outer_at
     from protocol.updates import FetchedUpdate
 
     codec = trainer.codec.at_round(state.round)
@@ -1011,7 +1012,7 @@ def _kept_update(trainer: Trainer, state: GlobalState, seed: int) -> Any:
     buffer = codec.encode_unbiased(average, torch.rand(numel + 1024, generator=torch.Generator().manual_seed(seed)))
     update = FetchedUpdate(state.round, state.digest(), "", (), [(0, numel, buffer)], 0.0, "member")
     after = state.clone()
-    roll_forward(after, update, trainer._outer_at(state.round), trainer.codec)
+    roll_forward(after, update, outer_at(trainer.spec, state.round), trainer.codec)
     return replace(update, post=after.digest()), after
 
 
