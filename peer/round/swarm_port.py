@@ -54,7 +54,7 @@ class RoundResult:
     missing: list[tuple[int, int]] = field(default_factory=list)
     """``[start, end)`` ranges of ``averaged`` that hold no average: their reducer failed, or
     all of it when this peer's own all-reduce failed. This peer does not land such a round
-    (``Trainer._the_rounds_state``); its group's other members may."""
+    (``peer.round.verdict.RoundVerdict.judge``); its group's other members may."""
     left_out: list[tuple[int, int]] = field(default_factory=list)
     """``[start, end)`` ranges of reducers this peer's audits caught returning a wrong average
     (``engine.audit``): the round lands with them left out, as a failed reducer's range is in

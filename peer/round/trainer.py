@@ -72,12 +72,12 @@ from peer.round.round_metrics import RoundJournal, RoundMetrics
 from peer.round.state import GlobalState, flatten, load_flat
 from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult, SwarmPort
 from peer.round.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
+from peer.round.verdict import RoundVerdict
 from peer.task import Task
 from peer.task.data_assignment import DataRead
 from protocol.errors import VerificationError
 from protocol.gathered import Gathered
 from protocol.identity import Identity
-from protocol.roster import Verdict, verdict
 from protocol.spec import OuterSection, RunSpec
 from protocol.statesync import RECORD_TTL_S
 
@@ -354,6 +354,8 @@ class Trainer:
         its state any more: the run is over for this peer too (``catch_up``)."""
         self.roster = RosterBook()
         """The roster of the state this peer holds (``protocol.roster``): gathered each round."""
+        self.verdict = RoundVerdict(spec, swarm, self.roster)
+        """Whether each round's result is the round's one state here (``peer.round.verdict``)."""
         self._launch_now = False
         """Set when this peer adopted a downloaded state: its next round launches at once (no
         samples) so that it is in the swarm's next group and so in its roster; the others
@@ -1172,59 +1174,13 @@ class Trainer:
         return outer_at(self.spec, self.state.round)
 
     def _the_rounds_state(self, result: RoundResult | None, flight: _InFlight) -> RoundResult | None:
-        """``result`` if it is the round's one state, else None (the round failed here: its
-        work folds into the next). Not when a reducer failed this peer (another member may hold
-        that reducer's range: landing without it could make a second state), nor when the
-        group holds too few of the roster of its state (``protocol.roster``: another group may
-        be the round's). Every round that does not land here counts toward releasing the
-        roster claim (``RosterBook.refused``): matchmaking never starts a group the roster rule
-        would refuse, so a swarm that lost its roster's majority sees failed rounds, not refusals."""
-        if result is None:
-            flight.failure = "no group formed"
-            self.roster.refused(Verdict(False, 0, self.roster.size, flight.failure), flight.pre_digest)
-            return None
-        found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
-        if result.missing:
-            flight.failure = f"{100 * result.unaveraged():.0f}% of the vector did not arrive (a reducer failed)"
-            logger.warning(
-                "round %d: %.1f%% of the vector did not arrive (a reducer, or this peer's all-reduce, failed); "
-                "not landing it",
-                self.state.round,
-                100 * result.unaveraged(),
-            )
-            if found.lands:  # the others land it: the state they make has this peer in its roster
-                assert flight.start is not None and flight.start.gather.round is not None
-                self.roster.missed(flight.start.gather.round, result.members, flight.pre_digest)
-                self.swarm.saw_group(result.members)  # its members vote: it takes part in their state
-            else:
-                self.roster.refused(found, flight.pre_digest)
-            return None
-        if not found.lands:
-            flight.failure = f"its group was not the round's ({found.reason})"
-            logger.warning(
-                "round %d: this group is not the round's (%s); not landing it", self.state.round, found.reason
-            )
-            self.roster.refused(found, flight.pre_digest)
-            return None
-        if found.roster == 0 and (beside := self._landed_beside(result)):
-            flight.failure = f"{len(beside)} peers outside its group landed this round first (no roster claimed)"
-            logger.warning(
-                "round %d: %d peers outside this group landed it first and this group claims no roster; not landing it",
-                self.state.round,
-                len(beside),
-            )
-            self.roster.refused(Verdict(False, found.holders, 0, flight.failure), flight.pre_digest)
-            return None
-        return result
-
-    def _landed_beside(self, result: RoundResult) -> frozenset[str]:
-        """The fence of a group that claims no roster (``protocol.roster``): who outside it
-        landed this round already, within a round's longest time (a dead peer's record of a
-        timeline the swarm rolled back from is older)."""
-        group = frozenset(member.id for member in result.members if member.id)
-        averaging = self.spec.averaging
-        within_s = 2 * (averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s)
-        return self.swarm.landed_beside(self.state.round, group, within_s=within_s)
+        """``result`` if it is the round's one state here (``RoundVerdict.judge``), else None with
+        the reason in ``flight.failure``."""
+        gathered = flight.start.gather.round if flight.start is not None else None
+        judged = self.verdict.judge(result, self.state.round, flight.pre_digest, gathered)
+        if judged.failure:
+            flight.failure = judged.failure
+        return judged.lands
 
     def _abandon_if_landed(self, flight: _InFlight) -> None:
         """Give up the round in flight if it is still looking for its group and the swarm has
