@@ -65,6 +65,7 @@ from peer.round.host_passes import (
     write_pseudo_gradient,
 )
 from peer.round.progress import InnerProgress, NoProgress, ProgressSink
+from peer.round.publisher import DigestPublisher
 from peer.round.resync import Resync, outer_at
 from peer.round.roster_book import RosterBook
 from peer.round.round_loop import LoopView, Step, next_step, opens_inner, starts_averaging
@@ -396,8 +397,10 @@ class Trainer:
         """When this peer landed the state its checkpoint holds (None: adopted, or no checkpoint)."""
         if self.checkpointer is not None:
             self._restore()
-        self._snapshot: tuple[int, str, float | None] = (self.state.round, self.state.digest(), self._resumed_landed)
-        self._published_at = time.monotonic()
+        self.publisher = DigestPublisher(
+            swarm, self.identity, self.roster, (self.state.round, self.state.digest(), self._resumed_landed)
+        )
+        """This peer's digest record (``peer.round.publisher``)."""
         swarm.serve_state(self._serve)
 
     def _restore(self) -> None:
@@ -440,7 +443,7 @@ class Trainer:
                 # when this peer landed this state by averaging (None: adopted): resumed, its
                 # digest record says so again, or a group beside it that lost its roster could
                 # take the round for unlanded (``protocol.roster.landed_beside``)
-                "landed": self._snapshot[2] if self._snapshot[:2] == (self.state.round, self.state.digest()) else None,
+                "landed": self.publisher.landed_at(self.state.round, self.state.digest()),
             },
             digest=self.state.digest(),
         )
@@ -601,8 +604,8 @@ class Trainer:
         inner.loss_sum += self._inner_step(inner)
         inner.samples += self.task.samples_per_batch * self.ranks.world_size
         inner.done += 1
-        if time.monotonic() - self._published_at >= REPUBLISH_S:
-            self._republish()
+        if time.monotonic() - self.publisher.published_at >= REPUBLISH_S:
+            self.publisher.republish()
         rounds = self.spec.rounds
         self.progress.inner_step(
             InnerProgress(
@@ -958,7 +961,7 @@ class Trainer:
             return
         started = time.monotonic()
         digest = self.state.digest()
-        if self._snapshot[:2] != (self.state.round, digest):
+        if self.publisher.snapshot[:2] != (self.state.round, digest):
             self._publish(landed=landed.at)
         if landed.kept is not None:
             round_, pre, left_out = landed.kept
@@ -1210,8 +1213,12 @@ class Trainer:
     def _publish(self, *, landed: float | None = None) -> None:
         """Publish the digest record of this peer's state (``landed``: when it landed the state
         by averaging, wall clock; None when it adopted it)."""
-        self._snapshot = (self.state.round, self.state.digest(), landed)
-        self._republish()
+        self.publisher.publish(self.state.round, self.state.digest(), landed)
+
+    def _say_leaving(self) -> None:
+        """A clean stop: the record of the state it holds says it leaves (not when out of sync)."""
+        if self.in_sync:
+            self.publisher.say_leaving()
 
     def _serve(self) -> tuple[int, torch.Tensor, torch.Tensor, str]:
         """The state to hand a peer that downloads it: a copy taken between two in-place
@@ -1219,38 +1226,6 @@ class Trainer:
         with self._state_lock:
             state = self.state
             return state.round, state.params.clone(), state.momentum.clone(), state.digest()
-
-    def _say_leaving(self) -> None:
-        """This peer stops cleanly: mark its last digest record ``leaving`` (signed), so that the
-        next round's leader, which counts it in the roster of this state, need not wait for it
-        (``engine.matchmaking.RoundMatchmaking``). Its vote for the state stands."""
-        if self._snapshot is None or not self.in_sync:
-            return
-        round_, digest, landed = self._snapshot
-        self.swarm.publish_digest(
-            self.identity, round_=round_, digest=digest, roster=self._claimed_roster(), leaving=True, landed=landed
-        )
-        logger.info("said in the DHT that this peer leaves holding round %d's state", round_)
-
-    def _claimed_roster(self) -> int:
-        """The roster size this peer's digest record claims for its state: its roster's, if it is
-        in that roster (it landed the state, or its group did: ``RosterBook.known``), else 0. A
-        peer that only adopted the state still gathers the size its holders published (so that
-        a group of adopters cannot land beside the roster's own), but its record says nothing:
-        adopters that re-published it kept a roster alive after its members were gone. The soak
-        met it: a pair landed a round and was killed and restarted over and over; every newcomer
-        adopted the pair's claim from the records and published it again, so each later
-        newcomer learnt it too, and no group of them ever passed the rule (no round landed for
-        nine minutes, until the run was stopped)."""
-        return self.roster.size if self.roster.known else 0
-
-    def _republish(self) -> None:
-        """Sign and store the served state's digest record again (no new digest computed)."""
-        round_, digest, landed = self._snapshot
-        self.swarm.publish_digest(
-            self.identity, round_=round_, digest=digest, roster=self._claimed_roster(), landed=landed
-        )
-        self._published_at = time.monotonic()
 
     def wait_for_group(self) -> bool:
         """Wait (up to ``options.wait_for_group_s``) until ``min_group_size`` peers, this one

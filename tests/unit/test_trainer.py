@@ -453,7 +453,7 @@ def test_checkpoint_resume_restores_everything(tmp_path) -> None:  # type: ignor
     # its digest record says again when it landed that state: a group that released its roster
     # fences on it (the soak: a pair landed round 18, both members restarted within seconds,
     # their records lost the landing time, and a rosterless group beside them landed 18 too)
-    assert trainer._snapshot[2] is not None and resumed._snapshot == trainer._snapshot
+    assert trainer.publisher.snapshot[2] is not None and resumed.publisher.snapshot == trainer.publisher.snapshot
 
 
 def test_corrupted_or_foreign_checkpoints_are_skipped(tmp_path) -> None:  # type: ignore[no-untyped-def]
