@@ -1,6 +1,6 @@
 """The averaged updates a member keeps for a few rounds: the reducers' bytes of each round that
 landed here, so that a newcomer whose state download outlasted some rounds rolls that state
-forward by them (``engine.update_transfer``, ``peer.roll_forward``) instead of downloading a whole
+forward by them (``engine.update_transfer``, ``peer.round.host_passes.roll_forward``) instead of downloading a whole
 state again. An update is a few times smaller than a state (the codec's bytes of one vector
 against two float32 vectors: 1/4 with fp16, 1/8 with int8, ~1/15 with 4-bit), and it is what
 every member receives each round anyway, so a peer whose link carries the all-reduce can always
@@ -11,7 +11,7 @@ One file per round in the store's directory, written on a thread as the all-redu
 with the state's digests before and after (``keep``). A file is a sequence of frames, one per
 averaged part in vector order: ``start`` (u64), ``length`` (u32), then the part's serialized
 ``runtime_pb2.Tensor``. Nothing here is trusted by a reader: the downloader checks every frame
-(``engine.update_transfer``) and the digest of the state it makes (``peer.roll_forward``).
+(``engine.update_transfer``) and the digest of the state it makes (``peer.round.host_passes.roll_forward``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kept updates between members: a member keeps the averaged update of each round that landed
 here (``engine.update_store``) and serves it to admitted peers; a newcomer that holds the state
-of round r downloads round r's update, rolls its state forward (``peer.roll_forward``) and asks
+of round r downloads round r's update, rolls its state forward (``peer.round.host_passes.roll_forward``) and asks
 for the next, until it holds the swarm's latest state. Mixed into ``engine.averager.ExactAverager``.
 
 The wire: one request per update, an ``AveragingData`` whose spare ``peer_id`` field holds

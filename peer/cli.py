@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
 
     node_env = NodeEnv.from_environ()
     if node_env is not None and node_env.rank > 0:
-        from peer.boot.plan import run_worker_rank
+        from peer.boot.worker import run_worker_rank
 
         return run_worker_rank(args, node_env)
     # from here on a signal means "leave cleanly": a SIGTERM while torch imports or the DHT
@@ -307,6 +307,12 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _install_signal_handlers(stop)
     from peer.boot.join import checked_compute, identities, join_run
+
+    node, created, _checkpoint_lock = identities(args)  # the lock is held while the peer runs
+    joined = join_run(args, node, node_env, stop)
+    compute = checked_compute(args, joined)
+    # the rest loads torch and hivemind: after the join, whose lines (a coordinator that is
+    # down, a refusal) come at once
     from peer.boot.network import (
         link_to_coordinator,
         member_gate,
@@ -318,9 +324,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from peer.boot.plan import build_peer_task, plan_node, start_swarm
 
-    node, created, _checkpoint_lock = identities(args)  # the lock is held while the peer runs
-    joined = join_run(args, node, node_env, stop)
-    compute = checked_compute(args, joined)
     plan = plan_node(args, joined, compute, node, node_env)
     path = network_path(args, joined)
     relay = None

@@ -10,15 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from peer.boot.compute import local_compute_spec
 from peer.link.coordinator_client import CoordinatorClient, JoinAs, join_when_up
 from peer.link.coordinator_pin import PinnedKeys
 from peer.node.node_identity import NodeIdentity, node_identity
 from peer.swarm.bootstrap import bootstrap_for
-from peer.task.tokens import open_data
 from protocol.errors import ConfigError, IdentityError
 from protocol.identity import PublicKey, default_key_path, load_or_create
 from protocol.manifest import weights_sha256
-from protocol.spec import load_spec, local_compute, parse_spec
+from protocol.spec import load_spec, parse_spec
 from protocol.version import __version__
 
 if TYPE_CHECKING:
@@ -107,6 +107,8 @@ def checked_compute(args: argparse.Namespace, joined: Joined) -> RunSpec:
     try:
         compute = local_compute_spec(spec, args)
         if spec.data.source == "tokens":
+            from peer.task.tokens import open_data  # torch: only a token run's peer needs it here
+
             _, _, fetcher = open_data(spec, args.data_dir)  # the manifest and tokenizer: fetched now
             if fetcher is not None:
                 fetcher.close()
@@ -119,16 +121,6 @@ def checked_compute(args: argparse.Namespace, joined: Joined) -> RunSpec:
         joined.leave()
         raise
     return compute
-
-
-def local_compute_spec(spec: RunSpec, args: argparse.Namespace) -> RunSpec:
-    """The spec this peer builds its task from: the run's, with ``--micro-batches`` and
-    ``--activation-checkpointing`` applied (``protocol.spec.local_compute``)."""
-    checkpointing = None if args.activation_checkpointing is None else args.activation_checkpointing == "on"
-    compile_blocks = None if args.compile is None else args.compile == "on"
-    return local_compute(
-        spec, micro_batches=args.micro_batches, checkpointing=checkpointing, compile_blocks=compile_blocks
-    )
 
 
 def until_stopped(stop: threading.Event, waited_for: str = "the coordinator") -> Callable[[float], None]:

@@ -5,29 +5,27 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.codecs import get_codec
 from engine.update_store import UpdateStore
-from peer.boot.join import Joined, local_compute_spec, until_stopped
+from peer.boot.join import Joined, until_stopped
+from peer.boot.worker import data_cap_bytes, device_of
 from peer.net.network_path import NetworkPath
-from peer.node.node import LocalNode, rank_shard_seed, run_worker
+from peer.node.node import LocalNode
 from peer.node.node_env import NodeEnv
 from peer.node.node_identity import NodeIdentity
 from peer.swarm.swarm import Swarm
 from peer.task import Task, build_task, known_param_count
 from protocol.identity import Identity
 from protocol.membership import MemberGate
-from protocol.spec import RunSpec, parse_spec
+from protocol.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +100,6 @@ def plan_node(
     return Plan(device, local_node, numel, shard, shard_seed, task)
 
 
-def device_of(requested: str | None, node_env: Any) -> str:
-    """The torch device of this process: ``--device``, else CUDA if there is one; with several
-    local ranks on CUDA, rank r takes GPU r."""
-    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
-    if node_env is not None and device == "cuda":
-        return f"cuda:{node_env.rank}"
-    return device
-
-
 TRAINING_BYTES_PER_PARAM = 16
 """fp32 parameters, gradients and AdamW's two moments."""
 
@@ -128,10 +117,6 @@ def use_fsdp(choice: str, numel: int | None, device: str) -> bool:
     return numel * TRAINING_BYTES_PER_PARAM * 1.25 > memory
 
 
-def _data_cap(gb: float | None) -> int | None:
-    return None if gb is None else int(gb * 1e9)
-
-
 def build_peer_task(args: argparse.Namespace, joined: Joined, compute: RunSpec, shard_seed: int, device: str) -> Task:
 
     return build_task(
@@ -141,7 +126,7 @@ def build_peer_task(args: argparse.Namespace, joined: Joined, compute: RunSpec, 
         slot=joined.slot,
         data_dir=args.data_dir,
         weights_dir=args.weights_dir,
-        data_cap_bytes=_data_cap(args.data_cap),
+        data_cap_bytes=data_cap_bytes(args.data_cap),
     )
 
 
@@ -178,41 +163,3 @@ def start_swarm(
         bootstrap_wait_s=BOOTSTRAP_WAIT_S,
         bootstrap_pause=until_stopped(stop, "the swarm's bootstrap peers") if stop is not None else time.sleep,
     )
-
-
-def run_worker_rank(args: argparse.Namespace, node_env: Any) -> int:
-    """A local rank other than the leader: it trains what the leader tells it (``peer.node.node``);
-    the leader alone talks to the swarm and the coordinator."""
-    local_node = LocalNode(node_env, device=device_of(args.device, node_env))
-    try:
-        shared = local_node.share(None)
-        spec = parse_spec(shared["spec"], source="the spec of this node's leader")
-        args.micro_batches = shared.get("micro_batches")
-        args.activation_checkpointing = shared.get("activation_checkpointing")
-        args.compile = shared.get("compile")
-        spec = local_compute_spec(spec, args)  # the leader's choice (checked there)
-        seed = rank_shard_seed(int(shared["seed"]), node_env.rank)
-        shard = bool(shared["shard"])
-        # a node holds consecutive data streams, one per rank
-        slot = None if shared["slot"] is None else int(shared["slot"]) + node_env.rank
-        device = "cpu" if shard else local_node.device
-        task = build_task(
-            spec,
-            shard_seed=seed,
-            device=device,
-            slot=slot,
-            data_dir=shared["data_dir"],
-            weights_dir=shared["weights_dir"],
-            data_cap_bytes=_data_cap(None if shared.get("data_cap") is None else float(shared["data_cap"])),
-        )
-        run_worker(local_node, spec, task, shard=shard)
-    finally:
-        local_node.close()
-    # done, cleanly: leave without the interpreter's finalization, which destroys what gloo's
-    # worker threads may still hold (FSDP2's async work) and then aborts the process now and
-    # then ("terminate called without an active exception": a rank killed by SIGABRT after
-    # a clean stop). This rank writes no files; its output is flushed first.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

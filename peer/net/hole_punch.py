@@ -52,7 +52,7 @@ from relay.wire import (
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_S = 10.0
-"""For the relay's answer: it waits up to 5 s for the other side (``relay_server.PUNCH_ANSWER_S``)."""
+"""For the relay's answer: it waits up to 5 s for the other side (``relay.server.PUNCH_ANSWER_S``)."""
 PUNCH_S = 6.0
 ATTEMPT_S = 2.5
 """One connect: long enough for the SYN's first retransmission (after 1 s), which crosses the

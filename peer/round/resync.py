@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,14 +70,15 @@ class Resync:
     """Finds the swarm's state for a peer (``catch_up``), rolls a state forward by the kept
     updates (``roll_forward``), and waits for a group's first members (``wait_for_group``).
     ``link``: the bytes a second its last state download carried (waits included), which the
-    peer states to its groups (``Gathered.link``); None until one is measured."""
+    peer states to its groups (``Gathered.link``); None until one is measured. ``codec``: the
+    peer's codec when asked (the trainer's, which a benchmark may swap)."""
 
     def __init__(
         self,
         spec: RunSpec,
         swarm: SwarmPort,
         me: PublicKey,
-        codec: Codec,
+        codec: Callable[[], Codec],
         stop: threading.Event,
         progress: ProgressSink,
     ) -> None:
@@ -215,7 +217,7 @@ class Resync:
                     done = "" if download_s is None else f"state downloaded in {download_s:.0f} s; "
                     self.progress.joining(f"{done}rolling forward by the rounds' updates")
                 try:
-                    roll_forward(state, update, outer_at(self.spec, update.round), self.codec)
+                    roll_forward(state, update, outer_at(self.spec, update.round), self.codec())
                 except MalformedTensorError as exc:
                     logger.warning("round %d's update from %s does not decode (%s)", update.round, update.server, exc)
                     return None

@@ -382,7 +382,7 @@ class Trainer:
         """The landing thread (overlap), made at the first landing."""
         self.phase = Phase.RESYNCING
         self.identity = options.identity or Identity.generate()
-        self.resync = Resync(spec, swarm, self.identity.public_key, self.codec, options.stop, self.progress)
+        self.resync = Resync(spec, swarm, self.identity.public_key, lambda: self.codec, options.stop, self.progress)
         """Finds the swarm's state (``peer.round.resync``); its ``link``, the bytes a second this
         peer's link carries (its last state download, waits included: a low estimate), is stated
         to its groups (``Gathered.link``), which stretch a round's deadlines to their slowest

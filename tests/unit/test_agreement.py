@@ -77,7 +77,7 @@ def test_every_caller_uses_this_rule_and_nobody_counts_votes_by_hand() -> None:
             for alias in node.names
         }
         assert name in imported, f"{path} does not use protocol.agreement.{name}"
-    for package in ("protocol", "engine", "peer", "coordinator"):
+    for package in ("protocol", "engine", "relay", "peer", "coordinator"):
         for path in (ROOT / package).rglob("*.py"):
             if path.name == "agreement.py" or path.name.endswith("_pb2.py"):
                 continue

@@ -27,7 +27,7 @@ PRODUCT_PACKAGES = ("protocol", "engine", "relay", "peer", "coordinator", "swarm
 
 NOT_HIVEMIND: dict[tuple[str, str], str] = {
     ("swarmtrain/lifetime.py", "os._exit"): "the standard library's documented exit without cleanup",
-    ("peer/cli.py", "os._exit"): "the standard library's documented exit without cleanup",
+    ("peer/boot/worker.py", "os._exit"): "the standard library's documented exit without cleanup",
 }
 """Private attribute accesses on things other than ``self`` that are not hivemind's, with why."""
 
