@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
-from swarmtrain.localswarm import LocalPeer, start_peers
-from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, status, wait_for
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers
+from swarmtrain.localswarm import wait_until as wait_for
+from tests.integration.coordinator_status import status
+from tests.integration.specs import COORDINATOR_SPEC as SPEC
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -38,7 +40,7 @@ def test_dashboard_renders_live_swarm(tmp_path: Path) -> None:
     spec = tmp_path / "spec.toml"
     text = SPEC.format(mode="open", allowlist="").replace("min_group_size = 3", "min_group_size = 2")
     spec.write_text(text.replace("inner_steps = 3", "inner_steps = 3\nmax_rounds = 500"))  # a run with an end: ETA
-    coordinator = CoordinatorProcess(spec, tmp_path / "state")
+    coordinator = LocalCoordinator(spec, tmp_path / "state")
     peers: list[LocalPeer] = []
     try:
         address = coordinator.address()

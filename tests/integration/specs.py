@@ -41,3 +41,7 @@ def tiny_spec(
         f"allreduce_timeout_s = {allreduce_timeout_s}",
     ]
     return "\n".join(lines) + "\n" + extra
+
+
+COORDINATOR_SPEC = tiny_spec("coord", min_group_size=3, extra='[admission]\nmode = "{mode}"\n{allowlist}\n')
+"""A coordinator's run: ``str.format`` it with ``mode`` (open, allowlist) and ``allowlist`` (a TOML line)."""

@@ -12,8 +12,10 @@ from pathlib import Path
 from coordinator.store import Store
 from engine.checkpoint import Checkpointer
 from protocol.spec import parse_spec
-from swarmtrain.localswarm import LocalPeer
-from tests.integration.test_coordinator_swarm import SPEC, CoordinatorProcess, status, wait_for
+from swarmtrain.localswarm import LocalCoordinator, LocalPeer
+from swarmtrain.localswarm import wait_until as wait_for
+from tests.integration.coordinator_status import status
+from tests.integration.specs import COORDINATOR_SPEC as SPEC
 from tests.ports import free_port
 
 
@@ -40,7 +42,7 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
     state = tmp_path / "state"
     port = free_port()
     address = f"127.0.0.1:{port}"
-    coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
+    coordinator = LocalCoordinator(spec, state, db_url=db_url, grpc_port=port)
     peers: list[LocalPeer] = []
     lives = [0, 0, 0]
 
@@ -105,7 +107,7 @@ def test_coordinator_crash_loop_loses_no_credit(tmp_path: Path, db_url: str) -> 
                 peers[2].kill()
                 loaded = Checkpointer(tmp_path / "ckpt2", spec_digest=spec_digest(spec)).latest()
                 assert loaded is not None, "a killed peer's checkpoints do not load"
-            coordinator = CoordinatorProcess(spec, state, db_url, grpc_port=port)
+            coordinator = LocalCoordinator(spec, state, db_url=db_url, grpc_port=port)
             coordinator.address()
             phase(f"kill {kill}: coordinator restarted")
             if kill in peer_kills_at:  # (a peer starting needs its coordinator)

@@ -25,30 +25,16 @@ from protocol.statesync import run_prefix
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_executable, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
 from tests.conftest import plain
-from tests.integration.specs import tiny_spec
+from tests.integration.coordinator_status import status
+from tests.integration.specs import COORDINATOR_SPEC
 
-SPEC = tiny_spec("coord", min_group_size=3, extra='[admission]\nmode = "{mode}"\n{allowlist}\n')
-
-
-def CoordinatorProcess(spec: Path, state_dir: Path, db_url: str | None = None, grpc_port: int = 0) -> LocalCoordinator:
-    return LocalCoordinator(spec, state_dir, db_url=db_url, grpc_port=grpc_port)
-
-
-def status(address: str) -> dict:
-    proc = subprocess.run(
-        [*swarmtrain_executable(), "status", "--coordinator", address, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+SPEC = COORDINATOR_SPEC
 
 
 def test_peers_join_train_and_earn_verified_credits(tmp_path: Path, server_db_url: str) -> None:
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="open", allowlist=""))
-    coordinator = CoordinatorProcess(spec, tmp_path / "state", server_db_url)
+    coordinator = LocalCoordinator(spec, tmp_path / "state", db_url=server_db_url)
     peers: list[LocalPeer] = []
     try:
         address = coordinator.address()
@@ -131,7 +117,7 @@ def test_allowlist_is_enforced_and_edited_live_and_bans_drop_a_running_peer(tmp_
     listed = Identity.generate()
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(mode="allowlist", allowlist=f'allowlist = ["{listed.public_key.id}"]'))
-    coordinator = CoordinatorProcess(spec, tmp_path / "state", server_db_url)
+    coordinator = LocalCoordinator(spec, tmp_path / "state", db_url=server_db_url)
     operator_key = tmp_path / "state" / "coordinator.key"
     stranger_key = tmp_path / "stranger.key"
     stranger = observer = None
