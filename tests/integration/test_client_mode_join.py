@@ -20,24 +20,13 @@ from engine.codecs import get_codec
 from peer.swarm.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec
+from tests.integration.specs import tiny_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 SPEC = parse_spec(
-    """
-[run]
-name = "client-first"
-[task.model]
-d_model = 16
-n_layers = 1
-n_heads = 2
-context = 16
-[averaging]
-compression = "none"
-overlap = false
-min_group_size = 3
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+    tiny_spec(
+        "client-first", d_model=16, context=16, batch_size=None, inner_steps=None, compression="none", min_group_size=3
+    )
 )
 DIGEST = "blake3:" + "cd" * 32
 NUMEL = 1000

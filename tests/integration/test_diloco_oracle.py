@@ -15,36 +15,20 @@ from peer.round.trainer import Trainer, TrainerOptions
 from peer.swarm.swarm import Swarm
 from peer.task import build_task
 from protocol.spec import parse_spec
+from tests.integration.specs import tiny_spec
 
-SPEC = """
-[run]
-name = "oracle"
-[task.model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-context = 16
-[inner]
-optimizer = "sgd"
-lr = 0.5
-weight_decay = 0.0
-batch_size = 4
-grad_clip = 0.0
-[rounds]
-inner_steps = 1
-[outer]
-lr = 1.0
-momentum = 0.0
-nesterov = false
-[averaging]
-compression = "none"
-error_feedback = false
-overlap = false
-robust = false
-min_group_size = 2
-matchmaking_timeout_s = 6.0
-allreduce_timeout_s = 20.0
-"""
+SPEC = tiny_spec(
+    "oracle",
+    context=16,
+    lr=0.5,
+    inner_steps=1,
+    compression="none",
+    sections={
+        "inner": {"optimizer": '"sgd"', "weight_decay": 0.0, "grad_clip": 0.0},
+        "outer": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        "averaging": {"error_feedback": False, "robust": False},
+    },
+)
 ROUNDS = 3
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 

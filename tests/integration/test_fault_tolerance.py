@@ -8,30 +8,23 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalPeer
 from swarmtrain.localswarm import wait_until as wait_for
+from tests.integration.specs import tiny_spec
 
 ROUNDS = 500  # survivors run until the test stops them (SIGTERM: graceful leave)
 LATE_ROUNDS = 3
 MATCHMAKING_S, ALLREDUCE_S = 6.0, 20.0
-SPEC = f"""
-[run]
-name = "faults"
-[task.model]
-d_model = 64
-n_layers = 2
-n_heads = 4
-context = 64
-[inner]
-lr = 3e-3
-batch_size = 8
-[rounds]
-inner_steps = 4
-[averaging]
-compression = "int8"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = {MATCHMAKING_S}
-allreduce_timeout_s = {ALLREDUCE_S}
-"""
+SPEC = tiny_spec(
+    "faults",
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    context=64,
+    lr=3e-3,
+    batch_size=8,
+    inner_steps=4,
+    matchmaking_timeout_s=MATCHMAKING_S,
+    allreduce_timeout_s=ALLREDUCE_S,
+)
 
 
 def rows(path: Path) -> list[dict]:

@@ -32,33 +32,26 @@ from peer.task import build_task
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_all, wait_until
 from tests.conftest import plain
+from tests.integration.specs import tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 6
 PEERS = 4
 ATTACKER = PEERS - 1
-SPEC = """
-[run]
-name = "hostile"
-[task.model]
-d_model = 128
-n_layers = 2
-n_heads = 4
-context = 32
-[inner]
-lr = 3e-3
-batch_size = 8
-[rounds]
-inner_steps = 6
-[averaging]
-compression = "sparse"
-overlap = false
-min_group_size = 4
-matchmaking_timeout_s = 8.0
-allreduce_timeout_s = 30.0
-[credits]
-max_samples_per_second = 100000.0
-"""
+SPEC = tiny_spec(
+    "hostile",
+    d_model=128,
+    n_layers=2,
+    n_heads=4,
+    lr=3e-3,
+    batch_size=8,
+    inner_steps=6,
+    compression="sparse",
+    min_group_size=4,
+    matchmaking_timeout_s=8.0,
+    allreduce_timeout_s=30.0,
+    sections={"credits": {"max_samples_per_second": 100000.0}},
+)
 
 
 def swarm_run(workdir: Path, attack: str | None, spec_text: str = SPEC) -> dict[str, Any]:

@@ -22,24 +22,19 @@ from engine.matchmaking import JOIN_GRACE_S
 from peer.swarm.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec
+from tests.integration.specs import tiny_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 SPEC = parse_spec(
-    """
-[run]
-name = "join-grace"
-[task.model]
-d_model = 16
-n_layers = 1
-n_heads = 2
-context = 16
-[averaging]
-compression = "none"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 10.0
-allreduce_timeout_s = 20.0
-"""
+    tiny_spec(
+        "join-grace",
+        d_model=16,
+        context=16,
+        batch_size=None,
+        inner_steps=None,
+        compression="none",
+        matchmaking_timeout_s=10.0,
+    )
 )
 MEMBERS_WINDOW_S = 6.0
 DIGEST = "blake3:" + "ab" * 32

@@ -23,33 +23,24 @@ import torch
 from engine.checkpoint import Checkpointer
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalPeer, wait_all, wait_until
+from tests.integration.specs import tiny_spec
 
 ROUNDS = 3
-SPEC = """
-[run]
-name = "local-ranks"
-[task]
-kind = "import"
-factory = "tests.integration.rank_tasks:bytegpt"
-[task.options]
-{options}
-[task.model]
-d_model = 64
-n_layers = 2
-n_heads = 4
-context = 64
-[inner]
-lr = 3e-3
-batch_size = 8
-[rounds]
-inner_steps = 5
-[averaging]
-compression = "none"
-overlap = false
-min_group_size = 2
-matchmaking_timeout_s = 15.0
-allreduce_timeout_s = 30.0
-"""
+SPEC = tiny_spec(
+    "local-ranks",
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    context=64,
+    lr=3e-3,
+    batch_size=8,
+    inner_steps=5,
+    compression="none",
+    matchmaking_timeout_s=15.0,
+    allreduce_timeout_s=30.0,
+    sections={"task": {"kind": '"import"', "factory": '"tests.integration.rank_tasks:bytegpt"'}},
+    extra="[task.options]\n{options}\n",
+)
 PARTNER_SEED, NODE_SEED = 5, 7
 
 

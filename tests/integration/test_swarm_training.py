@@ -11,28 +11,24 @@ import pytest
 
 from engine.fragments import fragment_bounds
 from swarmtrain.localswarm import start_peers, wait_all
+from tests.integration.specs import tiny_spec
 
 ROUNDS = 4
-SPEC = """
-[run]
-name = "swarm-{codec}"
-[task.model]
-d_model = {d_model}
-n_layers = 2
-n_heads = 4
-context = 64
-[inner]
-lr = 3e-3
-batch_size = 8
-[rounds]
-inner_steps = 6
-[averaging]
-compression = "{codec}"
-overlap = {overlap}
-min_group_size = 3
-matchmaking_timeout_s = 10.0
-allreduce_timeout_s = 60.0
-"""
+SPEC = tiny_spec(
+    "swarm-{codec}",
+    d_model="{d_model}",
+    n_layers=2,
+    n_heads=4,
+    context=64,
+    lr=3e-3,
+    batch_size=8,
+    inner_steps=6,
+    compression="{codec}",
+    overlap="{overlap}",
+    min_group_size=3,
+    matchmaking_timeout_s=10.0,
+    allreduce_timeout_s=60.0,
+)
 # The all-reduce deadline adapts down to a quarter of the spec's, and a member silent for
 # 2/3 of it is dropped as a reducer (its range stays unaveraged; it re-syncs). With 30 s, a
 # member stalled 5 s by a loaded CI machine was dropped and two of four rounds were not full.
