@@ -11,19 +11,19 @@ and average without it and re-send reports when it is back.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import json
 import logging
 import math
 import random
-import threading
 import time
 from collections.abc import Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from coordinator.access import Access
 from coordinator.admission import admit, parse_body
+from coordinator.credit_cache import CreditCache
 from coordinator.credits import OFFENCE
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.limits import (
@@ -35,14 +35,15 @@ from coordinator.limits import (
     check_text,
 )
 from coordinator.progress import run_progress
-from coordinator.round_view import RoundFigures, RoundWindow
+from coordinator.round_view import RoundWindow
 from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
-from coordinator.snapshot import DataProgress, SwarmSnapshot, rounds_per_hour
-from coordinator.store import PeerCredit, Store
+from coordinator.snapshot import DataProgress, SwarmSnapshot, data_progress, rounds_per_hour
+from coordinator.status_wire import status_response
+from coordinator.store import Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
-from protocol.errors import AdmissionError, MalformedMessageError
+from protocol.errors import AdmissionError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage, sign_message
 from protocol.modelsize import task_flops_per_sample
@@ -110,26 +111,14 @@ class Coordinator:
                     "%s is in the spec's allowlist but was removed live; `swarmtrain admin allow` puts it back", key
                 )
         self.operators = {identity.public_key.id, *operators}
-        self._accounts: dict[str, str] = {}
+        self.access = Access(spec, store)
+        """Who may take part (``coordinator.access``)."""
         self.data_slots = DataSlots(store, spec.data.slots, now=time.time()) if spec.data.source == "tokens" else None
         """Token runs: who trains which data stream (``coordinator.slots``)."""
         self.rounds = RoundBook(spec, store, flops_per_sample=self.flops_per_sample, data_slots=self.data_slots)
         """Every round report from its arrival to its decision (``coordinator.rounds``)."""
-        self._bans: dict[str, str] | None = None
-        """The store's bans, read once and again after every change (this process makes them
-        all): each heartbeat and report checks them."""
-        self._allowlist: set[str] | None = None
-        """The store's allowlist, read like ``_bans``."""
-        self._revoked: set[str] | None = None
-        """``revoked_peers``, until a ban or an allowlist change."""
-        self._credit_cache: dict[str, PeerCredit] = {}
-        """Each peer's credit as its heartbeat answers it: read from the store once, then moved
-        by every committed report and decision (``_credit_moved``)."""
-        self._credit_epoch = 0
-        """Counts credit changes: a heartbeat (which runs beside the other calls, see
-        ``heartbeat``) caches what it read only if nothing changed meanwhile."""
-        self._credit_lock = threading.Lock()
-        """Makes a heartbeat's "nothing changed, cache it" one step against ``_credit_moved``."""
+        self.credit = CreditCache()
+        """Each peer's credit as its heartbeat answers it (``coordinator.credit_cache``)."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
         self.rounds.reload(restarted=time.time(), owner_of=self._owner_of)
@@ -156,8 +145,8 @@ class Coordinator:
             now=now,
             run_digest=self.digest,
             mode=self.spec.admission.mode,
-            allowlist=self._allowed(),
-            banned=set(self._banned()),
+            allowlist=self.access.allowed(),
+            banned=set(self.access.banned()),
             source=source,
         )
         body = admitted.body
@@ -176,7 +165,7 @@ class Coordinator:
             reachable=body.reachable,
             now=now,
         )
-        self._accounts[key] = admitted.account.id
+        self.access.accounts[key] = admitted.account.id
         self.health.join(
             key,
             libp2p_peer_id=body.libp2p_peer_id,
@@ -232,7 +221,7 @@ class Coordinator:
         accounts: set[str] = set()
         listed: list[str] = []
         for peer, relay in offers:
-            host, account = relay.rsplit(":", 1)[0], self._account_of(peer)
+            host, account = relay.rsplit(":", 1)[0], self.access.account_of(peer)
             if host in hosts or account in accounts:
                 continue
             hosts.add(host)
@@ -281,13 +270,7 @@ class Coordinator:
             if held:
                 response.data_slot = held[0]
         try:
-            credit = self._credit_cache.get(peer.id)
-            if credit is None:
-                epoch = self._credit_epoch
-                credit = self.store.credit_of(peer.id)
-                with self._credit_lock:
-                    if epoch == self._credit_epoch:  # no claim changed while it was read: keep it
-                        self._credit_cache[peer.id] = credit
+            credit = self.credit.get(peer.id, self.store.credit_of)
         except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
             logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
             return response
@@ -309,7 +292,7 @@ class Coordinator:
             return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
         if not self.rounds.record(claim, body):
             return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
-        self._credit_moved(peer.id, pending=body.samples)
+        self.credit.moved(peer.id, pending=body.samples)
         self.health.record_report(
             peer.id, allreduce_s=body.allreduce_s, bytes_sent=body.bytes_sent, bytes_received=body.bytes_received
         )
@@ -345,38 +328,8 @@ class Coordinator:
         )
 
     def status(self, *, now: float) -> pb.StatusResponse:
-        """The swarm's status as the gRPC ``Status`` call answers it."""
-        snap = self.snapshot(now=now)
-        evaluated, data = snap.evaluated, snap.data
-        return pb.StatusResponse(
-            validation_loss=evaluated.validation_loss if evaluated else None,
-            validation_round=evaluated.round if evaluated else 0,
-            data=pb.DataProgress(**dataclasses.asdict(data)) if data is not None else None,
-            run_name=snap.run_name,
-            spec_digest=snap.spec_digest,
-            current_round=snap.current_round,
-            current_state_digest=snap.current_state_digest,
-            peers_online=snap.peers_online,
-            samples_per_second=snap.samples_per_second,
-            rounds_per_hour=snap.rounds_per_hour,
-            last_round_time=snap.latest.finalized_at if snap.latest else 0.0,
-            rounds=[_round_view(f) for f in snap.rounds],
-            peers=[
-                pb.PeerStatus(
-                    public_key=PublicKey.from_id(p.key).raw,
-                    libp2p_peer_id=p.libp2p_peer_id,
-                    state=p.state.value,
-                    samples_per_second=p.samples_per_second,
-                    reachable=p.reachable,
-                    software_version=p.software_version,
-                    last_seen=p.last_seen,
-                    local_ranks=p.local_ranks,
-                    network_path=p.network_path,
-                    punched_peers=p.punched_peers,
-                )
-                for p in snap.peers
-            ],
-        )
+        """The swarm's status as the gRPC ``Status`` call answers it (``coordinator.status_wire``)."""
+        return status_response(self.snapshot(now=now))
 
     # --- time -------------------------------------------------------------------------------
 
@@ -387,7 +340,7 @@ class Coordinator:
         self.health.tick(now)
         for decided in self.rounds.decide(now, self._member_of):  # committed: health and heartbeats follow
             self.health.record_claim(decided.key, offence=not decided.granted and OFFENCE in decided.reason)
-            self._credit_moved(
+            self.credit.moved(
                 decided.key, pending=-decided.claimed_samples, samples=decided.granted_samples, flops=decided.flops
             )
         summary = self.health.summary(now)
@@ -402,20 +355,12 @@ class Coordinator:
             self._pruned_at = now
 
     def data_progress(self, granted: int | None = None) -> DataProgress | None:
-        """Token runs: how far the run is through its data (tokens trained: the ``granted``
-        samples, by default the ledger's, x sequence length; the data order's position in
-        epochs, as reported); None otherwise."""
+        """Token runs: how far the run is through its data (``coordinator.snapshot.data_progress``;
+        ``granted``: the samples trained, by default the ledger's); None otherwise."""
         if self.data_slots is None:
             return None
-        seq_len = self.spec.sequence_length() or 0
-        if granted is None:
-            granted = self.store.granted_samples()
-        return DataProgress(
-            tokens_trained=granted * seq_len,
-            epoch=self.data_epoch,
-            slots=self.spec.data.slots,
-            slots_held=len(self.data_slots.holders()),
-        )
+        granted = self.store.granted_samples() if granted is None else granted
+        return data_progress(self.spec, granted, epoch=self.data_epoch, slots_held=len(self.data_slots.holders()))
 
     def out_of_sync(self, now: float) -> list[str]:
         """Keys of the online peers out of sync at ``now``: those whose latest heartbeat names
@@ -451,16 +396,9 @@ class Coordinator:
             self.verifier.record(message, now=now)
         return message.signer, body
 
-    def _account_of(self, key: str) -> str:
-        """The account ``key`` earns for (its join said), else its own key."""
-        if key in self._accounts:
-            return self._accounts[key]
-        row = self.store.peer(key)
-        return (row.account_key if row is not None else None) or key
-
     def _owner_of(self, key: str) -> tuple[str, float]:
         """The account ``key`` earns for and when that account was first seen."""
-        account = self._account_of(key)
+        account = self.access.account_of(key)
         return account, self._first_seen_of(account)
 
     def _member_of(self, key: str, round_: int) -> tuple[str, float] | None:
@@ -486,77 +424,24 @@ class Coordinator:
                 self._owner_since[owner] = cached
         return cached if cached is not None else math.inf
 
-    def _credit_moved(self, key: str, *, pending: int = 0, samples: int = 0, flops: float = 0.0) -> None:
-        """The core committed a change to ``key``'s credit: move its cached figures by as much
-        (a new record: a heartbeat reading the old one beside this sees a whole one)."""
-        with self._credit_lock:
-            self._credit_epoch += 1
-            cached = self._credit_cache.get(key)
-            if cached is not None:
-                self._credit_cache[key] = PeerCredit(
-                    samples=cached.samples + samples,
-                    flops=cached.flops + flops,
-                    pending_samples=cached.pending_samples + pending,
-                )
-
     def credits_changed(self, key: str | None = None) -> None:
         """Forget the cached credit of ``key`` (of everyone: None): whatever writes claims or
         credits behind the core's back must call it (the core itself moves the cached figures,
-        ``_credit_moved``)."""
-        with self._credit_lock:
-            self._credit_epoch += 1
-            if key is None:
-                self._credit_cache.clear()
-            else:
-                self._credit_cache.pop(key, None)
-
-    def _banned(self) -> dict[str, str]:
-        bans = self._bans
-        if bans is None:
-            bans = self._bans = self.store.banned()
-        return bans
+        ``CreditCache.moved``)."""
+        self.credit.forget(key)
 
     def _admitted(self, peer: PublicKey) -> bool:
-        banned = self._banned()
-        account = self._accounts.get(peer.id, peer.id)
-        if peer.id in banned or account in banned:
-            return False
-        if self.spec.admission.mode == "allowlist" and account not in self._allowed():
-            return False
-        return self.health.get(peer.id) is not None
-
-    def _allowed(self) -> set[str]:
-        allowed = self._allowlist
-        if allowed is None:
-            allowed = self._allowlist = self.store.allowlist()
-        return allowed
+        """Permitted by the access rules, and joined (the health tracker knows it)."""
+        return self.access.permits(peer) and self.health.get(peer.id) is not None
 
     def revoked_peers(self) -> set[str]:
-        """Keys of the peers whose tokens must stop counting in averaging: banned peers, peers
-        of banned accounts and, in allowlist mode, peers of accounts not on the list. Computed
-        again only after a ban or allowlist change (a join is admitted only if it would not be
-        in it; the ticker asks every second, and a scan of every peer ever seen took 7% of the
-        coordinator's time with 2,000 peers)."""
-        revoked = self._revoked
-        if revoked is None:
-            revoked = self._revoked = self._compute_revoked()
-        return set(revoked)
-
-    def _compute_revoked(self) -> set[str]:
-        banned = set(self.store.banned())
-        allowlist = self.store.allowlist() if self.spec.admission.mode == "allowlist" else None
-        accounts = {row.key: row.account_key or row.key for row in self.store.peers()}
-        accounts.update(self._accounts)
-        revoked = set(banned)
-        for peer, account in accounts.items():
-            if peer in banned or account in banned or (allowlist is not None and account not in allowlist):
-                revoked.add(peer)
-        return revoked
+        """Keys of the peers whose tokens must stop counting in averaging (``Access.revoked``)."""
+        return self.access.revoked()
 
     def ban(self, key: str, reason: str, *, now: float) -> None:
         """Ban a peer or an account at once: its heartbeats and reports are refused from now on."""
         self.store.ban(key, reason, now)
-        self._bans = self._revoked = None
+        self.access.changed()
         self._drop_peers_of(key)
 
     def admin(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.AdminResponse:
@@ -566,31 +451,7 @@ class Coordinator:
         )
         if signer.id not in self.operators:
             raise AdmissionError(f"{signer.id} is not an operator of this coordinator")
-        self._bans = self._allowlist = self._revoked = None  # whatever the action, read afresh afterwards
-        action = body.action
-        if action != pb.ADMIN_ACTION_LIST:
-            try:
-                PublicKey.from_id(body.key)
-            except Exception as exc:
-                raise MalformedMessageError(f"admin: {body.key!r} is not a public id ({exc})") from exc
-        if action == pb.ADMIN_ACTION_ALLOW:
-            self.store.allow(body.key)
-            message = f"allowed account {body.key}"
-        elif action == pb.ADMIN_ACTION_DISALLOW:
-            self.store.disallow(body.key)
-            dropped = self._drop_peers_of(body.key) if self.spec.admission.mode == "allowlist" else 0
-            message = f"removed account {body.key} from the allowlist; {dropped} peer(s) dropped"
-        elif action == pb.ADMIN_ACTION_BAN:
-            reason = body.reason.strip() or "banned by an operator"
-            self.store.ban(body.key, reason, now)
-            message = f"banned {body.key} ({reason}); {self._drop_peers_of(body.key)} peer(s) dropped"
-        elif action == pb.ADMIN_ACTION_UNBAN:
-            self.store.unban(body.key)
-            message = f"lifted the ban on {body.key}"
-        elif action == pb.ADMIN_ACTION_LIST:
-            message = ""
-        else:
-            raise MalformedMessageError(f"admin: unknown action {action}")
+        message = self.access.apply(body, now=now, drop=self._drop_peers_of)
         if message:
             logger.warning("operator %s: %s", signer.id, message)
         return pb.AdminResponse(
@@ -602,25 +463,12 @@ class Coordinator:
 
     def _drop_peers_of(self, key: str) -> int:
         """Forget the peers that are ``key`` or earn for account ``key``; they must join again."""
-        keys = {row.key for row in self.store.peers() if key in (row.key, row.account_key)}
-        keys |= {peer for peer, account in self._accounts.items() if key in (peer, account)}
         dropped = 0
-        for peer in keys:
+        for peer in self.access.peers_of(key):
             if self.health.get(peer) is not None:
                 dropped += 1
             self.health.remove(peer)
         return dropped
-
-
-def _round_view(figures: RoundFigures) -> pb.RoundView:
-    return pb.RoundView(
-        round=figures.round,
-        groups=figures.groups,
-        states=figures.states,
-        peers_averaged=figures.peers_averaged,
-        reports=figures.reports,
-        decided=figures.decided,
-    )
 
 
 def _hardware(hw: pb.Hardware) -> dict:

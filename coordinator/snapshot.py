@@ -9,6 +9,7 @@ from coordinator.health import PeerHealth
 from coordinator.progress import RunProgress
 from coordinator.round_view import RoundFigures
 from coordinator.store import RoundRow
+from protocol.spec import RunSpec
 
 __all__ = ["DataProgress", "SwarmSnapshot", "rounds_per_hour"]
 
@@ -76,3 +77,14 @@ def rounds_per_hour(rounds: list[RoundRow], now: float) -> float:
         return 0.0
     span = max(now - min(r.finalized_at for r in recent), MIN_PACE_SPAN_S)
     return 3600.0 * len({r.round for r in recent}) / span
+
+
+def data_progress(spec: RunSpec, granted: int, *, epoch: float, slots_held: int) -> DataProgress:
+    """A token run's way through its data: tokens trained (the ``granted`` samples x sequence
+    length), the data order's position in epochs (as reported), its streams and those held."""
+    return DataProgress(
+        tokens_trained=granted * (spec.sequence_length() or 0),
+        epoch=epoch,
+        slots=spec.data.slots,
+        slots_held=slots_held,
+    )

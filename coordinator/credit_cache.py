@@ -1,0 +1,54 @@
+"""Each peer's credit as its heartbeat answers it: read from the store once, then moved by every
+change the core commits (``moved``). Heartbeats run beside the core's other calls (outside its
+lock), so a figure read from the store is kept only if no change came in between (an epoch)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from coordinator.store import PeerCredit
+
+
+class CreditCache:
+    """Thread-safe: ``get`` from any thread, ``moved``/``forget`` from the core's."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, PeerCredit] = {}
+        self._epoch = 0
+        """Counts credit changes: a reader caches what it read only if nothing changed meanwhile."""
+        self._lock = threading.Lock()
+        """Makes a reader's "nothing changed, cache it" one step against ``moved``."""
+
+    def get(self, key: str, read: Callable[[str], PeerCredit]) -> PeerCredit:
+        """``key``'s credit: cached, else ``read`` from the store (and cached if nothing moved meanwhile)."""
+        credit = self._cache.get(key)
+        if credit is None:
+            epoch = self._epoch
+            credit = read(key)
+            with self._lock:
+                if epoch == self._epoch:  # no claim changed while it was read: keep it
+                    self._cache[key] = credit
+        return credit
+
+    def moved(self, key: str, *, pending: int = 0, samples: int = 0, flops: float = 0.0) -> None:
+        """The core committed a change to ``key``'s credit: move its cached figures by as much
+        (a new record: a heartbeat reading the old one beside this sees a whole one)."""
+        with self._lock:
+            self._epoch += 1
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache[key] = PeerCredit(
+                    samples=cached.samples + samples,
+                    flops=cached.flops + flops,
+                    pending_samples=cached.pending_samples + pending,
+                )
+
+    def forget(self, key: str | None = None) -> None:
+        """Forget the cached credit of ``key`` (of everyone: None)."""
+        with self._lock:
+            self._epoch += 1
+            if key is None:
+                self._cache.clear()
+            else:
+                self._cache.pop(key, None)
