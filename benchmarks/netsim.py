@@ -351,7 +351,12 @@ def _kill_netns_pids(ip: str, netns: str) -> None:
     proc = _run_cmd([ip, "netns", "pids", netns], check=False)
     for token in proc.stdout.split():
         if token.isdigit() and int(token) != os.getpid():
-            log.warning("killing leftover process %s in namespace %s", token, netns)
+            try:
+                with open(f"/proc/{token}/cmdline", "rb") as proc_cmdline:
+                    command = proc_cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                command = "?"
+            log.warning("killing leftover process %s in namespace %s: %s", token, netns, command.strip()[:200])
             try:
                 os.kill(int(token), signal.SIGKILL)
             except ProcessLookupError:
