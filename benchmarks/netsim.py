@@ -111,6 +111,7 @@ from typing import Any
 
 from benchmarks.delay_link import DelayLink, start_delay_link, validate_delay_ms
 from benchmarks.nat_router import HOST_INNER, ROUTER_INNER, ROUTER_NETNS_TAG, Nat, nft_ruleset
+from swarmtrain.lifetime import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -337,16 +338,6 @@ def _list_links(ip: str) -> dict[str, str]:
     return {e["ifname"]: e.get("ifalias", "") for e in entries if "ifname" in e}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_netns_pids(ip: str, netns: str) -> None:
     proc = _run_cmd([ip, "netns", "pids", netns], check=False)
     for token in proc.stdout.split():
@@ -378,7 +369,7 @@ def cleanup_stale(prefix: str, *, force: bool = False) -> list[str]:
     link_re = re.compile(rf"^{prefix}([0-9a-f]{{4}})(br|b\d+|h\d+)$")
 
     def stale(pid: int) -> bool:
-        return force or (pid != me and not _pid_alive(pid))
+        return force or (pid != me and not pid_alive(pid))
 
     removed: list[str] = []
     live_suffixes: set[str] = set()

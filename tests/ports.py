@@ -11,11 +11,14 @@ of the suite's concurrent sessions) never get the same one; a dead process's cla
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import socket
 import tempfile
 from pathlib import Path
+
+from swarmtrain.lifetime import pid_alive
 
 CLAIMS = Path(tempfile.gettempdir()) / f"swarmtrain-test-ports-{os.getuid()}"
 """One file per claimed port, holding the claiming process's pid (per user: the suite runs as one)."""
@@ -39,36 +42,22 @@ def _candidates() -> range:
     return below if len(below) >= len(above) else above
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _claim(port: int) -> bool:
-    """Claim ``port`` for this process; a claim whose process is gone is taken over."""
+    """Claim ``port`` for this process; a claim whose process is gone is taken over. Under one
+    lock on the claims directory: a claim file is read, judged and written as one step (a file
+    created and not yet written read as a dead owner's, and two processes took the same port)."""
     CLAIMS.mkdir(exist_ok=True)
     path = CLAIMS / str(port)
-    for _ in range(2):
+    with open(CLAIMS / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                owner = int(path.read_text() or "0")
-            except (OSError, ValueError):
-                return False
-            if owner == os.getpid() or (owner and _alive(owner)):
-                return False
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+            owner = int(path.read_text())
+        except (OSError, ValueError):
+            owner = 0
+        if owner == os.getpid() or (owner and pid_alive(owner)):
+            return False
+        path.write_text(str(os.getpid()))
         return True
-    return False
 
 
 def _bindable(port: int) -> bool:

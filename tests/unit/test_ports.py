@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
 from tests import ports
 
-CLAIM_50 = "from tests.ports import free_ports; print(*free_ports(50))"
+CLAIM_50 = "import random; random.seed(0); from tests.ports import free_ports; print(*free_ports(50))"
+"""Every claimer draws the same random sequence: without the claims they would get the same ports."""
 
 
 def test_ports_lie_outside_the_ephemeral_range_and_are_distinct() -> None:
@@ -26,6 +28,7 @@ def test_two_processes_never_get_the_same_port_while_both_live() -> None:
     ]
     try:
         got = [set(map(int, p.stdout.readline().split())) for p in procs if p.stdout]
+        random.seed(0)
         mine = set(ports.free_ports(50))  # while both still live (a dead process's claims lapse)
     finally:
         for p in procs:
