@@ -139,7 +139,7 @@ class PacedKeyManager(GroupKeyManager):
         stored in the background. hivemind withdraws as its search unwinds, under the lock that
         lets one search run at a time; a DHT store waits for its slowest replica (seconds on a
         home link, an RPC timeout when one is gone), so a search given up
-        (``peer.round.trainer.Trainer._abandon_if_landed``) held up the next round's search that long
+        (``peer.round.landing.Landing.abandon_if_landed``) held up the next round's search that long
         ("Another look_for_group is already in progress"), and its peer lost that round too. A
         withdrawal is only a hint (others ask a withdrawn peer and are turned away), and it
         cannot undo a newer declaration: the DHT keeps the later expiration."""

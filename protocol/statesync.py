@@ -77,7 +77,7 @@ class DigestRecord:
     """Published by a checkpoint archive (the coordinator), not by a training peer."""
     roster: int = 0
     """The roster size of the state, claimed by a signer in that roster (``protocol.roster``; 0:
-    unknown, or the signer only adopted the state: ``Trainer._claimed_roster``)."""
+    unknown, or the signer only adopted the state: ``DigestPublisher.claimed_roster``)."""
     leaving: bool = False
     """Its signer stopped cleanly holding this state: the next round's leader need not wait
     for it (``protocol.roster.leader_may_close``); it still counts as a holder."""

@@ -21,7 +21,7 @@ records) finishes it with that digest and
 sends it (``holds``): its group landed exactly that state with its contribution in it, and the
 report says no more than that. The unfinished report keeps the digest of the state the round
 started from (``pre``): a peer that comes to hold a later round first asks a member for that
-round's update, which names the state it made (``Trainer._finish_reports``), and finishes the
+round's update, which names the state it made (``Adoption._finish_reports``), and finishes the
 report with it (a server that lies about it costs only this report's credit: the coordinator
 grants a claim only with the digest its group's reports name). One that cannot goes, logged.
 

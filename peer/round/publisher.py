@@ -10,8 +10,13 @@ import time
 from peer.round.roster_book import RosterBook
 from peer.round.swarm_port import SwarmPort
 from protocol.identity import Identity
+from protocol.statesync import RECORD_TTL_S
 
 logger = logging.getLogger(__name__)
+
+REPUBLISH_S = RECORD_TTL_S / 4
+"""A peer re-signs its digest record this often while a round runs, so that rounds longer than
+the record's lifetime never leave newcomers without votes."""
 
 
 class DigestPublisher:
@@ -65,3 +70,8 @@ class DigestPublisher:
             self.identity, round_=round_, digest=digest, roster=self.claimed_roster(), landed=landed
         )
         self.published_at = time.monotonic()
+
+    def republish_if_due(self) -> None:
+        """Re-sign the record if ``REPUBLISH_S`` passed since it was last signed (between inner steps)."""
+        if time.monotonic() - self.published_at >= REPUBLISH_S:
+            self.republish()

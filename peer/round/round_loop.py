@@ -19,7 +19,7 @@ class Step(enum.Enum):
     """One inner step (the round in flight, if any, averages meanwhile)."""
     LAND = "land"
     """Land the round in flight: wait for it when nothing is left to train; with overlap, a
-    landing whose host half still runs lets the inner steps go on (``Trainer._finish``)."""
+    landing whose host half still runs lets the inner steps go on (``Trainer._land``)."""
     LAUNCH = "launch"
     """The inner phase is over: turn its work into the next round's pseudo-gradient and launch it."""
     DISCARD = "discard"

@@ -102,3 +102,14 @@ def matchmaking_window(timeout_s: float) -> float:
     if not timeout_s > 0:
         raise ValueError(f"matchmaking timeout must be positive, got {timeout_s!r}")
     return max(0.5 * timeout_s, timeout_s - max(1.0, 0.1 * timeout_s))
+
+
+def matchmaking_timeout(timeouts: AdaptiveTimeouts, *, overlap: bool, compute_s: float) -> float:
+    """How long a launched round may look for its group. With overlap, waiting costs nothing
+    until this peer's next inner phase ends (about ``compute_s``, the phase just finished), so it
+    waits at least that long: peers of unequal speed launch further and further apart (each
+    one's rounds start when its own inner phase ends), and a deadline shorter than that drift
+    failed whole rounds for every member at once."""
+    if overlap:
+        return max(timeouts.matchmaking_s, compute_s)
+    return timeouts.matchmaking_s

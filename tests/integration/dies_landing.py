@@ -15,18 +15,18 @@ from typing import Any
 
 
 def install(round_: int) -> None:
-    """Patch this process's ``Trainer._apply`` to kill the process group as it begins to land
+    """Patch this process's ``Landing.apply`` to kill the process group as it begins to land
     the round that becomes ``round_``."""
-    from peer.round.trainer import Trainer
+    from peer.round.landing import Landing
 
-    original = Trainer._apply
+    original = Landing.apply
 
-    def _apply(self: Trainer, flight: Any, result: Any) -> Any:
-        if result is not None and self.state.round + 1 == round_:
+    def apply(self: Landing, flight: Any, result: Any) -> Any:
+        if result is not None and self.local.state.round + 1 == round_:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         return original(self, flight, result)
 
-    Trainer._apply = _apply  # type: ignore[method-assign]
+    Landing.apply = apply  # type: ignore[method-assign]
 
 
 def main() -> int:

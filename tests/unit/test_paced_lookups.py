@@ -146,7 +146,7 @@ class _SlowStoreDHT:
 
 def test_a_search_that_ends_withdraws_its_declaration_without_waiting_for_the_store() -> None:
     """hivemind withdraws a declaration under its one-search lock: a store that waits for a slow
-    replica held up the next round's search (a search given up, ``Trainer._abandon_if_landed``,
+    replica held up the next round's search (a search given up, ``Landing.abandon_if_landed``,
     lost its peer the next round too). The withdrawal is stored in the background; a
     declaration is still awaited."""
     keys = object.__new__(PacedKeyManager)

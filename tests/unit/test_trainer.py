@@ -14,13 +14,18 @@ from typing import Any
 import pytest
 import torch
 
-import peer.round.trainer
+import peer.round.joining
+import peer.round.landing
+import peer.round.publisher
 from engine.checkpoint import Checkpointer
+from peer.round.inner import InnerPhase
+from peer.round.joining import FOLLOW_MARGIN_S
 from peer.round.round_metrics import RoundMetrics
+from peer.round.saving import restore
 from peer.round.state import GlobalState, flatten, outer_step
 from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, RoundResult
 from peer.round.timeouts import AdaptiveTimeouts, matchmaking_window, search_for_window
-from peer.round.trainer import FOLLOW_MARGIN_S, Trainer, TrainerOptions, _InnerPhase
+from peer.round.trainer import Trainer, TrainerOptions
 from peer.task import build_task
 from protocol.agreement import Agreement
 from protocol.gathered import Gathered
@@ -166,13 +171,13 @@ def test_a_model_gone_non_finite_drops_its_work_reloads_theta_g_and_claims_nothi
     trainer.optimizer.state[next(trainer.model.parameters())]["exp_avg"] = torch.tensor(float("nan"))
     with torch.no_grad():
         next(trainer.model.parameters()).view(-1)[0] = float("nan")
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+    flight = trainer.launcher.launch(InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     vector, weight = swarm.launched[0]
     assert weight == NEGLIGIBLE_WEIGHT and bool((vector == 0).all())
     assert flight.samples == 0
     assert torch.equal(flatten(trainer.model), trainer.state.params)  # θ_g reloaded
     assert not trainer.optimizer.state  # the inner optimizer starts afresh
-    trainer._finish(flight, wait=True)  # the round fails: nothing changes
+    trainer._land(flight, wait=True)  # the round fails: nothing changes
     assert trainer.state.digest() == before.digest()
     assert trainer.history[-1].samples == 0
 
@@ -184,12 +189,12 @@ def test_with_overlap_a_round_looks_for_its_group_as_long_as_the_next_inner_phas
     trainer, swarm = make_trainer(overlap=overlap)
     base = trainer.timeouts.matchmaking_s
     compute_s = 10 * base
-    flight = trainer._launch(
-        _InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0)
+    flight = trainer.launcher.launch(
+        InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0)
     )
     assert (flight.writing is not None) == overlap  # with overlap Δ is written on the landing thread
     if flight.writing is not None:
-        trainer._start_round(flight)
+        trainer.launcher.start_round(flight)
     (timeout,) = swarm.matchmaking_timeouts
     expected = compute_s if overlap else base
     assert timeout == pytest.approx(expected, rel=0.01)
@@ -205,9 +210,9 @@ def test_a_joining_round_declares_its_window_for_its_whole_search(newcomer: bool
     trainer, swarm = make_trainer(overlap=False)
     swarm.newcomer = newcomer
     base = trainer.timeouts.matchmaking_s
-    flight = trainer._launch(_InnerPhase(time.monotonic(), time.monotonic(), 0, 0, 0))
+    flight = trainer.launcher.launch(InnerPhase(time.monotonic(), time.monotonic(), 0, 0, 0))
     if flight.writing is not None:
-        trainer._start_round(flight)
+        trainer.launcher.start_round(flight)
     (timeout,), (window,) = swarm.matchmaking_timeouts, swarm.windows
     others = matchmaking_window(base)
     assert timeout == pytest.approx(2 * base if newcomer else search_for_window(others + FOLLOW_MARGIN_S))
@@ -220,11 +225,11 @@ def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     trainer, swarm = make_trainer(overlap=True)
     averaged = torch.full_like(trainer.state.params, 1e-3)
     swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+    flight = trainer.launcher.launch(InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
-    trainer._finish(flight, wait=True)
-    trainer._record_landed(wait=True)  # once its digest is known (hashed in the background)
+    trainer._land(flight, wait=True)
+    trainer.landing.record_landed(wait=True)  # once its digest is known (hashed in the background)
     assert trainer.history[-1].averaged and trainer.state.round == 1
     assert torch.equal(flatten(trainer.model), trainer.state.params)
 
@@ -249,12 +254,12 @@ def test_a_failed_rounds_samples_are_weighed_and_claimed_with_the_round_that_ave
     trainer, swarm = make_trainer(overlap=overlap)
 
     def round_(samples: int, compute_s: float) -> RoundMetrics:
-        phase = _InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=samples, loss_sum=2.0)
-        flight = trainer._launch(phase)
+        phase = InnerPhase(time.monotonic() - compute_s, math.inf, 2, 0, 0, done=2, samples=samples, loss_sum=2.0)
+        flight = trainer.launcher.launch(phase)
         if flight.writing is not None:
-            trainer._start_round(flight)
-        trainer._finish(flight, wait=True)
-        trainer._record_landed(wait=True)
+            trainer.launcher.start_round(flight)
+        trainer._land(flight, wait=True)
+        trainer.landing.record_landed(wait=True)
         return trainer.history[-1]
 
     failed = round_(4, 1.0)
@@ -324,9 +329,7 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     steps took longer than a 3 s phase left the landing, which then waited for steps in vain."""
     import threading
 
-    import peer.round.trainer as trainer_module
-
-    real, busy, stepped = trainer_module.land_global, threading.Event(), threading.Event()
+    real, busy, stepped = peer.round.landing.land_global, threading.Event(), threading.Event()
     saw_steps: list[bool] = []
     landed: list[bool] = []
 
@@ -337,7 +340,7 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
         landed.append(True)
         busy.clear()
 
-    monkeypatch.setattr(trainer_module, "land_global", land_global_waiting_for_steps)
+    monkeypatch.setattr(peer.round.landing, "land_global", land_global_waiting_for_steps)
     spec = parse_spec(
         SPEC.replace("inner_steps = 2", "inner_steps = 100000").replace("[rounds]", "[rounds]\ntime_budget_s = 120.0")
     )
@@ -351,9 +354,9 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     during: list[int] = []
     step = trainer._train_step
 
-    phases: list[tuple[_InnerPhase, int]] = []  # each phase (held: an id is reused) and the landings before it
+    phases: list[tuple[InnerPhase, int]] = []  # each phase (held: an id is reused) and the landings before it
 
-    def counted_step(inner: _InnerPhase) -> None:
+    def counted_step(inner: InnerPhase) -> None:
         if not phases or phases[-1][0] is not inner:
             phases.append((inner, len(landed)))
         began = phases[-1][1]
@@ -388,23 +391,25 @@ def test_with_overlap_the_pseudo_gradient_is_written_off_the_training_thread_wit
                 p.add_(torch.full_like(p, 0.01))
         expected = torch.sub(trainer.state.params, flatten(trainer.model))
         gate = threading.Event()
-        write = trainer._write_delta
+        write = trainer.launcher.write_delta
 
         def held_write(*args: Any, write: Any = write, gate: threading.Event = gate) -> bool:
             assert gate.wait(10)
             return write(*args)
 
-        trainer._write_delta = held_write  # type: ignore[method-assign]
+        trainer.launcher.write_delta = held_write  # type: ignore[method-assign]
         if overlap:
-            flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+            flight = trainer.launcher.launch(
+                InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0)
+            )
             assert not swarm.launched and flight.writing is not None  # not started while Δ is written
             with torch.no_grad():  # the next inner steps move the model meanwhile
                 for p in trainer.model.parameters():
                     p.add_(torch.full_like(p, 1.0))
             gate.set()
-            trainer._start_round(flight)
+            trainer.launcher.start_round(flight)
         else:
-            trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+            trainer.launcher.launch(InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
         ((vector, weight),) = swarm.launched
         assert weight == 4.0
         sent[overlap] = vector
@@ -736,10 +741,10 @@ def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_
     # carried again it would be weighed and claimed twice. Onto another state it is carried.
     [(vector, _)] = swarm.launched
     if holders == 2:
-        assert torch.equal(flatten(trainer.model), theirs.params) and trainer._unlanded == (0, 0.0)
+        assert torch.equal(flatten(trainer.model), theirs.params) and trainer.local.unlanded == (0, 0.0)
     else:
         assert torch.equal(flatten(trainer.model), torch.add(theirs.params, -vector))
-        assert trainer._unlanded[0] > 0
+        assert trainer.local.unlanded[0] > 0
 
 
 def test_work_more_than_two_rounds_stale_is_dropped() -> None:
@@ -761,10 +766,8 @@ def test_non_finite_local_work_is_never_carried() -> None:
 def test_the_digest_record_is_re_signed_while_a_long_round_runs(monkeypatch: Any) -> None:
     """Records expire after RECORD_TTL_S: a round longer than that must not leave newcomers
     without this peer's vote."""
-    import peer.round.trainer
-
     trainer, swarm = make_trainer()
-    monkeypatch.setattr(peer.round.trainer, "REPUBLISH_S", 0.0)
+    monkeypatch.setattr(peer.round.publisher, "REPUBLISH_S", 0.0)
     digest = trainer.state.digest()
     trainer.run()  # 2 inner steps: re-signed at each, without computing a new digest
     steps = [p for p in swarm.published if p == {"round_": 0, "digest": digest, "roster": 0, "landed": None}]
@@ -773,21 +776,22 @@ def test_the_digest_record_is_re_signed_while_a_long_round_runs(monkeypatch: Any
 
 def test_a_failed_round_trains_again_on_new_pages_and_the_cursor_is_checkpointed(tmp_path: Path) -> None:
     trainer, _swarm = make_trainer(overlap=True)
-    first = trainer._start_inner(ahead=False)
-    ahead = trainer._start_inner(ahead=True)  # round 0 averages while round 1's steps run
+    first = trainer.inner.open(ahead=False)
+    ahead = trainer.inner.open(ahead=True)  # round 0 averages while round 1's steps run
     assert (first.round, first.data_round, ahead.round, ahead.data_round) == (0, 0, 1, 1)
     # round 0 failed (the state stays at round 0): it is relaunched while the next steps run;
     # they train for round 1 again (its learning rate) but read data round 2, never 1 again
-    again = trainer._start_inner(ahead=True)
+    again = trainer.inner.open(ahead=True)
     assert (again.round, again.data_round) == (1, 2)
     trainer.state.round = 7  # a re-sync jumped ahead: the data follows the swarm
-    assert trainer._start_inner(ahead=False).data_round == 7
+    assert trainer.inner.open(ahead=False).data_round == 7
     trainer.checkpointer = Checkpointer(tmp_path, spec_digest=trainer.spec.digest())
     trainer.save_checkpoint()
     restarted, _ = make_trainer(overlap=True)
     restarted.checkpointer = Checkpointer(tmp_path, spec_digest=trainer.spec.digest())
-    restarted._restore()
-    assert restarted._start_inner(ahead=False).data_round == 8
+    assert restarted.checkpointer is not None
+    restore(restarted.checkpointer, restarted.local, feedback=restarted.feedback, sharded=False, journal=None)
+    assert restarted.inner.open(ahead=False).data_round == 8
 
 
 def test_a_peer_told_to_leave_while_out_of_sync_launches_no_round_from_its_stale_state() -> None:
@@ -834,7 +838,7 @@ def test_a_landed_round_still_hashing_counts_once_toward_the_runs_last_round() -
     spec = parse_spec(SPEC.replace("inner_steps = 2", "inner_steps = 2\nmax_rounds = 2"))
     trainer = Trainer(spec, build_task(spec, shard_seed=1), RecordingSwarm(), TrainerOptions())  # type: ignore[arg-type]
     trainer.state.round = 1
-    trainer._landed = object()  # type: ignore[assignment]  # round 0 landed, its digest not yet recorded
+    trainer.landing.unrecorded = object()  # type: ignore[assignment]  # round 0 landed, its digest not yet recorded
     assert not trainer._finished(None)
     trainer.state.round = 2
     assert trainer._finished(None)
@@ -887,24 +891,24 @@ def _two_mirrored_rounds(
         with torch.no_grad():  # an inner phase's progress
             for i, p in enumerate(trainer.model.parameters()):
                 p.add_(torch.full_like(p, 0.01 * (i + 1 + round_)))
-        flight = trainer._launch(
-            _InnerPhase(time.monotonic(), math.inf, 2, round_, round_, done=2, samples=4, loss_sum=2.0)
+        flight = trainer.launcher.launch(
+            InnerPhase(time.monotonic(), math.inf, 2, round_, round_, done=2, samples=4, loss_sum=2.0)
         )
         with torch.no_grad():  # the next inner steps move the model meanwhile
             for p in trainer.model.parameters():
                 p.mul_(1.001)
-        trainer._start_round(flight)
+        trainer.launcher.start_round(flight)
         averaged = torch.full_like(trainer.state.params, 1e-3 * (round_ + 1))
         flight.pending = _Pending(RoundResult(averaged, 2, [], 10, 10, 0.0))
-        assert trainer._finish(flight, wait=True)
-        if trainer._mirror is not None:
-            assert trainer._mirror.holds_theta(trainer.state.params, trainer.state.round)
+        assert trainer._land(flight, wait=True)
+        if trainer.local.mirror is not None:
+            assert trainer.local.mirror.holds_theta(trainer.state.params, trainer.state.round)
         before = flatten(trainer.model)
-        trainer._record_landed(wait=True)
+        trainer.landing.record_landed(wait=True)
         assert torch.equal(flatten(trainer.model), before)  # the validation swapped θ_g in and back
     assert trainer.state.round == 2 and all(v is not None for v in val_losses)
     sent = [v for v, _ in swarm.launched]
-    return sent, trainer.state.digest(), flatten(trainer.model), val_losses, trainer._mirror is not None
+    return sent, trainer.state.digest(), flatten(trainer.model), val_losses, trainer.local.mirror is not None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -934,7 +938,7 @@ def test_a_mirror_is_made_only_where_a_cuda_device_has_room() -> None:
 
     assert not room_for(torch.device("cpu"), 1, 10)  # a host "mirror" would be one more host copy
     trainer, _ = make_trainer(overlap=True)
-    assert trainer._mirrored() is None and trainer._mirror_decided  # auto on a CPU model: none
+    assert trainer.launcher.mirrored() is None and trainer.local.mirror_decided  # auto on a CPU model: none
 
 
 @dataclass
@@ -969,9 +973,8 @@ def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
     after the window (two phases) at a key nobody comes to: it fails here like any failed
     round (the work stays in the model, the peer re-syncs). A round not landed yet is left
     alone, and the records are read at most every ``LANDED_CHECK_S``."""
-    import peer.round.trainer as trainer_module
 
-    monkeypatch.setattr(trainer_module, "LANDED_CHECK_S", 0.05)
+    monkeypatch.setattr(peer.round.landing, "LANDED_CHECK_S", 0.05)
     trainer, swarm = make_trainer(overlap=False)
     reads: list[float] = []
     holders = Agreement(trainer.state.round + (1 if landed else 0), "blake3:theirs", 3, 3)
@@ -987,10 +990,10 @@ def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
     resyncs: list[int] = []
     trainer.catch_up = lambda: bool(resyncs.append(trainer.state.round))  # type: ignore[method-assign]
     searching = _Searching(meets=trainer.state.round)
-    flight = trainer._launch(_InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
+    flight = trainer.launcher.launch(InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     flight.pending = searching
     before = flatten(trainer.model)
-    trainer._finish(flight, wait=True)
+    trainer._land(flight, wait=True)
     assert searching.abandoned
     assert (len(reads) == 1) == landed  # landed: given up at the first read
     assert all(b - a >= 0.05 - 1e-3 for a, b in zip(reads, reads[1:]))
@@ -1096,10 +1099,10 @@ def _joining_trainer(*, landed_ago: float, known: bool, lookup_s: float = 0.2) -
 
     trainer = Trainer(spec, build_task(spec, shard_seed=1), Swarm(), TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
     theirs = GlobalState(trainer.state.params + 0.25, trainer.state.momentum, 4)
-    trainer._adopt(theirs, accepted={theirs.digest()})
+    trainer.adoption.adopt(theirs, accepted={theirs.digest()})
     trainer.roster.known = known
     skipped: list[int] = []
-    trainer._join_the_next_round = lambda: skipped.append(trainer.state.round)  # type: ignore[method-assign]
+    trainer.joining.next_round = lambda: skipped.append(trainer.state.round)  # type: ignore[method-assign]
     stamp["landed"] = time.monotonic() - landed_ago
     return trainer, skipped, stamp["landed"]
 
@@ -1109,16 +1112,16 @@ def test_a_peer_that_adopted_a_state_trains_until_its_members_launch_and_joins_w
     newcomer's first phase ends ``JOIN_LEAD_S`` and two of its DHT lookups before that (its
     declaration must be seen when they launch), so its first round counts samples."""
     trainer, skipped, landed = _joining_trainer(landed_ago=0.0, known=False)
-    inner = trainer._start_inner(ahead=False)
+    inner = trainer.inner.open(ahead=False)
     assert inner.joining and inner.steps > 0 and not skipped
-    assert inner.deadline == pytest.approx(landed + 2.0 - peer.round.trainer.JOIN_LEAD_S - 2 * 0.2)  # 1.1 s ahead
+    assert inner.deadline == pytest.approx(landed + 2.0 - peer.round.joining.JOIN_LEAD_S - 2 * 0.2)  # 1.1 s ahead
 
 
 def test_a_newcomer_too_late_for_the_round_of_its_state_joins_the_next_one() -> None:
     """Its members launched that round already: a search now would come after their group
     formed (and be given up), so it waits for them to land it and joins the next."""
     trainer, skipped, _ = _joining_trainer(landed_ago=2.5, known=False)
-    inner = trainer._start_inner(ahead=False)
+    inner = trainer.inner.open(ahead=False)
     assert skipped == [4] and inner.steps == 0
 
 
@@ -1126,7 +1129,7 @@ def test_a_member_back_in_its_roster_joins_the_round_at_once_however_late() -> N
     """Its group made the state without it: that round's leader waits for it by name, so it
     searches at once (waiting for the next round cost the swarm the leader's whole window)."""
     trainer, skipped, _ = _joining_trainer(landed_ago=2.5, known=True)
-    inner = trainer._start_inner(ahead=False)
+    inner = trainer.inner.open(ahead=False)
     assert not skipped and inner.steps == 0 and not inner.joining
 
 
@@ -1155,14 +1158,14 @@ def test_a_peer_too_late_for_its_round_takes_that_rounds_update_as_soon_as_a_mem
             reads.append(time.monotonic())
             return self.agreed
 
-    monkeypatch.setattr(peer.round.trainer, "LANDED_CHECK_S", 600.0)  # the records' own look, for runs keeping none
+    monkeypatch.setattr(peer.round.joining, "LANDED_CHECK_S", 600.0)  # the records' own look, for runs keeping none
     swarm = Swarm()
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
     theirs = GlobalState(trainer.state.params + 0.25, trainer.state.momentum, 4)
-    trainer._adopt(theirs, accepted={theirs.digest()})
+    trainer.adoption.adopt(theirs, accepted={theirs.digest()})
     swarm.update, after = _kept_update(trainer, theirs, 7)
     swarm.agreed = Agreement(5, after.digest(), 3, 3)
-    trainer._join_the_next_round()
+    trainer.joining.next_round()
     assert trainer.state.round == 5 and trainer.state.digest() == after.digest()
     assert len(asks) >= 3
     assert len(reads) == 1  # once the update arrived: the records agree on what it makes
@@ -1171,7 +1174,7 @@ def test_a_peer_too_late_for_its_round_takes_that_rounds_update_as_soon_as_a_mem
     swarm.update, forged = _kept_update(trainer, after, 8)
     swarm.agreed = Agreement(6, "blake3:" + "1" * 64, 3, 3)
     asks.clear()
-    trainer._join_the_next_round()
+    trainer.joining.next_round()
     assert trainer.state.round == 5 and trainer.state.digest() == after.digest()
 
 
@@ -1180,7 +1183,7 @@ def test_a_peer_that_adopted_a_state_late_in_the_members_phase_still_brings_one_
     joins with it, so the round it joins counts its work."""
     # the members launch in 1.25 s; its lead is 2.5 s (slow lookups)
     trainer, skipped, _ = _joining_trainer(landed_ago=0.75, known=False, lookup_s=1.0)
-    inner = trainer._start_inner(ahead=False)
+    inner = trainer.inner.open(ahead=False)
     assert inner.joining and not skipped
     assert not inner.over(trainer.options.stop)  # its deadline passed, its one step not taken
     trainer._train_step(inner)
@@ -1196,16 +1199,16 @@ def test_a_joining_round_declares_to_close_after_the_members_it_joins(deadline_s
     matchmaking deadline, and follows their leader (which waits for it as a declared peer)."""
     trainer, _, landed = _joining_trainer(landed_ago=0.5, known=False)
     trainer.timeouts = AdaptiveTimeouts(deadline_s, trainer.timeouts.allreduce_s)
-    inner = trainer._start_inner(ahead=False)
+    inner = trainer.inner.open(ahead=False)
     assert inner.joining
-    flight = trainer._launch(inner)
+    flight = trainer.launcher.launch(inner)
     if flight.writing is not None:
-        trainer._start_round(flight)
+        trainer.launcher.start_round(flight)
     (window,) = trainer.swarm.windows  # type: ignore[attr-defined]
     assert trainer.swarm.joinings == [True]  # type: ignore[attr-defined]
     declared_at = time.monotonic()
     launch = landed + trainer.spec.rounds.time_budget_s  # when the members launch, and declare
-    members = matchmaking_window(trainer.matchmaking_timeout(trainer._phase_s or 0.0))
+    members = matchmaking_window(trainer.matchmaking_timeout(trainer.local.phase_s or 0.0))
     assert declared_at + window >= launch + members + FOLLOW_MARGIN_S - 0.05
 
 
@@ -1225,12 +1228,12 @@ def test_an_averaged_rows_in_sync_says_whether_its_round_counted_not_what_the_pe
     peer is still in sync."""
     from concurrent.futures import Future
 
-    from peer.round.trainer import _InFlight
+    from peer.round.launch import InFlight
 
     trainer, _swarm = make_trainer(overlap=True)
     done: Future[Any] = Future()
     done.set_result(None)
-    flight = _InFlight(
+    flight = InFlight(
         pending=done,  # type: ignore[arg-type]
         compensated=True,
         samples=8,
@@ -1242,8 +1245,8 @@ def test_an_averaged_rows_in_sync_says_whether_its_round_counted_not_what_the_pe
     )
     trainer.in_sync = True  # it re-synced after the landing, before the row was written
     flight.counted = False
-    assert not trainer._round_metrics(flight, 3).in_sync
+    assert not trainer.landing.round_metrics(flight, 3).in_sync
     flight.counted = True
-    assert trainer._round_metrics(flight, 3).in_sync
+    assert trainer.landing.round_metrics(flight, 3).in_sync
     failed = replace(flight, result=None, counted=False)
-    assert trainer._round_metrics(failed, 3).in_sync  # no result: the peer's own standing
+    assert trainer.landing.round_metrics(failed, 3).in_sync  # no result: the peer's own standing
