@@ -26,6 +26,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.mpfuture import MPFuture
 
+from engine import pooled
 from engine.allreduce import (
     PART_SIZE_BYTES,
     CodecCompression,
@@ -46,7 +47,7 @@ from engine.matchmaking import KeptRosters, equal_shares, gathered_metadata, rou
 from engine.outcome import AllReduceStats, GroupOutcome
 from engine.process_signals import OwnSignals
 from engine.receipts import ReceiptSigner
-from engine.robust import Alignment, RobustRule, direction_offence
+from engine.robust import RobustRule
 from engine.state_transfer import StateProvider, StateTransferMixin
 from engine.update_store import UpdateStore
 from engine.update_transfer import UpdateTransferMixin
@@ -196,7 +197,7 @@ class ExactAverager(
         outcomes = await asyncio.gather(
             *(self._run_fragment(runner, group_info) for runner in runners), return_exceptions=True
         )
-        offences = self._offences(runners)
+        offences = pooled.offences(runners, self.robust)
         for peer, reason in sorted(offences.items()):
             logger.warning("round's contribution from %s bounded by this reducer: %s", peer, reason)
         errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
@@ -210,7 +211,7 @@ class ExactAverager(
             for lo, hi in runner.missing_ranges()
         ]
         left_out = sum(hi - lo for lo, hi in missing)
-        failed = self._failed_reducers(runners)
+        failed = pooled.failed_reducers(runners)
         if left_out >= self.numel:
             if room is not None:
                 await self._tell_no_verdict(group_id, room)
@@ -225,7 +226,7 @@ class ExactAverager(
                 100.0 * left_out / max(1, self.numel),
             )
         # kept with the ranges it left out, which the host states when the round lands
-        self._spool_update(round_, self._averaged_parts(runners))
+        self._spool_update(round_, pooled.averaged_parts(runners, self.fragments))
         audit = AuditOutcome()
         if room is not None and runners[0].modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
             try:
@@ -246,7 +247,7 @@ class ExactAverager(
             left_out=sorted(audit.left_out),
             audit_s=audit.seconds,
             audit_bytes=audit.bytes_received,
-            receipts=self._receipts(runners),
+            receipts=pooled.receipts(runners),
         )
 
     def _receipt_signer(self, group_info: GroupInfo, round_: int) -> ReceiptSigner | None:
@@ -262,48 +263,6 @@ class ExactAverager(
             if data is not None and data.id:
                 ids[str(peer)] = data.id
         return ReceiptSigner(self._receipt_identity, run=self.prefix, round_=round_ + 1, ids=ids)
-
-    @staticmethod
-    def _receipts(runners: Sequence[ExactAllReduceRunner]) -> dict[str, bytes]:
-        """Each reducer's receipt for this peer's parts (libp2p id → bytes), the first fragment's
-        that came: one vouches for the sender's weight as well as any."""
-        receipts: dict[str, bytes] = {}
-        for runner in runners:
-            for peer, receipt in runner.receipts.items():
-                receipts.setdefault(str(peer), receipt)
-        return receipts
-
-    def _averaged_parts(self, runners: Sequence[ExactAllReduceRunner]) -> list[tuple[int, Any]]:
-        """Every averaged part this round's runners took, with its start in the whole vector."""
-        return [
-            (start + offset, part)
-            for runner, (start, _end) in zip(runners, self.fragments)
-            for offset, part in (runner.averaged or [])
-        ]
-
-    @staticmethod
-    def _failed_reducers(runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
-        failed: dict[str, str] = {}
-        for runner in runners:
-            for peer, reason in runner.failed_reducers.items():
-                failed.setdefault(str(peer), reason)
-        return failed
-
-    def _offences(self, runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:
-        """Members this peer's reducers named this round (peer id: why): for a weight or norm
-        or a refused part by any fragment's reducer, for their direction pooled over all."""
-        offences: dict[str, str] = {}
-        pooled: dict[str, Alignment] = {}
-        for runner in runners:
-            for peer, reason in runner.offences.items():
-                offences.setdefault(str(peer), reason)
-            for peer, seen in runner.alignment.items():
-                pooled.setdefault(str(peer), Alignment()).add(seen)
-        for peer, seen in pooled.items():
-            reason = direction_offence(seen, self.robust)
-            if reason:
-                offences[peer] = f"{offences[peer]}; {reason}" if peer in offences else reason
-        return offences
 
     def _fragment_runner(
         self,

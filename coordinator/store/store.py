@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from coordinator.store.engine import open_engine
 from coordinator.store.rows import (
     BanRow,
     ClaimRow,
@@ -24,7 +20,6 @@ from coordinator.store.rows import (
     RoundRow,
     RoundTiming,
     RunRow,
-    SwarmPoint,
 )
 from coordinator.store.schema import (
     DENIED,
@@ -38,8 +33,8 @@ from coordinator.store.schema import (
     Peer,
     RoundRecord,
     Run,
-    SwarmSample,
 )
+from coordinator.store.series import SwarmSeries
 from protocol.agreement import Vote, agreed_state
 
 logger = logging.getLogger(__name__)
@@ -81,10 +76,9 @@ _ROUND_FIELDS = (
     "states",
     *_TIMING_FIELDS,
 )
-_SAMPLE_FIELDS = ("at", "peers_online", "samples_per_second", "rounds_failed")
 
 
-class Store:
+class Store(SwarmSeries):
     """The coordinator's database (SQLite by default, any SQLAlchemy URL).
 
     Tables: ``schema_version`` (version, applied_at), ``run`` (one row: spec_digest,
@@ -97,42 +91,11 @@ class Store:
     finalized_at, group_size, mean_loss, samples) and ``swarm_samples`` (at, peers_online,
     samples_per_second; ``prune_samples`` deletes old ones).
 
-    Commits: every write method is one transaction, committed before it returns;
-    ``finalize_round`` (and ``decide_claim``) update a claim and append its credit in the same
-    transaction, so the ledger never holds a credit without its granted claim or the reverse.
-    Reads see every earlier committed write.
-
-    Crash safety: a write that returned is durable. On SQLite every connection runs with
-    ``journal_mode=WAL``, ``synchronous=FULL`` (fsync at each commit) and
-    ``foreign_keys=ON``; a ``kill -9`` or power loss mid-write rolls that write back
-    whole and loses nothing committed. Writes are serialized by a lock inside this object
-    (one coordinator process owns the database); reads run concurrently.
+    Commits and crash safety: ``coordinator.store.base.Transactions``. ``finalize_round`` (and
+    ``decide_claim``) update a claim and append its credit in the same transaction, so the
+    ledger never holds a credit without its granted claim or the reverse. The swarm's time
+    series: ``coordinator.store.series.SwarmSeries``.
     """
-
-    def __init__(self, url: str) -> None:
-        """Open ``url``, creating missing tables; ``ConfigError`` if it cannot be used."""
-        self.engine = open_engine(url)
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._write_lock = threading.RLock()
-
-    def close(self) -> None:
-        """Release every connection; committed data is already on disk."""
-        self.engine.dispose()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _write(self) -> Iterator[Session]:
-        """One transaction: committed when the block ends, rolled back if it raises."""
-        with self._write_lock, self._sessions.begin() as session:
-            yield session
-
-    def _read(self) -> Session:
-        return self._sessions()
 
     # --- run --------------------------------------------------------------------------------
 
@@ -471,34 +434,6 @@ class Store:
         query = select(RoundRecord).order_by(RoundRecord.round.desc()).limit(limit)
         with self._read() as s:
             return [_round_row(r) for r in s.scalars(query)]
-
-    def record_sample(
-        self, *, now: float, peers_online: int, samples_per_second: float, rounds_failed: int = 0
-    ) -> None:
-        """Append one point of the swarm time series (``at`` = now)."""
-        with self._write() as s:
-            s.add(
-                SwarmSample(
-                    at=now,
-                    peers_online=peers_online,
-                    samples_per_second=samples_per_second,
-                    rounds_failed=rounds_failed,
-                )
-            )
-
-    def samples(self, since: float) -> list[SwarmPoint]:
-        """Points with ``at >= since``, oldest first."""
-        query = select(SwarmSample).where(SwarmSample.at >= since).order_by(SwarmSample.at, SwarmSample.id)
-        with self._read() as s:
-            return [SwarmPoint(**{name: getattr(p, name) for name in _SAMPLE_FIELDS}) for p in s.scalars(query)]
-
-    def prune_samples(self, before: float) -> int:
-        """Delete points with ``at < before``; returns how many were deleted."""
-        with self._write() as s:
-            result = s.execute(delete(SwarmSample).where(SwarmSample.at < before))
-        deleted = int(getattr(result, "rowcount", 0) or 0)
-        logger.debug("pruned %d swarm samples before %s", deleted, before)
-        return deleted
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,12 @@
 """The peer's side of the coordinator API: join, heartbeats and round reports, one call each
 (``CoordinatorClient``), waiting for a coordinator that is down (``join_when_up``), and the
-round report a recorded round makes (``report_body``). Every request is signed with the peer's
+round report a recorded round makes (``peer.link.report_wire``). Every request is signed with the peer's
 key. The running link (heartbeats, reports, re-joins) is ``peer.link.coordinator_link``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import platform
 import random
@@ -19,14 +18,12 @@ from typing import Any
 import grpc
 
 from peer.link.coordinator_pin import verified_answer
-from peer.round.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
-from protocol.errors import AdmissionError, ConfigError, IdentityError, SwarmtrainError, WrongRunError
+from protocol.errors import AdmissionError, ConfigError, SwarmtrainError, WrongRunError
 from protocol.identity import Identity, PublicKey
-from protocol.messages import MAX_OFFENCE_CHARS, MAX_REPORTED_SAMPLES, SignedMessage, sign_message
-from protocol.receipts import reported
+from protocol.messages import SignedMessage, sign_message
 
 logger = logging.getLogger(__name__)
 
@@ -272,75 +269,6 @@ def join_when_up(
         if waited:
             say(f"coordinator {client.address} answered after {clock() - started:.0f} s")
         return info
-
-
-def reported_weight(samples: object) -> float:
-    """What a member gathered as its samples, as a report may carry it: a number in
-    [0, ``MAX_REPORTED_SAMPLES``] (another member's say-so: a member that gathered 1e15 or
-    NaN must not make this peer's own report one the coordinator refuses)."""
-    try:
-        value = float(samples)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return 0.0
-    return min(value, float(MAX_REPORTED_SAMPLES)) if value >= 0 else 0.0
-
-
-def _public_key(public_id: str) -> PublicKey | None:
-    """The key a member stated as its id; None where it is none (another member's say-so)."""
-    try:
-        return PublicKey.from_id(public_id)
-    except IdentityError:
-        logger.debug("leaving a group member with the malformed id %.80r out of the report", public_id)
-        return None
-
-
-def report_body(metrics: RoundMetrics) -> pb.RoundReportBody:
-    """The round report of a round this peer averaged (``protocol/swarmtrain.proto``), with at
-    most ``REPORTED_RECEIPTS`` of its members' receipts (``protocol.receipts.reported``)."""
-    receipts = reported(metrics.receipts)
-    group = [
-        pb.GroupMember(
-            public_key=key.raw,
-            weight=reported_weight(member.samples),
-            offence=str(metrics.offenders.get(member.id, ""))[:MAX_OFFENCE_CHARS],
-            receipt=receipts.get(member.id, b""),
-        )
-        for member in metrics.members
-        if (key := _public_key(member.id)) is not None
-    ]
-    samples, compute_s = metrics.claimed
-    body = pb.RoundReportBody(
-        round=metrics.round,
-        samples=samples,
-        loss=metrics.loss if math.isfinite(metrics.loss) else math.nan,  # no ±inf on the wire
-        group=group,
-        state_digest=metrics.state_digest,
-        compute_s=compute_s,
-        wait_s=metrics.wait_s,
-        bytes_sent=metrics.bytes_sent,
-        bytes_received=metrics.bytes_received,
-        allreduce_s=_seconds(metrics.allreduce_s),
-        host_s=_seconds(metrics.host_s),
-    )
-    if metrics.val_loss is not None and math.isfinite(metrics.val_loss):
-        body.validation_loss = metrics.val_loss
-    data = metrics.data
-    if data is not None:
-        body.data.CopyFrom(
-            pb.DataRead(
-                round=data.round, slot=data.slot, steps=data.steps, ids_digest=data.ids_digest, epoch=data.epoch
-            )
-        )
-    return body
-
-
-def _seconds(value: object) -> float:
-    """A duration as a report may carry it: finite, >= 0 (the coordinator refuses others)."""
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return 0.0
-    return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
 
 
 def _hardware(local_ranks: int) -> pb.Hardware:

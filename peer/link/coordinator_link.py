@@ -26,9 +26,9 @@ from peer.link.coordinator_client import (
     CoordinatorUnavailableError,
     JoinAs,
     RejectedError,
-    report_body,
 )
 from peer.link.report_outbox import ReportOutbox
+from peer.link.report_wire import report_body
 from peer.round.progress import Credit
 from peer.round.round_metrics import RoundMetrics
 from protocol import coordinator_pb2 as pb

@@ -42,6 +42,7 @@ from engine.robust import RobustRule
 from engine.update_store import UpdateStore
 from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
 from peer.round.timeouts import matchmaking_window, matchmaking_windows
+from peer.swarm.meeting import PACE_LOOK_S, Meeting, meeting_candidates
 from peer.swarm.swarm_pace import LandingTimes, SwarmPace, landing_medians
 from protocol.agreement import Agreement, agreed_state, agreed_states
 from protocol.gathered import Gathered
@@ -56,11 +57,6 @@ from protocol.updates import FetchedUpdate
 logger = logging.getLogger(__name__)
 
 
-DECLARATION_DELAY_S = 1.0
-"""About how long a round's declaration takes to reach the peers that look it up in the DHT."""
-PACE_LOOK_S = 1.0
-"""An open-run newcomer that has seen the records only once looks again this much later, to
-measure the swarm's pace before it aims (``Swarm._meeting_round``)."""
 LOOKUP_DECAY = 0.7
 """``Swarm.lookup_s`` forgets a slow lookup by this factor a read (a link's lag rises fast and
 is believed to fall slowly)."""
@@ -120,18 +116,6 @@ def quiet_expected_round_failures() -> None:
     averager_logger = logging.getLogger("hivemind.averaging.averager")
     if _QUIET not in averager_logger.filters:
         averager_logger.addFilter(_QUIET)
-
-
-@dataclass(frozen=True)
-class _Meeting:
-    """A round an open-run newcomer may meet the swarm at."""
-
-    shown: int
-    """The round a digest record showed."""
-    meet: int
-    """The round it meets at: past ``shown`` by as many as the swarm lands before it arrives."""
-    pace: float | None
-    """Seconds a round, as measured (None: unknown)."""
 
 
 @dataclass
@@ -458,26 +442,11 @@ class Swarm:
         )
         return meeting.meet
 
-    def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[_Meeting]:
+    def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[Meeting]:
         """An open-run newcomer's rounds to meet at (later than ``round_``; none otherwise)."""
         if self.gate is not None or self.electorate:
             return []
-        signers: dict[int, set[str]] = {}
-        for record in self.records():
-            if not record.archive and record.round > round_:
-                signers.setdefault(record.round, set()).add(record.signer.id)
-        ranked = sorted(signers, key=lambda later: (-len(signers[later]), -later))
-        # aim at the middle of this peer's leader window, from when its declaration is seen to
-        # when the window closes: a swarm up to half a window faster or slower than measured
-        # (a loaded machine's swarm lands rounds unevenly) still arrives while it waits
-        lead = max(DECLARATION_DELAY_S, (DECLARATION_DELAY_S + window) / 2)
-        now, dht_now = time.monotonic(), get_dht_time()
-        return [
-            _Meeting(
-                later, later + self._pace.rounds_ahead(later, lead, now, dht_now), self._pace.seconds_per_round(later)
-            )
-            for later in ranked
-        ]
+        return meeting_candidates(self.records(), round_, window, self._pace)
 
     def behind(self, round_: int) -> bool:
         """Whether this peer meets a later round than its own (``_meeting_round``): a newcomer

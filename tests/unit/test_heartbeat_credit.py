@@ -69,7 +69,7 @@ def test_a_peer_that_is_not_admitted_learns_no_credit(core: Coordinator) -> None
 def test_a_members_absurd_gathered_samples_do_not_spoil_the_report() -> None:
     """An attacker that gathered 1e15 samples (or NaN) must not make honest members' reports
     ones the coordinator refuses: its weight is clamped to what a report may carry."""
-    from peer.link.coordinator_client import reported_weight
+    from peer.link.report_wire import reported_weight
     from protocol.messages import MAX_REPORTED_SAMPLES
 
     assert reported_weight(40) == 40.0
