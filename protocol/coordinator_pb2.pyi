@@ -237,7 +237,7 @@ class ReceiptBody(_message.Message):
     def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[bytes] = ..., weight: _Optional[float] = ..., offence: _Optional[str] = ...) -> None: ...
 
 class RoundReportBody(_message.Message):
-    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received", "validation_loss", "data", "allreduce_s", "host_s")
+    __slots__ = ("round", "samples", "loss", "group", "state_digest", "compute_s", "wait_s", "bytes_sent", "bytes_received", "validation_loss", "data", "allreduce_s", "host_s", "matchmaking_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class RoundReportBody(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_S_FIELD_NUMBER: _ClassVar[int]
     HOST_S_FIELD_NUMBER: _ClassVar[int]
+    MATCHMAKING_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     samples: int
     loss: float
@@ -264,7 +265,8 @@ class RoundReportBody(_message.Message):
     data: DataRead
     allreduce_s: float
     host_s: float
-    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., validation_loss: _Optional[float] = ..., data: _Optional[_Union[DataRead, _Mapping]] = ..., allreduce_s: _Optional[float] = ..., host_s: _Optional[float] = ...) -> None: ...
+    matchmaking_s: float
+    def __init__(self, round: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., group: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., state_digest: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., validation_loss: _Optional[float] = ..., data: _Optional[_Union[DataRead, _Mapping]] = ..., allreduce_s: _Optional[float] = ..., host_s: _Optional[float] = ..., matchmaking_s: _Optional[float] = ...) -> None: ...
 
 class DataRead(_message.Message):
     __slots__ = ("round", "slot", "steps", "ids_digest", "epoch")

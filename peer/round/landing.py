@@ -170,6 +170,7 @@ class Landing:
             audit_bytes=result.audit_bytes if result else 0,
             params=local.state.params.numel(),
             allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
+            matchmaking_s=round(max(0.0, result.round_s - result.allreduce_s), 4) if result else 0.0,
             matchmaking_timeout_s=round(crew.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(crew.timeouts.allreduce_s, 2),
             local_world_size=crew.ranks.world_size,

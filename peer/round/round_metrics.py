@@ -41,6 +41,9 @@ class RoundMetrics:
     allreduce_s: float
     matchmaking_timeout_s: float
     allreduce_timeout_s: float
+    matchmaking_s: float = 0.0
+    """Seconds from the round's launch to its group formed: the search, waiting for slower
+    peers included (0 when the round failed)."""
     carried: int = 0
     """Samples of earlier rounds that did not land here (their rows' ``samples``), whose work
     this round's pseudo-gradient held: averaged and claimed with this round's (``claimed``)."""
