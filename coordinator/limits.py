@@ -67,6 +67,7 @@ def check_report(body: pb.RoundReportBody) -> None:
     _check_range("round report bytes_received", body.bytes_received, 0, MAX_BYTES)
     _check_range("round report allreduce_s", body.allreduce_s, 0, MAX_SECONDS)
     _check_range("round report host_s", body.host_s, 0, MAX_SECONDS)
+    _check_range("round report matchmaking_s", body.matchmaking_s, 0, MAX_SECONDS)
     if math.isinf(body.loss):
         raise MalformedMessageError(f"round report loss must be finite or NaN, got {body.loss!r}")
     check_text("round report state_digest", body.state_digest)

@@ -178,7 +178,9 @@ class RoundBook:
             self._losses.setdefault(claim.round, []).append(body.loss)
         self._timings.setdefault(claim.round, {})[claim.key] = RoundTiming(
             compute_s=body.compute_s,
-            matchmaking_s=max(0.0, body.wait_s - body.allreduce_s),
+            # the search as the peer timed it; a peer that says nothing of it (older software):
+            # its wait beyond the all-reduce, which overlap hides
+            matchmaking_s=body.matchmaking_s or max(0.0, body.wait_s - body.allreduce_s),
             allreduce_s=body.allreduce_s,
             landing_s=body.host_s,
             bytes_sent=float(body.bytes_sent),

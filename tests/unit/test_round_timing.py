@@ -57,11 +57,27 @@ def test_a_decided_round_records_the_lower_median_of_its_reporters_time_split(co
     assert api.get("/api/v1/history").json()[-1]["rounds_failed"] == 0
 
 
-@pytest.mark.parametrize("host_s", [-1.0, math.inf, math.nan, 1e12])
-def test_a_report_whose_host_seconds_are_out_of_bounds_is_refused_whole(core: Coordinator, host_s: float) -> None:
+def test_the_search_is_the_time_its_reporters_say_it_took(core: Coordinator) -> None:
+    """Peers say how long their round's search took (``matchmaking_s``): with overlap they do
+    not wait for the round, so their wait says nothing of it."""
+    now = time.time()
+    peers = [Identity.generate() for _ in range(3)]
+    _join(core, peers, now)
+    for peer, searched in zip(peers, (4.0, 6.0, 600.0)):
+        _report(core, peer, peers, now + 30, compute_s=5.0, wait_s=0.0, allreduce_s=2.0, matchmaking_s=searched)
+    core.tick(now=now + 50)
+    (row,) = core.store.rounds()
+    assert row.matchmaking_s == 6.0
+
+
+@pytest.mark.parametrize("figure", ["host_s", "matchmaking_s"])
+@pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan, 1e12])
+def test_a_report_whose_seconds_are_out_of_bounds_is_refused_whole(
+    core: Coordinator, figure: str, seconds: float
+) -> None:
     now = time.time()
     peers = [Identity.generate() for _ in range(2)]
     _join(core, peers, now)
-    with pytest.raises(MalformedMessageError, match="host_s"):
-        _report(core, peers[0], peers, now + 30, compute_s=5.0, host_s=host_s)
+    with pytest.raises(MalformedMessageError, match=figure):
+        _report(core, peers[0], peers, now + 30, compute_s=5.0, **{figure: seconds})
     assert core.store.claims() == []
