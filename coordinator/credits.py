@@ -12,8 +12,8 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
+from coordinator.store.claims import ClaimStatus, ClaimVerdict, GroupMemberView, RoundClaim, Voucher
 from protocol.agreement import Vote, agreed_state
 from protocol.messages import MAX_OFFENCE_CHARS
 
@@ -27,90 +27,6 @@ MAX_FORGOTTEN = 100_000
 MIN_ABSENT_WITNESSES = 2
 """Accounts that must attest a member whose own report never came before it is credited in
 absentia: one member's say-so credits nobody it names."""
-
-
-@dataclass(frozen=True)
-class Voucher:
-    """A member's signed receipt for the reporter's parts (``protocol.receipts``), verified when
-    the report came: that member's word on the reporter's weight, given during the all-reduce,
-    which stands for its report should that never come (rule 3)."""
-
-    weight: float
-    offence: str = ""
-
-
-@dataclass(frozen=True)
-class GroupMemberView:
-    """One member of the reporter's averaging group, as the reporter saw it."""
-
-    key: str
-    """The member's public id."""
-    weight: float
-    """Samples that member contributed to the group's average."""
-    offence: str = ""
-    """Why the reporter's reducer bounded or refused that member's contribution this round
-    (robust averaging, ``engine.robust``), or "" if it did not."""
-    voucher: Voucher | None = None
-    """That member's receipt for the reporter's parts, if the report carried a valid one."""
-
-
-@dataclass(frozen=True)
-class RoundClaim:
-    """What one peer says about one round: its samples and its averaging group."""
-
-    key: str
-    round: int
-    samples: int
-    """Samples the reporter says it processed this round."""
-    group: tuple[GroupMemberView, ...]
-    """The reporter's averaging group, the reporter included."""
-    state_digest: str
-    """Digest of the global parameters the reporter holds after the round."""
-    duration_s: float
-    """The reporter's wall time for the round, seconds, > 0."""
-    received_at: float
-    """When the coordinator received the claim (coordinator clock, seconds)."""
-    account: str = ""
-    """The account the reporter earns for ("" for its own key): members of one account never
-    attest each other, and several members of one account attest as one."""
-    owner_since: float = -math.inf
-    """When the coordinator first saw the reporter's account (its earliest key), coordinator
-    clock: with ``min_attester_age_s`` a younger account attests nothing."""
-
-    @property
-    def owner(self) -> str:
-        """The reporter's account, or its key when it has none."""
-        return self.account or self.key
-
-    def weight_for(self, key: str) -> float | None:
-        """The weight this claim's group lists for ``key``, or None if it is not listed."""
-        return next((m.weight for m in self.group if m.key == key), None)
-
-    def offence_for(self, key: str) -> str:
-        """Why this claim's reporter bounded ``key``'s contribution ("" if it did not)."""
-        return next((m.offence for m in self.group if m.key == key), "")
-
-
-class ClaimStatus(str, Enum):
-    PENDING = "pending"
-    GRANTED = "granted"
-    DENIED = "denied"
-
-
-@dataclass(frozen=True)
-class ClaimVerdict:
-    """The verdict on one claim; ``granted_samples`` is 0 unless GRANTED."""
-
-    key: str
-    round: int
-    status: ClaimStatus
-    granted_samples: int
-    reason: str
-    claimed_samples: int = 0
-    """What the claim said (no longer pending once decided)."""
-    in_absentia: RoundClaim | None = None
-    """For a member credited without a report of its own (``decide_absent``): the claim its
-    witnesses make for it, which the store records with the decision."""
 
 
 MemberOf = Callable[[str, int], tuple[str, float] | None]

@@ -18,25 +18,16 @@ after a restart records no loss, as documented in ``Store.finalize_round``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from coordinator.credits import (
-    ClaimStatus,
-    ClaimVerdict,
-    GroupMemberView,
-    MemberOf,
-    RoundClaim,
-    RoundLedger,
-    Voucher,
-)
+from coordinator.credits import MemberOf, RoundLedger
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
-from coordinator.store import ClaimBody, ClaimRow, Decision, RoundTiming, Store
+from coordinator.store import RoundTiming, Store
+from coordinator.store.claims import ClaimVerdict, GroupMemberView, RoundClaim, Voucher, claim_from_row, group_json
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
 from protocol.identity import PublicKey
@@ -44,22 +35,9 @@ from protocol.receipts import ReceiptError, read_receipt
 from protocol.spec import RunSpec
 from protocol.statesync import run_prefix
 
-__all__ = ["Decided", "RoundBook"]
+__all__ = ["RoundBook"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Decided:
-    """One claim the book decided and the store committed."""
-
-    round: int
-    key: str
-    granted: bool
-    claimed_samples: int
-    granted_samples: int
-    flops: float
-    reason: str
 
 
 class RoundBook:
@@ -98,7 +76,7 @@ class RoundBook:
         coordinator is back). ``owner_of(key)`` → (its account, when that account was first seen)."""
         self.view.load(self.store.recent_claims(ROUND_WINDOW, limit=ROUND_WINDOW * MAX_GROUP))
         for row in self.store.pending_claims():
-            claim = _claim_from_row(row)
+            claim = claim_from_row(row)
             account, since = owner_of(claim.key)
             self.ledger.add(dataclasses.replace(claim, received_at=restarted, account=account, owner_since=since))
 
@@ -159,7 +137,7 @@ class RoundBook:
             key=claim.key,
             round=claim.round,
             samples=claim.samples,
-            group_json=_group_json(claim),
+            group_json=group_json(claim),
             state_digest=claim.state_digest,
             duration_s=claim.duration_s,
             received_at=claim.received_at,
@@ -195,20 +173,21 @@ class RoundBook:
 
     # --- time -------------------------------------------------------------------------------
 
-    def decide(self, now: float, member_of: MemberOf | None = None) -> list[Decided]:
-        """Decide the rounds the ledger can decide at ``now``; each round's decisions and its
-        record are committed in one transaction (``Store.finalize_round``). What was committed.
-        With ``member_of`` (``RoundLedger.tick``), a round decided by time credits its members
-        whose reports never came in absentia, their claims recorded with the decisions."""
+    def decide(self, now: float, member_of: MemberOf | None = None) -> list[ClaimVerdict]:
+        """Decide the rounds the ledger can decide at ``now``; each round's verdicts (their
+        granted samples' FLOPs added) and its record are committed in one transaction
+        (``Store.finalize_round``). What was committed. With ``member_of``
+        (``RoundLedger.tick``), a round decided by time credits its members whose reports never
+        came in absentia, their claims recorded with the decisions."""
         verdicts: dict[int, list[ClaimVerdict]] = {}
         for verdict in self.ledger.tick(now, member_of):
-            verdicts.setdefault(verdict.round, []).append(verdict)
-        decided: list[Decided] = []
+            flops = verdict.granted_samples * self.flops_per_sample
+            verdicts.setdefault(verdict.round, []).append(dataclasses.replace(verdict, flops=flops))
+        decided: list[ClaimVerdict] = []
         for round_, round_verdicts in sorted(verdicts.items()):
-            entries = [self._decided(verdict) for verdict in round_verdicts]
             self.view.decided(round_)
             losses = self._losses.pop(round_, [])
-            granted = {entry.key for entry in entries if entry.granted}
+            granted = {verdict.key for verdict in round_verdicts if verdict.granted}
             val_loss = _lower_median(self._val_losses.pop(round_, {}), granted)
             epoch = _lower_median(self._epochs.pop(round_, {}), granted)
             timing = _timing(self._timings.pop(round_, {}), granted)
@@ -216,35 +195,14 @@ class RoundBook:
                 self.data_epoch = max(self.data_epoch, epoch)
             self.store.finalize_round(
                 round=round_,
-                decisions=[
-                    Decision(
-                        key=entry.key,
-                        status=ClaimStatus.GRANTED.value if entry.granted else ClaimStatus.DENIED.value,
-                        granted_samples=entry.granted_samples,
-                        flops=entry.flops,
-                        reason=entry.reason,
-                        in_absentia=_body_of(verdict.in_absentia),
-                    )
-                    for entry, verdict in zip(entries, round_verdicts, strict=True)
-                ],
+                decisions=round_verdicts,
                 now=now,
                 mean_loss=sum(losses) / len(losses) if losses else None,
                 validation_loss=val_loss,
                 timing=timing,
             )
-            decided.extend(entries)
+            decided.extend(round_verdicts)
         return decided
-
-    def _decided(self, verdict: ClaimVerdict) -> Decided:
-        return Decided(
-            round=verdict.round,
-            key=verdict.key,
-            granted=verdict.status == ClaimStatus.GRANTED,
-            claimed_samples=verdict.claimed_samples,
-            granted_samples=verdict.granted_samples,
-            flops=verdict.granted_samples * self.flops_per_sample,
-            reason=verdict.reason,
-        )
 
     # --- checks -----------------------------------------------------------------------------
 
@@ -296,32 +254,6 @@ class RoundBook:
         return max(now - since, 1e-3)
 
 
-def _body_of(claim: RoundClaim | None) -> ClaimBody | None:
-    if claim is None:
-        return None
-    return ClaimBody(
-        samples=claim.samples,
-        group_json=_group_json(claim),
-        state_digest=claim.state_digest,
-        duration_s=claim.duration_s,
-        received_at=claim.received_at,
-    )
-
-
-def _group_json(claim: RoundClaim) -> str:
-    """The group as the store keeps it: ``[key, weight]``, ``[key, weight, offence]`` or, with a
-    voucher, ``[key, weight, offence, [voucher weight, voucher offence]]``."""
-    rows: list[list[object]] = []
-    for m in claim.group:
-        row: list[object] = [m.key, m.weight]
-        if m.offence or m.voucher is not None:
-            row.append(m.offence)
-        if m.voucher is not None:
-            row.append([m.voucher.weight, m.voucher.offence])
-        rows.append(row)
-    return json.dumps(rows)
-
-
 def _lower_median(values: dict[str, float], keys: set[str]) -> float | None:
     """The lower median of ``values`` of ``keys``: none of them can raise it alone, and with
     three or more reporters no single one can move it at all; None if none reported."""
@@ -338,24 +270,3 @@ def _timing(reported: dict[str, RoundTiming], keys: set[str]) -> RoundTiming | N
         for name in (f.name for f in dataclasses.fields(RoundTiming))
     }
     return RoundTiming(**figures)
-
-
-def _claim_from_row(row: ClaimRow) -> RoundClaim:
-    group = tuple(
-        GroupMemberView(
-            key=entry[0],
-            weight=entry[1],
-            offence=entry[2] if len(entry) > 2 else "",
-            voucher=Voucher(weight=entry[3][0], offence=entry[3][1]) if len(entry) > 3 else None,
-        )
-        for entry in json.loads(row.group_json)
-    )
-    return RoundClaim(
-        key=row.key,
-        round=row.round,
-        samples=row.samples,
-        group=group,
-        state_digest=row.state_digest,
-        duration_s=row.duration_s,
-        received_at=row.received_at,
-    )

@@ -1,22 +1,24 @@
 """The coordinator's persistence: SQLAlchemy 2, SQLite by default, any SQLAlchemy URL.
 
 ``Store`` (in ``store.py``) is the API the coordinator uses and ``rows.py`` what its
-round-path queries return; ``schema.py`` holds the tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
+round-path queries return, ``claims.py`` what a claim and its verdict are; ``schema.py`` holds the tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
 """
 
+from coordinator.store.claims import ClaimStatus, ClaimVerdict, RoundClaim
 from coordinator.store.engine import sqlite_url
 from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow, RoundTiming
 from coordinator.store.schema import SCHEMA_VERSION
-from coordinator.store.store import ClaimBody, Decision, Store
+from coordinator.store.store import Store
 
 __all__ = [
     "SCHEMA_VERSION",
-    "ClaimBody",
     "ClaimRow",
+    "ClaimStatus",
+    "ClaimVerdict",
     "CreditTotals",
-    "Decision",
     "PeerCredit",
     "PeerRow",
+    "RoundClaim",
     "RoundRow",
     "RoundTiming",
     "Store",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from coordinator.store.claims import ClaimStatus, ClaimVerdict
+from coordinator.store.claims import group_json as as_json
 from coordinator.store.rows import (
     BanRow,
     ClaimRow,
@@ -227,7 +228,7 @@ class Store(SwarmSeries):
         received_at: float,
     ) -> bool:
         """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
-        claim = _new_claim(key, round, ClaimBody(samples, group_json, state_digest, duration_s, received_at))
+        claim = _new_claim(key, round, samples, group_json, state_digest, duration_s, received_at)
         try:
             with self._write() as s:
                 if _find_claim(s, key, round) is not None:
@@ -261,7 +262,11 @@ class Store(SwarmSeries):
         ``ValueError`` for a status other than granted/denied, negative amounts or a claim
         that was never recorded.
         """
-        decision = Decision(key=key, status=status, granted_samples=granted_samples, flops=flops, reason=reason)
+        try:
+            verdict = ClaimStatus(status)
+        except ValueError:
+            raise ValueError(f"claim status must be {GRANTED!r} or {DENIED!r}, not {status!r}") from None
+        decision = ClaimVerdict(key, round, verdict, granted_samples, reason, flops=flops)
         with self._write() as s:
             _decide(s, round, decision, now)
 
@@ -269,7 +274,7 @@ class Store(SwarmSeries):
         self,
         *,
         round: int,
-        decisions: list[Decision],
+        decisions: list[ClaimVerdict],
         mean_loss: float | None,
         now: float,
         validation_loss: float | None = None,
@@ -436,40 +441,19 @@ class Store(SwarmSeries):
             return [_round_row(r) for r in s.scalars(query)]
 
 
-@dataclass(frozen=True)
-class Decision:
-    """The ledger's verdict on one peer's claim for a round."""
-
-    key: str
-    status: str
-    granted_samples: int
-    flops: float
-    reason: str
-    in_absentia: ClaimBody | None = None
-    """For a member credited without a report of its own: the claim to record with the
-    decision (a claim already recorded for the key and round is decided instead)."""
-
-
-@dataclass(frozen=True)
-class ClaimBody:
-    """What a claim says: a peer's report, or what a member's witnesses say for it when its
-    own report never came (``Decision.in_absentia``)."""
-
-    samples: int
-    group_json: str
-    state_digest: str
-    duration_s: float
-    received_at: float
-
-
-def _decide(session: Session, round: int, decision: Decision, now: float) -> None:
+def _decide(session: Session, round: int, decision: ClaimVerdict, now: float) -> None:
+    if decision.round != round:
+        raise ValueError(f"a verdict on round {decision.round} among the decisions of round {round}")
     if decision.status not in (GRANTED, DENIED):
         raise ValueError(f"claim status must be {GRANTED!r} or {DENIED!r}, not {decision.status!r}")
     if decision.granted_samples < 0 or decision.flops < 0:
         raise ValueError(f"granted_samples and flops must be >= 0, got {decision.granted_samples} and {decision.flops}")
     claim = _find_claim(session, decision.key, round)
     if claim is None and decision.in_absentia is not None:
-        claim = _new_claim(decision.key, round, decision.in_absentia)
+        made = decision.in_absentia
+        claim = _new_claim(
+            decision.key, round, made.samples, as_json(made), made.state_digest, made.duration_s, made.received_at
+        )
         session.add(claim)
         session.flush()  # its id, for the credit's claim_id
     if claim is None:
@@ -492,15 +476,17 @@ def _decide(session: Session, round: int, decision: Decision, now: float) -> Non
         )
 
 
-def _new_claim(key: str, round: int, made: ClaimBody) -> Claim:
+def _new_claim(
+    key: str, round: int, samples: int, group: str, state_digest: str, duration_s: float, received_at: float
+) -> Claim:
     return Claim(
         key=key,
         round=round,
-        samples=made.samples,
-        group_json=made.group_json,
-        state_digest=made.state_digest,
-        duration_s=made.duration_s,
-        received_at=made.received_at,
+        samples=samples,
+        group_json=group,
+        state_digest=state_digest,
+        duration_s=duration_s,
+        received_at=received_at,
         status=PENDING,
         granted_samples=0,
         flops=0.0,

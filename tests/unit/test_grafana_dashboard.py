@@ -17,7 +17,7 @@ import yaml
 
 from coordinator.core import Coordinator
 from coordinator.http.metrics import metrics_registry
-from coordinator.store import Decision
+from coordinator.store import ClaimStatus, ClaimVerdict
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.identity import Identity
@@ -96,7 +96,11 @@ def exposed(core: Coordinator) -> dict[str, set[str]]:
         key="p", round=3, samples=40, group_json="[]", state_digest="d", duration_s=1.0, received_at=1.0
     )
     core.store.finalize_round(
-        round=3, decisions=[Decision("p", "granted", 40, 4.0, "ok")], mean_loss=2.5, now=2.0, validation_loss=2.75
+        round=3,
+        decisions=[ClaimVerdict("p", 3, ClaimStatus.GRANTED, 40, "ok", flops=4.0)],
+        mean_loss=2.5,
+        now=2.0,
+        validation_loss=2.75,
     )
     registry = metrics_registry(core, lambda: now, archive_round=lambda: (3, now - 60.0))
     names: dict[str, set[str]] = {}

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.core import Coordinator
 from coordinator.health import HealthConfig, HealthTracker
 from coordinator.http.app import create_app
-from coordinator.store import Decision
+from coordinator.store import ClaimStatus, ClaimVerdict
 from peer.link.coordinator_client import JoinAs
 from peer.link.coordinator_link import CoordinatorLink
 from peer.round.round_metrics import RoundMetrics
@@ -55,7 +55,10 @@ def test_counters_live_across_scrapes_and_follow_the_ledger(core: Coordinator) -
     )
     core.store.finalize_round(
         round=3,
-        decisions=[Decision("p", "granted", 40, 4.0, "ok"), Decision("q", "denied", 0, 0.0, "no")],
+        decisions=[
+            ClaimVerdict("p", 3, ClaimStatus.GRANTED, 40, "ok", flops=4.0),
+            ClaimVerdict("q", 3, ClaimStatus.DENIED, 0, "no"),
+        ],
         mean_loss=2.5,
         now=2.0,
         validation_loss=2.75,

@@ -10,13 +10,20 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text, update
 
-from coordinator.store import SCHEMA_VERSION, ClaimBody, Decision, RoundTiming, Store, sqlite_url
+from coordinator.store import SCHEMA_VERSION, ClaimStatus, ClaimVerdict, RoundClaim, RoundTiming, Store, sqlite_url
+from coordinator.store.claims import GroupMemberView
 from coordinator.store.schema import Base, SchemaVersion
 from protocol.errors import ConfigError
 from tests.conftest import plain, postgres_url
 
 TIMING = ("compute_s", "matchmaking_s", "allreduce_s", "landing_s", "bytes_sent", "bytes_received")
 POSTGRES_ENV = "SWARMTRAIN_TEST_POSTGRES_URL"
+
+
+def _decision(
+    key: str, status: str, granted: int, flops: float, reason: str, *, round: int, in_absentia: RoundClaim | None = None
+) -> ClaimVerdict:
+    return ClaimVerdict(key, round, ClaimStatus(status), granted, reason, flops=flops, in_absentia=in_absentia)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -272,9 +279,9 @@ def test_leaderboard_by_flops_per_account(store: Store) -> None:
 
 
 def test_rounds_highest_first_and_limited(store: Store) -> None:
-    granted = [Decision(key="p1", status="granted", granted_samples=1, flops=1.0, reason="attested")]
     for round in (1, 3, 2):
         _claim(store, "p1", round)
+        granted = [_decision("p1", "granted", 1, 1.0, "attested", round=round)]
         store.finalize_round(round=round, now=float(round), mean_loss=None, decisions=granted)
     assert [(r.round, r.state_digest) for r in store.rounds()] == [(3, "d3"), (2, "d2"), (1, "d1")]
     assert [r.round for r in store.rounds(limit=1)] == [3]
@@ -283,7 +290,7 @@ def test_rounds_highest_first_and_limited(store: Store) -> None:
 def test_a_round_without_a_granted_claim_has_no_record(store: Store) -> None:
     """One peer's denied report of round 2**31 - 1 is not the swarm's current round (issue #14)."""
     _claim(store, "p1", 2**31 - 1)
-    denied = [Decision(key="p1", status="denied", granted_samples=0, flops=0.0, reason="averaged with nobody")]
+    denied = [_decision("p1", "denied", 0, 0.0, "averaged with nobody", round=2**31 - 1)]
     store.finalize_round(round=2**31 - 1, now=1.0, mean_loss=None, decisions=denied)
     assert store.rounds() == []
     assert store.claims()[0].status == "denied"
@@ -297,8 +304,8 @@ def test_finalize_round_decides_and_records_together(store: Store) -> None:
         now=30.0,
         mean_loss=2.0,
         decisions=[
-            Decision(key="p1", status="granted", granted_samples=100, flops=1.0, reason="attested"),
-            Decision(key="p2", status="denied", granted_samples=0, flops=0.0, reason="not attested"),
+            _decision("p1", "granted", 100, 1.0, "attested", round=7),
+            _decision("p2", "denied", 0, 0.0, "not attested", round=7),
         ],
     )
     assert plain(store.rounds()) == [
@@ -320,7 +327,7 @@ def test_finalize_round_decides_and_records_together(store: Store) -> None:
         now=40.0,
         mean_loss=None,
         decisions=[
-            Decision(key="p3", status="granted", granted_samples=60, flops=0.6, reason="attested"),
+            _decision("p3", "granted", 60, 0.6, "attested", round=7),
         ],
     )
     assert store.rounds()[0].samples == 160
@@ -340,8 +347,8 @@ def test_finalize_round_with_a_bad_decision_writes_nothing(store: Store) -> None
             now=5.0,
             mean_loss=1.0,
             decisions=[
-                Decision(key="p1", status="granted", granted_samples=10, flops=1.0, reason="ok"),
-                Decision(key="ghost", status="granted", granted_samples=10, flops=1.0, reason="ok"),
+                _decision("p1", "granted", 10, 1.0, "ok", round=3),
+                _decision("ghost", "granted", 10, 1.0, "ok", round=3),
             ],
         )
     assert store.rounds() == []
@@ -482,7 +489,9 @@ def _an_older_database(store_url: str, version: int) -> None:
         store.record_claim(
             key="a", round=0, samples=5, group_json="[]", state_digest="sha256:d", duration_s=1.0, received_at=1.0
         )
-        store.finalize_round(round=0, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=2.0)
+        store.finalize_round(
+            round=0, decisions=[_decision("a", "granted", 5, 1.0, "", round=0)], mean_loss=2.0, now=2.0
+        )
         store.record_sample(now=2.0, peers_online=1, samples_per_second=3.0)
     engine = create_engine(store_url)
     try:
@@ -525,7 +534,7 @@ def test_a_version_2_database_gains_the_rounds_time_split_and_keeps_its_rows(sto
         )
         timing = RoundTiming(compute_s=4.0, matchmaking_s=0.5, allreduce_s=1.5, landing_s=0.25, bytes_sent=9.0)
         store.finalize_round(
-            round=1, decisions=[Decision("a", "granted", 5, 1.0, "")], mean_loss=2.0, now=4.0, timing=timing
+            round=1, decisions=[_decision("a", "granted", 5, 1.0, "", round=1)], mean_loss=2.0, now=4.0, timing=timing
         )
         store.record_sample(now=4.0, peers_online=1, samples_per_second=3.0, rounds_failed=2)
         newest = store.rounds()[0]
@@ -538,18 +547,15 @@ def test_a_decision_in_absentia_records_its_claim_and_credit_together(store: Sto
     decision in one transaction; a report of its own afterwards is a duplicate."""
     _claim(store, "p1", 9)
     _claim(store, "p2", 9)
-    body = ClaimBody(
-        samples=80, group_json='[["gone", 80.0], ["p1", 100.0]]', state_digest="d9", duration_s=3.0, received_at=50.0
-    )
+    group = (GroupMemberView("gone", 80.0), GroupMemberView("p1", 100.0))
+    body = RoundClaim("gone", 9, 80, group, state_digest="d9", duration_s=3.0, received_at=50.0)
     store.finalize_round(
         round=9,
         now=60.0,
         mean_loss=None,
         decisions=[
-            Decision(key="p1", status="granted", granted_samples=100, flops=1.0, reason="attested"),
-            Decision(
-                key="gone", status="granted", granted_samples=80, flops=0.8, reason="in absentia", in_absentia=body
-            ),
+            _decision("p1", "granted", 100, 1.0, "attested", round=9),
+            _decision("gone", "granted", 80, 0.8, "in absentia", round=9, in_absentia=body),
         ],
     )
     (row,) = store.claims(key="gone")
@@ -558,3 +564,13 @@ def test_a_decision_in_absentia_records_its_claim_and_credit_together(store: Sto
     assert store.rounds()[0].group_size == 3 and store.rounds()[0].samples == 180
     assert _claim(store, "gone", 9) is False  # its own report, late: nothing changes
     assert store.credits_by_peer()["gone"].samples == 80
+
+
+def test_a_verdict_on_another_round_is_refused_and_nothing_is_written(store: Store) -> None:
+    _claim(store, "p1", 3)
+    _claim(store, "p1", 4)
+    with pytest.raises(ValueError, match="verdict on round 4"):
+        store.finalize_round(
+            round=3, now=5.0, mean_loss=1.0, decisions=[_decision("p1", "granted", 10, 1.0, "ok", round=4)]
+        )
+    assert store.rounds() == [] and [c.status for c in store.claims()] == ["pending", "pending"]
