@@ -30,6 +30,7 @@ from engine.allreduce import part_size_bytes
 from engine.codecs import get_codec
 from engine.compression import Codec
 from engine.fragments import fragment_bounds
+from engine.outcome import AllReduceStats
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
 from peer.round.swarm_port import RoundResult
 from peer.task.base import derive_seed, generator
@@ -221,8 +222,7 @@ class _Pending:
             averaged=self.swarm.vector,
             group_size=len(members),
             members=members,
-            bytes_sent=0,
-            bytes_received=0,
+            stats=AllReduceStats(),
             wait_s=0.0,
         )
 

@@ -216,14 +216,14 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
             continue
         groups.add(frozenset(d.id for d in result.members))
         found = verdict(result.members, min_group_size=2)
-        if result.missing and found.lands:  # as the trainer: the others land it without m
+        if result.stats.missing and found.lands:  # as the trainer: the others land it without m
             m.roster.missed(m.round, result.members, m.digest)
             m.swarm.saw_group(result.members)
             continue
         if not found.lands:
             m.roster.refused(found, m.digest)
             continue
-        started = m.launched + result.round_s - result.allreduce_s
+        started = m.launched + result.matchmaking_s
         m.land(result)
         landed.append((m, result, started))
     states = {m.digest for m, _, _ in landed}

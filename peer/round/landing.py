@@ -128,7 +128,7 @@ class Landing:
         result, state = flight.result, self.local.state
         metrics = self.round_metrics(flight, state.round)
         checkpoint = result is not None and state.round % self.crew.options.checkpoint_every == 0
-        kept = (state.round - 1, flight.pre_digest, list(result.left_out)) if result and flight.counted else None
+        kept = (state.round - 1, flight.pre_digest, list(result.stats.left_out)) if result and flight.counted else None
         at = time.time() if kept is not None else None
         self.unrecorded = _Recorded(metrics, checkpoint, flight.prep_s + flight.host_s, kept, at)
         if digest_known:
@@ -148,8 +148,8 @@ class Landing:
             carried_s=round(flight.carried_s, 4),
             loss=flight.loss,
             state_digest="",  # filled in by record_landed
-            bytes_sent=result.bytes_sent if result else 0,
-            bytes_received=result.bytes_received if result else 0,
+            bytes_sent=result.stats.bytes_sent if result else 0,
+            bytes_received=result.stats.bytes_received if result else 0,
             compute_s=round(flight.compute_s, 4),
             wait_s=round(flight.wait_s, 4),
             wall_s=round(flight.compute_s + (time.monotonic() - flight.launched_at), 4),
@@ -166,11 +166,11 @@ class Landing:
             unaveraged=round(result.unaveraged(), 6) if result else 0.0,
             left_out=round(result.left_out_share(), 6) if result else 0.0,
             failure=flight.failure,
-            audit_s=round(result.audit_s, 4) if result else 0.0,
-            audit_bytes=result.audit_bytes if result else 0,
+            audit_s=round(result.stats.audit_s, 4) if result else 0.0,
+            audit_bytes=result.stats.audit_bytes if result else 0,
             params=local.state.params.numel(),
-            allreduce_s=round(result.allreduce_s, 4) if result else 0.0,
-            matchmaking_s=round(max(0.0, result.round_s - result.allreduce_s), 4) if result else 0.0,
+            allreduce_s=round(result.stats.allreduce_s, 4) if result else 0.0,
+            matchmaking_s=round(result.matchmaking_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(crew.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(crew.timeouts.allreduce_s, 2),
             local_world_size=crew.ranks.world_size,
@@ -217,7 +217,9 @@ class Landing:
         if result is None:
             timeouts.failed()
         else:
-            timeouts.observe(matchmaking_s=result.round_s - result.allreduce_s, allreduce_s=result.allreduce_s)
+            timeouts.observe(
+                matchmaking_s=result.round_s - result.stats.allreduce_s, allreduce_s=result.stats.allreduce_s
+            )
         if abs(timeouts.allreduce_s - before) > 0.1 * before:
             self.crew.swarm.set_allreduce_timeout(timeouts.allreduce_s)
 
@@ -252,7 +254,7 @@ class Landing:
         feedback = crew.feedback if flight.compensated and counted else None
         if crew.options.host_thread and keep_progress and local.launch_point is not None and not crew.ranks.sharded:
             return crew.lander.submit(
-                self._land_global, result.averaged, outer, feedback, flight.eager, result.left_out
+                self._land_global, result.averaged, outer, feedback, flight.eager, result.stats.left_out
             )
         with local.state_lock:
             land_round(
@@ -266,7 +268,7 @@ class Landing:
                 staging=crew.staging,
                 eager=flight.eager,
                 codec=crew.codec.at_round(local.state.round),
-                missing=result.left_out,
+                missing=result.stats.left_out,
             )
             self._carried_back(flight)
         if crew.overlap and not keep_progress:

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from engine.outcome import AllReduceStats
 from protocol.agreement import Agreement, agreed_state
 from protocol.gathered import Gathered, votes
 from protocol.identity import Identity, PublicKey
@@ -31,7 +32,9 @@ the result measurably."""
 
 @dataclass
 class RoundResult:
-    """What a completed averaging round gives the trainer."""
+    """What a completed averaging round gives the trainer: the engine's record of this peer's
+    all-reduce (``stats``, ``engine.outcome.AllReduceStats``) carried as it is, with what only the
+    peer can say beside it (the members by their public ids, how long it waited)."""
 
     averaged: torch.Tensor
     """The group's average: the averager's shared vector itself (no copy), valid until this
@@ -40,27 +43,17 @@ class RoundResult:
     members: list[Gathered]
     """What each member of the group stated (``protocol.gathered``; members whose statement was
     unreadable are left out)."""
-    bytes_sent: int
-    bytes_received: int
+    stats: AllReduceStats
+    """Bytes, the all-reduce's seconds, the ranges that hold no average (``missing``: a reducer
+    failed, or all of it when this peer's own all-reduce failed; this peer does not land such
+    a round, ``peer.round.verdict``) or that the audits left out (``left_out``: the round lands
+    without them), the audits' cost. Keyed by libp2p id where it names peers."""
     wait_s: float
-    refused_senders: dict[str, str] = field(default_factory=dict)
-    allreduce_s: float = 0.0
-    """Duration of the all-reduce itself (the rest of wait_s was matchmaking)."""
     round_s: float = 0.0
     """Launch to result: matchmaking (incl. waiting for slower peers) plus all-reduce."""
     offenders: dict[str, str] = field(default_factory=dict)
     """Members (public id) whose contribution this peer's reducer bounded or refused, or whose
-    reducer failed this peer, with why (``ExactAllReduceRunner.offences``)."""
-    missing: list[tuple[int, int]] = field(default_factory=list)
-    """``[start, end)`` ranges of ``averaged`` that hold no average: their reducer failed, or
-    all of it when this peer's own all-reduce failed. This peer does not land such a round
-    (``peer.round.verdict.RoundVerdict.judge``); its group's other members may."""
-    left_out: list[tuple[int, int]] = field(default_factory=list)
-    """``[start, end)`` ranges of reducers this peer's audits caught returning a wrong average
-    (``engine.audit``): the round lands with them left out, as a failed reducer's range is in
-    ``missing`` (every member that caught the liar leaves out the same ranges)."""
-    audit_s: float = 0.0
-    audit_bytes: int = 0
+    reducer failed this peer, with why (``stats.offences`` by public id)."""
     receipts: dict[str, bytes] = field(default_factory=dict)
     """Members (public id) → the receipt each one's reducer signed for this peer's parts
     (``protocol.receipts``): their word, reported with the round, should they never report."""
@@ -68,13 +61,18 @@ class RoundResult:
     """Set if this peer led the group (``RoundMatchmaking.led``): its size, the leader's
     event-loop CPU seconds to form it, the metadata bytes it sent to start the round."""
 
+    @property
+    def matchmaking_s(self) -> float:
+        """Launch to group formed: the search, waiting for slower peers included."""
+        return max(0.0, self.round_s - self.stats.allreduce_s)
+
     def unaveraged(self) -> float:
         """Fraction of the vector left out of this round (``missing``)."""
-        return sum(hi - lo for lo, hi in self.missing) / max(1, self.averaged.numel())
+        return sum(hi - lo for lo, hi in self.stats.missing) / max(1, self.averaged.numel())
 
     def left_out_share(self) -> float:
         """Fraction of the vector this landed round leaves out (``left_out``)."""
-        return sum(hi - lo for lo, hi in self.left_out) / max(1, self.averaged.numel())
+        return sum(hi - lo for lo, hi in self.stats.left_out) / max(1, self.averaged.numel())
 
     def started_in_sync(self, round_: int, digest: str) -> bool:
         """Whether this peer's pre-round state (``round_``, ``digest``) is the group's agreed

@@ -45,7 +45,7 @@ class RoundVerdict:
             self.roster.refused(Verdict(False, 0, self.roster.size, failure), pre_digest)
             return Judged(None, failure)
         found = verdict(result.members, min_group_size=self.spec.averaging.min_group_size)
-        if result.missing:
+        if result.stats.missing:
             failure = f"{100 * result.unaveraged():.0f}% of the vector did not arrive (a reducer failed)"
             logger.warning(
                 "round %d: %.1f%% of the vector did not arrive (a reducer, or this peer's all-reduce, failed); "

@@ -11,6 +11,7 @@ import torch
 
 from engine.codecs import get_codec
 from engine.compression import RESIDUAL_DTYPE
+from engine.outcome import AllReduceStats
 from peer.node.footprint import LOSSY_CODECS, RESIDUAL_BYTES, estimate
 from peer.round.swarm_port import RoundResult
 from peer.round.trainer import Trainer, TrainerOptions
@@ -71,7 +72,7 @@ def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=2))  # type: ignore[arg-type]
     n = trainer.state.params.numel()
     swarm.vector = torch.full((n,), float("nan"))
-    swarm.next_result = RoundResult(torch.full((n,), 1e-3), 2, [], 10, 10, 0.0)
+    swarm.next_result = RoundResult(torch.full((n,), 1e-3), 2, [], AllReduceStats(10, 10), 0.0)
     grads: list[int] = []
     trainer.optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: grads.append(

@@ -9,6 +9,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
 from engine.allreduce import RoundFailedError, stale_members
+from engine.outcome import AllReduceStats
 from peer.round.swarm_port import RoundResult
 from protocol.gathered import Gathered
 
@@ -57,7 +58,7 @@ def test_groups_that_gather_no_state_have_no_stale_member() -> None:
 def _result(*states: object) -> RoundResult:
     members = [Gathered.parse(s if isinstance(s, dict) else d(s)) or Gathered() for s in states]
     return RoundResult(
-        averaged=torch.zeros(1), group_size=len(members), members=members, bytes_sent=0, bytes_received=0, wait_s=0.0
+        averaged=torch.zeros(1), group_size=len(members), members=members, stats=AllReduceStats(), wait_s=0.0
     )
 
 

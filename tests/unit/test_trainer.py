@@ -18,6 +18,7 @@ import peer.round.joining
 import peer.round.landing
 import peer.round.publisher
 from engine.checkpoint import Checkpointer
+from engine.outcome import AllReduceStats
 from peer.round.inner import InnerPhase
 from peer.round.joining import FOLLOW_MARGIN_S
 from peer.round.round_metrics import RoundMetrics
@@ -224,7 +225,7 @@ def test_a_joining_round_declares_its_window_for_its_whole_search(newcomer: bool
 def test_progress_gone_non_finite_while_averaging_is_dropped_at_apply() -> None:
     trainer, swarm = make_trainer(overlap=True)
     averaged = torch.full_like(trainer.state.params, 1e-3)
-    swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
+    swarm.next_result = RoundResult(averaged, 2, [], AllReduceStats(10, 10), 0.0)
     flight = trainer.launcher.launch(InnerPhase(time.monotonic(), math.inf, 2, 0, 0, done=2, samples=4, loss_sum=2.0))
     with torch.no_grad():  # the next round's inner steps diverged meanwhile (overlap)
         next(trainer.model.parameters()).view(-1)[0] = float("inf")
@@ -264,7 +265,7 @@ def test_a_failed_rounds_samples_are_weighed_and_claimed_with_the_round_that_ave
 
     failed = round_(4, 1.0)
     assert not failed.averaged and failed.samples == 4 and failed.carried == 0
-    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], 10, 10, 0.0)
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], AllReduceStats(10, 10), 0.0)
     landed = round_(6, 2.0)
     assert swarm.launched[-1][1] == 10.0  # its weight: both phases' samples
     assert landed.averaged and (landed.samples, landed.carried) == (6, 4)
@@ -276,7 +277,7 @@ def test_a_failed_rounds_samples_are_weighed_and_claimed_with_the_round_that_ave
 def test_successful_round_applies_the_outer_step_to_everyone_alike() -> None:
     trainer, swarm = make_trainer()
     averaged = torch.full_like(trainer.state.params, 1e-3)
-    swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
+    swarm.next_result = RoundResult(averaged, 2, [], AllReduceStats(10, 10), 0.0)
     expected = trainer.state.clone()
     outer_step(expected, averaged, trainer.spec.outer)
     before = time.time()
@@ -301,7 +302,9 @@ def test_a_group_that_claims_no_roster_lands_only_if_no_group_beside_it_landed_t
     trainer, swarm = make_trainer()
     mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest())
     members = [mine, replace(mine, id="ed25519:partner")]
-    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, members, 10, 10, 0.0)
+    swarm.next_result = RoundResult(
+        torch.full_like(trainer.state.params, 1e-3), 2, members, AllReduceStats(10, 10), 0.0
+    )
     swarm.beside = beside
     trainer.run()
     assert swarm.fence_checks == [(0, frozenset(m.id for m in members))]
@@ -314,7 +317,9 @@ def test_a_group_holding_its_rosters_majority_needs_no_fence() -> None:
     trainer, swarm = make_trainer()
     mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest(), roster=2, known=True)
     members = [mine, replace(mine, id="ed25519:partner")]
-    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, members, 10, 10, 0.0)
+    swarm.next_result = RoundResult(
+        torch.full_like(trainer.state.params, 1e-3), 2, members, AllReduceStats(10, 10), 0.0
+    )
     swarm.beside = frozenset({"ed25519:elsewhere"})
     trainer.run()
     assert swarm.fence_checks == [] and trainer.history[-1].averaged and trainer.state.round == 1
@@ -347,7 +352,7 @@ def test_with_overlap_the_inner_steps_go_on_while_the_round_lands(monkeypatch: p
     swarm = RecordingSwarm()
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=2, overlap=True))  # type: ignore[arg-type]
     averaged = torch.full_like(trainer.state.params, 1e-3)
-    swarm.next_result = RoundResult(averaged, 2, [], 10, 10, 0.0)
+    swarm.next_result = RoundResult(averaged, 2, [], AllReduceStats(10, 10), 0.0)
     expected = trainer.state.clone()
     outer_step(expected, averaged, spec.outer)
     outer_step(expected, averaged, spec.outer)
@@ -446,7 +451,7 @@ def test_checkpoint_resume_restores_everything(tmp_path) -> None:  # type: ignor
     swarm = RecordingSwarm()
     options = TrainerOptions(max_rounds=2, checkpoint_dir=tmp_path)
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options)  # type: ignore[arg-type]
-    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], 1, 1, 0.0)
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], AllReduceStats(1, 1), 0.0)
     trainer.run()
     assert trainer.state.round == 2 and len(list(tmp_path.glob("round-*.pt"))) == 2
 
@@ -523,7 +528,7 @@ def test_a_round_says_it_lands_before_it_is_recorded_and_a_resumed_peer_what_it_
     options = TrainerOptions(max_rounds=2, checkpoint_dir=tmp_path, overlap=overlap)
     trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, options, journal=journal)  # type: ignore[arg-type]
     assert journal.said == []  # nothing to resume
-    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], 1, 1, 0.0)
+    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 2, [], AllReduceStats(1, 1), 0.0)
     trainer.on_round = lambda m: journal.said.append(("round", m.round, m.state_digest))
     trainer.run()
     assert [(what, r) for what, r, _ in journal.said] == [("landing", 1), ("round", 1), ("landing", 2), ("round", 2)]
@@ -712,7 +717,9 @@ def test_a_stale_member_carries_the_round_its_group_weighed_zero_onto_the_adopte
     trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
     majority = [Gathered(id=f"ed25519:{n}", round=0, digest="sha256:theirs") for n in "ab"]
     mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest())
-    swarm.next_result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [*majority, mine], 10, 10, 0.0)
+    swarm.next_result = RoundResult(
+        torch.full_like(trainer.state.params, 1e-3), 3, [*majority, mine], AllReduceStats(10, 10), 0.0
+    )
     trainer.run()
     assert trainer.state.digest() == theirs.digest() and trainer.in_sync
     [(vector, _)] = swarm.launched
@@ -727,8 +734,8 @@ def test_a_member_a_reducer_failed_is_back_in_the_roster_of_the_state_its_group_
     trainer, swarm, theirs = _adopting_trainer(ahead_by=1)
     mine = Gathered(id=trainer.identity.public_key.id, round=0, digest=trainer.state.digest())
     others = [replace(mine, id=f"ed25519:{n}") for n in "ab"]
-    result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [mine, *others], 10, 10, 0.0)
-    result.missing = [(0, 8)]
+    result = RoundResult(torch.full_like(trainer.state.params, 1e-3), 3, [mine, *others], AllReduceStats(10, 10), 0.0)
+    result.stats.missing = [(0, 8)]
     swarm.next_result = result
     swarm.claim = RosterClaim(3, frozenset(m.id for m in others[:holders]))
     trainer.run()
@@ -899,7 +906,7 @@ def _two_mirrored_rounds(
                 p.mul_(1.001)
         trainer.launcher.start_round(flight)
         averaged = torch.full_like(trainer.state.params, 1e-3 * (round_ + 1))
-        flight.pending = _Pending(RoundResult(averaged, 2, [], 10, 10, 0.0))
+        flight.pending = _Pending(RoundResult(averaged, 2, [], AllReduceStats(10, 10), 0.0))
         assert trainer._land(flight, wait=True)
         if trainer.local.mirror is not None:
             assert trainer.local.mirror.holds_theta(trainer.state.params, trainer.state.round)
@@ -1241,7 +1248,7 @@ def test_an_averaged_rows_in_sync_says_whether_its_round_counted_not_what_the_pe
         compute_s=0.1,
         pre_digest="stale",
         launched_at=0.0,
-        result=RoundResult(torch.zeros_like(trainer.state.params), 8, [], 10, 10, 0.0),
+        result=RoundResult(torch.zeros_like(trainer.state.params), 8, [], AllReduceStats(10, 10), 0.0),
     )
     trainer.in_sync = True  # it re-synced after the landing, before the row was written
     flight.counted = False
