@@ -4,28 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.cli import EXE, REPO, no_traceback, sw
 from tests.ports import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-EXE = shutil.which("swarmtrain", path=str(Path(sys.executable).parent)) or "swarmtrain"
-
-
-def sw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [EXE, *args], capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, **(env or {})}
-    )
-
-
-def no_traceback(proc: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
 
 
 def test_help_lists_the_role_commands() -> None:

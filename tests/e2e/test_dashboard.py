@@ -18,7 +18,7 @@ import pytest
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers
 from swarmtrain.localswarm import wait_until as wait_for
 from tests.integration.coordinator_status import status
-from tests.integration.specs import COORDINATOR_SPEC as SPEC
+from tests.specs import COORDINATOR_SPEC as SPEC
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

@@ -13,7 +13,7 @@ import pytest
 
 from protocol.identity import Identity
 from swarmtrain.localswarm import Child, LocalCoordinator, swarmtrain_executable
-from tests.e2e.test_cli import no_traceback, sw
+from tests.e2e.cli import no_traceback, sw
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.toml"

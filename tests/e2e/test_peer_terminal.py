@@ -18,28 +18,16 @@ import termios
 import time
 from pathlib import Path
 
+from tests.specs import tiny_spec
+
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("swarmtrain", path=str(Path(sys.executable).parent)) or "swarmtrain"
 DEADLINE_S = 120.0
 
-SPEC = """
-[run]
-name = "terminal"
-[task.model]
-d_model = 16
-n_layers = 1
-n_heads = 2
-context = 16
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 30
-[averaging]
-compression = "int8"
-min_group_size = 2
-matchmaking_timeout_s = 2.0
-allreduce_timeout_s = 5.0
-"""
+SPEC = tiny_spec(
+    "terminal", d_model=16, context=16, inner_steps=30, overlap=None, matchmaking_timeout_s=2.0,
+    allreduce_timeout_s=5.0,
+)  # fmt: skip
 
 
 def run_peer(tmp_path: Path, *, terminal: bool) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from coordinator.archive import CheckpointArchive
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, swarmtrain_executable, wait_until
 from tests.integration.coordinator_status import status
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("archive")
 EVERY, KEEP = 2, 2

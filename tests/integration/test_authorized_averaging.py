@@ -7,7 +7,7 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer
 from swarmtrain.localswarm import wait_until as wait_for
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("gated", inner_steps=30, compression="fp16")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain.localswarm import LocalPeer, start_peers, wait_all
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("leave", context=16, matchmaking_timeout_s=15.0)
 ROUNDS = 20

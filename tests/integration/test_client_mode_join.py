@@ -20,7 +20,7 @@ from engine.codecs import get_codec
 from peer.swarm.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 SPEC = parse_spec(

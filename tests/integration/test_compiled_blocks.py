@@ -11,7 +11,7 @@ from peer.node.inner_step import Precision, inner_optimizer, inner_step
 from peer.task.base import Task
 from peer.task.causal_lm import build_lm_model, causal_lm_loss
 from protocol.spec import CausalLMSection, parse_spec
-from tests.unit.test_causal_lm import CONFIGS
+from tests.unit.lm_configs import CONFIGS
 
 SPEC = """
 [run]

@@ -15,8 +15,8 @@ from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer
 from swarmtrain.localswarm import wait_until as wait_for
 from tests.integration.coordinator_status import status
-from tests.integration.specs import COORDINATOR_SPEC as SPEC
 from tests.ports import free_port
+from tests.specs import COORDINATOR_SPEC as SPEC
 
 
 def granted(store: Store) -> set[tuple[str, int]]:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all, wait_until
-from tests.integration.specs import tiny_spec
 from tests.ports import free_ports
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("outage", context=16)
 OUTAGE_S = 60.0

@@ -26,7 +26,7 @@ from swarmtrain.localswarm import LocalCoordinator, LocalPeer, swarmtrain_execut
 from swarmtrain.localswarm import wait_until as wait_for
 from tests.conftest import plain
 from tests.integration.coordinator_status import status
-from tests.integration.specs import COORDINATOR_SPEC
+from tests.specs import COORDINATOR_SPEC
 
 SPEC = COORDINATOR_SPEC
 

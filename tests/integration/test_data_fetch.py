@@ -22,6 +22,7 @@ from protocol.errors import ConfigError
 from protocol.manifest import MANIFEST_NAME, load_manifest, tokenizer_sha256
 from protocol.spec import RunSpec, parse_spec
 from swarmtrain.localswarm import LocalDataServer, swarmtrain_executable, wait_until
+from tests.specs import llama_task, tiny_spec, token_data
 
 SEQ_LEN, SHARD_SEQUENCES = 16, 40
 
@@ -56,24 +57,46 @@ def served(prepared: Path, tmp_path: Path) -> Iterator[tuple[Path, str]]:
     assert not any("Traceback" in line for line in server.lines), "\n".join(server.lines[-20:])
 
 
+def _llama(seq_len: int) -> dict[str, dict[str, str | int | float | bool]]:
+    return llama_task(
+        seq_len=seq_len, vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+
+
 def spec_toml(spec: RunSpec) -> str:
-    return (
-        "[run]\nname='fetch'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\n"
-        f"seq_len={SEQ_LEN}\n[task.causal_lm.config]\nvocab_size=300\nhidden_size=16\nintermediate_size=32\n"
-        "num_hidden_layers=1\nnum_attention_heads=2\nnum_key_value_heads=1\n"
-        f"[data]\nsource='tokens'\nurl='{spec.data.url}'\nmanifest='{spec.data.manifest}'\n"
-        f"tokenizer='{spec.data.tokenizer}'\nslots={spec.data.slots}\n[inner]\nbatch_size=4\n[rounds]\ninner_steps=5\n"
+    data = token_data(
+        url=spec.data.url, manifest=spec.data.manifest, tokenizer=spec.data.tokenizer, slots=spec.data.slots
+    )
+    return tiny_spec(
+        "fetch",
+        task=_llama(SEQ_LEN),
+        inner_steps=5,
+        sections=data,
+        compression=None,
+        overlap=None,
+        min_group_size=None,
+        matchmaking_timeout_s=None,
+        allreduce_timeout_s=None,
     )
 
 
 def spec_for(data: Path, url: str, *, slots: int = 4) -> RunSpec:
     manifest = load_manifest(data)
+    sections = token_data(url=url, manifest=manifest.digest(), tokenizer=tokenizer_sha256(data), slots=slots)
     draft = parse_spec(
-        "[run]\nname='x'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\nseq_len=16\n"
-        "[task.causal_lm.config]\nvocab_size=300\nhidden_size=16\nintermediate_size=32\nnum_hidden_layers=1\n"
-        "num_attention_heads=2\nnum_key_value_heads=1\n[rounds]\ninner_steps=5\n"
-        f"[data]\nsource='tokens'\nurl='{url}'\nmanifest='{manifest.digest()}'\n"
-        f"tokenizer='{tokenizer_sha256(data)}'\nslots={slots}\n"
+        tiny_spec(
+            "x",
+            task=_llama(16),
+            batch_size=None,
+            inner_steps=5,
+            sections=sections,
+            compression=None,
+            overlap=None,
+            min_group_size=None,
+            matchmaking_timeout_s=None,
+            allreduce_timeout_s=None,
+        )
     )
     return parse_spec(spec_toml(draft))
 

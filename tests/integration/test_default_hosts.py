@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all, wait_until
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("hosts", context=16)
 ROUNDS = 4

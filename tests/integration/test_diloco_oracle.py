@@ -15,7 +15,7 @@ from peer.round.trainer import Trainer, TrainerOptions
 from peer.swarm.swarm import Swarm
 from peer.task import build_task
 from protocol.spec import parse_spec
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec(
     "oracle",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalPeer
 from swarmtrain.localswarm import wait_until as wait_for
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 ROUNDS = 500  # survivors run until the test stops them (SIGTERM: graceful leave)
 LATE_ROUNDS = 3

@@ -27,7 +27,7 @@ from protocol.modelsize import count_params
 from protocol.spec import parse_spec
 from protocol.statesync import record_votes, run_prefix, state_digest
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("forged", context=16, inner_steps=2)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

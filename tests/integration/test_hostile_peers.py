@@ -32,7 +32,7 @@ from peer.task import build_task
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, start_peers, wait_all, wait_until
 from tests.conftest import plain
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
 ROUNDS = 6

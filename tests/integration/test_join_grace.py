@@ -22,7 +22,7 @@ from engine.matchmaking import JOIN_GRACE_S
 from peer.swarm.swarm import Swarm
 from protocol.gathered import Gathered
 from protocol.spec import parse_spec
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 SPEC = parse_spec(

@@ -18,8 +18,8 @@ from pathlib import Path
 from coordinator.store import Store
 from peer.link.report_outbox import OUTBOX_DIR
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_until
-from tests.integration.specs import tiny_spec
 from tests.ports import free_ports
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("outbox", context=16)
 OUTAGE_ROUNDS = 3

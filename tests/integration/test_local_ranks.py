@@ -23,7 +23,7 @@ import torch
 from engine.checkpoint import Checkpointer
 from protocol.spec import load_spec
 from swarmtrain.localswarm import LocalPeer, wait_all, wait_until
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 ROUNDS = 3
 SPEC = tiny_spec(

@@ -33,7 +33,7 @@ SW = [sys.executable, "-m", "swarmtrain"]
 
 def _spec(tmp_path: Path, rounds: int) -> Path:
     """The demo spec for ``rounds`` rounds, with the matchmaking timeout the integration tests
-    give a loaded machine (``tests/integration/specs.py``): the suite runs beside these swarms."""
+    give a loaded machine (``tests/specs.py``): the suite runs beside these swarms."""
     spec = tmp_path / "spec.toml"
     text = DEMO.read_text().replace("max_rounds = 12", f"max_rounds = {rounds}")
     spec.write_text(text.replace("matchmaking_timeout_s = 5.0", "matchmaking_timeout_s = 10.0"))

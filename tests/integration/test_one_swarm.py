@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from swarmtrain.localswarm import LocalPeer, start_peers, wait_until
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 PEERS, LATE_ROUNDS = 10, 3
 ROUNDS = 500  # the others train on until the late joiner is done, then leave (SIGTERM)

@@ -22,7 +22,7 @@ from peer.task import build_task
 from protocol.identity import Identity
 from protocol.spec import parse_spec
 from swarmtrain.localswarm import LocalCoordinator, start_peers, wait_all, wait_until
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("cheat", min_group_size=3, extra="[credits]\nmax_samples_per_second = 100000.0\n")
 ROUNDS, INFLATE = 4, 10

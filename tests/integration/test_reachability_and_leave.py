@@ -13,7 +13,7 @@ from pathlib import Path
 
 from swarmtrain.localswarm import LocalCoordinator, LocalPeer, wait_all
 from swarmtrain.localswarm import wait_until as wait_for
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("reach", compression="fp16", min_group_size="{min_group}")
 

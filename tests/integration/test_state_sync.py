@@ -12,7 +12,7 @@ from peer.round.trainer import Trainer, TrainerOptions
 from peer.swarm.swarm import Swarm
 from peer.task import build_task
 from protocol.spec import parse_spec
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 SPEC = tiny_spec("sync", context=16, inner_steps=2)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -11,7 +11,7 @@ import pytest
 
 from engine.fragments import fragment_bounds
 from swarmtrain.localswarm import start_peers, wait_all
-from tests.integration.specs import tiny_spec
+from tests.specs import tiny_spec
 
 ROUNDS = 4
 SPEC = tiny_spec(

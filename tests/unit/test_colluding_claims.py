@@ -13,12 +13,9 @@ import pytest
 
 from coordinator.core import Coordinator
 from coordinator.http.metrics import render_metrics
-from protocol import coordinator_pb2 as pb
-from protocol import kinds
 from protocol.errors import MalformedMessageError
-from protocol.identity import Identity
-from protocol.messages import sign_message
 from tests.conftest import plain
+from tests.unit.claim_calls import group, heartbeat, join, report
 from tests.unit.conftest import new_core
 
 CAP = 100.0
@@ -32,28 +29,6 @@ def core(tmp_path: Path) -> Iterator[Coordinator]:
     made = new_core(tmp_path, SPEC)
     yield made
     made.store.close()
-
-
-def join(core: Coordinator, now: float) -> Identity:
-    peer = Identity.generate()
-    body = pb.JoinBody(libp2p_peer_id="p", software_version="t", spec_digest=core.digest)
-    core.join(sign_message(peer, kinds.JOIN, body.SerializeToString(), now=now).to_proto(), now=now)
-    return peer
-
-
-def report(core: Coordinator, peer: Identity, now: float, **fields: object) -> pb.RoundReportResponse:
-    body = pb.RoundReportBody(**fields)  # type: ignore[arg-type]
-    envelope = sign_message(peer, kinds.ROUND_REPORT, body.SerializeToString(), now=now)
-    return core.report_round(envelope.to_proto(), now=now)
-
-
-def heartbeat(core: Coordinator, peer: Identity, now: float, **fields: object) -> pb.HeartbeatResponse:
-    body = pb.HeartbeatBody(**fields)  # type: ignore[arg-type]
-    return core.heartbeat(sign_message(peer, kinds.HEARTBEAT, body.SerializeToString(), now=now).to_proto(), now=now)
-
-
-def group(members: list[Identity], weight: float) -> list[pb.GroupMember]:
-    return [pb.GroupMember(public_key=m.public_key.raw, weight=weight) for m in members]
 
 
 def test_colluders_get_at_most_the_cap_for_the_time_the_coordinator_saw(core: Coordinator) -> None:

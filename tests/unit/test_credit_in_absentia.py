@@ -11,8 +11,8 @@ import pytest
 
 from coordinator.core import Coordinator
 from protocol.identity import Identity
+from tests.unit.claim_calls import group, heartbeat, join, report
 from tests.unit.conftest import new_core
-from tests.unit.test_colluding_claims import group, heartbeat, join, report
 
 SPEC = '[run]\nname = "absent"\n[credits]\nmax_samples_per_second = 100.0\n'
 T0 = 1_800_000_000.0

@@ -16,6 +16,7 @@ from peer.task.causal_lm import build_lm_model, causal_lm_loss
 from protocol.errors import ConfigError
 from protocol.manifest import tokenizer_sha256
 from protocol.spec import RunSpec, parse_spec
+from tests.specs import ZERO_DIGEST, llama_task, tiny_spec, token_data
 
 LLAMA = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
@@ -34,16 +35,34 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def llama_spec(tokenizer: Path) -> RunSpec:
-    cfg = "".join(f"{k}={v}\n" for k, v in LLAMA.items())
+    data = token_data(path=str(tokenizer), manifest=ZERO_DIGEST, tokenizer=tokenizer_sha256(tokenizer))
     return parse_spec(
-        "[run]\nname='lm-export'\n[task]\nkind='causal_lm'\n[task.causal_lm]\narchitecture='llama'\nseq_len=16\n"
-        f"[task.causal_lm.config]\n{cfg}"
-        f"[data]\nsource='tokens'\npath='{tokenizer}'\nmanifest='sha256:{'0' * 64}'\n"
-        f"tokenizer='{tokenizer_sha256(tokenizer)}'\n[rounds]\ninner_steps=2\n"
+        tiny_spec(
+            "lm-export",
+            task=llama_task(**LLAMA),
+            batch_size=None,
+            inner_steps=2,
+            sections=data,
+            compression=None,
+            overlap=None,
+            min_group_size=None,
+            matchmaking_timeout_s=None,
+            allreduce_timeout_s=None,
+        )
     )
 
 
-BYTE_SPEC = "[run]\nname='bytes'\n[task.model]\nd_model=32\nn_layers=2\nn_heads=2\ncontext=32\n"
+BYTE_SPEC = tiny_spec(
+    "bytes",
+    n_layers=2,
+    batch_size=None,
+    inner_steps=None,
+    compression=None,
+    overlap=None,
+    min_group_size=None,
+    matchmaking_timeout_s=None,
+    allreduce_timeout_s=None,
+)
 
 
 def test_a_causal_lm_exports_with_its_weights_and_tokenizer_and_generates(tokenizer: Path, tmp_path: Path) -> None:

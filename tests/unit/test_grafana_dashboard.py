@@ -22,8 +22,8 @@ from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
+from tests.specs import TOKEN_RUN_SPEC
 from tests.unit.conftest import new_core
-from tests.unit.test_token_reports import SPEC as TOKEN_RUN_SPEC
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 DASHBOARD = DOCKER / "grafana-dashboard.json"

@@ -8,7 +8,7 @@ from typing import Any
 from peer.link.coordinator_client import JoinAs
 from peer.link.coordinator_link import CoordinatorLink
 from protocol import coordinator_pb2 as pb
-from tests.unit.test_metrics_exposition import row
+from tests.unit.round_rows import row
 
 METRICS = row(3, averaged=False, digest="sha256:x", samples=40, wall_s=2.0)
 

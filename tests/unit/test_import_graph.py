@@ -52,3 +52,16 @@ def import_graph() -> nx.DiGraph:
 def test_no_module_imports_itself_through_others() -> None:
     circles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
     assert not circles, f"import circles: {circles}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers several tests share live in modules of their own (``tests/specs.py``,
+    ``tests/unit/round_rows.py``, ...): a test file imported by others runs its module-level setup
+    in each and hides which of its names are a helper."""
+    offenders = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_"):
+                if node.module.startswith("tests."):
+                    offenders.append(f"{path.relative_to(REPO)} imports {node.module}")
+    assert not offenders, offenders

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from peer.task.causal_lm import build_lm_model, causal_lm_loss
 from peer.task.lm_head import LossHead, even_chunks, linear_cross_entropy, softmax_grad
 from protocol.spec import CausalLMSection
-from tests.unit.test_causal_lm import CONFIGS, section
+from tests.unit.lm_configs import CONFIGS, section
 
 
 @pytest.mark.parametrize("rows", [1, 5, 10, 37, 1000])

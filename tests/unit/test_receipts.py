@@ -19,8 +19,8 @@ from protocol.identity import Identity
 from protocol.messages import sign_message
 from protocol.receipts import MAX_RECEIPT_BYTES, REPORTED_RECEIPTS, ReceiptError, read_receipt, reported, sign_receipt
 from protocol.statesync import run_prefix
+from tests.unit.claim_calls import join, report
 from tests.unit.conftest import new_core
-from tests.unit.test_colluding_claims import join, report
 
 SPEC = '[run]\nname = "receipts"\n[credits]\nmax_samples_per_second = 100.0\n'
 T0 = 1_800_000_000.0

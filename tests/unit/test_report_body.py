@@ -10,7 +10,7 @@ from peer.link.report_wire import report_body
 from peer.task.data_assignment import DataRead
 from protocol.identity import Identity
 from protocol.messages import MAX_REPORTED_SAMPLES
-from tests.unit.test_metrics_exposition import row
+from tests.unit.round_rows import row
 
 
 def test_a_member_that_stated_no_public_id_is_left_out_and_the_report_still_goes() -> None:

@@ -19,7 +19,7 @@ from protocol.errors import AdmissionError
 from protocol.identity import Identity
 from protocol.tokens import issue_token
 from swarmtrain.localswarm import wait_until
-from tests.unit.test_metrics_exposition import row
+from tests.unit.round_rows import row
 
 
 def body(round_: int) -> pb.RoundReportBody:

@@ -18,7 +18,7 @@ from coordinator.http.app import create_app
 from coordinator.round_view import RoundFigures, RoundWindow
 from swarmtrain.commands.status import print_rounds
 from tests.unit.conftest import new_core
-from tests.unit.test_metrics_exposition import T0, joined, link, row, send_reports
+from tests.unit.round_rows import T0, joined, link, row, send_reports
 
 
 def test_one_group_one_state() -> None:

@@ -9,20 +9,12 @@ import pytest
 from peer.node.schedule import inner_lr, outer_lr, swarm_tokens, tokens_per_swarm_step
 from protocol.errors import SpecError
 from protocol.spec import parse_spec
+from tests.specs import tiny_spec
 
-BASE = """
-[run]
-name = "sched"
-[task.model]
-context = 32
-[inner]
-lr = 1e-3
-batch_size = 4
-[rounds]
-inner_steps = 10
-[data]
-slots = 2
-"""
+BASE = tiny_spec(
+    "sched", lr=1e-3, batch_size=4, inner_steps=10, compression=None, overlap=None, min_group_size=None,
+    matchmaking_timeout_s=None, allreduce_timeout_s=None, sections={"data": {"slots": 2}},
+)  # fmt: skip
 
 
 def spec(schedule: str) -> object:

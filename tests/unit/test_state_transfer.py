@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.state_transfer import StateTransferMixin
 from engine.update_transfer import UpdateTransferMixin
-from tests.unit.test_update_transfer import _Answer
+from tests.unit.update_answers import _Answer
 
 
 class _Newcomer(StateTransferMixin, UpdateTransferMixin):

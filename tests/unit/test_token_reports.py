@@ -15,33 +15,10 @@ from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
+from tests.specs import TOKEN_RUN_SPEC
 from tests.unit.conftest import new_core
 
-SPEC = """
-[run]
-name = "tokens"
-[task]
-kind = "causal_lm"
-[task.causal_lm]
-architecture = "llama"
-seq_len = 16
-[task.causal_lm.config]
-vocab_size = 300
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 1
-num_attention_heads = 4
-[data]
-source = "tokens"
-path = "d"
-manifest = "sha256:{zeros}"
-tokenizer = "sha256:{zeros}"
-slots = 3
-[inner]
-batch_size = 4
-[rounds]
-inner_steps = 5
-""".replace("{zeros}", "0" * 64)
+SPEC = TOKEN_RUN_SPEC
 
 
 @pytest.fixture

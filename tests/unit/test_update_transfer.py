@@ -20,6 +20,7 @@ from engine.codecs import get_codec
 from engine.update_store import UpdateStore, read_frames
 from engine.update_transfer import MAX_SERVING, UpdateTransferMixin
 from protocol.errors import MalformedTensorError
+from tests.unit.update_answers import _Answer
 
 NUMEL = 64 * 300
 WIDTH = 64 * 70  # values per part: whole blocks, the last part shorter
@@ -333,19 +334,6 @@ def test_hivemind_serves_the_update_download_as_a_stream() -> None:
     (handler,) = [h for h in ExactAverager._rpc_handlers if h.method_name == "rpc_download_update"]
     assert handler.stream_output and not handler.stream_input
     assert handler.response_type is averaging_pb2.AveragingData
-
-
-class _Answer:
-    """What ``_download_update`` hands its result to (an ``MPFuture`` in the averager)."""
-
-    def __init__(self) -> None:
-        self.result: Any = "unset"
-
-    def set_result(self, value: Any) -> None:
-        self.result = value
-
-    def done(self) -> bool:
-        return self.result != "unset"
 
 
 def test_a_server_once_slow_is_not_asked_where_a_faster_one_had_nothing() -> None:
