@@ -251,8 +251,8 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
         "cpu_s_per_member_by_part": parts,
         "leader_loop_cpu_s": round(max(x["loop_cpu_s"] for x in leaders), 4) if leaders else None,
         "leader_begin_bytes": int(max(x["begin_bytes"] for x in leaders)) if leaders else None,
-        "allreduce_s": round(statistics.median(x.allreduce_s for _, x, _ in landed), 3) if landed else None,
-        "bytes_per_member": int(statistics.mean(x.bytes_sent + x.bytes_received for _, x, _ in landed))
+        "allreduce_s": round(statistics.median(x.stats.allreduce_s for _, x, _ in landed), 3) if landed else None,
+        "bytes_per_member": int(statistics.mean(x.stats.bytes_sent + x.stats.bytes_received for _, x, _ in landed))
         if landed
         else 0,
     }

@@ -60,7 +60,7 @@ def test_a_client_that_launches_before_every_leader_is_in_the_group(swarms: list
     pending = [swarm.start_round(weight=1.0, gather=_gather(f"l{i}")) for i, swarm in enumerate(leaders)]
     results = [p.result() for p in pending] + [in_client.result()]
     assert [None if r is None else r.group_size for r in results] == [3, 3, 3]
-    assert all(r is not None and r.bytes_sent > 0 for r in results)
+    assert all(r is not None and r.stats.bytes_sent > 0 for r in results)
     # one of the two that can lead led, and says what forming the group cost it
     led = [r.led for r in results if r is not None and r.led is not None]
     assert len(led) == 1 and results[-1] is not None and results[-1].led is None, led

@@ -255,7 +255,8 @@ def test_data_fetch_and_verify_from_the_command_line(served: tuple[Path, str], p
     again = subprocess.run([*swarmtrain_executable(), "data", "fetch", str(spec_file), "--no-progress"],
                            capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert again.returncode == 0 and "fetched 0.0 MB" in again.stdout, again.stdout + again.stderr
-    spec_file.write_text(text.replace(f"url='{url}'\n", "path='/nowhere'\n"))
+    assert f'url = "{url}"\n' in text
+    spec_file.write_text(text.replace(f'url = "{url}"\n', 'path = "/nowhere"\n'))
     refused = subprocess.run([*swarmtrain_executable(), "data", "fetch", str(spec_file)],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
@@ -285,7 +286,8 @@ def test_the_doctor_checks_the_published_data_and_says_what_a_round_reads(
     (root / MANIFEST_NAME).write_text((root / MANIFEST_NAME).read_text().replace('"documents": ', '"documents": 1'))
     line = doctor()
     assert line.startswith("FAIL  data: ") and "the run uses" in line and "-> fix: ask the operator" in line, line
-    spec_file.write_text(text.replace(f"url='{url}'", f"path='{tmp_path / 'nowhere'}'"))
+    assert f'url = "{url}"' in text
+    spec_file.write_text(text.replace(f'url = "{url}"', f'path = "{tmp_path / "nowhere"}"'))
     line = doctor()
     assert line.startswith("warn  data: ") and "no such directory" in line and "--data-dir" in line, line
 
