@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from peer.node.inner_step import inner_optimizer, inner_step
-from peer.round.joining import JOIN_LEAD_S, Joining
+from peer.round import joining as joins
+from peer.round.joining import Joining
 from peer.round.local import Crew, LocalState
 from peer.round.progress import InnerProgress
 from peer.round.state import load_flat
@@ -87,7 +88,7 @@ class InnerSteps:
             local.carry_over = None  # the work carried over is in the model: this phase's Δ holds it
             local.data_round = max(round_, local.data_round + 1)
             # declared before the members launch: its declaration takes about a lookup to be seen
-            until = max(started, launch - JOIN_LEAD_S - 2 * crew.swarm.lookup_s())
+            until = max(started, launch - joins.JOIN_LEAD_S - 2 * crew.swarm.lookup_s())
             steps = rounds.inner_steps or 1 << 62
             return InnerPhase(started, until, steps, round_, local.data_round, joining=True, least=1)
         local.data_round = max(round_, local.data_round + 1)

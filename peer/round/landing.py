@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.compression import ErrorFeedback
+from peer.round import joining
 from peer.round.adoption import Adoption
 from peer.round.host_passes import land_global, land_round, model_is_finite, rebase_model, undo_eager_start
 from peer.round.inner import InnerSteps
-from peer.round.joining import LANDED_CHECK_S
 from peer.round.launch import InFlight
 from peer.round.local import Crew, LocalState
 from peer.round.resync import outer_at
@@ -79,29 +79,34 @@ class Landing:
         """Whether landing ``flight`` must wait for its result first (``await_result``)."""
         return flight.landing is None and not flight.pending.done()
 
-    def await_result(self, flight: InFlight) -> None:
-        """Wait for the round's result, giving it up if the swarm landed it without this peer."""
-        started = time.monotonic()
-        while not flight.pending.wait(LANDED_CHECK_S):
+    def await_result(self, flight: InFlight, *, since: float) -> None:
+        """Wait for the round's result, giving it up if the swarm landed it without this peer
+        (``since``: when the loop began to wait, monotonic)."""
+        while not flight.pending.wait(joining.LANDED_CHECK_S):
             self.abandon_if_landed(flight)
-        flight.wait_s += time.monotonic() - started
+        flight.wait_s += time.monotonic() - since
+
+    def judge(self, flight: InFlight) -> None:
+        """Judge the round's result, once it is in (``peer.round.verdict``), and tell the journal
+        that a round that averaged begins to land."""
+        local = self.local
+        started = time.monotonic()
+        result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
+        flight.judged_at = time.monotonic()
+        flight.wait_s += flight.judged_at - started
+        if result is not None:
+            logger.info("round %d averaged in a group of %d: landing it", local.state.round, result.group_size)
+            if self.crew.journal is not None:
+                self.crew.journal.landing(self.round_metrics(flight, local.state.round + 1), flight.pre_digest)
 
     def land(self, flight: InFlight, *, wait: bool) -> Landed:
-        """Land the round in flight, its result in: apply or undo it and record it. With overlap
-        a successful round's host half runs on the landing thread: then, unless ``wait``,
-        ``RUNNING`` until it is done."""
-        local = self.local
+        """Land the round in flight, its result judged (``judge``): apply or undo it and record
+        it. With overlap a successful round's host half runs on the landing thread: then, unless
+        ``wait``, ``RUNNING`` until it is done."""
         if flight.landing is None:
-            started = time.monotonic()
-            result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
-            landed = time.monotonic()
-            flight.wait_s += landed - started
-            if result is not None:
-                logger.info("round %d averaged in a group of %d: landing it", local.state.round, result.group_size)
-                if self.crew.journal is not None:
-                    self.crew.journal.landing(self.round_metrics(flight, local.state.round + 1), flight.pre_digest)
-            applied = self.apply(flight, result)
-            flight.host_s = time.monotonic() - landed
+            assert flight.judged_at is not None, "a round is judged before it lands"
+            applied = self.apply(flight, flight.result)
+            flight.host_s = time.monotonic() - flight.judged_at
             if isinstance(applied, Future):
                 flight.landing = applied
                 if not wait:
@@ -124,7 +129,8 @@ class Landing:
         return Landed.DONE
 
     def record(self, flight: InFlight, *, digest_known: bool = True) -> None:
-        """Record a round that landed (or failed): its metrics, once the new state's digest is known."""
+        """Record a round that landed (or failed): its metrics, once the new state's digest is
+        known (after a re-sync the loop ran, ``Landed.OUT_OF_SYNC``, its host time is counted)."""
         result, state = flight.result, self.local.state
         metrics = self.round_metrics(flight, state.round)
         checkpoint = result is not None and state.round % self.crew.options.checkpoint_every == 0
@@ -372,7 +378,7 @@ class Landing:
         now = time.monotonic()
         if now < self._landed_check_at or flight.pending.done():
             return
-        self._landed_check_at = now + LANDED_CHECK_S
+        self._landed_check_at = now + joining.LANDED_CHECK_S
         agreed = self.crew.swarm.accepted_state(exclude=self.crew.identity.public_key)
         if agreed is not None and agreed.round > flight.pending.meets and flight.pending.abandon():
             logger.warning(

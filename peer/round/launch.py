@@ -97,6 +97,8 @@ class InFlight:
     """The pseudo-gradient being written on the landing thread; the round starts after it."""
     landing: Future[float] | None = None
     """The landing's host half on the landing thread (its seconds), while the inner steps go on."""
+    judged_at: float | None = None
+    """When its result was judged (monotonic; ``Landing.judge``): its landing's host time runs from here."""
     counted: bool = False
     wait_s: float = 0.0
     host_s: float = 0.0

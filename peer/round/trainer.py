@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -325,15 +326,21 @@ class Trainer:
         overlap, unless ``wait``, False while its host half runs (the inner steps go on)."""
         if flight.writing is not None:
             self.launcher.start_round(flight)
-        if self.landing.waits(flight):
-            self.phase = Phase.AVERAGING
-            self.crew.progress.waiting(self.local.state.round)
-            self.landing.await_result(flight)
-        if flight.landing is None or not flight.landing.done():
+        if flight.landing is None:
+            if self.landing.waits(flight):
+                since = time.monotonic()
+                self.phase = Phase.AVERAGING
+                self.crew.progress.waiting(self.local.state.round)
+                self.landing.await_result(flight, since=since)
+            self.landing.judge(flight)
+            self.phase = Phase.APPLYING
+        elif not flight.landing.done():
             self.phase = Phase.APPLYING
         landed = self.landing.land(flight, wait=wait)
-        if landed is Landed.OUT_OF_SYNC:
+        if landed is Landed.OUT_OF_SYNC:  # re-synced here, on the round's host time (its row comes after)
+            started = time.monotonic()
             self.catch_up()
+            flight.host_s += time.monotonic() - started
             self.landing.record(flight)
         return landed is not Landed.RUNNING
 

@@ -857,7 +857,7 @@ def test_a_peer_gives_up_a_search_for_a_round_the_swarm_landed_without_it(
     round (the work stays in the model, the peer re-syncs). A round not landed yet is left
     alone, and the records are read at most every ``LANDED_CHECK_S``."""
 
-    monkeypatch.setattr(peer.round.landing, "LANDED_CHECK_S", 0.05)
+    monkeypatch.setattr(peer.round.joining, "LANDED_CHECK_S", 0.05)
     trainer, swarm = make_trainer(overlap=False)
     reads: list[float] = []
     holders = Agreement(trainer.state.round + (1 if landed else 0), "blake3:theirs", 3, 3)
