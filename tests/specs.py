@@ -9,6 +9,7 @@ by hand."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 Value = str | int | float | bool
 
@@ -88,16 +89,21 @@ COORDINATOR_SPEC = tiny_spec("coord", min_group_size=3, extra='[admission]\nmode
 """A coordinator's run: ``str.format`` it with ``mode`` (open, allowlist) and ``allowlist`` (a TOML line)."""
 
 
+def bare_spec(name: str, **given: Any) -> str:
+    """``tiny_spec`` that writes no averaging key it is not given: the codec, overlap, group size
+    and timeouts are the spec's own defaults (a test of the trainer or of a task, not of a swarm
+    on a loaded machine)."""
+    unset: dict[str, Any] = dict.fromkeys(
+        ("compression", "overlap", "min_group_size", "matchmaking_timeout_s", "allreduce_timeout_s")
+    )
+    return tiny_spec(name, **{**unset, **given})
+
+
 ZERO_DIGEST = "sha256:" + "0" * 64
-TOKEN_RUN_SPEC = tiny_spec(
+TOKEN_RUN_SPEC = bare_spec(
     "tokens",
     task=llama_task(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4),
     inner_steps=5,
-    compression=None,
-    overlap=None,
-    min_group_size=None,
-    matchmaking_timeout_s=None,
-    allreduce_timeout_s=None,
     sections=token_data(path="d", manifest=ZERO_DIGEST, tokenizer=ZERO_DIGEST, slots=3),
 )
 """A coordinator's token run (a Llama on prepared tokens, three data streams): its reports

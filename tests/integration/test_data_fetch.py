@@ -22,7 +22,7 @@ from protocol.errors import ConfigError
 from protocol.manifest import MANIFEST_NAME, load_manifest, tokenizer_sha256
 from protocol.spec import RunSpec, parse_spec
 from swarmtrain.localswarm import LocalDataServer, swarmtrain_executable, wait_until
-from tests.specs import llama_task, tiny_spec, token_data
+from tests.specs import bare_spec, llama_task, token_data
 
 SEQ_LEN, SHARD_SEQUENCES = 16, 40
 
@@ -68,16 +68,11 @@ def spec_toml(spec: RunSpec) -> str:
     data = token_data(
         url=spec.data.url, manifest=spec.data.manifest, tokenizer=spec.data.tokenizer, slots=spec.data.slots
     )
-    return tiny_spec(
+    return bare_spec(
         "fetch",
         task=_llama(SEQ_LEN),
         inner_steps=5,
         sections=data,
-        compression=None,
-        overlap=None,
-        min_group_size=None,
-        matchmaking_timeout_s=None,
-        allreduce_timeout_s=None,
     )
 
 
@@ -85,17 +80,12 @@ def spec_for(data: Path, url: str, *, slots: int = 4) -> RunSpec:
     manifest = load_manifest(data)
     sections = token_data(url=url, manifest=manifest.digest(), tokenizer=tokenizer_sha256(data), slots=slots)
     draft = parse_spec(
-        tiny_spec(
+        bare_spec(
             "x",
             task=_llama(16),
             batch_size=None,
             inner_steps=5,
             sections=sections,
-            compression=None,
-            overlap=None,
-            min_group_size=None,
-            matchmaking_timeout_s=None,
-            allreduce_timeout_s=None,
         )
     )
     return parse_spec(spec_toml(draft))

@@ -16,12 +16,9 @@ from protocol.gathered import Gathered
 from protocol.modelsize import count_params
 from protocol.roster import RosterClaim
 from protocol.spec import parse_spec
-from tests.specs import tiny_spec
+from tests.specs import bare_spec
 
-SPEC = tiny_spec(
-    "unit", d_model=16, context=8, batch_size=2, inner_steps=2,
-    min_group_size=None, matchmaking_timeout_s=None, allreduce_timeout_s=None,
-)  # fmt: skip
+SPEC = bare_spec("unit", d_model=16, context=8, batch_size=2, inner_steps=2, compression="int8", overlap=False)
 
 
 @dataclass

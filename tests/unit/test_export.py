@@ -16,7 +16,7 @@ from peer.task.causal_lm import build_lm_model, causal_lm_loss
 from protocol.errors import ConfigError
 from protocol.manifest import tokenizer_sha256
 from protocol.spec import RunSpec, parse_spec
-from tests.specs import ZERO_DIGEST, llama_task, tiny_spec, token_data
+from tests.specs import ZERO_DIGEST, bare_spec, llama_task, token_data
 
 LLAMA = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
@@ -37,31 +37,21 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llama_spec(tokenizer: Path) -> RunSpec:
     data = token_data(path=str(tokenizer), manifest=ZERO_DIGEST, tokenizer=tokenizer_sha256(tokenizer))
     return parse_spec(
-        tiny_spec(
+        bare_spec(
             "lm-export",
             task=llama_task(**LLAMA),
             batch_size=None,
             inner_steps=2,
             sections=data,
-            compression=None,
-            overlap=None,
-            min_group_size=None,
-            matchmaking_timeout_s=None,
-            allreduce_timeout_s=None,
         )
     )
 
 
-BYTE_SPEC = tiny_spec(
+BYTE_SPEC = bare_spec(
     "bytes",
     n_layers=2,
     batch_size=None,
     inner_steps=None,
-    compression=None,
-    overlap=None,
-    min_group_size=None,
-    matchmaking_timeout_s=None,
-    allreduce_timeout_s=None,
 )
 
 

@@ -17,13 +17,12 @@ from peer.round.swarm_port import RoundResult
 from peer.round.trainer import Trainer, TrainerOptions
 from peer.task import build_task
 from protocol.spec import load_spec, parse_spec
-from tests.specs import tiny_spec
+from tests.specs import bare_spec
 from tests.unit.recording_swarm import RecordingSwarm
 
-SPEC = tiny_spec(
+SPEC = bare_spec(
     "footprint", d_model=256, n_layers=2, n_heads=4, context=16, batch_size=2, inner_steps=2,
-    compression="{codec}", overlap="{overlap}", min_group_size=None, matchmaking_timeout_s=None,
-    allreduce_timeout_s=None,
+    compression="{codec}", overlap="{overlap}",
 )  # fmt: skip
 SCRATCH = 2 << 20
 """Chunk buffers of the host passes (``peer.round.state.CHUNK_VALUES``), not per parameter."""

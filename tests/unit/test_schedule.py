@@ -9,11 +9,10 @@ import pytest
 from peer.node.schedule import inner_lr, outer_lr, swarm_tokens, tokens_per_swarm_step
 from protocol.errors import SpecError
 from protocol.spec import parse_spec
-from tests.specs import tiny_spec
+from tests.specs import bare_spec
 
-BASE = tiny_spec(
-    "sched", lr=1e-3, batch_size=4, inner_steps=10, compression=None, overlap=None, min_group_size=None,
-    matchmaking_timeout_s=None, allreduce_timeout_s=None, sections={"data": {"slots": 2}},
+BASE = bare_spec(
+    "sched", lr=1e-3, batch_size=4, inner_steps=10, sections={"data": {"slots": 2}},
 )  # fmt: skip
 
 

@@ -15,13 +15,10 @@ from benchmarks.training_quality import main, suites, worker_pool
 from engine.codecs import get_codec
 from engine.robust import RobustRule
 from protocol.spec import parse_spec
-from tests.specs import tiny_spec
+from tests.specs import bare_spec
 
 DEMO = (Path(__file__).resolve().parents[2] / "examples" / "demo.toml").read_text()
-TINY = tiny_spec(
-    "tiny", d_model=16, context=8, batch_size=2, inner_steps=3, overlap=None,
-    matchmaking_timeout_s=None, allreduce_timeout_s=None,
-)  # fmt: skip
+TINY = bare_spec("tiny", d_model=16, context=8, batch_size=2, inner_steps=3, compression="int8", min_group_size=2)
 
 
 def test_without_rule_or_codec_the_group_gets_the_weighted_mean() -> None:
