@@ -111,7 +111,7 @@ from typing import Any
 
 from benchmarks.delay_link import DelayLink, start_delay_link, validate_delay_ms
 from benchmarks.nat_router import HOST_INNER, ROUTER_INNER, ROUTER_NETNS_TAG, Nat, nft_ruleset
-from swarmtrain.lifetime import pid_alive
+from protocol.pids import pid_alive
 
 log = logging.getLogger(__name__)
 

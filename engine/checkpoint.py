@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from protocol.errors import ConfigError
+from protocol.pids import pid_alive
 from protocol.spec import RunSpec
 from protocol.statesync import state_digest
 
@@ -52,7 +53,7 @@ class Checkpointer:
         as a checkpoint, one more per crash) unless their writer still runs."""
         for tmp in self.directory.glob(f".{_PREFIX}*{_SUFFIX}.*.tmp"):
             pid = tmp.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
                 continue
             logger.info("removing %s, left by a writer that stopped mid-write", tmp.name)
             tmp.unlink(missing_ok=True)
@@ -171,16 +172,6 @@ def _carried_digest(record: dict[str, Any], path: Path) -> str:
     if spec.digest() != record.get("spec_digest"):
         raise ConfigError(f"{path}: the spec it carries is not the run it names (corrupted or edited)")
     return spec.digest()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sync_directory(directory: Path) -> None:

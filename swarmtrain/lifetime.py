@@ -78,14 +78,3 @@ def tie_children_to_this_process() -> bool:
     os.register_at_fork(before=before, after_in_child=after_in_child)
     _installed = True
     return True
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -18,7 +18,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from swarmtrain.lifetime import pid_alive
+from protocol.pids import pid_alive
 
 CLAIMS = Path(tempfile.gettempdir()) / f"swarmtrain-test-ports-{os.getuid()}"
 """One file per claimed port, holding the claiming process's pid (per user: the suite runs as one)."""
