@@ -1,6 +1,9 @@
 """Each peer's credit as its heartbeat answers it: read from the store once, then moved by every
 change the core commits (``moved``). Heartbeats run beside the core's other calls (outside its
-lock), so a figure read from the store is kept only if no change came in between (an epoch)."""
+lock), so a figure read from the store is kept only if no change to that peer's credit came in
+between (a version per peer: with one version for the whole swarm, a swarm of thousands, whose
+reports and decisions move some credit every few milliseconds, kept almost nothing, and nearly
+every heartbeat read the database)."""
 
 from __future__ import annotations
 
@@ -15,8 +18,11 @@ class CreditCache:
 
     def __init__(self) -> None:
         self._cache: dict[str, PeerCredit] = {}
-        self._epoch = 0
-        """Counts credit changes: a reader caches what it read only if nothing changed meanwhile."""
+        self._versions: dict[str, int] = {}
+        """Counts each peer's credit changes: a reader caches what it read only if that peer's
+        credit did not change meanwhile."""
+        self._generation = 0
+        """Counts ``forget()`` of everyone: a figure read before it is not kept."""
         self._lock = threading.Lock()
         """Makes a reader's "nothing changed, cache it" one step against ``moved``."""
 
@@ -24,10 +30,11 @@ class CreditCache:
         """``key``'s credit: cached, else ``read`` from the store (and cached if nothing moved meanwhile)."""
         credit = self._cache.get(key)
         if credit is None:
-            epoch = self._epoch
+            with self._lock:
+                seen = (self._generation, self._versions.get(key, 0))
             credit = read(key)
             with self._lock:
-                if epoch == self._epoch:  # no claim changed while it was read: keep it
+                if seen == (self._generation, self._versions.get(key, 0)):  # unchanged while read: keep it
                     self._cache[key] = credit
         return credit
 
@@ -35,7 +42,7 @@ class CreditCache:
         """The core committed a change to ``key``'s credit: move its cached figures by as much
         (a new record: a heartbeat reading the old one beside this sees a whole one)."""
         with self._lock:
-            self._epoch += 1
+            self._versions[key] = self._versions.get(key, 0) + 1
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache[key] = PeerCredit(
@@ -47,8 +54,9 @@ class CreditCache:
     def forget(self, key: str | None = None) -> None:
         """Forget the cached credit of ``key`` (of everyone: None)."""
         with self._lock:
-            self._epoch += 1
             if key is None:
+                self._generation += 1
                 self._cache.clear()
             else:
+                self._versions[key] = self._versions.get(key, 0) + 1
                 self._cache.pop(key, None)
