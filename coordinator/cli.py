@@ -52,6 +52,21 @@ def add_parser(commands: Any) -> None:
         help="ports the relay grants, one per relayed peer (default: 7801-7864); 'none': no relay",
     )
     parser.add_argument(
+        "--heartbeat-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes that take the peers' heartbeats, beside the one that runs the rest "
+        "(0: the gRPC port takes them; default: 1; a swarm of thousands wants a core each)",
+    )
+    parser.add_argument(
+        "--heartbeat-port",
+        type=int,
+        default=0,
+        help="their port, told to peers when they join (default: 0, any free port; a peer that "
+        "cannot reach it heartbeats to the gRPC port)",
+    )
+    parser.add_argument(
         "--archive-every",
         type=int,
         default=10,
@@ -94,9 +109,11 @@ def run(args: argparse.Namespace) -> int:
     from relay.server import parse_port_range
 
     relay_ports = parse_port_range(args.relay_ports)
-    for name in ("grpc_port", "dht_port", "http_port", "relay_port"):
+    for name in ("grpc_port", "dht_port", "http_port", "relay_port", "heartbeat_port"):
         if not 0 <= getattr(args, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(args, name)}")
+    if not 0 <= args.heartbeat_processes <= 64:
+        raise ConfigError(f"--heartbeat-processes must be in 0..64, got {args.heartbeat_processes}")
     if args.archive_every < 0:
         raise ConfigError(f"--archive-every must be >= 0, got {args.archive_every}")
     if args.archive_keep < 1:
@@ -121,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         ("--grpc-port", args.grpc_port),
         ("--http-port", args.http_port),
         ("--relay-port", args.relay_port),
+        ("--heartbeat-port", args.heartbeat_port),
     ):
         if flag == "--relay-port" and relay_ports is None:
             continue
@@ -143,12 +161,16 @@ def run(args: argparse.Namespace) -> int:
             log_to=tuple(args.log_to),
             relay_port=args.relay_port,
             relay_ports=relay_ports,
+            heartbeat_processes=args.heartbeat_processes,
+            heartbeat_port=args.heartbeat_port,
         )
     )
     server.start()
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     print(f"coordinator of run {server.core.spec.run.name!r} ({server.core.digest})", flush=True)
     print(f"grpc: {host}:{server.grpc_port}", flush=True)
+    if server.fronts is not None:
+        print(f"heartbeats: {host}:{server.fronts.port} ({server.fronts.count} process(es))", flush=True)
     print(f"http: http://{host}:{server.http_port}/  (dashboard; /api/v1/status, /metrics)", flush=True)
     for maddr in server.maddrs:
         print(f"dht: {maddr}", flush=True)

@@ -19,13 +19,13 @@ import random
 import time
 from collections.abc import Callable
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from coordinator.access import Access
 from coordinator.admission import admit, parse_body
 from coordinator.credit_cache import CreditCache
 from coordinator.credits import OFFENCE
+from coordinator.front.wire import NOT_ADMITTED
 from coordinator.health import HealthConfig, HealthTracker
+from coordinator.heartbeats import Heartbeats
 from coordinator.limits import (
     check_hardware,
     check_heartbeat,
@@ -56,12 +56,6 @@ logger = logging.getLogger(__name__)
 MAX_LOCAL_RANKS = 64
 """A node says how many local ranks it runs; more than this is not one machine."""
 
-_PHASES = {
-    pb.PEER_PHASE_JOINING: "joining",
-    pb.PEER_PHASE_TRAINING: "training",
-    pb.PEER_PHASE_AVERAGING: "averaging",
-    pb.PEER_PHASE_LEAVING: "leaving",
-}
 
 HISTORY_KEEP_S = 24 * 3600.0
 """Swarm samples (one a tick, ``Store.record_sample``) are kept this long: the longest window
@@ -119,6 +113,18 @@ class Coordinator:
         """Every round report from its arrival to its decision (``coordinator.rounds``)."""
         self.credit = CreditCache()
         """Each peer's credit as its heartbeat answers it (``coordinator.credit_cache``)."""
+        self.beats = Heartbeats(
+            health=self.health,
+            credit=self.credit,
+            store=store,
+            verifier=self.verifier,
+            admitted=self._admitted,
+            max_samples_per_second=spec.credits.max_samples_per_second,
+            data_slots=self.data_slots,
+        )
+        """Heartbeats applied and answered, here and by the heartbeat processes (``coordinator.heartbeats``)."""
+        self.heartbeat_port = 0
+        """The heartbeat processes' port on this host, told to joining peers (0: none run)."""
         self.history_keep_s = history_keep_s
         self._pruned_at = -math.inf
         self.rounds.reload(restarted=time.time(), owner_of=self._owner_of)
@@ -179,6 +185,7 @@ class Coordinator:
         data_slot = None
         if self.data_slots is not None:
             data_slot = self.data_slots.assign(key, max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)), now=now)
+        self.beats.joined(key)
         token = issue_token(
             self.identity,
             run_digest=self.digest,
@@ -202,6 +209,7 @@ class Coordinator:
             data_slot=data_slot,
             relay_port=self.relay_port,
             relays=self._volunteer_relays(key, now),
+            heartbeat_port=self.heartbeat_port,
         )
         # signed and bound to this request: an on-path attacker can swap neither the spec nor
         # the bootstrap peers nor the relays of a peer that pinned this coordinator's key
@@ -234,50 +242,16 @@ class Coordinator:
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
         """Safe to call beside every other method (the servicer runs heartbeats outside its
         lock, so that they never wait for a report's or a tick's database writes): it touches
-        only thread-safe state (the verifier's replay guard, the health tracker, the bans and
-        credit caches) and reads the store only for a peer's first credit figures."""
+        only thread-safe state (``coordinator.heartbeats``)."""
         peer, body = self._verified(envelope, kinds.HEARTBEAT, pb.HeartbeatBody, now, acts_for=self._admitted)
         check_heartbeat(body)
         interval = self.health.config.heartbeat_interval_s
         if not self._admitted(peer):
             return pb.HeartbeatResponse(
-                server_time=now,
-                heartbeat_interval_s=interval,
-                admitted=False,
-                message="not admitted (coordinator restarted, or banned): join again",
+                server_time=now, heartbeat_interval_s=interval, admitted=False, message=NOT_ADMITTED
             )
-        self.health.heartbeat(
-            peer.id,
-            now=now,
-            round=body.round,
-            phase=_PHASES.get(body.phase, "training"),
-            # no peer counts for more than the run's plausibility cap in the swarm's figures
-            samples_per_second=min(body.samples_per_second, self.spec.credits.max_samples_per_second),
-            samples_total=body.samples_total,
-            loss=body.loss if math.isfinite(body.loss) else None,
-            state_digest=body.state_digest,
-            rounds_failed=body.rounds_failed,
-            punched_peers=body.punched_peers,
-        )
-        if self.data_slots is not None:
-            if body.phase == pb.PEER_PHASE_LEAVING:
-                self.data_slots.release(peer.id)
-            else:
-                self.data_slots.seen(peer.id, now)
-        response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
-        if self.data_slots is not None:
-            held = self.data_slots.held_by(peer.id)
-            if held:
-                response.data_slot = held[0]
-        try:
-            credit = self.credit.get(peer.id, self.store.credit_of)
-        except SQLAlchemyError as exc:  # heartbeats keep health going while the database is away
-            logger.warning("could not read %s's credit for its heartbeat: %s", peer.id, exc)
-            return response
-        response.credited_samples = credit.samples
-        response.credited_flops = credit.flops
-        response.pending_samples = credit.pending_samples
-        return response
+        self.beats.apply(peer.id, body, now)
+        return self.beats.response(peer.id, now, interval)
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
         """Verify a round report, then record it (``RoundBook.record``); it is decided at a
@@ -468,6 +442,7 @@ class Coordinator:
             if self.health.get(peer) is not None:
                 dropped += 1
             self.health.remove(peer)
+            self.beats.dropped(peer)
         return dropped
 
 

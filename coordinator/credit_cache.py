@@ -23,6 +23,8 @@ class CreditCache:
         credit did not change meanwhile."""
         self._generation = 0
         """Counts ``forget()`` of everyone: a figure read before it is not kept."""
+        self._changed: set[str] | None = set()
+        """Keys whose credit changed since ``take_changed`` (None: everyone's may have)."""
         self._lock = threading.Lock()
         """Makes a reader's "nothing changed, cache it" one step against ``moved``."""
 
@@ -43,6 +45,8 @@ class CreditCache:
         (a new record: a heartbeat reading the old one beside this sees a whole one)."""
         with self._lock:
             self._versions[key] = self._versions.get(key, 0) + 1
+            if self._changed is not None:
+                self._changed.add(key)
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache[key] = PeerCredit(
@@ -57,6 +61,15 @@ class CreditCache:
             if key is None:
                 self._generation += 1
                 self._cache.clear()
+                self._changed = None
             else:
                 self._versions[key] = self._versions.get(key, 0) + 1
                 self._cache.pop(key, None)
+                if self._changed is not None:
+                    self._changed.add(key)
+
+    def take_changed(self) -> set[str] | None:
+        """Keys whose credit changed since the last call (None: anyone's may have), and forget them."""
+        with self._lock:
+            changed, self._changed = self._changed, set()
+            return changed

@@ -23,6 +23,8 @@ from coordinator.archive import CheckpointArchive
 from coordinator.archiver import Archiver
 from coordinator.core import Coordinator
 from coordinator.exporter import ModelExporter
+from coordinator.front.link import Fronts
+from coordinator.front.process import FrontConfig
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
@@ -73,6 +75,10 @@ class ServerConfig:
     """The relay's control port (``relay.server``; 0: any free port)."""
     relay_ports: range | None = None
     """Ports the relay grants to peers nobody can dial (None: no relay)."""
+    heartbeat_processes: int = 1
+    """Processes that take heartbeats (``coordinator.front``; 0: the gRPC port takes them)."""
+    heartbeat_port: int = 0
+    """Their port (0: any free port; peers learn it from their join answer)."""
 
 
 class CoordinatorServer:
@@ -84,6 +90,7 @@ class CoordinatorServer:
         self.archiver: Archiver | None = None
         self.exporter: ModelExporter | None = None
         self.relay: Relay | None = None
+        self.fronts: Fronts | None = None
         self.archive_off = ""
         self._revoked: set[str] = set()
         self._revoked_published_at = -float("inf")
@@ -145,12 +152,19 @@ class CoordinatorServer:
             self.core.relay_port = self.relay.start()
             self.core.relay_stats = self.relay.stats
         self._publish_revocations(self.core.revoked_peers(), now=time.time(), wait=True)  # before peers join
+        rate = config.max_requests_per_source
+        if config.heartbeat_processes > 0:
+            self.fronts = self._start_fronts(rate)
         # heartbeats run beside the locked calls (``CoordinatorServicer``): enough threads that
         # they are not all waiting for the lock behind reports
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_THREADS), options=SERVER_OPTIONS)
-        servicer = CoordinatorServicer(self.core, archive=self._archive_status)
+        fronts = self.fronts
+        servicer = CoordinatorServicer(
+            self.core,
+            archive=self._archive_status,
+            after_join=(lambda: fronts.sync(wait=True)) if fronts is not None else None,
+        )
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
-        rate = config.max_requests_per_source
         add_to_server(servicer, self.server, limiter=SourceLimiter(rate) if rate > 0 else None)
         self.health = add_health_service(self.server)
         try:
@@ -167,6 +181,27 @@ class CoordinatorServer:
         self.ticker = threading.Thread(target=self._tick_forever, daemon=True)
         self.ticker.start()
         self._start_http(servicer.lock)
+
+    def _start_fronts(self, rate: float) -> Fronts:
+        """The heartbeat processes (``coordinator.front``), their port told to joining peers."""
+        core = self.core
+        fronts = Fronts(
+            FrontConfig(
+                host=self.config.host,
+                port=self.config.heartbeat_port,
+                reuse_port=False,
+                max_requests_per_source=rate,
+                heartbeat_interval_s=core.health.config.heartbeat_interval_s,
+                max_age_s=core.verifier.max_age_s,
+                max_future_s=core.verifier.max_future_s,
+            ),
+            self.config.heartbeat_processes,
+            apply=lambda batch: core.beats.apply_beats(batch.beats, now=time.time()),
+            drain=core.beats.drain,
+            everyone=core.beats.everyone,
+        )
+        core.heartbeat_port = fronts.start()
+        return fronts
 
     def _archive_averager(self, spec: RunSpec, identity: Identity) -> tuple[Any, Any]:
         """The run's averager for state download/serving and its member gate, or Nones when
@@ -232,6 +267,9 @@ class CoordinatorServer:
                     revoked = self.core.revoked_peers()
                     figures = self._swarm_figures() if self.config.log_to else None
                 self._publish_revocations(revoked, now=time.time())
+                if self.fronts is not None:
+                    self.fronts.mend()
+                    self.fronts.sync()
                 if figures is not None:
                     self._log_figures(*figures)
             except Exception:
@@ -287,6 +325,8 @@ class CoordinatorServer:
         self.http.should_exit = True
         self.http_thread.join(timeout=10)
         self.server.stop(grace=2).wait()
+        if self.fronts is not None:
+            self.fronts.stop()
         if self.exporter is not None:
             self.exporter.stop()
         if self.archiver is not None:

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from coordinator.core import Coordinator
+from coordinator.front.wire import SERVICE
 from coordinator.probe import ProbeLimitError, Prober
 from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
@@ -32,7 +33,6 @@ from relay.server import MAX_RELAYS_LISTED
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SERVICE = "swarmtrain.v1.Coordinator"
 MAX_REQUEST_BYTES = 1 << 20
 """Largest request the server reads: a round report of the largest group is ~300 KB."""
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.so_reuseport", 0)]
@@ -98,6 +98,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         *,
         clock: Callable[[], float] = time.time,
         archive: Callable[[], tuple[int | None, str]] | None = None,
+        after_join: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.prober = Prober(
@@ -111,11 +112,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.clock = clock
         self.archive = archive
         """Returns (newest archived round or None, a line saying how the archive runs)."""
+        self.after_join = after_join
+        """Called after each join answered (the heartbeat processes learn the peer first)."""
         self.lock = threading.Lock()
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         source = source_host(context.peer())
-        return self._call(context, lambda now: self.core.join(request.signed, now=now, source=source))
+        response = self._call(context, lambda now: self.core.join(request.signed, now=now, source=source))
+        if self.after_join is not None:
+            self.after_join()
+        return response
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         # outside the lock: a heartbeat never waits for a report's or a tick's database writes

@@ -29,7 +29,13 @@ class DataSlots:
     def __init__(self, store: Store, slots: int, *, now: float, lease_s: float = LEASE_S) -> None:
         self.store, self.slots, self.lease_s = store, slots, lease_s
         self._holder: dict[int, str] = store.data_slots()
+        self._held: dict[str, list[int]] = {}
+        """Each holder's streams, in order (``_holder`` the other way round: a heartbeat asks)."""
+        for slot, holder in sorted(self._holder.items()):
+            self._held.setdefault(holder, []).append(slot)
         self._seen: dict[str, float] = dict.fromkeys(self._holder.values(), now)
+        self._changed: set[str] = set()
+        """Keys whose streams changed since ``take_changed`` (their heartbeats' answers change)."""
         self._lock = threading.Lock()
         """Heartbeats mark peers seen from the servicer's threads, beside joins."""
 
@@ -40,7 +46,7 @@ class DataSlots:
         half). Raises ``AdmissionError`` when no such run is free."""
         with self._lock:
             self._seen[key] = now
-            held = sorted(slot for slot, holder in self._holder.items() if holder == key)
+            held = self._held.get(key, [])
             if len(held) == ranks and held == list(range(held[0], held[0] + ranks)):
                 return held[0]
             start = self._free_run(key, ranks, now)
@@ -58,21 +64,24 @@ class DataSlots:
             self._drop(key)
             for slot in taken:
                 self._holder[slot] = key
+            self._held[key] = taken
+            self._changed.add(key)
             self._seen[key] = now
             return start
 
     def release(self, key: str) -> None:
         """``key`` left: its streams are free now (in the database too)."""
         with self._lock:
-            if not any(holder == key for holder in self._holder.values()):
+            if key not in self._held:
                 return
             self._drop(key)
         self.store.release_data_slots(key)
 
     def _drop(self, key: str) -> None:
-        for slot in [slot for slot, holder in self._holder.items() if holder == key]:
+        for slot in self._held.pop(key, []):
             del self._holder[slot]
         self._seen.pop(key, None)
+        self._changed.add(key)
 
     def seen(self, key: str, now: float) -> None:
         """``key`` is alive (a heartbeat): its streams stay its own."""
@@ -83,7 +92,13 @@ class DataSlots:
     def held_by(self, key: str) -> list[int]:
         """The streams ``key`` holds, in order."""
         with self._lock:
-            return sorted(slot for slot, holder in self._holder.items() if holder == key)
+            return list(self._held.get(key, ()))
+
+    def take_changed(self) -> set[str]:
+        """Keys whose streams changed since the last call (and forget them)."""
+        with self._lock:
+            changed, self._changed = self._changed, set()
+            return changed
 
     def holders(self) -> set[str]:
         """Peers holding streams and seen within the lease (as of their last sign of life)."""

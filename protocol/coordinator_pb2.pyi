@@ -125,7 +125,7 @@ class JoinRequest(_message.Message):
     def __init__(self, signed: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port", "relays", "signed_answer")
+    __slots__ = ("spec_toml", "spec_digest", "access_token", "bootstrap_maddrs", "current_round", "current_state_digest", "coordinator_public_key", "server_time", "heartbeat_interval_s", "data_slot", "relay_port", "relays", "signed_answer", "heartbeat_port")
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class JoinResponse(_message.Message):
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
     SIGNED_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
     spec_toml: str
     spec_digest: str
     access_token: bytes
@@ -152,7 +153,8 @@ class JoinResponse(_message.Message):
     relay_port: int
     relays: _containers.RepeatedScalarFieldContainer[str]
     signed_answer: SignedEnvelope
-    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., signed_answer: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
+    heartbeat_port: int
+    def __init__(self, spec_toml: _Optional[str] = ..., spec_digest: _Optional[str] = ..., access_token: _Optional[bytes] = ..., bootstrap_maddrs: _Optional[_Iterable[str]] = ..., current_round: _Optional[int] = ..., current_state_digest: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., server_time: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., data_slot: _Optional[int] = ..., relay_port: _Optional[int] = ..., relays: _Optional[_Iterable[str]] = ..., signed_answer: _Optional[_Union[SignedEnvelope, _Mapping]] = ..., heartbeat_port: _Optional[int] = ...) -> None: ...
 
 class JoinAnswerBody(_message.Message):
     __slots__ = ("answer", "request_nonce")

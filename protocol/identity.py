@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
 import stat
 from dataclasses import dataclass
@@ -50,9 +51,9 @@ class PublicKey:
             raise IdentityError(f"public id does not encode a {PUBLIC_KEY_BYTES}-byte key: {public_id!r}")
         return cls(raw)
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
-        """The printable public id."""
+        """The printable public id (computed once: a heartbeat asks for it a dozen times)."""
         return PUBLIC_ID_PREFIX + base64.urlsafe_b64encode(self.raw).decode("ascii").rstrip("=")
 
     def verify(self, signature: bytes, data: bytes) -> bool:

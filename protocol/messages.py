@@ -152,20 +152,21 @@ class ReplayGuard:
     _heap: list[tuple[float, bytes, bytes]] = field(default_factory=list)
     _per_source: dict[str, int] = field(default_factory=dict)
 
-    def seen(self, signer: PublicKey, nonce: bytes, *, now: float) -> bool:
+    def seen(self, signer: bytes, nonce: bytes, *, now: float) -> bool:
+        """Whether (``signer``'s raw public key, ``nonce``) is remembered."""
         self._evict(now)
-        return (signer.raw, nonce) in self._expiry
+        return (signer, nonce) in self._expiry
 
-    def remember(self, signer: PublicKey, nonce: bytes, *, until: float, now: float, source: str = "") -> None:
+    def remember(self, signer: bytes, nonce: bytes, *, until: float, now: float, source: str = "") -> None:
         self._evict(now)
         if source and self._per_source.get(source, 0) >= self.max_per_source:
             raise ReplayedMessageError(f"too many recent messages from {source}; try again later")
         if len(self._expiry) >= self.max_entries:
             raise ReplayedMessageError("too many recent messages to check for replays; try again later")
-        self._expiry[(signer.raw, nonce)] = (until, source)
+        self._expiry[(signer, nonce)] = (until, source)
         if source:
             self._per_source[source] = self._per_source.get(source, 0) + 1
-        heapq.heappush(self._heap, (until, signer.raw, nonce))
+        heapq.heappush(self._heap, (until, signer, nonce))
 
     def __len__(self) -> int:
         return len(self._expiry)
@@ -227,15 +228,28 @@ class MessageVerifier:
         if check_replay:
             if record:
                 self.record(message, now=now, source=source)
-            elif self.replay_guard.seen(message.signer, message.nonce, now=now):
-                raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
+            else:
+                with self._replay_lock:  # ``seen`` evicts: one thread at a time
+                    seen = self.replay_guard.seen(message.signer.raw, message.nonce, now=now)
+                if seen:
+                    raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
 
     def record(self, message: SignedMessage, *, now: float, source: str = "") -> None:
         """Record a verified ``message`` as received (from host ``source``, counted against its
         share; "" counts against none); ``ReplayedMessageError`` if it already was, even by
         another thread since its ``verify``."""
+        self.record_nonce(
+            message.signer.raw, message.nonce, message.timestamp, now=now, source=source, what=message.kind
+        )
+
+    def record_nonce(
+        self, signer: bytes, nonce: bytes, timestamp: float, *, now: float, source: str = "", what: str = "message"
+    ) -> None:
+        """``record`` for a message another process verified (``coordinator.front``): its
+        signer's raw public key, nonce and timestamp; ``ReplayedMessageError`` if already
+        recorded here (a heartbeat replayed to a second heartbeat process counts once)."""
         with self._replay_lock:
-            if self.replay_guard.seen(message.signer, message.nonce, now=now):
-                raise ReplayedMessageError(f"{message.kind}: message from {message.signer.id} was already received")
-            until = message.timestamp + self.max_age_s
-            self.replay_guard.remember(message.signer, message.nonce, until=until, now=now, source=source)
+            if self.replay_guard.seen(signer, nonce, now=now):
+                raise ReplayedMessageError(f"{what}: message from {PublicKey(signer).id} was already received")
+            until = timestamp + self.max_age_s
+            self.replay_guard.remember(signer, nonce, until=until, now=now, source=source)

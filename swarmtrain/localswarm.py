@@ -284,6 +284,10 @@ class LocalCoordinator(Child):
         """Base URL of its dashboard and JSON API (ends with /)."""
         return self.printed(r"^http: (http://\S+/)", deadline_s)
 
+    def heartbeats(self, deadline_s: float = 120.0) -> str:
+        """HOST:PORT of its heartbeat processes (``coordinator.front``)."""
+        return self.printed(r"^heartbeats: (\S+) ", deadline_s)
+
     def stop(self, grace_s: float = 15.0) -> None:
         self.terminate(grace_s)
 

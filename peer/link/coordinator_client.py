@@ -28,6 +28,10 @@ from protocol.messages import SignedMessage, sign_message
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
+HEARTBEAT_PORT_TIMEOUT_S = 3.0
+"""A heartbeat to the heartbeat port that takes longer is sent to the gRPC address instead."""
+HEARTBEAT_PORT_BACKOFF_S = 300.0
+"""After the heartbeat port failed, heartbeats go to the gRPC address this long."""
 
 
 class RejectedError(SwarmtrainError):
@@ -69,6 +73,8 @@ class JoinInfo:
     relays: tuple[tuple[str, int], ...] = ()
     """Volunteers' relays (host, control port), to try in this order before the coordinator's
     (entries that are not ``HOST:PORT`` are left out)."""
+    heartbeat_port: int = 0
+    """The port on the coordinator's host that takes heartbeats (0: its gRPC address does)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,9 @@ class CoordinatorClient:
         self.coordinator_key = coordinator_key
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self._beats: tuple[str, grpc.Channel, pb_grpc.CoordinatorStub] | None = None
+        """The heartbeat port's address, channel and stub (None: heartbeats go to ``address``)."""
+        self._beats_failed_at = -float("inf")
 
     def join_as(self, who: JoinAs) -> JoinInfo:
         """``join`` saying ``who``."""
@@ -175,6 +184,7 @@ class CoordinatorClient:
             signed, request_nonce=request.nonce, address=self.address, expected=self.coordinator_key
         )
         self.coordinator_key = signer  # a re-join must be answered by the same coordinator
+        self._use_heartbeat_port(response.heartbeat_port)
         return JoinInfo(
             spec_toml=response.spec_toml,
             spec_digest=response.spec_digest,
@@ -186,10 +196,44 @@ class CoordinatorClient:
             relay_port=response.relay_port,
             relays=_relays(response.relays),
             data_slot=response.data_slot if response.HasField("data_slot") else None,
+            heartbeat_port=response.heartbeat_port,
         )
 
+    def _use_heartbeat_port(self, port: int) -> None:
+        """Send heartbeats to ``port`` on the coordinator's host from now on (0: to its address)."""
+        host = self.address.rsplit(":", 1)[0]
+        address = f"{host}:{port}" if 0 < port <= 65535 else ""
+        if self._beats is not None and self._beats[0] == address:
+            return
+        if self._beats is not None:
+            self._beats[1].close()
+            self._beats = None
+        if address:
+            channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._beats = (address, channel, pb_grpc.CoordinatorStub(channel))
+
     def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
-        return self._call(self.stub.Heartbeat, pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body)))
+        """To the heartbeat port the join answer named, else (none named, or it failed within
+        ``HEARTBEAT_PORT_BACKOFF_S``: a firewall, a process restarting) to the gRPC address."""
+        request = pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body))
+        beats = self._beats
+        if beats is not None and time.monotonic() - self._beats_failed_at >= HEARTBEAT_PORT_BACKOFF_S:
+            try:
+                return beats[2].Heartbeat(request, timeout=HEARTBEAT_PORT_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if exc.code() not in _UNAVAILABLE:
+                    raise _FATAL.get(exc.code(), SwarmtrainError)(
+                        f"coordinator heartbeats {beats[0]}: {plain_rpc_error(exc)}"
+                    ) from exc
+                logger.info(
+                    "heartbeat port %s: %s; heartbeats go to %s for %.0f s",
+                    beats[0],
+                    plain_rpc_error(exc),
+                    self.address,
+                    HEARTBEAT_PORT_BACKOFF_S,
+                )
+                self._beats_failed_at = time.monotonic()
+        return self._call(self.stub.Heartbeat, request)
 
     def leave(self) -> None:
         """Tell the coordinator this peer leaves (best effort): it goes offline at once and a
@@ -216,6 +260,8 @@ class CoordinatorClient:
 
     def close(self) -> None:
         self.channel.close()
+        if self._beats is not None:
+            self._beats[1].close()
 
 
 def plain_rpc_error(exc: grpc.RpcError) -> str:

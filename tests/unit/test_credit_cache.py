@@ -68,3 +68,15 @@ def test_forget_one_peer() -> None:
     cache.get("a", store.credit_of)
     cache.get("b", store.credit_of)
     assert store.reads == ["a", "b", "a"]
+
+
+def test_changed_keys_are_taken_once() -> None:
+    cache = CreditCache()
+    cache.moved("a", pending=1)
+    cache.forget("b")
+    assert cache.take_changed() == {"a", "b"}
+    assert cache.take_changed() == set()
+    cache.forget()
+    cache.moved("c", pending=1)
+    assert cache.take_changed() is None
+    assert cache.take_changed() == set()

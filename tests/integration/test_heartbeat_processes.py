@@ -1,0 +1,136 @@
+"""A real coordinator's heartbeat process (``coordinator.front``): a peer's heartbeats go to the
+port its join answer names and reach the coordinator's status; the port refuses what a stranger
+or an attacker sends; when the process dies the peer's heartbeats go to the gRPC port, and the
+coordinator starts another that knows every admitted peer."""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from peer.link.coordinator_client import CoordinatorClient
+from protocol import coordinator_pb2 as pb
+from protocol import coordinator_pb2_grpc as pb_grpc
+from protocol import kinds
+from protocol.identity import Identity, PublicKey
+from protocol.messages import sign_message
+from protocol.pids import pid_alive
+from protocol.spec import parse_spec
+from swarmtrain.localswarm import LocalCoordinator, wait_until
+from tests.integration.coordinator_status import status
+from tests.specs import COORDINATOR_SPEC
+
+
+def front_pids(coordinator: LocalCoordinator) -> list[int]:
+    """The coordinator's heartbeat processes (its children running ``coordinator.front.process``)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == coordinator.proc.pid and b"coordinator.front.process" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def punched(address: str, key: PublicKey) -> int | None:
+    """What the coordinator's status says of ``key``'s punched peers (None: not listed)."""
+    for peer in status(address)["peers"]:
+        if peer["public_key"] == base64.b64encode(key.raw).decode():
+            return int(peer["punched_peers"])
+    return None
+
+
+def signed(peer: Identity, body: pb.HeartbeatBody) -> pb.HeartbeatRequest:
+    envelope = sign_message(peer, kinds.HEARTBEAT, body.SerializeToString(), now=time.time())
+    return pb.HeartbeatRequest(signed=envelope.to_proto())
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> LocalCoordinator:
+    spec = tmp_path / "spec.toml"
+    spec.write_text(COORDINATOR_SPEC.format(mode="open", allowlist=""))
+    made = LocalCoordinator(spec, tmp_path / "state", host="127.0.0.1")
+    yield made
+    made.stop()
+
+
+def test_heartbeats_take_their_port_and_the_gRPC_port_when_it_dies(
+    coordinator: LocalCoordinator, tmp_path: Path
+) -> None:
+    address, beats = coordinator.address(), coordinator.heartbeats()
+    digest = parse_spec((tmp_path / "spec.toml").read_text()).digest()
+    peer = Identity.generate()
+    client = CoordinatorClient(address, peer, software_version="test")
+    try:
+        info = client.join(libp2p_peer_id="12D3KooWtest", spec_digest=digest)
+        assert f"127.0.0.1:{info.heartbeat_port}" == beats != address
+        key = peer.public_key
+
+        # the first heartbeat right after the join finds the peer admitted there
+        assert client.heartbeat(pb.HeartbeatBody(round=1, punched_peers=3)).admitted
+        wait_until(lambda: punched(address, key) == 3, 30, "the heartbeat process's beat in status")
+
+        # what an attacker sends to the heartbeat port
+        channel = grpc.insecure_channel(beats)
+        stub = pb_grpc.CoordinatorStub(channel)
+        stranger = stub.Heartbeat(signed(Identity.generate(), pb.HeartbeatBody(punched_peers=50)), timeout=10)
+        assert not stranger.admitted and "join again" in stranger.message
+        replayed = signed(peer, pb.HeartbeatBody(punched_peers=4))
+        assert stub.Heartbeat(replayed, timeout=10).admitted
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Heartbeat(replayed, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        forged = signed(peer, pb.HeartbeatBody(punched_peers=5))
+        forged.signed.body = pb.HeartbeatBody(punched_peers=66).SerializeToString()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Heartbeat(forged, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Heartbeat(signed(peer, pb.HeartbeatBody(state_digest="x" * 40_000)), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as refused:  # the heartbeat port takes heartbeats only
+            stub.GetStatus(pb.StatusRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        channel.close()
+        wait_until(lambda: punched(address, key) == 4, 30, "the last good beat in status")
+
+        # the process dies: heartbeats go to the gRPC port, and another process takes over
+        (front,) = front_pids(coordinator)
+        os.kill(front, 9)
+        wait_until(lambda: not pid_alive(front), 30, "the killed heartbeat process gone")
+        assert client.heartbeat(pb.HeartbeatBody(round=2, punched_peers=6)).admitted
+        wait_until(lambda: punched(address, key) == 6, 30, "a beat through the gRPC port in status")
+        wait_until(lambda: len(front_pids(coordinator)) == 1, 60, "another heartbeat process")
+        channel = grpc.insecure_channel(beats)
+        stub = pb_grpc.CoordinatorStub(channel)
+        answers: list[pb.HeartbeatResponse] = []
+        wait_until(
+            lambda: _answered(stub, signed(peer, pb.HeartbeatBody(round=3, punched_peers=7)), answers),
+            60,
+            "the new heartbeat process answers",
+        )
+        assert answers[-1].admitted  # it knows the peers admitted before it started
+        channel.close()
+        wait_until(lambda: punched(address, key) == 7, 30, "the new process's beat in status")
+        assert stranger.admitted is False and punched(address, Identity.generate().public_key) is None
+    finally:
+        client.close()
+
+
+def _answered(stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest, answers: list) -> bool:
+    try:
+        answers.append(stub.Heartbeat(request, timeout=5))
+    except grpc.RpcError:
+        return False
+    return True
