@@ -37,6 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 4
 SAMPLES = 64
+CHANNELS = 16
+"""Connections the load process spreads its peers over (per port)."""
 SPEC = """
 [run]
 name = "load"
@@ -49,6 +51,20 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the coordinator's heartbeat processes)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,88 +88,157 @@ def start_postgres(workdir: Path) -> str | None:
     return out.stdout.strip().splitlines()[-1]
 
 
-async def run_load(address: str, digest: str, args: argparse.Namespace, peers: int) -> dict[str, Any]:
-    """Join ``peers`` simulated peers, then heartbeat and report for the warm-up and ``--duration``."""
+def presigned(identity: Any, kind: str, body: Any, at: float, request_type: Any) -> bytes:
+    """A request signed now for sending at ``at`` (its timestamp), serialized."""
+    from protocol.messages import sign_message
+
+    envelope = sign_message(identity, kind, body.SerializeToString(), now=at).to_proto()
+    return request_type(signed=envelope).SerializeToString()
+
+
+async def run_load(address: str, digest: str, args: argparse.Namespace, peers: int, cpu: Any = dict) -> dict[str, Any]:
+    """Join ``peers`` simulated peers, sign every heartbeat and report of the run ahead (so that
+    the load process spends its core on sending, not on signatures), then send each at its time:
+    a heartbeat every ``--interval`` s per peer, to the heartbeat port its join answer names;
+    at each round's end every group's reports, spread over ``--report-spread-s``. ``cpu()``:
+    CPU seconds so far by process role, read at the start and end of the measured window."""
     import grpc
 
     from protocol import coordinator_pb2 as pb
-    from protocol import coordinator_pb2_grpc as pb_grpc
     from protocol import kinds
     from protocol.identity import Identity
     from protocol.messages import sign_message
 
     keys = [Identity.generate() for _ in range(peers)]
-    channel = grpc.aio.insecure_channel(address)
-    stub = pb_grpc.CoordinatorStub(channel)
+    host = address.rsplit(":", 1)[0]
+    main = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
     joined = 0
+    heartbeat_port = 0
 
-    async def join(identity: Identity) -> None:
-        nonlocal joined
+    def method(channel: Any, name: str, response: Any) -> Any:
+        path = f"/swarmtrain.v1.Coordinator/{name}"
+        return channel.unary_unary(path, request_serializer=None, response_deserializer=response.FromString)
+
+    joins = [method(c, "Join", pb.JoinResponse) for c in main]
+
+    async def join(index: int, identity: Identity) -> None:
+        nonlocal joined, heartbeat_port
         body = pb.JoinBody(
             libp2p_peer_id=f"12D3Koo{identity.public_key.id[8:20]}", software_version="load", spec_digest=digest
         )
         envelope = sign_message(identity, kinds.JOIN, body.SerializeToString(), now=time.time()).to_proto()
-        await stub.Join(pb.JoinRequest(signed=envelope), timeout=60)
+        answer = await joins[index % CHANNELS](pb.JoinRequest(signed=envelope).SerializeToString(), timeout=120)
+        heartbeat_port = answer.heartbeat_port
         joined += 1
 
     started = time.monotonic()
     for first in range(0, peers, 50):  # joins in batches: a public run's peers arrive over time
-        await asyncio.gather(*(join(k) for k in keys[first : first + 50]))
+        await asyncio.gather(*(join(first + i, k) for i, k in enumerate(keys[first : first + 50])))
     join_s = time.monotonic() - started
+    beats_address = f"{host}:{heartbeat_port}" if heartbeat_port else address
+    beat_channels = [grpc.aio.insecure_channel(beats_address) for _ in range(CHANNELS)]
+    heartbeat_calls = [method(c, "Heartbeat", pb.HeartbeatResponse) for c in beat_channels]
+    report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in main]
+
+    # every request of the run, signed ahead at the time it will be sent
+    warm_up = args.interval
+    lead = 5.0 + peers * (args.duration + warm_up) / args.interval * 60e-6  # the signing itself
+    wall_begin = time.time() + lead
+    sends: list[tuple[float, int, bool, bytes, int]] = []  # (offset, peer, is_report, request, round)
+    for index, identity in enumerate(keys):
+        offset = args.interval * index / peers
+        beat = 0
+        while offset < warm_up + args.duration:
+            body = pb.HeartbeatBody(
+                round=beat, phase=pb.PEER_PHASE_TRAINING, samples_per_second=5.0, samples_total=beat * SAMPLES
+            )
+            sends.append(
+                (
+                    offset,
+                    index,
+                    False,
+                    presigned(identity, kinds.HEARTBEAT, body, wall_begin + offset, pb.HeartbeatRequest),
+                    0,
+                )
+            )
+            offset += args.interval
+            beat += 1
+        first = index - index % GROUP
+        group = [pb.GroupMember(public_key=m.public_key.raw, weight=SAMPLES) for m in keys[first : first + GROUP]]
+        spread = args.report_spread_s * (index // GROUP) / max(1, peers // GROUP)  # a group reports together
+        round_ = 1
+        while round_ * args.round_s + spread < warm_up + args.duration:
+            at = round_ * args.round_s + spread
+            body = pb.RoundReportBody(
+                round=round_,
+                samples=SAMPLES,
+                loss=2.0,
+                group=group,
+                state_digest=f"blake3:{round_:064x}",
+                compute_s=args.round_s,
+            )
+            sends.append(
+                (
+                    at,
+                    index,
+                    True,
+                    presigned(identity, kinds.ROUND_REPORT, body, wall_begin + at, pb.RoundReportRequest),
+                    round_,
+                )
+            )
+            round_ += 1
+    sends.sort(key=lambda send: send[0])
+    signing_s = time.time() - (wall_begin - lead)
+    if time.time() > wall_begin:
+        print(
+            f"coordinator_load: signing took {signing_s:.0f} s, {time.time() - wall_begin:.0f} s more than planned",
+            file=sys.stderr,
+        )
+    await asyncio.sleep(max(0.0, wall_begin - time.time()))
 
     latencies: list[tuple[float, float]] = []  # (when, seconds)
+    report_latencies: list[float] = []
     errors: dict[str, int] = {}
     reported: dict[int, int] = {}  # round -> reports sent
-    begin = time.monotonic()
-    warm_up = args.interval
-    end = begin + warm_up + args.duration
+    begin = time.monotonic() - (time.time() - wall_begin)
+    late: list[float] = []
 
-    async def heartbeat_loop(index: int, identity: Identity) -> None:
-        await asyncio.sleep(args.interval * index / peers)
-        round_ = 0
-        # a group's members report each round together, the groups spread over the round
-        next_report = begin + args.round_s * (1 + (index // GROUP % 10) / 10)
-        while time.monotonic() < end:
-            sent = time.monotonic()
-            body = pb.HeartbeatBody(
-                round=round_, phase=pb.PEER_PHASE_TRAINING, samples_per_second=5.0, samples_total=round_ * SAMPLES
-            )
-            envelope = sign_message(identity, kinds.HEARTBEAT, body.SerializeToString(), now=time.time()).to_proto()
-            try:
-                await stub.Heartbeat(pb.HeartbeatRequest(signed=envelope), timeout=30)
-                latencies.append((sent - begin, time.monotonic() - sent))
-            except grpc.aio.AioRpcError as exc:
-                errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
-            if time.monotonic() >= next_report:
-                round_ += 1
-                await report(index, identity, round_)
-                next_report += args.round_s
-            await asyncio.sleep(max(0.0, sent + args.interval - time.monotonic()))
-
-    async def report(index: int, identity: Identity, round_: int) -> None:
-        first = index - index % GROUP
-        members = keys[first : first + GROUP]
-        group = [pb.GroupMember(public_key=m.public_key.raw, weight=SAMPLES) for m in members]
-        body = pb.RoundReportBody(
-            round=round_,
-            samples=SAMPLES,
-            loss=2.0,
-            group=group,
-            state_digest=f"blake3:{round_:064x}",
-            compute_s=args.round_s,
-        )
-        envelope = sign_message(identity, kinds.ROUND_REPORT, body.SerializeToString(), now=time.time()).to_proto()
+    async def heartbeat(index: int, request: bytes, when: float) -> None:
+        sent = time.monotonic()
+        late.append(sent - begin - when)
         try:
-            await stub.ReportRound(pb.RoundReportRequest(signed=envelope), timeout=30)
+            answer = await heartbeat_calls[index % CHANNELS](request, timeout=30)
+            latencies.append((when, time.monotonic() - sent))
+            if not answer.admitted:
+                errors["not admitted"] = errors.get("not admitted", 0) + 1
+        except grpc.aio.AioRpcError as exc:
+            errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+
+    async def report(index: int, request: bytes, round_: int) -> None:
+        sent = time.monotonic()
+        try:
+            await report_calls[index % CHANNELS](request, timeout=60)
+            report_latencies.append(time.monotonic() - sent)
             reported[round_] = reported.get(round_, 0) + 1
         except grpc.aio.AioRpcError as exc:
             errors["report " + exc.code().name] = errors.get("report " + exc.code().name, 0) + 1
 
     load_cpu = time.process_time()
-    await asyncio.gather(*(heartbeat_loop(i, k) for i, k in enumerate(keys)))
+    cpu_begin, window_begin = cpu(), time.monotonic()
+    tasks = set()
+    for when, index, is_report, request, round_ in sends:
+        delay = begin + when - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.ensure_future(report(index, request, round_) if is_report else heartbeat(index, request, when))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    status = await method(main[0], "GetStatus", pb.StatusResponse)(pb.StatusRequest().SerializeToString(), timeout=120)
+    await asyncio.gather(*list(tasks))
     load_cpu = time.process_time() - load_cpu
-    status = await stub.GetStatus(pb.StatusRequest(), timeout=30)
-    await channel.close()
+    cpu_end, window = cpu(), time.monotonic() - window_begin
+    for channel in (*main, *beat_channels):
+        await channel.close()
     measured = [s for when, s in latencies if when >= warm_up]
     halves = (
         [s for when, s in latencies if warm_up <= when < warm_up + args.duration / 2],
@@ -163,6 +248,8 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "peers": peers,
         "joined": joined,
         "join_s": join_s,
+        "signing_s": signing_s,
+        "heartbeat_port": heartbeat_port,
         "heartbeats": len(measured),
         "heartbeats_per_s": len(measured) / args.duration,
         "p50_ms": 1000 * percentile(measured, 0.5),
@@ -170,10 +257,14 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "max_ms": 1000 * max(measured, default=float("nan")),
         "p99_first_half_ms": 1000 * percentile(halves[0], 0.99),
         "p99_second_half_ms": 1000 * percentile(halves[1], 0.99),
+        "sent_late_p99_ms": 1000 * percentile(late, 0.99),
+        "report_p50_ms": 1000 * percentile(report_latencies, 0.5),
+        "report_p99_ms": 1000 * percentile(report_latencies, 0.99),
         "errors": errors,
         "reported": reported,
         "peers_online": status.peers_online,
-        "load_cpu_share": load_cpu / (warm_up + args.duration),
+        "load_cpu_share": load_cpu / window,
+        "cpu_share": {role: (cpu_end.get(role, 0.0) - cpu_begin.get(role, 0.0)) / window for role in cpu_end},
         "keys": [k.public_key.id for k in keys],
     }
 
@@ -202,14 +293,19 @@ def one_run(peers: int, args: argparse.Namespace, db_url: str, workdir: Path) ->
     digest = parse_spec(SPEC).digest()
     # every simulated peer sends from 127.0.0.1: no per-source request limit
     extra = ["--archive-every", "0", "--max-requests-per-source", "0"]
+    extra += ["--heartbeat-processes", str(args.heartbeat_processes)]
     coordinator = LocalCoordinator(spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1")
     try:
         address = coordinator.address()
         rows_before = count_rows(db_url)
-        cpu_before, wall_before = cpu_seconds(coordinator.proc.pid), time.monotonic()
-        result = asyncio.run(run_load(address, digest, args, peers))
+        wall_before = time.monotonic()
+        pid = coordinator.proc.pid
+
+        def cpu() -> dict[str, float]:
+            return {"coordinator": cpu_seconds(pid), "heartbeats": sum(cpu_seconds(c) for c in children(pid))}
+
+        result = asyncio.run(run_load(address, digest, args, peers, cpu))
         wall = time.monotonic() - wall_before
-        result["coordinator_cpu_share"] = (cpu_seconds(coordinator.proc.pid) - cpu_before) / wall
         store = Store(db_url)
         try:
             wait_until(lambda: not store.pending_claims(), 180, "every claim decided")
@@ -235,20 +331,29 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     lines = [
         header,
         "",
-        "| peers | heartbeats/s | p50 ms | p99 ms | max ms | p99 1st / 2nd half ms | coordinator CPU (of 1 core) | load CPU | claims granted in full | errors | online |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peers | heartbeats/s | p50 ms | p99 ms | max ms | p99 1st / 2nd half ms | reports p50 / p99 ms "
+        "| coordinator CPU | heartbeat processes' CPU | load CPU | sent late p99 ms | claims granted in full "
+        "| errors | online |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        share = r["cpu_share"]
         lines.append(
             f"| {r['peers']} | {r['heartbeats_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} "
-            f"| {r['p99_first_half_ms']:.1f} / {r['p99_second_half_ms']:.1f} | {100 * r['coordinator_cpu_share']:.0f}% "
-            f"| {100 * r['load_cpu_share']:.0f}% | {r['claims_granted_in_full']} of {r['claims']} | {sum(r['errors'].values())} "
+            f"| {r['p99_first_half_ms']:.1f} / {r['p99_second_half_ms']:.1f} "
+            f"| {r['report_p50_ms']:.0f} / {r['report_p99_ms']:.0f} "
+            f"| {100 * share['coordinator']:.0f}% | {100 * share['heartbeats']:.0f}% "
+            f"| {100 * r['load_cpu_share']:.0f}% | {r['sent_late_p99_ms']:.0f} "
+            f"| {r['claims_granted_in_full']} of {r['claims']} | {sum(r['errors'].values())} "
             f"| {r['peers_online']} |"
         )
-    lines += ["", "Database rows written per hour:", ""]
+    lines += ["", "CPU as a share of one core over the measured window. Database rows written per hour:", ""]
     for r in results:
         rows = ", ".join(f"{t} {v:,.0f}" for t, v in r["rows_per_hour"].items())
         lines.append(f"- {r['peers']} peers: {rows}")
+    errors = [f"- {r['peers']} peers: {r['errors']}" for r in results if r["errors"]]
+    if errors:
+        lines += ["", "Errors:", "", *errors]
     return "\n".join(lines) + "\n"
 
 
@@ -258,7 +363,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between a peer's heartbeats")
     parser.add_argument("--round-s", type=float, default=30.0, help="seconds between a peer's round reports")
     parser.add_argument("--duration", type=float, default=120.0, help="measured seconds per run")
-    parser.add_argument("--db", default="", help="database URL (default: a throwaway PostgreSQL, else SQLite)")
+    parser.add_argument(
+        "--report-spread-s",
+        type=float,
+        default=5.0,
+        help="a round's reports arrive within this many seconds of its end (the burst; default 5)",
+    )
+    parser.add_argument(
+        "--heartbeat-processes", type=int, default=1, help="the coordinator's --heartbeat-processes (default 1)"
+    )
+    parser.add_argument(
+        "--db", default="", help="database URL, or 'sqlite' (default: a throwaway PostgreSQL, else SQLite)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--label", default="")
     args = parser.parse_args(argv)
@@ -273,34 +389,40 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.store import sqlite_url
 
     args = parse_args(argv)
-    results = []
+    results: list[dict[str, Any]] = []
     backend = ""
+    label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")
+    command = " ".join(["python -m benchmarks.coordinator_load", *(argv if argv is not None else sys.argv[1:])])
+    text = ""
     for peers in args.peers:
         with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
             workdir = Path(tmp)
             os.chmod(workdir, 0o755)
-            db_url = args.db or start_postgres(workdir) or sqlite_url(workdir / "state")
+            if args.db == "sqlite":
+                db_url = sqlite_url(workdir / "state")
+            else:
+                db_url = args.db or start_postgres(workdir) or sqlite_url(workdir / "state")
             backend = db_url.split(":", 1)[0]
             try:
                 print(f"{peers} peers on {backend} ...", file=sys.stderr, flush=True)
                 results.append(one_run(peers, args, db_url, workdir))
             finally:
-                if not args.db and (workdir / "pg").exists():
+                if args.db in ("", "sqlite") and (workdir / "pg").exists():
                     subprocess.run(["bash", str(REPO / ".ci/postgres.sh"), "stop", str(workdir / "pg")], check=False)
-    label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")
-    command = " ".join(["python -m benchmarks.coordinator_load", *(argv if argv is not None else sys.argv[1:])])
-    header = (
-        f"Coordinator load, {label}, {platform.node() or 'this machine'} ({os.cpu_count()} CPUs), `{command}`\n\n"
-        f"Database {backend}; a heartbeat every {args.interval:g} s and a round report every {args.round_s:g} s per "
-        f"peer (groups of {GROUP}), {args.duration:g} s measured after {args.interval:g} s of warm-up; the load "
-        f"process and the coordinator share this machine's cores."
-    )
-    text = markdown(results, header)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"coordinator-load-{label}.md").write_text(text)
-    (args.out / f"coordinator-load-{label}.json").write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
-    )
+        header = (
+            f"Coordinator load, {label}, {platform.node() or 'this machine'} ({os.cpu_count()} CPUs), `{command}`\n\n"
+            f"Database {backend}; {args.heartbeat_processes} heartbeat process(es); a heartbeat every "
+            f"{args.interval:g} s per peer; every {args.round_s:g} s a round ends and every peer reports it (groups "
+            f"of {GROUP}), the reports arriving within {args.report_spread_s:g} s; {args.duration:g} s measured after "
+            f"{args.interval:g} s of warm-up. Every request is signed before the measured window; the load process, "
+            f"the coordinator and its database share this machine's cores."
+        )
+        text = markdown(results, header)  # written after each run: a later one that fails loses nothing
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"coordinator-load-{label}.md").write_text(text)
+        (args.out / f"coordinator-load-{label}.json").write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+        )
     print(text)
     return 0
 

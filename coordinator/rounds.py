@@ -244,12 +244,8 @@ class RoundBook:
         store keeps it), which never allows more."""
         since = self._last_report_at.get(key)
         if since is None:  # this process has not seen it report yet: the store knows
-            previous = self.store.claims(key=key, limit=1)
-            if previous:
-                since = previous[0].received_at
-            else:
-                row = self.store.peer(key)
-                since = row.first_seen if row is not None else now
+            since = self.store.report_clock_start(key)
+            since = now if since is None else since
             self._last_report_at[key] = since
         return max(now - since, 1e-3)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -204,9 +204,20 @@ class Store(SwarmSeries):
     def first_seen(self, owner: str) -> float | None:
         """When ``owner`` was first seen: the earliest ``first_seen`` of the peers whose account
         or own key it is; None if none."""
-        query = select(func.min(Peer.first_seen)).where(or_(Peer.account_key == owner, Peer.key == owner))
+        # two indexed lookups: "account_key = owner OR key = owner" scanned the whole table
+        by_account = select(func.min(Peer.first_seen)).where(Peer.account_key == owner).scalar_subquery()
+        by_key = select(Peer.first_seen).where(Peer.key == owner).scalar_subquery()
         with self._read() as s:
-            found = s.scalar(query)
+            found = [v for v in s.execute(select(by_account, by_key)).one() if v is not None]
+        return float(min(found)) if found else None
+
+    def report_clock_start(self, key: str) -> float | None:
+        """When ``key``'s last recorded claim arrived, else when it was first seen; None if
+        neither (one indexed query: what a peer's first report after a start reads)."""
+        last_claim = select(func.max(Claim.received_at)).where(Claim.key == key).scalar_subquery()
+        first_seen = select(Peer.first_seen).where(Peer.key == key).scalar_subquery()
+        with self._read() as s:
+            found = s.scalar(select(func.coalesce(last_claim, first_seen)))
         return float(found) if found is not None else None
 
     def peers(self) -> list[PeerRow]:
@@ -228,12 +239,26 @@ class Store(SwarmSeries):
         received_at: float,
     ) -> bool:
         """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
-        claim = _new_claim(key, round, samples, group_json, state_digest, duration_s, received_at)
+        row = {
+            "key": key,
+            "round": round,
+            "samples": samples,
+            "group_json": group_json,
+            "state_digest": state_digest,
+            "duration_s": duration_s,
+            "received_at": received_at,
+            "status": PENDING,
+            "granted_samples": 0,
+            "flops": 0.0,
+            "reason": "",
+            "decided_at": None,
+        }
         try:
-            with self._write() as s:
-                if _find_claim(s, key, round) is not None:
+            with self._write() as s:  # a plain INSERT: a report is the coordinator's busiest write
+                exists = s.execute(select(Claim.id).where(Claim.key == key, Claim.round == round)).first()
+                if exists is not None:
                     return False
-                s.add(claim)
+                s.execute(insert(Claim), [row])
         except IntegrityError:
             # Another writer (another process) won the race for the unique (key, round).
             if self._has_claim(key, round):

@@ -31,14 +31,19 @@ def test_report_lists_every_run() -> None:
         "max_ms": 90.0,
         "p99_first_half_ms": 41.0,
         "p99_second_half_ms": 39.0,
-        "coordinator_cpu_share": 0.6,
+        "report_p50_ms": 800.0,
+        "report_p99_ms": 4000.0,
+        "cpu_share": {"coordinator": 0.6, "heartbeats": 0.3},
         "load_cpu_share": 0.5,
+        "sent_late_p99_ms": 12.0,
         "claims_granted_in_full": 8000,
         "claims": 8000,
-        "errors": {},
+        "errors": {"report DEADLINE_EXCEEDED": 3},
         "peers_online": 2000,
         "rows_per_hour": {"claims": 240000.0},
     }
     text = markdown([run], "header")
-    assert "| 2000 | 400 | 3.0 | 40.0 | 90 | 41.0 / 39.0 | 60% | 50% | 8000 of 8000 | 0 | 2000 |" in text
+    row = "| 2000 | 400 | 3.0 | 40.0 | 90 | 41.0 / 39.0 | 800 / 4000 | 60% | 30% | 50% | 12 | 8000 of 8000 | 3 | 2000 |"
+    assert row in text
     assert "2000 peers: claims 240,000" in text
+    assert "2000 peers: {'report DEADLINE_EXCEEDED': 3}" in text
