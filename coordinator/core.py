@@ -11,11 +11,9 @@ and average without it and re-send reports when it is back.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import Callable
 
@@ -35,21 +33,22 @@ from coordinator.limits import (
     check_text,
 )
 from coordinator.progress import run_progress
+from coordinator.relay_offers import relay_endpoint, volunteer_relays
 from coordinator.round_view import RoundWindow
 from coordinator.rounds import RoundBook
 from coordinator.slots import DataSlots
 from coordinator.snapshot import DataProgress, SwarmSnapshot, data_progress, rounds_per_hour
 from coordinator.status_wire import status_response
-from coordinator.store import Store
+from coordinator.store import RoundClaim, Store
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
-from protocol.errors import AdmissionError
+from protocol.errors import AdmissionError, MalformedMessageError
 from protocol.identity import Identity, PublicKey
 from protocol.messages import MessageVerifier, SignedMessage, sign_message
 from protocol.modelsize import task_flops_per_sample
 from protocol.spec import RunSpec
 from protocol.tokens import issue_token
-from relay.server import MAX_RELAYS_LISTED, RelayStats
+from relay.server import RelayStats
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +61,7 @@ HISTORY_KEEP_S = 24 * 3600.0
 ``/api/v1/history`` serves (the dashboard's charts ask for the last hour)."""
 PRUNE_EVERY_S = 300.0
 """``tick`` deletes samples older than ``history_keep_s`` at most this often."""
+PENDING_REASON = "pending: waiting for the other group members' reports"
 OUT_OF_SYNC_ROUNDS = 500
 """``out_of_sync`` judges peers by the agreed digests of this many newest finalized rounds."""
 
@@ -180,7 +180,7 @@ class Coordinator:
             now=now,
             local_ranks=max(1, min(body.hardware.local_ranks, MAX_LOCAL_RANKS)),
             network_path=body.network_path,
-            relay=_relay_endpoint(source, body.relay_port),
+            relay=relay_endpoint(source, body.relay_port),
         )
         data_slot = None
         if self.data_slots is not None:
@@ -208,7 +208,7 @@ class Coordinator:
             heartbeat_interval_s=self.health.config.heartbeat_interval_s,
             data_slot=data_slot,
             relay_port=self.relay_port,
-            relays=self._volunteer_relays(key, now),
+            relays=volunteer_relays(self.health.relay_offers(now, exclude=key), self.access.account_of),
             heartbeat_port=self.heartbeat_port,
         )
         # signed and bound to this request: an on-path attacker can swap neither the spec nor
@@ -217,27 +217,6 @@ class Coordinator:
         signed = sign_message(self.identity, kinds.JOIN_ANSWER, answer.SerializeToString(), now=now)
         response.signed_answer.CopyFrom(signed.to_proto())
         return response
-
-    def _volunteer_relays(self, key: str, now: float) -> list[str]:
-        """Up to ``MAX_RELAYS_LISTED`` volunteers' relays for ``key``, in a random order (the
-        relayed peers spread over them), at most one per host and one per account: keys are
-        free to mint, so one party's relays would otherwise fill the list (30 keys from 2 hosts
-        made 150 of 200 answers list only theirs), and a relay sees who it relays."""
-        offers = self.health.relay_offers(now, exclude=key)
-        random.shuffle(offers)
-        hosts: set[str] = set()
-        accounts: set[str] = set()
-        listed: list[str] = []
-        for peer, relay in offers:
-            host, account = relay.rsplit(":", 1)[0], self.access.account_of(peer)
-            if host in hosts or account in accounts:
-                continue
-            hosts.add(host)
-            accounts.add(account)
-            listed.append(relay)
-            if len(listed) == MAX_RELAYS_LISTED:
-                break
-        return listed
 
     def heartbeat(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.HeartbeatResponse:
         """Safe to call beside every other method (the servicer runs heartbeats outside its
@@ -254,24 +233,58 @@ class Coordinator:
         return self.beats.response(peer.id, now, interval)
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:
-        """Verify a round report, then record it (``RoundBook.record``); it is decided at a
-        later ``tick``."""
+        """Verify a round report, then record it (``record_reports``); it is decided at a later
+        ``tick``. The servicer does the two apart: verified outside its lock, recorded in
+        batches (``coordinator.reports``)."""
+        peer, body = self.verify_report(envelope, now=now)
+        (outcome,) = self.record_reports([(peer.id, body, now)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def verify_report(self, envelope: pb.SignedEnvelope, *, now: float) -> tuple[PublicKey, pb.RoundReportBody]:
+        """A report's signer and body, checked (signature, age, replay, bounds, admitted);
+        thread-safe, like ``heartbeat``: it changes nothing but the replay guard."""
         peer, body = self._verified(envelope, kinds.ROUND_REPORT, pb.RoundReportBody, now, acts_for=self._admitted)
         check_report(body)
         if not self._admitted(peer):
             raise AdmissionError(f"{peer.id} is not admitted: join again before reporting")
-        account, owner_since = self._owner_of(peer.id)
-        claim = self.rounds.claim_of(peer.id, body, now=now, account=account, owner_since=owner_since)
-        if self.rounds.already_reported(peer.id, body.round):  # a resent report (the store refuses it too)
-            return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
-        if not self.rounds.record(claim, body):
-            return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
-        self.credit.moved(peer.id, pending=body.samples)
-        self.health.record_report(
-            peer.id, allreduce_s=body.allreduce_s, bytes_sent=body.bytes_sent, bytes_received=body.bytes_received
-        )
-        reason = "pending: waiting for the other group members' reports"
-        return pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=reason)
+        return peer, body
+
+    def record_reports(
+        self, reports: list[tuple[str, pb.RoundReportBody, float]]
+    ) -> list[pb.RoundReportResponse | Exception]:
+        """Record verified reports of distinct keys (``RoundBook.record_many``: one transaction);
+        each one's answer, or the error that refuses it (nothing of that one changes)."""
+        outcomes: list[pb.RoundReportResponse | Exception] = []
+        claims: list[tuple[int, RoundClaim, pb.RoundReportBody]] = []
+        for key, body, now in reports:
+            try:
+                account, owner_since = self._owner_of(key)
+                claim = self.rounds.claim_of(key, body, now=now, account=account, owner_since=owner_since)
+            except (MalformedMessageError, ValueError) as exc:
+                outcomes.append(exc)
+                continue
+            if self.rounds.already_reported(key, body.round):  # a resent report (the store refuses it too)
+                outcomes.append(pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported"))
+                continue
+            outcomes.append(pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason=PENDING_REASON))
+            claims.append((len(outcomes) - 1, claim, body))
+        recorded = self.rounds.record_many([(claim, body) for _, claim, body in claims])
+        for (index, claim, body), result in zip(claims, recorded, strict=True):
+            if isinstance(result, Exception):
+                outcomes[index] = result
+            elif not result:
+                outcomes[index] = pb.RoundReportResponse(status=pb.CLAIM_STATUS_PENDING, reason="already reported")
+            else:
+                self.credit.moved(claim.key, pending=body.samples)
+                self.health.record_report(
+                    claim.key,
+                    allreduce_s=body.allreduce_s,
+                    bytes_sent=body.bytes_sent,
+                    bytes_received=body.bytes_received,
+                )
+        return outcomes
 
     def snapshot(self, *, now: float) -> SwarmSnapshot:
         """The swarm at ``now``: what every status view shows (``coordinator.snapshot``)."""
@@ -456,15 +469,3 @@ def _hardware(hw: pb.Hardware) -> dict:
         "ram_gib": hw.ram_gib,
         "local_ranks": max(1, min(hw.local_ranks, MAX_LOCAL_RANKS)),
     }
-
-
-def _relay_endpoint(source: str, port: int) -> str:
-    """``HOST:PORT`` of a relay a peer offers on ``port`` of the host its request came from;
-    "" when it offers none or the source is not an IP address (a unix socket, a test)."""
-    try:
-        address = ipaddress.ip_address(source)
-    except ValueError:
-        return ""
-    if not port:
-        return ""
-    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"

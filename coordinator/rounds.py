@@ -26,7 +26,7 @@ from coordinator.credits import MemberOf, RoundLedger
 from coordinator.limits import MAX_GROUP
 from coordinator.round_view import ROUND_WINDOW, RoundWindow
 from coordinator.slots import DataSlots
-from coordinator.store import RoundTiming, Store
+from coordinator.store import NewClaim, RoundTiming, Store
 from coordinator.store.claims import ClaimVerdict, GroupMemberView, RoundClaim, Voucher, claim_from_row, group_json
 from protocol import coordinator_pb2 as pb
 from protocol.errors import MalformedMessageError
@@ -131,19 +131,41 @@ class RoundBook:
         """Check and record one claim (its report ``body`` says the figures): False if the store
         already holds it (nothing changes). Raises ``ValueError`` for a claim the rules refuse
         (malformed, a closed round, a data read that does not add up); nothing changes then."""
-        self._check_data_read(claim.key, body)
-        self.ledger.check(claim)
-        recorded = self.store.record_claim(
-            key=claim.key,
-            round=claim.round,
-            samples=claim.samples,
-            group_json=group_json(claim),
-            state_digest=claim.state_digest,
-            duration_s=claim.duration_s,
-            received_at=claim.received_at,
+        (outcome,) = self.record_many([(claim, body)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def record_many(self, reports: list[tuple[RoundClaim, pb.RoundReportBody]]) -> list[bool | ValueError]:
+        """``record`` for claims of distinct keys, the store's part in one transaction: for each,
+        True (recorded), False (the store held it already) or the ``ValueError`` that refuses it."""
+        outcomes: list[bool | ValueError] = []
+        checked: list[RoundClaim] = []
+        for claim, body in reports:
+            try:
+                self._check_data_read(claim.key, body)
+                self.ledger.check(claim)
+            except ValueError as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(True)
+            checked.append(claim)
+        recorded = self.store.record_claims(
+            [
+                NewClaim(c.key, c.round, c.samples, group_json(c), c.state_digest, c.duration_s, c.received_at)
+                for c in checked
+            ]
         )
-        if not recorded:
-            return False
+        for index, (claim, body) in enumerate(reports):
+            if outcomes[index] is True:
+                if (claim.key, claim.round) in recorded:
+                    self._remember(claim, body)
+                else:
+                    outcomes[index] = False
+        return outcomes
+
+    def _remember(self, claim: RoundClaim, body: pb.RoundReportBody) -> None:
+        """What a recorded claim adds to the ledger, the round view and the round's figures."""
         self.ledger.add(claim)
         self.view.add(
             round=claim.round, reporter=claim.key, members=(m.key for m in claim.group), state_digest=claim.state_digest
@@ -169,7 +191,6 @@ class RoundBook:
             self._epochs.setdefault(claim.round, {})[claim.key] = body.data.epoch
         if body.HasField("validation_loss") and math.isfinite(body.validation_loss):
             self._val_losses.setdefault(claim.round, {})[claim.key] = body.validation_loss
-        return True
 
     # --- time -------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ TICK_S = 1.0
 REVOCATIONS_REPUBLISH_S = 60.0
 
 
-GRPC_THREADS = 32
+GRPC_THREADS = 64
 
 
 @dataclass
@@ -165,6 +165,7 @@ class CoordinatorServer:
             after_join=(lambda: fronts.sync(wait=True)) if fronts is not None else None,
         )
         self.servicer_lock = servicer.lock  # ticks and RPCs take turns on the core
+        self.reports = servicer.reports
         add_to_server(servicer, self.server, limiter=SourceLimiter(rate) if rate > 0 else None)
         self.health = add_health_service(self.server)
         try:
@@ -325,6 +326,7 @@ class CoordinatorServer:
         self.http.should_exit = True
         self.http_thread.join(timeout=10)
         self.server.stop(grace=2).wait()
+        self.reports.close()
         if self.fronts is not None:
             self.fronts.stop()
         if self.exporter is not None:

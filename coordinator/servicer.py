@@ -25,6 +25,7 @@ from coordinator.core import Coordinator
 from coordinator.front.wire import SERVICE
 from coordinator.probe import ProbeLimitError, Prober
 from coordinator.ratelimit import SourceLimiter, source_host
+from coordinator.reports import ReportsBusyError, ReportWriter
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol.errors import AdmissionError, MalformedMessageError, VerificationError, WrongRunError
@@ -115,6 +116,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.after_join = after_join
         """Called after each join answered (the heartbeat processes learn the peer first)."""
         self.lock = threading.Lock()
+        self.reports = ReportWriter(core.record_reports, self.lock)
+        """Round reports, recorded in batches (``coordinator.reports``)."""
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         source = source_host(context.peer())
@@ -128,7 +131,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._call(context, lambda now: self.core.heartbeat(request.signed, now=now), locked=False)
 
     def ReportRound(self, request: pb.RoundReportRequest, context: grpc.ServicerContext) -> pb.RoundReportResponse:
-        return self._call(context, lambda now: self.core.report_round(request.signed, now=now))
+        # verified outside the lock, recorded in batches under it, answered once committed
+        def verify_then_record(now: float) -> pb.RoundReportResponse:
+            peer, body = self.core.verify_report(request.signed, now=now)
+            return self.reports.submit((peer.id, body, now))
+
+        return self._call(context, verify_then_record, locked=False)
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         status = self._call(context, lambda now: self.core.status(now=now))
@@ -167,6 +175,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except VerificationError as exc:
             self._abort(context, grpc.StatusCode.UNAUTHENTICATED, exc)
+        except ReportsBusyError as exc:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, exc)
         except ValueError as exc:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         raise AssertionError("unreachable")

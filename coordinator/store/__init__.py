@@ -6,7 +6,7 @@ round-path queries return, ``claims.py`` what a claim and its verdict are; ``sch
 
 from coordinator.store.claims import ClaimStatus, ClaimVerdict, RoundClaim
 from coordinator.store.engine import sqlite_url
-from coordinator.store.rows import ClaimRow, CreditTotals, PeerCredit, PeerRow, RoundRow, RoundTiming
+from coordinator.store.rows import ClaimRow, CreditTotals, NewClaim, PeerCredit, PeerRow, RoundRow, RoundTiming
 from coordinator.store.schema import SCHEMA_VERSION
 from coordinator.store.store import Store
 
@@ -16,6 +16,7 @@ __all__ = [
     "ClaimStatus",
     "ClaimVerdict",
     "CreditTotals",
+    "NewClaim",
     "PeerCredit",
     "PeerRow",
     "RoundClaim",

@@ -151,3 +151,33 @@ class SwarmPoint:
     samples_per_second: float
     rounds_failed: int = 0
     """Rounds whose averaging failed, summed over the swarm's peers since the coordinator started."""
+
+
+@dataclass(frozen=True)
+class NewClaim:
+    """A pending claim to record (``Store.record_claims``)."""
+
+    key: str
+    round: int
+    samples: int
+    group_json: str
+    state_digest: str
+    duration_s: float
+    received_at: float
+
+    def row(self) -> dict[str, object]:
+        """Its row in the claims table, pending."""
+        return {
+            "key": self.key,
+            "round": self.round,
+            "samples": self.samples,
+            "group_json": self.group_json,
+            "state_digest": self.state_digest,
+            "duration_s": self.duration_s,
+            "received_at": self.received_at,
+            "status": "pending",
+            "granted_samples": 0,
+            "flops": 0.0,
+            "reason": "",
+            "decided_at": None,
+        }

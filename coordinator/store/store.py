@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -16,6 +17,7 @@ from coordinator.store.rows import (
     ClaimRow,
     CreditTotals,
     LeaderRow,
+    NewClaim,
     PeerCredit,
     PeerRow,
     RoundRow,
@@ -239,32 +241,39 @@ class Store(SwarmSeries):
         received_at: float,
     ) -> bool:
         """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
-        row = {
-            "key": key,
-            "round": round,
-            "samples": samples,
-            "group_json": group_json,
-            "state_digest": state_digest,
-            "duration_s": duration_s,
-            "received_at": received_at,
-            "status": PENDING,
-            "granted_samples": 0,
-            "flops": 0.0,
-            "reason": "",
-            "decided_at": None,
-        }
+        claim = NewClaim(key, round, samples, group_json, state_digest, duration_s, received_at)
+        return bool(self.record_claims([claim]))
+
+    def record_claims(self, claims: Sequence[NewClaim]) -> set[tuple[str, int]]:
+        """Record pending claims in one transaction (reports arrive in bursts: one commit for
+        many); the (key, round) of those recorded: not one already recorded, nor a second one of
+        the same (key, round) in ``claims``."""
+        wanted: dict[tuple[str, int], NewClaim] = {}
+        for claim in claims:
+            wanted.setdefault((claim.key, claim.round), claim)
+        if not wanted:
+            return set()
+        keys = sorted({key for key, _ in wanted})
+        rounds = sorted({round_ for _, round_ in wanted})
         try:
-            with self._write() as s:  # a plain INSERT: a report is the coordinator's busiest write
-                exists = s.execute(select(Claim.id).where(Claim.key == key, Claim.round == round)).first()
-                if exists is not None:
-                    return False
-                s.execute(insert(Claim), [row])
+            with self._write() as s:  # plain INSERTs: reports are the coordinator's busiest writes
+                found = s.execute(select(Claim.key, Claim.round).where(Claim.key.in_(keys), Claim.round.in_(rounds)))
+                for key, round_ in found:
+                    wanted.pop((key, round_), None)
+                if wanted:
+                    s.execute(insert(Claim), [claim.row() for claim in wanted.values()])
         except IntegrityError:
-            # Another writer (another process) won the race for the unique (key, round).
-            if self._has_claim(key, round):
-                return False
+            # another writer (another process) won a race for a unique (key, round): one at a time
+            if len(wanted) > 1:
+                recorded: set[tuple[str, int]] = set()
+                for claim in wanted.values():
+                    recorded |= self.record_claims([claim])
+                return recorded
+            (only,) = wanted
+            if self._has_claim(*only):
+                return set()
             raise
-        return True
+        return set(wanted)
 
     def _has_claim(self, key: str, round: int) -> bool:
         with self._read() as s:
