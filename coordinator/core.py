@@ -258,6 +258,11 @@ class Coordinator:
         each one's answer, or the error that refuses it (nothing of that one changes)."""
         outcomes: list[pb.RoundReportResponse | Exception] = []
         claims: list[tuple[int, RoundClaim, pb.RoundReportBody]] = []
+        keys = {key for key, _, _ in reports}
+        self.rounds.prefetch_clocks(keys)
+        owners = {self.access.account_of(key) for key in keys} - self._owner_since.keys()
+        if owners:
+            self._owner_since.update(self.store.first_seen_of_many(owners))
         for key, body, now in reports:
             try:
                 account, owner_since = self._owner_of(key)

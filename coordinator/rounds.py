@@ -123,6 +123,14 @@ class RoundBook:
             return None
         return Voucher(weight=read.weight, offence=read.offence)
 
+    def prefetch_clocks(self, keys: set[str]) -> None:
+        """Read the clock bounds of those of ``keys`` this process has not seen report yet in
+        one query (``_observed_round_s`` reads them one by one otherwise: after a start, every
+        peer's first report, all in the same burst)."""
+        unseen = keys - self._last_report_at.keys()
+        if unseen:
+            self._last_report_at.update(self.store.report_clock_starts(unseen))
+
     def already_reported(self, key: str, round_: int) -> bool:
         """Whether the ledger holds an undecided claim of ``key`` for ``round_``."""
         return self.ledger.has(key, round_)

@@ -1,7 +1,7 @@
 """The coordinator's persistence: SQLAlchemy 2, SQLite by default, any SQLAlchemy URL.
 
 ``Store`` (in ``store.py``) is the API the coordinator uses and ``rows.py`` what its
-round-path queries return, ``claims.py`` what a claim and its verdict are; ``schema.py`` holds the tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
+round-path queries return, ``claims.py`` what a claim and its verdict are, ``reports.py`` what a burst of reports writes and reads many at a time; ``schema.py`` holds the tables, ``engine.py`` opens a database (pragmas, schema creation, ``ConfigError``s).
 """
 
 from coordinator.store.claims import ClaimStatus, ClaimVerdict, RoundClaim

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 
-from sqlalchemy import delete, func, insert, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from coordinator.store.claims import ClaimStatus, ClaimVerdict
 from coordinator.store.claims import group_json as as_json
+from coordinator.store.reports import ReportWrites
 from coordinator.store.rows import (
     BanRow,
     ClaimRow,
@@ -81,7 +80,7 @@ _ROUND_FIELDS = (
 )
 
 
-class Store(SwarmSeries):
+class Store(ReportWrites, SwarmSeries):
     """The coordinator's database (SQLite by default, any SQLAlchemy URL).
 
     Tables: ``schema_version`` (version, applied_at), ``run`` (one row: spec_digest,
@@ -213,15 +212,6 @@ class Store(SwarmSeries):
             found = [v for v in s.execute(select(by_account, by_key)).one() if v is not None]
         return float(min(found)) if found else None
 
-    def report_clock_start(self, key: str) -> float | None:
-        """When ``key``'s last recorded claim arrived, else when it was first seen; None if
-        neither (one indexed query: what a peer's first report after a start reads)."""
-        last_claim = select(func.max(Claim.received_at)).where(Claim.key == key).scalar_subquery()
-        first_seen = select(Peer.first_seen).where(Peer.key == key).scalar_subquery()
-        with self._read() as s:
-            found = s.scalar(select(func.coalesce(last_claim, first_seen)))
-        return float(found) if found is not None else None
-
     def peers(self) -> list[PeerRow]:
         """Every peer ever seen, by key."""
         with self._read() as s:
@@ -243,41 +233,6 @@ class Store(SwarmSeries):
         """Record a pending claim; False (nothing changed) if (key, round) is already recorded."""
         claim = NewClaim(key, round, samples, group_json, state_digest, duration_s, received_at)
         return bool(self.record_claims([claim]))
-
-    def record_claims(self, claims: Sequence[NewClaim]) -> set[tuple[str, int]]:
-        """Record pending claims in one transaction (reports arrive in bursts: one commit for
-        many); the (key, round) of those recorded: not one already recorded, nor a second one of
-        the same (key, round) in ``claims``."""
-        wanted: dict[tuple[str, int], NewClaim] = {}
-        for claim in claims:
-            wanted.setdefault((claim.key, claim.round), claim)
-        if not wanted:
-            return set()
-        keys = sorted({key for key, _ in wanted})
-        rounds = sorted({round_ for _, round_ in wanted})
-        try:
-            with self._write() as s:  # plain INSERTs: reports are the coordinator's busiest writes
-                found = s.execute(select(Claim.key, Claim.round).where(Claim.key.in_(keys), Claim.round.in_(rounds)))
-                for key, round_ in found:
-                    wanted.pop((key, round_), None)
-                if wanted:
-                    s.execute(insert(Claim), [claim.row() for claim in wanted.values()])
-        except IntegrityError:
-            # another writer (another process) won a race for a unique (key, round): one at a time
-            if len(wanted) > 1:
-                recorded: set[tuple[str, int]] = set()
-                for claim in wanted.values():
-                    recorded |= self.record_claims([claim])
-                return recorded
-            (only,) = wanted
-            if self._has_claim(*only):
-                return set()
-            raise
-        return set(wanted)
-
-    def _has_claim(self, key: str, round: int) -> bool:
-        with self._read() as s:
-            return _find_claim(s, key, round) is not None
 
     def decide_claim(
         self,

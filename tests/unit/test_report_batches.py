@@ -128,3 +128,17 @@ def test_the_store_records_each_key_and_round_once(core: Coordinator) -> None:
     assert core.store.record_claims([claim("a", 1), claim("a", 2), claim("c", 1)]) == {("a", 2), ("c", 1)}
     assert core.store.record_claims([]) == set()
     assert sorted((c.key, c.round) for c in core.store.claims()) == [("a", 1), ("a", 2), ("b", 1), ("c", 1)]
+
+
+def test_the_batch_lookups_agree_with_one_at_a_time(core: Coordinator) -> None:
+    """What a batch reads for all its peers at once is what each would read alone."""
+    now = time.time()
+    peers = [join(core, now - 100 + i) for i in range(5)]
+    core.record_reports([verified(core, p, now, round=1, samples=8) for p in peers[:2]])
+    keys = [p.public_key.id for p in peers] + ["ed25519:nobody"]
+    clocks = core.store.report_clock_starts(keys)
+    assert clocks == {k: core.store.report_clock_start(k) for k in keys if core.store.report_clock_start(k) is not None}
+    assert len(clocks) == 5 and clocks[keys[0]] == pytest.approx(now, abs=1e-3)
+    firsts = core.store.first_seen_of_many(keys)
+    assert firsts == {k: core.store.first_seen(k) for k in keys if core.store.first_seen(k) is not None}
+    assert len(firsts) == 5
