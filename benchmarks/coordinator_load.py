@@ -283,7 +283,10 @@ def count_rows(db_url: str) -> dict[str, int]:
         engine.dispose()
 
 
-def one_run(peers: int, args: argparse.Namespace, db_url: str, workdir: Path) -> dict[str, Any]:
+def one_run(
+    peers: int, args: argparse.Namespace, db_url: str, workdir: Path, tree: Path | None = None
+) -> dict[str, Any]:
+    """One load on a coordinator of this tree, or of the source tree ``tree`` (a ``--ref``)."""
     from coordinator.store import Store
     from protocol.spec import parse_spec
     from swarmtrain.localswarm import LocalCoordinator, wait_until
@@ -293,8 +296,14 @@ def one_run(peers: int, args: argparse.Namespace, db_url: str, workdir: Path) ->
     digest = parse_spec(SPEC).digest()
     # every simulated peer sends from 127.0.0.1: no per-source request limit
     extra = ["--archive-every", "0", "--max-requests-per-source", "0"]
-    extra += ["--heartbeat-processes", str(args.heartbeat_processes)]
-    coordinator = LocalCoordinator(spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1")
+    executable = None
+    if tree is None:
+        extra += ["--heartbeat-processes", str(args.heartbeat_processes)]
+    else:  # the ref's code first on the path (the venv's editable install points at this tree)
+        executable = ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "swarmtrain"]
+    coordinator = LocalCoordinator(
+        spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1", executable=executable
+    )
     try:
         address = coordinator.address()
         rows_before = count_rows(db_url)
@@ -321,6 +330,11 @@ def one_run(peers: int, args: argparse.Namespace, db_url: str, workdir: Path) ->
         result["rows_per_hour"] = {t: (rows_after[t] - rows_before[t]) * 3600 / wall for t in rows_after}
         result["claims"] = len(claims)
         result["claims_pending_after_180_s"] = pending
+        log = (workdir / "state" / "coordinator.log").read_text(errors="replace").splitlines()
+        result["coordinator_log_problems"] = [line[:200] for line in log if " ERROR " in line or "Traceback" in line][
+            :5
+        ]
+        result["code"] = args.ref if tree is not None else "this tree"
         result["claims_granted_in_full"] = sum(
             1 for c in claims if c.status == "granted" and c.granted_samples == SAMPLES
         )
@@ -336,15 +350,15 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     lines = [
         header,
         "",
-        "| peers | heartbeats/s | p50 ms | p99 ms | max ms | p99 1st / 2nd half ms | reports p50 / p99 ms "
+        "| code | peers | heartbeats/s | p50 ms | p99 ms | max ms | p99 1st / 2nd half ms | reports p50 / p99 ms "
         "| coordinator CPU | heartbeat processes' CPU | load CPU | sent late p99 ms | claims granted in full "
         "| errors | online |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         share = r["cpu_share"]
         lines.append(
-            f"| {r['peers']} | {r['heartbeats_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} "
+            f"| {r.get('code', 'this tree')} | {r['peers']} | {r['heartbeats_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} "
             f"| {r['p99_first_half_ms']:.1f} / {r['p99_second_half_ms']:.1f} "
             f"| {r['report_p50_ms']:.0f} / {r['report_p99_ms']:.0f} "
             f"| {100 * share['coordinator']:.0f}% | {100 * share['heartbeats']:.0f}% "
@@ -355,8 +369,8 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     lines += ["", "CPU as a share of one core over the measured window. Database rows written per hour:", ""]
     for r in results:
         rows = ", ".join(f"{t} {v:,.0f}" for t, v in r["rows_per_hour"].items())
-        lines.append(f"- {r['peers']} peers: {rows}")
-    errors = [f"- {r['peers']} peers: {r['errors']}" for r in results if r["errors"]]
+        lines.append(f"- {r.get('code', 'this tree')}, {r['peers']} peers: {rows}")
+    errors = [f"- {r.get('code', 'this tree')}, {r['peers']} peers: {r['errors']}" for r in results if r["errors"]]
     if errors:
         lines += ["", "Errors:", "", *errors]
     return "\n".join(lines) + "\n"
@@ -376,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--heartbeat-processes", type=int, default=1, help="the coordinator's --heartbeat-processes (default 1)"
+    )
+    parser.add_argument(
+        "--ref", default="", help="also load a coordinator of this git ref, in the same run (the baseline)"
     )
     parser.add_argument(
         "--db", default="", help="database URL, or 'sqlite' (default: a throwaway PostgreSQL, else SQLite)"
@@ -399,7 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     label = datetime.date.today().isoformat() + (f"-{args.label}" if args.label else "")
     command = " ".join(["python -m benchmarks.coordinator_load", *(argv if argv is not None else sys.argv[1:])])
     text = ""
-    for peers in args.peers:
+    trees: list[Path | None] = [None]
+    if args.ref:
+        worktree = Path(tempfile.mkdtemp(prefix="coordinator-load-ref-"))
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "-f", "--detach", str(worktree), args.ref], check=True
+        )
+        trees.append(worktree)
+    runs = [(peers, tree) for peers in args.peers for tree in trees]
+    for peers, tree in runs:
         with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
             workdir = Path(tmp)
             os.chmod(workdir, 0o755)
@@ -409,8 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                 db_url = args.db or start_postgres(workdir) or sqlite_url(workdir / "state")
             backend = db_url.split(":", 1)[0]
             try:
-                print(f"{peers} peers on {backend} ...", file=sys.stderr, flush=True)
-                results.append(one_run(peers, args, db_url, workdir))
+                code = "this tree" if tree is None else args.ref
+                print(f"{peers} peers on {backend}, {code} ...", file=sys.stderr, flush=True)
+                results.append(one_run(peers, args, db_url, workdir, tree))
             finally:
                 if args.db in ("", "sqlite") and (workdir / "pg").exists():
                     subprocess.run(["bash", str(REPO / ".ci/postgres.sh"), "stop", str(workdir / "pg")], check=False)
@@ -428,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"coordinator-load-{label}.json").write_text(
             json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
         )
+    if args.ref:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees[1])], check=False)
     print(text)
     return 0
 

@@ -43,7 +43,7 @@ def test_report_lists_every_run() -> None:
         "rows_per_hour": {"claims": 240000.0},
     }
     text = markdown([run], "header")
-    row = "| 2000 | 400 | 3.0 | 40.0 | 90 | 41.0 / 39.0 | 800 / 4000 | 60% | 30% | 50% | 12 | 8000 of 8000 | 3 | 2000 |"
+    row = "| this tree | 2000 | 400 | 3.0 | 40.0 | 90 | 41.0 / 39.0 | 800 / 4000 | 60% | 30% | 50% | 12 | 8000 of 8000 | 3 | 2000 |"
     assert row in text
-    assert "2000 peers: claims 240,000" in text
-    assert "2000 peers: {'report DEADLINE_EXCEEDED': 3}" in text
+    assert "this tree, 2000 peers: claims 240,000" in text
+    assert "this tree, 2000 peers: {'report DEADLINE_EXCEEDED': 3}" in text
