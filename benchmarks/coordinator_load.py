@@ -54,15 +54,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (the coordinator's heartbeat processes)."""
+    """The heartbeat processes of the coordinator ``pid`` (its children that run ``coordinator.front``)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"coordinator.front.process" in cmdline:
                 found.append(int(entry))
     return found
 
