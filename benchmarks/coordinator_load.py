@@ -234,7 +234,14 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         task = asyncio.ensure_future(report(index, request, round_) if is_report else heartbeat(index, request, when))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    status = await method(main[0], "GetStatus", pb.StatusResponse)(pb.StatusRequest().SerializeToString(), timeout=120)
+    try:
+        status = await method(main[0], "GetStatus", pb.StatusResponse)(
+            pb.StatusRequest().SerializeToString(), timeout=120
+        )
+        online = status.peers_online
+    except grpc.aio.AioRpcError as exc:
+        errors["status " + exc.code().name] = 1
+        online = -1
     await asyncio.gather(*list(tasks))
     load_cpu = time.process_time() - load_cpu
     cpu_end, window = cpu(), time.monotonic() - window_begin
@@ -263,7 +270,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "report_p99_ms": 1000 * percentile(report_latencies, 0.99),
         "errors": errors,
         "reported": reported,
-        "peers_online": status.peers_online,
+        "peers_online": online,
         "load_cpu_share": load_cpu / window,
         "cpu_share": {role: (cpu_end.get(role, 0.0) - cpu_begin.get(role, 0.0)) / window for role in cpu_end},
         "keys": [k.public_key.id for k in keys],
@@ -301,7 +308,7 @@ def one_run(
     if tree is None:
         extra += ["--heartbeat-processes", str(args.heartbeat_processes)]
     else:  # the ref's code first on the path (the venv's editable install points at this tree)
-        executable = ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "swarmtrain"]
+        executable = ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "swarmtrain"]  # -P: not the cwd
     coordinator = LocalCoordinator(
         spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1", executable=executable
     )
