@@ -265,9 +265,11 @@ class Coordinator:
             self._owner_since.update(self.store.first_seen_of_many(owners))
         for key, body, now in reports:
             try:
+                if not self._admitted(PublicKey.from_id(key)):  # banned or dropped since it was verified
+                    raise AdmissionError(f"{key} is not admitted: join again before reporting")
                 account, owner_since = self._owner_of(key)
                 claim = self.rounds.claim_of(key, body, now=now, account=account, owner_since=owner_since)
-            except (MalformedMessageError, ValueError) as exc:
+            except (AdmissionError, MalformedMessageError, ValueError) as exc:
                 outcomes.append(exc)
                 continue
             if self.rounds.already_reported(key, body.round):  # a resent report (the store refuses it too)

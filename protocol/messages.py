@@ -251,5 +251,5 @@ class MessageVerifier:
         with self._replay_lock:
             if self.replay_guard.seen(signer, nonce, now=now):
                 raise ReplayedMessageError(f"{what}: message from {PublicKey(signer).id} was already received")
-            until = timestamp + self.max_age_s
+            until = max(timestamp + self.max_age_s, now + 1.0)  # kept past this batch, however old
             self.replay_guard.remember(signer, nonce, until=until, now=now, source=source)

@@ -130,13 +130,12 @@ class Fronts:
         sent in one step, so that no process sees an older answer after a newer one."""
         with self._send_lock:
             answers, dropped = self.drain()
-            if not answers and not dropped:
-                return
-            self._seq += 1
-            seq = self._seq
-            for entry in self._processes:
-                self._send(entry, Answers(seq, answers, dropped))
-        if not wait:
+            if answers or dropped:
+                self._seq += 1
+                for entry in self._processes:
+                    self._send(entry, Answers(self._seq, answers, dropped))
+            seq = self._seq  # what another thread drained and sent may hold this join's peer: wait for it too
+        if not wait or seq == 0:
             return
         deadline = time.monotonic() + ACK_TIMEOUT_S
         with self._acked:
@@ -156,31 +155,31 @@ class Fronts:
 
     def mend(self) -> int:
         """Start again each process that died (with the whole table); how many were."""
-        if self._stopping:
-            return 0
         mended = 0
-        for index, entry in enumerate(self._processes):
-            if entry.process.poll() is None:
-                continue
-            logger.error(
-                "heartbeat process %d exited (code %s): starting another", entry.process.pid, entry.process.returncode
-            )
-            entry.conn.close()
-            config = replace(self.config, port=self.port)
-            fresh, _ = self._spawn(config)
-            with self._send_lock:
+        with self._send_lock:  # no update goes to a dead process meanwhile, nor a start after ``stop``
+            for index, entry in enumerate(self._processes):
+                if self._stopping or entry.process.poll() is None:
+                    continue
+                logger.error(
+                    "heartbeat process %d exited (code %s): starting another",
+                    entry.process.pid,
+                    entry.process.returncode,
+                )
+                entry.conn.close()
+                fresh, _ = self._spawn(replace(self.config, port=self.port))
                 self._send(fresh, Answers(self._seq, self.everyone(), ()))
-            self._processes[index] = fresh
-            mended += 1
+                self._processes[index] = fresh
+                mended += 1
         return mended
 
     def pids(self) -> list[int]:
         return [int(e.process.pid) for e in self._processes]
 
     def stop(self) -> None:
-        self._stopping = True
-        for entry in self._processes:
-            self._send(entry, STOP)
+        with self._send_lock:
+            self._stopping = True
+            for entry in self._processes:
+                self._send(entry, STOP)
         for entry in self._processes:
             try:
                 entry.process.wait(timeout=5)

@@ -49,6 +49,10 @@ JOIN_BACKOFF_MAX_S = 30.0
 pause drawn from 80-120% of it: thousands of peers whose coordinator restarts do not all come
 back in the same second)."""
 
+_NOT_HEARTBEATS = {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+"""What a heartbeat port answers that is no longer the coordinator's heartbeat process: the gRPC
+address takes the heartbeats then."""
+
 _FATAL = {
     grpc.StatusCode.PERMISSION_DENIED: AdmissionError,
     grpc.StatusCode.FAILED_PRECONDITION: WrongRunError,
@@ -221,7 +225,7 @@ class CoordinatorClient:
             try:
                 return beats[2].Heartbeat(request, timeout=HEARTBEAT_PORT_TIMEOUT_S)
             except grpc.RpcError as exc:
-                if exc.code() not in _UNAVAILABLE:
+                if exc.code() not in _UNAVAILABLE | _NOT_HEARTBEATS:
                     raise _FATAL.get(exc.code(), SwarmtrainError)(
                         f"coordinator heartbeats {beats[0]}: {plain_rpc_error(exc)}"
                     ) from exc

@@ -16,6 +16,7 @@ from coordinator.reports import ReportWriter
 from coordinator.store import NewClaim
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
+from protocol.errors import AdmissionError
 from protocol.identity import Identity
 from protocol.messages import sign_message
 from tests.unit.claim_calls import group, join
@@ -142,3 +143,15 @@ def test_the_batch_lookups_agree_with_one_at_a_time(core: Coordinator) -> None:
     firsts = core.store.first_seen_of_many(keys)
     assert firsts == {k: core.store.first_seen(k) for k in keys if core.store.first_seen(k) is not None}
     assert len(firsts) == 5
+
+
+def test_a_report_of_a_peer_banned_while_it_waited_is_refused(core: Coordinator) -> None:
+    """Verified (admitted then), recorded after an operator's ban: refused, as when the ban
+    had come first."""
+    now = time.time()
+    peer = join(core, now - 60)
+    waiting = verified(core, peer, now, round=1, samples=8)
+    core.ban(peer.public_key.id, "test", now=now)
+    (outcome,) = core.record_reports([waiting])
+    assert isinstance(outcome, AdmissionError)
+    assert not core.store.claims(key=peer.public_key.id)
