@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.store.schema import PENDING
+
 __all__ = [
     "BanRow",
     "ClaimRow",
@@ -175,7 +177,7 @@ class NewClaim:
             "state_digest": self.state_digest,
             "duration_s": self.duration_s,
             "received_at": self.received_at,
-            "status": "pending",
+            "status": PENDING,
             "granted_samples": 0,
             "flops": 0.0,
             "reason": "",

@@ -468,19 +468,7 @@ def _decide(session: Session, round: int, decision: ClaimVerdict, now: float) ->
 def _new_claim(
     key: str, round: int, samples: int, group: str, state_digest: str, duration_s: float, received_at: float
 ) -> Claim:
-    return Claim(
-        key=key,
-        round=round,
-        samples=samples,
-        group_json=group,
-        state_digest=state_digest,
-        duration_s=duration_s,
-        received_at=received_at,
-        status=PENDING,
-        granted_samples=0,
-        flops=0.0,
-        reason="",
-    )
+    return Claim(**NewClaim(key, round, samples, group, state_digest, duration_s, received_at).row())
 
 
 def _find_claim(session: Session, key: str, round: int) -> Claim | None:
