@@ -218,9 +218,12 @@ class CoordinatorClient:
 
     def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
         """To the heartbeat port the join answer named, else (none named, or it failed within
-        ``HEARTBEAT_PORT_BACKOFF_S``: a firewall, a process restarting) to the gRPC address."""
+        ``HEARTBEAT_PORT_BACKOFF_S``: a firewall, a process restarting) to the gRPC address.
+        A leaving peer's heartbeat goes to the gRPC address: its answer is the peer's last
+        account of its work, which must count the reports it has just sent (the heartbeat
+        processes answer from tables that follow the coordinator by up to a tick)."""
         request = pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body))
-        beats = self._beats
+        beats = None if body.phase == pb.PEER_PHASE_LEAVING else self._beats
         if beats is not None and time.monotonic() - self._beats_failed_at >= HEARTBEAT_PORT_BACKOFF_S:
             try:
                 return beats[2].Heartbeat(request, timeout=HEARTBEAT_PORT_TIMEOUT_S)

@@ -134,3 +134,27 @@ def _answered(stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest, answe
     except grpc.RpcError:
         return False
     return True
+
+
+def test_a_leaving_peer_is_answered_with_the_report_it_just_sent(coordinator: LocalCoordinator, tmp_path: Path) -> None:
+    """A peer leaves right after sending its last report: its leaving heartbeat's answer is its
+    last account of its work and counts that report, though the heartbeat process's table
+    follows the coordinator by up to a tick."""
+    digest = parse_spec((tmp_path / "spec.toml").read_text()).digest()
+    peer = Identity.generate()
+    client = CoordinatorClient(coordinator.address(), peer, software_version="test")
+    try:
+        client.join(libp2p_peer_id="12D3KooWtest", spec_digest=digest)
+        before = client.heartbeat(pb.HeartbeatBody(round=1))
+        assert before.admitted and before.pending_samples == 0
+        time.sleep(1.0)  # a claim is capped by the time the coordinator saw since the join
+        member = pb.GroupMember(public_key=peer.public_key.raw, weight=1.0)
+        body = pb.RoundReportBody(
+            round=1, samples=1, loss=3.0, group=[member], state_digest="sha256:" + "ab" * 32, compute_s=1.0
+        )
+        assert client.report_round(body).status == pb.CLAIM_STATUS_PENDING
+        last = client.heartbeat(pb.HeartbeatBody(round=1, phase=pb.PEER_PHASE_LEAVING))
+        assert last.admitted and last.HasField("credited_samples")
+        assert last.pending_samples + last.credited_samples == 1, last
+    finally:
+        client.close()
