@@ -292,9 +292,10 @@ def count_rows(db_url: str) -> dict[str, int]:
 
 
 def one_run(
-    peers: int, args: argparse.Namespace, db_url: str, workdir: Path, tree: Path | None = None
+    peers: int, args: argparse.Namespace, db_url: str, workdir: Path, tree: Path | None = None, processes: int = 1
 ) -> dict[str, Any]:
-    """One load on a coordinator of this tree, or of the source tree ``tree`` (a ``--ref``)."""
+    """One load on a coordinator of this tree with ``processes`` heartbeat processes, or of the
+    source tree ``tree`` (a ``--ref``)."""
     from coordinator.store import Store
     from protocol.spec import parse_spec
     from swarmtrain.localswarm import LocalCoordinator, wait_until
@@ -306,9 +307,17 @@ def one_run(
     extra = ["--archive-every", "0", "--max-requests-per-source", "0"]
     executable = None
     if tree is None:
-        extra += ["--heartbeat-processes", str(args.heartbeat_processes)]
+        extra += ["--heartbeat-processes", str(processes)]
     else:  # the ref's code first on the path (the venv's editable install points at this tree)
-        executable = ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "swarmtrain"]  # -P: not the cwd
+        path = [str(tree), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_repo(p))]
+        executable = [
+            "env",
+            f"PYTHONPATH={os.pathsep.join(path)}",
+            sys.executable,
+            "-P",
+            "-m",
+            "swarmtrain",
+        ]  # -P: not the cwd
     coordinator = LocalCoordinator(
         spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1", executable=executable
     )
@@ -326,9 +335,9 @@ def one_run(
         store = Store(db_url)
         try:
             try:
-                wait_until(lambda: not store.pending_claims(), 180, "every claim decided")
+                wait_until(lambda: not store.pending_claims(), args.settle_s, "every claim decided")
             except TimeoutError:
-                print("coordinator_load: claims still pending 180 s after the window", file=sys.stderr)
+                print(f"coordinator_load: claims still pending {args.settle_s:g} s after the window", file=sys.stderr)
             pending = len(store.pending_claims())
             rows_after = count_rows(db_url)
             keys = set(result.pop("keys"))
@@ -337,12 +346,13 @@ def one_run(
             store.close()
         result["rows_per_hour"] = {t: (rows_after[t] - rows_before[t]) * 3600 / wall for t in rows_after}
         result["claims"] = len(claims)
-        result["claims_pending_after_180_s"] = pending
+        result["claims_pending_after_settle"] = pending
         log = (workdir / "state" / "coordinator.log").read_text(errors="replace").splitlines()
         result["coordinator_log_problems"] = [line[:200] for line in log if " ERROR " in line or "Traceback" in line][
             :5
         ]
         result["code"] = args.ref if tree is not None else "this tree"
+        result["heartbeat_processes"] = 0 if tree is not None else processes
         result["claims_granted_in_full"] = sum(
             1 for c in claims if c.status == "granted" and c.granted_samples == SAMPLES
         )
@@ -352,6 +362,20 @@ def one_run(
         return result
     finally:
         coordinator.stop()
+
+
+def _is_repo(path: str) -> bool:
+    try:
+        return Path(path).resolve() == REPO
+    except OSError:
+        return False
+
+
+def _code(r: dict[str, Any]) -> str:
+    """A result's code and heartbeat processes, as its row names them."""
+    code = r.get("code", "this tree")
+    processes = r.get("heartbeat_processes")
+    return f"{code}, {processes} heartbeat process(es)" if processes else code
 
 
 def markdown(results: list[dict[str, Any]], header: str) -> str:
@@ -366,7 +390,7 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     for r in results:
         share = r["cpu_share"]
         lines.append(
-            f"| {r.get('code', 'this tree')} | {r['peers']} | {r['heartbeats_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} "
+            f"| {_code(r)} | {r['peers']} | {r['heartbeats_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.0f} "
             f"| {r['p99_first_half_ms']:.1f} / {r['p99_second_half_ms']:.1f} "
             f"| {r['report_p50_ms']:.0f} / {r['report_p99_ms']:.0f} "
             f"| {100 * share['coordinator']:.0f}% | {100 * share['heartbeats']:.0f}% "
@@ -377,8 +401,8 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     lines += ["", "CPU as a share of one core over the measured window. Database rows written per hour:", ""]
     for r in results:
         rows = ", ".join(f"{t} {v:,.0f}" for t, v in r["rows_per_hour"].items())
-        lines.append(f"- {r.get('code', 'this tree')}, {r['peers']} peers: {rows}")
-    errors = [f"- {r.get('code', 'this tree')}, {r['peers']} peers: {r['errors']}" for r in results if r["errors"]]
+        lines.append(f"- {_code(r)}, {r['peers']} peers: {rows}")
+    errors = [f"- {_code(r)}, {r['peers']} peers: {r['errors']}" for r in results if r["errors"]]
     if errors:
         lines += ["", "Errors:", "", *errors]
     return "\n".join(lines) + "\n"
@@ -397,10 +421,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a round's reports arrive within this many seconds of its end (the burst; default 5)",
     )
     parser.add_argument(
-        "--heartbeat-processes", type=int, default=1, help="the coordinator's --heartbeat-processes (default 1)"
+        "--heartbeat-processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="the coordinator's --heartbeat-processes; one run each (default 1)",
     )
     parser.add_argument(
         "--ref", default="", help="also load a coordinator of this git ref, in the same run (the baseline)"
+    )
+    parser.add_argument(
+        "--ref-tree",
+        type=Path,
+        default=None,
+        help="the --ref's source, already extracted (`git archive REF | tar -x -C DIR`; where there is no git)",
+    )
+    parser.add_argument(
+        "--settle-s", type=float, default=180.0, help="how long to wait after a run for every claim decided"
     )
     parser.add_argument(
         "--db", default="", help="database URL, or 'sqlite' (default: a throwaway PostgreSQL, else SQLite)"
@@ -408,6 +445,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--label", default="")
     args = parser.parse_args(argv)
+    if args.ref_tree is not None and not (args.ref and (args.ref_tree / "swarmtrain").is_dir()):
+        parser.error("--ref-tree needs --ref (its name) and a directory holding that ref's source")
+    if min(args.heartbeat_processes) < 1:
+        parser.error("--heartbeat-processes must be at least 1")
     if not all(p >= GROUP and p % GROUP == 0 for p in args.peers):
         parser.error(f"--peers must be multiples of {GROUP}")
     if args.interval <= 0 or args.round_s <= 0 or args.duration <= 0:
@@ -425,14 +466,22 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m benchmarks.coordinator_load", *(argv if argv is not None else sys.argv[1:])])
     text = ""
     trees: list[Path | None] = [None]
-    if args.ref:
+    worktree: Path | None = None
+    if args.ref_tree is not None:
+        trees.append(args.ref_tree.resolve())
+    elif args.ref:
         worktree = Path(tempfile.mkdtemp(prefix="coordinator-load-ref-"))
         subprocess.run(
             ["git", "-C", str(REPO), "worktree", "add", "-f", "--detach", str(worktree), args.ref], check=True
         )
         trees.append(worktree)
-    runs = [(peers, tree) for peers in args.peers for tree in trees]
-    for peers, tree in runs:
+    runs = [
+        (peers, tree, processes)
+        for peers in args.peers
+        for tree in trees
+        for processes in (args.heartbeat_processes if tree is None else [1])
+    ]
+    for peers, tree, processes in runs:
         with tempfile.TemporaryDirectory(prefix="coordinator-load-") as tmp:
             workdir = Path(tmp)
             os.chmod(workdir, 0o755)
@@ -442,15 +491,15 @@ def main(argv: list[str] | None = None) -> int:
                 db_url = args.db or start_postgres(workdir) or sqlite_url(workdir / "state")
             backend = db_url.split(":", 1)[0]
             try:
-                code = "this tree" if tree is None else args.ref
+                code = f"this tree, {processes} heartbeat process(es)" if tree is None else args.ref
                 print(f"{peers} peers on {backend}, {code} ...", file=sys.stderr, flush=True)
-                results.append(one_run(peers, args, db_url, workdir, tree))
+                results.append(one_run(peers, args, db_url, workdir, tree, processes))
             finally:
                 if args.db in ("", "sqlite") and (workdir / "pg").exists():
                     subprocess.run(["bash", str(REPO / ".ci/postgres.sh"), "stop", str(workdir / "pg")], check=False)
         header = (
             f"Coordinator load, {label}, {platform.node() or 'this machine'} ({os.cpu_count()} CPUs), `{command}`\n\n"
-            f"Database {backend}; {args.heartbeat_processes} heartbeat process(es); a heartbeat every "
+            f"Database {backend}; a heartbeat every "
             f"{args.interval:g} s per peer; every {args.round_s:g} s a round ends and every peer reports it (groups "
             f"of {GROUP}), the reports arriving within {args.report_spread_s:g} s; {args.duration:g} s measured after "
             f"{args.interval:g} s of warm-up. Every request is signed before the measured window; the load process, "
@@ -460,10 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"coordinator-load-{label}.md").write_text(text)
         (args.out / f"coordinator-load-{label}.json").write_text(
-            json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+            json.dumps({"args": vars(args), "results": results}, indent=2, default=str)
         )
-    if args.ref:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees[1])], check=False)
+    if worktree is not None:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
     print(text)
     return 0
 
