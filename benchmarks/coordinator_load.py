@@ -139,7 +139,11 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     beats_address = f"{host}:{heartbeat_port}" if heartbeat_port else address
     beat_channels = [grpc.aio.insecure_channel(beats_address) for _ in range(CHANNELS)]
     heartbeat_calls = [method(c, "Heartbeat", pb.HeartbeatResponse) for c in beat_channels]
-    report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in main]
+    # reports go where a peer sends them: the heartbeat port, else (a coordinator whose
+    # heartbeat processes take no reports: UNIMPLEMENTED) the gRPC port
+    report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in beat_channels]
+    main_report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in main]
+    reports_to = [beats_address]
 
     # every request of the run, signed ahead at the time it will be sent
     warm_up = args.interval
@@ -218,7 +222,14 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     async def report(index: int, request: bytes, round_: int) -> None:
         sent = time.monotonic()
         try:
-            await report_calls[index % CHANNELS](request, timeout=60)
+            try:
+                calls = main_report_calls if reports_to[0] == address else report_calls
+                await calls[index % CHANNELS](request, timeout=60)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                reports_to[0] = address
+                await main_report_calls[index % CHANNELS](request, timeout=60)
             report_latencies.append(time.monotonic() - sent)
             reported[round_] = reported.get(round_, 0) + 1
         except grpc.aio.AioRpcError as exc:
@@ -258,6 +269,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "join_s": join_s,
         "signing_s": signing_s,
         "heartbeat_port": heartbeat_port,
+        "reports_to": "heartbeat port" if reports_to[0] != address else "gRPC port",
         "heartbeats": len(measured),
         "heartbeats_per_s": len(measured) / args.duration,
         "p50_ms": 1000 * percentile(measured, 0.5),
