@@ -139,11 +139,17 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     beats_address = f"{host}:{heartbeat_port}" if heartbeat_port else address
     beat_channels = [grpc.aio.insecure_channel(beats_address) for _ in range(CHANNELS)]
     heartbeat_calls = [method(c, "Heartbeat", pb.HeartbeatResponse) for c in beat_channels]
-    # reports go where a peer sends them: the heartbeat port, else (a coordinator whose
-    # heartbeat processes take no reports: UNIMPLEMENTED) the gRPC port
+    # reports go where a peer sends them: the heartbeat port when it takes reports (an empty one
+    # is refused there as malformed), else (a --ref whose heartbeat processes take none) the gRPC port
     report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in beat_channels]
     main_report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in main]
-    reports_to = [beats_address]
+    reports_to = [address]
+    if heartbeat_port:
+        try:
+            await report_calls[0](b"", timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                reports_to = [beats_address]
 
     # every request of the run, signed ahead at the time it will be sent
     warm_up = args.interval
@@ -222,14 +228,8 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     async def report(index: int, request: bytes, round_: int) -> None:
         sent = time.monotonic()
         try:
-            try:
-                calls = main_report_calls if reports_to[0] == address else report_calls
-                await calls[index % CHANNELS](request, timeout=60)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                reports_to[0] = address
-                await main_report_calls[index % CHANNELS](request, timeout=60)
+            calls = main_report_calls if reports_to[0] == address else report_calls
+            await calls[index % CHANNELS](request, timeout=60)
             report_latencies.append(time.monotonic() - sent)
             reported[round_] = reported.get(round_, 0) + 1
         except grpc.aio.AioRpcError as exc:
@@ -322,14 +322,18 @@ def one_run(
         extra += ["--heartbeat-processes", str(processes)]
     else:  # the ref's code first on the path (the venv's editable install points at this tree)
         path = [str(tree), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_repo(p))]
+        # -P: not the working directory's code; run in the ref's tree, so that the heartbeat
+        # processes it starts (a child without -P has its working directory on its path) are the ref's too
         executable = [
             "env",
+            "-C",
+            str(tree),
             f"PYTHONPATH={os.pathsep.join(path)}",
             sys.executable,
             "-P",
             "-m",
             "swarmtrain",
-        ]  # -P: not the cwd
+        ]
     coordinator = LocalCoordinator(
         spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1", executable=executable
     )

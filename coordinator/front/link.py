@@ -86,6 +86,8 @@ class Fronts:
         ours, theirs = socket.socketpair()
         command = [
             sys.executable,
+            # the modules this process imported, not the working directory's (``python -P``)
+            *(["-P"] if sys.flags.safe_path else []),
             "-m",
             "coordinator.front.process",
             "--fd",

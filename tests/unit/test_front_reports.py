@@ -4,17 +4,18 @@ once committed, whatever a stranger, a forger, a replayer or a banned peer sends
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
 import pytest
 
 from coordinator.core import Coordinator
-from coordinator.front.wire import Answers, Report
+from coordinator.front.process import Refusal as Refused
+from coordinator.front.wire import Answers, Report, Reported
 from coordinator.front_reports import FrontReports
 from coordinator.reports import ReportWriter
 from protocol import coordinator_pb2 as pb
@@ -22,21 +23,7 @@ from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
 from tests.unit.claim_calls import group, join
-from tests.unit.test_heartbeat_front import Refused, Wire
-
-
-class Context:
-    def __init__(self, deadline_s: float | None = 30.0) -> None:
-        self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
-
-    def peer(self) -> str:
-        return "ipv4:10.0.0.9:4000"
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-    def abort(self, code: grpc.StatusCode, details: str) -> Any:
-        raise Refused(code, details)
+from tests.unit.test_heartbeat_front import Wire
 
 
 def raw_report(peer: Identity, *, at: float | None = None, **fields: object) -> bytes:
@@ -63,31 +50,30 @@ class Core:
         return len(reports)
 
 
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(4) as made:
-        yield made
+def send(wire: Wire, raw: bytes) -> Future[bytes]:
+    """A report sent to ``wire``'s front: the future of its peer's answer."""
+    answer: Future[bytes] = Future()
+    try:
+        _, reported = wire.front.submit_report(raw, source="10.0.0.9", now=time.time())
+    except Refused as refused:
+        answer.set_exception(refused)
+        return answer
+
+    def done(reported: Future[Reported]) -> None:
+        try:
+            answer.set_result(wire.front.report_answer(reported.result()))
+        except Refused as refused:
+            answer.set_exception(refused)
+
+    reported.add_done_callback(done)
+    return answer
 
 
-def send(pool: ThreadPoolExecutor, wire: Wire, raw: bytes, context: Context | None = None) -> Future[bytes]:
-    """A report sent to ``wire``'s front: it waits there for the core's answer."""
-    return pool.submit(wire.front.report, raw, context or Context())  # type: ignore[arg-type]
-
-
-def wait_sent(wire: Wire, count: int = 1) -> None:
-    deadline = time.monotonic() + 10
-    while sum(isinstance(r, Report) for r in wire.sent) < count:
-        assert time.monotonic() < deadline, "the front did not send the report to the core"
-        time.sleep(0.005)
-
-
-def test_a_report_is_answered_only_once_the_core_committed_it(core: Coordinator, pool: ThreadPoolExecutor) -> None:
+def test_a_report_is_answered_only_once_the_core_committed_it(core: Coordinator) -> None:
     wire, inside = Wire(core), Core(core)
     peer = join(core, time.time() - 60)
     wire.sync()
-    answered = send(pool, wire, raw_report(peer))
-    wait_sent(wire)
-    time.sleep(0.05)
+    answered = send(wire, raw_report(peer))
     assert not answered.done()  # nothing is answered before the core recorded it
     assert inside.deliver(wire) == 1
     response = pb.RoundReportResponse.FromString(answered.result(timeout=10))
@@ -97,9 +83,7 @@ def test_a_report_is_answered_only_once_the_core_committed_it(core: Coordinator,
     inside.writer.close()
 
 
-def test_a_strangers_forged_or_malformed_report_is_refused_at_the_front(
-    core: Coordinator, pool: ThreadPoolExecutor
-) -> None:
+def test_a_strangers_forged_or_malformed_report_is_refused_at_the_front(core: Coordinator) -> None:
     wire = Wire(core)
     peer = join(core, time.time() - 60)
     wire.sync()
@@ -114,28 +98,24 @@ def test_a_strangers_forged_or_malformed_report_is_refused_at_the_front(
     }
     for raw, code in cases.items():
         with pytest.raises(Refused) as refused:
-            send(pool, wire, raw).result(timeout=10)
+            send(wire, raw).result(timeout=10)
         assert refused.value.code == code, raw
     assert not any(isinstance(r, Report) for r in wire.sent) and core.store.claims(limit=10) == []
 
 
-def test_a_report_replayed_to_the_same_or_a_second_front_is_recorded_once(
-    core: Coordinator, pool: ThreadPoolExecutor
-) -> None:
+def test_a_report_replayed_to_the_same_or_a_second_front_is_recorded_once(core: Coordinator) -> None:
     first, second, inside = Wire(core), Wire(core), Core(core)
     peer = join(core, time.time() - 60)
     first.sync()
     second.front.apply(Answers(1, core.beats.everyone(), ()))
     raw = raw_report(peer)
-    answered = send(pool, first, raw)
-    wait_sent(first)
+    answered = send(first, raw)
     inside.deliver(first)
     answered.result(timeout=10)
     with pytest.raises(Refused) as refused:  # the same front saw it
-        send(pool, first, raw).result(timeout=10)
+        send(first, raw).result(timeout=10)
     assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
-    replayed = send(pool, second, raw)  # the second front has not: the core refuses it
-    wait_sent(second)
+    replayed = send(second, raw)  # the second front has not: the core refuses it
     inside.deliver(second)
     with pytest.raises(Refused) as refused:
         replayed.result(timeout=10)
@@ -144,14 +124,11 @@ def test_a_report_replayed_to_the_same_or_a_second_front_is_recorded_once(
     inside.writer.close()
 
 
-def test_a_report_of_a_peer_banned_after_the_fronts_check_is_refused(
-    core: Coordinator, pool: ThreadPoolExecutor
-) -> None:
+def test_a_report_of_a_peer_banned_after_the_fronts_check_is_refused(core: Coordinator) -> None:
     wire, inside = Wire(core), Core(core)
     peer = join(core, time.time() - 60)
     wire.sync()
-    answered = send(pool, wire, raw_report(peer))
-    wait_sent(wire)
+    answered = send(wire, raw_report(peer))
     core.ban(peer.public_key.id, "test", now=time.time())  # the front's table does not know yet
     inside.deliver(wire)
     with pytest.raises(Refused) as refused:
@@ -172,13 +149,12 @@ def test_a_report_record_naming_another_key_than_its_signer_is_refused(core: Coo
     inside.writer.close()
 
 
-def test_a_report_not_answered_before_its_peers_deadline_is_unavailable_and_forgotten(
-    core: Coordinator, pool: ThreadPoolExecutor
-) -> None:
+def test_a_report_not_answered_before_its_peers_deadline_is_unavailable_and_forgotten(core: Coordinator) -> None:
     wire = Wire(core)
     peer = join(core, time.time() - 60)
     wire.sync()
+    waited = wire.front.report(raw_report(peer), source="10.0.0.9", now=time.time(), deadline_s=0.2)
     with pytest.raises(Refused) as refused:
-        send(pool, wire, raw_report(peer), Context(deadline_s=0.2)).result(timeout=10)
+        asyncio.run(waited)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE  # the peer sends it again later
     assert wire.front._waiting == {}
