@@ -6,7 +6,7 @@
 #   mkdir -p .device/base && git archive 2c044ed | tar -x -C .device/base   # the baseline's source
 # then run(carry=[".device"], command="bash benchmarks/gpu/coordinator_run.sh", timeout_s=560).
 # Writes to $OUT: coordinator-load-<date>-device-sqlite.{md,json}, coordinator_load.log, machine.txt.
-# Knobs: PEERS (10000), DURATION (60), PROCESSES ("4 1"), REF (2c044ed; "" for none), SETTLE_S (20).
+# Knobs: PEERS (10000), DURATION (60), PROCESSES ("4 1"), REF (2c044ed; "" for none), SETTLE_S (20), LABEL.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
@@ -27,4 +27,4 @@ REF_ARGS=()
 # shellcheck disable=SC2086
 python3 -m benchmarks.coordinator_load --peers ${PEERS:-10000} --duration "${DURATION:-60}" --db sqlite \
     --heartbeat-processes ${PROCESSES:-4 1} "${REF_ARGS[@]}" --settle-s "${SETTLE_S:-20}" \
-    --label device-sqlite --out "$OUT" 2>&1 | tee "$OUT/coordinator_load.log"
+    --label "${LABEL:-device-sqlite}" --out "$OUT" 2>&1 | tee "$OUT/coordinator_load.log"
