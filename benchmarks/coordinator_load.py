@@ -141,7 +141,10 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     heartbeat_calls = [method(c, "Heartbeat", pb.HeartbeatResponse) for c in beat_channels]
     # reports go where a peer sends them: the heartbeat port when it takes reports (an empty one
     # is refused there as malformed), else (a --ref whose heartbeat processes take none) the gRPC port
-    report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in beat_channels]
+    # on connections of their own, as on the gRPC port: a report waits for its batch, and a
+    # peer's own connection carries one at a time, never another peer's heartbeats behind it
+    report_channels = [grpc.aio.insecure_channel(beats_address) for _ in range(CHANNELS)]
+    report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in report_channels]
     main_report_calls = [method(c, "ReportRound", pb.RoundReportResponse) for c in main]
     reports_to = [address]
     if heartbeat_port:
@@ -256,7 +259,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     await asyncio.gather(*list(tasks))
     load_cpu = time.process_time() - load_cpu
     cpu_end, window = cpu(), time.monotonic() - window_begin
-    for channel in (*main, *beat_channels):
+    for channel in (*main, *beat_channels, *report_channels):
         await channel.close()
     measured = [s for when, s in latencies if when >= warm_up]
     halves = (
@@ -334,6 +337,10 @@ def one_run(
             "-m",
             "swarmtrain",
         ]
+    if args.nice:  # the coordinator (and its heartbeat processes) yield the cores to the load process
+        from swarmtrain.localswarm import swarmtrain_executable
+
+        executable = ["nice", "-n", str(args.nice), *(executable or swarmtrain_executable())]
     coordinator = LocalCoordinator(
         spec_path, workdir / "state", db_url=db_url, extra=extra, host="127.0.0.1", executable=executable
     )
@@ -454,6 +461,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--settle-s", type=float, default=180.0, help="how long to wait after a run for every claim decided"
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the coordinator at this niceness, so that on a machine of few cores the load process (a "
+        "stand-in for thousands of machines) is not starved by what it measures (0: as the load process)",
     )
     parser.add_argument(
         "--db", default="", help="database URL, or 'sqlite' (default: a throwaway PostgreSQL, else SQLite)"

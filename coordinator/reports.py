@@ -19,7 +19,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol import coordinator_pb2 as pb
 from protocol.errors import SwarmtrainError
@@ -43,7 +43,8 @@ class ReportsBusyError(SwarmtrainError):
 @dataclass
 class _Waiting:
     report: Report
-    answer: Callable[[Outcome], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: Outcome | None = None
 
 
 class ReportWriter:
@@ -70,31 +71,18 @@ class ReportWriter:
     def submit(self, report: Report) -> pb.RoundReportResponse:
         """Record ``report`` with the next batch and answer it once that batch is committed;
         raises the error that refuses it."""
-        done = threading.Event()
-        outcomes: list[Outcome] = []
-
-        def answer(outcome: Outcome) -> None:
-            outcomes.append(outcome)
-            done.set()
-
-        self.submit_async(report, answer)
-        if not done.wait(ANSWER_TIMEOUT_S):
-            raise ReportsBusyError(f"the report was not recorded within {ANSWER_TIMEOUT_S:.0f} s: send it again later")
-        if isinstance(outcomes[0], Exception):
-            raise outcomes[0]
-        return outcomes[0]
-
-    def submit_async(self, report: Report, answer: Callable[[Outcome], None]) -> None:
-        """Record ``report`` with the next batch; ``answer`` is called with its outcome once that
-        batch is committed (on the writer's thread: it must not block), or at once when the
-        writer is closed."""
+        waiting = _Waiting(report)
         with self._wake:
-            closed = self._closed
-            if not closed:
-                self._queue.append(_Waiting(report, answer))
-                self._wake.notify()
-        if closed:
-            answer(ReportsBusyError("the coordinator is shutting down: send the report again later"))
+            if self._closed:
+                raise ReportsBusyError("the coordinator is shutting down: send the report again later")
+            self._queue.append(waiting)
+            self._wake.notify()
+        if not waiting.done.wait(ANSWER_TIMEOUT_S):
+            raise ReportsBusyError(f"the report was not recorded within {ANSWER_TIMEOUT_S:.0f} s: send it again later")
+        assert waiting.outcome is not None
+        if isinstance(waiting.outcome, Exception):
+            raise waiting.outcome
+        return waiting.outcome
 
     def _next_batch(self) -> list[_Waiting] | None:
         with self._wake:
@@ -123,10 +111,8 @@ class ReportWriter:
             self.batches += 1
             self.recorded += len(batch)
             for waiting, outcome in zip(batch, outcomes, strict=True):
-                try:
-                    waiting.answer(outcome)
-                except Exception:
-                    logger.exception("answering a report failed")
+                waiting.outcome = outcome
+                waiting.done.set()
 
     def close(self) -> None:
         """Record what is queued, then stop."""

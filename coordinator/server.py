@@ -25,7 +25,6 @@ from coordinator.core import Coordinator
 from coordinator.exporter import ModelExporter
 from coordinator.front.link import Fronts
 from coordinator.front.process import FrontConfig
-from coordinator.front_reports import FrontReports
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
@@ -187,7 +186,6 @@ class CoordinatorServer:
     def _start_fronts(self, rate: float) -> Fronts:
         """The heartbeat processes (``coordinator.front``), their port told to joining peers."""
         core = self.core
-        taken = FrontReports(lambda: self.reports, core.verifier, core.beats.admitted)
         fronts = Fronts(
             FrontConfig(
                 host=self.config.host,
@@ -202,7 +200,6 @@ class CoordinatorServer:
             apply=lambda batch: core.beats.apply_beats(batch.beats, now=time.time()),
             drain=core.beats.drain,
             everyone=core.beats.everyone,
-            report=lambda record, answer: taken.take(record, answer, now=time.time()),
         )
         core.heartbeat_port = fronts.start()
         return fronts

@@ -1,13 +1,11 @@
 """The core's side of its heartbeat processes (``coordinator.front.process``): starts them,
-keeps their tables current (``Heartbeats.drain``), applies the heartbeats they verified, passes
-on the reports they verified and sends back each one's answer, and starts one again, with the
-whole table, when it died (peers heartbeat and report to the main port meanwhile:
-``peer.link.coordinator_client``)."""
+keeps their tables current (``Heartbeats.drain``), applies the heartbeats they verified, and
+starts one again, with the whole table, when it died (peers heartbeat to the main port
+meanwhile: ``peer.link.coordinator_client``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -17,11 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
 from coordinator.front.process import FrontConfig
-from coordinator.front.wire import FAILED, READY, STOP, Acked, Answer, Answers, Beats, Report, Reported
+from coordinator.front.wire import FAILED, READY, STOP, Acked, Answer, Answers, Beats
 from protocol.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -37,8 +35,6 @@ class _Process:
     conn: Connection
     acked: int = 0
     reader: threading.Thread | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    """One record at a time on ``conn`` (table updates and report answers come from different threads)."""
 
 
 class Fronts:
@@ -52,17 +48,15 @@ class Fronts:
         apply: Callable[[Beats], object],
         drain: Callable[[], tuple[dict[str, Answer], tuple[str, ...]]],
         everyone: Callable[[], dict[str, Answer]],
-        report: Callable[[Report, Callable[[Reported], None]], None],
     ) -> None:
         """``apply``: applies a batch of verified heartbeats (called from a reader thread);
         ``drain``: the answers changed and the keys dropped since it was last called
         (``Heartbeats.drain``); ``everyone``: every admitted key's answer (for a process started
-        afresh); ``report``: takes a verified report and calls its second argument with the
-        answer (``FrontReports.take``; called from a reader thread, must not block)."""
+        afresh)."""
         if count < 1:
             raise ValueError("at least one heartbeat process")
         self.config = replace(config, reuse_port=count > 1)
-        self.count, self.apply, self.drain, self.everyone, self.report = count, apply, drain, everyone, report
+        self.count, self.apply, self.drain, self.everyone = count, apply, drain, everyone
         self.port = 0
         self._processes: list[_Process] = []
         self._seq = 0
@@ -127,11 +121,6 @@ class Fronts:
                     self.apply(record)
                 except Exception:
                     logger.exception("applying a batch of heartbeats failed")
-            elif isinstance(record, Report):
-                try:
-                    self.report(record, functools.partial(self._send, entry))
-                except Exception:
-                    logger.exception("taking a heartbeat process's report failed")
             elif isinstance(record, Acked):
                 with self._acked:
                     entry.acked = max(entry.acked, record.seq)
@@ -162,8 +151,7 @@ class Fronts:
     @staticmethod
     def _send(entry: _Process, record: object) -> None:
         try:
-            with entry.lock:
-                entry.conn.send(record)
+            entry.conn.send(record)
         except (OSError, ValueError) as exc:  # it died: ``mend`` starts another
             logger.debug("heartbeat process unreachable: %s", exc)
 

@@ -3,9 +3,8 @@ over their pipes. Both ends are this project's own processes (a parent and the c
 spawned), so the records travel pickled.
 
 Core → front: ``Answers`` (the answer each admitted key's heartbeat gets, and the keys no longer
-admitted), ``Reported`` (a report's answer, once its batch committed), ``STOP``. Front → core:
-``READY``/``FAILED`` once at start, ``Beats`` (verified heartbeats, in batches), ``Report`` (a
-verified round report), ``Acked`` (an ``Answers`` applied)."""
+admitted), ``STOP``. Front → core: ``READY``/``FAILED`` once at start, ``Beats`` (verified
+heartbeats, in batches), ``Acked`` (an ``Answers`` applied)."""
 
 from __future__ import annotations
 
@@ -71,30 +70,3 @@ class Beat:
 @dataclass(frozen=True)
 class Beats:
     beats: tuple[Beat, ...]
-
-
-@dataclass(frozen=True)
-class Report:
-    """A round report a front verified (signature, freshness, bounds, admitted by its table, not
-    a replay there), waiting for its answer as ``Reported(id)``."""
-
-    id: int
-    """The front's own number for it."""
-    key: str
-    signer: bytes
-    nonce: bytes
-    timestamp: float
-    body: bytes
-    """The serialized ``RoundReportBody``."""
-    received_at: float
-
-
-@dataclass(frozen=True)
-class Reported:
-    """A report's answer: the serialized ``RoundReportResponse``, or the gRPC status (its name,
-    e.g. ``PERMISSION_DENIED``) and message that refuse it."""
-
-    id: int
-    response: bytes | None
-    code: str = ""
-    message: str = ""

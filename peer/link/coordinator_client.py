@@ -223,10 +223,23 @@ class CoordinatorClient:
         account of its work, which must count the reports it has just sent (the heartbeat
         processes answer from tables that follow the coordinator by up to a tick)."""
         request = pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body))
-        if body.phase != pb.PEER_PHASE_LEAVING:
-            answer = self._to_heartbeat_port("Heartbeat", request, HEARTBEAT_PORT_TIMEOUT_S, _UNAVAILABLE)
-            if answer is not None:
-                return answer
+        beats = None if body.phase == pb.PEER_PHASE_LEAVING else self._beats
+        if beats is not None and time.monotonic() - self._beats_failed_at >= HEARTBEAT_PORT_BACKOFF_S:
+            try:
+                return beats[2].Heartbeat(request, timeout=HEARTBEAT_PORT_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if exc.code() not in _UNAVAILABLE | _NOT_HEARTBEATS:
+                    raise _FATAL.get(exc.code(), SwarmtrainError)(
+                        f"coordinator heartbeats {beats[0]}: {plain_rpc_error(exc)}"
+                    ) from exc
+                logger.info(
+                    "heartbeat port %s: %s; heartbeats go to %s for %.0f s",
+                    beats[0],
+                    plain_rpc_error(exc),
+                    self.address,
+                    HEARTBEAT_PORT_BACKOFF_S,
+                )
+                self._beats_failed_at = time.monotonic()
         return self._call(self.stub.Heartbeat, request)
 
     def leave(self) -> None:
@@ -238,44 +251,7 @@ class CoordinatorClient:
             logger.info("could not tell the coordinator we leave: %s", exc)
 
     def report_round(self, body: pb.RoundReportBody) -> pb.RoundReportResponse:
-        """To the heartbeat port too (its processes check a report and answer it once the
-        coordinator recorded it), else to the gRPC address, as heartbeats. A report the port
-        took too long over (a burst) is not sent again elsewhere: ``CoordinatorUnavailableError``,
-        and the outbox sends it later."""
-        request = pb.RoundReportRequest(signed=self._sign(kinds.ROUND_REPORT, body))
-        answer = self._to_heartbeat_port("ReportRound", request, RPC_TIMEOUT_S, {grpc.StatusCode.UNAVAILABLE})
-        if answer is not None:
-            return answer
-        return self._call(self.stub.ReportRound, request)
-
-    def _to_heartbeat_port(
-        self, method: str, request: Any, timeout: float, unreachable: set[grpc.StatusCode]
-    ) -> Any | None:
-        """``method``'s answer from the heartbeat port; None where there is none, or it failed
-        with a code in ``unreachable`` (or answered as something else) within
-        ``HEARTBEAT_PORT_BACKOFF_S``: the caller asks the gRPC address instead."""
-        beats = self._beats
-        if beats is None or time.monotonic() - self._beats_failed_at < HEARTBEAT_PORT_BACKOFF_S:
-            return None
-        try:
-            return getattr(beats[2], method)(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            if exc.code() not in unreachable | _NOT_HEARTBEATS:
-                error = (
-                    CoordinatorUnavailableError
-                    if exc.code() in _UNAVAILABLE
-                    else _FATAL.get(exc.code(), SwarmtrainError)
-                )
-                raise error(f"coordinator heartbeats {beats[0]}: {plain_rpc_error(exc)}") from exc
-            logger.info(
-                "heartbeat port %s: %s; heartbeats and reports go to %s for %.0f s",
-                beats[0],
-                plain_rpc_error(exc),
-                self.address,
-                HEARTBEAT_PORT_BACKOFF_S,
-            )
-            self._beats_failed_at = time.monotonic()
-            return None
+        return self._call(self.stub.ReportRound, pb.RoundReportRequest(signed=self._sign(kinds.ROUND_REPORT, body)))
 
     def _sign(self, kind: str, body: Any) -> pb.SignedEnvelope:
         return sign_message(self.identity, kind, body.SerializeToString(), now=time.time()).to_proto()

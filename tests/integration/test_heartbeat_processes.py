@@ -111,9 +111,6 @@ def test_heartbeats_take_their_port_and_the_gRPC_port_when_it_dies(
         wait_until(lambda: not pid_alive(front), 30, "the killed heartbeat process gone")
         assert client.heartbeat(pb.HeartbeatBody(round=2, punched_peers=6)).admitted
         wait_until(lambda: punched(address, key) == 6, 30, "a beat through the gRPC port in status")
-        member = pb.GroupMember(public_key=key.raw, weight=1.0)
-        body = pb.RoundReportBody(round=1, samples=1, group=[member], state_digest="sha256:" + "ab" * 32, compute_s=1.0)
-        assert client.report_round(body).status == pb.CLAIM_STATUS_PENDING  # to the gRPC port as well
         wait_until(lambda: len(front_pids(coordinator)) == 1, 60, "another heartbeat process")
         channel = grpc.insecure_channel(beats)
         stub = pb_grpc.CoordinatorStub(channel)
@@ -139,58 +136,25 @@ def _answered(stub: pb_grpc.CoordinatorStub, request: pb.HeartbeatRequest, answe
     return True
 
 
-def test_reports_go_to_the_heartbeat_port_and_a_leaving_peer_is_answered_with_its_last_one(
-    coordinator: LocalCoordinator, tmp_path: Path
-) -> None:
-    """The heartbeat port takes round reports too and answers each once the coordinator
-    recorded it, refusing what a stranger, a replayer or a forger sends; a peer that leaves
-    right after its last report is answered with that report counted, though the heartbeat
-    process's table follows the coordinator by up to a tick."""
+def test_a_leaving_peer_is_answered_with_the_report_it_just_sent(coordinator: LocalCoordinator, tmp_path: Path) -> None:
+    """A peer leaves right after sending its last report: its leaving heartbeat's answer is its
+    last account of its work and counts that report, though the heartbeat process's table
+    follows the coordinator by up to a tick."""
     digest = parse_spec((tmp_path / "spec.toml").read_text()).digest()
-    leaver, other = Identity.generate(), Identity.generate()
-    clients = [CoordinatorClient(coordinator.address(), p, software_version="test") for p in (leaver, other)]
-    channel = grpc.insecure_channel(coordinator.heartbeats())
-    stub = pb_grpc.CoordinatorStub(channel)
-
-    def report(signer: Identity, round_: int) -> pb.RoundReportRequest:
-        member = pb.GroupMember(public_key=signer.public_key.raw, weight=1.0)
-        body = pb.RoundReportBody(
-            round=round_, samples=1, loss=3.0, group=[member], state_digest="sha256:" + "ab" * 32, compute_s=1.0
-        )
-        envelope = sign_message(signer, kinds.ROUND_REPORT, body.SerializeToString(), now=time.time())
-        return pb.RoundReportRequest(signed=envelope.to_proto())
-
+    peer = Identity.generate()
+    client = CoordinatorClient(coordinator.address(), peer, software_version="test")
     try:
-        for client in clients:
-            client.join(libp2p_peer_id="12D3KooWtest", spec_digest=digest)
-        before = clients[0].heartbeat(pb.HeartbeatBody(round=1))
+        client.join(libp2p_peer_id="12D3KooWtest", spec_digest=digest)
+        before = client.heartbeat(pb.HeartbeatBody(round=1))
         assert before.admitted and before.pending_samples == 0
         time.sleep(1.0)  # a claim is capped by the time the coordinator saw since the join
-
-        # a peer's client reports to the heartbeat port, then leaves at once
-        answer = clients[0].report_round(pb.RoundReportBody.FromString(report(leaver, 1).signed.body))
-        assert answer.status == pb.CLAIM_STATUS_PENDING and answer.reason != "already reported", answer
-        last = clients[0].heartbeat(pb.HeartbeatBody(round=1, phase=pb.PEER_PHASE_LEAVING))
+        member = pb.GroupMember(public_key=peer.public_key.raw, weight=1.0)
+        body = pb.RoundReportBody(
+            round=1, samples=1, loss=3.0, group=[member], state_digest="sha256:" + "ab" * 32, compute_s=1.0
+        )
+        assert client.report_round(body).status == pb.CLAIM_STATUS_PENDING
+        last = client.heartbeat(pb.HeartbeatBody(round=1, phase=pb.PEER_PHASE_LEAVING))
         assert last.admitted and last.HasField("credited_samples")
         assert last.pending_samples + last.credited_samples == 1, last
-
-        # what an attacker sends to the heartbeat port
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.ReportRound(report(Identity.generate(), 1), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        first = report(other, 1)
-        assert stub.ReportRound(first, timeout=10).status == pb.CLAIM_STATUS_PENDING
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.ReportRound(first, timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        forged = report(other, 2)
-        forged.signed.body = pb.RoundReportBody(round=2, samples=900).SerializeToString()
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.ReportRound(forged, timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        answer = clients[1].heartbeat(pb.HeartbeatBody(round=2, phase=pb.PEER_PHASE_LEAVING))
-        assert answer.pending_samples + answer.credited_samples <= 1, answer  # the forged 900 is nowhere
     finally:
-        channel.close()
-        for client in clients:
-            client.close()
+        client.close()

@@ -5,18 +5,32 @@ replayer or a banned peer sends."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import grpc
 import pytest
 
 from coordinator.core import Coordinator
 from coordinator.front.process import Front, FrontConfig
-from coordinator.front.process import Refusal as Refused
 from coordinator.front.wire import Answers, Beat, Beats
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.identity import Identity
 from protocol.messages import sign_message
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+
+
+class Context:
+    def peer(self) -> str:
+        return "ipv4:10.0.0.9:4000"
+
+    def abort(self, code: grpc.StatusCode, details: str) -> Any:
+        raise Refused(code, details)
 
 
 def request(peer: Identity, body: pb.HeartbeatBody | None = None, *, at: float | None = None) -> bytes:
@@ -56,7 +70,7 @@ class Wire:
         self.front.apply(Answers(self.seq, answers, dropped))
 
     def beat(self, raw: bytes) -> pb.HeartbeatResponse:
-        return self.front.heartbeat(raw, source="10.0.0.9", now=time.time())
+        return self.front.heartbeat(raw, Context())  # type: ignore[arg-type]
 
     def deliver(self) -> int:
         """Flush the front's batch to the core; how many beats it applied."""
