@@ -1,7 +1,7 @@
-"""The gRPC status a refused request is answered with, on the main port and in the heartbeat
-processes alike: bad signatures → UNAUTHENTICATED, admission refusals → PERMISSION_DENIED,
-another run → FAILED_PRECONDITION, malformed input → INVALID_ARGUMENT, a report that waited too
-long for its batch → UNAVAILABLE (the peer sends it again later)."""
+"""The gRPC status a refused request is answered with (``coordinator.servicer``): bad signatures
+→ UNAUTHENTICATED, admission refusals → PERMISSION_DENIED, another run → FAILED_PRECONDITION,
+malformed input → INVALID_ARGUMENT, a report that waited too long for its batch → UNAVAILABLE
+(the peer sends it again later)."""
 
 from __future__ import annotations
 
