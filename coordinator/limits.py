@@ -30,8 +30,6 @@ __all__ = [
     "check_text",
 ]
 
-MAX_REQUEST_BYTES = 1 << 20
-"""Largest request a coordinator's port reads: a round report of the largest group is ~300 KB."""
 MAX_ROUND = 2**31 - 1
 """Rounds are 32-bit columns."""
 MAX_SAMPLES = MAX_REPORTED_SAMPLES

@@ -3,7 +3,8 @@
 Every handler verifies nothing itself; it calls the core under one lock (the core is not
 thread-safe), heartbeats excepted (``Coordinator.heartbeat`` is: they must not queue behind a
 report's or a tick's database writes), and translates our errors into gRPC status codes with the
-readable reason as the details (``coordinator.refusals``).
+readable reason as the details: bad signatures → UNAUTHENTICATED, admission refusals →
+PERMISSION_DENIED, another run → FAILED_PRECONDITION, malformed input → INVALID_ARGUMENT.
 ``add_to_server`` registers it so that a request that does not even parse is INVALID_ARGUMENT
 too (grpc's generated registration parses before the handler runs, answers INTERNAL and logs
 a traceback per request: a flood under fuzzing), and caps request size (``MAX_REQUEST_BYTES``).
@@ -22,19 +23,19 @@ from google.protobuf.message import DecodeError, Message
 
 from coordinator.core import Coordinator
 from coordinator.front.wire import SERVICE
-from coordinator.limits import MAX_REQUEST_BYTES
 from coordinator.probe import ProbeLimitError, Prober
 from coordinator.ratelimit import SourceLimiter, source_host
-from coordinator.refusals import REFUSED, refusal
-from coordinator.reports import ReportWriter
+from coordinator.reports import ReportsBusyError, ReportWriter
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
-from protocol.errors import MalformedMessageError
+from protocol.errors import AdmissionError, MalformedMessageError, VerificationError, WrongRunError
 from relay.server import MAX_RELAYS_LISTED
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MAX_REQUEST_BYTES = 1 << 20
+"""Largest request the server reads: a round report of the largest group is ~300 KB."""
 SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.so_reuseport", 0)]
 """Options for ``grpc.server``: a larger request is refused with RESOURCE_EXHAUSTED; the port is
 bound without SO_REUSEPORT (gRPC's default would let a second coordinator share it, the kernel
@@ -166,10 +167,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 return handler(self.clock())
             with self.lock:
                 return handler(self.clock())
-        except REFUSED as exc:
-            code = refusal(exc)
-            assert code is not None
-            self._abort(context, code, exc)
+        except WrongRunError as exc:
+            self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, exc)
+        except AdmissionError as exc:
+            self._abort(context, grpc.StatusCode.PERMISSION_DENIED, exc)
+        except MalformedMessageError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        except VerificationError as exc:
+            self._abort(context, grpc.StatusCode.UNAUTHENTICATED, exc)
+        except ReportsBusyError as exc:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, exc)
+        except ValueError as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         raise AssertionError("unreachable")
 
     @staticmethod
