@@ -47,6 +47,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from engine.audit import SentParts
+from engine.bulk_client import BulkPool
 from engine.compression import Codec
 from engine.receipts import ReceiptSigner, attach, taken
 from engine.robust import Alignment, RobustRule, robust_mean
@@ -320,6 +321,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         keep_sent: bool = False,
         keep_averaged: bool = False,
         receipts: ReceiptSigner | None = None,
+        bulk: BulkPool | None = None,
         **kwargs: Any,
     ) -> None:
         numel = sum(t.numel() for t in kwargs["tensors"])
@@ -373,6 +375,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Signs this reducer's receipt for each sender (``engine.receipts``); None: it sends none."""
         self.receipts: dict[PeerID, bytes] = {}
         """Each reducer's receipt for this peer's parts, as it came with its last averaged part."""
+        self.bulk = bulk
+        """Connections to reducers beside libp2p (``engine.bulk_channel``); None: libp2p only."""
+        self.over_bulk: set[PeerID] = set()
+        """Reducers this peer's parts went to over the bulk channel (the others: libp2p)."""
         self.bytes_sent = 0
         self.bytes_received = 0
         # sizes of every part in global order (peer 0's parts, then peer 1's, ...)
@@ -499,7 +505,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            stream = await self._open_parts_stream(peer_id, inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
             part_index = 0
@@ -527,6 +533,20 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if generator is not None:
                     with contextlib.suppress(Exception):
                         await generator.aclose()
+
+    async def _open_parts_stream(
+        self, peer_id: PeerID, inputs: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The stream of this peer's parts to reducer ``peer_id`` and its averaged parts back: over
+        the bulk channel where a direct connection is (or can be) had, else over libp2p."""
+        connection = await self.bulk.open(peer_id) if self.bulk is not None else None
+        if connection is not None:
+            self.over_bulk.add(peer_id)
+            return connection.call(inputs)
+        stream: AsyncIterator[averaging_pb2.AveragingData] = await self._get_peer_stub(peer_id).rpc_aggregate_part(
+            inputs
+        )
+        return stream
 
     async def _take_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
         """Decode (validating) averaged part ``part_index`` from reducer ``peer_index`` and write it in place."""

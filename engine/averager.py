@@ -38,6 +38,7 @@ from engine.allreduce import (
 )
 from engine.auditing import AuditMixin, AuditOutcome
 from engine.averager_gate import AdmissionGateMixin
+from engine.bulk_channel import BulkChannelMixin, BulkSettings
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
 from engine.link_timeouts import CAP as LINK_CAP
@@ -76,6 +77,7 @@ class ExactAverager(
     OwnSignals,
     AuditMixin,
     AdmissionGateMixin,
+    BulkChannelMixin,
     StateTransferMixin,
     UpdateTransferMixin,
     LivenessMixin,
@@ -119,9 +121,11 @@ class ExactAverager(
         audit: bool = False,
         updates: UpdateStore | None = None,
         receipt_key: bytes | None = None,
+        bulk: BulkSettings | None = None,
         **kwargs: Any,
     ) -> None:
         self.audit = audit
+        self.bulk = bulk if bulk is not None else BulkSettings()
         self._receipt_key = receipt_key
         self._receipt_identity: Identity | None = None
         self.update_store = None if kwargs.get("client_mode") else updates
@@ -248,6 +252,7 @@ class ExactAverager(
             audit_s=audit.seconds,
             audit_bytes=audit.bytes_received,
             receipts=pooled.receipts(runners),
+            over_bulk=sorted(str(peer) for peer in set.intersection(*(runner.over_bulk for runner in runners))),
         )
 
     def _receipt_signer(self, group_info: GroupInfo, round_: int) -> ReceiptSigner | None:
@@ -277,6 +282,7 @@ class ExactAverager(
         runner = self.runner_class(
             codec=codec,
             receipts=signer,
+            bulk=self.bulk_pool(),
             stale=stale,
             robust=self.robust,
             keep_sent=self.audit,

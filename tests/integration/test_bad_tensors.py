@@ -139,10 +139,15 @@ def run_group(
 
 
 def test_honest_group_averages_exactly() -> None:
-    results = run_group(None)
+    outcomes: dict[int, GroupOutcome] = {}
+    results = run_group(None, outcomes=outcomes)
     assert all(r is not None for r in results[:2])
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3
+    # every part went over the bulk channel (engine.bulk_channel): members 0 and 1 reduce, and
+    # each sends to the other reducers (2, in client mode, to both)
+    assert sorted(len(outcomes[i].stats.over_bulk) for i in range(3)) == [1, 1, 2], outcomes
+    assert set(outcomes[2].stats.over_bulk) == set(outcomes[0].stats.over_bulk) | set(outcomes[1].stats.over_bulk)
 
 
 def test_each_reducer_signs_a_receipt_for_what_it_took_from_each_sender() -> None:
