@@ -17,7 +17,11 @@ peers, same links, same rounds, no training:
   ``--robust off on``, one run each without and with the spec's default robust averaging
   (``engine.robust``: what bounding every member's contribution costs in averaging time).
   Each host's vector is a shared direction plus its own noise, as members' pseudo-gradients
-  are (uncorrelated vectors would have robust averaging leave half of them out).
+  are (uncorrelated vectors would have robust averaging leave half of them out). By default
+  its parts go over the bulk channel (``engine.bulk_channel``, the shipped default: one TLS
+  connection per sender-reducer pair and fragment, kept between rounds); with ``--bulk on off``
+  one run each with and without it (without: libp2p streams, as before the bulk channel). A
+  bulk run whose parts went over libp2p to any reducer fails rather than be counted.
 
 A round starts when every host is ready (a file barrier) and ends when the last host holds
 everything it should receive; swarmtrain's round is its all-reduce time (``allreduce_s``,
@@ -211,6 +215,7 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
     from hivemind import DHT
 
     from engine.averager import ExactAverager
+    from engine.bulk_channel import BulkSettings
     from engine.codecs import get_codec
     from engine.robust import RobustRule
 
@@ -233,6 +238,7 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
         allreduce_timeout=args.timeout,
         streams=args.streams[0],
         robust=RobustRule() if args.robust[0] == "on" else RobustRule.off(),
+        bulk=BulkSettings(enabled=args.bulk[0] == "on"),
     )
     try:
         with averager.get_tensors() as tensors:
@@ -251,6 +257,11 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
                 continue
             if stats.streams != args.streams[0]:
                 raise RuntimeError(f"averaged in {stats.streams} streams, asked for {args.streams[0]}")
+            others = set(stats.peer_ids) - {str(dht.peer_id)}
+            if args.bulk[0] == "on" and set(stats.over_bulk) != others:
+                raise RuntimeError(
+                    f"parts to {sorted(others - set(stats.over_bulk))} went over libp2p, not the bulk channel"
+                )
             times.append(stats.allreduce_s)
         return times
     finally:
@@ -289,7 +300,12 @@ def busy_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
 
 
 def run_transport(
-    transport: str, args: argparse.Namespace, streams: int = 1, robust: str = "off", cpu: list[float] | None = None
+    transport: str,
+    args: argparse.Namespace,
+    streams: int = 1,
+    robust: str = "off",
+    cpu: list[float] | None = None,
+    bulk: str = "on",
 ) -> list[float]:  # the rounds that completed on every host
     """Round times (the slowest host's) of ``transport`` over a fresh simulator; appends the
     machine's CPU use while the hosts ran (% of all cores) to ``cpu``."""
@@ -303,7 +319,7 @@ def run_transport(
             argv = [sys.executable, "-m", "benchmarks.wan_averaging", "--child", transport, "--index", str(i)]
             argv += ["--ips", ips, "--workdir", tmp, "--peers", str(args.peers), "--values", str(args.values)]
             argv += ["--codec", args.codec, "--rounds", str(args.rounds), "--timeout", str(args.timeout)]
-            argv += ["--streams", str(streams), "--robust", robust]
+            argv += ["--streams", str(streams), "--robust", robust, "--bulk", bulk]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             with open(Path(tmp) / f"{host}.log", "w") as log:
                 procs.append(sim.run(host, argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env))
@@ -398,6 +414,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["off"],
         help="swarmtrain: without or with the spec's default robust averaging; several values: one run each",
     )
+    parser.add_argument(
+        "--bulk",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="swarmtrain: parts over the bulk channel (the default) or over libp2p streams; several values: one run each",
+    )
     parser.add_argument("--only", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -437,14 +460,19 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[str, float] = {}
     failed: dict[str, int] = {}
     for transport in args.only:
-        variants = [(k, r) for k in args.streams for r in args.robust] if transport == "swarmtrain" else [(1, "off")]
-        for streams, robust in variants:
+        variants = (
+            [(k, r, b) for k in args.streams for r in args.robust for b in args.bulk]
+            if transport == "swarmtrain"
+            else [(1, "off", "on")]
+        )
+        for streams, robust, bulk in variants:
             details = [f"{streams} streams"] if streams > 1 else []
             details += ["robust"] if robust == "on" else []
+            details += ["libp2p, no bulk channel"] if bulk == "off" else []
             name = f"{transport} ({', '.join(details)})" if details else transport
             print(f"{name}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
             used: list[float] = []
-            rounds[name] = run_transport(transport, args, streams, robust, cpu=used)
+            rounds[name] = run_transport(transport, args, streams, robust, cpu=used, bulk=bulk)
             cpu[name] = used[0]
             failed[name] = args.rounds - len(rounds[name])
             if not rounds[name]:
