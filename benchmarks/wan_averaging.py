@@ -215,7 +215,7 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
     from hivemind import DHT
 
     from engine.averager import ExactAverager
-    from engine.bulk_channel import BulkSettings
+    from engine.bulk_settings import BulkSettings
     from engine.codecs import get_codec
     from engine.robust import RobustRule
 

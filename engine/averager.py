@@ -38,7 +38,8 @@ from engine.allreduce import (
 )
 from engine.auditing import AuditMixin, AuditOutcome
 from engine.averager_gate import AdmissionGateMixin
-from engine.bulk_channel import BulkChannelMixin, BulkSettings
+from engine.bulk_channel import BulkChannelMixin
+from engine.bulk_settings import BulkSettings
 from engine.compression import Codec
 from engine.fragments import fragment_bounds, fragment_group_id
 from engine.link_timeouts import CAP as LINK_CAP

@@ -34,26 +34,14 @@ from hivemind.proto import averaging_pb2
 
 from engine.bulk_client import DIAL_S, BulkPool, Ticket, direct_hosts
 from engine.bulk_server import TOKEN_BYTES, BulkServer, Tickets
+from engine.bulk_settings import BulkSettings
 from engine.bulk_tls import make_server_cert
 
-__all__ = ["BulkChannelMixin", "BulkSettings"]
+__all__ = ["BulkChannelMixin", "parse_ticket"]
 
 logger = logging.getLogger(__name__)
 
 PIN_BYTES = 32
-
-
-class BulkSettings:
-    """Whether this averager uses the bulk channel, and where it listens.
-
-    ``enabled``: off, parts go over libp2p only, both ways. ``host``/``port``: the listener's
-    address (None: every interface; 0: any free port: a volunteer behind a firewall that
-    forwards one port gives it here)."""
-
-    def __init__(self, enabled: bool = True, host: str | None = None, port: int = 0) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"bulk port must be in [0, 65535], got {port}")
-        self.enabled, self.host, self.port = enabled, host, port
 
 
 def parse_ticket(answer: averaging_pb2.AveragingData, serializer: Any) -> Ticket | None:
@@ -123,7 +111,8 @@ class BulkChannelMixin:
             logger.warning("refused a bulk ticket to %s: not admitted to this run", context.remote_id)
             return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
         token = self._bulk_tickets.issue(context.remote_id)
-        return averaging_pb2.AveragingData(peer_id=self.serializer.dumps([server.port, self._bulk_pin, token]))
+        port = self.bulk.public_port or server.port
+        return averaging_pb2.AveragingData(peer_id=self.serializer.dumps([port, self._bulk_pin, token]))
 
     def bulk_pool(self) -> BulkPool | None:
         """This averager's connections to reducers (in its process; None with the channel off)."""

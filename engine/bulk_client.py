@@ -2,11 +2,18 @@
 between rounds, and the call that streams parts over one of them.
 
 ``BulkPool.open(peer)`` returns a connection to ``peer``'s bulk listener, or None where there is
-no direct path (the peer does not listen, its libp2p connection is relayed, the dial or the
-handshake fails): the caller then uses the libp2p stream, as before. A new connection costs a
-ticket over libp2p (one round trip), the TCP and TLS handshakes (two) and the token's answer
-(one); an idle one costs nothing. A peer that could not be reached directly is not tried again
-for ``NO_PATH_S``.
+none (yet): the caller then uses the libp2p stream, as before. A kept connection costs nothing.
+A new one costs a ticket over libp2p (one round trip, and the libp2p dial if there is no
+connection yet), the TCP and TLS handshakes (two) and the token's answer (one); a call waits
+``QUICK_S`` for it, and past that takes libp2p while the dial goes on for the next round. So a
+port a firewall drops, or handshakes that lose packets on a saturated link, cost a round at most
+``QUICK_S`` once. A peer that could not be reached directly (it does not listen, its libp2p
+connection is relayed, the dial or the handshake failed) is not tried again for ``NO_PATH_S``.
+
+Nothing here cancels a ticket's call early: cancelled while it dials, the libp2p daemon marks the
+peer as failed and refuses to dial it for a while (its dial backoff), and the libp2p stream the
+sender then falls back to fails too. A 4-host benchmark on saturated 50 Mbit/s links lost
+reducers that way with a 5 s deadline on the ticket.
 """
 
 from __future__ import annotations
@@ -28,13 +35,19 @@ __all__ = ["BulkCall", "BulkConnection", "BulkPool", "Ticket", "direct_hosts"]
 
 logger = logging.getLogger(__name__)
 
-DIAL_S = 5.0
-"""A new connection's budget: the ticket, the TCP and TLS handshakes and the token's answer."""
+DIAL_S = 60.0
+"""A new connection's budget (in the background past ``QUICK_S``): the ticket, the TCP and TLS
+handshakes and the token's answer; generous, see above."""
+QUICK_S = 2.0
+"""How long a call waits for a new connection before it takes libp2p: four round trips on a long
+link, with room for a loaded machine."""
 IDLE_S = 60.0
 """An idle connection older than this is closed rather than used (the reducer keeps its end
 ``engine.bulk_server.IDLE_S``, longer, so that a connection taken is never one it just closed)."""
-NO_PATH_S = 120.0
+NO_PATH_S = 600.0
 """How long a peer that could not be reached directly is left to libp2p."""
+CONNECT_S = 10.0
+"""One address's TCP and TLS handshakes at most (a dropped SYN is sent again after 1 s and 3 s)."""
 WRAP_UP_S = 2.0
 """After the last averaged part, how long a call may take to end cleanly (its request stream's
 end, the reducer's ``END``) for its connection to be kept; past that it is closed."""
@@ -157,9 +170,12 @@ class BulkCall:
 class BulkPool:
     """Connections to reducers, by peer, kept between calls."""
 
-    def __init__(self, ticket: TicketCall, hosts: HostsCall, *, dial_s: float = DIAL_S) -> None:
-        self._ticket, self._hosts, self.dial_s = ticket, hosts, dial_s
+    def __init__(
+        self, ticket: TicketCall, hosts: HostsCall, *, dial_s: float = DIAL_S, quick_s: float = QUICK_S
+    ) -> None:
+        self._ticket, self._hosts, self.dial_s, self.quick_s = ticket, hosts, dial_s, quick_s
         self._idle: dict[PeerID, list[BulkConnection]] = {}
+        self._dialing: set[asyncio.Task[BulkConnection | None]] = set()
         self._no_path: dict[PeerID, float] = {}
         self.dials = 0
         """New connections made (for tests and logs: a kept connection is not dialled again)."""
@@ -175,6 +191,18 @@ class BulkPool:
             kept.close()
         if self._no_path.get(peer, 0.0) > time.monotonic():
             return None
+        dial = asyncio.ensure_future(self._dial_or_none(peer))
+        self._dialing.add(dial)
+        dial.add_done_callback(self._dialing.discard)
+        try:
+            return await asyncio.wait_for(asyncio.shield(dial), self.quick_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:  # too slow for this call: the next takes it
+            dial.add_done_callback(self._keep_dialled)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return None
+
+    async def _dial_or_none(self, peer: PeerID) -> BulkConnection | None:
         connection: BulkConnection | None = None
         try:
             async with asyncio.timeout(self.dial_s):
@@ -185,6 +213,10 @@ class BulkPool:
             self._no_path[peer] = time.monotonic() + NO_PATH_S
         return connection
 
+    def _keep_dialled(self, dial: asyncio.Task[BulkConnection | None]) -> None:
+        if not dial.cancelled() and dial.exception() is None and (connection := dial.result()) is not None:
+            self.release(connection)
+
     def release(self, connection: BulkConnection) -> None:
         idle = self._idle.setdefault(connection.peer, [])
         if len(idle) >= IDLE_PER_PEER or not connection.usable():
@@ -194,6 +226,8 @@ class BulkPool:
         idle.append(connection)
 
     def close(self) -> None:
+        for dial in list(self._dialing):
+            dial.cancel()
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()
@@ -211,8 +245,11 @@ class BulkPool:
         last: BaseException | None = None
         for host in hosts:
             try:
-                reader, writer = await asyncio.open_connection(host, ticket.port, ssl=self._context, server_hostname="")
-            except OSError as exc:
+                async with asyncio.timeout(CONNECT_S):
+                    reader, writer = await asyncio.open_connection(
+                        host, ticket.port, ssl=self._context, server_hostname=""
+                    )
+            except (OSError, TimeoutError) as exc:
                 last = exc
                 continue
             try:

@@ -119,8 +119,9 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         ALLREDUCE_RUNNER,
         "_get_peer_stub",
         "called method",
-        f"{ALLREDUCE} (ExactAllReduceRunner._receive_from_reducer)",
-        "The stub for the reducer's rpc_aggregate_part under the averager's namespace.",
+        f"{ALLREDUCE} (ExactAllReduceRunner._open_parts_stream)",
+        "The stub for the reducer's rpc_aggregate_part under the averager's namespace (where the "
+        "bulk channel has no direct path, engine.bulk_channel).",
         params=("peer",),
     ),
     PrivateUse(
@@ -224,8 +225,10 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_p2p",
         "instance attribute (read)",
-        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_), {STATE} (_download_state_from)",
-        "The averager process's P2P: given to our runner, and used for the rpc_download_state stub.",
+        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_), {STATE} (_download_state_from), "
+        "engine/bulk_channel.py (BulkChannelMixin._bulk_ticket, _direct_hosts)",
+        "The averager process's P2P: given to our runner, used for the rpc_download_state and "
+        "rpc_bulk_ticket stubs and to read the address of a reducer's libp2p connection.",
         evidence=(("_run_internal", "self._p2p = await self.dht.replicate_p2p()"),),
     ),
     PrivateUse(

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.bulk_settings import BulkSettings
 from engine.update_store import KEPT_ROUNDS
 from peer.net.announce import coordinator_address, parse_host_port
 from peer.node.node_identity import NodeIdentity
@@ -65,6 +66,15 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of running peers")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    parser.add_argument(
+        "--bulk-port",
+        default="0",
+        metavar="PORT[:PUBLIC]",
+        help="TCP port of the averaging parts' own TLS connections, beside --port (default 0: any free port); "
+        "PORT:PUBLIC where a mapping forwards PUBLIC to PORT; off: the parts go over libp2p only. Open it "
+        "where --port is open: others' parts then skip libp2p (faster on long links); where it is not, they "
+        "use libp2p",
+    )
     parser.add_argument(
         "--announce",
         default=None,
@@ -237,6 +247,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        BulkSettings.parse(args.bulk_port)
+    except ValueError as exc:
+        raise ConfigError(f"--bulk-port: {exc}") from None
     if args.announce is not None:
         parse_host_port(args.announce)
         if args.port == 0:

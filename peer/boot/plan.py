@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine.bulk_settings import BulkSettings
 from engine.codecs import get_codec
 from engine.update_store import UpdateStore
 from peer.boot.join import Joined, until_stopped
 from peer.boot.worker import data_cap_bytes, device_of
+from peer.net.announce import mapped_port
 from peer.net.network_path import NetworkPath
 from peer.node.node import LocalNode
 from peer.node.node_env import NodeEnv
@@ -53,6 +57,15 @@ class Plan:
     @property
     def model_device(self) -> str:
         return "cpu" if self.shard else self.device
+
+
+def bulk_settings(flag: str, host: str | None, env: Mapping[str, str]) -> BulkSettings:
+    """``--bulk-port``'s settings; a fixed port that vast.ai's or RunPod's variables map is
+    announced at its external port (as ``--port`` is, ``peer.net.announce``)."""
+    bulk = BulkSettings.parse(flag, host=host)
+    if bulk.enabled and bulk.port and not bulk.public_port:
+        bulk.public_port = mapped_port(bulk.port, env) or 0
+    return bulk
 
 
 def plan_node(
@@ -160,6 +173,7 @@ def start_swarm(
         dht_kwargs=path.dht_kwargs,
         updates=updates,
         identity=identity,
+        bulk=bulk_settings(args.bulk_port, None if ip == "0.0.0.0" else ip, os.environ),
         bootstrap_wait_s=BOOTSTRAP_WAIT_S,
         bootstrap_pause=until_stopped(stop, "the swarm's bootstrap peers") if stop is not None else time.sleep,
     )

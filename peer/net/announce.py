@@ -99,6 +99,15 @@ def provider_ports(env: Mapping[str, str]) -> dict[str, dict[int, int]]:
     return found
 
 
+def mapped_port(port: int, env: Mapping[str, str]) -> int | None:
+    """The external port a provider's variables map ``port`` to (the bulk channel's, which
+    others dial at the IP they reach this peer at), or None."""
+    for mapping in provider_ports(env).values():
+        if port in mapping:
+            return mapping[port]
+    return None
+
+
 def announced(flag: str | None, *, port: int, env: Mapping[str, str]) -> Announced | None:
     """What this peer announces: ``--announce`` if given; else, when a provider's variables
     name a public IP and a mapping of the listening ``port``, that IP and the external port;

@@ -32,6 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from engine.averager import ExactAverager
+from engine.bulk_settings import BulkSettings
 from engine.compression import Codec
 from engine.dht_mend import keep_bootstrapped
 from engine.dht_start import start_dht
@@ -231,6 +232,7 @@ class Swarm:
         gate: MemberGate | None = None,
         updates: UpdateStore | None = None,
         identity: Identity | None = None,
+        bulk: BulkSettings | None = None,
         bootstrap_wait_s: float = 0.0,
         bootstrap_pause: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -243,6 +245,8 @@ class Swarm:
         self._receipt_key = identity.to_pem() if identity is not None else None
         """The node's key, with which its reducer signs receipts (``protocol.receipts``)."""
         self.client_mode = client_mode
+        self.bulk = bulk
+        """Where this peer's averager takes parts over the bulk channel (``engine.bulk_channel``)."""
         self.electorate: set[str] = set()
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
         self._meetings = 0
@@ -312,6 +316,7 @@ class Swarm:
             audit=averaging.audit,
             updates=self.updates,
             receipt_key=self._receipt_key,
+            bulk=self.bulk,
         )
         return dht, averager
 

@@ -87,3 +87,14 @@ def test_without_a_usable_mapping_nothing_is_announced(port: int, env: dict[str,
 def test_provider_ports_reads_only_port_mappings() -> None:
     env = {**VAST, **RUNPOD, "VAST_TCP_PORT_X": "1", "VAST_UDP_PORT_4000": "2", "RUNPOD_TCP_PORT_0": "3"}
     assert provider_ports(env) == {"vast.ai": {4000: 41234, 22: 41000}, "RunPod": {4000: 18123}}
+
+
+def test_a_fixed_bulk_port_that_a_provider_maps_is_offered_at_its_external_port() -> None:
+    from peer.boot.plan import bulk_settings
+
+    env = {"PUBLIC_IPADDR": "203.0.113.7", "VAST_TCP_PORT_31338": "41002", "VAST_TCP_PORT_31337": "41001"}
+    assert bulk_settings("31338", None, env).public_port == 41002
+    assert bulk_settings("31338:5000", None, env).public_port == 5000  # the flag wins
+    assert bulk_settings("31339", None, env).public_port == 0  # not mapped: the port itself
+    assert bulk_settings("0", None, env).public_port == 0
+    assert not bulk_settings("off", None, env).enabled

@@ -1,0 +1,386 @@
+"""The bulk channel (``engine.bulk_channel``) under attack, over real sockets and real TLS: an
+outsider at the reducer's port, a replayed token, a man in the middle with another certificate,
+bytes flipped on the path, a stranger asking a gated run's averager for a ticket; and the
+fallback to libp2p where a reducer has no listener."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+import engine.bulk_server
+from engine.averager import ExactAverager
+from engine.bulk_channel import parse_ticket
+from engine.bulk_client import BulkPool, Ticket
+from engine.bulk_frames import Kind, read_frame, write_frame
+from engine.bulk_server import TOKEN_BYTES, BulkServer, Tickets
+from engine.bulk_settings import BulkSettings
+from engine.bulk_tls import ServerCert, client_context, make_server_cert
+from engine.codecs import get_codec
+from engine.outcome import GroupOutcome
+from protocol.identity import Identity
+from protocol.membership import MemberGate
+
+LOCAL = PeerID.from_base58("QmaSgkhVQWGjMrR7vN5Gnb5bxZsk6mBavwsbRG1hWsP7Pu")
+MEMBER = PeerID.from_base58("QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC")
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class Echo:
+    """A handler that answers each part with its own bytes, and remembers what it was sent."""
+
+    def __init__(self) -> None:
+        self.calls: list[PeerID] = []
+        self.parts: list[bytes] = []
+
+    async def __call__(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        self.calls.append(context.remote_id)
+        async for message in stream:
+            self.parts.append(message.tensor_part.buffer)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message.tensor_part)
+
+
+def part(payload: bytes) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(
+        code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=payload)
+    )
+
+
+async def listening(handler: Echo) -> tuple[BulkServer, ServerCert, Tickets]:
+    cert, tickets = make_server_cert(), Tickets()
+    server = BulkServer(handler, LOCAL, cert.context, tickets)
+    await server.start("127.0.0.1", 0)
+    return server, cert, tickets
+
+
+def pool_to(port: int, pin: bytes, tickets: Tickets, peer: PeerID = MEMBER) -> BulkPool:
+    """A sender's pool whose tickets come straight from ``tickets`` (as ``rpc_bulk_ticket`` would)."""
+
+    async def ticket(_reducer: PeerID) -> Ticket:
+        return Ticket(port, pin, tickets.issue(peer))
+
+    async def hosts(_reducer: PeerID) -> list[str]:
+        return ["127.0.0.1"]
+
+    return BulkPool(ticket, hosts, dial_s=3.0)
+
+
+async def call(pool: BulkPool, payloads: list[bytes]) -> list[bytes]:
+    connection = await pool.open(LOCAL)
+    assert connection is not None
+    sent = asyncio.Event()
+
+    async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
+        for payload in payloads:
+            yield part(payload)
+        await sent.wait()  # as a sender does: its request stream ends once it holds every answer
+
+    answers = connection.call(requests())
+    got = []
+    try:
+        async for message in answers:
+            got.append(message.tensor_part.buffer)
+            if len(got) == len(payloads):
+                sent.set()
+                break
+    finally:
+        sent.set()
+        await answers.aclose()
+    return got
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_member_with_a_ticket_averages_over_one_kept_connection() -> None:
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        pool = pool_to(server.port, cert.pin, tickets)
+        try:
+            for round_ in range(3):
+                payloads = [bytes([round_, i]) * 50_000 for i in range(5)]
+                assert await call(pool, payloads) == payloads
+            assert pool.dials == 1  # the next rounds took the kept connection
+            assert echo.calls == [MEMBER] * 3  # under the identity its ticket named
+            assert server.refused == 0
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
+
+
+async def _refused(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closed the connection without a word (no ``HELLO``)."""
+    try:
+        await asyncio.wait_for(read_frame(reader), 10)
+    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+        return True
+    return False
+
+
+def test_an_outsider_at_the_port_is_refused_without_a_valid_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.bulk_server, "HELLO_TIMEOUT_S", 1.0)
+
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        try:
+            # not TLS at all
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(1000))
+            await writer.drain()
+            assert await reader.read() == b""
+            writer.close()
+
+            async def tls() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                return await asyncio.open_connection("127.0.0.1", server.port, ssl=client_context(), server_hostname="")
+
+            # a guessed token
+            reader, writer = await tls()
+            write_frame(writer, Kind.HELLO, bytes(TOKEN_BYTES))
+            await writer.drain()
+            assert await _refused(reader)
+            writer.close()
+            # a part before any token
+            reader, writer = await tls()
+            write_frame(writer, Kind.DATA, part(b"x" * 100).SerializeToString())
+            await writer.drain()
+            assert await _refused(reader)
+            writer.close()
+            # silence: dropped after the hello deadline
+            reader, writer = await tls()
+            assert await _refused(reader)
+            writer.close()
+            # a real token, then the same token again (overheard, or replayed by its holder)
+            token = tickets.issue(MEMBER)
+            reader, writer = await tls()
+            write_frame(writer, Kind.HELLO, token)
+            await writer.drain()
+            assert await read_frame(reader) == (Kind.HELLO, b"")
+            replay_reader, replay_writer = await tls()
+            write_frame(replay_writer, Kind.HELLO, token)
+            await replay_writer.drain()
+            assert await _refused(replay_reader)
+            replay_writer.close()
+            # the admitted connection announces a frame of 2 GiB: dropped before reading it
+            writer.write(bytes([Kind.DATA]) + (2**31).to_bytes(4, "big"))
+            await writer.drain()
+            assert await _refused(reader)
+            writer.close()
+            assert echo.calls == [] and echo.parts == []  # nothing reached the averager
+            assert server.refused == 4
+        finally:
+            await server.stop()
+
+    run(main)
+
+
+def test_a_sender_talks_only_to_the_certificate_its_ticket_pins() -> None:
+    """A man in the middle at the reducer's address, with a certificate of its own: the sender
+    refuses it before it sends the token or a part, and its parts go over libp2p instead."""
+
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        impostor = make_server_cert()
+        heard: list[bytes] = []
+
+        async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            heard.append(await reader.read())
+            writer.close()
+
+        fake = await asyncio.start_server(record, "127.0.0.1", 0, ssl=impostor.context)
+        fake_port = fake.sockets[0].getsockname()[1]
+        pool = pool_to(fake_port, cert.pin, tickets)  # the real reducer's pin, the impostor's port
+        try:
+            assert await pool.open(LOCAL) is None
+            assert await pool.open(LOCAL) is None  # and it is not tried again at once
+            assert pool.dials == 0
+            for _ in range(100):
+                if heard:
+                    break
+                await asyncio.sleep(0.05)
+            assert heard == [b""]  # the impostor got the handshake and nothing else: no token
+        finally:
+            fake.close()
+            await server.stop()
+
+    run(main)
+
+
+class FlippingProxy:
+    """A TCP relay between sender and reducer that flips one bit of the sender's bytes at
+    ``offset`` (a hostile relay or router on the path)."""
+
+    def __init__(self, target_port: int, offset: int) -> None:
+        self.target_port, self.offset = target_port, offset
+        self.flipped = False
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, tamper: bool) -> None:
+            seen = 0
+            try:
+                while data := await source.read(65536):
+                    if tamper and seen <= self.offset < seen + len(data):
+                        at = self.offset - seen
+                        data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+                        self.flipped = True
+                    seen += len(data)
+                    sink.write(data)
+                    await sink.drain()
+            finally:  # either end gone: the other goes too
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False), return_exceptions=True)
+
+
+def test_a_part_altered_on_the_path_never_reaches_the_average() -> None:
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        proxy = FlippingProxy(server.port, offset=200_000)  # well past the handshake, inside a part
+        pool = pool_to(await proxy.start(), cert.pin, tickets)
+        payloads = [bytes([i]) * 100_000 for i in range(6)]
+        try:
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError, ssl.SSLError)):
+                await call(pool, payloads)
+            assert proxy.flipped
+            assert all(got in payloads for got in echo.parts)  # what arrived is what was sent
+            assert len(echo.parts) < len(payloads)  # and the altered part is not among it
+        finally:
+            pool.close()
+            proxy.server.close()
+            await server.stop()
+
+    run(main)
+
+
+def _averagers(settings: list[BulkSettings], gate: MemberGate | None = None) -> tuple[list[DHT], list[ExactAverager]]:
+    first = DHT(start=True, host_maddrs=LOOPBACK)
+    dhts = [first] + [
+        DHT(start=True, host_maddrs=LOOPBACK, initial_peers=first.get_visible_maddrs()) for _ in settings[1:]
+    ]
+    averagers = []
+    for i, (dht, bulk) in enumerate(zip(dhts, settings)):
+        averager = ExactAverager(
+            4000,
+            dht,
+            codec=get_codec("none"),
+            prefix="bulk",
+            start=True,
+            min_group_size=len(settings),
+            target_group_size=len(settings),
+            min_matchmaking_time=3.0,
+            request_timeout=3.0,
+            allreduce_timeout=15.0,
+            gate=gate,
+            bulk=bulk,
+        )
+        with averager.get_tensors() as tensors:
+            tensors[0].fill_(float(i + 1))
+        averagers.append(averager)
+    return dhts, averagers
+
+
+def test_a_reducer_without_a_listener_gets_its_parts_over_libp2p() -> None:
+    dhts, averagers = _averagers([BulkSettings(), BulkSettings(enabled=False)])
+    outcomes: dict[int, GroupOutcome] = {}
+    try:
+
+        def step(i: int) -> None:
+            outcomes[i] = averagers[i].step(weight=1.0, timeout=30, allow_retries=False)
+
+        threads = [threading.Thread(target=step, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert set(outcomes) == {0, 1}
+        for i, averager in enumerate(averagers):
+            assert not outcomes[i].failed and not outcomes[i].stats.missing, outcomes[i]
+            assert outcomes[i].stats.over_bulk == []  # one has no listener, the other does not dial
+            with averager.get_tensors() as tensors:
+                assert torch.equal(tensors[0], torch.full((4000,), 1.5))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+async def _ask_for_a_ticket(_dht: Any, node: Any, *, reducer: PeerID) -> bytes:
+    """In a DHT node's process: its ``rpc_bulk_ticket`` call to ``reducer``, as sent back."""
+    stub = ExactAverager.get_stub(node.p2p, reducer, namespace="bulk")
+    answer = await stub.rpc_bulk_ticket(averaging_pb2.AveragingData(), timeout=10)
+    return bytes(answer.SerializeToString())
+
+
+def test_a_stranger_gets_no_ticket_from_a_gated_run() -> None:
+    gate = MemberGate(coordinator_key=Identity.generate().public_key, run_digest="bulk", prefix="bulk")
+    dhts, averagers = _averagers([BulkSettings()], gate=gate)
+    stranger = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=dhts[0].get_visible_maddrs())
+    try:
+        answer = averaging_pb2.AveragingData.FromString(
+            stranger.run_coroutine(partial(_ask_for_a_ticket, reducer=dhts[0].peer_id))
+        )
+        assert answer.code == averaging_pb2.PROTOCOL_VIOLATION
+        assert parse_ticket(answer, averagers[0].serializer) is None
+    finally:
+        stranger.shutdown()
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_a_slow_dial_lets_this_call_use_libp2p_and_serves_the_next() -> None:
+    """A ticket slower than the call can wait (a first dial on a saturated link): the call gets
+    no connection and uses libp2p, and the dial, never cancelled, serves the next round."""
+
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+
+        async def slow_ticket(_reducer: PeerID) -> Ticket:
+            await asyncio.sleep(1.0)
+            return Ticket(server.port, cert.pin, tickets.issue(MEMBER))
+
+        async def hosts(_reducer: PeerID) -> list[str]:
+            return ["127.0.0.1"]
+
+        pool = BulkPool(slow_ticket, hosts, quick_s=0.2)
+        try:
+            assert await pool.open(LOCAL) is None  # this round: libp2p
+            for _ in range(100):
+                if pool.dials:
+                    break
+                await asyncio.sleep(0.05)
+            assert pool.dials == 1
+            assert await call(pool, [b"next round"]) == [b"next round"]  # the kept connection
+            assert pool.dials == 1
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
