@@ -21,7 +21,9 @@ peers, same links, same rounds, no training:
   its parts go over the bulk channel (``engine.bulk_channel``, the shipped default: one TLS
   connection per sender-reducer pair and fragment, kept between rounds); with ``--bulk on off``
   one run each with and without it (without: libp2p streams, as before the bulk channel). A
-  bulk run whose parts went over libp2p to any reducer fails rather than be counted.
+  bulk run whose parts went over libp2p to any reducer fails rather than be counted. Each
+  swarmtrain run begins with one round that is not timed, in which the connections are made
+  (tcp's are made before its first round).
 
 A round starts when every host is ready (a file barrier) and ends when the last host holds
 everything it should receive; swarmtrain's round is its all-reduce time (``allreduce_s``,
@@ -247,6 +249,9 @@ def _child_swarmtrain(args: argparse.Namespace, workdir: Path) -> list[float]:
             tensors[0].copy_(shared.add_(own, alpha=0.5))
         _barrier(workdir, "listening", args.index, args.peers)
         times: list[float | None] = []
+        # one round first, not timed: the peers' libp2p connections (and the bulk channel's)
+        # are made there, as tcp's are before its first round
+        averager.step(gather={}, timeout=args.timeout)
         for round_ in range(args.rounds):
             outcome = averager.step(gather={}, timeout=args.timeout)
             stats = outcome.stats
