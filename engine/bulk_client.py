@@ -28,7 +28,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from engine.bulk_frames import FrameError, Kind, read_frame, write_frame
+from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
 from engine.bulk_tls import client_context, fingerprint
 
 __all__ = ["BulkCall", "BulkConnection", "BulkPool", "Ticket", "direct_hosts"]
@@ -41,9 +41,11 @@ handshakes and the token's answer; generous, see above."""
 QUICK_S = 2.0
 """How long a call waits for a new connection before it takes libp2p: four round trips on a long
 link, with room for a loaded machine."""
-IDLE_S = 60.0
-"""An idle connection older than this is closed rather than used (the reducer keeps its end
-``engine.bulk_server.IDLE_S``, longer, so that a connection taken is never one it just closed)."""
+IDLE_S = 1200.0
+"""An idle connection older than this is closed rather than used: rounds are minutes apart, and
+keepalive (``engine.bulk_frames.keep_alive``) holds the path open meanwhile; the reducer keeps
+its end ``engine.bulk_server.IDLE_S``, longer, so that a connection taken is never one it just
+closed."""
 NO_PATH_S = 600.0
 """How long a peer that could not be reached directly is left to libp2p."""
 CONNECT_S = 10.0
@@ -253,6 +255,7 @@ class BulkPool:
                 last = exc
                 continue
             try:
+                keep_alive(writer)
                 der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
                 if der is None or fingerprint(der) != ticket.pin:
                     raise ConnectionError(

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import socket
 import struct
 
-__all__ = ["MAX_FRAME_BYTES", "FrameError", "Kind", "read_frame", "write_frame"]
+__all__ = ["MAX_FRAME_BYTES", "FrameError", "Kind", "keep_alive", "read_frame", "write_frame"]
 
 MAX_FRAME_BYTES = 16 * 2**20
 """The largest frame either side accepts: a part is at most ``engine.allreduce.PART_SIZE_BYTES``
@@ -63,3 +64,24 @@ def write_frame(writer: asyncio.StreamWriter, kind: Kind, payload: bytes = b"") 
     writer.write(_HEADER.pack(kind, len(payload)))
     if payload:
         writer.write(payload)
+
+
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 15, 4
+"""TCP keepalive on every bulk connection, both ends: a kept connection stays in the NAT tables
+and firewalls on its path between rounds (minutes apart), and one whose path died is found
+(about 2 minutes) and dropped from the pool before a round sends parts into it."""
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """Turn on TCP keepalive for ``writer``'s socket (where the platform has the options)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)

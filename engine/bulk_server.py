@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import resource
 import secrets
 import ssl
 import time
@@ -29,7 +30,7 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from engine.bulk_frames import FrameError, Kind, read_frame, write_frame
+from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
 
 __all__ = ["BulkServer", "Handler", "Tickets"]
 
@@ -43,14 +44,16 @@ MAX_TICKETS = 4096
 grows nothing)."""
 HELLO_TIMEOUT_S = 10.0
 """From accept to the sender's token (the TLS handshake included)."""
-IDLE_S = 300.0
+IDLE_S = 1500.0
 """How long a connection may wait between calls; senders drop theirs sooner (``engine.bulk_client``)."""
 CLOSE_WAIT_S = 15.0
 """After the handler's last message, how long the sender has to close the call (as
 ``engine.stream_close``)."""
-MAX_CONNECTIONS = 512
-"""Connections open at once at most (members' pooled ones and handshakes in progress); past
-that new ones are closed at once, and their senders use libp2p."""
+MAX_CONNECTIONS = 4096
+"""Connections open at once at most (members' pooled ones, one per sender and fragment: 1,020 in
+a round of 256 with 4 fragments, and handshakes in progress), and never more than half the
+process's file descriptors (``BulkServer.start`` raises its soft limit); past that new ones are
+closed at once, and their senders use libp2p."""
 QUEUED_PARTS = 4
 """Parts read ahead of the handler per call: past that this side stops reading, and TCP's flow
 control holds the sender."""
@@ -92,11 +95,13 @@ class BulkServer:
         self.port = 0
         self.refused = 0
         """Connections dropped before or at their token (counted for tests and logs)."""
+        self.most = MAX_CONNECTIONS
         self._server: asyncio.base_events.Server | None = None
         self._open: set[asyncio.Task[Any]] = set()
 
     async def start(self, host: str | None = None, port: int = 0) -> int:
         """Listen on ``host`` (None: every interface) at ``port`` (0: any free one); the port."""
+        self.most = min(MAX_CONNECTIONS, _raise_descriptor_limit() // 2)
         self._server = await asyncio.start_server(
             self._accepted, host=host, port=port, ssl=self.context, ssl_handshake_timeout=HELLO_TIMEOUT_S
         )
@@ -114,7 +119,7 @@ class BulkServer:
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._open) >= MAX_CONNECTIONS:
+        if len(self._open) >= self.most:
             self.refused += 1
             writer.close()
             return
@@ -137,6 +142,7 @@ class BulkServer:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        keep_alive(writer)
         try:
             kind, token = await asyncio.wait_for(read_frame(reader, limit=TOKEN_BYTES), HELLO_TIMEOUT_S)
         except (asyncio.IncompleteReadError, FrameError, TimeoutError) as exc:
@@ -156,6 +162,20 @@ class BulkServer:
             if kind != Kind.DATA:
                 raise FrameError(f"a call began with a {kind.name} frame")
             await _Call(self.handler, context, reader, writer, payload).run()
+
+
+def _raise_descriptor_limit(wanted: int = 2 * MAX_CONNECTIONS + 1024) -> int:
+    """Raise this process's soft limit on open files towards ``wanted`` (up to the hard limit);
+    the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            logger.debug("could not raise the open-file limit from %d", soft)
+    return int(soft if soft != resource.RLIM_INFINITY else wanted)
 
 
 class _Call:

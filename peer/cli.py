@@ -337,8 +337,11 @@ def run(args: argparse.Namespace) -> int:
         start_relay_keeper,
     )
     from peer.boot.plan import build_peer_task, plan_node, start_swarm
+    from relay.splicer import Splicer, share
 
     plan = plan_node(args, joined, compute, node, node_env)
+    splicer = Splicer()  # relay tunnels, punched connections and this peer's relay splice there
+    share(splicer)
     path = network_path(args, joined)
     relay = None
     gate = member_gate(joined)
@@ -349,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
         path.close()
         if relay is not None:
             relay.close()
+        share(None)
+        splicer.close()
         raise
     link = None
     puncher = None
@@ -384,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"relay: carried {carried.bytes_relayed:,} bytes for peers nobody can dial", flush=True)
         if plan.local_node is not None:
             plan.local_node.close()
+        share(None)
+        splicer.close()
     if link is not None and link.credit is not None:
         print(f"coordinator: {link.credit.describe()}", flush=True)
     print("peer stopped cleanly", flush=True)

@@ -38,6 +38,7 @@ from typing import Any
 
 from protocol.errors import ConfigError, MalformedMessageError, SwarmtrainError
 from protocol.identity import PublicKey
+from relay.splicer import splice
 from relay.wire import (
     NONCE_BYTES,
     NOT_HELD,
@@ -57,7 +58,6 @@ from relay.wire import (
     Take,
     encode,
     ping_every,
-    pipe_both,
     proof_bytes,
     read_message,
 )
@@ -395,7 +395,7 @@ class Relay:
         counts: tuple[list[int], list[int]] = ([0], [0])
         self._live[conn_id] = counts
         try:
-            await pipe_both((reader, writer), taken, counts)
+            await splice((reader, writer), taken, counts)
         finally:
             held.active -= 1
             del self._live[conn_id]

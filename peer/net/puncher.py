@@ -32,7 +32,7 @@ from typing import Any
 
 from peer.net.hole_punch import DirectPaths, NotRelayed, PunchError, punch
 from peer.net.loop_thread import cancel_other_tasks, stop_loop_thread
-from relay.wire import pipe_both
+from relay.splicer import splice
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class Puncher:
         counts: tuple[list[int], list[int]] = ([0], [0])
         try:
             with holding:
-                await pipe_both(direct, daemon, counts)
+                await splice(direct, daemon, counts)
         finally:
             self.stats.bytes_direct += counts[0][0] + counts[1][0]
 

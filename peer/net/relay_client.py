@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from peer.net.hole_punch import DirectPaths, PunchError, answer
 from peer.net.loop_thread import stop_loop_thread
 from protocol.errors import MalformedMessageError, SwarmtrainError
+from relay.splicer import splice
 from relay.wire import (
     OPENING,
     Challenge,
@@ -34,7 +35,6 @@ from relay.wire import (
     Take,
     encode,
     ping_every,
-    pipe_both,
     prove,
     read_message,
 )
@@ -340,7 +340,7 @@ class RelayTunnel:
         self._spliced += 1
         try:
             with self._relayed.counting() as counts:
-                await pipe_both(relayed, local, counts)
+                await splice(relayed, local, counts)
         finally:
             self._spliced -= 1
 
@@ -387,7 +387,7 @@ class RelayTunnel:
         logger.info("hole punch: a direct connection from %s:%d", call.host, call.port)
         try:
             with self.direct.held(call.host), self._direct.counting() as counts:
-                await pipe_both(direct, local, counts)
+                await splice(direct, local, counts)
         finally:
             self._spliced -= 1
 
