@@ -7,8 +7,9 @@ loops of the peer's process, beside the trainer. Every chunk they copy needs the
 a busy Python thread holds it for its switch interval (5 ms) at a time: beside one, a splice on
 loopback carried 34 Mbit/s. In a process of their own the copy never waits for the trainer.
 
-A hand-over: reading stops on both streams; what their readers had buffered is written to the
-other side and flushed (it is part of the splice, counted); then each socket is duplicated and the
+A hand-over: reading stops on both streams; what their readers had buffered (``StreamReader``'s
+private ``_buffer``: no public call takes it without letting the reader resume its transport) is
+written to the other side and flushed (it is part of the splice, counted); then each socket is duplicated and the
 duplicate sent to the splice process (``SCM_RIGHTS``), and this side's transports are closed
 (closing a descriptor does not end a connection another process holds). The splice process
 reports the bytes carried every second and at the end (into ``counts``, as ``pipe_both`` does).
@@ -213,10 +214,14 @@ async def _hand_over(a: Stream, b: Stream) -> tuple[int, int]:
     for _, writer in (a, b):
         transport: Any = writer.transport  # a socket transport (asyncio's or uvloop's)
         transport.pause_reading()
+    await asyncio.sleep(0)  # a read already queued in this loop's turn lands in the buffer now
     pending = []
     for reader, _ in (a, b):
-        reader.feed_eof()  # reading is paused: what is buffered is all it will return
-        pending.append(await reader.read())
+        # what the reader holds, taken whole: reading it through the reader would let it resume
+        # the transport (it does once its buffer drains below its limit)
+        buffered: bytearray = reader._buffer  # type: ignore[attr-defined]
+        pending.append(bytes(buffered))
+        buffered.clear()
     for data, (_, writer) in zip(pending, (b, a)):
         writer.transport.set_write_buffer_limits(high=0)
         if data:
