@@ -48,10 +48,15 @@ async def _spliced_pair(
 
     server = await asyncio.start_server(middle, "127.0.0.1", 0)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    before = splicer.started + (splicer.pid is not None)
     writer.write(b"hello" + EARLY)
     await writer.drain()
     await ready.wait()
     server.close()
+    for _ in range(200):  # until the splice process runs (it starts at the first hand-over)
+        if splicer.pid is not None and splicer.started + 1 > before:
+            break
+        await asyncio.sleep(0.05)
     return reader, writer, splices[0]
 
 
