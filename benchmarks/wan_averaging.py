@@ -17,11 +17,11 @@ peers, same links, same rounds, no training:
   ``--robust off on``, one run each without and with the spec's default robust averaging
   (``engine.robust``: what bounding every member's contribution costs in averaging time).
   Each host's vector is a shared direction plus its own noise, as members' pseudo-gradients
-  are (uncorrelated vectors would have robust averaging leave half of them out). By default
-  its parts go over the bulk channel (``engine.bulk_channel``, the shipped default: one TLS
-  connection per sender-reducer pair and fragment, kept between rounds); with ``--bulk on off``
-  one run each with and without it (without: libp2p streams, as before the bulk channel). A
-  bulk run whose parts went over libp2p to any reducer fails rather than be counted. Each
+  are (uncorrelated vectors would have robust averaging leave half of them out). Its parts go
+  over libp2p streams (the shipped default); with ``--bulk on`` over the bulk channel
+  (``engine.bulk_channel``: one TLS connection per sender-reducer pair and fragment, kept
+  between rounds), with ``--bulk off on`` one run each. A bulk run whose parts went over libp2p
+  to any reducer fails rather than be counted. Each
   swarmtrain run begins with one round that is not timed, in which the connections are made
   (tcp's are made before its first round).
 
@@ -310,7 +310,7 @@ def run_transport(
     streams: int = 1,
     robust: str = "off",
     cpu: list[float] | None = None,
-    bulk: str = "on",
+    bulk: str = "off",
 ) -> list[float]:  # the rounds that completed on every host
     """Round times (the slowest host's) of ``transport`` over a fresh simulator; appends the
     machine's CPU use while the hosts ran (% of all cores) to ``cpu``."""
@@ -423,8 +423,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--bulk",
         nargs="+",
         choices=("on", "off"),
-        default=["on"],
-        help="swarmtrain: parts over the bulk channel (the default) or over libp2p streams; several values: one run each",
+        default=["off"],
+        help="swarmtrain: parts over libp2p streams (off, the default) or the bulk channel (on); several values: one run each",
     )
     parser.add_argument("--only", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per round")
@@ -468,12 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         variants = (
             [(k, r, b) for k in args.streams for r in args.robust for b in args.bulk]
             if transport == "swarmtrain"
-            else [(1, "off", "on")]
+            else [(1, "off", "off")]
         )
         for streams, robust, bulk in variants:
             details = [f"{streams} streams"] if streams > 1 else []
             details += ["robust"] if robust == "on" else []
-            details += ["libp2p, no bulk channel"] if bulk == "off" else []
+            details += ["libp2p, no bulk channel"] if bulk == "off" and "on" in args.bulk else []
+            details += ["bulk channel"] if bulk == "on" else []
             name = f"{transport} ({', '.join(details)})" if details else transport
             print(f"{name}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
             used: list[float] = []

@@ -2,8 +2,8 @@
 # (it makes build/wheelhouse first: the project and its pinned dependencies, as wheels), or:
 #   docker build -f docker/peer.Dockerfile -t swarmtrain-peer .
 # Run (keys, checkpoints and data on volumes; the averager needs a large /dev/shm):
-#   docker run --gpus all --shm-size=16g -p 31337:31337 -p 31338:31338 -v swarmtrain-keys:/home/swarm/.swarmtrain \
-#     -v /data:/data swarmtrain-peer --coordinator HOST:7500 --port 31337 --bulk-port 31338
+#   docker run --gpus all --shm-size=16g -p 31337:31337 -v swarmtrain-keys:/home/swarm/.swarmtrain \
+#     -v /data:/data swarmtrain-peer --coordinator HOST:7500 --port 31337
 # BASE: any image with Python 3.11 and torch on its PATH's pip (torch comes from the base: the
 # CUDA build there; the wheelhouse's own torch, a CPU build, is left out here).
 ARG BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
@@ -33,6 +33,6 @@ WORKDIR /home/swarm
 RUN mkdir -p /home/swarm/.swarmtrain /home/swarm/checkpoints
 VOLUME ["/home/swarm/.swarmtrain", "/home/swarm/checkpoints", "/data"]
 # the peer's libp2p port (reachable peers accept inbound connections on it)
-EXPOSE 31337 31338
+EXPOSE 31337
 ENTRYPOINT ["swarmtrain", "peer"]
 CMD ["--help"]

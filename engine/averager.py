@@ -126,7 +126,7 @@ class ExactAverager(
         **kwargs: Any,
     ) -> None:
         self.audit = audit
-        self.bulk = bulk if bulk is not None else BulkSettings()
+        self.bulk = bulk if bulk is not None else BulkSettings(enabled=False)
         self._receipt_key = receipt_key
         self._receipt_identity: Identity | None = None
         self.update_store = None if kwargs.get("client_mode") else updates

@@ -22,6 +22,12 @@ No weaker than libp2p: an outsider can neither send a part nor read one.
 Where there is no direct path (a relayed peer, a firewall, a peer without a listener, an old
 version that has no ``rpc_bulk_ticket``) the sender uses the libp2p stream as before
 (``engine.bulk_client``). Mixed into ``engine.averager.ExactAverager``.
+
+Off unless asked for (``--bulk-port``, ``engine.bulk_settings.BulkSettings``): it is level with
+libp2p at the shipped 4 fragments on 50 Mbit/s links and faster on loopback, but slower on a
+5 Mbit/s link, where its connection per fragment and pair (12 flows a host in a group of 4, each
+starting with a burst) overflows a small router buffer that libp2p's one connection per pair
+does not (docs/benchmarks.md, "The bulk channel against libp2p and plain TCP").
 """
 
 from __future__ import annotations

@@ -135,6 +135,10 @@ class BulkServer:
             DecodeError,
         ) as exc:
             logger.debug("bulk connection dropped: %s: %s", type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - the handler refused the call (e.g. not a member)
+            logger.info("bulk connection dropped: the call failed: %s: %s", type(exc).__name__, exc)
+        except asyncio.CancelledError:  # the listener stops (``stop``): the connection goes quietly
+            pass
         finally:
             self._open.discard(task)
             writer.close()
@@ -152,7 +156,7 @@ class BulkServer:
         peer = self.tickets.redeem(token) if kind == Kind.HELLO else None
         if peer is None:
             self.refused += 1
-            logger.warning("bulk connection refused: its token is not one this peer issued, or was used or expired")
+            logger.info("bulk connection refused: its token is not one this peer issued, or was used or expired")
             return
         write_frame(writer, Kind.HELLO)
         await writer.drain()

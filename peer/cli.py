@@ -68,12 +68,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
     parser.add_argument(
         "--bulk-port",
-        default="0",
+        default="off",
         metavar="PORT[:PUBLIC]",
-        help="TCP port of the averaging parts' own TLS connections, beside --port (default 0: any free port); "
-        "PORT:PUBLIC where a mapping forwards PUBLIC to PORT; off: the parts go over libp2p only. Open it "
-        "where --port is open: others' parts then skip libp2p (faster on long links); where it is not, they "
-        "use libp2p",
+        help="receive the averaging parts over TLS connections of their own beside --port, on PORT (0: any "
+        "free port; PORT:PUBLIC where a mapping forwards PUBLIC to PORT), and send them so to members that "
+        "listen; default off: libp2p only. Faster on a LAN or a fast link, slower on a slow one "
+        "(docs/benchmarks.md)",
     )
     parser.add_argument(
         "--announce",

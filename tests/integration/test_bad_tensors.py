@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 
 from engine.allreduce import CodecCompression, ExactAllReduceRunner
 from engine.averager import ExactAverager
+from engine.bulk_settings import BulkSettings
 from engine.codecs import get_codec
 from engine.outcome import GroupOutcome
 from protocol.gathered import Gathered
@@ -78,6 +79,7 @@ def run_group(
     codec_name: str = "none",
     vector: Callable[[int, int], torch.Tensor] | None = None,
     keys: list[Identity] | None = None,
+    bulk: bool = False,
 ) -> list[torch.Tensor | None]:
     """Each member's vector after one step (None where its step failed); ``outcomes``, when
     given, receives each completed step's outcome (what it left out of the round, and why)."""
@@ -104,6 +106,7 @@ def run_group(
                 client_mode=malicious,  # the attacker only sends; honest peers reduce
                 streams=streams,
                 receipt_key=keys[i].to_pem() if keys is not None else None,
+                bulk=BulkSettings(enabled=bulk),
             )
             if malicious and bad is not None:
                 averager.codec_compression = bad(codec)  # before the averager process starts
@@ -140,7 +143,7 @@ def run_group(
 
 def test_honest_group_averages_exactly() -> None:
     outcomes: dict[int, GroupOutcome] = {}
-    results = run_group(None, outcomes=outcomes)
+    results = run_group(None, outcomes=outcomes, bulk=True)
     assert all(r is not None for r in results[:2])
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], torch.full((NUMEL,), 2.0))  # (1 + 2 + 3) / 3
@@ -188,26 +191,45 @@ def test_fragments_averaged_at_once_land_in_place_bit_identically() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bad", "weight", "streams"),
+    ("bad", "weight", "streams", "bulk"),
     [
-        (NaNCompression, 1.0, 1),
-        (ShortCompression, 1.0, 1),
-        (None, math.inf, 1),
-        (None, -1.0, 1),
-        (None, math.nan, 1),
-        (NaNCompression, 1.0, 4),
+        (NaNCompression, 1.0, 1, False),
+        (ShortCompression, 1.0, 1, False),
+        (None, math.inf, 1, False),
+        (None, -1.0, 1, False),
+        (None, math.nan, 1, False),
+        (NaNCompression, 1.0, 4, False),
+        (NaNCompression, 1.0, 4, True),
+        (ShortCompression, 1.0, 1, True),
     ],
-    ids=["nan-values", "wrong-size", "inf-weight", "negative-weight", "nan-weight", "nan-values-4-streams"],
+    ids=[
+        "nan-values",
+        "wrong-size",
+        "inf-weight",
+        "negative-weight",
+        "nan-weight",
+        "nan-values-4-streams",
+        "nan-values-4-streams-bulk-channel",
+        "wrong-size-bulk-channel",
+    ],
 )
-def test_bad_contribution_is_excluded(bad: type[CodecCompression] | None, weight: float, streams: int) -> None:
+def test_bad_contribution_is_excluded(
+    bad: type[CodecCompression] | None, weight: float, streams: int, bulk: bool
+) -> None:
+    """(With ``bulk``: the parts travel over the bulk channel, ``engine.bulk_channel``: the same
+    handler refuses them.)"""
     numel = STREAMED if streams > 1 else NUMEL
-    results = run_group(bad, bad_weight=weight, numel=numel, streams=streams)
+    outcomes: dict[int, GroupOutcome] = {}
+    results = run_group(bad, bad_weight=weight, numel=numel, streams=streams, bulk=bulk, outcomes=outcomes)
     honest = [r for r in results[:2] if r is not None]
     expected = (peer_vector(0, numel) + peer_vector(1, numel)) / 2  # the attacker is left out
     for result in honest:
         assert bool(torch.isfinite(result).all())
         assert torch.equal(result, expected)
     assert len(honest) == 2
+    if bad is not None:  # each honest reducer refused the attacker's parts and named it, one sender
+        named = [set(outcomes[i].stats.refused_senders) for i in (0, 1)]
+        assert named[0] == named[1] and len(named[0]) == 1, named
 
 
 def test_a_member_that_started_from_another_state_counts_zero_and_gets_the_average() -> None:

@@ -384,3 +384,41 @@ def test_a_slow_dial_lets_this_call_use_libp2p_and_serves_the_next() -> None:
             await server.stop()
 
     run(main)
+
+
+def test_a_member_with_a_ticket_cannot_average_in_a_group_it_is_not_in() -> None:
+    """An open run: anyone may take a ticket (as anyone may open a libp2p stream), and what it
+    sends then meets the averager's own handler: parts for a group this reducer does not run
+    get ``BAD_GROUP_ID`` and nothing else."""
+    dhts, averagers = _averagers([BulkSettings()])
+    stranger = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=dhts[0].get_visible_maddrs())
+    try:
+        answer = averaging_pb2.AveragingData.FromString(
+            stranger.run_coroutine(partial(_ask_for_a_ticket, reducer=dhts[0].peer_id))
+        )
+        ticket = parse_ticket(answer, averagers[0].serializer)
+        assert ticket is not None
+
+        async def main() -> list[averaging_pb2.AveragingData]:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", ticket.port, ssl=client_context(), server_hostname=""
+            )
+            write_frame(writer, Kind.HELLO, ticket.token)
+            write_frame(writer, Kind.DATA, part(b"\0" * 1000).SerializeToString())  # group b"g": none here
+            write_frame(writer, Kind.END)
+            await writer.drain()
+            assert await read_frame(reader) == (Kind.HELLO, b"")
+            answers = []
+            while (frame := await asyncio.wait_for(read_frame(reader), 30))[0] == Kind.DATA:
+                answers.append(averaging_pb2.AveragingData.FromString(frame[1]))
+            writer.close()
+            return answers
+
+        answers = asyncio.run(main())
+        assert [a.code for a in answers] == [averaging_pb2.BAD_GROUP_ID]
+    finally:
+        stranger.shutdown()
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
