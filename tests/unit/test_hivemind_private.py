@@ -28,6 +28,9 @@ PRODUCT_PACKAGES = ("protocol", "engine", "relay", "peer", "coordinator", "swarm
 NOT_HIVEMIND: dict[tuple[str, str], str] = {
     ("swarmtrain/lifetime.py", "os._exit"): "the standard library's documented exit without cleanup",
     ("peer/boot/worker.py", "os._exit"): "the standard library's documented exit without cleanup",
+    ("relay/splicer.py", "reader._buffer"): "asyncio.StreamReader's buffer, taken whole at a splice's hand-over "
+    "(no public call takes it without letting the reader resume its transport); "
+    "tests/integration/test_splicer.py sends bytes that wait there",
 }
 """Private attribute accesses on things other than ``self`` that are not hivemind's, with why."""
 
