@@ -109,6 +109,10 @@ class BulkCall:
         self._ended = False
         """The reducer's ``END`` was read."""
         self._closed = False
+        self._broken = False
+        """A read of this call was cut short (a timeout, a cancellation, a bad frame): the
+        connection may stand in the middle of a frame, so it is never used again (the rest of
+        that frame read as a new one could pass an old averaged part off as a new one)."""
         self._sender = asyncio.create_task(self._send(requests))
 
     async def _send(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> None:
@@ -132,7 +136,10 @@ class BulkCall:
             raise StopAsyncIteration
         try:
             kind, payload = await read_frame(self.connection.reader)
-        except asyncio.IncompleteReadError:
+        except BaseException as exc:
+            self._broken = True
+            if not isinstance(exc, asyncio.IncompleteReadError):
+                raise
             if self._sender.done() and not self._sender.cancelled() and self._sender.exception() is not None:
                 raise ConnectionError(f"bulk call failed sending: {self._sender.exception()}") from None
             raise ConnectionError("the reducer closed the bulk connection") from None
@@ -140,6 +147,7 @@ class BulkCall:
             self._ended = True
             raise StopAsyncIteration
         if kind != Kind.DATA:
+            self._broken = True
             raise FrameError(f"the reducer sent a {kind.name} frame in a call")
         message = averaging_pb2.AveragingData()
         message.ParseFromString(payload)
@@ -152,6 +160,8 @@ class BulkCall:
         self._closed = True
         connection = self.connection
         try:
+            if self._broken:
+                raise ConnectionError("a read of this call was cut short")
             await asyncio.wait_for(asyncio.shield(self._sender), WRAP_UP_S)
             write_frame(connection.writer, Kind.CLOSE)
             await connection.writer.drain()

@@ -422,3 +422,47 @@ def test_a_member_with_a_ticket_cannot_average_in_a_group_it_is_not_in() -> None
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+class SlowEcho(Echo):
+    """Answers each part after ``delay_s`` (a reducer waiting for the other senders)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def __call__(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().__call__(stream, context):
+            await asyncio.sleep(self.delay_s)
+            yield message
+
+
+def test_a_call_whose_read_was_cut_short_never_lends_its_connection_to_the_next() -> None:
+    """A sender that gave up waiting for an averaged part (its deadline) may have stopped in the
+    middle of a frame: the rest of it, read by the next round as a frame of its own, could pass an
+    old averaged part off as a new one. Its connection is closed, and the next round dials anew."""
+
+    async def main() -> None:
+        server, cert, tickets = await listening(SlowEcho(delay_s=1.0))
+        pool = pool_to(server.port, cert.pin, tickets)
+        try:
+            connection = await pool.open(LOCAL)
+            assert connection is not None
+
+            async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
+                yield part(b"late" * 100_000)  # and the request stream ends: the call could end cleanly
+
+            answers = connection.call(requests())
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(anext(answers), 0.2)
+            await answers.aclose()
+            assert pool.dials == 1
+            assert await pool.open(LOCAL) is not connection
+            assert pool.dials == 2
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
