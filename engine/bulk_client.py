@@ -229,6 +229,10 @@ class BulkPool:
         if not dial.cancelled() and dial.exception() is None and (connection := dial.result()) is not None:
             self.release(connection)
 
+    def kept(self, peer: PeerID) -> int:
+        """Idle connections to ``peer`` kept for the next call."""
+        return len(self._idle.get(peer, []))
+
     def release(self, connection: BulkConnection) -> None:
         idle = self._idle.setdefault(connection.peer, [])
         if len(idle) >= IDLE_PER_PEER or not connection.usable():
