@@ -6,9 +6,10 @@ fallback to libp2p where a reducer has no listener."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -336,22 +337,30 @@ async def _ask_for_a_ticket(_dht: Any, node: Any, *, reducer: PeerID) -> bytes:
     return bytes(answer.SerializeToString())
 
 
-def test_a_stranger_gets_no_ticket_from_a_gated_run() -> None:
-    gate = MemberGate(coordinator_key=Identity.generate().public_key, run_digest="bulk", prefix="bulk")
+@contextlib.contextmanager
+def _stranger_beside(gate: MemberGate | None = None) -> Iterator[tuple[ExactAverager, averaging_pb2.AveragingData]]:
+    """One averager with a listener (gated by ``gate``), and a stranger's ``rpc_bulk_ticket``
+    answer from it; everything shut down after."""
     dhts, averagers = _averagers([BulkSettings()], gate=gate)
     stranger = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=dhts[0].get_visible_maddrs())
     try:
         answer = averaging_pb2.AveragingData.FromString(
             stranger.run_coroutine(partial(_ask_for_a_ticket, reducer=dhts[0].peer_id))
         )
-        assert answer.code == averaging_pb2.PROTOCOL_VIOLATION
-        assert parse_ticket(answer, averagers[0].serializer) is None
+        yield averagers[0], answer
     finally:
         stranger.shutdown()
         for averager in averagers:
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_a_stranger_gets_no_ticket_from_a_gated_run() -> None:
+    gate = MemberGate(coordinator_key=Identity.generate().public_key, run_digest="bulk", prefix="bulk")
+    with _stranger_beside(gate) as (averager, answer):
+        assert answer.code == averaging_pb2.PROTOCOL_VIOLATION
+        assert parse_ticket(answer, averager.serializer) is None
 
 
 def test_a_slow_dial_lets_this_call_use_libp2p_and_serves_the_next() -> None:
@@ -390,13 +399,8 @@ def test_a_member_with_a_ticket_cannot_average_in_a_group_it_is_not_in() -> None
     """An open run: anyone may take a ticket (as anyone may open a libp2p stream), and what it
     sends then meets the averager's own handler: parts for a group this reducer does not run
     get ``BAD_GROUP_ID`` and nothing else."""
-    dhts, averagers = _averagers([BulkSettings()])
-    stranger = DHT(start=True, host_maddrs=LOOPBACK, initial_peers=dhts[0].get_visible_maddrs())
-    try:
-        answer = averaging_pb2.AveragingData.FromString(
-            stranger.run_coroutine(partial(_ask_for_a_ticket, reducer=dhts[0].peer_id))
-        )
-        ticket = parse_ticket(answer, averagers[0].serializer)
+    with _stranger_beside() as (averager, answer):
+        ticket = parse_ticket(answer, averager.serializer)
         assert ticket is not None
 
         async def main() -> list[averaging_pb2.AveragingData]:
@@ -416,12 +420,6 @@ def test_a_member_with_a_ticket_cannot_average_in_a_group_it_is_not_in() -> None
 
         answers = asyncio.run(main())
         assert [a.code for a in answers] == [averaging_pb2.BAD_GROUP_ID]
-    finally:
-        stranger.shutdown()
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
 
 
 class SlowEcho(Echo):
