@@ -50,6 +50,7 @@ from engine.outcome import AllReduceStats, GroupOutcome
 from engine.process_signals import OwnSignals
 from engine.receipts import ReceiptSigner
 from engine.robust import RobustRule
+from engine.start_tree import FANOUT
 from engine.state_transfer import StateProvider, StateTransferMixin
 from engine.update_store import UpdateStore
 from engine.update_transfer import UpdateTransferMixin
@@ -123,9 +124,12 @@ class ExactAverager(
         updates: UpdateStore | None = None,
         receipt_key: bytes | None = None,
         bulk: BulkSettings | None = None,
+        start_fanout: int = FANOUT,
         **kwargs: Any,
     ) -> None:
         self.audit = audit
+        self.start_fanout = start_fanout
+        """Followers a leader of this peer's sends the whole group to (``engine.start_tree``)."""
         self.bulk = bulk if bulk is not None else BulkSettings(enabled=False)
         self._receipt_key = receipt_key
         self._receipt_identity: Identity | None = None
@@ -358,6 +362,7 @@ class ExactAverager(
             why = str(exc) or f"the all-reduce outlasted its {timeouts.allreduce_s:.1f} s"
             return GroupOutcome(statements, stats, led, failed=why)
         stats = self._stats.pop(group_info.group_id, AllReduceStats())
+        stats.start_bytes = self._matchmaking.start_sent(group_info.group_id)
         parsed = {peer: Gathered.parse(raw) for peer, raw in gathered.items()}
         members = {str(peer): data for peer, data in parsed.items()}
         if not stats.missing:  # the state this group makes: its roster, for the next round's leader

@@ -14,6 +14,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
 from engine.matchmaking import round_matchmaking
+from engine.start_tree import FANOUT
 from engine.stream_close import until_reader_closes
 from protocol.membership import Lookup, MemberGate
 
@@ -69,6 +70,20 @@ class AdmissionGateMixin:
         finally:
             self._matchmaking.forget_arrival(context)
 
+    async def rpc_group_start(
+        self, request: averaging_pb2.MessageFromLeader, context: Any
+    ) -> averaging_pb2.MessageFromLeader:
+        """The whole group ``request.group_id`` for a member of it that its leader sent here for
+        it (``engine.start_tree``); refused to peers the run does not admit, and to anyone not
+        in the group."""
+        if not await self._admitted(context.remote_id, stale_ok=True):
+            logger.warning("refused a group's start to %s: not admitted to this run", context.remote_id)
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        answer: averaging_pb2.MessageFromLeader = await self._matchmaking.serve_start(
+            bytes(request.group_id), context.remote_id
+        )
+        return answer
+
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: Any
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
@@ -107,6 +122,7 @@ class AdmissionGateMixin:
         this peer never asks a leader that is not admitted or that it distrusts (it would fail
         the round)."""
         matchmaking = round_matchmaking(matchmaking)
+        matchmaking.start_fanout = getattr(self, "start_fanout", FANOUT)
         request_join = matchmaking._request_join_group
 
         async def request_admitted_leader(leader: PeerID) -> Any:

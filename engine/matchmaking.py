@@ -36,6 +36,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS as TIME_DISCREPANCY_S
 
+from engine.group_start import GroupStartMixin
 from engine.liveness import PROBE_AFTER_S, silent
 from protocol.gathered import Gathered
 from protocol.roster import leader_may_close, leavers, produced_state, verdict
@@ -208,7 +209,7 @@ class RoundPotentialLeaders(PotentialLeaders):
             self.update_triggered.clear()
 
 
-class RoundMatchmaking(Matchmaking):
+class RoundMatchmaking(GroupStartMixin, Matchmaking):
     """hivemind's ``Matchmaking`` whose size bound is read at each join: the group's current
     size once the roster is complete (hivemind then assembles the group at once), else the
     bound it was built with (a run's peers: none; a bare averager of a test or benchmark may
@@ -495,15 +496,17 @@ class RoundMatchmaking(Matchmaking):
         self.__dict__["_led"] = {
             "members": len(group.peer_ids),
             "loop_cpu_s": time.thread_time() - started if started is not None else float("nan"),
-            "begin_bytes": (len(group.peer_ids) - 1) * sum(len(data) for data in group.gathered),
+            "begin_bytes": self.start_sent(group.group_id),
+            "begin_whole": self.whole_starts(group.group_id),
         }
         return group
 
     def led(self) -> dict[str, float] | None:
         """If this peer led the group of its last search: its size, the CPU seconds this
         averager's event loop spent from the search's start to assembling it (joins, the
-        roster rule, serialising the group), and the bytes of the members' gathered metadata
-        it sent to start the round (each follower gets everyone's: N - 1 times N gathers)."""
+        roster rule, serialising the group), the bytes it sent to start the round
+        (``engine.group_start``: the whole group to at most ``start_fanout`` followers, a digest
+        and a parent to each other one) and how many followers got the whole group."""
         led: dict[str, float] | None = self.__dict__.get("_led")
         return led
 

@@ -38,6 +38,9 @@ class AllReduceStats:
     """Bytes this peer's audits fetched from other members."""
     receipts: dict[str, bytes] = field(default_factory=dict)
     """Each reducer (libp2p id) → its signed receipt for this peer's parts (``protocol.receipts``)."""
+    start_bytes: int = 0
+    """Bytes this peer sent to start the group (``engine.start_tree``): a leader's start
+    messages, and the group served to the members that fetched it here."""
     over_bulk: list[str] = field(default_factory=list)
     """Reducers (libp2p id) this peer's parts went to over the bulk channel in every fragment
     (``engine.bulk_channel``); the others' went over libp2p, in one fragment at least."""
