@@ -251,6 +251,10 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
         "cpu_s_per_member_by_part": parts,
         "leader_loop_cpu_s": round(max(x["loop_cpu_s"] for x in leaders), 4) if leaders else None,
         "leader_begin_bytes": int(max(x["begin_bytes"] for x in leaders)) if leaders else None,
+        # hivemind's leader sent the whole group to every follower: (N - 1) whole messages
+        "leader_begin_bytes_n2": int(max((len(members) - 1) * x["whole_bytes"] for x in leaders)) if leaders else None,
+        "start_bytes_max": max(x.stats.start_bytes for _, x, _ in landed) if landed else None,
+        "pss_mb_per_member": round(pss_bytes(os.getpid(), include_root=False) / len(members) / 2**20, 1),
         "allreduce_s": round(statistics.median(x.stats.allreduce_s for _, x, _ in landed), 3) if landed else None,
         "bytes_per_member": int(statistics.mean(x.stats.bytes_sent + x.stats.bytes_received for _, x, _ in landed))
         if landed
@@ -294,6 +298,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         else None,
         "leader_loop_cpu_s": _median(x.get("leader_loop_cpu_s") for x in steady),
         "leader_begin_bytes": _median(x.get("leader_begin_bytes") for x in steady),
+        "leader_begin_bytes_n2": _median(x.get("leader_begin_bytes_n2") for x in steady),
+        "start_bytes_max": _median(x.get("start_bytes_max") for x in steady),
         "first_round_formation_s": first["formation_s"],
         "startup_s": round(startup_s, 1),
         "pss_per_member_mb": round(memory / n / 2**20, 1),
@@ -364,6 +370,8 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "leader_loop_cpu_s",
         "leader_cpu_ms_per_member",
         "leader_begin_bytes",
+        "leader_begin_bytes_n2",
+        "start_bytes_max",
         "first_round_formation_s",
         "pss_per_member_mb",
     ]

@@ -50,12 +50,18 @@ class GroupStartMixin:
         self._count_start_sent(group.group_id, plan.leader_bytes(len(peers) - 1))
         return group
 
-    def whole_starts(self, group_id: bytes) -> int:
-        """How many followers of the group ``group_id``, led here, got the whole group."""
+    def start_summary(self, group_id: bytes) -> dict[str, float]:
+        """For a group led here: the bytes this leader sent to start it, how many followers got
+        the whole group, and the bytes of one whole start message (hivemind's leader sent one
+        to each follower)."""
         plan: StartPlan | None = self.__dict__.get("_start_plan")
         if plan is None or plan.group_id != group_id:
-            return 0
-        return len(plan.peers) - 1 - len(plan.parents)
+            return {}
+        return {
+            "begin_bytes": self.start_sent(group_id),
+            "begin_whole": len(plan.peers) - 1 - len(plan.parents),
+            "whole_bytes": plan.whole_bytes,
+        }
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: Any

@@ -496,8 +496,7 @@ class RoundMatchmaking(GroupStartMixin, Matchmaking):
         self.__dict__["_led"] = {
             "members": len(group.peer_ids),
             "loop_cpu_s": time.thread_time() - started if started is not None else float("nan"),
-            "begin_bytes": self.start_sent(group.group_id),
-            "begin_whole": self.whole_starts(group.group_id),
+            **self.start_summary(group.group_id),
         }
         return group
 
@@ -506,7 +505,8 @@ class RoundMatchmaking(GroupStartMixin, Matchmaking):
         averager's event loop spent from the search's start to assembling it (joins, the
         roster rule, serialising the group), the bytes it sent to start the round
         (``engine.group_start``: the whole group to at most ``start_fanout`` followers, a digest
-        and a parent to each other one) and how many followers got the whole group."""
+        and a parent to each other one), how many followers got the whole group and the bytes
+        of one whole start message."""
         led: dict[str, float] | None = self.__dict__.get("_led")
         return led
 
