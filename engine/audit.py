@@ -110,6 +110,8 @@ def leave_out_candidates(senders: int, unserved: Collection[int]) -> list[int | 
         add(sender)
     for small in range(2, len(late) // 2 + 1):  # each subset, then all of them but it
         for subset in itertools.combinations(late, small):
+            if budget[0] <= 0:  # C(n, n/2) subsets: never walked past the budget
+                return found
             add(frozenset(subset))
             add(frozenset(late) - frozenset(subset))
     return found

@@ -113,7 +113,7 @@ class GroupStartMixin:
                 stub = self._servicer_type.get_stub(self._p2p, source, namespace=self._prefix)
                 answer = await stub.rpc_group_start(averaging_pb2.MessageFromLeader(group_id=group_id), timeout=FETCH_S)
             except Exception as exc:  # noqa: BLE001 - a dead, slow or hostile member: ask the next
-                logger.info("could not fetch the group's start from %s: %r", source, exc)
+                logger.warning("could not fetch the group's start from %s: %r", source, exc)
                 continue
             if valid_start(answer, group_id, digest, me):
                 return answer

@@ -368,3 +368,27 @@ def test_the_left_out_candidates_are_every_subset_of_the_unserved_once_likeliest
     assert frozenset(range(11)) in many_sets and frozenset({0, 1}) in many_sets
     assert frozenset(range(2, 11)) in many_sets  # all but two
     assert leave_out_candidates(3, set()) == [None, 0, 1, 2]
+
+
+def test_the_left_out_candidates_of_a_round_where_half_a_big_group_went_unserved_are_few_and_quick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """40 of 64 senders unserved (a round that failed for many): the subsets are drawn only
+    while the budget lasts. Before, every one of C(40, k) subsets up to k = 20 was walked after
+    the budget was spent (~10^11): the auditing averager's thread held the GIL for minutes and
+    its member stopped answering (seen in a 64-member round)."""
+    import engine.audit
+    from engine.audit import MAX_LEFT_OUT_SETS, leave_out_candidates
+
+    drawn = [0]
+    combinations = itertools.combinations
+
+    def counting(pool: Any, r: int) -> Any:
+        for subset in combinations(pool, r):
+            drawn[0] += 1
+            yield subset
+
+    monkeypatch.setattr(engine.audit.itertools, "combinations", counting)
+    found = leave_out_candidates(64, set(range(40)))
+    assert len(found) <= 1 + MAX_LEFT_OUT_SETS + 64
+    assert drawn[0] <= MAX_LEFT_OUT_SETS + 1
