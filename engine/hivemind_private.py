@@ -386,8 +386,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
             MATCHMAKING,
             name,
             "instance attribute (read)",
-            "engine/matchmaking.py (RoundMatchmaking._ask_alive); engine/group_start.py "
-            "(GroupStartMixin._fetch_start)",
+            "engine/matchmaking.py (RoundMatchmaking._ask_alive); engine/group_start.py (GroupStartMixin._fetch_start)",
             "The averager's P2P, servicer class and namespace, from which hivemind's own matchmaking "
             "builds a stub to call a leader: ours builds one the same way to probe a roster member "
             "that has not joined (engine.liveness) and to fetch a group's start from a member that "
