@@ -256,6 +256,8 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
         "start_bytes_max": max(x.stats.start_bytes for _, x, _ in landed) if landed else None,
         "pss_mb_per_member": round(pss_bytes(os.getpid(), include_root=False) / len(members) / 2**20, 1),
         "allreduce_s": round(statistics.median(x.stats.allreduce_s for _, x, _ in landed), 3) if landed else None,
+        # the all-reduce's time holds the member's audit of one reducer (``averaging.audit``, on)
+        "audit_s": round(statistics.median(x.stats.audit_s for _, x, _ in landed), 3) if landed else None,
         "bytes_per_member": int(statistics.mean(x.stats.bytes_sent + x.stats.bytes_received for _, x, _ in landed))
         if landed
         else 0,
@@ -287,6 +289,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "formation_s_median": round(statistics.median(formation), 3) if formation else None,
         "formation_s_max": round(max(formation), 3) if formation else None,
         "allreduce_s_median": statistics.median(x["allreduce_s"] for x in steady if x["allreduce_s"] is not None),
+        "audit_s_median": _median(x.get("audit_s") for x in steady),
         "bytes_per_member": int(statistics.mean(x["bytes_per_member"] for x in steady)),
         "cpu_s_per_member_round": round(statistics.median(x["cpu_s_per_member"] for x in steady), 3),
         **{
@@ -362,6 +365,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "formation_s_median",
         "formation_s_max",
         "allreduce_s_median",
+        "audit_s_median",
         "bytes_per_member",
         "cpu_s_per_member_round",
         "dht_cpu_s_per_member_round",
