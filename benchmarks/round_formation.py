@@ -83,7 +83,7 @@ overlap = false
 min_group_size = 2
 matchmaking_timeout_s = {timeout}
 allreduce_timeout_s = {allreduce_timeout}
-"""
+{extra}"""
 
 
 def _process_cpu(pid: int) -> float:
@@ -265,7 +265,12 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
 
 
 def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
-    spec = parse_spec(SPEC.format(codec=args.codec, timeout=args.timeout, allreduce_timeout=max(30.0, args.timeout)))
+    extra = "".join(
+        f"{key} = {value}\n" for key, value in (("streams", args.streams), ("audit", args.audit)) if value is not None
+    )
+    spec = parse_spec(
+        SPEC.format(codec=args.codec, timeout=args.timeout, allreduce_timeout=max(30.0, args.timeout), extra=extra)
+    )
     started = time.monotonic()
     members = start_members(n, spec, args.values)
     startup_s = time.monotonic() - started
@@ -383,7 +388,9 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
         "# Round formation and averaging against the swarm's size",
         "",
         f"Command: `{command}` ({data['machine']}; {args.values:,} values per member, "
-        f"codec {args.codec}, launches spread over {spread_text(args)}, matchmaking timeout {args.timeout} s).",
+        f"codec {args.codec}, streams {args.streams or 'as the spec (4)'}, audits "
+        f"{args.audit or 'as the spec (on)'}, launches spread over {spread_text(args)}, "
+        f"matchmaking timeout {args.timeout} s).",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -426,6 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="rounds per size after the first")
     parser.add_argument("--values", type=int, default=65_536, help="floats each member averages")
     parser.add_argument("--codec", default="fp16")
+    parser.add_argument("--streams", type=int, default=None, help="fragments averaged at once (default: the spec's, 4)")
+    parser.add_argument(
+        "--audit",
+        choices=("true", "false"),
+        default=None,
+        help="each member audits one reducer a round (default: the spec's, on); on 2 cores at 128 members "
+        "the shipped 4 fragments and audits do not finish an all-reduce within the timeout",
+    )
     parser.add_argument("--spread", type=float, default=1.0, help="members launch within this many s")
     parser.add_argument(
         "--spread-per-member", type=float, default=0.0, help="members launch within at least this many s × N"
