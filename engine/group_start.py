@@ -15,7 +15,7 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from engine.start_tree import FANOUT, FETCH_S, StartPlan, parse_compact, plan_start, valid_start
+from engine.start_tree import FANOUT, FETCH_S, HEDGE_S, StartPlan, parse_compact, plan_start, valid_start
 
 __all__ = ["MAX_START_WAITERS", "STARTS_KEPT", "GroupStartMixin"]
 
@@ -102,22 +102,50 @@ class GroupStartMixin:
     async def _fetch_start(
         self, leader: PeerID, group_id: bytes, parent: PeerID, digest: bytes
     ) -> averaging_pb2.MessageFromLeader:
-        """The whole group ``group_id`` whose digest is ``digest``: from ``parent``, else from
-        ``leader``. ``TimeoutError`` if neither serves it (hivemind then counts the
-        leader's answer as lost: this peer misses the round, as if the leader's message had)."""
+        """The whole group ``group_id`` whose digest is ``digest``: from ``parent``, and from
+        ``leader`` too once the parent has not served it within ``HEDGE_S`` (a first round's new
+        connection on a loaded host, a dead or silent parent) or served another group; the first
+        valid answer wins. A call still under way is left to end on its own timeout, never
+        cancelled (a cancelled dial puts p2pd into dial backoff towards that member, and the
+        all-reduce needs it). ``TimeoutError`` if no answer is valid within ``FETCH_S`` of the
+        last ask (hivemind then counts the leader's answer as lost: this peer misses the round,
+        as if the leader's message had)."""
         me = self.peer_id.to_bytes()
-        for source in dict.fromkeys((parent, leader)):
-            if source == self.peer_id:
-                continue
+        calls: set[asyncio.Task[averaging_pb2.MessageFromLeader | None]] = self.__dict__.setdefault(
+            "_start_calls", set()
+        )
+
+        async def ask(source: PeerID) -> averaging_pb2.MessageFromLeader | None:
             try:
                 stub = self._servicer_type.get_stub(self._p2p, source, namespace=self._prefix)
                 answer = await stub.rpc_group_start(averaging_pb2.MessageFromLeader(group_id=group_id), timeout=FETCH_S)
-            except Exception as exc:  # noqa: BLE001 - a dead, slow or hostile member: ask the next
+            except Exception as exc:  # noqa: BLE001 - a dead, slow or hostile member: the next one
                 logger.warning("could not fetch the group's start from %s: %r", source, exc)
-                continue
+                return None
             if valid_start(answer, group_id, digest, me):
                 return answer
             logger.warning("%s served another group than its leader's digest names: not used", source)
+            return None
+
+        asked: list[asyncio.Task[averaging_pb2.MessageFromLeader | None]] = []
+        sources = [source for source in dict.fromkeys((parent, leader)) if source != self.peer_id]
+        for number, source in enumerate(sources):
+            task = asyncio.ensure_future(ask(source))
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+            asked.append(task)
+            last = number == len(sources) - 1
+            deadline = asyncio.get_running_loop().time() + (FETCH_S if last else HEDGE_S)
+            while pending := [task for task in asked if not task.done()]:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                for done in asked:
+                    if done.done() and (answer := done.result()) is not None:
+                        return answer
+                if not last and all(task.done() for task in asked):
+                    break  # the parent answered nothing valid: ask the next one now
         raise TimeoutError(f"no member served the group {group_id.hex()[:16]}")
 
     def _keep_start(self, group_id: bytes, peers: list[PeerID], gathered: Sequence[bytes]) -> None:

@@ -13,7 +13,7 @@ whatever N is: O(N) bytes each.
 
 Trust is as before: the leader could always send any group, and its digest now binds what a
 parent may serve. A parent that serves another group, serves nothing or is gone costs its
-children one fetch from the leader instead. Only the group's members get the group from anyone
+children one fetch from the leader instead, asked after ``HEDGE_S`` at most. Only the group's members get the group from anyone
 (they hold it already); a member that cannot be dialled (a client) is never a parent.
 """
 
@@ -29,6 +29,7 @@ __all__ = [
     "DIGEST_BYTES",
     "FANOUT",
     "FETCH_S",
+    "HEDGE_S",
     "MARK",
     "StartPlan",
     "compact_start",
@@ -41,8 +42,10 @@ __all__ = [
 FANOUT = 16
 """Followers the leader sends the whole group to, and children each of them serves it to."""
 FETCH_S = 5.0
-"""How long a follower waits for its parent's answer (then asks the leader), and how long a
-member asked for a group it does not hold yet waits for it."""
+"""How long a follower's call for the group waits for an answer, and how long a member asked for
+a group it does not hold yet waits for it."""
+HEDGE_S = 1.0
+"""How long a follower waits for its parent before it asks the leader as well."""
 MARK = b"swarmtrain/group-digest/1:"
 """Prefix of the one gathered entry of a compact start message. A real entry is msgpack
 ``[bandwidth, mode, user bytes]`` and starts with the byte 0x93."""

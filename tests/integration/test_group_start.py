@@ -6,12 +6,15 @@ on a real hivemind DHT: five members with a fan-out of 1, so that the group trav
 - A hostile parent: every member that is not the leader serves a reordered group (its reducers
   reassigned). Each child sees the leader's digest fail, fetches from the leader instead, and
   the round is the honest one for all five.
+- A silent parent: every member that is not the leader never answers; each child asks the
+  leader after a second, and the round is the honest one for all five.
 - A stranger asking a member for the group after the round is refused; a member asking gets it.
 - A stranger asking a gated run's averager for any group is refused before anything is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from functools import partial
@@ -67,6 +70,17 @@ async def _reordering_parent(
             gathered=list(reversed(answer.gathered)),
         )
     return answer
+
+
+async def _silent_parent(
+    self: ExactAverager, request: averaging_pb2.MessageFromLeader, context: P2PContext
+) -> averaging_pb2.MessageFromLeader:
+    """A parent that never answers (a member hung, or one holding its children back), unless it
+    led the group."""
+    plan = self._matchmaking.__dict__.get("_start_plan")
+    if plan is None or plan.group_id != bytes(request.group_id):
+        await asyncio.sleep(3600)
+    return await ExactAverager.rpc_group_start(self, request, context)
 
 
 def _group(
@@ -189,6 +203,19 @@ def test_a_parent_that_serves_another_group_costs_its_child_one_fetch_from_the_l
     # the three children of hostile parents fetched the whole group from the leader
     whole_bytes = (outcomes[leader].stats.start_bytes - led["begin_bytes"]) / 3
     assert whole_bytes > 0 and float(whole_bytes).is_integer(), (outcomes[leader].stats.start_bytes, led)
+
+
+def test_a_parent_that_never_answers_costs_its_child_one_fetch_from_the_leader(shut: list[Any]) -> None:
+    dhts, averagers = _group(_silent_parent)
+    shut += averagers + dhts
+    outcomes = _one_round(averagers)
+    assert set(outcomes) == set(range(MEMBERS)), outcomes
+    assert all(not o.failed and len(o.gathered) == MEMBERS for o in outcomes.values()), outcomes
+    for vector in _averaged(averagers):
+        assert torch.equal(vector, torch.full((NUMEL,), 3.0))
+    (leader,) = [i for i, o in outcomes.items() if o.led is not None]
+    led = outcomes[leader].led
+    assert led is not None and outcomes[leader].stats.start_bytes > led["begin_bytes"]  # it served the children
 
 
 def test_a_stranger_gets_no_group_from_a_gated_run(shut: list[Any]) -> None:
