@@ -55,6 +55,7 @@ import torch
 
 from benchmarks.scale import process_tree, pss_bytes
 from engine.codecs import get_codec
+from engine.start_tree import plan_start
 from peer.round.roster_book import RosterBook
 from peer.round.swarm_port import RoundResult
 from peer.swarm.swarm import PendingRound, Swarm
@@ -351,15 +352,49 @@ def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+GATHERED_BYTES = 175
+"""What one member gathers here (``Member.launch``: id, round, digest, samples, roster), in bytes."""
+PLAN_SIZES = (16, 64, 128, 256, 1024, 4096)
+"""Group sizes whose start bytes ``start_plan_bytes`` computes."""
+
+
+def start_plan_bytes(gathered_bytes: int, sizes: Iterable[int] = PLAN_SIZES) -> list[dict[str, int]]:
+    """For each group size: the bytes the leader sends to start the group and the most any other
+    member sends (a parent serving its children), by the plan the leader runs
+    (``engine.start_tree.plan_start``, every member dialable), beside hivemind's leader, which
+    sent the whole group to every follower. ``gathered_bytes``: one member's gathered metadata,
+    as measured."""
+    out = []
+    for n in sizes:
+        peers = [b"\x00\x24" + index.to_bytes(36, "big") for index in range(n)]
+        gathered = [b"\x93" + bytes(max(0, gathered_bytes - 1))] * n
+        plan = plan_start(b"g" * 20, peers[0], peers, gathered, lambda _: True)
+        children: dict[bytes, int] = {}
+        for parent in plan.parents.values():
+            children[parent] = children.get(parent, 0) + 1
+        out.append(
+            {
+                "members": n,
+                "whole_bytes": plan.whole_bytes,
+                "leader_bytes": plan.leader_bytes(n - 1),
+                "parent_bytes_max": max(children.values(), default=0) * plan.whole_bytes,
+                "hivemind_leader_bytes": (n - 1) * plan.whole_bytes,
+            }
+        )
+    return out
+
+
 def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     grown = growth(rows)
+    plan = start_plan_bytes(GATHERED_BYTES)
     data = {
         "command": command,
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
         "args": vars(args),
         "sizes": rows,
         "growth": grown,
+        "start_plan": plan,
     }
     (RESULTS / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
     cols = [
@@ -405,6 +440,18 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
             f"| {g['members']} | {g['n_ratio']} | {g['log_n_ratio']} | {g['formation_ratio']} | {g['bytes_ratio']} "
             f"| {g['cpu_ratio']} | {g['leader_cpu_ratio']} |"
             for g in grown
+        ),
+        "",
+        f"The start's bytes by the leader's plan (``engine.start_tree.plan_start``, computed; {GATHERED_BYTES} "
+        "bytes of gathered metadata a member, as here) against hivemind's leader, which sent the whole "
+        "group to every follower:",
+        "",
+        "| members | one whole start, bytes | leader sends | most a parent sends | hivemind's leader sent |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {p['members']} | {p['whole_bytes']:,} | {p['leader_bytes']:,} | {p['parent_bytes_max']:,} "
+            f"| {p['hivemind_leader_bytes']:,} |"
+            for p in plan
         ),
         "",
         "Per round (groups, distinct states, members averaged, formation s):",
