@@ -384,6 +384,31 @@ def start_plan_bytes(gathered_bytes: int, sizes: Iterable[int] = PLAN_SIZES) -> 
     return out
 
 
+def plan_lines(plan: list[dict[str, int]]) -> list[str]:
+    return [
+        f"The start's bytes by the leader's plan (`engine.start_tree.plan_start`, computed; {GATHERED_BYTES} "
+        "bytes of gathered metadata a member, as here) against hivemind's leader, which sent the whole "
+        "group to every follower:",
+        "",
+        "| members | one whole start, bytes | leader sends | most a parent sends | hivemind's leader sent |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {p['members']} | {p['whole_bytes']:,} | {p['leader_bytes']:,} | {p['parent_bytes_max']:,} "
+            f"| {p['hivemind_leader_bytes']:,} |"
+            for p in plan
+        ),
+    ]
+
+
+def write_plan(args: argparse.Namespace, command: str) -> None:
+    """``--plan-only``: the plan's table alone, in ``<name>.{md,json}``."""
+    RESULTS.mkdir(exist_ok=True)
+    plan = start_plan_bytes(GATHERED_BYTES)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"command": command, "start_plan": plan}, indent=1) + "\n")
+    lines = ["# A round's start: bytes by the leader's plan", "", f"Command: `{command}`.", "", *plan_lines(plan)]
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+
+
 def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     grown = growth(rows)
@@ -442,17 +467,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
             for g in grown
         ),
         "",
-        f"The start's bytes by the leader's plan (``engine.start_tree.plan_start``, computed; {GATHERED_BYTES} "
-        "bytes of gathered metadata a member, as here) against hivemind's leader, which sent the whole "
-        "group to every follower:",
-        "",
-        "| members | one whole start, bytes | leader sends | most a parent sends | hivemind's leader sent |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {p['members']} | {p['whole_bytes']:,} | {p['leader_bytes']:,} | {p['parent_bytes_max']:,} "
-            f"| {p['hivemind_leader_bytes']:,} |"
-            for p in plan
-        ),
+        *plan_lines(plan),
         "",
         "Per round (groups, distinct states, members averaged, formation s):",
         "",
@@ -494,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="matchmaking timeout (s)")
     parser.add_argument("--name", default="round-formation", help="results file name")
+    parser.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="start no member: write the start's bytes by the leader's plan at 16 to 4,096 members",
+    )
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -510,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     command = "python -m benchmarks.round_formation " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.plan_only:
+        write_plan(args, command)
+        return 0
     rows: list[dict[str, Any]] = []
     for n in sizes:  # written after each size: a run cut short keeps what it measured
         rows.append(run_size(n, args))
