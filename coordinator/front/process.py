@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import signal
 import threading
 import time
 from concurrent import futures
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+    # the core ends this process (STOP, or its end of the pipe closing); a Ctrl-C at the
+    # terminal reaches the whole process group and is the core's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fields = json.loads(args.config)
     config = FrontConfig(**{f.name: fields[f.name] for f in dataclasses.fields(FrontConfig)})
     run(Connection(args.fd), config)
