@@ -50,6 +50,7 @@ from engine.outcome import AllReduceStats, GroupOutcome
 from engine.process_signals import OwnSignals
 from engine.receipts import ReceiptSigner
 from engine.robust import RobustRule
+from engine.serving import SHUTDOWN_S, BackgroundServingMixin
 from engine.start_tree import FANOUT
 from engine.state_transfer import StateProvider, StateTransferMixin
 from engine.update_store import UpdateStore
@@ -83,6 +84,7 @@ class ExactAverager(
     StateTransferMixin,
     UpdateTransferMixin,
     LivenessMixin,
+    BackgroundServingMixin,
     DecentralizedAverager,
 ):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
@@ -152,6 +154,7 @@ class ExactAverager(
         times it: the longest a round stretched to a slow member's link may take."""
         if own is not None:
             kwargs["allreduce_timeout"] = LINK_CAP * float(own)
+        kwargs.setdefault("shutdown_timeout", SHUTDOWN_S)  # room for the senders' last parts
         super().__init__(
             [torch.zeros(numel, dtype=torch.float32)],
             dht,
@@ -160,6 +163,10 @@ class ExactAverager(
             part_size_bytes=PART_SIZE_BYTES,
             **kwargs,
         )
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        await self._drain_serving()  # a leaving reducer's senders get their last parts first
+        await super()._shutdown(timeout)
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
@@ -313,8 +320,7 @@ class ExactAverager(
             return
         async for _ in runner:
             pass
-        if not await runner.wait_until_served(timeout=float(runner.reducer_timeout or 60.0)):
-            logger.info("all-reduce: some members had not taken their last averaged parts from this peer")
+        await self._serve_in_background(runner)  # the senders' last parts: beside the next work
         if self.peer_id in runner.failed_reducers:
             # this peer's own parts failed here (a local fault): the others may hold its range
             raise RoundFailedError(f"this peer could not average its own parts: {runner.failed_reducers[self.peer_id]}")

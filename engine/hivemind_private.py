@@ -201,6 +201,19 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         AVERAGER,
+        "_shutdown",
+        "overridden coroutine method",
+        f"{AVERAGING} (ExactAverager._shutdown)",
+        "Before hivemind removes the handlers and the process exits, lets this reducer's senders "
+        "take their last averaged parts (a round no longer waits for that: engine.serving).",
+        params=("timeout",),
+        evidence=(
+            ("shutdown", 'self._outer_pipe.send(("_shutdown", [self.shutdown_timeout], {}))'),
+            ("_shutdown", "await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
         "_aggregate_with_group",
         "overridden coroutine method",
         f"{AVERAGING} (ExactAverager._aggregate_with_group)",
