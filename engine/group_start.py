@@ -17,7 +17,7 @@ from hivemind.proto import averaging_pb2
 
 from engine.start_tree import FANOUT, FETCH_S, HEDGE_S, StartPlan, parse_compact, plan_start, valid_start
 
-__all__ = ["MAX_START_WAITERS", "STARTS_KEPT", "GroupStartMixin"]
+__all__ = ["MAX_START_WAITERS", "MAX_WAITS_PER_ASKER", "STARTS_KEPT", "GroupStartMixin"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,10 @@ STARTS_KEPT = 4
 """Groups whose start a member keeps to serve to the group's other members (``serve_start``)."""
 MAX_START_WAITERS = 4096
 """Calls for a group this member does not hold yet that may wait for it at once."""
+MAX_WAITS_PER_ASKER = 2
+"""Of those, the calls one peer may have waiting at once: a child asks its parent once a round
+(its hedge goes to the leader), so an admitted peer asking for made-up groups holds at most this
+many of a member's waits, not all ``MAX_START_WAITERS`` of them."""
 
 
 class GroupStartMixin:
@@ -179,19 +183,31 @@ class GroupStartMixin:
         """The whole group ``group_id`` for ``asker``, a member of it; a refusal
         (``NOT_LOOKING_FOR_GROUP``) where this member does not hold that group within
         ``FETCH_S`` or ``asker`` is not in it. A group not held yet is waited for only while
-        this member looks for a group, and by at most ``MAX_START_WAITERS`` calls at once."""
+        this member looks for a group, by at most ``MAX_START_WAITERS`` calls at once and
+        ``MAX_WAITS_PER_ASKER`` of one peer's."""
         kept: dict[bytes, averaging_pb2.MessageFromLeader] = self.__dict__.setdefault("_starts", {})
         found = kept.get(group_id)
         waiters: int = self.__dict__.get("_start_waiters", 0)
-        if found is None and self.is_looking_for_group and waiters < MAX_START_WAITERS:
+        by_asker: dict[bytes, int] = self.__dict__.setdefault("_start_waiters_by", {})
+        key = asker.to_bytes()
+        if (
+            found is None
+            and self.is_looking_for_group
+            and waiters < MAX_START_WAITERS
+            and by_asker.get(key, 0) < MAX_WAITS_PER_ASKER
+        ):
             waiting: dict[bytes, asyncio.Future[None]] = self.__dict__.setdefault("_start_waits", {})
             woken = waiting.setdefault(group_id, asyncio.get_running_loop().create_future())
             self.__dict__["_start_waiters"] = waiters + 1
+            by_asker[key] = by_asker.get(key, 0) + 1
             try:
                 await asyncio.wait_for(asyncio.shield(woken), FETCH_S)
             except TimeoutError:
                 pass
             finally:
+                by_asker[key] -= 1
+                if by_asker[key] == 0:
+                    del by_asker[key]
                 self.__dict__["_start_waiters"] -= 1
                 if self.__dict__["_start_waiters"] == 0:
                     waiting.clear()  # groups that never came (one that came was taken out)
