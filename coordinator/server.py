@@ -28,6 +28,7 @@ from coordinator.front.process import FrontConfig
 from coordinator.ratelimit import DEFAULT_RATE, SourceLimiter
 from coordinator.servicer import SERVER_OPTIONS, CoordinatorServicer, add_health_service, add_to_server
 from coordinator.store import Store, sqlite_url
+from engine.p2p_identity import write_ed25519_identity
 from engine.record_bounds import RunRecordBounds
 from protocol.errors import ConfigError
 from protocol.identity import Identity, load_or_create
@@ -106,10 +107,13 @@ class CoordinatorServer:
         spec = parse_spec(spec_toml, source=str(config.spec_path))
         config.state_dir.mkdir(parents=True, exist_ok=True)
         identity, _ = load_or_create(config.state_dir / "coordinator.key")
+        p2p_key = config.state_dir / "p2p.key"
+        if not p2p_key.exists():  # Ed25519, not the RSA key hivemind would write (engine.p2p_identity)
+            write_ed25519_identity(p2p_key)
         self.dht = dht = DHT(
             start=True,
             host_maddrs=[f"/ip4/{config.host}/tcp/{config.dht_port}"],
-            identity_path=str(config.state_dir / "p2p.key"),
+            identity_path=str(p2p_key),
             record_validators=[RunRecordBounds(run_prefix(spec.digest()))],
         )
         self.maddrs = [str(m) for m in dht.get_visible_maddrs()]

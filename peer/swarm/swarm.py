@@ -37,6 +37,7 @@ from engine.compression import Codec
 from engine.dht_mend import keep_bootstrapped
 from engine.dht_start import start_dht
 from engine.outcome import GroupOutcome
+from engine.p2p_identity import write_ed25519_identity
 from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
@@ -264,10 +265,12 @@ class Swarm:
         self.numel, self.codec, self.updates = numel, codec, updates
         self._initial_peers, self._host_maddrs = list(initial_peers), list(host_maddrs)
         self._identity_dir = tempfile.TemporaryDirectory(prefix="swarmtrain-p2p-")
+        identity_path = Path(self._identity_dir.name) / "p2p.key"
+        write_ed25519_identity(identity_path)  # hivemind would write an RSA one: engine.p2p_identity
         self._dht_kwargs: dict[str, Any] = {
             # one libp2p identity for the process's life: a move (``move_to``) restarts the
             # daemon under it, so tokens, records and other peers' routes to it stay good
-            "identity_path": str(Path(self._identity_dir.name) / "p2p.key"),
+            "identity_path": str(identity_path),
             "check_if_identity_free": False,
             **(dht_kwargs or {}),
         }
