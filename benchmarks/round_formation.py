@@ -54,7 +54,9 @@ from typing import Any
 import torch
 
 from benchmarks.scale import process_tree, pss_bytes
+from engine.allreduce import part_size_bytes
 from engine.codecs import get_codec
+from engine.fragments import fragment_bounds
 from engine.start_tree import plan_start
 from peer.round.roster_book import RosterBook
 from peer.round.swarm_port import RoundResult
@@ -265,6 +267,19 @@ def one_round(members: list[Member], r: int, args: argparse.Namespace) -> dict[s
     }
 
 
+def reducers(values: int, streams: int, codec: str, members: int) -> int:
+    """How many of ``members`` reduce a part of every fragment of a vector of ``values`` cut into
+    ``streams`` fragments: hivemind cuts each fragment into parts of ``part_size_bytes`` and gives
+    each part to one member, so a fragment of fewer parts than members leaves the rest sending only
+    (before 2d7fb30, this benchmark's 65,536 values were two parts: 2 reducers in 128)."""
+    per_value = get_codec(codec).bytes_per_value()
+    fewest = members
+    for start, end in fragment_bounds(values, streams):
+        part_values = max(1, int(part_size_bytes(end - start, get_codec(codec), members) / per_value))
+        fewest = min(fewest, -(-(end - start) // part_values))
+    return fewest
+
+
 def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     extra = "".join(
         f"{key} = {value}\n" for key, value in (("streams", args.streams), ("audit", args.audit)) if value is not None
@@ -289,6 +304,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     formation = [x["formation_s"] for x in steady if not math.isnan(x["formation_s"])]
     row = {
         "members": n,
+        "reducers": reducers(args.values, spec.averaging.streams, args.codec, n),
         "rounds": len(steady),
         "one_state_fraction": round(one_state / len(steady), 3),
         "peer_rounds_averaged": round(sum(x["averaged"] for x in steady) / (n * len(steady)), 3),
@@ -424,6 +440,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) ->
     (RESULTS / f"{args.name}.json").write_text(json.dumps(data, indent=1) + "\n")
     cols = [
         "members",
+        "reducers",
         "rounds",
         "one_state_fraction",
         "peer_rounds_averaged",

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from benchmarks.round_formation import growth, main, spread
+from benchmarks.round_formation import growth, main, reducers, spread
 
 
 def test_growth_compares_each_size_with_the_smallest() -> None:
@@ -52,3 +52,11 @@ def test_the_launch_spread_grows_with_the_swarm_when_asked() -> None:
     assert spread(args, 128) == 1.0
     args.spread_per_member = 0.1
     assert (spread(args, 4), spread(args, 128)) == (1.0, 12.8)
+
+
+def test_the_reducers_figure_says_how_many_members_reduce_every_fragment() -> None:
+    # every member reduces a part of the benchmark's vector (since 2d7fb30), at any codec
+    assert reducers(65536, 4, "fp16", 128) == 128
+    assert reducers(65536, 4, "4bit", 16) == 16
+    # a vector of fewer values than members: one member per value reduces, the rest only send
+    assert reducers(64, 4, "fp16", 128) == 64
