@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from coordinator.ratelimit import SourceLimiter
 from protocol import coordinator_pb2 as pb
-from protocol.errors import MalformedMessageError, SwarmtrainError
+from protocol.errors import DIAL_BACK_BUSY, MalformedMessageError, SwarmtrainError
 from protocol.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -115,9 +115,11 @@ class Prober:
             return False, f"cannot dial back {host!r}: not an IP address"
         with self._lock:
             if host in self._dialing:
-                raise ProbeLimitError(f"a dial-back to {host} is running: one at a time per source")
+                raise ProbeLimitError(f"{DIAL_BACK_BUSY}: a dial-back to {host} is running: one at a time per source")
             if not self._dials.acquire(blocking=False):
-                raise ProbeLimitError(f"{MAX_CONCURRENT_DIALS} dial-backs are running: try again in a few seconds")
+                raise ProbeLimitError(
+                    f"{DIAL_BACK_BUSY}: {MAX_CONCURRENT_DIALS} dial-backs are running: try again in a few seconds"
+                )
             self._dialing.add(host)
         try:
             matched, error = _read_greeting(host, port, expect, time.monotonic() + DIAL_TIMEOUT_S)

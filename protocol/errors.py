@@ -92,3 +92,10 @@ class WrongRunError(AdmissionError):
 
 class BootstrapError(SwarmtrainError):
     """No bootstrap peer of the swarm's DHT answered for as long as the peer would wait."""
+
+
+DIAL_BACK_BUSY = "dial-back busy"
+"""Begins the details of a refused probe (gRPC ``RESOURCE_EXHAUSTED``) whose dial-back waited on
+another one (one at a time per source, a few at a time in all; each takes at most a few seconds):
+the caller may ask again in a second (``peer.net.dial_back.ask_dial_back``). Two machines behind
+one address (a home's NAT, two peers on one host) probe at the same time."""

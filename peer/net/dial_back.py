@@ -11,10 +11,20 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from protocol import coordinator_pb2 as pb
+from protocol.errors import DIAL_BACK_BUSY
+
+BUSY_WAIT_S = 10.0
+"""How long a probe refused as busy (``DIAL_BACK_BUSY``) is asked again: the dial-back it waits on
+takes at most ``coordinator.probe.DIAL_TIMEOUT_S`` (3 s)."""
+BUSY_PAUSE_S = 0.5
+"""The pause before each new ask (60 probes a minute are allowed a source)."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,21 @@ class Greeter:
 def ask_dial_back(stub: Any, greeter: Greeter, *, timeout_s: float, port: int = 0) -> DialBack:
     """Ask the coordinator behind ``stub`` to dial this machine back on ``port`` (default:
     ``greeter``'s; another one where a port mapping forwards it to the greeter) and read the
-    greeting (raises ``grpc.RpcError`` when it refuses the probe)."""
+    greeting (raises ``grpc.RpcError`` when it refuses the probe; one refused because another
+    machine at this address is being dialled back is asked again for up to ``BUSY_WAIT_S``)."""
     port = port or greeter.port
-    info = stub.Probe(pb.ProbeRequest(dial_back_port=port, dial_back_expect=greeter.greeting), timeout=timeout_s)
+    request = pb.ProbeRequest(dial_back_port=port, dial_back_expect=greeter.greeting)
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while True:
+        try:
+            info = stub.Probe(request, timeout=timeout_s)
+            break
+        except grpc.RpcError as exc:
+            # another machine at this address is being dialled back (``DIAL_BACK_BUSY``): a
+            # moment's wait, not a verdict on this one's reachability
+            busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and DIAL_BACK_BUSY in str(exc.details())
+            if not busy or time.monotonic() + BUSY_PAUSE_S > deadline:
+                raise
+            time.sleep(BUSY_PAUSE_S)
     reached = not info.dial_error and info.dial_matched
     return DialBack(info.observed_host, port, reached, info.dial_error, info.relay_port, info.volunteer_relays)
