@@ -272,10 +272,11 @@ def reducers(values: int, streams: int, codec: str, members: int) -> int:
     ``streams`` fragments: hivemind cuts each fragment into parts of ``part_size_bytes`` and gives
     each part to one member, so a fragment of fewer parts than members leaves the rest sending only
     (before 2d7fb30, this benchmark's 65,536 values were two parts: 2 reducers in 128)."""
-    per_value = get_codec(codec).bytes_per_value()
+    wire = get_codec(codec)
+    per_value = wire.bytes_per_value()
     fewest = members
     for start, end in fragment_bounds(values, streams):
-        part_values = max(1, int(part_size_bytes(end - start, get_codec(codec), members) / per_value))
+        part_values = max(1, int(part_size_bytes(end - start, wire, members) / per_value))
         fewest = min(fewest, -(-(end - start) // part_values))
     return fewest
 
