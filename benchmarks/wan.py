@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -267,8 +268,9 @@ def plots(results: list[tuple[Figures, list[list[dict[str, Any]]]]], out: Path, 
         xs, ys = [], []
         for row in rows:
             wall += row["wall_s"]
-            xs.append(wall)
-            ys.append(row["loss"])
+            if math.isfinite(row["loss"]):  # a round joined with no steps measured no loss
+                xs.append(wall)
+                ys.append(row["loss"])
         ax.plot(xs, ys, marker=".", label=result.name)
     ax.set_xlabel("wall time of peer 0 (s)")
     ax.set_ylabel("training loss")

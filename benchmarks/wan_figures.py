@@ -9,6 +9,7 @@ samples per round, so equal rounds are equal samples).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -104,7 +105,9 @@ def figures(
     allreduce = statistics.median(timed) if timed else float("nan")
     params = histories[0][0]["params"]
     bound = link_bound_s(peers=peers, params=params, codec=codec, link_bps=link_bps)
-    final_loss = statistics.mean(h[-1]["loss"] for h in histories if h)
+    # a peer's last row that measured a loss (a round joined with no steps has NaN)
+    finals = [next((r["loss"] for r in reversed(h) if math.isfinite(r["loss"])), math.nan) for h in histories]
+    final_loss = statistics.mean(finals) if finals else math.nan
     return Figures(
         name=name,
         rounds=min(len(h) for h in histories),

@@ -53,7 +53,9 @@ class InnerPhase:
 
     @property
     def loss(self) -> float:
-        return self.loss_sum / max(self.done, 1)
+        """Mean loss of the phase's steps; NaN when it took none (a joiner's empty phase), never
+        a loss of 0 that no step measured."""
+        return self.loss_sum / self.done if self.done else math.nan
 
 
 class InnerSteps:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -100,7 +101,8 @@ def _show_progress(peers: list[Any], rounds: int) -> None:
         if done > shown:
             shown = done
             rows = [row for peer in peers for row in peer.rounds() if row["round"] == done]
-            loss = sum(r["loss"] for r in rows) / max(len(rows), 1)
+            losses = [r["loss"] for r in rows if math.isfinite(r["loss"])]
+            loss = sum(losses) / len(losses) if losses else math.nan
             agree = len({r["state_digest"] for r in rows}) == 1
             bar = "#" * (20 * done // rounds)
             print(
@@ -126,8 +128,10 @@ def summarize(histories: list[list[dict[str, Any]]], exit_codes: list[int]) -> d
             elif row["averaged"]:
                 out_of_sync += 1
     agreeing = sum(1 for digests in by_round.values() if len(digests) == 1)
-    first = [h[0]["loss"] for h in histories if h]
-    last = [h[-1]["loss"] for h in histories if h]
+    # a round a peer joined with no steps (or whose work it dropped) measured no loss (NaN)
+    trained = [[r for r in h if math.isfinite(r["loss"])] for h in histories]
+    first = [h[0]["loss"] for h in trained if h]
+    last = [h[-1]["loss"] for h in trained if h]
     loss_first = sum(first) / len(first) if first else float("nan")
     loss_last = sum(last) / len(last) if last else float("nan")
     peers = [

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import math
+
+from peer.round.inner import InnerPhase
 from swarmtrain.commands.demo import summarize
 
 
@@ -37,3 +40,17 @@ def test_a_row_its_peer_flagged_out_of_sync_is_counted_apart() -> None:
     ]
     summary = summarize(histories, [0, 0])
     assert summary["ok"] and summary["out_of_sync_rows"] == 1
+
+
+def test_a_round_joined_with_no_steps_measured_no_loss_and_is_left_out_of_the_loss() -> None:
+    """A late joiner's first row has no steps: its loss is NaN (a 0.0 there once read as a
+    loss of zero and made the first loss of a run look lower than any trained one)."""
+    joined = row(1, "a", float("nan")) | {"samples": 0}
+    histories = [[row(1, "a", 5.0), row(2, "b", 4.0)], [joined, row(2, "b", 4.2)]]
+    summary = summarize(histories, [0, 0])
+    assert summary["ok"] and summary["loss_first"] == (5.0 + 4.2) / 2 and summary["loss_last"] == (4.0 + 4.2) / 2
+
+
+def test_an_inner_phase_without_steps_has_no_loss() -> None:
+    assert math.isnan(InnerPhase(0.0, 0.0, 0, 0, 0).loss)
+    assert InnerPhase(0.0, 0.0, 2, 0, 0, done=2, loss_sum=3.0).loss == 1.5
