@@ -606,6 +606,11 @@ class WanSim:
         return host
 
     def _setup(self) -> None:
+        # what a run with this prefix left behind when it was killed (SIGKILL skips teardown)
+        # holds the subnet: its owner is gone, so it goes (a live run's stays: the check below)
+        removed = cleanup_stale(self.names.prefix)
+        if removed:
+            log.warning("removed what a killed run with prefix %r left: %s", self.names.prefix, ", ".join(removed))
         self._check_subnet_free()
         self._check_names_free()
         ip, n = self._ip, self.names

@@ -43,7 +43,12 @@ scales, out-of-range codes and any payload that would decode to a non-finite val
 from __future__ import annotations
 
 import abc
+import copy
+import functools
 import logging
+import os
+import sys
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -103,6 +108,22 @@ def _write(t: torch.Tensor, dtype: str) -> bytes:
     return t.numpy().astype(np.dtype(dtype), copy=False).tobytes()
 
 
+@functools.cache
+def compiled_kernels() -> ModuleType | None:
+    """``engine.kernels`` (imported on first use: numba compiles or loads its kernels), or
+    None where the codecs run on the torch reference: ``SWARMTRAIN_CODEC_KERNELS=off``, or a
+    big-endian machine (the kernels write native byte order)."""
+    if os.environ.get("SWARMTRAIN_CODEC_KERNELS", "on") == "off" or sys.byteorder != "little":
+        return None
+    from engine import kernels
+
+    return kernels
+
+
+def _run(kernels: ModuleType, n: int, fn: object) -> list[object]:
+    return list(kernels.run_chunks(n, kernels.CHUNK_VALUES, fn))
+
+
 def _require_finite(t: torch.Tensor, codec: str) -> torch.Tensor:
     if not all_finite(t):
         raise MalformedTensorError(f"{codec} codec: payload decodes to NaN or Inf")
@@ -120,6 +141,34 @@ class Codec(abc.ABC):
     name: str
     block: int
     lossy: bool
+    compiled: bool = True
+    """Whether encode, decode and roundtrip run the compiled kernels (``engine.kernels``)
+    where they are available; False: the torch reference, which they equal bit for bit."""
+
+    def reference(self) -> Codec:
+        """This codec on the torch reference path (the definition the kernels are tested against)."""
+        twin = copy.copy(self)
+        twin.compiled = False
+        return twin
+
+    def kernels(self) -> ModuleType | None:
+        """``engine.kernels`` where this codec runs compiled, else None (the reference)."""
+        return self._kernels()
+
+    def residual_kernel(
+        self, kernels: ModuleType, theta: np.ndarray, launched: np.ndarray, residual: np.ndarray
+    ) -> int | None:
+        """The fused error feedback (``ErrorFeedback.update_from``): ``residual`` (bfloat16
+        bits) ← ``sent − roundtrip(sent)``, ``sent = (θ − launched) + residual``, in one pass;
+        the kernel's status, or None where this codec has no such kernel (the caller takes the
+        reference's passes)."""
+        return None
+
+    def _kernels(self) -> ModuleType | None:
+        kernels = compiled_kernels() if self.compiled else None
+        if kernels is None or (self.block > 1 and self.block != kernels.BLOCK):
+            return None
+        return kernels
 
     @abc.abstractmethod
     def bytes_per_value(self) -> float:
@@ -219,25 +268,49 @@ class Fp16Codec(Codec):
     def bytes_per_value(self) -> float:
         return 2.0
 
+    def residual_kernel(
+        self, kernels: ModuleType, theta: np.ndarray, launched: np.ndarray, residual: np.ndarray
+    ) -> int:
+        return int(kernels.fp16_residual(theta, launched, residual))
+
     def encoded_size(self, numel: int) -> int:
         _check_numel(numel, self.name)
         return 2 * numel
 
     def encode(self, x: torch.Tensor) -> bytes:
         x = _check_input(x, self.name)
-        return b"".join(
-            _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
-            for i in range(0, x.numel(), _CHUNK)
-        )
+        kernels = self._kernels()
+        if kernels is None:
+            return b"".join(
+                _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
+                for i in range(0, x.numel(), _CHUNK)
+            )
+        values, out = x.numpy(), np.empty(x.numel(), np.uint16)
+        _run(kernels, x.numel(), lambda s, e: kernels.fp16_encode(values[s:e], out[s:e]))
+        return out.tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         raw = self._check_length(data, numel)
-        half = _require_finite(_read(raw, "<f2", 0, numel), self.name)
-        return half.to(torch.float32)
+        kernels = self._kernels()
+        if kernels is None:
+            half = _require_finite(_read(raw, "<f2", 0, numel), self.name)
+            return half.to(torch.float32)
+        halves, out = np.frombuffer(raw, np.uint16, count=numel), torch.empty(numel, dtype=torch.float32)
+        values = out.numpy()
+        if any(_run(kernels, numel, lambda s, e: kernels.fp16_decode(halves[s:e], values[s:e]))):
+            raise MalformedTensorError(f"{self.name} codec: payload decodes to NaN or Inf")  # as the reference
+        return out
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode``
-        return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
+        kernels = self._kernels()
+        if kernels is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode``
+            return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
+        x = x.detach().contiguous()
+        out = torch.empty_like(x)
+        values, result = x.view(-1).numpy(), out.view(-1).numpy()
+        _run(kernels, x.numel(), lambda s, e: kernels.fp16_roundtrip(values[s:e], result[s:e]))
+        return out
 
 
 class _BlockAbsmaxCodec(Codec):
@@ -278,7 +351,9 @@ class _BlockAbsmaxCodec(Codec):
 
     def _scales(self, blocks: torch.Tensor) -> torch.Tensor:
         """``absmax/levels`` per block, nudged down where ``levels*scale`` would overflow."""
-        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg())
+        # abs: an all-zero block's scale is +0 (the sign of a zero torch's max returns depends
+        # on its vector path; the compiled kernels write +0)
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg()).abs_()
         scales = absmax / self.levels
         for _ in range(4):
             overflow = ~torch.isfinite(scales * self.levels)
@@ -316,8 +391,42 @@ class _BlockAbsmaxCodec(Codec):
             raise ValueError(f"{self.name} codec: dither must be float32 with at least {padded} values")
         return self._encode(x, dither)
 
+    _offset = 0.0
+    """Added to ``x / scale`` before rounding; the level is the rounded value minus it."""
+    _bits: int
+    """Bits of one packed code."""
+    _bias = 0
+    """Added to the integer level to make the packed code (and a pad code's value)."""
+    _invalid = -1
+    """A packed code no encoder writes (−1: none)."""
+
+    def _kernel_args(self) -> tuple[float, float, float, float]:
+        """(levels, offset, lowest, highest rounded value) for ``engine.kernels``."""
+        return float(self.levels), self._offset, -float(self.levels), float(self.levels)
+
+    def _per_byte(self) -> int:
+        return 8 // self._bits
+
+    def residual_kernel(
+        self, kernels: ModuleType, theta: np.ndarray, launched: np.ndarray, residual: np.ndarray
+    ) -> int:
+        return int(kernels.absmax_residual(theta, launched, residual, *self._kernel_args()))
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         # the codes and scales ``encode`` would write, multiplied as ``decode`` multiplies them
+        kernels = self._kernels()
+        if kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            flat = x.detach().contiguous().view(-1)
+            out = torch.empty_like(flat)
+            values, levels = flat.numpy(), self._kernel_args()
+            result, block_scales = out.numpy(), np.empty(self._n_blocks(flat.numel()), np.float32)
+            block = self.block
+
+            def run(s: int, e: int) -> None:
+                kernels.absmax_roundtrip(values[s:e], *levels, block_scales[s // block :], result[s:e])
+
+            _run(kernels, flat.numel(), run)
+            return out.view(x.shape)
         out = torch.empty_like(x)
         for i in range(0, x.numel(), _CHUNK):
             piece = x[i : i + _CHUNK]
@@ -331,6 +440,9 @@ class _BlockAbsmaxCodec(Codec):
 
     def _encode(self, x: torch.Tensor, dither: torch.Tensor | None) -> bytes:
         x = _check_input(x, self.name)
+        kernels = self._kernels()
+        if kernels is not None:
+            return self._encode_compiled(kernels, x, dither)
         parts = [
             self._encode_chunk(x[i : i + _CHUNK], None if dither is None else dither[i:])
             for i in range(0, x.numel(), _CHUNK)
@@ -355,11 +467,32 @@ class _BlockAbsmaxCodec(Codec):
         if whole < q.numel():
             torch.mul(q[whole:], scales[rows], out=out[whole:])
 
+    def _encode_compiled(self, kernels: ModuleType, x: torch.Tensor, dither: torch.Tensor | None) -> bytes:
+        n, block, per_byte = x.numel(), self.block, self._per_byte()
+        blocks = self._n_blocks(n)
+        out = np.empty(self.encoded_size(n), np.uint8)
+        scales, packed = out[: _SCALE_BYTES * blocks].view(np.float32), out[_SCALE_BYTES * blocks :]
+        values, levels = x.numpy(), self._kernel_args()
+        noise = dither.numpy() if dither is not None else np.empty(0, np.float32)
+
+        def run(s: int, e: int) -> None:
+            kernels.absmax_encode(
+                values[s:e], noise[s:e] if noise.size else noise, *levels, self._bits, self._bias,
+                scales[s // block :], packed[s // per_byte :],
+            )  # fmt: skip
+
+        _run(kernels, n, run)
+        return out.tobytes()
+
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         raw = self._check_length(data, numel)
         scales = self._read_scales(raw, numel)
         codes_at = _SCALE_BYTES * scales.numel()
         out = torch.empty(numel, dtype=torch.float32)
+        kernels = self._kernels()
+        if kernels is not None:
+            self._decode_compiled(kernels, raw, codes_at, scales, out)
+            return out
         for i in range(0, numel, _CHUNK):
             count = min(_CHUNK, numel - i)
             q = self._unpack(raw, codes_at + self._codes_size(i), count)
@@ -367,12 +500,36 @@ class _BlockAbsmaxCodec(Codec):
             self._dequantize(q, scales[first : first + self._n_blocks(count)], out[i : i + count])
         return _require_finite(out, self.name)
 
+    def _decode_compiled(
+        self, kernels: ModuleType, raw: bytes, codes_at: int, scales: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        numel, block, per_byte = out.numel(), self.block, self._per_byte()
+        packed = np.frombuffer(raw, np.uint8, offset=codes_at)
+        factors, values = scales.numpy(), out.numpy()
+
+        def run(s: int, e: int) -> int:
+            # the last piece holds the pad codes, if any: every byte up to the payload's end
+            bytes_end = packed.size if e == numel else e // per_byte
+            return int(
+                kernels.absmax_decode(
+                    factors[s // block :], packed[s // per_byte : bytes_end], e - s, self._bits, self._bias,
+                    self._offset, self._invalid, values[s:e],
+                )
+            )  # fmt: skip
+
+        if any(_run(kernels, numel, run)):
+            # refused: the reference names what is wrong (and refuses exactly what the kernel does)
+            self.reference().decode(raw, numel)
+            raise MalformedTensorError(f"{self.name} codec: an out-of-range code, a bad pad or a non-finite value")
+
 
 class Int8Codec(_BlockAbsmaxCodec):
     """Blockwise absmax int8: scale ``absmax/127``, codes in [-127, 127]."""
 
     name = "int8"
     levels = 127
+    _bits = 8
+    _invalid = 0x80  # the byte of -128
 
     def bytes_per_value(self) -> float:
         return 1.0
@@ -396,6 +553,9 @@ class FourBitCodec(_BlockAbsmaxCodec):
     name = "4bit"
     levels = 7
     _ZERO = 8
+    _bits = 4
+    _bias = 8
+    _invalid = 0
 
     def bytes_per_value(self) -> float:
         return 0.5
@@ -432,6 +592,11 @@ class TwoBitCodec(_BlockAbsmaxCodec):
     name = "2bit"
     levels = 1.5  # type: ignore[assignment]
     _OFFSET = 1.5
+    _offset = 1.5
+    _bits = 2
+
+    def _kernel_args(self) -> tuple[float, float, float, float]:
+        return 1.5, 1.5, 0.0, 3.0
 
     def bytes_per_value(self) -> float:
         return 0.25
@@ -553,6 +718,41 @@ class ErrorFeedback:
         codec.write_error(sent, target, offset)
         if not all_finite(target):
             raise ValueError("error feedback: residual overflowed float32")
+
+    def residual_bits(self, offset: int, count: int) -> np.ndarray:
+        """The residual's values ``[offset, offset + count)`` as their bfloat16 bits (a view;
+        empty for a non-lossy codec): what ``engine.kernels.delta`` adds."""
+        if not self.codec.lossy:
+            return np.empty(0, np.uint16)
+        return self._residual[offset : offset + count].view(torch.int16).numpy().view(np.uint16)
+
+    def update_from(self, theta: torch.Tensor, launched: torch.Tensor, offset: int, codec: Codec | None = None) -> bool:
+        """``update_slice`` of ``sent = (θ − launched) + residual`` in one compiled pass, without
+        ``sent`` (the same bits as computing it and calling ``update_slice``); False, changing
+        nothing, where there is no such pass: the codec runs on the reference, has no residual
+        kernel, or leaves values unsent there (the caller then takes the reference's passes).
+        ``ValueError`` as ``update_slice``."""
+        if not self.codec.lossy:
+            return True
+        codec = codec or self.codec
+        kernels = codec.kernels()
+        count = theta.numel()
+        if kernels is None or codec.unsent(offset, count) is not None:
+            return False
+        if offset % codec.block:
+            raise ValueError(
+                f"error feedback: a window starts at {offset}, not on a {codec.name} block ({codec.block})"
+            )
+        if not all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (theta, launched)
+        ):
+            return False
+        status = codec.residual_kernel(kernels, theta.numpy(), launched.numpy(), self.residual_bits(offset, count))
+        if status is None:
+            return False
+        if status:
+            raise ValueError("error feedback: residual overflowed float32")
+        return True
 
     @property
     def state(self) -> torch.Tensor:

@@ -96,7 +96,14 @@ class SparseCodec(Codec):
     name = "sparse"
     lossy = True
 
-    def __init__(self, density: float = DEFAULT_DENSITY, round_: int | None = None, bits: int = DEFAULT_BITS) -> None:
+    def __init__(
+        self,
+        density: float = DEFAULT_DENSITY,
+        round_: int | None = None,
+        bits: int = DEFAULT_BITS,
+        *,
+        compiled: bool = True,
+    ) -> None:
         self.density = check_density(density)
         self.block = round(KEPT / self.density)
         if round_ is not None and (isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0):
@@ -106,10 +113,15 @@ class SparseCodec(Codec):
                 f"sparse codec: values are sent in {' or '.join(map(str, VALUE_CODECS))} bits, not {bits!r}"
             )
         self.round, self.bits = round_, bits
-        self._values = VALUE_CODECS[bits]()
+        self.compiled = compiled
+        values = VALUE_CODECS[bits]()
+        self._values = values if compiled else values.reference()
 
     def at_round(self, round_: int) -> SparseCodec:
-        return SparseCodec(self.density, round_, self.bits)
+        return SparseCodec(self.density, round_, self.bits, compiled=self.compiled)
+
+    def reference(self) -> SparseCodec:
+        return SparseCodec(self.density, self.round, self.bits, compiled=False)
 
     def bytes_per_value(self) -> float:
         return self._values.bytes_per_value() * self.density

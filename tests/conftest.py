@@ -79,6 +79,7 @@ BESIDE_SWARMS = {
     "test_grpc_fuzz.py",
     "test_killed_peer_credit.py",
     "test_model_export.py",
+    "test_netsim_leftovers.py",
     "test_record_bounds.py",
     "test_reducer_close.py",
     "test_state_sync.py",

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from engine.compression import Codec, ErrorFeedback, all_finite
+from engine.compression import Codec, ErrorFeedback, all_finite, compiled_kernels
 from peer.round.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
 from protocol.spec import OuterSection
 from protocol.updates import FetchedUpdate
@@ -129,13 +130,18 @@ def write_pseudo_gradient(
     if launch_point is not None and staging.buffer is not None:
         copy_model_into(model, launch_point)
         return write_delta_from(launch_point, theta, out, feedback=feedback)
+    kernels = compiled_kernels()
     for offset, piece in model_pieces(model):
         local = staging.host(piece)
         part = slice(offset, offset + local.numel())
         sent = out[part]
-        torch.sub(theta[part], local, out=sent)
-        if feedback is not None:
-            feedback.add_into(sent, offset)
+        if kernels is not None and local.device.type == "cpu" and local.dtype == torch.float32:
+            residual = feedback.residual_bits(offset, sent.numel()) if feedback is not None else _NO_RESIDUAL
+            kernels.delta(theta[part].numpy(), local.detach().numpy(), residual, sent.numpy())
+        else:
+            torch.sub(theta[part], local, out=sent)
+            if feedback is not None:
+                feedback.add_into(sent, offset)
         if launch_point is not None:
             launch_point[part].copy_(local)
     return all_finite(out)
@@ -148,8 +154,13 @@ def write_delta_from(
     """``out`` ← θ_g − launch point (+ residual), chunk by chunk, touching no model (with
     overlap the landing thread runs it while the next inner steps go on). Whether ``out`` is
     finite."""
+    kernels = compiled_kernels()
     for part in chunks(theta.numel()):
         sent = out[part]
+        if kernels is not None:  # the same two operations in one pass
+            residual = feedback.residual_bits(part.start, sent.numel()) if feedback is not None else _NO_RESIDUAL
+            kernels.delta(theta[part].numpy(), launch_point[part].numpy(), residual, sent.numpy())
+            continue
         torch.sub(theta[part], launch_point[part], out=sent)
         if feedback is not None:
             feedback.add_into(sent, part.start)
@@ -194,8 +205,14 @@ def update_residual(
         for offset, piece in model_pieces(model):
             local = staging.host(piece)
             part = slice(offset, offset + local.numel())
-            sent = torch.sub(theta[part], local)
+            sent: torch.Tensor | None = None
             for kept in split_ranges(part.start, part.stop, missing)[0]:
+                if feedback.update_from(
+                    theta[kept], local[kept.start - offset : kept.stop - offset], kept.start, codec
+                ):
+                    continue  # one compiled pass, the same bits
+                if sent is None:
+                    sent = torch.sub(theta[part], local)
                 window = sent[kept.start - offset : kept.stop - offset]
                 feedback.add_into(window, kept.start)
                 feedback.update_slice(window, kept.start, codec)
@@ -212,9 +229,15 @@ def update_residual(
         else:
             launched = launch_point[part]
         sent = sent_buffer[:n]
-        torch.sub(theta[part], launched, out=sent)
+        subtracted = False
         for kept in split_ranges(part.start, part.stop, missing)[0]:
-            window = sent[kept.start - part.start : kept.stop - part.start]
+            within = slice(kept.start - part.start, kept.stop - part.start)
+            if feedback.update_from(theta[kept], launched[within], kept.start, codec):
+                continue  # one compiled pass, the same bits
+            if not subtracted:
+                torch.sub(theta[part], launched, out=sent)
+                subtracted = True
+            window = sent[within]
             feedback.add_into(window, kept.start)
             feedback.update_slice(window, kept.start, codec)
 
@@ -463,6 +486,7 @@ def land_global(
 
 
 _NO_MODEL = torch.nn.Module()
+_NO_RESIDUAL = np.empty(0, np.uint16)
 """``update_residual`` reads the launch point, never the model, when it is given one."""
 
 

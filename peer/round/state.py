@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.compression import compiled_kernels
 from protocol.spec import OuterSection
 from protocol.statesync import state_digest
 
@@ -121,6 +122,13 @@ def outer_step_slice(
     """The outer step on one slice of the state, in place (``scratch``: a buffer of the slice's
     size). θ ← θ − lr·u, with u = Δ̄ (plain), or m ← μ·m + Δ̄ and u = m (heavy ball) or
     Δ̄ + μ·m (Nesterov); each operation rounded on its own."""
+    kernels = compiled_kernels()
+    if kernels is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in (params, momentum, averaged)):
+        # the same operations in the same order, one pass (``engine.kernels.outer_step``)
+        kernels.outer_step(
+            params.numpy(), momentum.numpy(), averaged.numpy(), config.lr, config.momentum, config.nesterov
+        )
+        return
     lr = torch.tensor(config.lr, dtype=torch.float32)
     if config.momentum > 0:
         mu = torch.tensor(config.momentum, dtype=torch.float32)

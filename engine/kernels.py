@@ -1,0 +1,503 @@
+"""Element-wise work in one compiled pass per value (numba), bit for bit what the torch
+reference computes: the codecs' (``engine.compression``) and the round's host passes'
+(``peer.round.host_passes``: the launch's Δ, the codec residual, the outer step).
+
+The reference codecs run several separately rounded torch ops per value (a clamp, a cast, a
+division, a rounding, a clamp, a pack; each reading and writing the whole vector), and their
+decode copies the payload twice more before it checks it. Here each value is read once and its
+code (or its decoded value) written once, by loops numba compiles to vector machine code, with
+exactly the reference's IEEE operations in the reference's order:
+
+- fp16: the saturating clamp, then float32 → half rounded to nearest even on the bits: the
+  exponent re-biased with the 13 dropped bits rounded for a normal half, ``|x| + 0.5`` (whose
+  ulp is the half subnormal step, 2⁻²⁴) for a subnormal one. Decode is exact (every half is a
+  float32): the bits re-biased, or ``mantissa · 2⁻²⁴`` for a subnormal.
+- block absmax (int8, 4-bit, the sparse codec's 2-bit), blocks of ``BLOCK`` values:
+  ``absmax / levels`` (a float32 division, nudged one ulp down while ``scale · levels``
+  overflows), ``y = x / divisor`` (a division, not a multiplication by a reciprocal: the two
+  round differently), ``+ offset``, rounded half to even (``(u + 1.5·2²³) − 1.5·2²³``, exact for
+  ``|u| < 2²²``; every ``u`` here is within a few units of the levels) or ``floor(u + dither)``,
+  clamped, packed. Decode is ``(code − bias − offset) · scale``, one float32 multiplication.
+
+No fused multiply-add and no reassociation (numba's default: ``fastmath`` off), no dependence
+on thread count or vector width: every operation is correctly rounded on its own, so every
+machine computes the same bits; the reference stays the definition the tests compare against
+(``tests/unit/test_codec_kernels.py``, ``tests/unit/test_pass_kernels.py``). The host passes are
+the same discipline: the reference's operations, each rounded on its own, in its order.
+
+Kernels release the GIL (``nogil``): ``run_chunks`` cuts a long vector at block boundaries and
+runs the pieces on a few threads. Compiled machine code is cached on disk (numba's cache: next
+to this file where it is writable, else the user's cache directory), so only the first process
+on a machine pays the compile (a few seconds for all of them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = [
+    "BAD_CODE",
+    "BLOCK",
+    "CHUNK_VALUES",
+    "NON_FINITE",
+    "OK",
+    "absmax_decode",
+    "absmax_encode",
+    "absmax_residual",
+    "absmax_roundtrip",
+    "delta",
+    "fp16_decode",
+    "fp16_encode",
+    "fp16_residual",
+    "fp16_roundtrip",
+    "outer_step",
+    "run_chunks",
+    "threads",
+]
+
+BLOCK = 64
+"""Values per block of the absmax codecs (a constant, so that the compiler unrolls a block)."""
+OK, BAD_CODE, NON_FINITE = 0, 1, 2
+"""What a decode kernel returns: the payload is sound, holds an invalid code, or decodes to a
+non-finite value."""
+
+_FP16_MAX = np.float32(65504.0)
+_HALF = np.float32(0.5)
+_SUBNORMAL_STEP = np.float32(2.0**-24)
+_ROUND_MAGIC = np.float32(12582912.0)
+"""1.5·2²³: ``(u + M) − M`` is ``u`` rounded half to even for ``|u| < 2²²``."""
+
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
+_INLINE: dict[str, Any] = {**_JIT, "inline": "always"}
+
+
+def _bits_typer(typingctx: Any, x: Any) -> Any:
+    """The bits of a float32 as a uint32 (a register move)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(types.float32), codegen
+
+
+def _float_typer(typingctx: Any, x: Any) -> Any:
+    """The float32 whose bits are the low 32 bits of an integer."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        value, width = args[0], getattr(x, "bitwidth", 32)
+        if width > 32:
+            value = builder.trunc(value, context.get_value_type(types.uint32))
+        elif width < 32:
+            value = builder.zext(value, context.get_value_type(types.uint32))
+        return builder.bitcast(value, context.get_value_type(types.float32))
+
+    return types.float32(x), codegen
+
+
+_bits: Any = intrinsic(_bits_typer)
+_float: Any = intrinsic(_float_typer)
+
+
+# ----------------------------------------------------------------------------- fp16
+
+
+@numba.njit(**_INLINE)
+def _to_half(f: np.float32) -> np.uint16:
+    """IEEE half of ``f`` clamped to ±65504, rounded to nearest even (``f`` finite)."""
+    sign = (_bits(f) >> 16) & 0x8000
+    a = min(abs(f), _FP16_MAX)
+    m = _bits(a)
+    normal = (m - 0x38000000 + 0xFFF + ((m >> 13) & 1)) >> 13
+    subnormal = _bits(a + _HALF) - 0x3F000000
+    return np.uint16((normal if m >= 0x38800000 else subnormal) | sign)
+
+
+@numba.njit(**_INLINE)
+def _from_half(h: np.uint16) -> np.float32:
+    """The float32 of IEEE half bits ``h`` (finite; exact)."""
+    magnitude = np.uint32(h & 0x7FFF)
+    normal = _float((magnitude << 13) + 0x38000000)
+    subnormal = np.float32(magnitude) * _SUBNORMAL_STEP
+    value = normal if magnitude >= 0x0400 else subnormal
+    return _float(_bits(value) | (np.uint32(h & 0x8000) << 16))
+
+
+@numba.njit(**_JIT)
+def fp16_encode(x: np.ndarray, out: np.ndarray) -> None:
+    """``out`` (uint16) ← the halves of ``x`` (float32, finite), saturating at ±65504."""
+    for i in range(x.size):
+        out[i] = _to_half(x[i])
+
+
+@numba.njit(**_JIT)
+def fp16_decode(halves: np.ndarray, out: np.ndarray) -> int:
+    """``out`` (float32) ← the halves ``halves`` (uint16); ``NON_FINITE`` if any is Inf or NaN
+    (``out`` then holds garbage there), else ``OK``."""
+    bad = 0
+    for i in range(halves.size):
+        h = halves[i]
+        bad |= (h & 0x7C00) == 0x7C00
+        out[i] = _from_half(h)
+    return NON_FINITE if bad else OK
+
+
+@numba.njit(**_JIT)
+def fp16_roundtrip(x: np.ndarray, out: np.ndarray) -> None:
+    """``out`` ← ``decode(encode(x))`` for finite ``x``; a NaN stays NaN (the caller refuses it)."""
+    for i in range(x.size):
+        f = x[i]
+        out[i] = _from_half(_to_half(f)) if f == f else f
+
+
+# ----------------------------------------------------------------------------- block absmax
+
+
+@numba.njit(**_INLINE)
+def _divisor(x: np.ndarray, start: int, end: int, levels: np.float32, scales: np.ndarray, b: int) -> np.float32:
+    """``scales[b]`` ← ``absmax / levels`` of ``x[start:end]``, nudged down one ulp at a time
+    while ``scale · levels`` overflows; returns the divisor (the scale, or 1 for a zero block)."""
+    m = np.float32(0.0)
+    if end - start == BLOCK:  # a whole block: a loop of constant length, unrolled and vectorized
+        for k in range(BLOCK):
+            m = max(m, abs(x[start + k]))
+    else:
+        for i in range(start, end):
+            m = max(m, abs(x[i]))
+    scale = m / levels
+    for _ in range(4):
+        if np.isfinite(scale * levels):
+            break
+        scale = _float(_bits(scale) - 1)  # positive and finite: one ulp toward zero
+    scales[b] = scale
+    return scale if scale > 0 else np.float32(1.0)
+
+
+@numba.njit(**_INLINE)
+def _rounded(u: np.float32, lo: np.float32, hi: np.float32) -> np.float32:
+    return min(max((u + _ROUND_MAGIC) - _ROUND_MAGIC, lo), hi)
+
+
+@numba.njit(**_INLINE)
+def _dithered(u: np.float32, noise: np.float32, lo: np.float32, hi: np.float32) -> np.float32:
+    return min(max(np.floor(u + noise), lo), hi)
+
+
+@numba.njit(**_INLINE)
+def _code(
+    x: np.ndarray, dither: np.ndarray, i: int, divisor: np.float32, off: np.float32, lo: np.float32, hi: np.float32,
+    bias: int,
+) -> int:  # fmt: skip
+    u = x[i] / divisor + off
+    level = _dithered(u, dither[i], lo, hi) if dither.size else _rounded(u, lo, hi)
+    return int(level) + bias
+
+
+@numba.njit(**_JIT)
+def absmax_encode(
+    x: np.ndarray, dither: np.ndarray, levels: float, offset: float, lo: float, hi: float, bits: int, bias: int,
+    scales: np.ndarray, packed: np.ndarray,
+) -> None:  # fmt: skip
+    """Blockwise absmax codes of ``x`` (whose first value starts a block): ``scales`` (float32,
+    one per block) and ``packed`` (uint8: one code per byte for ``bits`` 8, two for 4, four for
+    2, lowest first; each ``int(level) + bias`` masked to ``bits``; a final partial byte padded
+    with ``bias``). ``dither``: empty (round to nearest), or at least ``len(x)`` uniform values
+    (stochastic rounding)."""
+    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
+    n = x.size
+    mask = (1 << bits) - 1
+    per_byte = 8 // bits
+    stochastic = dither.size > 0
+    for b in range((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        end = min(s + BLOCK, n)
+        d = _divisor(x, s, end, lv, scales, b)
+        first = s // per_byte
+        if end - s == BLOCK and bits == 8:
+            if stochastic:
+                for k in range(BLOCK):
+                    packed[s + k] = np.uint8(
+                        (int(_dithered(x[s + k] / d + off, dither[s + k], low, high)) + bias) & mask
+                    )
+            else:
+                for k in range(BLOCK):
+                    packed[s + k] = np.uint8((int(_rounded(x[s + k] / d + off, low, high)) + bias) & mask)
+        elif end - s == BLOCK and bits == 4:
+            if stochastic:
+                for k in range(BLOCK // 2):
+                    i = s + 2 * k
+                    c0 = int(_dithered(x[i] / d + off, dither[i], low, high)) + bias
+                    c1 = int(_dithered(x[i + 1] / d + off, dither[i + 1], low, high)) + bias
+                    packed[first + k] = np.uint8(c0 | (c1 << 4))
+            else:
+                for k in range(BLOCK // 2):
+                    i = s + 2 * k
+                    c0 = int(_rounded(x[i] / d + off, low, high)) + bias
+                    c1 = int(_rounded(x[i + 1] / d + off, low, high)) + bias
+                    packed[first + k] = np.uint8(c0 | (c1 << 4))
+        elif end - s == BLOCK and bits == 2:
+            if stochastic:
+                for k in range(BLOCK // 4):
+                    i = s + 4 * k
+                    c0 = int(_dithered(x[i] / d + off, dither[i], low, high)) + bias
+                    c1 = int(_dithered(x[i + 1] / d + off, dither[i + 1], low, high)) + bias
+                    c2 = int(_dithered(x[i + 2] / d + off, dither[i + 2], low, high)) + bias
+                    c3 = int(_dithered(x[i + 3] / d + off, dither[i + 3], low, high)) + bias
+                    packed[first + k] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+            else:
+                for k in range(BLOCK // 4):
+                    i = s + 4 * k
+                    c0 = int(_rounded(x[i] / d + off, low, high)) + bias
+                    c1 = int(_rounded(x[i + 1] / d + off, low, high)) + bias
+                    c2 = int(_rounded(x[i + 2] / d + off, low, high)) + bias
+                    c3 = int(_rounded(x[i + 3] / d + off, low, high)) + bias
+                    packed[first + k] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+        else:  # the last, partial block: value by value, pads are ``bias``
+            for j in range(first, (end + per_byte - 1) // per_byte):
+                byte = 0
+                for k in range(per_byte):
+                    i = j * per_byte + k
+                    code = bias
+                    if i < end:
+                        code = _code(x, dither, i, d, off, low, high, bias) & mask
+                    byte |= code << (k * bits)
+                packed[j] = np.uint8(byte)
+
+
+@numba.njit(**_JIT)
+def absmax_roundtrip(
+    x: np.ndarray, levels: float, offset: float, lo: float, hi: float, scales: np.ndarray, out: np.ndarray
+) -> None:
+    """``out`` ← ``decode(encode(x))`` (rounding to nearest) without the bytes: each level
+    ``round(x / divisor + offset) − offset``, clamped, times its block's scale (``scales``: a
+    block's worth of room per block, written)."""
+    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
+    zero = np.float32(0.0)
+    n = x.size
+    for b in range((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        end = min(s + BLOCK, n)
+        d = _divisor(x, s, end, lv, scales, b)
+        scale = scales[b]
+        if end - s == BLOCK:
+            for k in range(BLOCK):
+                q = _rounded(x[s + k] / d + off, low, high) - off
+                out[s + k] = (q + zero) * scale  # a −0 level is the code 0: +0
+        else:
+            for i in range(s, end):
+                q = _rounded(x[i] / d + off, low, high) - off
+                out[i] = (q + zero) * scale
+
+
+@numba.njit(**_JIT)
+def absmax_decode(
+    scales: np.ndarray, packed: np.ndarray, n: int, bits: int, bias: int, offset: float, invalid: int,
+    out: np.ndarray,
+) -> int:  # fmt: skip
+    """``out`` ← ``(code − bias − offset) · scale`` for the ``n`` codes in ``packed`` (as
+    ``absmax_encode`` packs them; for ``bits`` 8 a byte is a two's-complement code); returns
+    ``BAD_CODE`` for a code equal to ``invalid`` (−1: none is) or a pad code other than
+    ``bias``, else ``NON_FINITE`` for a value that overflows, else ``OK``."""
+    off = np.float32(offset)
+    mask = (1 << bits) - 1
+    per_byte = 8 // bits
+    bad = 0
+    nonfinite = 0
+    for b in range((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        end = min(s + BLOCK, n)
+        scale = scales[b]
+        first = s // per_byte
+        if end - s == BLOCK and bits == 8:
+            for k in range(BLOCK):
+                code = np.int32(packed[s + k])
+                bad |= code == invalid
+                value = (np.float32((code ^ 0x80) - 0x80 - bias) - off) * scale
+                nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                out[s + k] = value
+        elif end - s == BLOCK and bits == 4:
+            for k in range(BLOCK // 2):
+                byte = np.int32(packed[first + k])
+                for h in range(2):
+                    code = (byte >> (4 * h)) & 0xF
+                    bad |= code == invalid
+                    value = (np.float32(code - bias) - off) * scale
+                    nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                    out[s + 2 * k + h] = value
+        elif end - s == BLOCK and bits == 2:
+            for k in range(BLOCK // 4):
+                byte = np.int32(packed[first + k])
+                for h in range(4):
+                    code = (byte >> (2 * h)) & 0x3
+                    bad |= code == invalid
+                    value = (np.float32(code - bias) - off) * scale
+                    nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                    out[s + 4 * k + h] = value
+        else:  # the last, partial block, and its pad codes
+            for j in range(first, packed.size):
+                byte = np.int32(packed[j])
+                for h in range(per_byte):
+                    i = j * per_byte + h
+                    code = (byte >> (h * bits)) & mask
+                    if i >= end:
+                        bad |= code != bias
+                        continue
+                    bad |= code == invalid
+                    if bits == 8:
+                        code = (code ^ 0x80) - 0x80
+                    value = (np.float32(code - bias) - off) * scale
+                    nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                    out[i] = value
+    if bad:
+        return BAD_CODE
+    return NON_FINITE if nonfinite else OK
+
+
+# ----------------------------------------------------------------------------- threads
+
+CHUNK_VALUES = 1 << 20
+"""Values per piece a thread takes (a multiple of ``BLOCK`` and of 4, so that pieces start on a
+block and on a byte); shorter vectors run on the calling thread."""
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_WIDTH = 0
+_POOL_LOCK = threading.Lock()
+T = TypeVar("T")
+
+
+def threads() -> int:
+    """Threads the kernels use for one long vector: ``SWARMTRAIN_CODEC_THREADS``, else torch's
+    intra-op count (the peer sets it), at most the machine's cores."""
+    wanted = os.environ.get("SWARMTRAIN_CODEC_THREADS")
+    if wanted:
+        return max(1, int(wanted))
+    import torch
+
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def run_chunks(n: int, chunk: int, fn: Callable[[int, int], T]) -> list[T]:
+    """``fn(start, end)`` over ``[0, n)`` cut every ``chunk`` values, on up to ``threads()``
+    threads (``fn`` runs a ``nogil`` kernel); the results in order."""
+    global _POOL, _POOL_WIDTH
+    starts = range(0, n, chunk)
+    workers = threads()
+    if workers == 1 or len(starts) <= 1:
+        return [fn(s, min(s + chunk, n)) for s in starts]
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_WIDTH < workers:
+            _POOL, _POOL_WIDTH = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="codec"), workers
+        pool = _POOL
+    return list(pool.map(lambda s: fn(s, min(s + chunk, n)), starts))
+
+
+# ----------------------------------------------------------------------------- host passes
+
+
+@numba.njit(**_INLINE)
+def _bf16(f: np.float32) -> np.uint16:
+    """bfloat16 bits of ``f``, rounded to nearest even (a NaN: the quiet NaN 0x7FC0)."""
+    u = _bits(f)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return np.uint16(rounded if f == f else 0x7FC0)
+
+
+@numba.njit(**_INLINE)
+def _from_bf16(h: np.uint16) -> np.float32:
+    return _float(np.uint32(h) << 16)
+
+
+@numba.njit(**_JIT)
+def delta(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray, out: np.ndarray) -> None:
+    """``out`` ← ``(θ − launched) + residual`` (``residual``: bfloat16 bits, or empty for none),
+    each operation rounded on its own: what is sent."""
+    if residual.size:
+        for i in range(out.size):
+            out[i] = (theta[i] - launched[i]) + _from_bf16(residual[i])
+    else:
+        for i in range(out.size):
+            out[i] = theta[i] - launched[i]
+
+
+@numba.njit(**_JIT)
+def fp16_residual(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray) -> int:
+    """``residual`` (bfloat16 bits) ← ``sent − roundtrip(sent)``, ``sent = (θ − launched) +
+    residual``; ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
+    nonfinite = 0
+    for i in range(theta.size):
+        sent = (theta[i] - launched[i]) + _from_bf16(residual[i])
+        kept = _from_half(_to_half(sent)) if sent == sent else sent
+        r = _bf16(sent - kept)
+        nonfinite |= (r & 0x7F80) == 0x7F80
+        residual[i] = r
+    return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_JIT)
+def absmax_residual(
+    theta: np.ndarray, launched: np.ndarray, residual: np.ndarray, levels: float, offset: float, lo: float,
+    hi: float,
+) -> int:  # fmt: skip
+    """``absmax_roundtrip``'s residual in one pass: ``residual`` (bfloat16 bits) ← ``sent −
+    roundtrip(sent)`` with ``sent = (θ − launched) + residual`` (``θ`` starting a block), each
+    block's ``sent`` computed twice (for its absmax, then its levels) rather than stored;
+    ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
+    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
+    zero = np.float32(0.0)
+    n = theta.size
+    nonfinite = 0
+    for b in range((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        end = min(s + BLOCK, n)
+        m = np.float32(0.0)
+        for i in range(s, end):
+            m = max(m, abs((theta[i] - launched[i]) + _from_bf16(residual[i])))
+        scale = m / lv
+        for _ in range(4):
+            if np.isfinite(scale * lv):
+                break
+            scale = _float(_bits(scale) - 1)
+        d = scale if scale > 0 else np.float32(1.0)
+        for i in range(s, end):
+            sent = (theta[i] - launched[i]) + _from_bf16(residual[i])
+            q = _rounded(sent / d + off, low, high) - off
+            r = _bf16(sent - (q + zero) * scale)
+            nonfinite |= (r & 0x7F80) == 0x7F80
+            residual[i] = r
+    return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_JIT)
+def outer_step(
+    theta: np.ndarray, momentum: np.ndarray, averaged: np.ndarray, lr: float, mu: float, nesterov: bool
+) -> None:
+    """The outer step on one slice, in place, each operation rounded on its own in float32
+    (``peer.round.state.outer_step_slice``'s order): ``m ← μ·m + Δ̄``; ``θ ← θ − lr·u`` with
+    ``u = Δ̄`` (μ = 0), ``m`` (heavy ball) or ``μ·m + Δ̄`` (Nesterov)."""
+    rate, mom = np.float32(lr), np.float32(mu)
+    if mom > 0 and nesterov:
+        for i in range(theta.size):
+            a = averaged[i]
+            m = momentum[i] * mom + a
+            momentum[i] = m
+            theta[i] = theta[i] - (m * mom + a) * rate
+    elif mom > 0:
+        for i in range(theta.size):
+            m = momentum[i] * mom + averaged[i]
+            momentum[i] = m
+            theta[i] = theta[i] - m * rate
+    else:
+        for i in range(theta.size):
+            theta[i] = theta[i] - averaged[i] * rate

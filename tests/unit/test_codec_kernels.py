@@ -1,0 +1,149 @@
+"""The compiled codec kernels (``engine.kernels``) against the torch reference, bit for
+bit: encode, the reducer's stochastic encode, decode and the error feedback's roundtrip, on
+values chosen to reach every branch (subnormal halves, saturation, zero blocks of either
+sign, scales that overflow, partial blocks, odd lengths), on random payloads a peer could
+send, and across thread counts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import kernels as codec_kernels
+from engine.codecs import get_codec
+from engine.compression import Codec, TwoBitCodec, compiled_kernels
+from protocol.errors import MalformedTensorError
+
+CODECS: list[Codec] = [
+    get_codec("fp16"),
+    get_codec("int8"),
+    get_codec("4bit"),
+    TwoBitCodec(),
+    get_codec("sparse").at_round(5),
+    get_codec("sparse", bits=4).at_round(2),
+]
+IDS = [f"{c.name}-{getattr(c, 'bits', '')}" for c in CODECS]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def vectors() -> Iterator[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    # more than one thread's piece, a partial block, an odd length
+    yield "normal", torch.randn(codec_kernels.CHUNK_VALUES + 4 * 64 + 77, generator=g)
+    n = 20_000 * 64 + 77
+    yield "tiny", torch.randn(n, generator=g) * 2.0**-20  # fp16 subnormals
+    yield "large", torch.randn(n, generator=g) * 1e5  # fp16 saturates
+    yield "zeros", torch.zeros(n)
+    yield "negative zeros", -torch.zeros(n)
+    mixed = torch.randn(n, generator=g)
+    mixed[::7] *= 1e-30  # float32 subnormals and below half of the smallest half
+    mixed[::11] = 0.0
+    mixed[::13] = -0.0
+    mixed[64:128] = 3.3e38  # a block whose absmax/levels·levels overflows: its scale is nudged
+    mixed[130] = -3.4e38
+    yield "mixed", mixed
+    for length in (0, 1, 2, 3, 63, 64, 65, 127, 129, 1001):
+        yield f"length {length}", torch.randn(length, generator=g)
+    # every float32 exponent, with random mantissas and signs
+    bits = torch.arange(0, 2**31 - 2**23, 2**14, dtype=torch.int64)
+    bits += torch.randint(0, 2**14, bits.shape, generator=g)
+    finite = bits.to(torch.int32).view(torch.float32)
+    finite = torch.where(torch.rand(finite.shape, generator=g) < 0.5, finite, -finite)
+    yield "every exponent", finite[torch.isfinite(finite)]
+
+
+VECTORS = list(vectors())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_on() -> None:
+    if compiled_kernels() is None:  # pragma: no cover - SWARMTRAIN_CODEC_KERNELS=off
+        pytest.skip("the compiled kernels are off here")
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=IDS)
+def test_encode_decode_and_roundtrip_are_the_references_bits(codec: Codec) -> None:
+    ref = codec.reference()
+    assert codec.compiled and not ref.compiled
+    dither = torch.rand(max(len(x) for _, x in VECTORS) + 4096, generator=torch.Generator().manual_seed(3))
+    for name, x in VECTORS:
+        if codec.name == "sparse" and name == "every exponent":
+            x = x[: len(x) // 64 * 64]
+        encoded = codec.encode(x)
+        assert encoded == ref.encode(x), (codec.name, name, "encode")
+        assert codec.encode_unbiased(x, dither) == ref.encode_unbiased(x, dither), (codec.name, name, "unbiased")
+        assert same_bits(codec.decode(encoded, x.numel()), ref.decode(encoded, x.numel())), (codec.name, name)
+        assert same_bits(codec.roundtrip(x), ref.roundtrip(x)), (codec.name, name, "roundtrip")
+
+
+def test_every_half_decodes_to_the_references_float_or_is_refused_by_both() -> None:
+    codec = get_codec("fp16")
+    every = np.arange(2**16, dtype=np.uint16)
+    finite = every[(every & 0x7C00) != 0x7C00].tobytes()
+    assert same_bits(codec.decode(finite, len(finite) // 2), codec.reference().decode(finite, len(finite) // 2))
+    for bad in (0x7C00, 0xFC00, 0x7E00, 0x7C01):  # ±Inf, NaNs
+        payload = np.array([0, bad, 1], dtype=np.uint16).tobytes()
+        for path in (codec, codec.reference()):
+            with pytest.raises(MalformedTensorError, match="NaN or Inf"):
+                path.decode(payload, 3)
+
+
+@pytest.mark.parametrize("codec", CODECS[1:4], ids=IDS[1:4])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_peers_random_payload_decodes_alike_or_is_refused_by_both(codec: Codec, data: st.DataObject) -> None:
+    """What a hostile sender controls is the payload: both paths accept the same payloads,
+    decode them to the same bits, and refuse the rest with ``MalformedTensorError``."""
+    numel = data.draw(st.integers(0, 300))
+    size = codec.encoded_size(numel)
+    raw = bytearray(data.draw(st.binary(min_size=size, max_size=size)))
+    blocks = -(-numel // codec.block)
+    if data.draw(st.booleans()):  # mostly sane scales, so that codes and pads are what is tested
+        scales = np.abs(np.frombuffer(bytes(raw[: 4 * blocks]), np.float32).copy())
+        scales[~np.isfinite(scales)] = 1.0
+        raw[: 4 * blocks] = scales.astype("<f4").tobytes()
+    payload = bytes(raw)
+    outcomes = []
+    for path in (codec, codec.reference()):
+        try:
+            outcomes.append(path.decode(payload, numel))
+        except MalformedTensorError:
+            outcomes.append(None)
+    compiled, reference = outcomes
+    assert (compiled is None) == (reference is None), (compiled, reference)
+    if compiled is not None and reference is not None:
+        assert same_bits(compiled, reference)
+
+
+def test_threads_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3 * codec_kernels.CHUNK_VALUES + 1000, generator=torch.Generator().manual_seed(1))
+    dither = torch.rand(x.numel() + 64)
+    results = {}
+    for workers in ("1", "3"):
+        monkeypatch.setenv("SWARMTRAIN_CODEC_THREADS", workers)
+        assert codec_kernels.threads() == int(workers)
+        results[workers] = [(c.encode(x), c.encode_unbiased(x, dither)) for c in CODECS[:4]]
+    assert results["1"] == results["3"]
+
+
+def test_the_reference_path_is_taken_when_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled_kernels.cache_clear()
+    try:
+        monkeypatch.setenv("SWARMTRAIN_CODEC_KERNELS", "off")
+        assert compiled_kernels() is None
+        x = torch.randn(1000)
+        assert get_codec("int8").encode(x) == get_codec("int8").reference().encode(x)
+    finally:
+        monkeypatch.delenv("SWARMTRAIN_CODEC_KERNELS")
+        compiled_kernels.cache_clear()
+    assert compiled_kernels() is not None
+    assert os.environ.get("SWARMTRAIN_CODEC_KERNELS") is None

@@ -1,0 +1,141 @@
+"""The round's host passes with the compiled kernels (``engine.kernels``: the launch's Δ, the
+fused error feedback, the outer step) against the same passes on the torch reference
+(``SWARMTRAIN_CODEC_KERNELS=off``), bit for bit: the pseudo-gradient sent, the residual kept,
+θ_g, the momentum (so the state's digest) and the model, for every codec, with and without
+overlap and ranges a failed reducer left out."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from engine.codecs import get_codec
+from engine.compression import ErrorFeedback, compiled_kernels
+from peer.round.host_passes import Staging, land_round, write_pseudo_gradient
+from peer.round.state import CHUNK_VALUES, GlobalState, flatten, outer_step
+from protocol.spec import OuterSection
+
+
+@contextmanager
+def reference_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The torch reference for every codec and host pass while inside."""
+    compiled_kernels.cache_clear()
+    monkeypatch.setenv("SWARMTRAIN_CODEC_KERNELS", "off")
+    try:
+        assert compiled_kernels() is None
+        yield
+    finally:
+        monkeypatch.delenv("SWARMTRAIN_CODEC_KERNELS")
+        compiled_kernels.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def kernels_on() -> None:
+    if compiled_kernels() is None:  # pragma: no cover - SWARMTRAIN_CODEC_KERNELS=off
+        pytest.skip("the compiled kernels are off here")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def round_on(codec_name: str, overlap: bool, missing: list[tuple[int, int]]) -> dict[str, torch.Tensor | str]:
+    """One launch and one landing from fixed seeds; what they left."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
+    numel = sum(p.numel() for p in model.parameters())
+    codec = get_codec(codec_name)
+    bound = codec.at_round(4)
+    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
+    state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 4)
+    feedback = ErrorFeedback(codec, numel) if codec.lossy else None
+    if feedback:
+        feedback.load_residual(torch.randn(numel) * 1e-4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    out = torch.empty(numel)
+    launch_point = torch.empty(numel) if overlap else None
+    staging = Staging(model)
+    assert write_pseudo_gradient(
+        model, state.params, out, feedback=feedback, launch_point=launch_point, staging=staging
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    averaged = torch.randn(numel) * 1e-3
+    land_round(
+        model, state, averaged, config, feedback=feedback, launch_point=launch_point, keep_progress=overlap,
+        staging=staging, missing=missing, codec=bound,
+    )  # fmt: skip
+    left: dict[str, torch.Tensor | str] = {
+        "sent": out,
+        "params": state.params,
+        "momentum": state.momentum,
+        "model": flatten(model),
+        "digest": state.digest(),
+    }
+    if feedback:
+        left["residual"] = feedback.state
+    return left
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8", "4bit", "sparse"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("with_missing", [False, True])
+def test_a_round_lands_the_same_bits_compiled_and_on_the_reference(
+    codec_name: str, overlap: bool, with_missing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block = max(64, get_codec(codec_name).block)
+    missing = [(0, block), (CHUNK_VALUES - 10 * block, CHUNK_VALUES + 20 * block)] if with_missing else []
+    compiled = round_on(codec_name, overlap, missing)
+    with reference_path(monkeypatch):
+        reference = round_on(codec_name, overlap, missing)
+    assert compiled.keys() == reference.keys()
+    for name, value in compiled.items():
+        other = reference[name]
+        if isinstance(value, str):
+            assert value == other, name
+        else:
+            assert isinstance(other, torch.Tensor) and torch.equal(bits(value), bits(other)), (codec_name, name)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        OuterSection(lr=0.7, momentum=0.9, nesterov=True),
+        OuterSection(lr=1.3, momentum=0.37, nesterov=False),
+        OuterSection(lr=0.1, momentum=0.0, nesterov=False),
+    ],
+    ids=["nesterov", "heavy ball", "plain"],
+)
+def test_the_outer_step_is_the_references_bits(config: OuterSection, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    numel = 3 * CHUNK_VALUES + 11
+    start = GlobalState(torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 1e-2, 7)
+    averaged = torch.randn(numel, generator=g) * 10.0 ** torch.randint(-30, 30, (numel,), generator=g)
+    states = [copy.deepcopy(start), copy.deepcopy(start)]
+    outer_step(states[0], averaged, config)
+    with reference_path(monkeypatch):
+        outer_step(states[1], averaged, config)
+    assert torch.equal(bits(states[0].params), bits(states[1].params))
+    assert torch.equal(bits(states[0].momentum), bits(states[1].momentum))
+    assert states[0].digest() == states[1].digest()
+
+
+def test_a_residual_that_overflows_bfloat16_is_refused_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 keeps 65504 of a sent 3.4e38: the residual, 3.4e38, is above bfloat16's largest."""
+    theta, launched = torch.full((256,), 3.4e38), torch.zeros(256)
+    compiled = ErrorFeedback(get_codec("fp16"), 256)
+    with pytest.raises(ValueError, match="overflowed"):
+        compiled.update_from(theta, launched, 0)
+    with reference_path(monkeypatch):
+        reference = ErrorFeedback(get_codec("fp16"), 256)
+        assert not reference.update_from(theta, launched, 0)  # no fused pass: the caller's passes
+        with pytest.raises(ValueError, match="overflowed"):
+            reference.update_slice(torch.sub(theta, launched), 0)
+    assert torch.equal(bits(compiled.state), bits(reference.state))
