@@ -2,9 +2,10 @@
 reference (``Codec.reference()``), in one run, on the same vector.
 
 For each codec and operation (``encode``, the reducer's stochastic ``encode_unbiased``,
-``decode``, the error feedback's ``roundtrip``) it times the best of ``--reps`` calls on a
-vector of ``--values`` float32 values and reports GB of float32 per second (4 bytes a value,
-whatever the codec writes) and the ratio. The reference runs on one torch thread, as the
+``decode``, the error feedback's ``roundtrip``) it times the best of ``--reps`` passes over a
+vector of ``--values`` float32 values, cut as a round cuts it (the all-reduce's parts for the
+codecs, the error feedback's chunks for the roundtrip), and reports GB of float32 per second
+(4 bytes a value, whatever the codec writes) and the ratio. The reference runs on one torch thread, as the
 peer's averager does (``torch.set_num_threads(1)`` in ``benchmarks.wan_averaging``'s hosts);
 the kernels on one thread and then on ``--threads``. Both paths are checked to give the same
 bytes before anything is timed.
@@ -28,8 +29,10 @@ from typing import Any
 
 import torch
 
+from engine.allreduce import part_size_bytes
 from engine.codecs import get_codec
 from engine.compression import Codec, compiled_kernels
+from peer.round.state import CHUNK_VALUES
 
 CODECS = ("fp16", "int8", "4bit", "sparse")
 OPS = ("encode", "encode_unbiased", "decode", "roundtrip")
@@ -46,12 +49,26 @@ def best_s(fn: Callable[[], object], reps: int) -> float:
 
 
 def calls(codec: Codec, x: torch.Tensor, dither: torch.Tensor) -> dict[str, Callable[[], object]]:
-    encoded = codec.encode(x)
+    """Each operation over ``x`` as a round runs it: encode and decode part by part (the
+    all-reduce's parts, ``engine.allreduce.part_size_bytes`` for a group of 4), the roundtrip
+    chunk by chunk (the error feedback's windows, ``peer.round.state.CHUNK_VALUES``)."""
+    part = int(part_size_bytes(x.numel(), codec, 4) / codec.bytes_per_value())
+    parts = [x[i : i + part] for i in range(0, x.numel(), part)]
+    encoded = [codec.encode(p) for p in parts]
+    windows = [x[i : i + CHUNK_VALUES] for i in range(0, x.numel(), CHUNK_VALUES)]
+
+    def each(fn: Callable[[Any], object], items: list[Any]) -> Callable[[], None]:
+        def run() -> None:
+            for item in items:
+                fn(item)  # and dropped, as the all-reduce drops a part once it is sent
+
+        return run
+
     return {
-        "encode": lambda: codec.encode(x),
-        "encode_unbiased": lambda: codec.encode_unbiased(x, dither),
-        "decode": lambda: codec.decode(encoded, x.numel()),
-        "roundtrip": lambda: codec.roundtrip(x),
+        "encode": each(codec.encode, parts),
+        "encode_unbiased": each(lambda p: codec.encode_unbiased(p, dither), parts),
+        "decode": each(lambda pair: codec.decode(pair[0], pair[1].numel()), list(zip(encoded, parts))),
+        "roundtrip": each(codec.roundtrip, windows),
     }
 
 
@@ -100,8 +117,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command: str)
         f"# Codec speed: compiled kernels against the torch reference ({time.strftime('%Y-%m-%d')})",
         "",
         f"`{command}` on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): a vector of "
-        f"{args.values:,} float32 values, best of {args.reps} calls; GB of float32 per second "
-        "(4 bytes a value). The reference on one torch thread; the kernels on one thread, then on "
+        f"{args.values:,} float32 values in the all-reduce's parts (the roundtrip in the error feedback's "
+        f"chunks), best of {args.reps} passes; GB of float32 per second (4 bytes a value). The reference on one torch thread; the kernels on one thread, then on "
         f"{args.threads}.",
         "",
         "| codec | operation | reference GB/s | kernels GB/s (x reference) "

@@ -108,16 +108,49 @@ def _write(t: torch.Tensor, dtype: str) -> bytes:
     return t.numpy().astype(np.dtype(dtype), copy=False).tobytes()
 
 
+KERNELS_ENV = "SWARMTRAIN_CODEC_KERNELS"
+KERNELS_MIN_VALUES = 1 << 22
+"""A peer whose vector is shorter (4M values, 16 MB of float32) runs the torch reference
+(``choose_kernels``): numba's start costs a process 2-3 s of CPU here, once, more than the
+kernels save on rounds whose passes take milliseconds."""
+
+
+_chosen: list[bool] = []
+"""``choose_kernels``'s choice for this process (and the averager process it forks), if made."""
+
+
 @functools.cache
 def compiled_kernels() -> ModuleType | None:
     """``engine.kernels`` (imported on first use: numba compiles or loads its kernels), or
-    None where the codecs run on the torch reference: ``SWARMTRAIN_CODEC_KERNELS=off``, or a
-    big-endian machine (the kernels write native byte order)."""
-    if os.environ.get("SWARMTRAIN_CODEC_KERNELS", "on") == "off" or sys.byteorder != "little":
+    None where the codecs run on the torch reference: ``SWARMTRAIN_CODEC_KERNELS=off``, else
+    ``choose_kernels``'s choice where it was made (on when not), and never on a big-endian
+    machine (the kernels write native byte order)."""
+    wanted = os.environ.get(KERNELS_ENV, "auto")
+    if wanted == "off" or (wanted != "on" and _chosen and not _chosen[-1]) or sys.byteorder != "little":
         return None
     from engine import kernels
 
     return kernels
+
+
+def choose_kernels(numel: int) -> bool:
+    """A peer's choice for its vector of ``numel`` values, made before it starts its averager
+    (whose process is forked: it inherits the choice): the compiled kernels for
+    ``KERNELS_MIN_VALUES`` or more, else the reference, unless ``SWARMTRAIN_CODEC_KERNELS`` is
+    ``on`` or ``off``. Either path gives the same bits: peers that chose differently average
+    and land the same states."""
+    _chosen.append(numel >= KERNELS_MIN_VALUES)
+    compiled_kernels.cache_clear()
+    chosen = compiled_kernels() is not None
+    wanted = os.environ.get(KERNELS_ENV, "auto")
+    logger.info(
+        "codecs and host passes: %s (%d values; %s=%s)",
+        "compiled kernels" if chosen else "the torch reference",
+        numel,
+        KERNELS_ENV,
+        wanted,
+    )
+    return chosen
 
 
 def _run(kernels: ModuleType, n: int, fn: object) -> list[object]:
@@ -278,16 +311,14 @@ class Fp16Codec(Codec):
         return 2 * numel
 
     def encode(self, x: torch.Tensor) -> bytes:
+        # torch's path on both: its cast is the CPU's own conversion instruction, faster than the
+        # compiled kernel's bit arithmetic (``engine.kernels.fp16_encode``: the same bits), which
+        # serves the fused error feedback (``engine.kernels.fp16_residual``)
         x = _check_input(x, self.name)
-        kernels = self._kernels()
-        if kernels is None:
-            return b"".join(
-                _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
-                for i in range(0, x.numel(), _CHUNK)
-            )
-        values, out = x.numpy(), np.empty(x.numel(), np.uint16)
-        _run(kernels, x.numel(), lambda s, e: kernels.fp16_encode(values[s:e], out[s:e]))
-        return out.tobytes()
+        return b"".join(
+            _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
+            for i in range(0, x.numel(), _CHUNK)
+        )
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         raw = self._check_length(data, numel)
@@ -302,15 +333,9 @@ class Fp16Codec(Codec):
         return out
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = self._kernels()
-        if kernels is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode``
-            return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
-        x = x.detach().contiguous()
-        out = torch.empty_like(x)
-        values, result = x.view(-1).numpy(), out.view(-1).numpy()
-        _run(kernels, x.numel(), lambda s, e: kernels.fp16_roundtrip(values[s:e], result[s:e]))
-        return out
+        # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode`` (torch's
+        # path, as for ``encode``)
+        return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
 
 
 class _BlockAbsmaxCodec(Codec):
@@ -470,7 +495,7 @@ class _BlockAbsmaxCodec(Codec):
     def _encode_compiled(self, kernels: ModuleType, x: torch.Tensor, dither: torch.Tensor | None) -> bytes:
         n, block, per_byte = x.numel(), self.block, self._per_byte()
         blocks = self._n_blocks(n)
-        out = np.empty(self.encoded_size(n), np.uint8)
+        out = kernels.scratch(self.encoded_size(n))
         scales, packed = out[: _SCALE_BYTES * blocks].view(np.float32), out[_SCALE_BYTES * blocks :]
         values, levels = x.numpy(), self._kernel_args()
         noise = dither.numpy() if dither is not None else np.empty(0, np.float32)

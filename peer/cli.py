@@ -481,6 +481,10 @@ def _announce(
     ranks = f" x {node_env.world_size} local ranks" if node_env is not None else ""
     ranks += " (FSDP2 shards)" if plan.shard else ""
     print(f"model: {plan.numel:,} parameters on {plan.device}{ranks}; {mode}", flush=True)
+    from engine.compression import KERNELS_ENV, compiled_kernels  # torch: not at the CLI's import
+
+    path_name = "compiled kernels" if compiled_kernels() is not None else "the torch reference"
+    print(f"codecs and host passes: {path_name} ({KERNELS_ENV}: on, off or auto)", flush=True)
     own = [f"{args.micro_batches} micro-batches"] if args.micro_batches is not None else []
     own += [f"activation checkpointing {args.activation_checkpointing}"] if args.activation_checkpointing else []
     own += [f"compile {args.compile}"] if args.compile else []

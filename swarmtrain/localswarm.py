@@ -215,11 +215,13 @@ def start_peers(
     coordinator: str | None = None,
     executables: dict[int, list[str]] | None = None,
     checkpoints: bool = False,
+    envs: dict[int, dict[str, str]] | None = None,
 ) -> list[LocalPeer]:
     """Start ``count`` peers of ``spec`` on loopback: through ``coordinator`` (HOST:PORT) when
     given, else the first one bootstrapping the others. ``executables`` runs peer ``i`` with
     another command than ``swarmtrain`` (a test's wrapper around it); ``checkpoints`` gives
-    peer ``i`` the checkpoint directory ``workdir/peer<i>-checkpoints``."""
+    peer ``i`` the checkpoint directory ``workdir/peer<i>-checkpoints``; ``envs`` adds to peer
+    ``i``'s environment."""
     peers: list[LocalPeer] = []
     try:
         for i in range(count):
@@ -231,7 +233,9 @@ def start_peers(
                 args += ["--checkpoint-dir", str(workdir / f"peer{i}-checkpoints")]
             if peers and not coordinator:
                 args += ["--initial-peers", peers[0].wait_for_maddr()]
-            peers.append(LocalPeer(args, workdir, f"peer{i}", executable=(executables or {}).get(i)))
+            peers.append(
+                LocalPeer(args, workdir, f"peer{i}", env=(envs or {}).get(i), executable=(executables or {}).get(i))
+            )
         peers[0].wait_for_maddr()
     except BaseException:
         for peer in peers:

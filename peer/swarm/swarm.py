@@ -33,7 +33,7 @@ from hivemind.utils import get_dht_time
 
 from engine.averager import ExactAverager
 from engine.bulk_settings import BulkSettings
-from engine.compression import Codec
+from engine.compression import Codec, choose_kernels
 from engine.dht_mend import keep_bootstrapped
 from engine.dht_start import start_dht
 from engine.outcome import GroupOutcome
@@ -277,6 +277,7 @@ class Swarm:
         self._allreduce_timeout_s: float | None = None
         self._move: _Move | None = None
         """A move asked for by ``move_to``, made at the next ``start_round``."""
+        choose_kernels(self.numel)  # before the averager's process starts: it inherits the choice
         self.dht, self.averager = self._open()
         self.run_records = RunRecords(self.dht, self.averager.prefix)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.compression import KERNELS_ENV
 from engine.fragments import fragment_bounds
 from swarmtrain.localswarm import start_peers, wait_all
 from tests.specs import tiny_spec
@@ -43,7 +44,10 @@ def run_swarm(
     """Each peer's metrics rows, and the warnings the peers logged (for failure messages)."""
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower(), d_model=d_model))
-    peers = start_peers(spec, 3, tmp_path, extra=["--max-rounds", str(ROUNDS)])
+    # peer 0 runs the compiled kernels (engine.kernels), the others the torch reference (their
+    # choice for a vector this small): one state per round all the same
+    kernels = {0: {KERNELS_ENV: "on"}}
+    peers = start_peers(spec, 3, tmp_path, extra=["--max-rounds", str(ROUNDS)], envs=kernels)
     try:
         for peer, code in zip(peers, wait_all(peers, 240)):
             assert code == 0, "\n".join(peer.lines)
@@ -51,6 +55,8 @@ def run_swarm(
         for peer in peers:
             peer.kill()
     warnings = [f"peer {i}: {line}" for i, peer in enumerate(peers) for line in peer.lines if "WARNING" in line]
+    paths = [next(line for line in peer.lines if "codecs and host passes:" in line) for peer in peers]
+    assert "compiled kernels" in paths[0] and all("torch reference" in p for p in paths[1:]), paths
     return [peer.rounds() for peer in peers], warnings
 
 

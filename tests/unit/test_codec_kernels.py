@@ -15,9 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import compression
 from engine import kernels as codec_kernels
 from engine.codecs import get_codec
-from engine.compression import Codec, TwoBitCodec, compiled_kernels
+from engine.compression import KERNELS_ENV, KERNELS_MIN_VALUES, Codec, TwoBitCodec, choose_kernels, compiled_kernels
 from protocol.errors import MalformedTensorError
 
 CODECS: list[Codec] = [
@@ -64,10 +65,14 @@ def vectors() -> Iterator[tuple[str, torch.Tensor]]:
 VECTORS = list(vectors())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def kernels_on() -> None:
-    if compiled_kernels() is None:  # pragma: no cover - SWARMTRAIN_CODEC_KERNELS=off
-        pytest.skip("the compiled kernels are off here")
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The compiled path, whatever a peer built in this process chose (``choose_kernels``)."""
+    monkeypatch.setenv(KERNELS_ENV, "on")
+    compiled_kernels.cache_clear()
+    assert compiled_kernels() is not None
+    yield
+    compiled_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=IDS)
@@ -136,14 +141,34 @@ def test_threads_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_reference_path_is_taken_when_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KERNELS_ENV, "off")
     compiled_kernels.cache_clear()
-    try:
-        monkeypatch.setenv("SWARMTRAIN_CODEC_KERNELS", "off")
-        assert compiled_kernels() is None
-        x = torch.randn(1000)
-        assert get_codec("int8").encode(x) == get_codec("int8").reference().encode(x)
-    finally:
-        monkeypatch.delenv("SWARMTRAIN_CODEC_KERNELS")
-        compiled_kernels.cache_clear()
-    assert compiled_kernels() is not None
-    assert os.environ.get("SWARMTRAIN_CODEC_KERNELS") is None
+    assert compiled_kernels() is None
+    x = torch.randn(1000)
+    assert get_codec("int8").encode(x) == get_codec("int8").reference().encode(x)
+
+
+def test_a_peer_chooses_the_kernels_for_a_large_vector_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KERNELS_ENV)
+    monkeypatch.setattr(compression, "_chosen", [])
+    assert choose_kernels(KERNELS_MIN_VALUES) and compiled_kernels() is not None
+    assert not choose_kernels(KERNELS_MIN_VALUES - 1) and compiled_kernels() is None
+    monkeypatch.setenv(KERNELS_ENV, "on")
+    assert choose_kernels(1000)  # told
+    monkeypatch.setenv(KERNELS_ENV, "off")
+    assert not choose_kernels(KERNELS_MIN_VALUES)
+    assert os.environ[KERNELS_ENV] == "off"  # the choice changes no environment
+
+
+def test_the_kernels_half_conversion_is_torchs_for_every_vector() -> None:
+    """fp16's encode runs torch's cast (the CPU's instruction); the kernel's bit arithmetic, which
+    the fused error feedback uses (``engine.kernels.fp16_residual``), must give its bits."""
+    for name, x in VECTORS:
+        values = x.numpy()
+        halves = np.empty(values.size, np.uint16)
+        codec_kernels.fp16_encode(values, halves)
+        expected = x.clamp(-65504.0, 65504.0).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(halves, expected), name
+        back = np.empty(values.size, np.float32)
+        codec_kernels.fp16_roundtrip(values, back)
+        assert same_bits(torch.from_numpy(back), get_codec("fp16").roundtrip(x)), name

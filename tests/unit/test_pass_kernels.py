@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.codecs import get_codec
-from engine.compression import ErrorFeedback, compiled_kernels
+from engine.compression import KERNELS_ENV, ErrorFeedback, compiled_kernels
 from peer.round.host_passes import Staging, land_round, write_pseudo_gradient
 from peer.round.state import CHUNK_VALUES, GlobalState, flatten, outer_step
 from protocol.spec import OuterSection
@@ -23,20 +23,24 @@ from protocol.spec import OuterSection
 @contextmanager
 def reference_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The torch reference for every codec and host pass while inside."""
+    monkeypatch.setenv(KERNELS_ENV, "off")
     compiled_kernels.cache_clear()
-    monkeypatch.setenv("SWARMTRAIN_CODEC_KERNELS", "off")
     try:
         assert compiled_kernels() is None
         yield
     finally:
-        monkeypatch.delenv("SWARMTRAIN_CODEC_KERNELS")
+        monkeypatch.setenv(KERNELS_ENV, "on")
         compiled_kernels.cache_clear()
 
 
 @pytest.fixture(autouse=True)
-def kernels_on() -> None:
-    if compiled_kernels() is None:  # pragma: no cover - SWARMTRAIN_CODEC_KERNELS=off
-        pytest.skip("the compiled kernels are off here")
+def kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The compiled path, whatever a peer built in this process chose (``choose_kernels``)."""
+    monkeypatch.setenv(KERNELS_ENV, "on")
+    compiled_kernels.cache_clear()
+    assert compiled_kernels() is not None
+    yield
+    compiled_kernels.cache_clear()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
