@@ -172,3 +172,12 @@ def test_the_kernels_half_conversion_is_torchs_for_every_vector() -> None:
         back = np.empty(values.size, np.float32)
         codec_kernels.fp16_roundtrip(values, back)
         assert same_bits(torch.from_numpy(back), get_codec("fp16").roundtrip(x)), name
+
+
+def test_the_int8_encode_kernel_is_the_references_too() -> None:
+    """int8's encode runs torch's passes (faster here); its kernel stays exact for when it wins."""
+    codec = get_codec("int8")
+    dither = torch.rand(max(len(x) for _, x in VECTORS) + 64)
+    for name, x in VECTORS:
+        assert codec._encode_compiled(codec_kernels, x, None) == codec.reference().encode(x), name
+        assert codec._encode_compiled(codec_kernels, x, dither) == codec.reference().encode_unbiased(x, dither), name
