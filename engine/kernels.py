@@ -489,28 +489,45 @@ def absmax_residual(
     block's ``sent`` computed twice (for its absmax, then its levels) rather than stored;
     ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
     lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
-    zero = np.float32(0.0)
     n = theta.size
     nonfinite = 0
+    sent = np.empty(BLOCK, np.float32)
     for b in range((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         end = min(s + BLOCK, n)
-        m = np.float32(0.0)
-        for i in range(s, end):
-            m = max(m, abs((theta[i] - launched[i]) + _from_bf16(residual[i])))
-        scale = m / lv
-        for _ in range(4):
-            if np.isfinite(scale * lv):
-                break
-            scale = _float(_bits(scale) - 1)
-        d = scale if scale > 0 else np.float32(1.0)
-        for i in range(s, end):
-            sent = (theta[i] - launched[i]) + _from_bf16(residual[i])
-            q = _rounded(sent / d + off, low, high) - off
-            r = _bf16(sent - (q + zero) * scale)
-            nonfinite |= (r & 0x7F80) == 0x7F80
-            residual[i] = r
+        if end - s == BLOCK:
+            for k in range(BLOCK):
+                sent[k] = (theta[s + k] - launched[s + k]) + _from_bf16(residual[s + k])
+            nonfinite |= _block_residual(sent, BLOCK, lv, off, low, high, residual, s)
+        else:
+            for k in range(end - s):
+                sent[k] = (theta[s + k] - launched[s + k]) + _from_bf16(residual[s + k])
+            nonfinite |= _block_residual(sent, end - s, lv, off, low, high, residual, s)
     return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_INLINE)
+def _block_residual(
+    sent: np.ndarray, count: int, lv: np.float32, off: np.float32, low: np.float32, high: np.float32,
+    residual: np.ndarray, at: int,
+) -> int:  # fmt: skip
+    """``residual[at : at + count]`` ← bfloat16 of ``sent − roundtrip(sent)`` for one block; 1
+    if one is not finite."""
+    m = _absmax_block(sent, 0) if count == BLOCK else _absmax(sent, 0, count)
+    scale = m / lv
+    for _ in range(4):
+        if np.isfinite(scale * lv):
+            break
+        scale = _float(_bits(scale) - 1)
+    d = scale if scale > 0 else np.float32(1.0)
+    zero = np.float32(0.0)
+    bad = 0
+    for k in range(count):
+        q = _rounded(sent[k] / d + off, low, high) - off
+        r = _bf16(sent[k] - (q + zero) * scale)
+        bad |= (r & 0x7F80) == 0x7F80
+        residual[at + k] = r
+    return bad
 
 
 @numba.njit(**_JIT)
