@@ -128,8 +128,11 @@ def compiled_kernels() -> ModuleType | None:
     wanted = os.environ.get(KERNELS_ENV, "auto")
     if wanted == "off" or (wanted != "on" and _chosen and not _chosen[-1]) or sys.byteorder != "little":
         return None
-    from engine import kernels
-
+    try:
+        from engine import kernels
+    except Exception as exc:  # noqa: BLE001 - numba missing or unable to load here: the reference gives the same bits
+        logger.warning("compiled kernels unavailable (%s); codecs and host passes run on the torch reference", exc)
+        return None
     return kernels
 
 
