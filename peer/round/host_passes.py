@@ -37,6 +37,7 @@ Parameters on an accelerator are staged through one pinned host buffer of a chun
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -167,17 +168,20 @@ def write_delta_from(
     return all_finite(out)
 
 
-def read_model_window(model: torch.nn.Module, start: int, out: torch.Tensor) -> None:
-    """``out`` ← the flat model values ``[start, start + len(out))`` (across parameters)."""
-    stop, offset = start + out.numel(), 0
-    for p in model.parameters():
-        n = p.numel()
-        lo, hi = max(start, offset), min(stop, offset + n)
-        if lo < hi:
-            out[lo - start : hi - start].copy_(p.detach().view(-1)[lo - offset : hi - offset])
-        offset += n
+def read_model_window(
+    views: Sequence[tuple[int, torch.Tensor]], start: int, out: torch.Tensor, offsets: Sequence[int] = ()
+) -> None:
+    """``out`` ← the flat model values ``[start, start + len(out))`` (across parameters), from the
+    model's ``parameter_views`` (listed once per pass: walking the module tree for every chunk
+    cost more than the copy); ``offsets``: theirs, to find the first one at once."""
+    stop = start + out.numel()
+    first = max(0, bisect.bisect_right(offsets or [offset for offset, _ in views], start) - 1)
+    for offset, flat in views[first:]:
         if offset >= stop:
             return
+        lo, hi = max(start, offset), min(stop, offset + flat.numel())
+        if lo < hi:
+            out[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
 
 
 @torch.no_grad()
@@ -218,6 +222,8 @@ def update_residual(
                 feedback.update_slice(window, kept.start, codec)
         return
     size = CHUNK_VALUES - CHUNK_VALUES % feedback.codec.block
+    views = list(parameter_views(model)) if launch_point is None else []
+    offsets = [offset for offset, _ in views]
     sent_buffer = torch.empty(size, dtype=torch.float32)
     model_buffer = torch.empty(size, dtype=torch.float32) if launch_point is None else None
     for part in chunks(theta.numel(), size):
@@ -225,7 +231,7 @@ def update_residual(
         if launch_point is None:
             assert model_buffer is not None
             launched = model_buffer[:n]
-            read_model_window(model, part.start, launched)
+            read_model_window(views, part.start, launched, offsets)
         else:
             launched = launch_point[part]
         sent = sent_buffer[:n]
