@@ -389,6 +389,16 @@ block and on a byte); shorter vectors run on the calling thread."""
 _POOL: ThreadPoolExecutor | None = None
 _POOL_WIDTH = 0
 _POOL_LOCK = threading.Lock()
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child (the averager, forked again when a peer moves) inherits the pool object but
+    not its threads: work queued on it would wait forever. It starts its own."""
+    global _POOL, _POOL_WIDTH, _POOL_LOCK
+    _POOL, _POOL_WIDTH, _POOL_LOCK = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
 T = TypeVar("T")
 
 

@@ -7,6 +7,8 @@ send, and across thread counts."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -181,3 +183,34 @@ def test_the_int8_encode_kernel_is_the_references_too() -> None:
     for name, x in VECTORS:
         assert codec._encode_compiled(codec_kernels, x, None) == codec.reference().encode(x), name
         assert codec._encode_compiled(codec_kernels, x, dither) == codec.reference().encode_unbiased(x, dither), name
+
+
+def test_a_forked_child_gets_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The averager's process is forked from the peer's, possibly after the peer used the pool
+    (a peer that moves starts a new averager): the child must not queue on the parent's threads.
+    (One torch thread: torch's own OpenMP team does not survive a fork either, a separate matter.)"""
+    monkeypatch.setenv("SWARMTRAIN_CODEC_THREADS", "2")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(3 * codec_kernels.CHUNK_VALUES)
+        expected = get_codec("4bit").encode(x)  # the parent's pool now exists
+        pid = os.fork()
+        if pid == 0:  # the child: encode on threads, report by exit code, skip pytest's teardown
+            code = 1
+            try:
+                code = 0 if get_codec("4bit").encode(x) == expected else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                assert os.waitstatus_to_exitcode(status) == 0
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's encode hung on its parent's pool")
+    finally:
+        torch.set_num_threads(threads_before)
