@@ -29,3 +29,16 @@ def core(tmp_path: Path) -> Iterator[Coordinator]:
     made = new_core(tmp_path)
     yield made
     made.store.close()
+
+
+@pytest.fixture
+def compiled_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The compiled kernels (``engine.kernels``) for every codec and host pass, whatever a peer
+    built earlier in this process chose (``engine.compression.choose_kernels``)."""
+    from engine.compression import KERNELS_ENV, compiled_kernels
+
+    monkeypatch.setenv(KERNELS_ENV, "on")
+    compiled_kernels.cache_clear()
+    assert compiled_kernels() is not None
+    yield
+    compiled_kernels.cache_clear()

@@ -67,14 +67,7 @@ def vectors() -> Iterator[tuple[str, torch.Tensor]]:
 VECTORS = list(vectors())
 
 
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The compiled path, whatever a peer built in this process chose (``choose_kernels``)."""
-    monkeypatch.setenv(KERNELS_ENV, "on")
-    compiled_kernels.cache_clear()
-    assert compiled_kernels() is not None
-    yield
-    compiled_kernels.cache_clear()
+pytestmark = pytest.mark.usefixtures("compiled_path")
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=IDS)
@@ -155,6 +148,7 @@ def test_a_peer_chooses_the_kernels_for_a_large_vector_unless_told(monkeypatch: 
     monkeypatch.setattr(compression, "_chosen", [])
     assert choose_kernels(KERNELS_MIN_VALUES) and compiled_kernels() is not None
     assert not choose_kernels(KERNELS_MIN_VALUES - 1) and compiled_kernels() is None
+    assert KERNELS_ENV not in os.environ  # the choice is the process's, not its environment's
     monkeypatch.setenv(KERNELS_ENV, "on")
     assert choose_kernels(1000)  # told
     monkeypatch.setenv(KERNELS_ENV, "off")

@@ -33,14 +33,7 @@ def reference_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         compiled_kernels.cache_clear()
 
 
-@pytest.fixture(autouse=True)
-def kernels_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The compiled path, whatever a peer built in this process chose (``choose_kernels``)."""
-    monkeypatch.setenv(KERNELS_ENV, "on")
-    compiled_kernels.cache_clear()
-    assert compiled_kernels() is not None
-    yield
-    compiled_kernels.cache_clear()
+pytestmark = pytest.mark.usefixtures("compiled_path")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
