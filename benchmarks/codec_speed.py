@@ -31,7 +31,7 @@ import torch
 
 from engine.allreduce import part_size_bytes
 from engine.codecs import get_codec
-from engine.compression import Codec, compiled_kernels
+from engine.compression import KERNELS_ENV, Codec, compiled_kernels
 from peer.round.state import CHUNK_VALUES
 
 CODECS = ("fp16", "int8", "4bit", "sparse")
@@ -73,6 +73,8 @@ def calls(codec: Codec, x: torch.Tensor, dither: torch.Tensor) -> dict[str, Call
 
 
 def measure(values: int, reps: int, threads: int) -> list[dict[str, Any]]:
+    os.environ.setdefault(KERNELS_ENV, "on")  # whatever the length (a process takes them only when told or chosen)
+    compiled_kernels.cache_clear()
     if compiled_kernels() is None:
         raise SystemExit("the compiled kernels are off (SWARMTRAIN_CODEC_KERNELS=off): nothing to compare")
     generator = torch.Generator().manual_seed(0)

@@ -123,10 +123,11 @@ _chosen: list[bool] = []
 def compiled_kernels() -> ModuleType | None:
     """``engine.kernels`` (imported on first use: numba compiles or loads its kernels), or
     None where the codecs run on the torch reference: ``SWARMTRAIN_CODEC_KERNELS=off``, else
-    ``choose_kernels``'s choice where it was made (on when not), and never on a big-endian
-    machine (the kernels write native byte order)."""
+    ``choose_kernels``'s choice (``on`` takes them without one; a process that never chose,
+    such as a tool that decodes a few tensors, runs the reference and pays no compilation),
+    and never on a big-endian machine (the kernels write native byte order)."""
     wanted = os.environ.get(KERNELS_ENV, "auto")
-    if wanted == "off" or (wanted != "on" and _chosen and not _chosen[-1]) or sys.byteorder != "little":
+    if wanted == "off" or (wanted != "on" and not (_chosen and _chosen[-1])) or sys.byteorder != "little":
         return None
     try:
         from engine import kernels
@@ -141,10 +142,14 @@ def choose_kernels(numel: int) -> bool:
     (whose process is forked: it inherits the choice): the compiled kernels for
     ``KERNELS_MIN_VALUES`` or more, else the reference, unless ``SWARMTRAIN_CODEC_KERNELS`` is
     ``on`` or ``off``. Either path gives the same bits: peers that chose differently average
-    and land the same states."""
+    and land the same states. Compiled kernels are loaded here (``warm_kernels``), so that
+    neither the forked averager nor the first round pays for it."""
     _chosen.append(numel >= KERNELS_MIN_VALUES)
     compiled_kernels.cache_clear()
-    chosen = compiled_kernels() is not None
+    kernels = compiled_kernels()
+    chosen = kernels is not None
+    if kernels is not None:
+        warm_kernels()
     wanted = os.environ.get(KERNELS_ENV, "auto")
     logger.info(
         "codecs and host passes: %s (%d values; %s=%s)",
@@ -154,6 +159,34 @@ def choose_kernels(numel: int) -> bool:
         wanted,
     )
     return chosen
+
+
+WARM_VALUES = 300
+"""The length ``warm_kernels`` runs each pass on: more than one block and not a whole number
+of them, so that full and partial blocks (and the 2-bit codec's pad byte) are reached."""
+
+
+def warm_kernels() -> None:
+    """Run every compiled kernel once, on ``WARM_VALUES`` values, through the same calls a
+    round makes (each codec's encode, stochastic encode, decode, roundtrip and fused residual;
+    the delta with and without a residual; the outer step): numba loads (or first compiles)
+    each signature on its first call, 2-3 s of CPU in all here, which inside a round's
+    all-reduce made a member late for its group. Nothing where the process runs the reference."""
+    kernels = compiled_kernels()
+    if kernels is None:
+        return
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand(WARM_VALUES, generator=generator) * 2 - 1
+    launched, dither = torch.zeros(WARM_VALUES), torch.rand(WARM_VALUES + 64, generator=generator)
+    for codec in (Fp16Codec(), Int8Codec(), FourBitCodec(), TwoBitCodec()):
+        codec.decode(codec.encode(x), WARM_VALUES)
+        codec.decode(codec.encode_unbiased(x, dither), WARM_VALUES)
+        codec.roundtrip(x)
+        ErrorFeedback(codec, WARM_VALUES).update_from(x, launched, 0)
+    sent, residual = torch.empty(WARM_VALUES), torch.zeros(WARM_VALUES, dtype=torch.bfloat16)
+    for bits in (residual.view(torch.int16).numpy().view(np.uint16), np.empty(0, np.uint16)):
+        kernels.delta(x.numpy(), launched.numpy(), bits, sent.numpy())
+    kernels.outer_step(x.clone().numpy(), torch.zeros(WARM_VALUES).numpy(), sent.numpy(), 0.7, 0.9, True)
 
 
 def _run(kernels: ModuleType, n: int, fn: object) -> list[object]:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,3 +211,58 @@ def test_a_forked_child_gets_threads_of_its_own(monkeypatch: pytest.MonkeyPatch)
         pytest.fail("the forked child's encode hung on its parent's pool")
     finally:
         torch.set_num_threads(threads_before)
+
+
+def test_a_process_that_never_chose_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool that decodes a few tensors (or an averager forked before any choice) pays no
+    compilation: without ``choose_kernels`` or ``SWARMTRAIN_CODEC_KERNELS=on``, the reference."""
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    monkeypatch.setattr(compression, "_chosen", [])
+    compiled_kernels.cache_clear()
+    try:
+        assert compiled_kernels() is None
+    finally:
+        compiled_kernels.cache_clear()
+
+
+ROUND_AFTER_CHOICE = """
+import numba, torch
+from engine import compression
+from engine.compression import ErrorFeedback, choose_kernels
+from tests.unit.test_pass_kernels import round_on
+
+assert choose_kernels(compression.KERNELS_MIN_VALUES)
+from engine import kernels
+
+def compiled():
+    return {name: len(f.signatures) for name, f in vars(kernels).items()
+            if isinstance(f, numba.core.registry.CPUDispatcher) and not name.startswith("_")}
+
+before = compiled()
+for name in ("none", "fp16", "int8", "4bit", "sparse"):
+    for overlap in (False, True):
+        round_on(name, overlap, [(0, 256)])
+    codec = compression.TwoBitCodec() if name == "none" else __import__("engine.codecs").codecs.get_codec(name).at_round(3)
+    x = torch.randn(5000)
+    codec.decode(codec.encode(x), 5000)
+    codec.decode(codec.encode_unbiased(x, torch.rand(6000)), 5000)
+    codec.roundtrip(x)
+after = compiled()
+assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+print("warm", sum(after.values()))
+"""
+
+
+def test_a_peers_choice_loads_every_kernel_a_round_calls() -> None:
+    """``choose_kernels`` runs before the averager forks; numba's first call of a signature
+    costs seconds of CPU, and inside a round's all-reduce it made a member late for its group
+    (a fresh clone's CI). After the choice, a whole round (every codec, overlap or not, a
+    missing range) and the codecs' own calls compile nothing more."""
+    env = {k: v for k, v in os.environ.items() if k != KERNELS_ENV}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", ROUND_AFTER_CHOICE], cwd=root, env={**env, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("warm ")
