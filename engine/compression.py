@@ -45,6 +45,7 @@ from __future__ import annotations
 import abc
 import copy
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -169,7 +170,7 @@ of them, so that full and partial blocks (and the 2-bit codec's pad byte) are re
 def warm_kernels() -> None:
     """Run every compiled kernel once, on ``WARM_VALUES`` values, through the same calls a
     round makes (each codec's encode, stochastic encode, decode, roundtrip and fused residual;
-    the delta with and without a residual; the outer step): numba loads (or first compiles)
+    the delta with and without a residual; the outer step; the fused landing): numba loads (or first compiles)
     each signature on its first call, 2-3 s of CPU in all here, which inside a round's
     all-reduce made a member late for its group. Nothing where the process runs the reference."""
     kernels = compiled_kernels()
@@ -187,6 +188,11 @@ def warm_kernels() -> None:
     for bits in (residual.view(torch.int16).numpy().view(np.uint16), np.empty(0, np.uint16)):
         kernels.delta(x.numpy(), launched.numpy(), bits, sent.numpy())
     kernels.outer_step(x.clone().numpy(), torch.zeros(WARM_VALUES).numpy(), sent.numpy(), 0.7, 0.9, True)
+    bits = residual.view(torch.int16).numpy().view(np.uint16)
+    for kind, shift in itertools.product((kernels.LAND_PLAIN, kernels.LAND_FP16, kernels.LAND_ABSMAX), (False, True)):
+        model, state = launched.clone().numpy(), x.clone().numpy()
+        args = (kind, 127.0, 0.0, -127.0, 127.0, 0.7, 0.9, True, shift)
+        kernels.land(state, torch.zeros(WARM_VALUES).numpy(), sent.numpy(), model, bits, *args)
 
 
 def _run(kernels: ModuleType, n: int, fn: object) -> list[object]:
@@ -231,6 +237,12 @@ class Codec(abc.ABC):
         bits) ← ``sent − roundtrip(sent)``, ``sent = (θ − launched) + residual``, in one pass;
         the kernel's status, or None where this codec has no such kernel (the caller takes the
         reference's passes)."""
+        return None
+
+    def landing_residual(self) -> tuple[int, float, float, float, float] | None:
+        """How ``engine.kernels.land`` computes this codec's residual inside the landing's one
+        pass: ``(kind, levels, offset, lo, hi)``, or None where it cannot (no kernels, or a
+        codec that leaves values unsent: the landing takes its separate passes)."""
         return None
 
     def _kernels(self) -> ModuleType | None:
@@ -341,6 +353,10 @@ class Fp16Codec(Codec):
         self, kernels: ModuleType, theta: np.ndarray, launched: np.ndarray, residual: np.ndarray
     ) -> int:
         return int(kernels.fp16_residual(theta, launched, residual))
+
+    def landing_residual(self) -> tuple[int, float, float, float, float] | None:
+        kernels = self._kernels()
+        return None if kernels is None else (kernels.LAND_FP16, 0.0, 0.0, 0.0, 0.0)
 
     def encoded_size(self, numel: int) -> int:
         _check_numel(numel, self.name)
@@ -474,6 +490,10 @@ class _BlockAbsmaxCodec(Codec):
         self, kernels: ModuleType, theta: np.ndarray, launched: np.ndarray, residual: np.ndarray
     ) -> int:
         return int(kernels.absmax_residual(theta, launched, residual, *self._kernel_args()))
+
+    def landing_residual(self) -> tuple[int, float, float, float, float] | None:
+        kernels = self._kernels()
+        return None if kernels is None else (kernels.LAND_ABSMAX, *self._kernel_args())
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         # the codes and scales ``encode`` would write, multiplied as ``decode`` multiplies them

@@ -48,6 +48,9 @@ __all__ = [
     "BAD_CODE",
     "BLOCK",
     "CHUNK_VALUES",
+    "LAND_ABSMAX",
+    "LAND_FP16",
+    "LAND_PLAIN",
     "NON_FINITE",
     "OK",
     "absmax_decode",
@@ -59,6 +62,7 @@ __all__ = [
     "fp16_encode",
     "fp16_residual",
     "fp16_roundtrip",
+    "land",
     "outer_step",
     "run_chunks",
     "scratch",
@@ -562,3 +566,79 @@ def outer_step(
     else:
         for i in range(theta.size):
             theta[i] = theta[i] - averaged[i] * rate
+
+
+LAND_PLAIN, LAND_FP16, LAND_ABSMAX = 0, 1, 2
+"""``land``'s residual: none (no error feedback), fp16's, or a block absmax codec's."""
+
+
+@numba.njit(**_INLINE)
+def _step_and_copy(
+    theta: np.ndarray, momentum: np.ndarray, averaged: np.ndarray, model: np.ndarray, s: int, end: int,
+    rate: np.float32, mom: np.float32, nesterov: bool, shift: bool,
+) -> None:  # fmt: skip
+    """``outer_step`` on ``[s, end)``, then ``model`` ← the new θ there (``shift``: ← the new θ
+    − ``model``)."""
+    if mom > 0 and nesterov:
+        for i in range(s, end):
+            a = averaged[i]
+            m = momentum[i] * mom + a
+            momentum[i] = m
+            t = theta[i] - (m * mom + a) * rate
+            theta[i] = t
+            model[i] = t - model[i] if shift else t
+    elif mom > 0:
+        for i in range(s, end):
+            m = momentum[i] * mom + averaged[i]
+            momentum[i] = m
+            t = theta[i] - m * rate
+            theta[i] = t
+            model[i] = t - model[i] if shift else t
+    else:
+        for i in range(s, end):
+            t = theta[i] - averaged[i] * rate
+            theta[i] = t
+            model[i] = t - model[i] if shift else t
+
+
+@numba.njit(**_JIT)
+def land(
+    theta: np.ndarray, momentum: np.ndarray, averaged: np.ndarray, model: np.ndarray, residual: np.ndarray,
+    kind: int, levels: float, offset: float, lo: float, hi: float, lr: float, mu: float, nesterov: bool,
+    shift: bool,
+) -> int:  # fmt: skip
+    """A landing without overlap in one pass, block by block (``theta`` starting a block): the
+    codec residual of what was sent (``kind``: ``LAND_PLAIN`` none, ``LAND_FP16`` as
+    ``fp16_residual``, ``LAND_ABSMAX`` as ``absmax_residual`` with ``levels``, ``offset``,
+    ``lo``, ``hi``), ``sent = (θ − model) + residual`` from θ_g before the step and the model as
+    launched; then ``outer_step`` and ``model`` ← the new θ (``shift``: ``model`` is the launch
+    point of an overlapped round, ← the new θ − the launch point, the shift that re-bases the
+    model). Each value's operations are those
+    of the three separate passes, in their order. ``NON_FINITE`` if a new residual is not
+    finite (every value is written all the same), else ``OK``."""
+    rate, mom = np.float32(lr), np.float32(mu)
+    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
+    n = theta.size
+    nonfinite = 0
+    sent = np.empty(BLOCK, np.float32)
+    for b in range((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        end = min(s + BLOCK, n)
+        if kind == LAND_FP16:
+            for i in range(s, end):
+                x = (theta[i] - model[i]) + _from_bf16(residual[i])
+                kept = _from_half(_to_half(x)) if x == x else x
+                r = _bf16(x - kept)
+                nonfinite |= (r & 0x7F80) == 0x7F80
+                residual[i] = r
+        elif kind == LAND_ABSMAX:
+            if end - s == BLOCK:
+                for k in range(BLOCK):
+                    sent[k] = (theta[s + k] - model[s + k]) + _from_bf16(residual[s + k])
+                nonfinite |= _block_residual(sent, BLOCK, lv, off, low, high, residual, s)
+            else:
+                for k in range(end - s):
+                    sent[k] = (theta[s + k] - model[s + k]) + _from_bf16(residual[s + k])
+                nonfinite |= _block_residual(sent, end - s, lv, off, low, high, residual, s)
+        _step_and_copy(theta, momentum, averaged, model, s, end, rate, mom, nesterov, shift)
+    return NON_FINITE if nonfinite else OK

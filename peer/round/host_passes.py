@@ -37,38 +37,24 @@ Parameters on an accelerator are staged through one pinned host buffer of a chun
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from engine.compression import Codec, ErrorFeedback, all_finite, compiled_kernels
-from peer.round.state import CHUNK_VALUES, GlobalState, chunks, model_pieces, outer_step_slice, parameter_views
+from peer.round.fused_landing import land_fused, land_global_fused
+from peer.round.state import (
+    CHUNK_VALUES,
+    GlobalState,
+    Ranges,
+    chunks,
+    model_pieces,
+    outer_step_slice,
+    parameter_views,
+    read_model_window,
+    split_ranges,
+)
 from protocol.spec import OuterSection
 from protocol.updates import FetchedUpdate
-
-Ranges = Sequence[tuple[int, int]]
-"""Sorted, disjoint ``[start, end)`` ranges of the flat state."""
-
-
-def split_ranges(start: int, stop: int, missing: Ranges) -> tuple[list[slice], list[slice]]:
-    """``[start, stop)`` cut into the slices outside ``missing`` and those inside it (absolute
-    positions, in order)."""
-    present: list[slice] = []
-    absent: list[slice] = []
-    cursor = start
-    for lo, hi in missing:
-        lo, hi = max(lo, start), min(hi, stop)
-        if lo >= hi:
-            continue
-        if cursor < lo:
-            present.append(slice(cursor, lo))
-        absent.append(slice(lo, hi))
-        cursor = hi
-    if cursor < stop:
-        present.append(slice(cursor, stop))
-    return present, absent
 
 
 def check_ranges(missing: Ranges, numel: int) -> list[tuple[int, int]]:
@@ -166,22 +152,6 @@ def write_delta_from(
         if feedback is not None:
             feedback.add_into(sent, part.start)
     return all_finite(out)
-
-
-def read_model_window(
-    views: Sequence[tuple[int, torch.Tensor]], start: int, out: torch.Tensor, offsets: Sequence[int] = ()
-) -> None:
-    """``out`` ← the flat model values ``[start, start + len(out))`` (across parameters), from the
-    model's ``parameter_views`` (listed once per pass: walking the module tree for every chunk
-    cost more than the copy); ``offsets``: theirs, to find the first one at once."""
-    stop = start + out.numel()
-    first = max(0, bisect.bisect_right(offsets or [offset for offset, _ in views], start) - 1)
-    for offset, flat in views[first:]:
-        if offset >= stop:
-            return
-        lo, hi = max(start, offset), min(stop, offset + flat.numel())
-        if lo < hi:
-            out[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
 
 
 @torch.no_grad()
@@ -326,6 +296,11 @@ def land_round(
     round advances."""
     missing = check_ranges(missing, state.params.numel())
     state.wait_for_digest()  # the tensors change in place from here on
+    if launch_point is None and land_fused(
+        model, state, averaged, config, feedback=feedback, missing=missing, codec=codec
+    ):  # one compiled pass per value, the same bits
+        state.round += 1
+        return
     if feedback is not None:
         update_residual(model, state.params, feedback, launch_point, staging, missing, codec=codec)
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)
@@ -455,6 +430,10 @@ def land_global(
     state's round does not advance (the caller advances it once the model is re-based)."""
     missing = check_ranges(missing, state.params.numel())
     state.wait_for_digest()  # the tensors change in place from here on
+    if not eager and land_global_fused(
+        state, averaged, config, feedback=feedback, launch_point=launch_point, missing=missing, codec=codec
+    ):  # one compiled pass per value, the same bits
+        return
     if feedback is not None:
         update_residual(_NO_MODEL, state.params, feedback, launch_point, Staging(_NO_MODEL), missing, codec=codec)
     scratch = torch.empty(CHUNK_VALUES, dtype=torch.float32)

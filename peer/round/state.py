@@ -14,9 +14,10 @@ out-of-place evaluation.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -199,3 +200,57 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
         end = offset + values.numel()
         values.copy_(flat[offset:end])
     assert end == flat.numel(), "flat vector does not match the model"
+
+
+Ranges = Sequence[tuple[int, int]]
+"""Sorted, disjoint ``[start, end)`` ranges of the flat state."""
+
+
+def split_ranges(start: int, stop: int, missing: Ranges) -> tuple[list[slice], list[slice]]:
+    """``[start, stop)`` cut into the slices outside ``missing`` and those inside it (absolute
+    positions, in order)."""
+    present: list[slice] = []
+    absent: list[slice] = []
+    cursor = start
+    for lo, hi in missing:
+        lo, hi = max(lo, start), min(hi, stop)
+        if lo >= hi:
+            continue
+        if cursor < lo:
+            present.append(slice(cursor, lo))
+        absent.append(slice(lo, hi))
+        cursor = hi
+    if cursor < stop:
+        present.append(slice(cursor, stop))
+    return present, absent
+
+
+def read_model_window(
+    views: Sequence[tuple[int, torch.Tensor]], start: int, out: torch.Tensor, offsets: Sequence[int] = ()
+) -> None:
+    """``out`` ← the flat model values ``[start, start + len(out))`` (across parameters), from the
+    model's ``parameter_views`` (listed once per pass: walking the module tree for every chunk
+    cost more than the copy); ``offsets``: theirs, to find the first one at once."""
+    stop = start + out.numel()
+    first = max(0, bisect.bisect_right(offsets or [offset for offset, _ in views], start) - 1)
+    for offset, flat in views[first:]:
+        if offset >= stop:
+            return
+        lo, hi = max(start, offset), min(stop, offset + flat.numel())
+        if lo < hi:
+            out[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
+
+
+def write_model_window(
+    views: Sequence[tuple[int, torch.Tensor]], start: int, values: torch.Tensor, offsets: Sequence[int] = ()
+) -> None:
+    """The flat model values ``[start, start + len(values))`` (across parameters) ← ``values``:
+    ``read_model_window``'s reverse."""
+    stop = start + values.numel()
+    first = max(0, bisect.bisect_right(offsets or [offset for offset, _ in views], start) - 1)
+    for offset, flat in views[first:]:
+        if offset >= stop:
+            return
+        lo, hi = max(start, offset), min(stop, offset + flat.numel())
+        if lo < hi:
+            flat[lo - offset : hi - offset].copy_(values[lo - start : hi - start])

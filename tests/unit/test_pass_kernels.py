@@ -15,7 +15,8 @@ import torch
 
 from engine.codecs import get_codec
 from engine.compression import KERNELS_ENV, ErrorFeedback, compiled_kernels
-from peer.round.host_passes import Staging, land_round, write_pseudo_gradient
+from peer.round import fused_landing
+from peer.round.host_passes import Staging, land_global, land_round, write_pseudo_gradient
 from peer.round.state import CHUNK_VALUES, GlobalState, flatten, outer_step
 from protocol.spec import OuterSection
 
@@ -136,3 +137,88 @@ def test_a_residual_that_overflows_bfloat16_is_refused_on_both_paths(monkeypatch
         with pytest.raises(ValueError, match="overflowed"):
             reference.update_slice(torch.sub(theta, launched), 0)
     assert torch.equal(bits(compiled.state), bits(reference.state))
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "fused"), [("none", True), ("fp16", True), ("int8", True), ("4bit", True), ("sparse", False)]
+)
+def test_a_landing_without_overlap_is_one_pass_where_the_codec_sends_every_value(
+    codec_name: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``peer.round.fused_landing``: the residual, the outer step and the model in one kernel
+    per window (the round above checks its bits); the sparse codec's unsent values take the
+    passes."""
+    ranges: list[int] = []
+    original = fused_landing._land_range
+
+    def counting(kernels: object, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
+        ranges.append(arrays[0].size)
+        return original(kernels, arrays, args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_landing, "_land_range", counting)
+    round_on(codec_name, False, [(0, 256)])
+    assert (sum(ranges) > 0) is fused
+    if fused:
+        model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
+        assert sum(ranges) == sum(p.numel() for p in model.parameters()) - 256  # every value but the missing
+
+
+def test_a_fused_landing_whose_residual_overflows_is_refused_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the separate residual pass: a residual above bfloat16's largest raises."""
+
+    def land() -> None:
+        model = torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        numel = sum(p.numel() for p in model.parameters())
+        state = GlobalState(torch.full((numel,), 3.4e38), torch.zeros(numel), 0)
+        feedback = ErrorFeedback(get_codec("fp16"), numel)
+        land_round(
+            model, state, torch.zeros(numel), OuterSection(lr=0.7, momentum=0.9, nesterov=True), feedback=feedback,
+            launch_point=None, keep_progress=False, staging=Staging(model),
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="overflowed"):
+        land()
+    with reference_path(monkeypatch), pytest.raises(ValueError, match="overflowed"):
+        land()
+
+
+def landed_global(codec_name: str, missing: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """An overlapped round's host half (``land_global``) from fixed seeds; what it left."""
+    torch.manual_seed(0)
+    numel = fused_landing.WINDOW_VALUES + 100_003  # two windows, the last partial
+    codec = get_codec(codec_name)
+    state = GlobalState(torch.randn(numel), torch.randn(numel) * 1e-3, 4)
+    launch_point = state.params + torch.randn(numel) * 1e-2
+    feedback = ErrorFeedback(codec, numel) if codec.lossy else None
+    if feedback:
+        feedback.load_residual(torch.randn(numel) * 1e-4)
+    averaged = torch.randn(numel) * 1e-3
+    land_global(
+        state, averaged, OuterSection(lr=0.7, momentum=0.9, nesterov=True), feedback=feedback,
+        launch_point=launch_point, missing=missing, codec=codec.at_round(4),
+    )  # fmt: skip
+    left = {"params": state.params, "momentum": state.momentum, "shift": launch_point}
+    if feedback:
+        left["residual"] = feedback.state
+    return left
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8", "4bit", "sparse"])
+@pytest.mark.parametrize("with_missing", [False, True])
+def test_an_overlapped_rounds_host_half_is_the_references_bits(
+    codec_name: str, with_missing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``land_global`` (one pass per value, ``fused_landing.land_global_fused``, where the codec
+    sends every value) against the reference's passes: θ_g, the momentum, the shift and the
+    residual, bit for bit."""
+    block, window = max(64, get_codec(codec_name).block), fused_landing.WINDOW_VALUES
+    missing = [(0, block), (window - 10 * block, window + 20 * block)] if with_missing else []
+    compiled = landed_global(codec_name, missing)
+    with reference_path(monkeypatch):
+        reference = landed_global(codec_name, missing)
+    assert compiled.keys() == reference.keys()
+    for name, value in compiled.items():
+        assert torch.equal(bits(value), bits(reference[name])), (codec_name, name)
