@@ -37,6 +37,8 @@ Parameters on an accelerator are staged through one pinned host buffer of a chun
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
 
@@ -118,20 +120,39 @@ def write_pseudo_gradient(
         copy_model_into(model, launch_point)
         return write_delta_from(launch_point, theta, out, feedback=feedback)
     kernels = compiled_kernels()
+    if kernels is not None and staging.buffer is None:
+        # one compiled pass per parameter, the finiteness check inside it
+        finite = True
+        for offset, values in parameter_views(model):
+            part = slice(offset, offset + values.numel())
+            finite &= _delta(kernels, theta[part], values, out[part], feedback, offset)
+            if launch_point is not None:
+                launch_point[part].copy_(values)
+        return finite
     for offset, piece in model_pieces(model):
         local = staging.host(piece)
         part = slice(offset, offset + local.numel())
         sent = out[part]
-        if kernels is not None and local.device.type == "cpu" and local.dtype == torch.float32:
-            residual = feedback.residual_bits(offset, sent.numel()) if feedback is not None else _NO_RESIDUAL
-            kernels.delta(theta[part].numpy(), local.detach().numpy(), residual, sent.numpy())
-        else:
-            torch.sub(theta[part], local, out=sent)
-            if feedback is not None:
-                feedback.add_into(sent, offset)
+        torch.sub(theta[part], local, out=sent)
+        if feedback is not None:
+            feedback.add_into(sent, offset)
         if launch_point is not None:
             launch_point[part].copy_(local)
     return all_finite(out)
+
+
+def _delta(
+    kernels: ModuleType, theta: torch.Tensor, launched: torch.Tensor, out: torch.Tensor,
+    feedback: ErrorFeedback | None, offset: int,
+) -> bool:  # fmt: skip
+    """``engine.kernels.delta`` on one range, on ``run_chunks``'s threads; whether ``out`` is finite there."""
+    residual = feedback.residual_bits(offset, out.numel()) if feedback is not None else _NO_RESIDUAL
+    t, base, sent = theta.numpy(), launched.detach().numpy(), out.numpy()
+
+    def run(s: int, e: int) -> int:
+        return int(kernels.delta(t[s:e], base[s:e], residual[s:e] if residual.size else residual, sent[s:e]))
+
+    return not any(kernels.run_chunks(out.numel(), DELTA_THREAD_VALUES, run))
 
 
 @torch.no_grad()
@@ -142,12 +163,10 @@ def write_delta_from(
     overlap the landing thread runs it while the next inner steps go on). Whether ``out`` is
     finite."""
     kernels = compiled_kernels()
+    if kernels is not None:  # the same two operations in one pass, the finiteness check inside it
+        return _delta(kernels, theta, launch_point, out, feedback, 0)
     for part in chunks(theta.numel()):
         sent = out[part]
-        if kernels is not None:  # the same two operations in one pass
-            residual = feedback.residual_bits(part.start, sent.numel()) if feedback is not None else _NO_RESIDUAL
-            kernels.delta(theta[part].numpy(), launch_point[part].numpy(), residual, sent.numpy())
-            continue
         torch.sub(theta[part], launch_point[part], out=sent)
         if feedback is not None:
             feedback.add_into(sent, part.start)
@@ -470,6 +489,8 @@ def land_global(
                 torch.sub(launch_point[left], start[window], out=launch_point[left])
 
 
+DELTA_THREAD_VALUES = 1 << 18
+"""Values per piece a thread takes in the launch's Δ (``engine.kernels.run_chunks``)."""
 _NO_MODEL = torch.nn.Module()
 _NO_RESIDUAL = np.empty(0, np.uint16)
 """``update_residual`` reads the launch point, never the model, when it is given one."""

@@ -222,3 +222,29 @@ def test_an_overlapped_rounds_host_half_is_the_references_bits(
     assert compiled.keys() == reference.keys()
     for name, value in compiled.items():
         assert torch.equal(bits(value), bits(reference[name])), (codec_name, name)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_non_finite_pseudo_gradient_is_seen_on_both_paths(overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's Δ kernel checks finiteness as it writes (no pass of its own): a NaN or an
+    Inf anywhere in the model, or a difference that overflows, is reported as the reference's
+    ``all_finite`` reports it."""
+
+    def launch(poison: float, at: int) -> bool:
+        model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 7))
+        numel = sum(p.numel() for p in model.parameters())
+        theta = flatten(model)
+        with torch.no_grad():
+            model[1].bias[at] = poison
+        theta[numel - 7 + at] = -poison if abs(poison) > 1e38 else theta[numel - 7 + at]  # the difference overflows
+        feedback = ErrorFeedback(get_codec("fp16"), numel)
+        out, launch_point = torch.empty(numel), torch.empty(numel) if overlap else None
+        return write_pseudo_gradient(
+            model, theta, out, feedback=feedback, launch_point=launch_point, staging=Staging(model)
+        )
+
+    cases = [(float("nan"), 0), (float("inf"), 6), (-3.4e38, 3), (0.5, 2)]
+    compiled = [launch(poison, at) for poison, at in cases]
+    with reference_path(monkeypatch):
+        reference = [launch(poison, at) for poison, at in cases]
+    assert compiled == reference == [False, False, False, True]
