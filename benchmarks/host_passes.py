@@ -5,7 +5,9 @@ For each codec, a fresh process per path (``SWARMTRAIN_CODEC_KERNELS=on`` or ``o
 model of ``--params`` float32 values (square linear layers), a global state and an error
 feedback, then times the best of ``--rounds`` launches (``write_pseudo_gradient``: Δ plus the
 residual) and landings (``land_round``: the residual, the outer Nesterov step, θ_local ← θ_g),
-with and without overlap, in seconds per GB of parameters. Nothing else runs: this is the
+without overlap, with overlap landed by ``land_round``, and with overlap as the peer lands it by
+default (``copy_model_into`` + ``write_delta_from``; ``land_global`` + ``rebase_model``: the
+landing thread's halves), in seconds per GB of parameters. Nothing else runs: this is the
 passes' own cost, where ``benchmarks.scale`` shows them inside two peers sharing two cores.
 
     python -m benchmarks.host_passes --params 50000000 --codecs fp16 int8 4bit sparse
@@ -27,6 +29,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PATHS = {"kernels": "on", "reference": "off"}
+MODES = ("no_overlap", "overlap", "landing_thread")
+"""No overlap; overlap landed by ``land_round`` on the training thread; overlap as the peer lands
+it by default (``host_thread``): ``land_global`` on the landing thread, then ``rebase_model``."""
 
 
 def child(params: int, codec_name: str, rounds: int) -> dict[str, float]:
@@ -34,7 +39,15 @@ def child(params: int, codec_name: str, rounds: int) -> dict[str, float]:
 
     from engine.codecs import get_codec
     from engine.compression import ErrorFeedback
-    from peer.round.host_passes import Staging, land_round, write_pseudo_gradient
+    from peer.round.host_passes import (
+        Staging,
+        copy_model_into,
+        land_global,
+        land_round,
+        rebase_model,
+        write_delta_from,
+        write_pseudo_gradient,
+    )
     from peer.round.state import GlobalState, flatten
     from protocol.spec import OuterSection
 
@@ -50,28 +63,39 @@ def child(params: int, codec_name: str, rounds: int) -> dict[str, float]:
     staging, config = Staging(model), OuterSection(lr=0.7, momentum=0.9, nesterov=True)
     gb = numel * 4 / 1e9
     figures: dict[str, float] = {"params": float(numel)}
-    for overlap in (False, True):
-        launch_point = torch.empty(numel) if overlap else None
+    for mode in MODES:
+        launch_point = torch.empty(numel) if mode != "no_overlap" else None
         launches, landings = [], []
         for _ in range(rounds + 1):  # the first warms up (pages, compiled code)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(torch.randn_like(p), alpha=1e-3)
             started = time.perf_counter()
-            write_pseudo_gradient(
-                model, state.params, out, feedback=feedback, launch_point=launch_point, staging=staging
-            )
+            if mode == "landing_thread":  # the peer's overlap (host_thread): the launch point, then Δ from it
+                assert launch_point is not None
+                copy_model_into(model, launch_point)
+                write_delta_from(launch_point, state.params, out, feedback=feedback)
+            else:
+                write_pseudo_gradient(
+                    model, state.params, out, feedback=feedback, launch_point=launch_point, staging=staging
+                )
             launched = time.perf_counter()
             averaged.copy_(out)
             landing = time.perf_counter()
-            land_round(
-                model, state, averaged, config, feedback=feedback, launch_point=launch_point, keep_progress=overlap,
-                staging=staging, codec=codec.at_round(state.round),
-            )  # fmt: skip
+            bound = codec.at_round(state.round)
+            if mode == "landing_thread":  # the host half, then the model's re-base between two steps
+                assert launch_point is not None
+                land_global(state, averaged, config, feedback=feedback, launch_point=launch_point, codec=bound)
+                rebase_model(model, launch_point)
+                state.round += 1
+            else:
+                land_round(
+                    model, state, averaged, config, feedback=feedback, launch_point=launch_point,
+                    keep_progress=mode == "overlap", staging=staging, codec=bound,
+                )  # fmt: skip
             landed = time.perf_counter()
             launches.append(launched - started)
             landings.append(landed - landing)
-        mode = "overlap" if overlap else "no_overlap"
         figures[f"launch_s_per_gb_{mode}"] = min(launches[1:]) / gb
         figures[f"landing_s_per_gb_{mode}"] = min(landings[1:]) / gb
     return figures
@@ -108,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"host passes: {codec}, {path}", flush=True)
             row[path] = run(path, codec, args)
         results.append(row)
-        for mode in ("no_overlap", "overlap"):
+        for mode in MODES:
             k, r = row["kernels"], row["reference"]
             total_k = k[f"launch_s_per_gb_{mode}"] + k[f"landing_s_per_gb_{mode}"]
             total_r = r[f"launch_s_per_gb_{mode}"] + r[f"landing_s_per_gb_{mode}"]
@@ -127,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for row in results:
         k, r = row["kernels"], row["reference"]
-        for mode, label in (("no_overlap", "off"), ("overlap", "on")):
+        for mode, label in (("no_overlap", "off"), ("overlap", "on"), ("landing_thread", "on, landing thread")):
             lk, lr = k[f"launch_s_per_gb_{mode}"], r[f"launch_s_per_gb_{mode}"]
             dk, dr = k[f"landing_s_per_gb_{mode}"], r[f"landing_s_per_gb_{mode}"]
             lines.append(
