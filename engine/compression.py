@@ -369,14 +369,19 @@ class Fp16Codec(Codec):
         return 2 * numel
 
     def encode(self, x: torch.Tensor) -> bytes:
-        # torch's path on both: its cast is the CPU's own conversion instruction, faster than the
-        # compiled kernel's bit arithmetic (``engine.kernels.fp16_encode``: the same bits), which
-        # serves the fused error feedback (``engine.kernels.fp16_residual``)
         x = _check_input(x, self.name)
-        return b"".join(
-            _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
-            for i in range(0, x.numel(), _CHUNK)
-        )
+        kernels = self._kernels()
+        if kernels is None:
+            return b"".join(
+                _write(x[i : i + _CHUNK].clamp(-FP16_MAX, FP16_MAX).to(torch.float16), "<f2")
+                for i in range(0, x.numel(), _CHUNK)
+            )
+        # the CPU's conversion instruction, as torch's cast, into a reused buffer: one copy
+        # into the message's bytes instead of torch's clamp, cast and byte-order copies
+        n, values = x.numel(), x.numpy()
+        halves = kernels.scratch(2 * n).view(np.uint16)
+        _run(kernels, n, lambda s, e: kernels.fp16_encode(values[s:e], halves[s:e]))
+        return halves.tobytes()
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         raw = self._check_length(data, numel)
@@ -391,8 +396,13 @@ class Fp16Codec(Codec):
         return out
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode`` (torch's
-        # path, as for ``encode``)
+        # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode``
+        kernels = self._kernels()
+        if kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            out = torch.empty_like(x)
+            values, result = x.detach().view(-1).numpy(), out.view(-1).numpy()
+            _run(kernels, values.size, lambda s, e: kernels.fp16_roundtrip(values[s:e], result[s:e]))
+            return out
         return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).to(torch.float32)
 
 
