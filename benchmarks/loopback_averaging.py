@@ -39,9 +39,11 @@ def child(values: int, codec_name: str, rounds: int, bulk: bool) -> list[dict[st
     from engine.averager import ExactAverager
     from engine.bulk_settings import BulkSettings
     from engine.codecs import get_codec
+    from engine.compression import choose_kernels
     from engine.robust import RobustRule
 
     torch.set_num_threads(1)
+    choose_kernels(values)  # as a peer does before its averager forks (loaded once, not in a round)
     first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     second = DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(m) for m in first.get_visible_maddrs()]
