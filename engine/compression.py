@@ -194,6 +194,8 @@ def warm_kernels() -> None:
     for bits in (residual.view(torch.int16).numpy().view(np.uint16), np.empty(0, np.uint16)):
         kernels.delta(x.numpy(), launched.numpy(), bits, sent.numpy())
     kernels.outer_step(x.clone().numpy(), torch.zeros(WARM_VALUES).numpy(), sent.numpy(), 0.7, 0.9, True)
+    unsent = (torch.arange(WARM_VALUES) % 3 == 0).numpy()
+    kernels.outer_step_masked(x.clone().numpy(), torch.zeros(WARM_VALUES).numpy(), sent.numpy(), unsent, 0.7, 0.9, True)
     bits = residual.view(torch.int16).numpy().view(np.uint16)
     for kind, shift in itertools.product((kernels.LAND_PLAIN, kernels.LAND_FP16, kernels.LAND_ABSMAX), (False, True)):
         model, state = launched.clone().numpy(), x.clone().numpy()

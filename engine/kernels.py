@@ -64,6 +64,7 @@ __all__ = [
     "fp16_roundtrip",
     "land",
     "outer_step",
+    "outer_step_masked",
     "run_chunks",
     "scratch",
     "threads",
@@ -633,3 +634,32 @@ def land(
             for i in range(t.size):
                 md[i] = t[i]
     return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_JIT)
+def outer_step_masked(
+    theta: np.ndarray, momentum: np.ndarray, averaged: np.ndarray, unsent: np.ndarray, lr: float, mu: float,
+    nesterov: bool,
+) -> None:  # fmt: skip
+    """``outer_step`` where ``unsent`` (bool) is false; θ_g and the momentum keep their bits
+    where it is true (the reference steps every value, then selects the old ones back)."""
+    rate, mom = np.float32(lr), np.float32(mu)
+    if mom > 0 and nesterov:
+        for i in range(theta.size):
+            a, m0, t0 = averaged[i], momentum[i], theta[i]
+            m = m0 * mom + a
+            t = t0 - (m * mom + a) * rate
+            momentum[i] = m0 if unsent[i] else m
+            theta[i] = t0 if unsent[i] else t
+    elif mom > 0:
+        for i in range(theta.size):
+            m0, t0 = momentum[i], theta[i]
+            m = m0 * mom + averaged[i]
+            t = t0 - m * rate
+            momentum[i] = m0 if unsent[i] else m
+            theta[i] = t0 if unsent[i] else t
+    else:
+        for i in range(theta.size):
+            t0 = theta[i]
+            t = t0 - averaged[i] * rate
+            theta[i] = t0 if unsent[i] else t

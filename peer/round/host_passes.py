@@ -423,6 +423,15 @@ def _sent_outer_step(
     if unsent is None:
         outer_step_slice(theta, momentum, averaged, config, scratch)
         return
+    kernels = compiled_kernels()
+    if kernels is not None and all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in (theta, momentum, averaged)
+    ):  # the same bits in one pass, without the copies and selects
+        kernels.outer_step_masked(
+            theta.numpy(), momentum.numpy(), averaged.numpy(), unsent.contiguous().numpy(), config.lr,
+            config.momentum, config.nesterov,
+        )  # fmt: skip
+        return
     kept = torch.stack((theta, momentum))  # copies of the old values (a chunk each)
     outer_step_slice(theta, momentum, averaged, config, scratch)
     torch.where(unsent, kept[0], theta, out=theta)

@@ -16,7 +16,7 @@ import torch
 from engine.codecs import get_codec
 from engine.compression import KERNELS_ENV, ErrorFeedback, compiled_kernels
 from peer.round import fused_landing
-from peer.round.host_passes import Staging, land_global, land_round, write_pseudo_gradient
+from peer.round.host_passes import Staging, _sent_outer_step, land_global, land_round, write_pseudo_gradient
 from peer.round.state import CHUNK_VALUES, GlobalState, flatten, outer_step
 from protocol.spec import OuterSection
 
@@ -123,6 +123,41 @@ def test_the_outer_step_is_the_references_bits(config: OuterSection, monkeypatch
     assert torch.equal(bits(states[0].params), bits(states[1].params))
     assert torch.equal(bits(states[0].momentum), bits(states[1].momentum))
     assert states[0].digest() == states[1].digest()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        OuterSection(lr=0.7, momentum=0.9, nesterov=True),
+        OuterSection(lr=1.3, momentum=0.37, nesterov=False),
+        OuterSection(lr=0.1, momentum=0.0, nesterov=False),
+    ],
+    ids=["nesterov", "heavy ball", "plain"],
+)
+def test_the_outer_step_at_the_sent_values_is_the_references_bits(
+    config: OuterSection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``engine.kernels.outer_step_masked`` (the sparse codec's rounds) against the reference's
+    step on every value with the unsent ones selected back; NaN and Inf averages included."""
+    g = torch.Generator().manual_seed(6)
+    numel = 100_003
+    theta, momentum = torch.randn(numel, generator=g), torch.randn(numel, generator=g) * 1e-2
+    averaged = torch.randn(numel, generator=g) * 10.0 ** torch.randint(-30, 30, (numel,), generator=g)
+    averaged[::997] = float("nan")
+    averaged[5::1009] = float("inf")
+    unsent = torch.rand(numel, generator=g) < 0.7
+    left = []
+    for reference in (False, True):
+        t, m = theta.clone(), momentum.clone()
+        if reference:
+            with reference_path(monkeypatch):
+                _sent_outer_step(t, m, averaged, config, torch.empty(numel), unsent)
+        else:
+            _sent_outer_step(t, m, averaged, config, torch.empty(numel), unsent)
+        left.append((t, m))
+    (t1, m1), (t2, m2) = left
+    assert torch.equal(bits(t1), bits(t2)) and torch.equal(bits(m1), bits(m2))
+    assert torch.equal(bits(t1[unsent]), bits(theta[unsent]))  # untouched where unsent
 
 
 def test_a_residual_that_overflows_bfloat16_is_refused_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
