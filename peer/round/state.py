@@ -225,32 +225,34 @@ def split_ranges(start: int, stop: int, missing: Ranges) -> tuple[list[slice], l
     return present, absent
 
 
-def read_model_window(
-    views: Sequence[tuple[int, torch.Tensor]], start: int, out: torch.Tensor, offsets: Sequence[int] = ()
-) -> None:
-    """``out`` ← the flat model values ``[start, start + len(out))`` (across parameters), from the
-    model's ``parameter_views`` (listed once per pass: walking the module tree for every chunk
-    cost more than the copy); ``offsets``: theirs, to find the first one at once."""
-    stop = start + out.numel()
+def model_window(
+    views: Sequence[tuple[int, torch.Tensor]], start: int, count: int, offsets: Sequence[int] = ()
+) -> Iterator[tuple[torch.Tensor, slice]]:
+    """The flat model values ``[start, start + count)`` across parameters: each parameter's part
+    of it (a view) with its place in the window, from the model's ``parameter_views`` (listed
+    once per pass: walking the module tree for every chunk cost more than the copy);
+    ``offsets``: theirs, to find the first one at once."""
+    stop = start + count
     first = max(0, bisect.bisect_right(offsets or [offset for offset, _ in views], start) - 1)
     for offset, flat in views[first:]:
         if offset >= stop:
             return
         lo, hi = max(start, offset), min(stop, offset + flat.numel())
         if lo < hi:
-            out[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
+            yield flat[lo - offset : hi - offset], slice(lo - start, hi - start)
+
+
+def read_model_window(
+    views: Sequence[tuple[int, torch.Tensor]], start: int, out: torch.Tensor, offsets: Sequence[int] = ()
+) -> None:
+    """``out`` ← the flat model values ``[start, start + len(out))`` (``model_window``)."""
+    for values, place in model_window(views, start, out.numel(), offsets):
+        out[place].copy_(values)
 
 
 def write_model_window(
     views: Sequence[tuple[int, torch.Tensor]], start: int, values: torch.Tensor, offsets: Sequence[int] = ()
 ) -> None:
-    """The flat model values ``[start, start + len(values))`` (across parameters) ← ``values``:
-    ``read_model_window``'s reverse."""
-    stop = start + values.numel()
-    first = max(0, bisect.bisect_right(offsets or [offset for offset, _ in views], start) - 1)
-    for offset, flat in views[first:]:
-        if offset >= stop:
-            return
-        lo, hi = max(start, offset), min(stop, offset + flat.numel())
-        if lo < hi:
-            flat[lo - offset : hi - offset].copy_(values[lo - start : hi - start])
+    """The flat model values ``[start, start + len(values))`` ← ``values``: ``read_model_window``'s reverse."""
+    for target, place in model_window(views, start, values.numel(), offsets):
+        target.copy_(values[place])

@@ -37,6 +37,14 @@ def reference_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 pytestmark = pytest.mark.usefixtures("compiled_path")
 
 
+OUTER_STEPS = [
+    OuterSection(lr=0.7, momentum=0.9, nesterov=True),
+    OuterSection(lr=1.3, momentum=0.37, nesterov=False),
+    OuterSection(lr=0.1, momentum=0.0, nesterov=False),
+]
+"""Nesterov, heavy ball and a plain step: each a branch of the compiled step."""
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
@@ -102,15 +110,7 @@ def test_a_round_lands_the_same_bits_compiled_and_on_the_reference(
             assert isinstance(other, torch.Tensor) and torch.equal(bits(value), bits(other)), (codec_name, name)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        OuterSection(lr=0.7, momentum=0.9, nesterov=True),
-        OuterSection(lr=1.3, momentum=0.37, nesterov=False),
-        OuterSection(lr=0.1, momentum=0.0, nesterov=False),
-    ],
-    ids=["nesterov", "heavy ball", "plain"],
-)
+@pytest.mark.parametrize("config", OUTER_STEPS, ids=["nesterov", "heavy ball", "plain"])
 def test_the_outer_step_is_the_references_bits(config: OuterSection, monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(5)
     numel = 3 * CHUNK_VALUES + 11
@@ -125,15 +125,7 @@ def test_the_outer_step_is_the_references_bits(config: OuterSection, monkeypatch
     assert states[0].digest() == states[1].digest()
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        OuterSection(lr=0.7, momentum=0.9, nesterov=True),
-        OuterSection(lr=1.3, momentum=0.37, nesterov=False),
-        OuterSection(lr=0.1, momentum=0.0, nesterov=False),
-    ],
-    ids=["nesterov", "heavy ball", "plain"],
-)
+@pytest.mark.parametrize("config", OUTER_STEPS, ids=["nesterov", "heavy ball", "plain"])
 def test_the_outer_step_at_the_sent_values_is_the_references_bits(
     config: OuterSection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
