@@ -93,18 +93,35 @@ image_id() {
         buildah inspect --type image --format '{{.FromImageID}}' "$1" 2>/dev/null || true
     fi
 }
+# untagged images: a multi-stage build leaves its `wheels` stage behind as one (~0.5 GB, new with
+# every wheelhouse); the build removes those it made, and leaves any that were here before it
+dangling() {
+    if [ "$ENGINE" = docker ]; then
+        docker images -q --no-trunc --filter dangling=true 2>/dev/null | sort -u || true
+    else
+        buildah images -q --no-trunc --filter dangling=true 2>/dev/null | sort -u || true
+    fi
+}
+remove_image() {
+    if [ "$ENGINE" = docker ]; then
+        docker image rm "$1" >/dev/null 2>&1 || true
+    else
+        buildah rmi "$1" >/dev/null 2>&1 || true
+    fi
+}
 replace() {  # replace IMAGE DOCKERFILE [--build-arg ...]
-    local before after
+    local before after untagged_before made
     before=$(image_id "$1")
+    untagged_before=$(dangling)
     build "$@"
     after=$(image_id "$1")
     if [ -n "$before" ] && [ "$before" != "$after" ]; then
-        if [ "$ENGINE" = docker ]; then
-            docker image rm "$before" >/dev/null 2>&1 || true
-        else
-            buildah rmi "$before" >/dev/null 2>&1 || true
-        fi
+        remove_image "$before"
     fi
+    made=$(comm -13 <(echo "$untagged_before") <(dangling))
+    for image in $made; do
+        remove_image "$image"
+    done
 }
 
 # 1. the wheelhouse: the project and its dependencies at the tested versions

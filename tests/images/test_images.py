@@ -21,6 +21,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,11 +59,16 @@ def built() -> dict[str, Any]:
     """Both images, tagged ``TAG``, built from the stand-in base; ``build/images.json``."""
     assert os.geteuid() == 0, "building and running images here needs root (buildah, network namespaces)"
     env = {**os.environ, "IMAGES_BASE": "standin", "IMAGES_TAG": TAG, "PY": sys.executable}
+    untagged_before = _untagged()
     done = subprocess.run(
         ["bash", str(DOCKER / "images.sh")], cwd=REPO, env=env, capture_output=True, text=True, timeout=2400
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     print(done.stdout, flush=True)
+    # a build leaves no untagged image behind: each would hold ~0.5 GB of the machine's disk for
+    # good, and a machine that builds once per commit runs out of it
+    left = _untagged() - untagged_before
+    assert not left, f"the build left {len(left)} untagged images behind: {sorted(left)}"
     return json.loads((REPO / "build" / "images.json").read_text())
 
 
@@ -77,6 +83,13 @@ def launcher_failed(output: str) -> bool:
     on a loaded machine). Nothing of the image ran; a docker or compose user never meets this
     step. Seen once in CI on the coordinator's first start."""
     return "sealing memfd copy" in output
+
+
+def _untagged() -> set[str]:
+    """The ids of the untagged (dangling) images in buildah's store (none before it is installed)."""
+    if shutil.which("buildah") is None:
+        return set()
+    return set(_buildah("images", "-q", "--no-trunc", "--filter", "dangling=true").split())
 
 
 def _buildah(*args: str, timeout: float = 600) -> str:
