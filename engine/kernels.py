@@ -189,13 +189,17 @@ def fp16_roundtrip(x: np.ndarray, out: np.ndarray) -> None:
 # ----------------------------------------------------------------------------- block absmax
 
 
-@numba.njit(**_MAX)
+@numba.njit(**_INLINE)
 def _absmax_block(x: np.ndarray, start: int) -> np.float32:
-    """``max |x|`` of the whole block at ``start`` (a loop of constant length: unrolled)."""
-    m = np.float32(0.0)
+    """``max |x|`` of the whole block at ``start``, taken on the bits: ``|x|``'s bits (the sign
+    bit cleared) order as integers as the values do, and an integer max vectorizes, where a
+    float max compiles to a chain of compares kept in order (5x slower, measured). A NaN's bits
+    lie above every other value's: a block holding one has a NaN absmax, as ``torch.amax``."""
+    bits = x.view(np.int32)
+    m = np.int32(0)
     for k in range(BLOCK):
-        m = max(m, abs(x[start + k]))
-    return m
+        m = max(m, bits[start + k] & np.int32(0x7FFFFFFF))
+    return _float(m)
 
 
 @numba.njit(**_MAX)
@@ -260,45 +264,45 @@ def absmax_encode(
         end = min(s + BLOCK, n)
         d = _divisor(x, s, end, lv, scales, b)
         first = s // per_byte
+        # views of the block: loops from 0 vectorize (see ``LAND_TILE``)
+        xb = x[s:end]
+        db = dither[s:end] if stochastic else dither
+        pb = packed[first : first + BLOCK // per_byte]
         if end - s == BLOCK and bits == 8:
             if stochastic:
                 for k in range(BLOCK):
-                    packed[s + k] = np.uint8(
-                        (np.int32(_dithered(x[s + k] / d + off, dither[s + k], low, high)) + bias) & mask
-                    )
+                    pb[k] = np.uint8((np.int32(_dithered(xb[k] / d + off, db[k], low, high)) + bias) & mask)
             else:
                 for k in range(BLOCK):
-                    packed[s + k] = np.uint8((np.int32(_rounded(x[s + k] / d + off, low, high)) + bias) & mask)
+                    pb[k] = np.uint8((np.int32(_rounded(xb[k] / d + off, low, high)) + bias) & mask)
         elif end - s == BLOCK and bits == 4:
             if stochastic:
                 for k in range(BLOCK // 2):
-                    i = s + 2 * k
-                    c0 = np.int32(_dithered(x[i] / d + off, dither[i], low, high)) + bias
-                    c1 = np.int32(_dithered(x[i + 1] / d + off, dither[i + 1], low, high)) + bias
-                    packed[first + k] = np.uint8(c0 | (c1 << 4))
+                    c0 = np.int32(_dithered(xb[2 * k] / d + off, db[2 * k], low, high)) + bias
+                    c1 = np.int32(_dithered(xb[2 * k + 1] / d + off, db[2 * k + 1], low, high)) + bias
+                    pb[k] = np.uint8(c0 | (c1 << 4))
             else:
                 for k in range(BLOCK // 2):
-                    i = s + 2 * k
-                    c0 = np.int32(_rounded(x[i] / d + off, low, high)) + bias
-                    c1 = np.int32(_rounded(x[i + 1] / d + off, low, high)) + bias
-                    packed[first + k] = np.uint8(c0 | (c1 << 4))
+                    c0 = np.int32(_rounded(xb[2 * k] / d + off, low, high)) + bias
+                    c1 = np.int32(_rounded(xb[2 * k + 1] / d + off, low, high)) + bias
+                    pb[k] = np.uint8(c0 | (c1 << 4))
         elif end - s == BLOCK and bits == 2:
             if stochastic:
                 for k in range(BLOCK // 4):
-                    i = s + 4 * k
-                    c0 = np.int32(_dithered(x[i] / d + off, dither[i], low, high)) + bias
-                    c1 = np.int32(_dithered(x[i + 1] / d + off, dither[i + 1], low, high)) + bias
-                    c2 = np.int32(_dithered(x[i + 2] / d + off, dither[i + 2], low, high)) + bias
-                    c3 = np.int32(_dithered(x[i + 3] / d + off, dither[i + 3], low, high)) + bias
-                    packed[first + k] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+                    i = 4 * k
+                    c0 = np.int32(_dithered(xb[i] / d + off, db[i], low, high)) + bias
+                    c1 = np.int32(_dithered(xb[i + 1] / d + off, db[i + 1], low, high)) + bias
+                    c2 = np.int32(_dithered(xb[i + 2] / d + off, db[i + 2], low, high)) + bias
+                    c3 = np.int32(_dithered(xb[i + 3] / d + off, db[i + 3], low, high)) + bias
+                    pb[k] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
             else:
                 for k in range(BLOCK // 4):
-                    i = s + 4 * k
-                    c0 = np.int32(_rounded(x[i] / d + off, low, high)) + bias
-                    c1 = np.int32(_rounded(x[i + 1] / d + off, low, high)) + bias
-                    c2 = np.int32(_rounded(x[i + 2] / d + off, low, high)) + bias
-                    c3 = np.int32(_rounded(x[i + 3] / d + off, low, high)) + bias
-                    packed[first + k] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+                    i = 4 * k
+                    c0 = np.int32(_rounded(xb[i] / d + off, low, high)) + bias
+                    c1 = np.int32(_rounded(xb[i + 1] / d + off, low, high)) + bias
+                    c2 = np.int32(_rounded(xb[i + 2] / d + off, low, high)) + bias
+                    c3 = np.int32(_rounded(xb[i + 3] / d + off, low, high)) + bias
+                    pb[k] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
         else:  # the last, partial block: value by value, pads are ``bias``
             for j in range(first, (end + per_byte - 1) // per_byte):
                 byte = 0
@@ -355,31 +359,34 @@ def absmax_decode(
         end = min(s + BLOCK, n)
         scale = scales[b]
         first = s // per_byte
+        # views of the block: loops from 0 vectorize (see ``LAND_TILE``)
+        ob = out[s:end]
+        pb = packed[first : first + BLOCK // per_byte]
         if end - s == BLOCK and bits == 8:
             for k in range(BLOCK):
-                code = np.int32(packed[s + k])
+                code = np.int32(pb[k])
                 bad |= code == invalid
                 value = (np.float32((code ^ 0x80) - 0x80 - bias) - off) * scale
                 nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
-                out[s + k] = value
+                ob[k] = value
         elif end - s == BLOCK and bits == 4:
             for k in range(BLOCK // 2):
-                byte = np.int32(packed[first + k])
-                for h in range(2):
-                    code = (byte >> (4 * h)) & 0xF
-                    bad |= code == invalid
-                    value = (np.float32(code - bias) - off) * scale
-                    nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
-                    out[s + 2 * k + h] = value
+                byte = np.int32(pb[k])
+                c0, c1 = byte & 0xF, (byte >> 4) & 0xF
+                bad |= (c0 == invalid) | (c1 == invalid)
+                v0 = (np.float32(c0 - bias) - off) * scale
+                v1 = (np.float32(c1 - bias) - off) * scale
+                nonfinite |= ((_bits(v0) & 0x7F800000) == 0x7F800000) | ((_bits(v1) & 0x7F800000) == 0x7F800000)
+                ob[2 * k], ob[2 * k + 1] = v0, v1
         elif end - s == BLOCK and bits == 2:
             for k in range(BLOCK // 4):
-                byte = np.int32(packed[first + k])
+                byte = np.int32(pb[k])
                 for h in range(4):
                     code = (byte >> (2 * h)) & 0x3
                     bad |= code == invalid
                     value = (np.float32(code - bias) - off) * scale
                     nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
-                    out[s + 4 * k + h] = value
+                    ob[4 * k + h] = value
         else:  # the last, partial block, and its pad codes
             for j in range(first, packed.size):
                 byte = np.int32(packed[j])
@@ -516,55 +523,51 @@ def fp16_residual(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray)
     return NON_FINITE if nonfinite else OK
 
 
+LAND_TILE = 4096
+"""Values ``land`` takes at a time (a multiple of ``BLOCK``): each of its loops runs over a tile
+the cache holds (16 KB an array), long enough for the compiler's vector code and its aliasing
+checks to pay; a loop per block did not vectorize (3-10x slower)."""
+
+
 @numba.njit(**_JIT)
 def absmax_residual(
     theta: np.ndarray, launched: np.ndarray, residual: np.ndarray, levels: float, offset: float, lo: float,
     hi: float,
 ) -> int:  # fmt: skip
     """``absmax_roundtrip``'s residual in one pass: ``residual`` (bfloat16 bits) ← ``sent −
-    roundtrip(sent)`` with ``sent = (θ − launched) + residual`` (``θ`` starting a block), each
-    block's ``sent`` computed twice (for its absmax, then its levels) rather than stored;
-    ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
+    roundtrip(sent)`` with ``sent = (θ − launched) + residual`` (``θ`` starting a block), tile
+    by tile (``LAND_TILE`` values: ``sent`` and the blocks' scales kept in buffers the cache
+    holds); ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
     lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
     n = theta.size
-    nonfinite = 0
-    sent = np.empty(BLOCK, np.float32)
-    for b in range((n + BLOCK - 1) // BLOCK):
-        s = b * BLOCK
-        end = min(s + BLOCK, n)
-        if end - s == BLOCK:
-            for k in range(BLOCK):
-                sent[k] = (theta[s + k] - launched[s + k]) + _from_bf16(residual[s + k])
-            nonfinite |= _block_residual(sent, BLOCK, lv, off, low, high, residual, s)
-        else:
-            for k in range(end - s):
-                sent[k] = (theta[s + k] - launched[s + k]) + _from_bf16(residual[s + k])
-            nonfinite |= _block_residual(sent, end - s, lv, off, low, high, residual, s)
-    return NON_FINITE if nonfinite else OK
-
-
-@numba.njit(**_INLINE)
-def _block_residual(
-    sent: np.ndarray, count: int, lv: np.float32, off: np.float32, low: np.float32, high: np.float32,
-    residual: np.ndarray, at: int,
-) -> int:  # fmt: skip
-    """``residual[at : at + count]`` ← bfloat16 of ``sent − roundtrip(sent)`` for one block; 1
-    if one is not finite."""
-    m = _absmax_block(sent, 0) if count == BLOCK else _absmax(sent, 0, count)
-    scale = m / lv
-    for _ in range(4):
-        if np.isfinite(scale * lv):
-            break
-        scale = _float(_bits(scale) - 1)
-    d = scale if scale > 0 else np.float32(1.0)
     zero = np.float32(0.0)
-    bad = 0
-    for k in range(count):
-        q = _rounded(sent[k] / d + off, low, high) - off
-        r = _bf16(sent[k] - (q + zero) * scale)
-        bad |= (r & 0x7F80) == 0x7F80
-        residual[at + k] = r
-    return bad
+    nonfinite = 0
+    sent = np.empty(min(n, LAND_TILE), np.float32)
+    scales = np.empty(LAND_TILE // BLOCK, np.float32)
+    divisors = np.empty(LAND_TILE // BLOCK, np.float32)
+    for s in range(0, n, LAND_TILE):
+        # views of one tile and of its blocks: loops from 0 vectorize (see ``LAND_TILE``)
+        count = min(LAND_TILE, n - s)
+        t, ln, res = theta[s : s + count], launched[s : s + count], residual[s : s + count]
+        for i in range(count):
+            sent[i] = (t[i] - ln[i]) + _from_bf16(res[i])
+        blocks = (count + BLOCK - 1) // BLOCK
+        for b in range(blocks):
+            divisors[b] = _divisor(sent, b * BLOCK, min(b * BLOCK + BLOCK, count), lv, scales, b)
+        for b in range(blocks):
+            first, stop = b * BLOCK, min(b * BLOCK + BLOCK, count)
+            x, out, d, scale = sent[first:stop], res[first:stop], divisors[b], scales[b]
+            if x.size == BLOCK:  # a constant trip count: unrolled
+                for k in range(BLOCK):
+                    r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
+                    nonfinite |= (r & 0x7F80) == 0x7F80
+                    out[k] = r
+            else:
+                for k in range(x.size):
+                    r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
+                    nonfinite |= (r & 0x7F80) == 0x7F80
+                    out[k] = r
+    return NON_FINITE if nonfinite else OK
 
 
 @numba.njit(**_JIT)
@@ -593,12 +596,6 @@ def outer_step(
 
 LAND_PLAIN, LAND_FP16, LAND_ABSMAX = 0, 1, 2
 """``land``'s residual: none (no error feedback), fp16's, or a block absmax codec's."""
-
-
-LAND_TILE = 4096
-"""Values ``land`` takes at a time (a multiple of ``BLOCK``): each of its loops runs over a tile
-the cache holds (16 KB an array), long enough for the compiler's vector code and its aliasing
-checks to pay; a loop per block did not vectorize (3-10x slower)."""
 
 
 @numba.njit(**_JIT)

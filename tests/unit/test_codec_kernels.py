@@ -266,3 +266,49 @@ def test_a_peers_choice_loads_every_kernel_a_round_calls() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("warm ")
+
+
+BOUNDS_CHECKED = """
+import numpy as np
+from engine import kernels as k
+
+rng = np.random.default_rng(0)
+empty = np.empty(0, np.float32)
+for n in (1, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 37, 70_001):
+    x, y, avg = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    blocks = (n + k.BLOCK - 1) // k.BLOCK
+    for levels, bits in ((127.0, 8), (7.0, 4), (1.5, 2)):
+        args = (levels, 0.0, -levels, levels)
+        scales, packed = np.empty(blocks, np.float32), np.empty((n * bits + 7) // 8, np.uint8)
+        for dither in (empty, rng.random(n).astype(np.float32)):
+            k.absmax_encode(x, dither, *args, bits, 0, scales, packed)
+            k.absmax_decode(scales, packed, n, bits, 0, 0.0, -1, np.empty(n, np.float32))
+        k.absmax_roundtrip(x, *args, np.empty(blocks, np.float32), np.empty(n, np.float32))
+        k.absmax_residual(x, y, np.zeros(n, np.uint16), *args)
+    halves = np.empty(n, np.uint16)
+    k.fp16_encode(x, halves)
+    k.fp16_decode(halves, np.empty(n, np.float32))
+    k.fp16_roundtrip(x, np.empty(n, np.float32))
+    k.fp16_residual(x, y, np.zeros(n, np.uint16))
+    k.delta(x, y, np.zeros(n, np.uint16), np.empty(n, np.float32))
+    k.outer_step_masked(x.copy(), y.copy(), avg, rng.random(n) < 0.5, 0.7, 0.9, True)
+    for kind in (k.LAND_PLAIN, k.LAND_FP16, k.LAND_ABSMAX):
+        for shift in (False, True):
+            residual = np.zeros(n if kind != k.LAND_PLAIN else 0, np.uint16)
+            k.land(x.copy(), y.copy(), avg, y.copy(), residual, kind, 127.0, 0.0, -127.0, 127.0, 0.7, 0.9, True, shift)
+print("within bounds")
+"""
+
+
+def test_every_kernel_stays_within_its_arrays_at_the_edges_of_blocks_and_tiles(tmp_path: Path) -> None:
+    """The kernels run without bounds checks: a write past a view's end corrupts the heap
+    silently (a tile's last partial block once wrote a whole block past the residual's end;
+    the bits compared equal, and the process died later in ``malloc``). Compiled with numba's
+    bounds checks, every kernel at sizes around a block and a tile raises on such an index."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", BOUNDS_CHECKED], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "within bounds"
