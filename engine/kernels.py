@@ -188,6 +188,12 @@ def fp16_roundtrip(x: np.ndarray, out: np.ndarray) -> None:
 
 # ----------------------------------------------------------------------------- block absmax
 
+LAND_TILE = 4096
+"""Values ``land`` and the block codecs' kernels take at a time (a multiple of ``BLOCK``): each of its loops runs over a tile
+the cache holds (16 KB an array), long enough for the compiler's vector code and its aliasing
+checks to pay; a loop per block did not vectorize (3-10x slower)."""
+_TILE_BLOCKS = LAND_TILE // BLOCK
+
 
 @numba.njit(**_INLINE)
 def _absmax_block(x: np.ndarray, start: int) -> np.float32:
@@ -211,17 +217,33 @@ def _absmax(x: np.ndarray, start: int, end: int) -> np.float32:
 
 
 @numba.njit(**_INLINE)
-def _divisor(x: np.ndarray, start: int, end: int, levels: np.float32, scales: np.ndarray, b: int) -> np.float32:
-    """``scales[b]`` ← ``absmax / levels`` of ``x[start:end]``, nudged down one ulp at a time
-    while ``scale · levels`` overflows; returns the divisor (the scale, or 1 for a zero block)."""
-    m = _absmax_block(x, start) if end - start == BLOCK else _absmax(x, start, end)
-    scale = m / levels
-    for _ in range(4):
-        if np.isfinite(scale * levels):
-            break
-        scale = _float(_bits(scale) - 1)  # positive and finite: one ulp toward zero
-    scales[b] = scale
-    return scale if scale > 0 else np.float32(1.0)
+def _divisors(x: np.ndarray, levels: np.float32, scales: np.ndarray, divisors: np.ndarray) -> None:
+    """Each block's scale ``absmax / levels`` (nudged down one ulp at a time while ``scale ·
+    levels`` overflows) in ``scales``, and its divisor (the scale, or 1 for a zero block) in
+    ``divisors``, for every block of ``x`` at once: the absmaxes first, then the scales in one loop over the blocks (vector code, where
+    one block at a time left a scalar division and its checks between two vector loops), and
+    only the rare scale whose ``scale · levels`` overflows nudged down one at a time."""
+    blocks = (x.size + BLOCK - 1) // BLOCK
+    full = x.size // BLOCK
+    for b in range(full):
+        scales[b] = _absmax_block(x, b * BLOCK)
+    if blocks > full:
+        scales[full] = _absmax(x, full * BLOCK, x.size)
+    overflow = False
+    for b in range(blocks):
+        scale = scales[b] / levels
+        overflow |= not np.isfinite(scale * levels)
+        scales[b] = scale
+        divisors[b] = scale if scale > 0 else np.float32(1.0)
+    if overflow:
+        for b in range(blocks):
+            scale = scales[b]
+            for _ in range(4):
+                if np.isfinite(scale * levels):
+                    break
+                scale = _float(_bits(scale) - 1)  # positive and finite: one ulp toward zero
+            scales[b] = scale
+            divisors[b] = scale if scale > 0 else np.float32(1.0)
 
 
 @numba.njit(**_INLINE)
@@ -259,10 +281,13 @@ def absmax_encode(
     mask = (1 << bits) - 1
     per_byte = 8 // bits
     stochastic = dither.size > 0
+    divisors = np.empty(_TILE_BLOCKS, np.float32)
     for b in range((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         end = min(s + BLOCK, n)
-        d = _divisor(x, s, end, lv, scales, b)
+        if b % _TILE_BLOCKS == 0:
+            _divisors(x[s : s + LAND_TILE], lv, scales[b : b + _TILE_BLOCKS], divisors)
+        d = divisors[b % _TILE_BLOCKS]
         first = s // per_byte
         # views of the block: loops from 0 vectorize (see ``LAND_TILE``)
         xb = x[s:end]
@@ -325,19 +350,22 @@ def absmax_roundtrip(
     lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
     zero = np.float32(0.0)
     n = x.size
+    divisors = np.empty(_TILE_BLOCKS, np.float32)
     for b in range((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         end = min(s + BLOCK, n)
-        d = _divisor(x, s, end, lv, scales, b)
-        scale = scales[b]
+        if b % _TILE_BLOCKS == 0:
+            _divisors(x[s : s + LAND_TILE], lv, scales[b : b + _TILE_BLOCKS], divisors)
+        d, scale = divisors[b % _TILE_BLOCKS], scales[b]
+        xb, ob = x[s:end], out[s:end]  # views: loops from 0 vectorize (see ``LAND_TILE``)
         if end - s == BLOCK:
             for k in range(BLOCK):
-                q = _rounded(x[s + k] / d + off, low, high) - off
-                out[s + k] = (q + zero) * scale  # a −0 level is the code 0: +0
+                q = _rounded(xb[k] / d + off, low, high) - off
+                ob[k] = (q + zero) * scale  # a −0 level is the code 0: +0
         else:
-            for i in range(s, end):
-                q = _rounded(x[i] / d + off, low, high) - off
-                out[i] = (q + zero) * scale
+            for k in range(end - s):
+                q = _rounded(xb[k] / d + off, low, high) - off
+                ob[k] = (q + zero) * scale
 
 
 @numba.njit(**_JIT)
@@ -523,12 +551,6 @@ def fp16_residual(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray)
     return NON_FINITE if nonfinite else OK
 
 
-LAND_TILE = 4096
-"""Values ``land`` takes at a time (a multiple of ``BLOCK``): each of its loops runs over a tile
-the cache holds (16 KB an array), long enough for the compiler's vector code and its aliasing
-checks to pay; a loop per block did not vectorize (3-10x slower)."""
-
-
 @numba.njit(**_JIT)
 def absmax_residual(
     theta: np.ndarray, launched: np.ndarray, residual: np.ndarray, levels: float, offset: float, lo: float,
@@ -538,36 +560,52 @@ def absmax_residual(
     roundtrip(sent)`` with ``sent = (θ − launched) + residual`` (``θ`` starting a block), tile
     by tile (``LAND_TILE`` values: ``sent`` and the blocks' scales kept in buffers the cache
     holds); ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
-    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
     n = theta.size
-    zero = np.float32(0.0)
+    sent, scales, divisors = _tile_buffers(min(n, LAND_TILE))
     nonfinite = 0
-    sent = np.empty(min(n, LAND_TILE), np.float32)
-    scales = np.empty(LAND_TILE // BLOCK, np.float32)
-    divisors = np.empty(LAND_TILE // BLOCK, np.float32)
     for s in range(0, n, LAND_TILE):
-        # views of one tile and of its blocks: loops from 0 vectorize (see ``LAND_TILE``)
-        count = min(LAND_TILE, n - s)
-        t, ln, res = theta[s : s + count], launched[s : s + count], residual[s : s + count]
-        for i in range(count):
-            sent[i] = (t[i] - ln[i]) + _from_bf16(res[i])
-        blocks = (count + BLOCK - 1) // BLOCK
-        for b in range(blocks):
-            divisors[b] = _divisor(sent, b * BLOCK, min(b * BLOCK + BLOCK, count), lv, scales, b)
-        for b in range(blocks):
-            first, stop = b * BLOCK, min(b * BLOCK + BLOCK, count)
-            x, out, d, scale = sent[first:stop], res[first:stop], divisors[b], scales[b]
-            if x.size == BLOCK:  # a constant trip count: unrolled
-                for k in range(BLOCK):
-                    r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
-                    nonfinite |= (r & 0x7F80) == 0x7F80
-                    out[k] = r
-            else:
-                for k in range(x.size):
-                    r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
-                    nonfinite |= (r & 0x7F80) == 0x7F80
-                    out[k] = r
+        end = min(s + LAND_TILE, n)
+        t, ln, res = theta[s:end], launched[s:end], residual[s:end]
+        nonfinite |= _tile_residual(t, ln, res, sent, scales, divisors, levels, offset, lo, hi)
     return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_INLINE)
+def _tile_buffers(values: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What ``_tile_residual`` keeps of a tile: its ``sent`` values and its blocks' scales and
+    divisors (made once per kernel call, not per tile)."""
+    return np.empty(values, np.float32), np.empty(_TILE_BLOCKS, np.float32), np.empty(_TILE_BLOCKS, np.float32)
+
+
+@numba.njit(**_INLINE)
+def _tile_residual(
+    t: np.ndarray, launched: np.ndarray, res: np.ndarray, sent: np.ndarray, scales: np.ndarray,
+    divisors: np.ndarray, levels: float, offset: float, lo: float, hi: float,
+) -> int:  # fmt: skip
+    """``absmax_residual`` of one tile (at most ``LAND_TILE`` values, starting a block), with
+    buffers of a tile; 1 if a new residual is not finite."""
+    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
+    zero = np.float32(0.0)
+    count = t.size
+    nonfinite = 0
+    # views of the tile and of its blocks: loops from 0 vectorize (see ``LAND_TILE``)
+    for i in range(count):
+        sent[i] = (t[i] - launched[i]) + _from_bf16(res[i])
+    _divisors(sent[:count], lv, scales, divisors)
+    for b in range((count + BLOCK - 1) // BLOCK):
+        first, stop = b * BLOCK, min(b * BLOCK + BLOCK, count)
+        x, out, d, scale = sent[first:stop], res[first:stop], divisors[b], scales[b]
+        if x.size == BLOCK:  # a constant trip count: unrolled
+            for k in range(BLOCK):
+                r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
+                nonfinite |= (r & 0x7F80) == 0x7F80
+                out[k] = r
+        else:
+            for k in range(x.size):
+                r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
+                nonfinite |= (r & 0x7F80) == 0x7F80
+                out[k] = r
+    return nonfinite
 
 
 @numba.njit(**_JIT)
@@ -615,6 +653,7 @@ def land(
     ``OK``."""
     n = theta.size
     nonfinite = 0
+    sent, scales, divisors = _tile_buffers(min(n, LAND_TILE) if kind == LAND_ABSMAX else 0)
     for s in range(0, n, LAND_TILE):
         # views of one tile: loops from 0 let the compiler drop negative-index handling and vectorize
         end = min(s + LAND_TILE, n)
@@ -622,7 +661,7 @@ def land(
         if kind == LAND_FP16:
             nonfinite |= fp16_residual(t, md, res) != OK
         elif kind == LAND_ABSMAX:
-            nonfinite |= absmax_residual(t, md, res, levels, offset, lo, hi) != OK
+            nonfinite |= _tile_residual(t, md, res, sent, scales, divisors, levels, offset, lo, hi)
         outer_step(t, momentum[s:end], averaged[s:end], lr, mu, nesterov)
         if shift:
             for i in range(t.size):
