@@ -63,6 +63,7 @@ __all__ = [
     "fp16_residual",
     "fp16_roundtrip",
     "land",
+    "land_sparse",
     "outer_step",
     "outer_step_masked",
     "run_chunks",
@@ -669,6 +670,60 @@ def land(
         else:
             for i in range(t.size):
                 md[i] = t[i]
+    return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_JIT)
+def land_sparse(
+    theta: np.ndarray, momentum: np.ndarray, averaged: np.ndarray, model: np.ndarray, residual: np.ndarray,
+    positions: np.ndarray, block: int, kind: int, levels: float, offset: float, lo: float, hi: float, lr: float,
+    mu: float, nesterov: bool,
+) -> int:  # fmt: skip
+    """``land`` without overlap for a codec that sends, of each ``block`` values (``theta``
+    starting one), those at ``positions`` (ascending, at most ``BLOCK``; the sparse codec's
+    round mask) and nothing else, touching only those: the residual of what was sent (``kind``:
+    ``LAND_PLAIN`` none, ``LAND_ABSMAX`` each block's sent values gathered as one absmax block,
+    the sparse codec's wire layout), the outer step and ``model`` ← the new θ there. At the
+    other values θ, the momentum, the residual and the model keep their bits (the reference
+    steps every value and selects the old ones back). ``NON_FINITE`` if a new residual is not
+    finite, else ``OK``."""
+    lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
+    rate, mom = np.float32(lr), np.float32(mu)
+    zero = np.float32(0.0)
+    n = theta.size
+    sent = np.empty(BLOCK, np.float32)
+    scales = np.empty(1, np.float32)
+    divisors = np.empty(1, np.float32)
+    nonfinite = 0
+    for base in range(0, n, block):
+        count = positions.size
+        while count > 0 and positions[count - 1] >= n - base:  # the vector's last, shorter block
+            count -= 1
+        if kind == LAND_ABSMAX:
+            for j in range(count):
+                p = base + positions[j]
+                sent[j] = (theta[p] - model[p]) + _from_bf16(residual[p])
+            _divisors(sent[:count], lv, scales, divisors)
+            d, scale = divisors[0], scales[0]
+            for j in range(count):
+                r = _bf16(sent[j] - (_rounded(sent[j] / d + off, low, high) - off + zero) * scale)
+                nonfinite |= (r & 0x7F80) == 0x7F80
+                residual[base + positions[j]] = r
+        for j in range(count):
+            p = base + positions[j]
+            a = averaged[p]
+            if mom > 0 and nesterov:
+                m = momentum[p] * mom + a
+                momentum[p] = m
+                t = theta[p] - (m * mom + a) * rate
+            elif mom > 0:
+                m = momentum[p] * mom + a
+                momentum[p] = m
+                t = theta[p] - m * rate
+            else:
+                t = theta[p] - a * rate
+            theta[p] = t
+            model[p] = t
     return NON_FINITE if nonfinite else OK
 
 

@@ -129,6 +129,15 @@ class SparseCodec(Codec):
     def _positions(self) -> torch.Tensor:
         return kept_positions(self.block, self._round())
 
+    def positions(self) -> torch.Tensor:
+        """The ascending positions of each block this round sends (int64, ``KEPT`` of them)."""
+        return self._positions()
+
+    def sent_residual(self) -> tuple[int, float, float, float, float] | None:
+        """``engine.kernels.land_sparse``'s residual arguments: each block's sent values as one
+        block of the value codec (``Codec.landing_residual``), or None without the kernels."""
+        return self._values.landing_residual()
+
     def kept(self, numel: int) -> torch.Tensor:
         """The positions of a vector of ``numel`` values this round keeps, ascending (for
         tests and tools: the codec itself never builds this list)."""

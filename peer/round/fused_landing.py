@@ -7,21 +7,23 @@ the average, the model, the residual: 32 bytes), with the same operations in the
 the state is the same bits as the reference's (``tests/unit/test_pass_kernels.py`` compares
 them over every codec, with and without missing ranges).
 
-It applies where the model lives in host float32 memory, the compiled kernels run, the landing
-has no overlap (the model is its own launch point) and the round's codec sends every value (the
-sparse codec's unsent values need their selects: its landing takes the passes).
+It applies where the model lives in host float32 memory, the compiled kernels run and the landing
+has no overlap (the model is its own launch point). A round of the sparse codec lands in
+``engine.kernels.land_sparse``, which touches only the values the round sent (its mask's
+positions in each block): the unsent keep their bits, as the reference's selects leave them.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from engine.compression import Codec, ErrorFeedback, compiled_kernels
+from engine.sparse_codec import SparseCodec
 from peer.round.state import (
     GlobalState,
     parameter_views,
@@ -45,16 +47,27 @@ _NO_RESIDUAL = np.empty(0, np.uint16)
 def _residual_args(
     feedback: ErrorFeedback | None, codec: Codec | None
 ) -> tuple[int, float, float, float, float] | None:
-    """``engine.kernels.land``'s residual arguments for this landing, or None where it cannot
-    take it in one pass."""
+    """``engine.kernels.land``'s (or ``land_sparse``'s) residual arguments for this landing, or
+    None where it cannot take it in one pass."""
     kernels = compiled_kernels()
     if kernels is None:
         return None
-    if codec is not None and codec.unsent(0, 1) is not None:
-        return None  # values left unsent this round: their selects are the passes' work
+    sparse = isinstance(codec, SparseCodec)
+    if codec is not None and not sparse and codec.unsent(0, 1) is not None:
+        return None  # values left unsent by a codec without a mask of its own: the passes' work
     if feedback is None or not feedback.codec.lossy:
         return (kernels.LAND_PLAIN, 0.0, 0.0, 0.0, 0.0)
+    if isinstance(codec, SparseCodec):
+        return codec.sent_residual()
     return (codec or feedback.codec).landing_residual()
+
+
+def _sent_mask(codec: Codec | None) -> tuple[np.ndarray, int] | None:
+    """The positions of each block the round's sparse codec sends, and its block; None for a
+    codec that sends every value."""
+    if not isinstance(codec, SparseCodec):
+        return None
+    return codec.positions().numpy(), codec.block
 
 
 def _on_host(t: torch.Tensor) -> bool:
@@ -62,16 +75,23 @@ def _on_host(t: torch.Tensor) -> bool:
 
 
 class _Landing:
-    """One fused landing's fixed arguments: the kernel's, and where the residual is."""
+    """One fused landing's fixed arguments: the kernel's, where the residual is, and the sparse
+    codec's mask where the round sends only part of each block."""
 
     def __init__(
         self, kernels: ModuleType, residual_args: tuple[int, float, float, float, float], feedback: ErrorFeedback | None,
-        config: OuterSection, shift: bool,
+        config: OuterSection, shift: bool, mask: tuple[np.ndarray, int] | None,
     ) -> None:  # fmt: skip
         self.kernels = kernels
         self.feedback = feedback if feedback is not None and residual_args[0] != kernels.LAND_PLAIN else None
         self.block = feedback.codec.block if feedback is not None else 1
-        self.args = (*residual_args, float(config.lr), float(config.momentum), bool(config.nesterov), shift)
+        self.mask = mask
+        if mask is not None:
+            self.block = mask[1]
+            self.args: tuple[object, ...] = (*mask, *residual_args, float(config.lr), float(config.momentum))
+            self.args += (bool(config.nesterov),)
+        else:
+            self.args = (*residual_args, float(config.lr), float(config.momentum), bool(config.nesterov), shift)
 
     def run(self, state: GlobalState, averaged: torch.Tensor, kept: slice, target: torch.Tensor) -> bool:
         """The kernel on ``kept`` (``target``: its model or launch point values); whether a
@@ -81,7 +101,8 @@ class _Landing:
             raise ValueError(f"error feedback: a window starts at {start}, not on a block of {self.block}")
         arrays = [x.numpy() for x in (state.params[kept], state.momentum[kept], averaged[kept], target)]
         arrays.append(self.feedback.residual_bits(start, n) if self.feedback is not None else _NO_RESIDUAL)
-        return _land_range(self.kernels, arrays, self.args)
+        land = self.kernels.land if self.mask is None else self.kernels.land_sparse
+        return _land_range(self.kernels, land, arrays, self.args)
 
 
 def _prepare(
@@ -89,9 +110,12 @@ def _prepare(
 ) -> _Landing | None:
     kernels = compiled_kernels()
     residual_args = _residual_args(feedback, codec)
+    mask = _sent_mask(codec)
     if kernels is None or residual_args is None or not all(_on_host(t) for t in tensors):
         return None
-    return _Landing(kernels, residual_args, feedback, config, shift)
+    if mask is not None and shift:
+        return None  # an overlapped round's sparse landing: the passes' work
+    return _Landing(kernels, residual_args, feedback, config, shift, mask)
 
 
 @torch.no_grad()
@@ -168,13 +192,16 @@ def land_global_fused(
     return True
 
 
-def _land_range(kernels: ModuleType, arrays: list[np.ndarray], args: tuple[object, ...]) -> bool:
-    """``engine.kernels.land`` over ``arrays`` (θ_g, momentum, average, model, residual bits or
-    none), cut for ``run_chunks``'s threads at block boundaries; whether a residual overflowed."""
+def _land_range(
+    kernels: ModuleType, land: Callable[..., int], arrays: list[np.ndarray], args: tuple[object, ...]
+) -> bool:
+    """``land`` (``engine.kernels.land`` or ``land_sparse``) over ``arrays`` (θ_g, momentum,
+    average, model, residual bits or none), cut for ``run_chunks``'s threads at block
+    boundaries; whether a residual overflowed."""
     theta, momentum, averaged, model, residual = arrays
 
     def run(s: int, e: int) -> int:
         bits = residual[s:e] if residual.size else residual
-        return int(kernels.land(theta[s:e], momentum[s:e], averaged[s:e], model[s:e], bits, *args))
+        return int(land(theta[s:e], momentum[s:e], averaged[s:e], model[s:e], bits, *args))
 
     return any(kernels.run_chunks(theta.size, THREAD_VALUES, run))

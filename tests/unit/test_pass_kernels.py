@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -167,48 +168,54 @@ def test_a_residual_that_overflows_bfloat16_is_refused_on_both_paths(monkeypatch
 
 
 @pytest.mark.parametrize(
-    ("codec_name", "fused"), [("none", True), ("fp16", True), ("int8", True), ("4bit", True), ("sparse", False)]
+    ("codec_name", "kernel"),
+    [("none", "land"), ("fp16", "land"), ("int8", "land"), ("4bit", "land"), ("sparse", "land_sparse")],
 )
-def test_a_landing_without_overlap_is_one_pass_where_the_codec_sends_every_value(
-    codec_name: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+def test_a_landing_without_overlap_is_one_pass_per_value_for_every_codec(
+    codec_name: str, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``peer.round.fused_landing``: the residual, the outer step and the model in one kernel
-    per window (the round above checks its bits); the sparse codec's unsent values take the
-    passes."""
-    ranges: list[int] = []
+    per window (the round above checks its bits); the sparse codec's in ``land_sparse``, which
+    touches the values the round sent only."""
+    ranges: list[tuple[str, int]] = []
     original = fused_landing._land_range
 
-    def counting(kernels: object, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
-        ranges.append(arrays[0].size)
-        return original(kernels, arrays, args)  # type: ignore[arg-type]
+    def counting(kernels: object, land: Any, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
+        ranges.append((land.__name__, arrays[0].size))
+        return original(kernels, land, arrays, args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fused_landing, "_land_range", counting)
     round_on(codec_name, False, [(0, 256)])
-    assert (sum(ranges) > 0) is fused
-    if fused:
-        model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
-        assert sum(ranges) == sum(p.numel() for p in model.parameters()) - 256  # every value but the missing
+    assert {name for name, _ in ranges} == {kernel}
+    model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
+    assert sum(n for _, n in ranges) == sum(p.numel() for p in model.parameters()) - 256  # every value but the missing
 
 
-def test_a_fused_landing_whose_residual_overflows_is_refused_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the separate residual pass: a residual above bfloat16's largest raises."""
+@pytest.mark.parametrize("codec_name", ["fp16", "sparse"])
+def test_a_fused_landing_whose_residual_overflows_is_refused_on_both_paths(
+    codec_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the separate residual pass: a residual above bfloat16's largest (fp16: a value past
+    its range; sparse: a Δ past float32's) raises."""
 
     def land() -> None:
         model = torch.nn.Linear(16, 16)
         with torch.no_grad():
             for p in model.parameters():
-                p.zero_()
+                p.fill_(0.0 if codec_name == "fp16" else -3.4e38)
         numel = sum(p.numel() for p in model.parameters())
         state = GlobalState(torch.full((numel,), 3.4e38), torch.zeros(numel), 0)
-        feedback = ErrorFeedback(get_codec("fp16"), numel)
+        feedback = ErrorFeedback(get_codec(codec_name), numel)
         land_round(
             model, state, torch.zeros(numel), OuterSection(lr=0.7, momentum=0.9, nesterov=True), feedback=feedback,
-            launch_point=None, keep_progress=False, staging=Staging(model),
+            launch_point=None, keep_progress=False, staging=Staging(model), codec=get_codec(codec_name).at_round(3),
         )  # fmt: skip
 
+    # the sparse reference refuses the Δ itself, before its residual
+    refused = "overflowed" if codec_name == "fp16" else "overflowed|NaN or Inf"
     with pytest.raises(ValueError, match="overflowed"):
         land()
-    with reference_path(monkeypatch), pytest.raises(ValueError, match="overflowed"):
+    with reference_path(monkeypatch), pytest.raises(ValueError, match=refused):
         land()
 
 
