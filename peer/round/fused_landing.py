@@ -16,7 +16,7 @@ positions in each block): the unsent keep their bits, as the reference's selects
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -34,10 +34,10 @@ from peer.round.state import (
 from protocol.spec import OuterSection
 
 WINDOW_VALUES = 1 << 20
-"""Values per window (a multiple of every block): a window inside a parameter is landed on the
-parameter itself, one that spans parameters through a buffer of this size (4 MB: in the cache
-while the kernel runs). Each window costs the interpreter a few calls: 1M values keeps that
-under 1% of the pass."""
+"""Values per window (a multiple of every block), cut further where it crosses a parameter
+(``_segments``): each piece is landed on its parameter itself, and only a block that straddles
+two parameters goes through a buffer. Each piece costs the interpreter a few calls: 1M values
+keeps that under 1% of the pass."""
 THREAD_VALUES = 1 << 18
 """Values per piece a thread takes within a window (``engine.kernels.run_chunks``)."""
 
@@ -146,19 +146,41 @@ def land_fused(
     overflowed = False
     for window in range(0, numel, WINDOW_VALUES):
         for kept in split_ranges(window, min(window + WINDOW_VALUES, numel), missing)[0]:
-            start, n = kept.start, kept.stop - kept.start
-            at, flat = views[max(0, bisect.bisect_right(offsets, start) - 1)]
-            if start + n <= at + flat.numel():  # the kernel writes the parameter itself
-                overflowed |= landing.run(state, averaged, kept, flat[start - at : start - at + n])
-                continue
-            if buffer is None:  # across parameters: through a buffer the cache holds
-                buffer = torch.empty(WINDOW_VALUES, dtype=torch.float32)
-            read_model_window(views, start, buffer[:n], offsets)
-            overflowed |= landing.run(state, averaged, kept, buffer[:n])
-            write_model_window(views, start, buffer[:n], offsets)
+            for piece, target in _segments(kept, views, offsets, landing.block):
+                if target is not None:  # the kernel writes the parameter itself
+                    overflowed |= landing.run(state, averaged, piece, target)
+                    continue
+                n = piece.stop - piece.start
+                if buffer is None:  # a block across parameters: through a buffer
+                    buffer = torch.empty(landing.block, dtype=torch.float32)
+                read_model_window(views, piece.start, buffer[:n], offsets)
+                overflowed |= landing.run(state, averaged, piece, buffer[:n])
+                write_model_window(views, piece.start, buffer[:n], offsets)
     if overflowed:
         raise ValueError("error feedback: residual overflowed float32")
     return True
+
+
+def _segments(
+    kept: slice, views: Sequence[tuple[int, torch.Tensor]], offsets: Sequence[int], block: int
+) -> Iterator[tuple[slice, torch.Tensor | None]]:
+    """``kept`` (starting a block) cut where it crosses a parameter: each piece within one
+    parameter with that parameter's values, landed in place, and each block that straddles a
+    boundary not on a block by itself, with None (it goes through a buffer: its residual is
+    one block's). Every piece starts a block, as the residual's windows must."""
+    start, stop = kept.start, kept.stop
+    while start < stop:
+        at, flat = views[max(0, bisect.bisect_right(offsets, start) - 1)]
+        end = min(stop, at + flat.numel())
+        if end == stop or end % block == 0:
+            yield slice(start, end), flat[start - at : end - at]
+            start = end
+            continue
+        straddle = end - end % block
+        if straddle > start:
+            yield slice(start, straddle), flat[start - at : straddle - at]
+        start = min(straddle + block, stop)
+        yield slice(straddle, start), None
 
 
 @torch.no_grad()

@@ -282,3 +282,29 @@ def test_a_non_finite_pseudo_gradient_is_seen_on_both_paths(overlap: bool, monke
     with reference_path(monkeypatch):
         reference = [launch(poison, at) for poison, at in cases]
     assert compiled == reference == [False, False, False, True]
+
+
+@pytest.mark.parametrize("block", [1, 64, 256])
+def test_a_windows_pieces_cover_it_in_place_but_for_blocks_across_parameters(block: int) -> None:
+    """``fused_landing._segments``: the pieces cover the window in order, each starts a block,
+    each landed in place lies within one parameter, and only a block straddling parameters
+    goes through the buffer."""
+    sizes = [21, 3, 4096, 1700, 5, 1, 640, 3000]
+    views, at = [], 0
+    for size in sizes:
+        views.append((at, torch.arange(at, at + size, dtype=torch.float32)))
+        at += size
+    offsets = [start for start, _ in views]
+    buffered = 0
+    for kept in (slice(0, at), slice(4096, at), slice(0, 4352)):
+        cursor = kept.start
+        for piece, target in fused_landing._segments(kept, views, offsets, block):
+            assert piece.start == cursor and piece.stop > piece.start and piece.start % block == 0
+            cursor = piece.stop
+            if target is None:
+                buffered += 1
+                assert piece.stop - piece.start <= block and block > 1
+            else:  # the parameter's own values at the piece's place
+                assert torch.equal(target, torch.arange(piece.start, piece.stop, dtype=torch.float32))
+        assert cursor == kept.stop
+    assert (buffered > 0) is (block > 1)
