@@ -499,8 +499,6 @@ class _BlockAbsmaxCodec(Codec):
     """Added to the integer level to make the packed code (and a pad code's value)."""
     _invalid = -1
     """A packed code no encoder writes (−1: none)."""
-    _compiled_encode = True
-    """Whether encoding runs the compiled kernel (where the codec runs compiled at all)."""
 
     def _kernel_args(self) -> tuple[float, float, float, float]:
         """(levels, offset, lowest, highest rounded value) for ``engine.kernels``."""
@@ -546,7 +544,7 @@ class _BlockAbsmaxCodec(Codec):
 
     def _encode(self, x: torch.Tensor, dither: torch.Tensor | None) -> bytes:
         x = _check_input(x, self.name)
-        kernels = self._kernels() if self._compiled_encode else None
+        kernels = self._kernels()
         if kernels is not None:
             return self._encode_compiled(kernels, x, dither)
         parts = [
@@ -636,9 +634,6 @@ class Int8Codec(_BlockAbsmaxCodec):
     levels = 127
     _bits = 8
     _invalid = 0x80  # the byte of -128
-    # torch's passes encode int8 at 4.3 GB/s here, the kernel at 3.4 (benchmarks/codec_speed.py):
-    # decode and the roundtrip are compiled, encode is not
-    _compiled_encode = False
 
     def bytes_per_value(self) -> float:
         return 1.0

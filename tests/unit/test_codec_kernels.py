@@ -173,15 +173,6 @@ def test_the_kernels_half_conversion_is_torchs_for_every_vector() -> None:
         assert same_bits(torch.from_numpy(back), get_codec("fp16").reference().roundtrip(x)), name
 
 
-def test_the_int8_encode_kernel_is_the_references_too() -> None:
-    """int8's encode runs torch's passes (faster here); its kernel stays exact for when it wins."""
-    codec = get_codec("int8")
-    dither = torch.rand(max(len(x) for _, x in VECTORS) + 64)
-    for name, x in VECTORS:
-        assert codec._encode_compiled(codec_kernels, x, None) == codec.reference().encode(x), name
-        assert codec._encode_compiled(codec_kernels, x, dither) == codec.reference().encode_unbiased(x, dither), name
-
-
 def test_a_forked_child_gets_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The averager's process is forked from the peer's, possibly after the peer used the pool
     (a peer that moves starts a new averager): the child must not queue on the parent's threads.
