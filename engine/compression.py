@@ -202,9 +202,11 @@ def warm_kernels() -> None:
         args = (kind, 127.0, 0.0, -127.0, 127.0, 0.7, 0.9, True, shift)
         kernels.land(state, torch.zeros(WARM_VALUES).numpy(), sent.numpy(), model, bits, *args)
     positions = np.arange(0, 256, 4, dtype=np.int64)
-    for kind, values in ((kernels.LAND_PLAIN, np.empty(0, np.uint16)), (kernels.LAND_ABSMAX, bits)):
+    for (kind, values), shift in itertools.product(
+        ((kernels.LAND_PLAIN, np.empty(0, np.uint16)), (kernels.LAND_ABSMAX, bits)), (False, True)
+    ):
         model, state = launched.clone().numpy(), x.clone().numpy()
-        sparse_args = (positions, 256, kind, 1.5, 0.5, -2.0, 1.0, 0.7, 0.9, True)
+        sparse_args = (positions, 256, kind, 1.5, 0.5, -2.0, 1.0, 0.7, 0.9, True, shift)
         kernels.land_sparse(state, torch.zeros(WARM_VALUES).numpy(), sent.numpy(), model, values, *sparse_args)
 
 

@@ -677,16 +677,17 @@ def land(
 def land_sparse(
     theta: np.ndarray, momentum: np.ndarray, averaged: np.ndarray, model: np.ndarray, residual: np.ndarray,
     positions: np.ndarray, block: int, kind: int, levels: float, offset: float, lo: float, hi: float, lr: float,
-    mu: float, nesterov: bool,
+    mu: float, nesterov: bool, shift: bool,
 ) -> int:  # fmt: skip
-    """``land`` without overlap for a codec that sends, of each ``block`` values (``theta``
-    starting one), those at ``positions`` (ascending, at most ``BLOCK``; the sparse codec's
-    round mask) and nothing else, touching only those: the residual of what was sent (``kind``:
-    ``LAND_PLAIN`` none, ``LAND_ABSMAX`` each block's sent values gathered as one absmax block,
-    the sparse codec's wire layout), the outer step and ``model`` ← the new θ there. At the
-    other values θ, the momentum, the residual and the model keep their bits (the reference
-    steps every value and selects the old ones back). ``NON_FINITE`` if a new residual is not
-    finite, else ``OK``."""
+    """``land`` for a codec that sends, of each ``block`` values (``theta`` starting one), those
+    at ``positions`` (ascending, at most ``BLOCK``; the sparse codec's round mask) and nothing
+    else, touching only those: the residual of what was sent (``kind``: ``LAND_PLAIN`` none,
+    ``LAND_ABSMAX`` each block's sent values gathered as one absmax block, the sparse codec's
+    wire layout), the outer step and ``model`` ← the new θ there (``shift``: ``model`` is an
+    overlapped round's launch point, ← the new θ − the launch point there and 0 elsewhere, the
+    shift that re-bases the model). At the other values θ, the momentum, the residual and (not
+    ``shift``) the model keep their bits (the reference steps every value and selects the old
+    ones back). ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
     lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
     rate, mom = np.float32(lr), np.float32(mu)
     zero = np.float32(0.0)
@@ -723,7 +724,11 @@ def land_sparse(
             else:
                 t = theta[p] - a * rate
             theta[p] = t
-            model[p] = t
+            sent[j] = t - model[p] if shift else t
+        if shift:  # the values not sent do not move the model
+            model[base : min(base + block, n)] = 0.0
+        for j in range(count):
+            model[base + positions[j]] = sent[j]
     return NON_FINITE if nonfinite else OK
 
 

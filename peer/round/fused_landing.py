@@ -10,7 +10,8 @@ them over every codec, with and without missing ranges).
 It applies where the model lives in host float32 memory, the compiled kernels run and the landing
 has no overlap (the model is its own launch point). A round of the sparse codec lands in
 ``engine.kernels.land_sparse``, which touches only the values the round sent (its mask's
-positions in each block): the unsent keep their bits, as the reference's selects leave them.
+positions in each block): the unsent keep their bits, as the reference's selects leave them
+(with overlap, their shift is 0).
 """
 
 from __future__ import annotations
@@ -86,12 +87,11 @@ class _Landing:
         self.feedback = feedback if feedback is not None and residual_args[0] != kernels.LAND_PLAIN else None
         self.block = feedback.codec.block if feedback is not None else 1
         self.mask = mask
+        self.args: tuple[object, ...] = (*residual_args, float(config.lr), float(config.momentum))
+        self.args += (bool(config.nesterov), shift)
         if mask is not None:
             self.block = mask[1]
-            self.args: tuple[object, ...] = (*mask, *residual_args, float(config.lr), float(config.momentum))
-            self.args += (bool(config.nesterov),)
-        else:
-            self.args = (*residual_args, float(config.lr), float(config.momentum), bool(config.nesterov), shift)
+            self.args = (*mask, *self.args)
 
     def run(self, state: GlobalState, averaged: torch.Tensor, kept: slice, target: torch.Tensor) -> bool:
         """The kernel on ``kept`` (``target``: its model or launch point values); whether a
@@ -113,8 +113,6 @@ def _prepare(
     mask = _sent_mask(codec)
     if kernels is None or residual_args is None or not all(_on_host(t) for t in tensors):
         return None
-    if mask is not None and shift:
-        return None  # an overlapped round's sparse landing: the passes' work
     return _Landing(kernels, residual_args, feedback, config, shift, mask)
 
 

@@ -283,6 +283,12 @@ for n in (1, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 37, 70_001):
     k.fp16_residual(x, y, np.zeros(n, np.uint16))
     k.delta(x, y, np.zeros(n, np.uint16), np.empty(n, np.float32))
     k.outer_step_masked(x.copy(), y.copy(), avg, rng.random(n) < 0.5, 0.7, 0.9, True)
+    for block in (64, 256, 4096):
+        positions = np.sort(rng.choice(block, 64, replace=False)).astype(np.int64)
+        for kind, shift in ((k.LAND_PLAIN, False), (k.LAND_ABSMAX, False), (k.LAND_ABSMAX, True)):
+            residual = np.zeros(n if kind != k.LAND_PLAIN else 0, np.uint16)
+            args = (positions, block, kind, 1.5, 0.5, -2.0, 1.0, 0.7, 0.9, True, shift)
+            k.land_sparse(x.copy(), y.copy(), avg, y.copy(), residual, *args)
     for kind in (k.LAND_PLAIN, k.LAND_FP16, k.LAND_ABSMAX):
         for shift in (False, True):
             residual = np.zeros(n if kind != k.LAND_PLAIN else 0, np.uint16)

@@ -308,3 +308,25 @@ def test_a_windows_pieces_cover_it_in_place_but_for_blocks_across_parameters(blo
                 assert torch.equal(target, torch.arange(piece.start, piece.stop, dtype=torch.float32))
         assert cursor == kept.stop
     assert (buffered > 0) is (block > 1)
+
+
+@pytest.mark.parametrize(
+    ("codec_name", "kernel"),
+    [("none", "land"), ("fp16", "land"), ("int8", "land"), ("4bit", "land"), ("sparse", "land_sparse")],
+)
+def test_an_overlapped_rounds_host_half_is_one_pass_per_value_for_every_codec(
+    codec_name: str, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``land_global``'s fused path (its bits checked above) is taken for every codec, the
+    sparse codec's in ``land_sparse`` with the shift, over every value but the missing."""
+    ranges: list[tuple[str, int]] = []
+    original = fused_landing._land_range
+
+    def counting(kernels: object, land: Any, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
+        ranges.append((land.__name__, arrays[0].size))
+        return original(kernels, land, arrays, args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_landing, "_land_range", counting)
+    landed_global(codec_name, [(4096, 8192)])
+    assert {name for name, _ in ranges} == {kernel}
+    assert sum(n for _, n in ranges) == fused_landing.WINDOW_VALUES + 100_003 - 4096
