@@ -40,8 +40,10 @@ def child(values: int, codec_name: str, rounds: int, bulk: bool) -> list[dict[st
     from engine.bulk_settings import BulkSettings
     from engine.codecs import get_codec
     from engine.compression import choose_kernels
+    from engine.process_memory import limit_malloc_arenas
     from engine.robust import RobustRule
 
+    limit_malloc_arenas()  # as a peer's command line does, before any thread
     torch.set_num_threads(1)
     choose_kernels(values)  # as a peer does before its averager forks (loaded once, not in a round)
     first = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+from engine.process_memory import limit_malloc_arenas
+
 __all__ = ["OwnSignals"]
 
 
@@ -25,6 +27,7 @@ class OwnSignals:
     def run(self) -> None:
         """The averager process: ignore SIGINT (its parent decides when it stops), then serve."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        limit_malloc_arenas()  # inherited from a peer that capped them; here for any other parent
         super().run()  # type: ignore[misc]
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:

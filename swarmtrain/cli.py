@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from coordinator import cli as coordinator_cli
+from engine.process_memory import limit_malloc_arenas
 from peer import cli as peer_cli
 from protocol.errors import SpecError, SwarmtrainError
 from swarmtrain import __version__, node_launcher
@@ -102,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = parser.command(args.command) or parser
         command.error(f"unrecognized arguments: {' '.join(extra)}{did_you_mean(parser, args.command, extra)}")
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    limit_malloc_arenas()  # before any thread starts: every thread after it shares the arenas
     _whole_lines()
     _configure_logging(args.verbose)
     tie_children_to_this_process()
