@@ -3,11 +3,14 @@
 glibc gives each thread that allocates concurrently an arena of its own, up to 8 per core, and
 an arena keeps what is freed in it for reuse. The averager's process decodes every part into a
 fresh buffer on whichever of its threads takes it, so each arena ends up holding its own share
-of a round's freed part buffers: measured on loopback (2 averagers, 20M values, fp16, 5 rounds),
-each averager process held 3.0-3.1 model sizes of PSS with the default arenas, 2.7-2.8 with 2 and
-2.6 with 1, at the same all-reduce time (0.35, 0.35 and 0.32 s). Returning every large buffer
-to the system at once instead (``M_MMAP_THRESHOLD`` at 128 KiB) left 2.0, but each part's pages
-were then faulted in afresh: the all-reduce took 2.6x as long.
+of a round's freed part buffers between rounds: measured on loopback (2 averagers, 20M values,
+fp16, PSS after 5 rounds), each averager process held 3.0-3.1 model sizes with the default
+arenas, 2.7-2.8 with 2 and 2.6 with 1, at the same all-reduce time (0.35, 0.35 and 0.32 s).
+Returning every large buffer to the system at once instead (``M_MMAP_THRESHOLD`` at 128 KiB)
+left 2.0, but each part's pages were then faulted in afresh: the all-reduce took 2.6x as long.
+A round's peak is its live buffers, which the cap does not change: two 85M peers' peak PSS was
+11.5 model sizes against 11.2 without it (``benchmarks/results/scale-arenas-fp16-2026-11-30.md``,
+one run each); what falls is what a peer holds while it trains between rounds.
 
 ``limit_malloc_arenas`` caps the arenas of this process and of the processes it forks later
 (they inherit the setting), so the peer calls it before it starts any thread. It changes
