@@ -53,8 +53,7 @@ def _residual_args(
     kernels = compiled_kernels()
     if kernels is None:
         return None
-    sparse = isinstance(codec, SparseCodec)
-    if codec is not None and not sparse and codec.unsent(0, 1) is not None:
+    if codec is not None and not isinstance(codec, SparseCodec) and codec.unsent(0, 1) is not None:
         return None  # values left unsent by a codec without a mask of its own: the passes' work
     if feedback is None or not feedback.codec.lossy:
         return (kernels.LAND_PLAIN, 0.0, 0.0, 0.0, 0.0)
