@@ -428,7 +428,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     def dither(self) -> torch.Tensor:
         """Uniform [0, 1) values for the stochastic rounding of this round's averaged parts:
         drawn once per round (seeded by the group), shared by the parts; each value's rounding
-        is unbiased whatever the others'."""
+        is unbiased whatever the others'. Empty for a codec whose unbiased encoding reads none
+        (``Codec.stochastic``: fp16's is its plain encoding)."""
+        if self._dither_values is None and not self.codec.codec.stochastic:
+            self._dither_values = torch.empty(0)
         if self._dither_values is None:
             seed = int.from_bytes(hashlib.blake2b(bytes(self.group_id), digest_size=8).digest(), "big")
             longest = max(self._part_numels, default=0) + self.codec.codec.block

@@ -231,6 +231,9 @@ class Codec(abc.ABC):
     name: str
     block: int
     lossy: bool
+    stochastic: bool = False
+    """Whether ``encode_unbiased`` reads its dither; where not it is ``encode``, and a reducer
+    draws no dither for it."""
     compiled: bool = True
     """Whether encode, decode and roundtrip run the compiled kernels (``engine.kernels``)
     where they are available; False: the torch reference, which they equal bit for bit."""
@@ -423,6 +426,7 @@ class _BlockAbsmaxCodec(Codec):
 
     block = 64
     lossy = True
+    stochastic = True
     levels: int
 
     def _n_blocks(self, numel: int) -> int:

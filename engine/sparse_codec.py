@@ -95,6 +95,7 @@ class SparseCodec(Codec):
 
     name = "sparse"
     lossy = True
+    stochastic = True
 
     def __init__(
         self,

@@ -368,3 +368,18 @@ def test_parts_are_whole_blocks_and_small_vectors_are_cut_for_every_member() -> 
         for numel, group in ((1_450_000, 4), (107_520, 4), (430_000, 16), (4096, 4)):
             parts = numel * per_value / part_size_bytes(numel, codec, group)
             assert parts >= min(group, numel // codec.block)  # every member reduces a share
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_a_codec_that_reads_no_dither_says_so(name: str) -> None:
+    """A reducer draws a round's dither only for a codec whose unbiased encoding reads it
+    (``Codec.stochastic``); for any other, that encoding is its plain one, without a dither."""
+    codec = get_codec(name).at_round(3)
+    x = torch.randn(1000) * 1e-2
+    reads_dither = type(codec).encode_unbiased is not Codec.encode_unbiased
+    assert codec.stochastic is reads_dither
+    if not codec.stochastic:
+        assert codec.encode_unbiased(x, torch.empty(0)) == codec.encode(x)
+    else:  # a different dither, different roundings
+        first, second = torch.rand(1100), torch.rand(1100)
+        assert codec.encode_unbiased(x, first) != codec.encode_unbiased(x, second)
