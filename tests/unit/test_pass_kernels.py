@@ -167,6 +167,19 @@ def test_a_residual_that_overflows_bfloat16_is_refused_on_both_paths(monkeypatch
     assert torch.equal(bits(compiled.state), bits(reference.state))
 
 
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Each fused landing's kernel calls from here on: the kernel's name and the values it took."""
+    ranges: list[tuple[str, int]] = []
+    original = fused_landing._land_range
+
+    def counting(kernels: object, land: Any, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
+        ranges.append((land.__name__, arrays[0].size))
+        return original(kernels, land, arrays, args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_landing, "_land_range", counting)
+    return ranges
+
+
 @pytest.mark.parametrize(
     ("codec_name", "kernel"),
     [("none", "land"), ("fp16", "land"), ("int8", "land"), ("4bit", "land"), ("sparse", "land_sparse")],
@@ -177,14 +190,7 @@ def test_a_landing_without_overlap_is_one_pass_per_value_for_every_codec(
     """``peer.round.fused_landing``: the residual, the outer step and the model in one kernel
     per window (the round above checks its bits); the sparse codec's in ``land_sparse``, which
     touches the values the round sent only."""
-    ranges: list[tuple[str, int]] = []
-    original = fused_landing._land_range
-
-    def counting(kernels: object, land: Any, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
-        ranges.append((land.__name__, arrays[0].size))
-        return original(kernels, land, arrays, args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fused_landing, "_land_range", counting)
+    ranges = kernel_calls(monkeypatch)
     round_on(codec_name, False, [(0, 256)])
     assert {name for name, _ in ranges} == {kernel}
     model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
@@ -319,14 +325,7 @@ def test_an_overlapped_rounds_host_half_is_one_pass_per_value_for_every_codec(
 ) -> None:
     """``land_global``'s fused path (its bits checked above) is taken for every codec, the
     sparse codec's in ``land_sparse`` with the shift, over every value but the missing."""
-    ranges: list[tuple[str, int]] = []
-    original = fused_landing._land_range
-
-    def counting(kernels: object, land: Any, arrays: list, args: tuple) -> bool:  # type: ignore[type-arg]
-        ranges.append((land.__name__, arrays[0].size))
-        return original(kernels, land, arrays, args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(fused_landing, "_land_range", counting)
+    ranges = kernel_calls(monkeypatch)
     landed_global(codec_name, [(4096, 8192)])
     assert {name for name, _ in ranges} == {kernel}
     assert sum(n for _, n in ranges) == fused_landing.WINDOW_VALUES + 100_003 - 4096
