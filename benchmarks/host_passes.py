@@ -1,4 +1,4 @@
-"""A round's host passes alone, one core, the compiled kernels against the torch reference in
+"""A round's host passes alone, on one core (or ``--threads``), the compiled kernels against the torch reference in
 one run (issue #53: "host time per round ≤ 0.5 s/GB").
 
 For each codec, a fresh process per path (``SWARMTRAIN_CODEC_KERNELS=on`` or ``off``) builds a
@@ -34,7 +34,7 @@ MODES = ("no_overlap", "overlap", "landing_thread")
 it by default (``host_thread``): ``land_global`` on the landing thread, then ``rebase_model``."""
 
 
-def child(params: int, codec_name: str, rounds: int) -> dict[str, float]:
+def child(params: int, codec_name: str, rounds: int, threads: int) -> dict[str, float]:
     import torch
 
     from engine.codecs import get_codec
@@ -51,7 +51,7 @@ def child(params: int, codec_name: str, rounds: int) -> dict[str, float]:
     from peer.round.state import GlobalState, flatten
     from protocol.spec import OuterSection
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)  # the kernels' threads (engine.kernels.threads) and torch's alike
     width = 2048
     layers = max(1, round(params / (width * width + width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
@@ -102,9 +102,10 @@ def child(params: int, codec_name: str, rounds: int) -> dict[str, float]:
 
 
 def run(path: str, codec: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SWARMTRAIN_CODEC_KERNELS": PATHS[path]}
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(REPO), "SWARMTRAIN_CODEC_KERNELS": PATHS[path]}
     argv = [sys.executable, "-m", "benchmarks.host_passes", "--child", codec]
-    argv += ["--params", str(args.params), "--rounds", str(args.rounds)]
+    argv += ["--params", str(args.params), "--rounds", str(args.rounds), "--threads", threads]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{path} {codec}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -119,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per mode (the best counts)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--label", default="")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="threads for both paths (1: one core's cost; a peer takes all its cores)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.params, args.child, args.rounds)))
+        print(json.dumps(child(args.params, args.child, args.rounds, args.threads)))
         return 0
     command = "python -m benchmarks.host_passes " + " ".join(argv if argv is not None else sys.argv[1:])
     results: list[dict[str, Any]] = []
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# A round's host passes: compiled kernels against the torch reference ({time.strftime('%Y-%m-%d')})",
         "",
-        f"`{command.strip()}` on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs), one thread, "
+        f"`{command.strip()}` on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs), {args.threads} thread{'s' if args.threads > 1 else ''}, "
         f"{params:,.0f} parameters, nothing else running: the best of {args.rounds} rounds per mode, s per GB "
         "of parameters (launch: Δ plus the residual; landing: the residual, the outer Nesterov step, the model).",
         "",

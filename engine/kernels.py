@@ -78,14 +78,13 @@ OK, BAD_CODE, NON_FINITE = 0, 1, 2
 non-finite value."""
 
 _FP16_MAX = np.float32(65504.0)
+_EXPONENT, _BF16_EXPONENT, _HALF_EXPONENT = 0x7F800000, 0x7F80, 0x7C00
+"""The exponent bits of a float32, a bfloat16 and a half: all set, the value is not finite."""
 _ROUND_MAGIC = np.float32(12582912.0)
 """1.5·2²³: ``(u + M) − M`` is ``u`` rounded half to even for ``|u| < 2²²``."""
 
 _JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 _INLINE: dict[str, Any] = {**_JIT, "inline": "always"}
-_MAX: dict[str, Any] = {**_INLINE, "fastmath": {"nnan"}}
-"""A block's absmax may assume no NaN (its input is finite, checked first): the one flag the
-compiler needs to vectorize a max, which is exact in any order; nothing else is relaxed."""
 
 
 def _bits_typer(typingctx: Any, x: Any) -> Any:
@@ -139,7 +138,60 @@ def _float_to_half_typer(typingctx: Any, f: Any) -> Any:
     return types.uint16(types.float32), codegen
 
 
+def _bf16_typer(typingctx: Any, f: Any) -> Any:
+    """The bfloat16 bits (a uint16) of a float32, rounded to nearest even (a NaN: the quiet NaN
+    0x7FC0, torch's), computed on 32-bit integers: numba widens integer arithmetic to 64 bits,
+    which halves the lanes of the vector code around it (measured: a residual pass 30% slower)."""
+    if f != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.lshr(builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb), ir.Constant(i32, 16))
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.trunc(builder.select(nan, ir.Constant(i32, 0x7FC0), rounded), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def _from_bf16_typer(typingctx: Any, h: Any) -> Any:
+    """The float32 of bfloat16 bits (a uint16): exact, the bits shifted up."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+def _all_ones_typer(typingctx: Any, x: Any, mask: Any) -> Any:
+    """Whether the bits ``mask`` (a constant) of ``x`` are all set, at ``x``'s own width: a
+    float32's exponent (not finite), a bfloat16's or a half's. Kept narrow for the reason
+    ``_bf16`` gives."""
+    if x == types.float32:
+        width = 32
+    elif x == types.uint16:
+        width = 16
+    else:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        kind = ir.IntType(width)
+        value = builder.bitcast(args[0], kind) if width == 32 else args[0]
+        bits = builder.trunc(args[1], kind)
+        return builder.icmp_unsigned("==", builder.and_(value, bits), bits)
+
+    return types.boolean(x, mask), codegen
+
+
 _bits: Any = intrinsic(_bits_typer)
+_bf16: Any = intrinsic(_bf16_typer)
+_from_bf16: Any = intrinsic(_from_bf16_typer)
+_all_ones: Any = intrinsic(_all_ones_typer)
 _float: Any = intrinsic(_float_typer)
 _half_to_float: Any = intrinsic(_half_to_float_typer)
 _float_to_half: Any = intrinsic(_float_to_half_typer)
@@ -171,10 +223,10 @@ def fp16_encode(x: np.ndarray, out: np.ndarray) -> None:
 def fp16_decode(halves: np.ndarray, out: np.ndarray) -> int:
     """``out`` (float32) ← the halves ``halves`` (uint16); ``NON_FINITE`` if any is Inf or NaN
     (``out`` then holds garbage there), else ``OK``."""
-    bad = 0
+    bad = False
     for i in range(halves.size):
         h = halves[i]
-        bad |= (h & 0x7C00) == 0x7C00
+        bad |= _all_ones(h, _HALF_EXPONENT)
         out[i] = _from_half(h)
     return NON_FINITE if bad else OK
 
@@ -209,21 +261,24 @@ def _absmax_block(x: np.ndarray, start: int) -> np.float32:
     return _float(m)
 
 
-@numba.njit(**_MAX)
+@numba.njit(**_INLINE)
 def _absmax(x: np.ndarray, start: int, end: int) -> np.float32:
-    m = np.float32(0.0)
+    """``_absmax_block`` of a shorter, last block ``[start, end)``."""
+    bits = x.view(np.int32)
+    m = np.int32(0)
     for i in range(start, end):
-        m = max(m, abs(x[i]))
-    return m
+        m = max(m, bits[i] & np.int32(0x7FFFFFFF))
+    return _float(m)
 
 
 @numba.njit(**_INLINE)
-def _divisors(x: np.ndarray, levels: np.float32, scales: np.ndarray, divisors: np.ndarray) -> None:
+def _divisors(x: np.ndarray, levels: np.float32, scales: np.ndarray, divisors: np.ndarray) -> np.uint32:
     """Each block's scale ``absmax / levels`` (nudged down one ulp at a time while ``scale ·
     levels`` overflows) in ``scales``, and its divisor (the scale, or 1 for a zero block) in
     ``divisors``, for every block of ``x`` at once: the absmaxes first, then the scales in one loop over the blocks (vector code, where
     one block at a time left a scalar division and its checks between two vector loops), and
-    only the rare scale whose ``scale · levels`` overflows nudged down one at a time."""
+    only the rare scale whose ``scale · levels`` overflows nudged down one at a time. Returns
+    the bits of the largest absmax (a NaN's lie above every number's)."""
     blocks = (x.size + BLOCK - 1) // BLOCK
     full = x.size // BLOCK
     for b in range(full):
@@ -231,7 +286,9 @@ def _divisors(x: np.ndarray, levels: np.float32, scales: np.ndarray, divisors: n
     if blocks > full:
         scales[full] = _absmax(x, full * BLOCK, x.size)
     overflow = False
+    top = np.uint32(0)
     for b in range(blocks):
+        top = max(top, _bits(scales[b]))
         scale = scales[b] / levels
         overflow |= not np.isfinite(scale * levels)
         scales[b] = scale
@@ -245,6 +302,7 @@ def _divisors(x: np.ndarray, levels: np.float32, scales: np.ndarray, divisors: n
                 scale = _float(_bits(scale) - 1)  # positive and finite: one ulp toward zero
             scales[b] = scale
             divisors[b] = scale if scale > 0 else np.float32(1.0)
+    return top
 
 
 @numba.njit(**_INLINE)
@@ -381,8 +439,8 @@ def absmax_decode(
     off = np.float32(offset)
     mask = (1 << bits) - 1
     per_byte = 8 // bits
-    bad = 0
-    nonfinite = 0
+    bad = False
+    nonfinite = False
     for b in range((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         end = min(s + BLOCK, n)
@@ -396,7 +454,7 @@ def absmax_decode(
                 code = np.int32(pb[k])
                 bad |= code == invalid
                 value = (np.float32((code ^ 0x80) - 0x80 - bias) - off) * scale
-                nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                nonfinite |= _all_ones(value, _EXPONENT)
                 ob[k] = value
         elif end - s == BLOCK and bits == 4:
             for k in range(BLOCK // 2):
@@ -405,7 +463,7 @@ def absmax_decode(
                 bad |= (c0 == invalid) | (c1 == invalid)
                 v0 = (np.float32(c0 - bias) - off) * scale
                 v1 = (np.float32(c1 - bias) - off) * scale
-                nonfinite |= ((_bits(v0) & 0x7F800000) == 0x7F800000) | ((_bits(v1) & 0x7F800000) == 0x7F800000)
+                nonfinite |= _all_ones(v0, _EXPONENT) | _all_ones(v1, _EXPONENT)
                 ob[2 * k], ob[2 * k + 1] = v0, v1
         elif end - s == BLOCK and bits == 2:
             for k in range(BLOCK // 4):
@@ -414,7 +472,7 @@ def absmax_decode(
                     code = (byte >> (2 * h)) & 0x3
                     bad |= code == invalid
                     value = (np.float32(code - bias) - off) * scale
-                    nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                    nonfinite |= _all_ones(value, _EXPONENT)
                     ob[4 * k + h] = value
         else:  # the last, partial block, and its pad codes
             for j in range(first, packed.size):
@@ -429,7 +487,7 @@ def absmax_decode(
                     if bits == 8:
                         code = (code ^ 0x80) - 0x80
                     value = (np.float32(code - bias) - off) * scale
-                    nonfinite |= (_bits(value) & 0x7F800000) == 0x7F800000
+                    nonfinite |= _all_ones(value, _EXPONENT)
                     out[i] = value
     if bad:
         return BAD_CODE
@@ -506,34 +564,21 @@ def run_chunks(n: int, chunk: int, fn: Callable[[int, int], T]) -> list[T]:
 # ----------------------------------------------------------------------------- host passes
 
 
-@numba.njit(**_INLINE)
-def _bf16(f: np.float32) -> np.uint16:
-    """bfloat16 bits of ``f``, rounded to nearest even (a NaN: the quiet NaN 0x7FC0)."""
-    u = _bits(f)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return np.uint16(rounded if f == f else 0x7FC0)
-
-
-@numba.njit(**_INLINE)
-def _from_bf16(h: np.uint16) -> np.float32:
-    return _float(np.uint32(h) << 16)
-
-
 @numba.njit(**_JIT)
 def delta(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray, out: np.ndarray) -> int:
     """``out`` ← ``(θ − launched) + residual`` (``residual``: bfloat16 bits, or empty for none),
     each operation rounded on its own: what is sent; ``NON_FINITE`` if a value of ``out`` is
     not finite (the launch's check, without a pass of its own), else ``OK``."""
-    bad = 0
+    bad = False
     if residual.size:
         for i in range(out.size):
             d = (theta[i] - launched[i]) + _from_bf16(residual[i])
-            bad |= (_bits(d) & 0x7F800000) == 0x7F800000
+            bad |= _all_ones(d, _EXPONENT)
             out[i] = d
     else:
         for i in range(out.size):
             d = theta[i] - launched[i]
-            bad |= (_bits(d) & 0x7F800000) == 0x7F800000
+            bad |= _all_ones(d, _EXPONENT)
             out[i] = d
     return NON_FINITE if bad else OK
 
@@ -542,12 +587,12 @@ def delta(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray, out: np
 def fp16_residual(theta: np.ndarray, launched: np.ndarray, residual: np.ndarray) -> int:
     """``residual`` (bfloat16 bits) ← ``sent − roundtrip(sent)``, ``sent = (θ − launched) +
     residual``; ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
-    nonfinite = 0
+    nonfinite = False
     for i in range(theta.size):
         sent = (theta[i] - launched[i]) + _from_bf16(residual[i])
         kept = _from_half(_to_half(sent)) if sent == sent else sent
         r = _bf16(sent - kept)
-        nonfinite |= (r & 0x7F80) == 0x7F80
+        nonfinite |= _all_ones(r, _BF16_EXPONENT)
         residual[i] = r
     return NON_FINITE if nonfinite else OK
 
@@ -563,12 +608,23 @@ def absmax_residual(
     holds); ``NON_FINITE`` if a new residual is not finite, else ``OK``."""
     n = theta.size
     sent, scales, divisors = _tile_buffers(min(n, LAND_TILE))
-    nonfinite = 0
+    nonfinite = False
     for s in range(0, n, LAND_TILE):
         end = min(s + LAND_TILE, n)
         t, ln, res = theta[s:end], launched[s:end], residual[s:end]
         nonfinite |= _tile_residual(t, ln, res, sent, scales, divisors, levels, offset, lo, hi)
     return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_INLINE)
+def _residual_bound(levels: np.float32, offset: np.float32, lo: np.float32, hi: np.float32) -> np.float32:
+    """An absmax below which no block's residual can round to a bfloat16 infinity: ``|x −
+    (q − offset)·scale| ≤ (1 + reach)·absmax`` with ``reach = max |level − offset| / levels``,
+    and 2¹²⁶ leaves bfloat16's largest value (≈ 3.39·10³⁸) a margin of 4 for the roundings. Below
+    it a tile's residual loop needs no check per value (which keeps the compiler's reduction out
+    of it: 0.04 s/GB, measured); at or above it (a NaN absmax included) every value is checked."""
+    reach = max(abs(lo - offset), abs(hi - offset)) / levels
+    return np.float32(2.0**126) / (np.float32(1.0) + reach)
 
 
 @numba.njit(**_INLINE)
@@ -588,23 +644,27 @@ def _tile_residual(
     lv, off, low, high = np.float32(levels), np.float32(offset), np.float32(lo), np.float32(hi)
     zero = np.float32(0.0)
     count = t.size
-    nonfinite = 0
+    nonfinite = False
     # views of the tile and of its blocks: loops from 0 vectorize (see ``LAND_TILE``)
     for i in range(count):
         sent[i] = (t[i] - launched[i]) + _from_bf16(res[i])
-    _divisors(sent[:count], lv, scales, divisors)
+    top = _divisors(sent[:count], lv, scales, divisors)
+    checked = top >= _bits(_residual_bound(lv, off, low, high))
     for b in range((count + BLOCK - 1) // BLOCK):
         first, stop = b * BLOCK, min(b * BLOCK + BLOCK, count)
         x, out, d, scale = sent[first:stop], res[first:stop], divisors[b], scales[b]
-        if x.size == BLOCK:  # a constant trip count: unrolled
+        if x.size == BLOCK and not checked:  # a constant trip count, unrolled; no residual can overflow
+            for k in range(BLOCK):
+                out[k] = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
+        elif x.size == BLOCK:
             for k in range(BLOCK):
                 r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
-                nonfinite |= (r & 0x7F80) == 0x7F80
+                nonfinite |= _all_ones(r, _BF16_EXPONENT)
                 out[k] = r
         else:
             for k in range(x.size):
                 r = _bf16(x[k] - (_rounded(x[k] / d + off, low, high) - off + zero) * scale)
-                nonfinite |= (r & 0x7F80) == 0x7F80
+                nonfinite |= _all_ones(r, _BF16_EXPONENT)
                 out[k] = r
     return nonfinite
 
@@ -643,7 +703,8 @@ def land(
     kind: int, levels: float, offset: float, lo: float, hi: float, lr: float, mu: float, nesterov: bool,
     shift: bool,
 ) -> int:  # fmt: skip
-    """A landing in one pass over memory, tile by tile (``theta`` starting a block): the codec
+    """A landing in one pass over memory (``theta`` starting a block; a block codec's residual
+    tile by tile, the rest of each value's work in one loop with it): the codec
     residual of what was sent (``kind``: ``LAND_PLAIN`` none, ``LAND_FP16`` as
     ``fp16_residual``, ``LAND_ABSMAX`` as ``absmax_residual`` with ``levels``, ``offset``,
     ``lo``, ``hi``), ``sent = (θ − model) + residual`` from θ_g before the step and the model as
@@ -652,25 +713,48 @@ def land(
     model). Each value's operations are those of the separate passes, in their order.
     ``NON_FINITE`` if a new residual is not finite (every value is written all the same), else
     ``OK``."""
+    rate, mom = np.float32(lr), np.float32(mu)
+    heavy = mom > 0
+    nest = heavy and nesterov
     n = theta.size
-    nonfinite = 0
-    sent, scales, divisors = _tile_buffers(min(n, LAND_TILE) if kind == LAND_ABSMAX else 0)
+    nonfinite = False
+    if kind != LAND_ABSMAX:  # a value's residual needs no other value: one loop
+        for i in range(n):
+            t = theta[i]
+            if kind == LAND_FP16:
+                sent = (t - model[i]) + _from_bf16(residual[i])
+                r = _bf16(sent - (_from_half(_to_half(sent)) if sent == sent else sent))
+                nonfinite |= _all_ones(r, _BF16_EXPONENT)
+                residual[i] = r
+            momentum[i], t = _stepped(t, momentum[i], averaged[i], rate, mom, nest, heavy)
+            theta[i] = t
+            model[i] = t - model[i] if shift else t
+        return NON_FINITE if nonfinite else OK
+    sent, scales, divisors = _tile_buffers(min(n, LAND_TILE))
     for s in range(0, n, LAND_TILE):
         # views of one tile: loops from 0 let the compiler drop negative-index handling and vectorize
         end = min(s + LAND_TILE, n)
-        t, md, res = theta[s:end], model[s:end], residual[s:end] if kind != LAND_PLAIN else residual
-        if kind == LAND_FP16:
-            nonfinite |= fp16_residual(t, md, res) != OK
-        elif kind == LAND_ABSMAX:
-            nonfinite |= _tile_residual(t, md, res, sent, scales, divisors, levels, offset, lo, hi)
-        outer_step(t, momentum[s:end], averaged[s:end], lr, mu, nesterov)
-        if shift:
-            for i in range(t.size):
-                md[i] = t[i] - md[i]
-        else:
-            for i in range(t.size):
-                md[i] = t[i]
+        t, md, m, a = theta[s:end], model[s:end], momentum[s:end], averaged[s:end]
+        nonfinite |= _tile_residual(t, md, residual[s:end], sent, scales, divisors, levels, offset, lo, hi)
+        for i in range(t.size):
+            m[i], step = _stepped(t[i], m[i], a[i], rate, mom, nest, heavy)
+            t[i] = step
+            md[i] = step - md[i] if shift else step
     return NON_FINITE if nonfinite else OK
+
+
+@numba.njit(**_INLINE)
+def _stepped(
+    theta: np.float32, momentum: np.float32, averaged: np.float32, rate: np.float32, mu: np.float32, nesterov: bool,
+    heavy: bool,
+) -> tuple[np.float32, np.float32]:  # fmt: skip
+    """One value's ``outer_step``: the new momentum and θ, each operation rounded on its own in
+    ``outer_step``'s order (``nesterov``: μ > 0 and Nesterov; ``heavy``: μ > 0; with μ = 0 the
+    momentum comes back unchanged). The branches are selects on flags fixed for the loop, so a
+    loop that calls it stays vector code."""
+    m = momentum * mu + averaged
+    update = (m * mu + averaged) if nesterov else (m if heavy else averaged)
+    return (m if heavy else momentum), theta - update * rate
 
 
 @numba.njit(**_JIT)
@@ -695,7 +779,7 @@ def land_sparse(
     sent = np.empty(BLOCK, np.float32)
     scales = np.empty(1, np.float32)
     divisors = np.empty(1, np.float32)
-    nonfinite = 0
+    nonfinite = False
     for base in range(0, n, block):
         count = positions.size
         while count > 0 and positions[count - 1] >= n - base:  # the vector's last, shorter block
@@ -708,7 +792,7 @@ def land_sparse(
             d, scale = divisors[0], scales[0]
             for j in range(count):
                 r = _bf16(sent[j] - (_rounded(sent[j] / d + off, low, high) - off + zero) * scale)
-                nonfinite |= (r & 0x7F80) == 0x7F80
+                nonfinite |= _all_ones(r, _BF16_EXPONENT)
                 residual[base + positions[j]] = r
         for j in range(count):
             p = base + positions[j]

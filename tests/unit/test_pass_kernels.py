@@ -50,14 +50,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def round_on(codec_name: str, overlap: bool, missing: list[tuple[int, int]]) -> dict[str, torch.Tensor | str]:
+def round_on(
+    codec_name: str, overlap: bool, missing: list[tuple[int, int]], config: OuterSection = OUTER_STEPS[0]
+) -> dict[str, torch.Tensor | str]:
     """One launch and one landing from fixed seeds; what they left."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(2600, 1700), torch.nn.Linear(5, 1))
     numel = sum(p.numel() for p in model.parameters())
     codec = get_codec(codec_name)
     bound = codec.at_round(4)
-    config = OuterSection(lr=0.7, momentum=0.9, nesterov=True)
     state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 4)
     feedback = ErrorFeedback(codec, numel) if codec.lossy else None
     if feedback:
@@ -109,6 +110,23 @@ def test_a_round_lands_the_same_bits_compiled_and_on_the_reference(
             assert value == other, name
         else:
             assert isinstance(other, torch.Tensor) and torch.equal(bits(value), bits(other)), (codec_name, name)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp16", "int8", "sparse"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("config", OUTER_STEPS[1:], ids=["heavy ball", "plain"])
+def test_a_round_lands_the_references_bits_with_every_outer_step(
+    codec_name: str, overlap: bool, config: OuterSection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused landings choose the outer step's form per value by flags fixed for the loop
+    (``engine.kernels._stepped``): a heavy ball and a plain step land the reference's bits too."""
+    compiled = round_on(codec_name, overlap, [], config)
+    with reference_path(monkeypatch):
+        reference = round_on(codec_name, overlap, [], config)
+    for name, value in compiled.items():
+        other = reference[name]
+        assert isinstance(value, str) or torch.equal(bits(value), bits(other)), (codec_name, name)  # type: ignore[arg-type]
+        assert not isinstance(value, str) or value == other
 
 
 @pytest.mark.parametrize("config", OUTER_STEPS, ids=["nesterov", "heavy ball", "plain"])
@@ -165,6 +183,47 @@ def test_a_residual_that_overflows_bfloat16_is_refused_on_both_paths(monkeypatch
         with pytest.raises(ValueError, match="overflowed"):
             reference.update_slice(torch.sub(theta, launched), 0)
     assert torch.equal(bits(compiled.state), bits(reference.state))
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "4bit"])
+@pytest.mark.parametrize(
+    ("poison", "refused"), [(1e38, False), (3.3e38, False), (float("nan"), True), (float("inf"), True)]
+)
+@pytest.mark.parametrize("at", [4096 + 65, 3 * 4096 + 32])  # the second tile's second block; the last, partial block
+def test_a_block_residual_near_the_top_of_float32_is_the_references_on_both_paths(
+    codec_name: str, poison: float, refused: bool, at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tile whose largest value lies past the bound below which the compiled residual skips
+    its check per value (``engine.kernels._residual_bound``) takes the checked loop: huge
+    finite values keep the reference's bits, and a NaN or an Inf is refused on both paths (the
+    reference's scale guard asserts), in a full block and in the vector's last, partial one."""
+    numel = 3 * 4096 + 37
+    torch.manual_seed(1)
+    theta, launched = torch.randn(numel), torch.randn(numel)
+    theta[at], launched[at] = poison, 0.0
+    start = torch.randn(numel) * 1e-3
+
+    def residual(kernels: bool) -> torch.Tensor | None:
+        feedback = ErrorFeedback(get_codec(codec_name), numel)
+        feedback.load_residual(start)
+        try:
+            if kernels:
+                assert feedback.update_from(theta, launched, 0)
+            else:
+                feedback.update_slice((theta - launched) + start.bfloat16().float(), 0)
+        except (ValueError, AssertionError) as refusal:
+            assert isinstance(refusal, ValueError) or not kernels
+            return None
+        return feedback.state.clone()
+
+    compiled = residual(True)
+    with reference_path(monkeypatch):
+        reference = residual(False)
+    if refused:
+        assert compiled is None and reference is None
+    else:
+        assert compiled is not None and reference is not None
+        assert torch.equal(bits(compiled), bits(reference))
 
 
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
