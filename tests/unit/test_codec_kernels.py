@@ -265,7 +265,7 @@ from engine import kernels as k
 
 rng = np.random.default_rng(0)
 empty = np.empty(0, np.float32)
-for n in (1, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 37, 70_001):
+for n in (1, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 3 * 4096 + 37, 70_001):
     x, y, avg = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
     blocks = (n + k.BLOCK - 1) // k.BLOCK
     for levels, bits in ((127.0, 8), (7.0, 4), (1.5, 2)):
