@@ -109,8 +109,16 @@ def pss_bytes(root: int, *, include_root: bool = True) -> int:
     return total
 
 
-def _peer(tree: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _peer(tree: Path, args: list[str], log: Path, cpu: int | None = None) -> subprocess.Popen[bytes]:
+    """A ``swarmtrain peer`` process; ``cpu``: pinned with its children to that core, as a peer
+    on a machine of its own (the other peer's work, a digest hashing in the background say, no
+    longer takes its core)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def pin() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "swarmtrain", "peer", *args],
@@ -119,21 +127,28 @@ def _peer(tree: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=pin,
         )
 
 
-def run_pair(tree: Path, name: str, workdir: Path, rounds: int, codec: str = "fp16") -> dict[str, Any]:
+def run_pair(
+    tree: Path, name: str, workdir: Path, rounds: int, codec: str = "fp16", pinned: bool = False
+) -> dict[str, Any]:
     """Two peers of size ``name`` with the code in ``tree``: peak PSS and metrics rows of each."""
     d_model, n_layers = SIZES[name]
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     spec.write_text(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec=codec))
-    return run_peers(tree, spec, workdir, rounds, ["--no-overlap"])
+    return run_peers(tree, spec, workdir, rounds, ["--no-overlap"], pinned)
 
 
-def run_peers(tree: Path, spec: Path, workdir: Path, rounds: int, extra: list[str]) -> dict[str, Any]:
+def run_peers(
+    tree: Path, spec: Path, workdir: Path, rounds: int, extra: list[str], pinned: bool = False
+) -> dict[str, Any]:
     """Two ``swarmtrain peer`` processes of ``spec`` with the code in ``tree`` (peer 1 joins peer
-    0), ``rounds`` rounds with ``extra`` flags: peak PSS, metrics rows and exit code of each."""
+    0), ``rounds`` rounds with ``extra`` flags: peak PSS, metrics rows and exit code of each;
+    ``pinned``: peer i on core i (of those this process may use)."""
+    cores = sorted(os.sched_getaffinity(0))
     common = ["--spec", str(spec), "--host", "127.0.0.1", "--max-rounds", str(rounds), *extra]
     procs: list[subprocess.Popen[bytes]] = []
     peaks = [0, 0]
@@ -152,7 +167,7 @@ def run_peers(tree: Path, spec: Path, workdir: Path, rounds: int, extra: list[st
                 if not first_maddr():
                     raise RuntimeError(f"peer 0 exited: {first_log.read_text(errors='replace')[-2000:]}")
                 args += ["--initial-peers", first_maddr()]
-            procs.append(_peer(tree, args, workdir / f"peer{i}.log"))
+            procs.append(_peer(tree, args, workdir / f"peer{i}.log", cores[i % len(cores)] if pinned else None))
         deadline = time.monotonic() + 3600
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             for i, proc in enumerate(procs):
@@ -202,9 +217,11 @@ def summarize(name: str, run: dict[str, Any], code: str, floor_bytes: int | None
         "rounds_averaged": len(rows) // 2,
         "median_s": {
             key: statistics.median(r[key] for r in rows) if rows and key in rows[0] else None
-            for key in ("compute_s", "wait_s", "allreduce_s", "host_s", "digest_s", "wall_s")
+            for key in ("compute_s", "wait_s", "allreduce_s", "host_s", "launch_s", "record_s", "digest_s", "wall_s")
         },
         "exit_codes": run["codes"],
+        "host_s_rows": [r.get("host_s") for r in rows],
+        "launch_s_rows": [r.get("launch_s") for r in rows],
     }
 
 
@@ -224,9 +241,10 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = (
         f"swarmtrain scale benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs), "
-        f"2 peers on loopback, {args.codec}, overlap off, one torch thread each; baseline {args.baseline_ref}; "
+        f"2 peers on loopback, {args.codec}, overlap off, one torch thread each"
+        f"{', each pinned to a core of its own' if args.pinned else ''}; baseline {args.baseline_ref}; "
         f"`python -m benchmarks.scale --sizes {args.sizes} --baseline-sizes {args.baseline_sizes} "
-        f"--codec {args.codec} --rounds {args.rounds} --name {args.name}`"
+        f"--codec {args.codec} --rounds {args.rounds} --name {args.name}{' --pinned' if args.pinned else ''}`"
     )
     lines = [
         header,
@@ -283,6 +301,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--codec", default="fp16", help="the runs' averaging.compression")
     parser.add_argument("--name", default="scale", help="results file name (benchmarks/results/NAME.{md,json,png})")
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        help="each peer (and its processes) on a core of its own, as on machines of their own",
+    )
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="swarmtrain-scale-") as tmp, contextlib.ExitStack() as stack:
@@ -296,7 +319,7 @@ def main() -> int:
                 print(f"scale: runtime floor ({FLOOR_SIZE}) with {code} code", flush=True)
                 floors[code] = max(run_pair(tree, FLOOR_SIZE, Path(tmp) / f"{code}-floor", 2)["peak_pss"])
             print(f"scale: {size} with {code} code", flush=True)
-            run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds, args.codec)
+            run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds, args.codec, args.pinned)
             results.append(summarize(size, run, code, floors[code]))
             print(json.dumps(results[-1]), flush=True)
             write(results, args)
