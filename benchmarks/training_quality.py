@@ -14,8 +14,8 @@ curves), ``diagnose`` (plain averaging without codec at H = 20 and H = 1: how mu
 to sync DP is each member's own AdamW step rather than how rarely the members meet),
 ``batch`` (each member's batch 2 / 8 / 32, the references' with it), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
-one), ``overlap-h`` (overlap's cost as H grows at fixed tokens: off, landing 2 steps late, landing
-H/4 steps late, at H = 10, 20 and 40), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
+one), ``overlap-h`` (overlap's cost as H grows at fixed tokens: off, landing 2 steps late (with and
+without an eager start), landing H/4 steps late, at H = 10, 20 and 40), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
 the rounds, as a late joiner's first group or a peer split off a round leaves it out).
 
@@ -222,7 +222,8 @@ def suites() -> dict[str, list[Row]]:
             for label, layers, d in (
                 ("overlap off", (), None),
                 ("overlap, lands after 2 steps", (OVERLAP_ON,), 2),
-                (f"overlap, lands after H/4 = {h // 4} steps", (OVERLAP_ON,), h // 4),
+                ("overlap, eager start, lands after 2 steps", (EAGER,), 2),
+                *(((f"overlap, lands after H/4 = {h // 4} steps", (OVERLAP_ON,), h // 4),) if h // 4 != 2 else ()),
             )
         ],
         "scale": [
