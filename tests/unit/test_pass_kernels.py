@@ -51,7 +51,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def round_on(
-    codec_name: str, overlap: bool, missing: list[tuple[int, int]], config: OuterSection = OUTER_STEPS[0]
+    codec_name: str,
+    overlap: bool,
+    missing: list[tuple[int, int]],
+    config: OuterSection = OUTER_STEPS[0],
+    error_feedback: bool = True,
 ) -> dict[str, torch.Tensor | str]:
     """One launch and one landing from fixed seeds; what they left."""
     torch.manual_seed(0)
@@ -60,7 +64,7 @@ def round_on(
     codec = get_codec(codec_name)
     bound = codec.at_round(4)
     state = GlobalState(flatten(model), torch.randn(numel) * 1e-3, 4)
-    feedback = ErrorFeedback(codec, numel) if codec.lossy else None
+    feedback = ErrorFeedback(codec, numel) if codec.lossy and error_feedback else None
     if feedback:
         feedback.load_residual(torch.randn(numel) * 1e-4)
     with torch.no_grad():
@@ -123,6 +127,24 @@ def test_a_round_lands_the_references_bits_with_every_outer_step(
     compiled = round_on(codec_name, overlap, [], config)
     with reference_path(monkeypatch):
         reference = round_on(codec_name, overlap, [], config)
+    for name, value in compiled.items():
+        other = reference[name]
+        assert isinstance(value, str) or torch.equal(bits(value), bits(other)), (codec_name, name)  # type: ignore[arg-type]
+        assert not isinstance(value, str) or value == other
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "sparse"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_round_without_error_feedback_lands_the_references_bits(
+    codec_name: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No residual to keep (``error_feedback = false``): the fused landings' plain kind, and the
+    sparse codec's masked one, still land the reference's bits, the unsent values untouched."""
+    missing = [(0, 256)]
+    compiled = round_on(codec_name, overlap, missing, error_feedback=False)
+    with reference_path(monkeypatch):
+        reference = round_on(codec_name, overlap, missing, error_feedback=False)
+    assert "residual" not in compiled and compiled.keys() == reference.keys()
     for name, value in compiled.items():
         other = reference[name]
         assert isinstance(value, str) or torch.equal(bits(value), bits(other)), (codec_name, name)  # type: ignore[arg-type]
