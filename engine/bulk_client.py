@@ -1,8 +1,11 @@
 """The sender's end of the bulk channel (``engine.bulk_channel``): connections to reducers, kept
 between rounds, and the call that streams parts over one of them.
 
-``BulkPool.open(peer)`` returns a connection to ``peer``'s bulk listener, or None where there is
-none (yet): the caller then uses the libp2p stream, as before. A kept connection costs nothing.
+``BulkPool.open(peer)`` returns the connection to ``peer``'s bulk listener, or None where there
+is none (yet): the caller then uses the libp2p stream, as before. One connection per reducer
+carries every call to it at once (one per fragment, ``engine.bulk_frames``), so a round of 256
+opens 255 at a peer, not 1,020, and a small router buffer sees one flow's opening burst per
+pair, not four. A kept connection costs nothing.
 A new one costs a ticket over libp2p (one round trip, and the libp2p dial if there is no
 connection yet), the TCP and TLS handshakes (two) and the token's answer (one); a call waits
 ``QUICK_S`` for it, and past that takes libp2p while the dial goes on for the next round. So a
@@ -19,6 +22,7 @@ reducers that way with a 5 s deadline on the ticket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -28,7 +32,18 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
+from engine.bulk_frames import (
+    MAX_CALL,
+    WINDOW,
+    Credit,
+    FrameError,
+    Kind,
+    keep_alive,
+    read_count,
+    read_frame,
+    write_credit,
+    write_frame,
+)
 from engine.bulk_tls import client_context, fingerprint
 
 __all__ = ["BulkCall", "BulkConnection", "BulkPool", "Ticket", "direct_hosts"]
@@ -46,15 +61,13 @@ IDLE_S = 1200.0
 keepalive (``engine.bulk_frames.keep_alive``) holds the path open meanwhile; the reducer keeps
 its end ``engine.bulk_server.IDLE_S``, longer, so that a connection taken is never one it just
 closed."""
+WRAP_UP_S = 2.0
+"""How long closing a call waits for the rest of its request stream (which a sender ends once it
+holds every averaged part) before it cancels it and tells the reducer to stop."""
 NO_PATH_S = 600.0
 """How long a peer that could not be reached directly is left to libp2p."""
 CONNECT_S = 10.0
 """One address's TCP and TLS handshakes at most (a dropped SYN is sent again after 1 s and 3 s)."""
-WRAP_UP_S = 2.0
-"""After the last averaged part, how long a call may take to end cleanly (its request stream's
-end, the reducer's ``END``) for its connection to be kept; past that it is closed."""
-IDLE_PER_PEER = 8
-"""Idle connections kept per reducer (one per fragment averaged at once)."""
 
 
 class Ticket:
@@ -82,22 +95,76 @@ def direct_hosts(addrs: Iterable[Any]) -> list[str]:
 
 
 class BulkConnection:
-    """One authenticated TLS connection to a reducer; one call at a time."""
+    """One authenticated TLS connection to a reducer, carrying every call to it at once: one
+    task reads it and hands each call its frames."""
 
     def __init__(
         self, pool: BulkPool, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self.pool, self.peer, self.reader, self.writer = pool, peer, reader, writer
         self.idle_since = time.monotonic()
+        self.calls: dict[int, BulkCall] = {}
+        self.next = 1
+        """The next call's number (rising: a number is never used twice on a connection, so an
+        answer to a call given up is never taken for an answer to a later one)."""
+        self.broken: BaseException | None = None
+        self._reading = asyncio.create_task(self._read())
 
     def call(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> BulkCall:
         return BulkCall(self, requests)
 
+    def number(self, call: BulkCall) -> int:
+        """The next call number, for ``call``'s first frame: numbers are handed out as first
+        frames are written, so the reducer sees them rise (several calls start at once)."""
+        if self.broken is not None:
+            raise ConnectionError(f"the bulk connection broke: {type(self.broken).__name__}")
+        if self.next >= MAX_CALL:
+            raise ConnectionError("this bulk connection used every call number")
+        number, self.next = self.next, self.next + 1
+        self.calls[number] = call
+        return number
+
     def usable(self) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof() and time.monotonic() - self.idle_since < IDLE_S
+        return (
+            self.broken is None
+            and not self.writer.is_closing()
+            and (bool(self.calls) or time.monotonic() - self.idle_since < IDLE_S)
+        )
 
     def close(self) -> None:
+        self._reading.cancel()
         self.writer.close()
+
+    def forget(self, call: BulkCall) -> None:
+        if call.number and self.calls.pop(call.number, None) is not None and not self.calls:
+            self.idle_since = time.monotonic()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                kind, number, payload = await read_frame(self.reader)
+                if kind in (Kind.HELLO, Kind.CLOSE) or not 0 < number < self.next:
+                    raise FrameError(f"the reducer sent a {kind.name} frame for call {number}")
+                call = self.calls.get(number)
+                if call is None:  # a call this side gave up: whatever the reducer sent is dropped
+                    if kind == Kind.CREDIT:
+                        read_count(payload)
+                    continue
+                if kind == Kind.DATA:
+                    call.receive(payload)
+                elif kind == Kind.END:
+                    call.end()
+                else:
+                    call.credit.grant(read_count(payload))
+        except asyncio.CancelledError:
+            self.broken = ConnectionError("the bulk connection was closed")
+        except Exception as exc:  # noqa: BLE001 - the connection is gone, with every call on it
+            logger.debug("bulk connection to %s broken: %s: %s", self.peer, type(exc).__name__, exc)
+            self.broken = exc
+        assert self.broken is not None
+        self.writer.close()
+        for call in list(self.calls.values()):
+            call.fail(self.broken)
 
 
 class BulkCall:
@@ -106,27 +173,55 @@ class BulkCall:
 
     def __init__(self, connection: BulkConnection, requests: AsyncIterator[averaging_pb2.AveragingData]) -> None:
         self.connection = connection
+        self.number = 0
+        """Given with the first part (``BulkConnection.number``); 0 before."""
+        self.queue: asyncio.Queue[bytes | None | BaseException] = asyncio.Queue()
+        self.unread = WINDOW
+        """Averaged parts the reducer may still send before this side credits more."""
+        self.credit = Credit()
+        """Parts this side may still send."""
+        self._end_read = False
+        """The reducer's ``END`` arrived (it may still wait in the queue)."""
         self._ended = False
-        """The reducer's ``END`` was read."""
+        """The reducer's ``END`` was read: the reducer has forgotten this call."""
         self._closed = False
-        self._broken = False
-        """A read of this call was cut short (a timeout, a cancellation, a bad frame): the
-        connection may stand in the middle of a frame, so it is never used again (the rest of
-        that frame read as a new one could pass an old averaged part off as a new one)."""
         self._sender = asyncio.create_task(self._send(requests))
 
     async def _send(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> None:
         writer = self.connection.writer
         try:
             async for message in requests:
-                write_frame(writer, Kind.DATA, message.SerializeToString())
+                await self.credit.take()
+                if not self.number:
+                    self.number = self.connection.number(self)
+                write_frame(writer, Kind.DATA, message.SerializeToString(), self.number)
                 await writer.drain()
-            write_frame(writer, Kind.END)
+            if not self.number:  # nothing to send: a call is never opened by its end
+                self.end()
+                return
+            write_frame(writer, Kind.END, call=self.number)
             await writer.drain()
-        except BaseException:
-            # the reducer must not take a partial request stream for a whole one
-            self.connection.close()
+        except asyncio.CancelledError:
             raise
+        except Exception as exc:  # noqa: BLE001 - the reader learns it; aclose tells the reducer
+            self.queue.put_nowait(ConnectionError(f"bulk call failed sending: {type(exc).__name__}: {exc}"))
+
+    def receive(self, payload: bytes) -> None:
+        """An averaged part from the connection's reader; ``FrameError`` (the connection breaks)
+        for one past this call's credit or after its ``END``."""
+        if self._end_read or self.unread <= 0:
+            raise FrameError(f"the reducer sent call {self.number} a part past its credit or its END")
+        self.unread -= 1
+        self.queue.put_nowait(payload)
+
+    def end(self) -> None:
+        if self._end_read:
+            raise FrameError(f"a second END in call {self.number}")
+        self._end_read = True
+        self.queue.put_nowait(None)
+
+    def fail(self, exc: BaseException) -> None:
+        self.queue.put_nowait(exc if isinstance(exc, BaseException) else ConnectionError(str(exc)))
 
     def __aiter__(self) -> BulkCall:
         return self
@@ -134,84 +229,71 @@ class BulkCall:
     async def __anext__(self) -> averaging_pb2.AveragingData:
         if self._ended or self._closed:
             raise StopAsyncIteration
-        try:
-            kind, payload = await read_frame(self.connection.reader)
-        except BaseException as exc:
-            self._broken = True
-            if not isinstance(exc, asyncio.IncompleteReadError):
-                raise
-            if self._sender.done() and not self._sender.cancelled() and self._sender.exception() is not None:
-                raise ConnectionError(f"bulk call failed sending: {self._sender.exception()}") from None
-            raise ConnectionError("the reducer closed the bulk connection") from None
-        if kind == Kind.END:
+        item = await self.queue.get()
+        if item is None:
             self._ended = True
             raise StopAsyncIteration
-        if kind != Kind.DATA:
-            self._broken = True
-            raise FrameError(f"the reducer sent a {kind.name} frame in a call")
+        if isinstance(item, BaseException):
+            self.queue.put_nowait(item)  # every later read fails the same way
+            if isinstance(item, ConnectionError):
+                raise item
+            raise ConnectionError(f"the bulk connection broke: {type(item).__name__}: {item}") from None
+        self.unread += 1
+        if not self.connection.writer.is_closing():
+            write_credit(self.connection.writer, self.number)
         message = averaging_pb2.AveragingData()
-        message.ParseFromString(payload)
+        message.ParseFromString(item)
         return message
 
     async def aclose(self) -> None:
-        """End the call: the connection goes back to the pool if the call ended cleanly in time."""
+        """End the call: parts not yet sent are not, and a reducer still serving it is told to
+        stop (``CLOSE``); the connection stays for other calls and the next round."""
         if self._closed:
             return
         self._closed = True
         connection = self.connection
-        try:
-            if self._broken:
-                raise ConnectionError("a read of this call was cut short")
-            await asyncio.wait_for(asyncio.shield(self._sender), WRAP_UP_S)
-            write_frame(connection.writer, Kind.CLOSE)
-            await connection.writer.drain()
-            deadline = time.monotonic() + WRAP_UP_S
-            while not self._ended:  # the reducer's END, whatever averaged parts come before it
-                kind, _payload = await asyncio.wait_for(read_frame(connection.reader), deadline - time.monotonic())
-                self._ended = kind == Kind.END
-        except (Exception, asyncio.CancelledError) as exc:
-            logger.debug("bulk call to %s not ended cleanly (%s): connection closed", connection.peer, exc)
-            self._sender.cancel()
-            connection.close()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        connection.pool.release(connection)
+        connection.forget(self)
+        if not self._sender.done() and connection.broken is None:
+            with contextlib.suppress(Exception, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._sender), WRAP_UP_S)
+        self._sender.cancel()
+        await asyncio.gather(self._sender, return_exceptions=True)
+        if self.number and not self._end_read and not connection.writer.is_closing():
+            write_frame(connection.writer, Kind.CLOSE, call=self.number)
 
 
 class BulkPool:
-    """Connections to reducers, by peer, kept between calls."""
+    """One connection per reducer, kept between calls and rounds."""
 
     def __init__(
         self, ticket: TicketCall, hosts: HostsCall, *, dial_s: float = DIAL_S, quick_s: float = QUICK_S
     ) -> None:
         self._ticket, self._hosts, self.dial_s, self.quick_s = ticket, hosts, dial_s, quick_s
-        self._idle: dict[PeerID, list[BulkConnection]] = {}
-        self._dialing: set[asyncio.Task[BulkConnection | None]] = set()
+        self._connections: dict[PeerID, BulkConnection] = {}
+        self._dialing: dict[PeerID, asyncio.Task[BulkConnection | None]] = {}
         self._no_path: dict[PeerID, float] = {}
         self.dials = 0
         """New connections made (for tests and logs: a kept connection is not dialled again)."""
         self._context: ssl.SSLContext | None = None
 
     async def open(self, peer: PeerID) -> BulkConnection | None:
-        """A connection to ``peer``, kept or new; None where there is no direct path."""
-        idle = self._idle.get(peer, [])
-        while idle:
-            kept = idle.pop()
+        """The connection to ``peer``, kept or new (the calls of a round's fragments share one,
+        and share its dial); None where there is no direct path."""
+        kept = self._connections.get(peer)
+        if kept is not None:
             if kept.usable():
                 return kept
+            del self._connections[peer]
             kept.close()
         if self._no_path.get(peer, 0.0) > time.monotonic():
             return None
-        dial = asyncio.ensure_future(self._dial_or_none(peer))
-        self._dialing.add(dial)
-        dial.add_done_callback(self._dialing.discard)
+        dial = self._dialing.get(peer)
+        if dial is None:
+            dial = self._dialing[peer] = asyncio.ensure_future(self._dial_or_none(peer))
+            dial.add_done_callback(lambda _: self._dialing.pop(peer, None))
         try:
             return await asyncio.wait_for(asyncio.shield(dial), self.quick_s)
-        except (TimeoutError, asyncio.CancelledError) as exc:  # too slow for this call: the next takes it
-            dial.add_done_callback(self._keep_dialled)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except TimeoutError:  # too slow for this call: the dial goes on, and the next call takes it
             return None
 
     async def _dial_or_none(self, peer: PeerID) -> BulkConnection | None:
@@ -223,31 +305,21 @@ class BulkPool:
             logger.info("no bulk connection to %s (%s: %s); its parts go over libp2p", peer, type(exc).__name__, exc)
         if connection is None:
             self._no_path[peer] = time.monotonic() + NO_PATH_S
+        else:
+            self._connections[peer] = connection
         return connection
 
-    def _keep_dialled(self, dial: asyncio.Task[BulkConnection | None]) -> None:
-        if not dial.cancelled() and dial.exception() is None and (connection := dial.result()) is not None:
-            self.release(connection)
-
     def kept(self, peer: PeerID) -> int:
-        """Idle connections to ``peer`` kept for the next call."""
-        return len(self._idle.get(peer, []))
-
-    def release(self, connection: BulkConnection) -> None:
-        idle = self._idle.setdefault(connection.peer, [])
-        if len(idle) >= IDLE_PER_PEER or not connection.usable():
-            connection.close()
-            return
-        connection.idle_since = time.monotonic()
-        idle.append(connection)
+        """Connections to ``peer`` kept for the next call (0 or 1)."""
+        connection = self._connections.get(peer)
+        return int(connection is not None and connection.usable())
 
     def close(self) -> None:
-        for dial in list(self._dialing):
+        for dial in list(self._dialing.values()):
             dial.cancel()
-        for idle in self._idle.values():
-            for connection in idle:
-                connection.close()
-        self._idle.clear()
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()
 
     async def _dial(self, peer: PeerID) -> BulkConnection | None:
         ticket = await self._ticket(peer)
@@ -277,7 +349,7 @@ class BulkPool:
                     )
                 write_frame(writer, Kind.HELLO, ticket.token)
                 await writer.drain()
-                kind, _ = await read_frame(reader, limit=0)
+                kind, _call, _ = await read_frame(reader, limit=0)
                 if kind != Kind.HELLO:
                     raise FrameError(f"the reducer answered the token with a {kind.name} frame")
             except BaseException:

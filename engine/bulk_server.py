@@ -7,10 +7,13 @@ over libp2p (``Tickets``), to the peer the ticket names; each token works once, 
 ``TICKET_TTL_S``. Everything after that runs under that peer's identity: the handler checks
 group membership, decodes and bounds the parts exactly as for a libp2p stream.
 
-One connection carries one call at a time, and call after call (a sender keeps it for the next
-round): a call is the sender's ``DATA`` frames and ``END``, the averaged parts back and this
-side's ``END``, and the sender's ``CLOSE`` (``engine.bulk_frames``). A handler that fails, a
-frame out of place or a sender silent past a deadline drops the connection.
+One connection per sender carries all its calls at once (one per fragment), and round after
+round (the sender keeps it): a call is the sender's ``DATA`` frames and ``END``, the averaged
+parts back and this side's ``END``; the sender's ``CLOSE`` ends it early. One task reads the
+connection and hands each call's parts to that call's handler; credits (``engine.bulk_frames``)
+bound what waits unread per call, so a handler waiting for other senders never holds back
+another call's parts. A frame out of place, a part past its credit or a sender silent past a
+deadline drops the connection with its calls; a handler that fails ends its own call.
 """
 
 from __future__ import annotations
@@ -30,7 +33,17 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
+from engine.bulk_frames import (
+    WINDOW,
+    Credit,
+    FrameError,
+    Kind,
+    keep_alive,
+    read_count,
+    read_frame,
+    write_credit,
+    write_frame,
+)
 
 __all__ = ["BulkServer", "Handler", "Tickets"]
 
@@ -46,17 +59,14 @@ HELLO_TIMEOUT_S = 10.0
 """From accept to the sender's token (the TLS handshake included)."""
 IDLE_S = 1500.0
 """How long a connection may wait between calls; senders drop theirs sooner (``engine.bulk_client``)."""
-CLOSE_WAIT_S = 15.0
-"""After the handler's last message, how long the sender has to close the call (as
-``engine.stream_close``)."""
 MAX_CONNECTIONS = 4096
-"""Connections open at once at most (members' pooled ones, one per sender and fragment: 1,020 in
-a round of 256 with 4 fragments, and handshakes in progress), and never more than half the
+"""Connections open at once at most (members' pooled ones, one per sender: 255 in a round of
+256, and handshakes in progress), and never more than half the
 process's file descriptors (``BulkServer.start`` raises its soft limit); past that new ones are
 closed at once, and their senders use libp2p."""
-QUEUED_PARTS = 4
-"""Parts read ahead of the handler per call: past that this side stops reading, and TCP's flow
-control holds the sender."""
+MAX_CALLS = 64
+"""Calls open at once on one connection (one per fragment averaged at once: 4 by default); a
+sender that opens more breaks the protocol."""
 
 Handler = Callable[[AsyncIterator[averaging_pb2.AveragingData], P2PContext], AsyncIterator[averaging_pb2.AveragingData]]
 
@@ -132,11 +142,8 @@ class BulkServer:
             FrameError,
             TimeoutError,
             ssl.SSLError,
-            DecodeError,
         ) as exc:
             logger.debug("bulk connection dropped: %s: %s", type(exc).__name__, exc)
-        except Exception as exc:  # noqa: BLE001 - the handler refused the call (e.g. not a member)
-            logger.info("bulk connection dropped: the call failed: %s: %s", type(exc).__name__, exc)
         except asyncio.CancelledError:  # the listener stops (``stop``): the connection goes quietly
             pass
         finally:
@@ -148,7 +155,7 @@ class BulkServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         keep_alive(writer)
         try:
-            kind, token = await asyncio.wait_for(read_frame(reader, limit=TOKEN_BYTES), HELLO_TIMEOUT_S)
+            kind, _call, token = await asyncio.wait_for(read_frame(reader, limit=TOKEN_BYTES), HELLO_TIMEOUT_S)
         except (asyncio.IncompleteReadError, FrameError, TimeoutError) as exc:
             self.refused += 1
             logger.info("bulk connection refused: no token (%s)", type(exc).__name__)
@@ -161,11 +168,7 @@ class BulkServer:
         write_frame(writer, Kind.HELLO)
         await writer.drain()
         context = P2PContext(handle_name="bulk", local_id=self.local_id, remote_id=peer)
-        while True:
-            kind, payload = await asyncio.wait_for(read_frame(reader), IDLE_S)
-            if kind != Kind.DATA:
-                raise FrameError(f"a call began with a {kind.name} frame")
-            await _Call(self.handler, context, reader, writer, payload).run()
+        await _Connection(self.handler, context, reader, writer).run()
 
 
 def _raise_descriptor_limit(wanted: int = 2 * MAX_CONNECTIONS + 1024) -> int:
@@ -182,84 +185,111 @@ def _raise_descriptor_limit(wanted: int = 2 * MAX_CONNECTIONS + 1024) -> int:
     return int(soft if soft != resource.RLIM_INFINITY else wanted)
 
 
+class _Connection:
+    """One sender's connection: reads every frame and hands each call's to that call."""
+
+    def __init__(
+        self, handler: Handler, context: P2PContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.handler, self.context, self.reader, self.writer = handler, context, reader, writer
+        self.calls: dict[int, _Call] = {}
+        self.last = 0
+        """The highest call number seen: a number at most this and not open is a finished call."""
+
+    async def run(self) -> None:
+        try:
+            while True:
+                kind, number, payload = await asyncio.wait_for(read_frame(self.reader), IDLE_S)
+                if kind == Kind.HELLO:
+                    raise FrameError("a HELLO frame after the token")
+                if number > self.last:
+                    if kind != Kind.DATA:
+                        raise FrameError(f"call {number} began with a {kind.name} frame")
+                    if len(self.calls) >= MAX_CALLS:
+                        raise FrameError(f"more than {MAX_CALLS} calls open at once")
+                    self.last = number
+                    self.calls[number] = _Call(self, number)
+                call = self.calls.get(number)
+                if call is None:
+                    if kind == Kind.CREDIT:
+                        read_count(payload)
+                    continue  # a finished call: what the sender sent before it knew is dropped
+                if kind == Kind.DATA:
+                    call.receive(payload)
+                elif kind == Kind.END:
+                    call.end()
+                elif kind == Kind.CLOSE:
+                    call.close()
+                else:
+                    call.credit.grant(read_count(payload))
+        finally:
+            calls = [call.task for call in self.calls.values()]
+            for task in calls:
+                task.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+
+
 class _Call:
     """One call on a connection: the sender's parts in, the handler's answers out."""
 
-    def __init__(
-        self,
-        handler: Handler,
-        context: P2PContext,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        first: bytes,
-    ) -> None:
-        self.handler, self.context, self.reader, self.writer = handler, context, reader, writer
-        self.queue: asyncio.Queue[bytes | None | BaseException] = asyncio.Queue(QUEUED_PARTS)
-        self.queue.put_nowait(first)
-        self.closed = asyncio.Event()
-        """The sender's ``CLOSE`` came."""
-        self.handler_done = False
+    def __init__(self, connection: _Connection, number: int) -> None:
+        self.connection, self.number = connection, number
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.unread = WINDOW
+        """Parts the sender may still send before this side credits more."""
+        self.ended = False
+        self.credit = Credit()
+        """Averaged parts this side may still send back."""
+        self.task = asyncio.create_task(self._answer())
 
-    async def run(self) -> None:
-        pump = asyncio.create_task(self._pump())
-        serve = asyncio.create_task(self._answer())
-        try:
-            # the sender's CLOSE (the pump ends) cancels a handler still waiting
-            await asyncio.wait({pump, serve}, return_when=asyncio.FIRST_COMPLETED)
-            if pump.done() and not serve.done():
-                pump.result()  # a broken connection raises here
-                serve.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await serve
-            else:
-                serve.result()  # a failed handler drops the connection
-            write_frame(self.writer, Kind.END)
-            await self.writer.drain()
-            await asyncio.wait_for(asyncio.shield(pump), CLOSE_WAIT_S)
-        finally:
-            for task in (pump, serve):
-                task.cancel()
-            await asyncio.gather(pump, serve, return_exceptions=True)
+    def receive(self, payload: bytes) -> None:
+        if self.ended:
+            raise FrameError(f"a DATA frame after the END of call {self.number}")
+        if self.unread <= 0:
+            raise FrameError(f"call {self.number} sent a part past its credit")
+        self.unread -= 1
+        self.queue.put_nowait(payload)
+
+    def end(self) -> None:
+        if self.ended:
+            raise FrameError(f"a second END in call {self.number}")
+        self.ended = True
+        self.queue.put_nowait(None)
+
+    def close(self) -> None:
+        """The sender closed the call: a handler still waiting is cancelled."""
+        self.connection.calls.pop(self.number, None)
+        self.task.cancel()
 
     async def _answer(self) -> None:
+        connection = self.connection
+        writer = connection.writer
+        answers = connection.handler(self._requests(), connection.context)
         try:
-            async for message in self.handler(self._requests(), self.context):
-                write_frame(self.writer, Kind.DATA, message.SerializeToString())
-                await self.writer.drain()
-        finally:
-            self.handler_done = True
-            while not self.queue.empty():  # parts nobody will read: a waiting pump moves on
-                self.queue.get_nowait()
-
-    async def _pump(self) -> None:
-        """Reads this call's frames until the sender's ``CLOSE``."""
-        ended = False
-        try:
-            while True:
-                kind, payload = await read_frame(self.reader)
-                if kind == Kind.CLOSE:
-                    self.closed.set()
-                    return
-                if kind not in (Kind.DATA, Kind.END) or ended:
-                    raise FrameError(f"a {kind.name} frame in the middle of a call")
-                if self.handler_done:
-                    ended = kind == Kind.END
-                    continue  # the handler is gone: what it would have read is dropped
-                ended = kind == Kind.END
-                await self.queue.put(payload if kind == Kind.DATA else None)
-        except BaseException as exc:
-            if not self.handler_done:
-                with contextlib.suppress(asyncio.QueueFull):
-                    self.queue.put_nowait(exc)
-            raise
+            try:
+                async for message in answers:
+                    await self.credit.take()
+                    write_frame(writer, Kind.DATA, message.SerializeToString(), self.number)
+                    await writer.drain()
+            finally:
+                if (close := getattr(answers, "aclose", None)) is not None:
+                    await close()
+        except asyncio.CancelledError:
+            return  # closed by the sender, or the connection is gone
+        except (ConnectionError, DecodeError) as exc:
+            logger.debug("bulk call %d from %s failed: %s", self.number, connection.context.remote_id, exc)
+        except Exception as exc:  # noqa: BLE001 - the handler refused the call (e.g. not a member)
+            logger.info("bulk call from %s failed: %s: %s", connection.context.remote_id, type(exc).__name__, exc)
+        if connection.calls.pop(self.number, None) is not None:
+            write_frame(writer, Kind.END, call=self.number)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
 
     async def _requests(self) -> AsyncIterator[averaging_pb2.AveragingData]:
-        while True:
-            item = await self.queue.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise ConnectionError(f"the sender's connection broke: {type(item).__name__}")
+        while (item := await self.queue.get()) is not None:
+            self.unread += 1
+            if not self.connection.writer.is_closing():
+                write_credit(self.connection.writer, self.number)
             message = averaging_pb2.AveragingData()
             message.ParseFromString(item)
             yield message

@@ -23,7 +23,7 @@ import engine.bulk_server
 from engine.averager import ExactAverager
 from engine.bulk_channel import parse_ticket
 from engine.bulk_client import BulkPool, Ticket
-from engine.bulk_frames import Kind, read_frame, write_frame
+from engine.bulk_frames import WINDOW, Kind, read_frame, write_frame
 from engine.bulk_server import TOKEN_BYTES, BulkServer, Tickets
 from engine.bulk_settings import BulkSettings
 from engine.bulk_tls import ServerCert, client_context, make_server_cert
@@ -172,14 +172,14 @@ def test_an_outsider_at_the_port_is_refused_without_a_valid_token(monkeypatch: p
             reader, writer = await tls()
             write_frame(writer, Kind.HELLO, token)
             await writer.drain()
-            assert await read_frame(reader) == (Kind.HELLO, b"")
+            assert await read_frame(reader) == (Kind.HELLO, 0, b"")
             replay_reader, replay_writer = await tls()
             write_frame(replay_writer, Kind.HELLO, token)
             await replay_writer.drain()
             assert await _refused(replay_reader)
             replay_writer.close()
             # the admitted connection announces a frame of 2 GiB: dropped before reading it
-            writer.write(bytes([Kind.DATA]) + (2**31).to_bytes(4, "big"))
+            writer.write(bytes([Kind.DATA]) + (1).to_bytes(4, "big") + (2**31).to_bytes(4, "big"))
             await writer.drain()
             assert await _refused(reader)
             writer.close()
@@ -408,13 +408,14 @@ def test_a_member_with_a_ticket_cannot_average_in_a_group_it_is_not_in() -> None
                 "127.0.0.1", ticket.port, ssl=client_context(), server_hostname=""
             )
             write_frame(writer, Kind.HELLO, ticket.token)
-            write_frame(writer, Kind.DATA, part(b"\0" * 1000).SerializeToString())  # group b"g": none here
-            write_frame(writer, Kind.END)
+            write_frame(writer, Kind.DATA, part(b"\0" * 1000).SerializeToString(), call=1)  # group b"g": none here
+            write_frame(writer, Kind.END, call=1)
             await writer.drain()
-            assert await read_frame(reader) == (Kind.HELLO, b"")
+            assert await read_frame(reader) == (Kind.HELLO, 0, b"")
             answers = []
-            while (frame := await asyncio.wait_for(read_frame(reader), 30))[0] == Kind.DATA:
-                answers.append(averaging_pb2.AveragingData.FromString(frame[1]))
+            while (frame := await asyncio.wait_for(read_frame(reader), 30))[0] != Kind.END:
+                if frame[0] == Kind.DATA:
+                    answers.append(averaging_pb2.AveragingData.FromString(frame[2]))
             writer.close()
             return answers
 
@@ -437,10 +438,11 @@ class SlowEcho(Echo):
             yield message
 
 
-def test_a_call_whose_read_was_cut_short_never_lends_its_connection_to_the_next() -> None:
-    """A sender that gave up waiting for an averaged part (its deadline) may have stopped in the
-    middle of a frame: the rest of it, read by the next round as a frame of its own, could pass an
-    old averaged part off as a new one. Its connection is closed, and the next round dials anew."""
+def test_an_answer_to_a_call_given_up_is_never_taken_for_the_next_calls() -> None:
+    """A sender that gave up waiting for an averaged part (its deadline) closes that call; the
+    reducer's late answer to it, arriving on the same kept connection, must not pass for an
+    answer to the next round's call: calls are numbered, a number is never used twice, and what
+    comes for a closed call is dropped."""
 
     async def main() -> None:
         server, cert, tickets = await listening(SlowEcho(delay_s=1.0))
@@ -456,11 +458,217 @@ def test_a_call_whose_read_was_cut_short_never_lends_its_connection_to_the_next(
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(anext(answers), 0.2)
             await answers.aclose()
-            assert pool.dials == 1
-            assert await pool.open(LOCAL) is not connection
-            assert pool.dials == 2
+            assert await call(pool, [b"next round"]) == [b"next round"]  # not b"late...", which came first
+            assert pool.dials == 1 and await pool.open(LOCAL) is connection
         finally:
             pool.close()
             await server.stop()
+
+    run(main)
+
+
+class Gated(Echo):
+    """Answers the first part of every call at once; the rest of a call named ``b"hold"`` only
+    once ``release`` is set (a reducer waiting for the other senders of one fragment)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def __call__(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().__call__(stream, context):
+            yield message
+            if message.tensor_part.buffer.startswith(b"hold"):
+                await self.release.wait()
+
+
+def test_a_fragment_held_up_at_the_reducer_never_holds_up_another_on_the_same_connection() -> None:
+    """Every fragment's call to a reducer shares one connection. One call's reducer stops
+    reading (waiting for other senders) while its sender has many more megabytes of parts to
+    send: another call on the same connection still finishes (credits: a reader never waits on
+    one call with another's frames behind it), and the held call finishes once released."""
+
+    async def main() -> None:
+        handler = Gated()
+        server, cert, tickets = await listening(handler)
+        pool = pool_to(server.port, cert.pin, tickets)
+        try:
+            held = [b"hold" + bytes([i]) * 1_000_000 for i in range(24)]  # 24 MB behind the first
+            held_call = asyncio.create_task(call(pool, held))
+            await asyncio.sleep(0.5)  # its parts fill every buffer they may
+            free = [bytes([i]) * 500_000 for i in range(6)]
+            assert await asyncio.wait_for(call(pool, free), 20) == free
+            assert not held_call.done()
+            handler.release.set()
+            assert await asyncio.wait_for(held_call, 30) == held
+            assert pool.dials == 1  # both calls, one connection
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
+
+
+def test_the_fragments_of_a_round_share_one_connection_and_its_dial() -> None:
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        pool = pool_to(server.port, cert.pin, tickets)
+        try:
+            for round_ in range(2):
+                payloads = [[bytes([round_, f, i]) * 30_000 for i in range(10)] for f in range(4)]
+                got = await asyncio.gather(*(call(pool, p) for p in payloads))
+                assert got == payloads
+            assert pool.dials == 1 and echo.calls == [MEMBER] * 8
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
+
+
+def test_a_call_opened_first_may_send_its_first_part_last() -> None:
+    """Fragments' calls start at once, and the one made first may have its first part ready
+    last: the reducer must take it as a new call, not as one that ended (which it would drop)."""
+
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        pool = pool_to(server.port, cert.pin, tickets)
+        try:
+            connection = await pool.open(LOCAL)
+            assert connection is not None
+            ready = asyncio.Event()
+
+            async def late() -> AsyncIterator[averaging_pb2.AveragingData]:
+                await ready.wait()
+                yield part(b"first made")
+                await asyncio.Event().wait()
+
+            first = connection.call(late())
+            assert await call(pool, [b"second made"]) == [b"second made"]
+            ready.set()
+            answer = await asyncio.wait_for(anext(first), 10)
+            assert answer.tensor_part.buffer == b"first made"
+            await first.aclose()
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
+
+
+async def _admitted(server: BulkServer, tickets: Tickets) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port, ssl=client_context(), server_hostname="")
+    write_frame(writer, Kind.HELLO, tickets.issue(MEMBER))
+    await writer.drain()
+    assert await read_frame(reader) == (Kind.HELLO, 0, b"")
+    return reader, writer
+
+
+def test_a_member_that_sends_past_its_credit_or_opens_calls_without_end_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member (it holds a ticket) that floods a reducer: parts past a call's credit, to make the
+    reducer hold them all unread, or more calls than a connection may have open. Either drops
+    its connection, and the reducer never holds more than the window per call."""
+    monkeypatch.setattr(engine.bulk_server, "MAX_CALLS", 4)
+
+    async def main() -> None:
+        handler = Gated()  # reads a call's first part, then waits
+        server, cert, tickets = await listening(handler)
+        try:
+            reader, writer = await _admitted(server, tickets)
+            for _ in range(WINDOW + 3):  # the window is WINDOW; the reducer credits the one it read
+                write_frame(writer, Kind.DATA, part(b"hold" * 1000).SerializeToString(), call=1)
+            await writer.drain()
+            assert await _dropped(reader)
+            writer.close()
+            assert len(handler.parts) <= WINDOW
+
+            reader, writer = await _admitted(server, tickets)
+            for number in range(1, 6):  # a fifth call open at once
+                write_frame(writer, Kind.DATA, part(b"hold").SerializeToString(), call=number)
+            await writer.drain()
+            assert await _dropped(reader)
+            writer.close()
+
+            reader, writer = await _admitted(server, tickets)
+            write_frame(writer, Kind.END, call=1)  # a call that begins with its end
+            await writer.drain()
+            assert await _dropped(reader)
+            writer.close()
+        finally:
+            handler.release.set()
+            await server.stop()
+
+    run(main)
+
+
+async def _dropped(reader: asyncio.StreamReader) -> bool:
+    """Whether the other end closed the connection (after whatever frames it sent first)."""
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                await read_frame(reader)
+    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_hostile_reducer_that_floods_or_answers_calls_never_made_breaks_only_its_own_connection() -> None:
+    """A reducer (it listens, its ticket is genuine) that sends a sender more averaged parts than
+    it was credited (to make it hold them all), answers a call the sender never opened, or sends
+    frames of the wrong side: the sender's calls on that connection fail (the averaging treats
+    the reducer as failed), the sender holds at most the window per call, and the next call
+    dials anew."""
+
+    async def main() -> None:
+        cert, tickets = make_server_cert(), Tickets()
+        attacks = [
+            [(Kind.DATA, 1, part(b"x").SerializeToString())] * (WINDOW + 1),  # past the credit
+            [(Kind.DATA, 9, part(b"x").SerializeToString())],  # a call never opened
+            [(Kind.CLOSE, 1, b"")],  # a frame only a sender sends
+            [(Kind.CREDIT, 1, bytes(4))],  # a credit of nothing
+        ]
+        served: list[int] = []
+
+        async def hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            _kind, _call, token = await read_frame(reader)
+            assert tickets.redeem(token) == MEMBER
+            write_frame(writer, Kind.HELLO)
+            await read_frame(reader)  # the call's first part
+            for kind, number, payload in attacks[len(served)]:
+                write_frame(writer, kind, payload, call=number)
+            served.append(1)
+            await writer.drain()
+            await reader.read()  # until the sender hangs up
+
+        fake = await asyncio.start_server(hostile, "127.0.0.1", 0, ssl=cert.context)
+        pool = pool_to(fake.sockets[0].getsockname()[1], cert.pin, tickets)
+        try:
+            for attack in range(len(attacks)):
+                connection = await pool.open(LOCAL)
+                assert connection is not None and pool.dials == attack + 1  # a broken one is not kept
+
+                async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
+                    yield part(b"mine")
+                    await asyncio.Event().wait()  # as a sender waiting for its answers
+
+                answers = connection.call(requests())
+                async with asyncio.timeout(10):  # nobody reads the answers meanwhile: none is credited
+                    while connection.broken is None:
+                        await asyncio.sleep(0.02)
+                with pytest.raises(ConnectionError):
+                    for _ in range(WINDOW + 1):  # at most the credited parts, then the break
+                        await asyncio.wait_for(anext(answers), 10)
+                await answers.aclose()
+                assert connection.broken is not None and not connection.usable()
+        finally:
+            pool.close()
+            fake.close()
 
     run(main)

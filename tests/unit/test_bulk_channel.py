@@ -11,7 +11,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from engine.bulk_channel import parse_ticket
 from engine.bulk_client import direct_hosts
-from engine.bulk_frames import MAX_FRAME_BYTES, FrameError, Kind, read_frame
+from engine.bulk_frames import MAX_FRAME_BYTES, FrameError, Kind, read_count, read_frame
 from engine.bulk_server import TOKEN_BYTES, Tickets
 from engine.bulk_settings import BulkSettings
 
@@ -104,14 +104,20 @@ def _reader(data: bytes) -> asyncio.StreamReader:
 
 def test_a_frame_over_the_limit_or_of_an_unknown_kind_is_refused_before_its_bytes_are_read() -> None:
     async def main() -> None:
-        huge = bytes([Kind.DATA]) + (MAX_FRAME_BYTES + 1).to_bytes(4, "big")
+        call = (7).to_bytes(4, "big")
+        huge = bytes([Kind.DATA]) + call + (MAX_FRAME_BYTES + 1).to_bytes(4, "big")
         with pytest.raises(FrameError, match="at most"):
             await read_frame(_reader(huge))
         with pytest.raises(FrameError, match="unknown kind"):
-            await read_frame(_reader(bytes([9, 0, 0, 0, 0])))
+            await read_frame(_reader(bytes([9]) + call + bytes(4)))
         with pytest.raises(asyncio.IncompleteReadError):  # cut short
-            await read_frame(_reader(bytes([Kind.DATA, 0, 0, 0, 5]) + b"abc"))
-        assert await read_frame(_reader(bytes([Kind.END, 0, 0, 0, 0]))) == (Kind.END, b"")
+            await read_frame(_reader(bytes([Kind.DATA]) + call + bytes([0, 0, 0, 5]) + b"abc"))
+        assert await read_frame(_reader(bytes([Kind.END]) + call + bytes(4))) == (Kind.END, 7, b"")
+        with pytest.raises(FrameError, match="positive count"):  # a credit of nothing, or garbled
+            read_count(bytes(4))
+        with pytest.raises(FrameError, match="positive count"):
+            read_count(b"\x01")
+        assert read_count((3).to_bytes(4, "big")) == 3
 
     asyncio.run(main())
 
