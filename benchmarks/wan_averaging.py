@@ -334,6 +334,9 @@ def run_transport(
         for host, proc in zip(hosts, procs):
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode != 0:
+                for other in hosts:  # every host's view of what went wrong, the failed one's last
+                    log_tail = (Path(tmp) / f"{other}.log").read_text().splitlines()[-40:]
+                    print(f"--- {other}'s log (last 40 lines)", *log_tail, sep="\n", file=sys.stderr)
                 tail = (Path(tmp) / f"{host}.log").read_text().splitlines()[-15:]
                 raise RuntimeError(f"{transport}: host {host} exited {proc.returncode}:\n" + "\n".join(tail))
             line = [x for x in out.splitlines() if x.startswith("{")][-1]

@@ -32,6 +32,7 @@ does not (docs/benchmarks.md, "The bulk channel against libp2p and plain TCP").
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -128,6 +129,15 @@ class BulkChannelMixin:
         if pool is None:
             pool = self.__dict__["_bulk_pool_"] = BulkPool(self._bulk_ticket, self._direct_hosts)
         return pool
+
+    async def open_bulk(self, reducers: list[PeerID]) -> None:
+        """Before a round's parts flow, its connections to ``reducers`` (kept ones cost nothing;
+        new ones are dialled, ``QUICK_S`` at most, while the links are still quiet: under the
+        round's first bursts a slow link's small buffer drops their handshakes, and the libp2p
+        fallback to a peer whose dial failed is then refused too, by libp2p's dial backoff)."""
+        pool = self.bulk_pool()
+        if pool is not None and reducers:
+            await asyncio.gather(*(pool.open(peer) for peer in reducers), return_exceptions=True)
 
     async def _bulk_ticket(self, peer: PeerID) -> Ticket | None:
         stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)  # type: ignore[attr-defined]

@@ -91,9 +91,10 @@ def write_frame(writer: asyncio.StreamWriter, kind: Kind, payload: bytes = b"", 
     from several tasks never interleave."""
     if len(payload) > MAX_FRAME_BYTES:
         raise FrameError(f"a frame of {len(payload)} bytes (at most {MAX_FRAME_BYTES})")
-    writer.write(_HEADER.pack(kind, call, len(payload)))  # no await between the two writes
-    if payload:
-        writer.write(payload)
+    header = _HEADER.pack(kind, call, len(payload))
+    # one call, so that TLS sends the frame in one go (two writes: the header in a record and a
+    # packet of its own); never interleaved with another task's frames (no await in between)
+    writer.writelines((header, payload) if payload else (header,))
 
 
 def write_credit(writer: asyncio.StreamWriter, call: int, count: int = 1) -> None:
