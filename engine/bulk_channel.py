@@ -23,11 +23,12 @@ Where there is no direct path (a relayed peer, a firewall, a peer without a list
 version that has no ``rpc_bulk_ticket``) the sender uses the libp2p stream as before
 (``engine.bulk_client``). Mixed into ``engine.averager.ExactAverager``.
 
-Off unless asked for (``--bulk-port``, ``engine.bulk_settings.BulkSettings``): it is level with
-libp2p at the shipped 4 fragments on 50 Mbit/s links and faster on loopback, but slower on a
-5 Mbit/s link, where its connection per fragment and pair (12 flows a host in a group of 4, each
-starting with a burst) overflows a small router buffer that libp2p's one connection per pair
-does not (docs/benchmarks.md, "The bulk channel against libp2p and plain TCP").
+Off unless asked for (``--bulk-port``, ``engine.bulk_settings.BulkSettings``). One connection
+per sender and reducer carries every fragment's call (``engine.bulk_frames``), as libp2p's one
+connection per pair does, so a small router buffer sees one flow's opening burst per pair; on
+5 Mbit/s links the channel is within 3% of libp2p's speed (docs/benchmarks.md, "The bulk channel
+against libp2p and plain TCP"). What keeps it off: a first round on a lossy link can lose the
+ticket's libp2p dial, and libp2p's dial backoff then refuses the fallback to that peer too.
 """
 
 from __future__ import annotations

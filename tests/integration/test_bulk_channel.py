@@ -395,6 +395,37 @@ def test_a_slow_dial_lets_this_call_use_libp2p_and_serves_the_next() -> None:
     run(main)
 
 
+def test_a_ticket_whose_libp2p_call_failed_is_asked_for_again_at_the_next_call() -> None:
+    """A first round's ticket call can fail in libp2p itself (its dial backoff refused a dial to
+    a peer not yet connected): that says nothing about a direct path, so the next round asks
+    again and gets the channel, where a reducer without a listener is left to libp2p."""
+
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        asked: list[int] = []
+
+        async def flaky_ticket(_reducer: PeerID) -> Ticket:
+            asked.append(1)
+            if len(asked) == 1:
+                raise ConnectionError("failed to dial: all dials failed (dial backoff)")
+            return Ticket(server.port, cert.pin, tickets.issue(MEMBER))
+
+        async def hosts(_reducer: PeerID) -> list[str]:
+            return ["127.0.0.1"]
+
+        pool = BulkPool(flaky_ticket, hosts, dial_s=3.0)
+        try:
+            assert await pool.open(LOCAL) is None  # this round: libp2p
+            assert await call(pool, [b"next round"]) == [b"next round"]  # asked again, and dialled
+            assert len(asked) == 2 and pool.dials == 1
+        finally:
+            pool.close()
+            await server.stop()
+
+    run(main)
+
+
 def test_a_member_with_a_ticket_cannot_average_in_a_group_it_is_not_in() -> None:
     """An open run: anyone may take a ticket (as anyone may open a libp2p stream), and what it
     sends then meets the averager's own handler: parts for a group this reducer does not run
