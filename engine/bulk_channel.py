@@ -25,16 +25,17 @@ version that has no ``rpc_bulk_ticket``) the sender uses the libp2p stream as be
 
 Off unless asked for (``--bulk-port``, ``engine.bulk_settings.BulkSettings``). One connection
 per sender and reducer carries every fragment's call (``engine.bulk_frames``), as libp2p's one
-connection per pair does, so a small router buffer sees one flow's opening burst per pair; on
-5 Mbit/s links the channel is within 3% of libp2p's speed (docs/benchmarks.md, "The bulk channel
-against libp2p and plain TCP"). What keeps it off: a first round on a lossy link can lose the
-ticket's libp2p dial, and libp2p's dial backoff then refuses the fallback to that peer too.
+connection per pair does, so a small router buffer sees one flow's opening burst per pair. On 4
+hosts it reaches 94-95% of plain TCP at 50 Mbit/s where libp2p reaches 88-92%, and is level
+with libp2p at 5 Mbit/s (97-101%) (docs/benchmarks.md, "The bulk channel against libp2p and plain TCP").
+What keeps it off: a first round's libp2p dials can fail (docs/design/gaps.md 2).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from hivemind.p2p import P2PContext, PeerID
@@ -131,12 +132,15 @@ class BulkChannelMixin:
             pool = self.__dict__["_bulk_pool_"] = BulkPool(self._bulk_ticket, self._direct_hosts)
         return pool
 
-    async def open_bulk(self, reducers: list[PeerID]) -> None:
-        """Before a round's parts flow, its connections to ``reducers`` (kept ones cost nothing;
+    async def open_bulk(self, members: Sequence[PeerID], fractions: Sequence[float] | None) -> None:
+        """Before a round's parts flow, its connections to its reducers (the other ``members``
+        whose share of ``fractions`` is not 0; all of them without fractions). Kept ones cost nothing;
         new ones are dialled, ``QUICK_S`` at most, while the links are still quiet: under the
         round's first bursts a slow link's small buffer drops their handshakes, and the libp2p
-        fallback to a peer whose dial failed is then refused too, by libp2p's dial backoff)."""
+        fallback to a peer whose dial failed is then refused too, by libp2p's dial backoff."""
         pool = self.bulk_pool()
+        shares = fractions if fractions is not None else [1.0] * len(members)
+        reducers = [peer for peer, share in zip(members, shares) if share > 0 and peer != self.peer_id]
         if pool is not None and reducers:
             await asyncio.gather(*(pool.open(peer) for peer in reducers), return_exceptions=True)
 
