@@ -72,10 +72,12 @@ def pool_to(port: int, pin: bytes, tickets: Tickets, peer: PeerID = MEMBER) -> B
     async def ticket(_reducer: PeerID) -> Ticket:
         return Ticket(port, pin, tickets.issue(peer))
 
-    async def hosts(_reducer: PeerID) -> list[str]:
-        return ["127.0.0.1"]
+    return BulkPool(ticket, _loopback, dial_s=3.0)
 
-    return BulkPool(ticket, hosts, dial_s=3.0)
+
+async def _loopback(_reducer: PeerID) -> list[str]:
+    """A reducer's direct addresses, as the libp2p connection would give them: loopback."""
+    return ["127.0.0.1"]
 
 
 async def call(pool: BulkPool, payloads: list[bytes]) -> list[bytes]:
@@ -375,10 +377,7 @@ def test_a_slow_dial_lets_this_call_use_libp2p_and_serves_the_next() -> None:
             await asyncio.sleep(1.0)
             return Ticket(server.port, cert.pin, tickets.issue(MEMBER))
 
-        async def hosts(_reducer: PeerID) -> list[str]:
-            return ["127.0.0.1"]
-
-        pool = BulkPool(slow_ticket, hosts, quick_s=0.2)
+        pool = BulkPool(slow_ticket, _loopback, quick_s=0.2)
         try:
             assert await pool.open(LOCAL) is None  # this round: libp2p
             for _ in range(200):  # the dial goes on, and its connection is kept
@@ -411,10 +410,7 @@ def test_a_ticket_whose_libp2p_call_failed_is_asked_for_again_at_the_next_call()
                 raise ConnectionError("failed to dial: all dials failed (dial backoff)")
             return Ticket(server.port, cert.pin, tickets.issue(MEMBER))
 
-        async def hosts(_reducer: PeerID) -> list[str]:
-            return ["127.0.0.1"]
-
-        pool = BulkPool(flaky_ticket, hosts, dial_s=3.0)
+        pool = BulkPool(flaky_ticket, _loopback, dial_s=3.0)
         try:
             assert await pool.open(LOCAL) is None  # this round: libp2p
             assert await call(pool, [b"next round"]) == [b"next round"]  # asked again, and dialled
