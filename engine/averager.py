@@ -204,7 +204,7 @@ class ExactAverager(
         fragment_ids = [fragment_group_id(group_id, index) for index in range(len(self.fragments))]
         room = self._open_audit_room(group_id, fragment_ids, group_info.peer_ids, stale) if self.audit else None
         signer = self._receipt_signer(group_info, round_)
-        await self.open_bulk(group_info.peer_ids, kwargs.get("peer_fractions"))
+        await self.open_paths(group_info.peer_ids, kwargs.get("peer_fractions"))
         runners = [
             self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs, signer)
             for fragment_id, (start, end) in zip(fragment_ids, self.fragments)

@@ -64,6 +64,19 @@ MAX_CONNECTIONS = 4096
 256, and handshakes in progress), and never more than half the
 process's file descriptors (``BulkServer.start`` raises its soft limit); past that new ones are
 closed at once, and their senders use libp2p."""
+MAX_PENDING = 256
+"""Connections not yet past their token at most (their TLS handshake included), and never more
+than half of ``MAX_CONNECTIONS``: an outsider who opens connections and says nothing holds
+these slots for ``HELLO_TIMEOUT_S`` each, never the members' ones."""
+PENDING_PER_HOST = 8
+"""Connections not yet past their token from one address at most: one outsider's loop of idle
+connections does not hold every slot a new member's handshake needs."""
+PER_PEER = 2
+"""Connections kept per member (a sender keeps one; its next, after a break, may overlap the
+last): a member's new one past this closes its oldest, so one member cannot fill the listener."""
+PER_PEER_TICKETS = 8
+"""Unredeemed tickets per member (a round asks once per reducer): a member asking in a loop
+drops its own oldest, never another's."""
 MAX_CALLS = 64
 """Calls open at once on one connection (one per fragment averaged at once: 4 by default); a
 sender that opens more breaks the protocol."""
@@ -72,17 +85,24 @@ Handler = Callable[[AsyncIterator[averaging_pb2.AveragingData], P2PContext], Asy
 
 
 class Tickets:
-    """Tokens issued over libp2p, each for one peer, single use, valid ``TICKET_TTL_S``."""
+    """Tokens issued over libp2p, each for one peer, single use, valid ``TICKET_TTL_S``; at most
+    ``most`` outstanding and ``per_peer`` per peer (past either, the oldest is forgotten)."""
 
-    def __init__(self, ttl_s: float = TICKET_TTL_S, most: int = MAX_TICKETS) -> None:
-        self.ttl_s, self.most = ttl_s, most
+    def __init__(self, ttl_s: float = TICKET_TTL_S, most: int = MAX_TICKETS, per_peer: int = PER_PEER_TICKETS) -> None:
+        self.ttl_s, self.most, self.per_peer = ttl_s, most, per_peer
         self._issued: collections.OrderedDict[bytes, tuple[PeerID, float]] = collections.OrderedDict()
+        self._by_peer: dict[PeerID, collections.deque[bytes]] = {}
 
     def issue(self, peer: PeerID) -> bytes:
         token = secrets.token_bytes(TOKEN_BYTES)
         self._issued[token] = (peer, time.monotonic() + self.ttl_s)
+        mine = self._by_peer.setdefault(peer, collections.deque())
+        mine.append(token)
+        if len(mine) > self.per_peer:
+            self._issued.pop(mine.popleft(), None)
         while len(self._issued) > self.most:
-            self._issued.popitem(last=False)
+            oldest, (owner, _expires) = self._issued.popitem(last=False)
+            self._forget(owner, oldest)
         return token
 
     def redeem(self, token: bytes) -> PeerID | None:
@@ -91,7 +111,16 @@ class Tickets:
         if found is None:
             return None
         peer, expires = found
+        self._forget(peer, token)
         return peer if time.monotonic() <= expires else None
+
+    def _forget(self, peer: PeerID, token: bytes) -> None:
+        mine = self._by_peer.get(peer)
+        if mine is not None:
+            with contextlib.suppress(ValueError):
+                mine.remove(token)
+            if not mine:
+                del self._by_peer[peer]
 
     def __len__(self) -> int:
         return len(self._issued)
@@ -106,15 +135,18 @@ class BulkServer:
         self.refused = 0
         """Connections dropped before or at their token (counted for tests and logs)."""
         self.most = MAX_CONNECTIONS
+        self.pending_most = MAX_PENDING
         self._server: asyncio.base_events.Server | None = None
         self._open: set[asyncio.Task[Any]] = set()
+        self._pending: collections.Counter[str] = collections.Counter()
+        """Connections not yet past their token, per remote address."""
+        self._by_peer: dict[PeerID, collections.deque[asyncio.StreamWriter]] = {}
 
     async def start(self, host: str | None = None, port: int = 0) -> int:
         """Listen on ``host`` (None: every interface) at ``port`` (0: any free one); the port."""
         self.most = min(MAX_CONNECTIONS, _raise_descriptor_limit() // 2)
-        self._server = await asyncio.start_server(
-            self._accepted, host=host, port=port, ssl=self.context, ssl_handshake_timeout=HELLO_TIMEOUT_S
-        )
+        self.pending_most = min(MAX_PENDING, self.most // 2)
+        self._server = await asyncio.start_server(self._accepted, host=host, port=port)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -127,15 +159,23 @@ class BulkServer:
             await asyncio.gather(*self._open, return_exceptions=True)
 
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A TCP connection: counted against the limits before anything is spent on it (the TLS
+        handshake comes after), then served."""
         task = asyncio.current_task()
         assert task is not None
-        if len(self._open) >= self.most:
+        address = writer.get_extra_info("peername")
+        host = str(address[0]) if address else ""
+        if (
+            len(self._open) >= self.most
+            or self._pending.total() >= self.pending_most
+            or self._pending[host] >= PENDING_PER_HOST
+        ):
             self.refused += 1
-            writer.close()
+            writer.transport.abort()
             return
         self._open.add(task)
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, writer, host)
         except (
             asyncio.IncompleteReadError,
             ConnectionError,
@@ -152,23 +192,48 @@ class BulkServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self._pending[host] += 1
+        try:
+            peer = await self._hello(reader, writer)
+        finally:
+            self._pending[host] -= 1
+            if self._pending[host] <= 0:
+                del self._pending[host]
+        if peer is None:
+            return
+        mine = self._by_peer.setdefault(peer, collections.deque())
+        mine.append(writer)
+        while len(mine) > PER_PEER:  # this member's oldest connection makes room
+            mine.popleft().transport.abort()
+        try:
+            write_frame(writer, Kind.HELLO)
+            await writer.drain()
+            context = P2PContext(handle_name="bulk", local_id=self.local_id, remote_id=peer)
+            await _Connection(self.handler, context, reader, writer).run()
+        finally:
+            with contextlib.suppress(ValueError):
+                mine.remove(writer)
+            if not mine and self._by_peer.get(peer) is mine:
+                del self._by_peer[peer]
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> PeerID | None:
+        """The TLS handshake and the sender's token, ``HELLO_TIMEOUT_S`` in all: the peer its
+        ticket names, or None (refused)."""
         keep_alive(writer)
         try:
-            kind, _call, token = await asyncio.wait_for(read_frame(reader, limit=TOKEN_BYTES), HELLO_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, FrameError, TimeoutError) as exc:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                await writer.start_tls(self.context)
+                kind, _call, token = await read_frame(reader, limit=TOKEN_BYTES)
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError, TimeoutError, ssl.SSLError) as exc:
             self.refused += 1
             logger.info("bulk connection refused: no token (%s)", type(exc).__name__)
-            return
+            return None
         peer = self.tickets.redeem(token) if kind == Kind.HELLO else None
         if peer is None:
             self.refused += 1
             logger.info("bulk connection refused: its token is not one this peer issued, or was used or expired")
-            return
-        write_frame(writer, Kind.HELLO)
-        await writer.drain()
-        context = P2PContext(handle_name="bulk", local_id=self.local_id, remote_id=peer)
-        await _Connection(self.handler, context, reader, writer).run()
+        return peer
 
 
 def _raise_descriptor_limit(wanted: int = 2 * MAX_CONNECTIONS + 1024) -> int:

@@ -186,7 +186,7 @@ def test_an_outsider_at_the_port_is_refused_without_a_valid_token(monkeypatch: p
             assert await _refused(reader)
             writer.close()
             assert echo.calls == [] and echo.parts == []  # nothing reached the averager
-            assert server.refused == 4
+            assert server.refused == 5  # the plain-text one, the guess, the early part, the silence, the replay
         finally:
             await server.stop()
 
@@ -699,3 +699,71 @@ def test_a_hostile_reducer_that_floods_or_answers_calls_never_made_breaks_only_i
             fake.close()
 
     run(main)
+
+
+def test_an_outsider_holding_idle_connections_never_locks_a_member_out() -> None:
+    """An outsider opens connections in a loop and says nothing in them (a TLS handshake, then
+    silence; or not even that): from one address it holds ``PENDING_PER_HOST`` of them, the rest
+    are closed at once, and a member's connection is served beside them. Before the limits
+    before the token, 32 silent connections filled a listener of 32 and the member was refused."""
+
+    async def main() -> None:
+        echo = Echo()
+        server, cert, tickets = await listening(echo)
+        server.most, server.pending_most = 32, 16  # a small listener: what 4,096 slots are to a loop
+        held: list[asyncio.StreamWriter] = []
+        try:
+            for n in range(server.most + 4):
+                with contextlib.suppress(ConnectionError, ssl.SSLError, TimeoutError):
+                    tls = n < server.most  # a TLS handshake, then silence; the last few not even that
+                    _reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(
+                            "127.0.0.1",
+                            server.port,
+                            ssl=client_context() if tls else None,
+                            server_hostname="" if tls else None,
+                            local_addr=("127.0.0.3", 0),
+                        ),
+                        5,
+                    )
+                    held.append(writer)
+            await _poll(lambda: len(server._open) + server.refused >= server.most)  # each one held or refused
+            pool = pool_to(server.port, cert.pin, tickets)
+            try:
+                payloads = [b"member" * 1000]
+                assert await call(pool, payloads) == payloads
+                assert echo.calls == [MEMBER]
+            finally:
+                pool.close()
+        finally:
+            for writer in held:
+                writer.close()
+            await server.stop()
+
+    run(main)
+
+
+def test_a_member_opening_connection_after_connection_keeps_two() -> None:
+    """Each ticket it asks for opens one more: past ``PER_PEER`` its oldest is closed, so one
+    admitted member cannot fill the listener (before: every one was kept)."""
+
+    async def main() -> None:
+        server, _cert, tickets = await listening(Echo())
+        try:
+            opened = [await _admitted(server, tickets) for _ in range(5)]
+            for reader, _writer in opened[: -engine.bulk_server.PER_PEER]:
+                assert await _refused(reader)
+            assert len(server._open) == engine.bulk_server.PER_PEER
+            for _reader, writer in opened:
+                writer.close()
+        finally:
+            await server.stop()
+
+    run(main)
+
+
+async def _poll(done: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "the condition did not come in time"
+        await asyncio.sleep(0.02)

@@ -41,6 +41,18 @@ def test_a_peer_asking_for_tickets_in_a_loop_grows_nothing() -> None:
     assert tickets.redeem(first) is None  # the oldest went first
 
 
+def test_a_member_asking_for_tickets_in_a_loop_never_drops_another_members() -> None:
+    """Past ``PER_PEER_TICKETS`` a member's own oldest goes: another member's ticket, issued
+    before the loop, still works (before the bound per peer the loop evicted it)."""
+    other = PeerID.from_base58("QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC")
+    tickets = Tickets(most=16, per_peer=4)
+    kept = tickets.issue(other)
+    mine = [tickets.issue(PEER) for _ in range(100)]
+    assert len(tickets) == 5
+    assert tickets.redeem(kept) == other
+    assert [tickets.redeem(token) for token in mine[-5:]] == [None, PEER, PEER, PEER, PEER]
+
+
 def _answer(payload: object, code: int = averaging_pb2.NO_CODE) -> averaging_pb2.AveragingData:
     return averaging_pb2.AveragingData(code=code, peer_id=MSGPackSerializer.dumps(payload))
 
