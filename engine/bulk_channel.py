@@ -45,7 +45,7 @@ from engine.bulk_client import DIAL_S, BulkPool, Ticket, direct_hosts
 from engine.bulk_server import TOKEN_BYTES, BulkServer, Tickets
 from engine.bulk_settings import BulkSettings
 from engine.bulk_tls import make_server_cert
-from engine.dial_order import await_dials, dialled_by_them
+from engine.dial_order import open_round_connections
 
 __all__ = ["BulkChannelMixin", "parse_ticket"]
 
@@ -135,17 +135,16 @@ class BulkChannelMixin:
 
     async def open_paths(self, members: Sequence[PeerID], fractions: Sequence[float] | None) -> None:
         """Before a round's parts flow, its paths to its reducers (the other ``members`` whose
-        share of ``fractions`` is not 0; all of them without fractions). First the libp2p
-        connections of those that dial this member (``engine.dial_order``: two members dialling
+        share of ``fractions`` is not 0; all of them without fractions). First their libp2p
+        connections, made by one end of each pair (``engine.dial_order``: two members dialling
         each other at once can both fail); then, with the channel on, the bulk connections: kept
         ones cost nothing, new ones are dialled, ``QUICK_S`` at most, while the links are still
         quiet (under the round's first bursts a slow link's small buffer drops their handshakes)."""
         shares = fractions if fractions is not None else [1.0] * len(members)
         reducers = [peer for peer, share in zip(members, shares) if share > 0 and peer != self.peer_id]
         i_reduce = any(share > 0 for peer, share in zip(members, shares) if peer == self.peer_id)
-        theirs = dialled_by_them(self.peer_id, reducers, i_reduce=i_reduce)
-        if theirs:
-            await await_dials(self._p2p, theirs)
+        if reducers:
+            await open_round_connections(self._p2p, self.peer_id, reducers, i_reduce=i_reduce)
         pool = self.bulk_pool()
         if pool is not None and reducers:
             await asyncio.gather(*(pool.open(peer) for peer in reducers), return_exceptions=True)

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import resource
 import secrets
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -136,7 +137,8 @@ class BulkServer:
         """Connections dropped before or at their token (counted for tests and logs)."""
         self.most = MAX_CONNECTIONS
         self.pending_most = MAX_PENDING
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._open: set[asyncio.Task[Any]] = set()
         self._pending: collections.Counter[str] = collections.Counter()
         """Connections not yet past their token, per remote address."""
@@ -146,36 +148,54 @@ class BulkServer:
         """Listen on ``host`` (None: every interface) at ``port`` (0: any free one); the port."""
         self.most = min(MAX_CONNECTIONS, _raise_descriptor_limit() // 2)
         self.pending_most = min(MAX_PENDING, self.most // 2)
-        self._server = await asyncio.start_server(self._accepted, host=host, port=port)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self._listener = _listen(host, port)
+        self.port = int(self._listener.getsockname()[1])
+        self._accepting = asyncio.create_task(self._accept())
         return self.port
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
         for task in list(self._open):
             task.cancel()
         if self._open:
             await asyncio.gather(*self._open, return_exceptions=True)
 
-    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A TCP connection: counted against the limits before anything is spent on it (the TLS
-        handshake comes after), then served."""
-        task = asyncio.current_task()
-        assert task is not None
-        address = writer.get_extra_info("peername")
-        host = str(address[0]) if address else ""
-        if (
-            len(self._open) >= self.most
-            or self._pending.total() >= self.pending_most
-            or self._pending[host] >= PENDING_PER_HOST
-        ):
-            self.refused += 1
-            writer.transport.abort()
-            return
-        self._open.add(task)
+    async def _accept(self) -> None:
+        """Each TCP connection is counted against the limits as it is accepted, before anything
+        is spent on it: the TLS handshake comes after (``_accepted``)."""
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, address = await loop.sock_accept(self._listener)
+            except OSError as exc:  # out of descriptors, or the like: the listener waits a moment
+                logger.warning("bulk listener cannot accept (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            host = str(address[0]) if address else ""
+            if (
+                len(self._open) >= self.most
+                or self._pending.total() >= self.pending_most
+                or self._pending[host] >= PENDING_PER_HOST
+            ):
+                self.refused += 1
+                conn.close()
+                continue
+            self._pending[host] += 1
+            task = asyncio.create_task(self._accepted(conn, host))
+            self._open.add(task)
+            task.add_done_callback(self._open.discard)
+
+    async def _accepted(self, conn: socket.socket, host: str) -> None:
+        writer: asyncio.StreamWriter | None = None
         try:
-            await self._serve(reader, writer, host)
+            peer, reader, writer = await self._hello(conn, host)
+            if peer is not None:
+                await self._serve(reader, writer, peer)
         except (
             asyncio.IncompleteReadError,
             ConnectionError,
@@ -187,21 +207,43 @@ class BulkServer:
         except asyncio.CancelledError:  # the listener stops (``stop``): the connection goes quietly
             pass
         finally:
-            self._open.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+            if writer is None:
+                conn.close()
+            else:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(writer.wait_closed(), 1.0)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
-        self._pending[host] += 1
+    async def _hello(
+        self, conn: socket.socket, host: str
+    ) -> tuple[PeerID | None, asyncio.StreamReader, asyncio.StreamWriter | None]:
+        """The TLS handshake and the sender's token, ``HELLO_TIMEOUT_S`` in all: the peer its
+        ticket names (None: refused), and the connection's two ends."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        writer: asyncio.StreamWriter | None = None
         try:
-            peer = await self._hello(reader, writer)
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                protocol = asyncio.StreamReaderProtocol(reader)
+                transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn, ssl=self.context)
+                writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+                keep_alive(writer)
+                kind, _call, token = await read_frame(reader, limit=TOKEN_BYTES)
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError, TimeoutError, ssl.SSLError) as exc:
+            self.refused += 1
+            logger.info("bulk connection refused: no token (%s)", type(exc).__name__)
+            return None, reader, writer
         finally:
             self._pending[host] -= 1
             if self._pending[host] <= 0:
                 del self._pending[host]
+        peer = self.tickets.redeem(token) if kind == Kind.HELLO else None
         if peer is None:
-            return
+            self.refused += 1
+            logger.info("bulk connection refused: its token is not one this peer issued, or was used or expired")
+        return peer, reader, writer
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: PeerID) -> None:
         mine = self._by_peer.setdefault(peer, collections.deque())
         mine.append(writer)
         while len(mine) > PER_PEER:  # this member's oldest connection makes room
@@ -217,23 +259,21 @@ class BulkServer:
             if not mine and self._by_peer.get(peer) is mine:
                 del self._by_peer[peer]
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> PeerID | None:
-        """The TLS handshake and the sender's token, ``HELLO_TIMEOUT_S`` in all: the peer its
-        ticket names, or None (refused)."""
-        keep_alive(writer)
+
+def _listen(host: str | None, port: int) -> socket.socket:
+    """A non-blocking listening socket at ``host`` (None: every interface, IPv6 too where the
+    machine has it) and ``port``."""
+    backlog = 1024
+    if host is None and socket.has_dualstack_ipv6():
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT_S):
-                await writer.start_tls(self.context)
-                kind, _call, token = await read_frame(reader, limit=TOKEN_BYTES)
-        except (asyncio.IncompleteReadError, ConnectionError, FrameError, TimeoutError, ssl.SSLError) as exc:
-            self.refused += 1
-            logger.info("bulk connection refused: no token (%s)", type(exc).__name__)
-            return None
-        peer = self.tickets.redeem(token) if kind == Kind.HELLO else None
-        if peer is None:
-            self.refused += 1
-            logger.info("bulk connection refused: its token is not one this peer issued, or was used or expired")
-        return peer
+            listener = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=backlog)
+        except OSError:  # IPv6 off in this namespace
+            listener = socket.create_server(("0.0.0.0", port), backlog=backlog)
+    else:
+        family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+        listener = socket.create_server((host or "0.0.0.0", port), family=family, backlog=backlog)
+    listener.setblocking(False)
+    return listener
 
 
 def _raise_descriptor_limit(wanted: int = 2 * MAX_CONNECTIONS + 1024) -> int:

@@ -440,9 +440,10 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         P2P_DAEMON,
         "_client",
         "instance attribute (read)",
-        f"{PUNCHER} (Puncher._switch)",
+        f"{PUNCHER} (Puncher._switch); engine/dial_order.py (open_round_connections)",
         "The daemon's control client: its disconnect and connect move this peer's connection to a "
-        "relayed peer onto a hole-punched socket (P2P has no public connect or disconnect).",
+        "relayed peer onto a hole-punched socket, and its connect makes a round's connections "
+        "before the parts flow, one end of each pair dialling (P2P has no public connect or disconnect).",
         evidence=(("replicate", "self._client = await p2pclient.Client.create("),),
     ),
 )
