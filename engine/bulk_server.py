@@ -194,7 +194,7 @@ class BulkServer:
         writer: asyncio.StreamWriter | None = None
         try:
             peer, reader, writer = await self._hello(conn, host)
-            if peer is not None:
+            if peer is not None and writer is not None:
                 await self._serve(reader, writer, peer)
         except (
             asyncio.IncompleteReadError,
