@@ -75,6 +75,7 @@ BESIDE_SWARMS = {
     "test_data_prepare.py",
     "test_dht_mend.py",
     "test_dht_start.py",
+    "test_dial_order.py",
     "test_doctor.py",
     "test_grpc_fuzz.py",
     "test_killed_peer_credit.py",
