@@ -304,6 +304,25 @@ def busy_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
     return 100.0 * (after[0] - before[0]) / total if total > 0 else 0.0
 
 
+def tcp_counters(snmp: str) -> tuple[int, int]:
+    """(segments sent, segments retransmitted) from a network namespace's ``/proc/net/snmp``."""
+    header, values = [line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:")][:2]
+    row = dict(zip(header, values, strict=True))
+    return int(row["OutSegs"]), int(row["RetransSegs"])
+
+
+def retransmitted_pct(sim: WanSim, hosts: list[str]) -> float:
+    """TCP segments retransmitted, % of those sent, by every host of ``sim`` since it started
+    (each host's namespace counts its own)."""
+    sent = retransmitted = 0
+    for host in hosts:
+        proc = sim.run(host, ["cat", "/proc/net/snmp"], stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=30)
+        host_sent, host_retransmitted = tcp_counters(out)
+        sent, retransmitted = sent + host_sent, retransmitted + host_retransmitted
+    return 100.0 * retransmitted / sent if sent else 0.0
+
+
 def run_transport(
     transport: str,
     args: argparse.Namespace,
@@ -311,9 +330,11 @@ def run_transport(
     robust: str = "off",
     cpu: list[float] | None = None,
     bulk: str = "off",
+    retransmits: list[float] | None = None,
 ) -> list[float]:  # the rounds that completed on every host
     """Round times (the slowest host's) of ``transport`` over a fresh simulator; appends the
-    machine's CPU use while the hosts ran (% of all cores) to ``cpu``."""
+    machine's CPU use while the hosts ran (% of all cores) to ``cpu``, and the TCP segments the
+    hosts retransmitted (% of those sent) to ``retransmits``."""
     hosts = [f"h{i}" for i in range(args.peers)]
     sim_ = WanSim(hosts, rate=args.link, delay_ms=args.delay_ms)
     with tempfile.TemporaryDirectory(prefix="wan-averaging-") as tmp, sim_ as sim:
@@ -343,6 +364,8 @@ def run_transport(
             per_host.append(json.loads(line)["times"])
         if cpu is not None:
             cpu.append(busy_pct(ticks, cpu_ticks()))
+        if retransmits is not None:
+            retransmits.append(retransmitted_pct(sim, hosts))
     return slowest_host(per_host)
 
 
@@ -372,23 +395,27 @@ def markdown(
     rounds: dict[str, list[float]],
     header: str,
     cpu: dict[str, float] | None = None,
+    retransmits: dict[str, float] | None = None,
 ) -> str:
-    """The result table; with ``cpu``, the machine's CPU use (% of all cores) while each ran."""
-    cpu = cpu or {}
+    """The result table; with ``cpu``, the machine's CPU use (% of all cores) while each ran; with
+    ``retransmits``, the TCP segments its hosts retransmitted (% of those sent)."""
+    cpu, retransmits = cpu or {}, retransmits or {}
     lines = [
         header,
         "",
-        "| transport | median round s | min-max s | % of link bound | % of tcp | % of libp2p | CPU busy | rounds (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| transport | median round s | min-max s | % of link bound | % of tcp | % of libp2p | CPU busy "
+        "| TCP retransmitted | rounds (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for transport, row in summary.items():
         tcp = f"{row['pct_of_tcp']:.0f}%" if "pct_of_tcp" in row else "-"
         p2p = f"{row['pct_of_libp2p']:.0f}%" if "pct_of_libp2p" in row else "-"
         each = " ".join(f"{t:.2f}" for t in rounds[transport])
         busy = f"{cpu[transport]:.0f}%" if transport in cpu else "-"
+        lost = f"{retransmits[transport]:.2f}%" if transport in retransmits else "-"
         lines.append(
             f"| {transport} | {row['median_s']:.2f} | {row['min_s']:.2f}-{row['max_s']:.2f} "
-            f"| {row['pct_of_link_bound']:.0f}% | {tcp} | {p2p} | {busy} | {each} |"
+            f"| {row['pct_of_link_bound']:.0f}% | {tcp} | {p2p} | {busy} | {lost} | {each} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -466,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rounds: dict[str, list[float]] = {}
     cpu: dict[str, float] = {}
+    retransmits: dict[str, float] = {}
     failed: dict[str, int] = {}
     for transport in args.only:
         variants = (
@@ -481,8 +509,9 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{transport} ({', '.join(details)})" if details else transport
             print(f"{name}: {args.rounds} rounds ...", file=sys.stderr, flush=True)
             used: list[float] = []
-            rounds[name] = run_transport(transport, args, streams, robust, cpu=used, bulk=bulk)
-            cpu[name] = used[0]
+            resent: list[float] = []
+            rounds[name] = run_transport(transport, args, streams, robust, cpu=used, bulk=bulk, retransmits=resent)
+            cpu[name], retransmits[name] = used[0], resent[0]
             failed[name] = args.rounds - len(rounds[name])
             if not rounds[name]:
                 raise RuntimeError(f"{name}: no round completed on every host")
@@ -497,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{per_pair_bytes(args.values, args.codec, args.peers) * (args.peers - 1) / 1e6:.1f} MB on each link "
         f"per round; link bound {bound:.2f} s."
     )
-    text = markdown(summary, rounds, header, cpu)
+    text = markdown(summary, rounds, header, cpu, retransmits)
     failures = [f"{name}: {n} of {args.rounds}" for name, n in failed.items() if n]
     text += f"\nRounds that failed on some host (left out above): {', '.join(failures)}.\n" if failures else ""
     args.out.mkdir(parents=True, exist_ok=True)
@@ -507,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         "bound_s": bound,
         "rounds": rounds,
         "cpu_busy_pct": cpu,
+        "tcp_retransmitted_pct": retransmits,
     }
     (args.out / f"wan-averaging-{label}.json").write_text(json.dumps({**payload, "summary": summary}, indent=2))
     print(text)

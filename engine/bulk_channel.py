@@ -23,12 +23,14 @@ Where there is no direct path (a relayed peer, a firewall, a peer without a list
 version that has no ``rpc_bulk_ticket``) the sender uses the libp2p stream as before
 (``engine.bulk_client``). Mixed into ``engine.averager.ExactAverager``.
 
-Off unless asked for (``--bulk-port``, ``engine.bulk_settings.BulkSettings``). One connection
-per sender and reducer carries every fragment's call (``engine.bulk_frames``), as libp2p's one
-connection per pair does, so a small router buffer sees one flow's opening burst per pair. On 4
-hosts it reaches 94-95% of plain TCP at 50 Mbit/s where libp2p reaches 88-92%, and is level
-with libp2p at 5 Mbit/s (97-101%) (docs/benchmarks.md, "The bulk channel against libp2p and plain TCP").
-What keeps it off: a first round's libp2p dials can fail (docs/design/gaps.md 2).
+Off unless a peer asks for it (``--bulk-port``; ``engine.bulk_settings``): on these simulated links
+it retransmits 2.6% of its TCP segments at 5 Mbit/s where libp2p retransmits 0.1%, and is slower
+there (docs/design/gaps.md 2).
+One connection per sender and reducer carries every fragment's call (``engine.bulk_frames``), as
+libp2p's one connection per pair does, so a small router buffer sees one flow's opening burst per
+pair (docs/benchmarks.md, "The all-reduce at the shipped defaults against plain TCP"). A round makes its
+libp2p connections first, one end of each pair dialling (``engine.dial_order``), then asks for
+its tickets over them.
 """
 
 from __future__ import annotations

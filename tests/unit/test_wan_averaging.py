@@ -64,3 +64,17 @@ def test_a_round_is_the_slowest_hosts_and_one_that_failed_anywhere_is_left_out()
 
     assert slowest_host([[1.0, None, 3.0], [2.0, 5.0, 1.0]]) == [2.0, 3.0]
     assert slowest_host([[None], [1.0]]) == []
+
+
+def test_tcp_counters_are_read_from_a_namespaces_snmp_table() -> None:
+    from benchmarks.wan_averaging import tcp_counters
+
+    snmp = (
+        "Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+        "Tcp: RtoAlgorithm RtoMin InSegs OutSegs RetransSegs InErrs\nTcp: 1 200 900 1000 25 0\n"
+        "Udp: InDatagrams\nUdp: 3\n"
+    )
+    assert tcp_counters(snmp) == (1000, 25)
+    with open("/proc/net/snmp") as table:  # this machine's own: the fields exist where it runs
+        sent, retransmitted = tcp_counters(table.read())
+    assert 0 <= retransmitted <= sent
