@@ -263,3 +263,35 @@ def test_an_unfinished_report_that_does_not_parse_is_set_aside(tmp_path: Path) -
     again = ReportOutbox(where)
     assert again.unfinished() == [(7, PRE)]
     assert [p.name for p in where.glob("*.unreadable")] == [f"{8:012d}.unreadable"]
+
+
+class SlowCoordinator(FakeCoordinator):
+    """Takes each report in ``report_s`` (a busy coordinator on a loaded database)."""
+
+    report_s = 0.05
+
+    def report_round(self, report: pb.RoundReportBody) -> pb.RoundReportResponse:
+        time.sleep(self.report_s)
+        return super().report_round(report)
+
+
+def test_a_backlog_of_reports_never_holds_back_the_heartbeats(tmp_path: Path) -> None:
+    """The reports of every round of an outage go once the coordinator is back, between
+    heartbeats: these keep their interval while the backlog drains (before, the first heartbeat
+    after the outage sent all of them before the next could go, and a peer whose backlog took
+    longer than the coordinator's window was counted offline)."""
+    coordinator = SlowCoordinator()
+    link = running_link(coordinator, ReportOutbox(tmp_path), interval_s=0.2)
+    try:
+        wait_until(lambda: link.connected, 10, "the link to connect")
+        coordinator.down = True
+        for round_ in range(60):
+            link.report(row(round_, averaged=True, digest="blake3:x", samples=40, wall_s=2.0))
+        wait_until(lambda: not link.connected, 10, "the link to notice the outage")
+        beats = coordinator.heartbeats
+        coordinator.down = False
+        wait_until(lambda: len(coordinator.reports) >= 30, 20, "half the backlog")  # 1.5 s of reports
+        assert coordinator.heartbeats - beats >= 4, "the heartbeats waited for the backlog"
+        wait_until(lambda: coordinator.reports == list(range(60)), 20, "the whole backlog, in order")
+    finally:
+        link.stop()
