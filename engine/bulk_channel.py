@@ -26,6 +26,7 @@ version that has no ``rpc_bulk_ticket``) the sender uses the libp2p stream as be
 Off unless a peer asks for it (``--bulk-port``; ``engine.bulk_settings``): on these simulated links
 it retransmits 2.6% of its TCP segments at 5 Mbit/s where libp2p retransmits 0.1%, and is slower
 there (docs/design/gaps.md 2).
+
 One connection per sender and reducer carries every fragment's call (``engine.bulk_frames``), as
 libp2p's one connection per pair does, so a small router buffer sees one flow's opening burst per
 pair (docs/benchmarks.md, "The all-reduce at the shipped defaults against plain TCP"). A round makes its

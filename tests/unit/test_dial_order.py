@@ -128,3 +128,17 @@ def test_kept_connections_cost_one_call() -> None:
         assert p2p.listed == 1 and p2p.dialled == []
 
     asyncio.run(scenario())
+
+
+def test_a_daemon_that_cannot_list_its_connections_never_fails_the_round() -> None:
+    """The parts then dial as they did before this step: every reducer is named, nothing raises."""
+
+    class Broken(_P2P):
+        async def list_peers(self) -> list[SimpleNamespace]:
+            raise ConnectionError("p2pd control socket closed")
+
+    async def scenario() -> None:
+        low, high = _sorted_pair()
+        assert await open_round_connections(Broken(), high, [low, high], i_reduce=True) == [low]
+
+    asyncio.run(scenario())
