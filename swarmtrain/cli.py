@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import faulthandler
 import io
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -105,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     limit_malloc_arenas()  # before any thread starts: every thread after it shares the arenas
     _whole_lines()
+    _stacks_on_request()
     _configure_logging(args.verbose)
     tie_children_to_this_process()
     leave_with_parent()
@@ -134,6 +137,22 @@ def _whole_lines() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""``kill -USR1 PID`` makes a running ``swarmtrain`` print every thread's stack to its stderr
+and go on: what a process that stays silent is waiting for (the tests send it to a child that
+printed nothing by its deadline, so the failure names the line it hangs on)."""
+
+
+def _stacks_on_request() -> None:
+    """Dump every thread's stack on ``STACKS_SIGNAL`` (faulthandler: from C, so it works while
+    the interpreter is stuck in a call that holds the GIL)."""
+    if sys.stderr is not None and hasattr(sys.stderr, "fileno"):
+        try:
+            faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+        except (ValueError, OSError, io.UnsupportedOperation):  # stderr without a descriptor
+            pass
 
 
 def _configure_logging(verbose: int) -> None:

@@ -92,9 +92,12 @@ class Child:
                 out.flush()
 
     def printed(self, pattern: str, deadline_s: float) -> str:
-        """Group 1 of the first output line matching ``pattern``; raises if it exits or stays silent."""
+        """Group 1 of the first output line matching ``pattern``; raises if it exits or stays
+        silent. A child still running at the deadline is asked for its threads' stacks first
+        (``swarmtrain.cli.STACKS_SIGNAL``), which the error then shows: where it waits."""
         regex = re.compile(pattern)
-        deadline = time.monotonic() + deadline_s
+        started = time.monotonic()
+        deadline = started + deadline_s
         while time.monotonic() < deadline:
             for line in list(self.lines):
                 match = regex.match(line)
@@ -103,7 +106,29 @@ class Child:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} printed no line like {pattern!r}:\n" + "\n".join(self.lines[-20:]))
+        state = f"exited with {self.proc.returncode}" if self.proc.poll() is not None else "still running"
+        tail = self.lines[-20:] + (self._stacks() if self.proc.poll() is None else [])
+        raise RuntimeError(
+            f"{self.name} printed no line like {pattern!r} in {time.monotonic() - started:.0f} s ({state}, "
+            f"{len(self.lines)} lines):\n" + "\n".join(tail)
+        )
+
+    def _stacks(self, wait_s: float = 5.0) -> list[str]:
+        """The stacks the running child prints on ``SIGUSR1`` (faulthandler), as output lines."""
+        before = len(self.lines)
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return []
+        deadline = time.monotonic() + wait_s
+        settled_at, seen = time.monotonic(), before
+        while time.monotonic() < deadline:
+            if len(self.lines) != seen:
+                settled_at, seen = time.monotonic(), len(self.lines)
+            elif seen > before and time.monotonic() - settled_at > 0.5:
+                break
+            time.sleep(0.1)
+        return ["--- its threads' stacks (SIGUSR1):", *self.lines[before:]]
 
     def kill(self) -> None:
         """SIGKILL the child and every process of the group it leads (ours, by pgid)."""

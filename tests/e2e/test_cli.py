@@ -384,3 +384,22 @@ def test_the_doctor_prints_what_one_peer_needs_from_the_spec_alone() -> None:
         bad = sw("doctor", "--requirements", *flags)
         assert bad.returncode != 0 and needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
         no_traceback(bad)
+
+
+def test_a_silent_command_prints_its_stacks_on_sigusr1_and_goes_on(tmp_path: Path) -> None:
+    """A child that stays silent past a test's deadline is asked for its threads' stacks, so a
+    failure names the line it waits on; the signal leaves it running."""
+    from swarmtrain.localswarm import LocalPeer
+
+    port = free_port()  # nothing listens there: the peer waits in its join, saying so once
+    peer = LocalPeer(["--coordinator", f"127.0.0.1:{port}", "--key", str(tmp_path / "k")], tmp_path, "waiting")
+    try:
+        peer.printed(r"^(coordinator \S+) is not answering", 60)
+        with pytest.raises(RuntimeError) as failed:
+            peer.printed(r"^a line it never prints$", 1)
+        said = str(failed.value)
+        assert "still running" in said and "its threads' stacks (SIGUSR1)" in said, said
+        assert "join_when_up" in said and "most recent call first" in said, said
+        assert peer.proc.poll() is None
+    finally:
+        peer.terminate(grace_s=30)
