@@ -8,14 +8,14 @@ and nothing between, kept from round to round.
 
 No weaker than libp2p: an outsider can neither send a part nor read one.
 
-- A sender asks the reducer over libp2p (``rpc_bulk_ticket``; libp2p authenticates both ends to
-  their identities) for a ticket: the port it listens on, the SHA-256 of its TLS certificate (a
-  throwaway one, ``engine.bulk_tls``) and a fresh token. The reducer gives tickets only to peers
-  the run admits (``engine.averager_gate``).
-- The sender dials the reducer's address of its libp2p connection (a direct one only) at that
-  port, accepts only the pinned certificate (so it talks to the reducer, encrypted), and sends
-  the token: the reducer then knows which peer this is (``engine.bulk_server``). Tokens work
-  once.
+- The dialler asks the other member over libp2p (``rpc_bulk_ticket``; libp2p authenticates both
+  ends to their identities) for a ticket: the port it listens on, the SHA-256 of its TLS
+  certificate (a throwaway one, ``engine.bulk_tls``) and a fresh token. A member gives tickets
+  only to peers the run admits (``engine.averager_gate``).
+- The dialler dials that member's address of its libp2p connection (a direct one only) at that
+  port, accepts only the pinned certificate (so it talks to that member, encrypted), and sends
+  the token: the acceptor then knows which peer this is (``engine.bulk_server``). Tokens work
+  once. So each end knows the other, and either may make calls on the link.
 - Every part then goes to the averager's own handler, as over libp2p: membership, decoding,
   bounds, bans and audits are the same code.
 
@@ -27,11 +27,12 @@ Off unless a peer asks for it (``--bulk-port``; ``engine.bulk_settings``): on th
 it retransmits 2.6% of its TCP segments at 5 Mbit/s where libp2p retransmits 0.1%, and is slower
 there (docs/design/gaps.md 2).
 
-One connection per sender and reducer carries every fragment's call (``engine.bulk_frames``), as
-libp2p's one connection per pair does, so a small router buffer sees one flow's opening burst per
-pair (docs/benchmarks.md, "The all-reduce at the shipped defaults against plain TCP"). A round makes its
-libp2p connections first, one end of each pair dialling (``engine.dial_order``), then asks for
-its tickets over them.
+One connection per pair of members carries every fragment's calls both ways (``engine.bulk_link``,
+``engine.bulk_frames``), as libp2p's one connection per pair does, so a member's uplink carries
+one flow per other member and a small router buffer sees one opening burst per pair. Of two
+members that both reduce, the one whose ID sorts first dials and the other waits for that link
+(``engine.bulk_client``). A round makes its libp2p connections first, one end of each pair
+dialling (``engine.dial_order``), then asks for its tickets over them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from engine.bulk_client import DIAL_S, BulkPool, Ticket, direct_hosts
 from engine.bulk_server import TOKEN_BYTES, BulkServer, Tickets
 from engine.bulk_settings import BulkSettings
 from engine.bulk_tls import make_server_cert
-from engine.dial_order import open_round_connections
+from engine.dial_order import dialled_by_them, open_round_connections
 
 __all__ = ["BulkChannelMixin", "parse_ticket"]
 
@@ -92,8 +93,9 @@ class BulkChannelMixin:
         if self.bulk.enabled and not self.client_mode and self.__dict__.get("_bulk_server") is None:
             cert = make_server_cert()
             self._bulk_tickets = Tickets()
-            handler = self.rpc_aggregate_part  # type: ignore[attr-defined]  # hivemind's DecentralizedAverager
-            server = BulkServer(handler, self.peer_id, cert.context, self._bulk_tickets)
+            pool = self.bulk_pool()
+            assert pool is not None
+            server = BulkServer(pool, cert.context, self._bulk_tickets)
             try:
                 await server.start(self.bulk.host, self.bulk.port)
             except OSError as exc:
@@ -133,16 +135,20 @@ class BulkChannelMixin:
             return None
         pool: BulkPool | None = self.__dict__.get("_bulk_pool_")
         if pool is None:
-            pool = self.__dict__["_bulk_pool_"] = BulkPool(self._bulk_ticket, self._direct_hosts)
+            handler = self.rpc_aggregate_part  # type: ignore[attr-defined]  # hivemind's DecentralizedAverager
+            pool = BulkPool(self._bulk_ticket, self._direct_hosts, handler=handler, local_id=self.peer_id)
+            self.__dict__["_bulk_pool_"] = pool
         return pool
 
     async def open_paths(self, members: Sequence[PeerID], fractions: Sequence[float] | None) -> None:
         """Before a round's parts flow, its paths to its reducers (the other ``members`` whose
         share of ``fractions`` is not 0; all of them without fractions). First their libp2p
         connections, made by one end of each pair (``engine.dial_order``: two members dialling
-        each other at once can both fail); then, with the channel on, the bulk connections: kept
-        ones cost nothing, new ones are dialled, ``QUICK_S`` at most, while the links are still
-        quiet (under the round's first bursts a slow link's small buffer drops their handshakes)."""
+        each other at once can both fail); then, with the channel on, the pairs' bulk links: kept
+        ones cost nothing, new ones are dialled (``QUICK_S`` at most) while the links are still
+        quiet (under the round's first bursts a slow link's small buffer drops their handshakes),
+        by this member or, where the other member sorts first and this one reduces too (it has
+        parts to send here), by that one, which this one waits for."""
         shares = fractions if fractions is not None else [1.0] * len(members)
         reducers = [peer for peer, share in zip(members, shares) if share > 0 and peer != self.peer_id]
         i_reduce = any(share > 0 for peer, share in zip(members, shares) if peer == self.peer_id)
@@ -150,7 +156,10 @@ class BulkChannelMixin:
             await open_round_connections(self._p2p, self.peer_id, reducers, i_reduce=i_reduce)
         pool = self.bulk_pool()
         if pool is not None and reducers:
-            await asyncio.gather(*(pool.open(peer) for peer in reducers), return_exceptions=True)
+            listening = self.__dict__.get("_bulk_server") is not None
+            theirs = set(dialled_by_them(self.peer_id, reducers, i_reduce=i_reduce)) if listening else set()
+            opens = (pool.open(peer, theirs=peer in theirs) for peer in reducers)
+            await asyncio.gather(*opens, return_exceptions=True)
 
     async def _bulk_ticket(self, peer: PeerID) -> Ticket | None:
         stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)  # type: ignore[attr-defined]

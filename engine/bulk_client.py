@@ -1,12 +1,15 @@
-"""The sender's end of the bulk channel (``engine.bulk_channel``): connections to reducers, kept
-between rounds, and the call that streams parts over one of them.
+"""This member's bulk links (``engine.bulk_channel``): dialled to other members' listeners or
+accepted by its own, one per pair, kept between rounds.
 
-``BulkPool.open(peer)`` returns the connection to ``peer``'s bulk listener, or None where there
-is none (yet): the caller then uses the libp2p stream, as before. One connection per reducer
-carries every call to it at once (one per fragment, ``engine.bulk_frames``), so a round of 256
-opens 255 at a peer, not 1,020, and a small router buffer sees one flow's opening burst per
-pair, not four. A kept connection costs nothing.
-A new one costs a ticket over libp2p (one round trip, and the libp2p dial if there is no
+``BulkPool.open(peer)`` returns the link with ``peer``, or None where there is none (yet): the
+caller then uses the libp2p stream, as before. One link per pair carries every call between the
+two at once, both ways (``engine.bulk_link``), so a round of 256 holds 255 at a peer, and a small
+router buffer sees one flow's opening burst per pair, as libp2p's one connection per pair. A
+kept link costs nothing. Of two members that both reduce (each sends parts to the other), the one
+whose ID sorts first dials and the other waits ``QUICK_S`` for that link (``theirs``); one that
+waited in vain dials itself, at once from then on. Two links made at once become one: both ends
+keep the same one (``BulkPool._register``).
+A new link costs a ticket over libp2p (one round trip, and the libp2p dial if there is no
 connection yet), the TCP and TLS handshakes (two) and the token's answer (one); a call waits
 ``QUICK_S`` for it, and past that takes libp2p while the dial goes on for the next round. So a
 port a firewall drops, or handshakes that lose packets on a saturated link, cost a round at most
@@ -26,27 +29,16 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
 
-from engine.bulk_frames import (
-    MAX_CALL,
-    WINDOW,
-    Credit,
-    FrameError,
-    Kind,
-    keep_alive,
-    read_count,
-    read_frame,
-    write_credit,
-    write_frame,
-)
+from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
+from engine.bulk_link import BulkLink, Handler
 from engine.bulk_tls import client_context, fingerprint
 
-__all__ = ["BulkCall", "BulkConnection", "BulkPool", "Ticket", "direct_hosts"]
+__all__ = ["BulkPool", "Ticket", "direct_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +49,14 @@ QUICK_S = 2.0
 """How long a call waits for a new connection before it takes libp2p: four round trips on a long
 link, with room for a loaded machine."""
 IDLE_S = 1200.0
-"""An idle connection older than this is closed rather than used: rounds are minutes apart, and
-keepalive (``engine.bulk_frames.keep_alive``) holds the path open meanwhile; the reducer keeps
-its end ``engine.bulk_server.IDLE_S``, longer, so that a connection taken is never one it just
-closed."""
-WRAP_UP_S = 2.0
-"""How long closing a call waits for the rest of its request stream (which a sender ends once it
-holds every averaged part) before it cancels it and tells the reducer to stop."""
+"""A link the dialler finds idle this long is closed rather than used: rounds are minutes apart,
+and keepalive (``engine.bulk_frames.keep_alive``) holds the path open meanwhile; the acceptor
+stops using one ``ACCEPTED_MARGIN_S`` sooner, so that neither end takes a link the other is
+closing, and either end's reader drops a link silent for ``engine.bulk_link.IDLE_S``."""
+ACCEPTED_MARGIN_S = 60.0
+RETIRED_S = 30.0
+"""A pair's second link (both ends dialled at once) is closed once it has carried nothing for
+this long: both ends then use the same one."""
 NO_PATH_S = 600.0
 """How long a peer that could not be reached directly (no listener, a dial or handshake that
 failed) is left to libp2p; a ticket's libp2p call that failed is asked again at the next call."""
@@ -95,174 +88,6 @@ def direct_hosts(addrs: Iterable[Any]) -> list[str]:
     return hosts
 
 
-class BulkConnection:
-    """One authenticated TLS connection to a reducer, carrying every call to it at once: one
-    task reads it and hands each call its frames."""
-
-    def __init__(
-        self, pool: BulkPool, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self.pool, self.peer, self.reader, self.writer = pool, peer, reader, writer
-        self.idle_since = time.monotonic()
-        self.calls: dict[int, BulkCall] = {}
-        self.next = 1
-        """The next call's number (rising: a number is never used twice on a connection, so an
-        answer to a call given up is never taken for an answer to a later one)."""
-        self.broken: BaseException | None = None
-        self._reading = asyncio.create_task(self._read())
-
-    def call(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> BulkCall:
-        return BulkCall(self, requests)
-
-    def number(self, call: BulkCall) -> int:
-        """The next call number, for ``call``'s first frame: numbers are handed out as first
-        frames are written, so the reducer sees them rise (several calls start at once)."""
-        if self.broken is not None:
-            raise ConnectionError(f"the bulk connection broke: {type(self.broken).__name__}")
-        if self.next >= MAX_CALL:
-            raise ConnectionError("this bulk connection used every call number")
-        number, self.next = self.next, self.next + 1
-        self.calls[number] = call
-        return number
-
-    def usable(self) -> bool:
-        return (
-            self.broken is None
-            and not self.writer.is_closing()
-            and (bool(self.calls) or time.monotonic() - self.idle_since < IDLE_S)
-        )
-
-    def close(self) -> None:
-        self._reading.cancel()
-        self.writer.close()
-
-    def forget(self, call: BulkCall) -> None:
-        if call.number and self.calls.pop(call.number, None) is not None and not self.calls:
-            self.idle_since = time.monotonic()
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                kind, number, payload = await read_frame(self.reader)
-                if kind in (Kind.HELLO, Kind.CLOSE) or not 0 < number < self.next:
-                    raise FrameError(f"the reducer sent a {kind.name} frame for call {number}")
-                call = self.calls.get(number)
-                if call is None:  # a call this side gave up: whatever the reducer sent is dropped
-                    if kind == Kind.CREDIT:
-                        read_count(payload)
-                    continue
-                if kind == Kind.DATA:
-                    call.receive(payload)
-                elif kind == Kind.END:
-                    call.end()
-                else:
-                    call.credit.grant(read_count(payload))
-        except asyncio.CancelledError:
-            self.broken = ConnectionError("the bulk connection was closed")
-        except Exception as exc:  # noqa: BLE001 - the connection is gone, with every call on it
-            logger.debug("bulk connection to %s broken: %s: %s", self.peer, type(exc).__name__, exc)
-            self.broken = exc
-        assert self.broken is not None
-        self.writer.close()
-        for call in list(self.calls.values()):
-            call.fail(self.broken)
-
-
-class BulkCall:
-    """Sends ``requests`` as ``DATA`` frames (then ``END``) while the averaged parts are read
-    back: the async iterator hivemind's stub would return, with ``aclose``."""
-
-    def __init__(self, connection: BulkConnection, requests: AsyncIterator[averaging_pb2.AveragingData]) -> None:
-        self.connection = connection
-        self.number = 0
-        """Given with the first part (``BulkConnection.number``); 0 before."""
-        self.queue: asyncio.Queue[bytes | None | BaseException] = asyncio.Queue()
-        self.unread = WINDOW
-        """Averaged parts the reducer may still send before this side credits more."""
-        self.credit = Credit()
-        """Parts this side may still send."""
-        self._end_read = False
-        """The reducer's ``END`` arrived (it may still wait in the queue)."""
-        self._ended = False
-        """The reducer's ``END`` was read: the reducer has forgotten this call."""
-        self._closed = False
-        self._sender = asyncio.create_task(self._send(requests))
-
-    async def _send(self, requests: AsyncIterator[averaging_pb2.AveragingData]) -> None:
-        writer = self.connection.writer
-        try:
-            async for message in requests:
-                await self.credit.take()
-                if not self.number:
-                    self.number = self.connection.number(self)
-                write_frame(writer, Kind.DATA, message.SerializeToString(), self.number)
-                await writer.drain()
-            if not self.number:  # nothing to send: a call is never opened by its end
-                self.end()
-                return
-            write_frame(writer, Kind.END, call=self.number)
-            await writer.drain()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the reader learns it; aclose tells the reducer
-            self.queue.put_nowait(ConnectionError(f"bulk call failed sending: {type(exc).__name__}: {exc}"))
-
-    def receive(self, payload: bytes) -> None:
-        """An averaged part from the connection's reader; ``FrameError`` (the connection breaks)
-        for one past this call's credit or after its ``END``."""
-        if self._end_read or self.unread <= 0:
-            raise FrameError(f"the reducer sent call {self.number} a part past its credit or its END")
-        self.unread -= 1
-        self.queue.put_nowait(payload)
-
-    def end(self) -> None:
-        if self._end_read:
-            raise FrameError(f"a second END in call {self.number}")
-        self._end_read = True
-        self.queue.put_nowait(None)
-
-    def fail(self, exc: BaseException) -> None:
-        self.queue.put_nowait(exc if isinstance(exc, BaseException) else ConnectionError(str(exc)))
-
-    def __aiter__(self) -> BulkCall:
-        return self
-
-    async def __anext__(self) -> averaging_pb2.AveragingData:
-        if self._ended or self._closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if item is None:
-            self._ended = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.queue.put_nowait(item)  # every later read fails the same way
-            if isinstance(item, ConnectionError):
-                raise item
-            raise ConnectionError(f"the bulk connection broke: {type(item).__name__}: {item}") from None
-        self.unread += 1
-        if not self.connection.writer.is_closing():
-            write_credit(self.connection.writer, self.number)
-        message = averaging_pb2.AveragingData()
-        message.ParseFromString(item)
-        return message
-
-    async def aclose(self) -> None:
-        """End the call: parts not yet sent are not, and a reducer still serving it is told to
-        stop (``CLOSE``); the connection stays for other calls and the next round."""
-        if self._closed:
-            return
-        self._closed = True
-        connection = self.connection
-        connection.forget(self)
-        if not self._sender.done() and connection.broken is None:
-            with contextlib.suppress(Exception, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._sender), WRAP_UP_S)
-        self._sender.cancel()
-        await asyncio.gather(self._sender, return_exceptions=True)
-        if self.number and not self._end_read and not connection.writer.is_closing():
-            write_frame(connection.writer, Kind.CLOSE, call=self.number)
-
-
 class _NoTicket(Exception):
     """The ticket's libp2p call failed (a dial that failed or is backing off, a reset stream):
     unlike an answer without a ticket or a listener that cannot be reached, this says nothing
@@ -273,68 +98,168 @@ class _NoTicket(Exception):
 
 
 class BulkPool:
-    """One connection per reducer, kept between calls and rounds."""
+    """This member's links, one per pair (``engine.bulk_link``): those it dialled and those its
+    listener accepted (``adopt``), kept between calls and rounds; ``handler`` answers the calls
+    the other ends make on them."""
 
     def __init__(
-        self, ticket: TicketCall, hosts: HostsCall, *, dial_s: float = DIAL_S, quick_s: float = QUICK_S
+        self,
+        ticket: TicketCall,
+        hosts: HostsCall,
+        *,
+        handler: Handler | None = None,
+        local_id: PeerID | None = None,
+        dial_s: float = DIAL_S,
+        quick_s: float = QUICK_S,
     ) -> None:
         self._ticket, self._hosts, self.dial_s, self.quick_s = ticket, hosts, dial_s, quick_s
-        self._connections: dict[PeerID, BulkConnection] = {}
-        self._dialing: dict[PeerID, asyncio.Task[BulkConnection | None]] = {}
+        self.handler = handler
+        self.local_id = local_id if local_id is not None else PeerID(b"")
+        self._links: dict[PeerID, BulkLink] = {}
+        self._arrived: dict[PeerID, asyncio.Event] = {}
+        self._dialing: dict[PeerID, tuple[asyncio.Task[BulkLink | None], float]] = {}
+        """Dials in progress, with the time until which a call waits for each."""
         self._no_path: dict[PeerID, float] = {}
+        self._not_theirs: dict[PeerID, float] = {}
+        """Peers that were to dial this one and did not: until when this end dials them itself."""
+        self._retired: set[BulkLink] = set()
         self.dials = 0
         """New connections made (for tests and logs: a kept connection is not dialled again)."""
         self._context: ssl.SSLContext | None = None
 
-    async def open(self, peer: PeerID) -> BulkConnection | None:
-        """The connection to ``peer``, kept or new (the calls of a round's fragments share one,
-        and share its dial); None where there is no direct path."""
-        kept = self._connections.get(peer)
-        if kept is not None:
-            if kept.usable():
-                return kept
-            del self._connections[peer]
-            kept.close()
-        if self._no_path.get(peer, 0.0) > time.monotonic():
+    async def open(self, peer: PeerID, *, theirs: bool = False) -> BulkLink | None:
+        """The link with ``peer``, kept or new (the calls of a round's fragments share one, and
+        share its dial); None where there is no direct path (yet). ``theirs``: the pair's link is
+        the other end's to dial (``engine.bulk_channel``): wait ``quick_s`` for it, then dial it
+        from here for the next call (and from then on dial it without waiting)."""
+        link = self._kept(peer)
+        if link is not None:
+            return link
+        now = time.monotonic()
+        if theirs and self._not_theirs.get(peer, 0.0) <= now and peer not in self._dialing:
+            link = await self._wait_for_theirs(peer)
+            if link is not None:
+                return link
+            self._not_theirs[peer] = time.monotonic() + NO_PATH_S
+            if self._no_path.get(peer, 0.0) <= time.monotonic():
+                self._start_dial(peer, wait_s=0.0)
             return None
-        dial = self._dialing.get(peer)
-        if dial is None:
-            dial = self._dialing[peer] = asyncio.ensure_future(self._dial_or_none(peer))
-            dial.add_done_callback(lambda _: self._dialing.pop(peer, None))
+        if self._no_path.get(peer, 0.0) > now:
+            return None
+        dial, until = self._dialing.get(peer) or self._start_dial(peer, wait_s=self.quick_s)
         try:
-            return await asyncio.wait_for(asyncio.shield(dial), self.quick_s)
+            return await asyncio.wait_for(asyncio.shield(dial), max(0.0, until - time.monotonic()))
         except TimeoutError:  # too slow for this call: the dial goes on, and the next call takes it
             return None
 
-    async def _dial_or_none(self, peer: PeerID) -> BulkConnection | None:
-        connection: BulkConnection | None = None
+    def adopt(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> BulkLink:
+        """A link ``peer`` dialled to this member's listener (past its token): this end's calls
+        to ``peer`` may go over it from now on."""
+        link = BulkLink(
+            peer, reader, writer, dialled=False, handler=self.handler, local_id=self.local_id, on_close=self._gone
+        )
+        self._register(link)
+        return link
+
+    def kept(self, peer: PeerID) -> int:
+        """Links with ``peer`` kept for the next call (0 or 1)."""
+        return int(self._kept(peer) is not None)
+
+    def links(self) -> int:
+        """Links open, kept or retired (for tests and logs)."""
+        return sum(link.alive() for link in (*self._links.values(), *self._retired))
+
+    def close(self) -> None:
+        for dial, _until in list(self._dialing.values()):
+            dial.cancel()
+        for link in (*self._links.values(), *self._retired):
+            link.close()
+        self._links.clear()
+        self._retired.clear()
+
+    def _kept(self, peer: PeerID) -> BulkLink | None:
+        link = self._links.get(peer)
+        if link is None:
+            return None
+        stale = IDLE_S if link.dialled else IDLE_S - ACCEPTED_MARGIN_S
+        if link.alive() and link.idle_for() < stale:
+            return link
+        if link.dialled or not link.alive():  # the dialler closes an idle link; the acceptor leaves it
+            del self._links[peer]
+            link.close()
+        return None
+
+    async def _wait_for_theirs(self, peer: PeerID) -> BulkLink | None:
+        arrived = self._arrived.setdefault(peer, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(arrived.wait(), self.quick_s)
+        return self._kept(peer)
+
+    def _start_dial(self, peer: PeerID, wait_s: float) -> tuple[asyncio.Task[BulkLink | None], float]:
+        dial = asyncio.ensure_future(self._dial_or_none(peer))
+        entry = self._dialing[peer] = (dial, time.monotonic() + wait_s)
+        dial.add_done_callback(lambda _: self._dialing.pop(peer, None))
+        return entry
+
+    def _register(self, link: BulkLink) -> None:
+        """Keep ``link`` for its pair, or the pair's other one: two (both ends dialled at once, or a
+        new one over one the other end lost) become one, the same at both ends (the newer of one
+        end's, else the one dialled by the end whose ID sorts first); the other is retired."""
+        peer = link.peer
+        current = self._links.get(peer)
+        if current is not None and current is not link and current.alive():
+            if current.dialled != link.dialled:
+                i_dial_first = self.local_id.to_bytes() < peer.to_bytes()
+                keep, drop = (current, link) if current.dialled == i_dial_first else (link, current)
+            else:
+                keep, drop = link, current
+            self._retire(drop)
+            link = keep
+        self._links[peer] = link
+        self._no_path.pop(peer, None)
+        arrived = self._arrived.pop(peer, None)
+        if arrived is not None:
+            arrived.set()
+
+    def _retire(self, link: BulkLink) -> None:
+        """No new calls on ``link``; it is closed once it has carried nothing for ``RETIRED_S``
+        (calls the other end started before it retired it too finish first)."""
+        link.retired = True
+        self._retired.add(link)
+        asyncio.get_running_loop().call_later(RETIRED_S, self._close_if_idle, link)
+
+    def _close_if_idle(self, link: BulkLink) -> None:
+        if not link.alive():
+            self._retired.discard(link)
+        elif link.idle_for() >= RETIRED_S:
+            self._retired.discard(link)
+            link.close()
+        else:
+            asyncio.get_running_loop().call_later(RETIRED_S, self._close_if_idle, link)
+
+    def _gone(self, link: BulkLink) -> None:
+        self._retired.discard(link)
+        if self._links.get(link.peer) is link:
+            del self._links[link.peer]
+
+    async def _dial_or_none(self, peer: PeerID) -> BulkLink | None:
+        link: BulkLink | None = None
         try:
             async with asyncio.timeout(self.dial_s):
-                connection = await self._dial(peer)
+                link = await self._dial(peer)
         except _NoTicket as exc:  # libp2p could not reach the peer now: the next call asks again
             logger.info("no bulk ticket from %s (%s); its parts go over libp2p", peer, exc)
             return None
         except (Exception, TimeoutError) as exc:  # noqa: BLE001 - any failure means: use libp2p
             logger.info("no bulk connection to %s (%s: %s); its parts go over libp2p", peer, type(exc).__name__, exc)
-        if connection is None:
-            self._no_path[peer] = time.monotonic() + NO_PATH_S
-        else:
-            self._connections[peer] = connection
-        return connection
+        if link is None:
+            if self._kept(peer) is None:
+                self._no_path[peer] = time.monotonic() + NO_PATH_S
+            return self._kept(peer)
+        self._register(link)
+        return self._kept(peer)
 
-    def kept(self, peer: PeerID) -> int:
-        """Connections to ``peer`` kept for the next call (0 or 1)."""
-        connection = self._connections.get(peer)
-        return int(connection is not None and connection.usable())
-
-    def close(self) -> None:
-        for dial in list(self._dialing.values()):
-            dial.cancel()
-        for connection in self._connections.values():
-            connection.close()
-        self._connections.clear()
-
-    async def _dial(self, peer: PeerID) -> BulkConnection | None:
+    async def _dial(self, peer: PeerID) -> BulkLink | None:
         try:
             ticket = await self._ticket(peer)
         except Exception as exc:  # the libp2p call failed, not the reducer's answer
@@ -372,5 +297,7 @@ class BulkPool:
                 writer.close()
                 raise
             self.dials += 1
-            return BulkConnection(self, peer, reader, writer)
+            return BulkLink(
+                peer, reader, writer, dialled=True, handler=self.handler, local_id=self.local_id, on_close=self._gone
+            )
         raise ConnectionError(f"no direct address of {peer} took a connection: {last}")

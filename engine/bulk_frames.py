@@ -1,17 +1,18 @@
 """Frames of the bulk channel (``engine.bulk_channel``): what one TLS connection between two
 members carries, on asyncio streams.
 
-One connection per sender and reducer carries every call between them at once (one per
-fragment averaged), each call named by a number the sender picks (rising, from 1). A frame is a
-kind (1 byte), the call (4 bytes), a length (4 bytes; all big-endian) and that many bytes. The
-kinds:
+One connection per pair of members carries every call between them at once, both ways (one
+per fragment averaged and direction, ``engine.bulk_link``), each call named by a number its
+caller picks: the dialler's odd, the acceptor's even, each rising. A frame is a kind (1 byte),
+the call (4 bytes), a length (4 bytes; all big-endian) and that many bytes. The kinds:
 
-- ``HELLO`` (call 0): the sender's first frame, its ticket's token; the reducer answers with an
+- ``HELLO`` (call 0): the dialler's first frame, its ticket's token; the acceptor answers with an
   empty ``HELLO`` once it accepted it (``engine.bulk_server``);
-- ``DATA``: one ``AveragingData`` message (a part to the reducer, an averaged part back);
+- ``DATA``: one ``AveragingData`` message (a part to the reducer, an averaged part back); a
+  call's first frame;
 - ``END``: the end of one side's messages in a call (a request stream's end, or the reducer's
   handler finished);
-- ``CLOSE``: the sender has read what it wanted of a call and closed it (as a libp2p reader
+- ``CLOSE``: the caller has read what it wanted of a call and closed it (as a libp2p reader
   closing its stream: the reducer's handler is cancelled if still waiting);
 - ``CREDIT``: the reader of a call took ``n`` of its messages (a 4-byte count): the other side
   may send ``n`` more.

@@ -7,13 +7,11 @@ over libp2p (``Tickets``), to the peer the ticket names; each token works once, 
 ``TICKET_TTL_S``. Everything after that runs under that peer's identity: the handler checks
 group membership, decodes and bounds the parts exactly as for a libp2p stream.
 
-One connection per sender carries all its calls at once (one per fragment), and round after
-round (the sender keeps it): a call is the sender's ``DATA`` frames and ``END``, the averaged
-parts back and this side's ``END``; the sender's ``CLOSE`` ends it early. One task reads the
-connection and hands each call's parts to that call's handler; credits (``engine.bulk_frames``)
-bound what waits unread per call, so a handler waiting for other senders never holds back
-another call's parts. A frame out of place, a part past its credit or a sender silent past a
-deadline drops the connection with its calls; a handler that fails ends its own call.
+An accepted connection becomes its pair's link (``engine.bulk_link``), handed to the pool that
+keeps this member's links (``Adopter``, ``engine.bulk_client.BulkPool``): both members' calls go
+over it, round after round. The listener's own limits come before anything is spent on a
+connection (its TLS handshake included): see ``MAX_PENDING``, ``PENDING_PER_HOST`` and
+``PER_PEER``.
 """
 
 from __future__ import annotations
@@ -27,26 +25,14 @@ import secrets
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
-from google.protobuf.message import DecodeError
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 
-from engine.bulk_frames import (
-    WINDOW,
-    Credit,
-    FrameError,
-    Kind,
-    keep_alive,
-    read_count,
-    read_frame,
-    write_credit,
-    write_frame,
-)
+from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
+from engine.bulk_link import BulkLink
 
-__all__ = ["BulkServer", "Handler", "Tickets"]
+__all__ = ["Adopter", "BulkServer", "Tickets"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +44,6 @@ MAX_TICKETS = 4096
 grows nothing)."""
 HELLO_TIMEOUT_S = 10.0
 """From accept to the sender's token (the TLS handshake included)."""
-IDLE_S = 1500.0
-"""How long a connection may wait between calls; senders drop theirs sooner (``engine.bulk_client``)."""
 MAX_CONNECTIONS = 4096
 """Connections open at once at most (members' pooled ones, one per sender: 255 in a round of
 256, and handshakes in progress), and never more than half the
@@ -78,11 +62,13 @@ last): a member's new one past this closes its oldest, so one member cannot fill
 PER_PEER_TICKETS = 8
 """Unredeemed tickets per member (a round asks once per reducer): a member asking in a loop
 drops its own oldest, never another's."""
-MAX_CALLS = 64
-"""Calls open at once on one connection (one per fragment averaged at once: 4 by default); a
-sender that opens more breaks the protocol."""
 
-Handler = Callable[[AsyncIterator[averaging_pb2.AveragingData], P2PContext], AsyncIterator[averaging_pb2.AveragingData]]
+
+class Adopter(Protocol):
+    """Where an accepted link goes (``engine.bulk_client.BulkPool``): it answers the member's
+    calls on it and makes this member's calls to that member over it."""
+
+    def adopt(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> BulkLink: ...
 
 
 class Tickets:
@@ -130,8 +116,8 @@ class Tickets:
 class BulkServer:
     """Accepts bulk connections and serves their calls with ``handler``."""
 
-    def __init__(self, handler: Handler, local_id: PeerID, context: ssl.SSLContext, tickets: Tickets) -> None:
-        self.handler, self.local_id, self.context, self.tickets = handler, local_id, context, tickets
+    def __init__(self, links: Adopter, context: ssl.SSLContext, tickets: Tickets) -> None:
+        self.links, self.context, self.tickets = links, context, tickets
         self.port = 0
         self.refused = 0
         """Connections dropped before or at their token (counted for tests and logs)."""
@@ -251,8 +237,7 @@ class BulkServer:
         try:
             write_frame(writer, Kind.HELLO)
             await writer.drain()
-            context = P2PContext(handle_name="bulk", local_id=self.local_id, remote_id=peer)
-            await _Connection(self.handler, context, reader, writer).run()
+            await self.links.adopt(peer, reader, writer).closed()
         finally:
             with contextlib.suppress(ValueError):
                 mine.remove(writer)
@@ -288,113 +273,3 @@ def _raise_descriptor_limit(wanted: int = 2 * MAX_CONNECTIONS + 1024) -> int:
         except (ValueError, OSError):
             logger.debug("could not raise the open-file limit from %d", soft)
     return int(soft if soft != resource.RLIM_INFINITY else wanted)
-
-
-class _Connection:
-    """One sender's connection: reads every frame and hands each call's to that call."""
-
-    def __init__(
-        self, handler: Handler, context: P2PContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self.handler, self.context, self.reader, self.writer = handler, context, reader, writer
-        self.calls: dict[int, _Call] = {}
-        self.last = 0
-        """The highest call number seen: a number at most this and not open is a finished call."""
-
-    async def run(self) -> None:
-        try:
-            while True:
-                kind, number, payload = await asyncio.wait_for(read_frame(self.reader), IDLE_S)
-                if kind == Kind.HELLO:
-                    raise FrameError("a HELLO frame after the token")
-                if number > self.last:
-                    if kind != Kind.DATA:
-                        raise FrameError(f"call {number} began with a {kind.name} frame")
-                    if len(self.calls) >= MAX_CALLS:
-                        raise FrameError(f"more than {MAX_CALLS} calls open at once")
-                    self.last = number
-                    self.calls[number] = _Call(self, number)
-                call = self.calls.get(number)
-                if call is None:
-                    if kind == Kind.CREDIT:
-                        read_count(payload)
-                    continue  # a finished call: what the sender sent before it knew is dropped
-                if kind == Kind.DATA:
-                    call.receive(payload)
-                elif kind == Kind.END:
-                    call.end()
-                elif kind == Kind.CLOSE:
-                    call.close()
-                else:
-                    call.credit.grant(read_count(payload))
-        finally:
-            calls = [call.task for call in self.calls.values()]
-            for task in calls:
-                task.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-
-
-class _Call:
-    """One call on a connection: the sender's parts in, the handler's answers out."""
-
-    def __init__(self, connection: _Connection, number: int) -> None:
-        self.connection, self.number = connection, number
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.unread = WINDOW
-        """Parts the sender may still send before this side credits more."""
-        self.ended = False
-        self.credit = Credit()
-        """Averaged parts this side may still send back."""
-        self.task = asyncio.create_task(self._answer())
-
-    def receive(self, payload: bytes) -> None:
-        if self.ended:
-            raise FrameError(f"a DATA frame after the END of call {self.number}")
-        if self.unread <= 0:
-            raise FrameError(f"call {self.number} sent a part past its credit")
-        self.unread -= 1
-        self.queue.put_nowait(payload)
-
-    def end(self) -> None:
-        if self.ended:
-            raise FrameError(f"a second END in call {self.number}")
-        self.ended = True
-        self.queue.put_nowait(None)
-
-    def close(self) -> None:
-        """The sender closed the call: a handler still waiting is cancelled."""
-        self.connection.calls.pop(self.number, None)
-        self.task.cancel()
-
-    async def _answer(self) -> None:
-        connection = self.connection
-        writer = connection.writer
-        answers = connection.handler(self._requests(), connection.context)
-        try:
-            try:
-                async for message in answers:
-                    await self.credit.take()
-                    write_frame(writer, Kind.DATA, message.SerializeToString(), self.number)
-                    await writer.drain()
-            finally:
-                if (close := getattr(answers, "aclose", None)) is not None:
-                    await close()
-        except asyncio.CancelledError:
-            return  # closed by the sender, or the connection is gone
-        except (ConnectionError, DecodeError) as exc:
-            logger.debug("bulk call %d from %s failed: %s", self.number, connection.context.remote_id, exc)
-        except Exception as exc:  # noqa: BLE001 - the handler refused the call (e.g. not a member)
-            logger.info("bulk call from %s failed: %s: %s", connection.context.remote_id, type(exc).__name__, exc)
-        if connection.calls.pop(self.number, None) is not None:
-            write_frame(writer, Kind.END, call=self.number)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-
-    async def _requests(self) -> AsyncIterator[averaging_pb2.AveragingData]:
-        while (item := await self.queue.get()) is not None:
-            self.unread += 1
-            if not self.connection.writer.is_closing():
-                write_credit(self.connection.writer, self.number)
-            message = averaging_pb2.AveragingData()
-            message.ParseFromString(item)
-            yield message

@@ -19,6 +19,7 @@ from hivemind import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+import engine.bulk_link
 import engine.bulk_server
 from engine.averager import ExactAverager
 from engine.bulk_channel import parse_ticket
@@ -61,7 +62,7 @@ def part(payload: bytes) -> averaging_pb2.AveragingData:
 
 async def listening(handler: Echo) -> tuple[BulkServer, ServerCert, Tickets]:
     cert, tickets = make_server_cert(), Tickets()
-    server = BulkServer(handler, LOCAL, cert.context, tickets)
+    server = BulkServer(BulkPool(_no_ticket, _loopback, handler=handler, local_id=LOCAL), cert.context, tickets)
     await server.start("127.0.0.1", 0)
     return server, cert, tickets
 
@@ -73,6 +74,10 @@ def pool_to(port: int, pin: bytes, tickets: Tickets, peer: PeerID = MEMBER) -> B
         return Ticket(port, pin, tickets.issue(peer))
 
     return BulkPool(ticket, _loopback, dial_s=3.0)
+
+
+async def _no_ticket(_peer: PeerID) -> Ticket | None:
+    return None
 
 
 async def _loopback(_reducer: PeerID) -> list[str]:
@@ -601,7 +606,7 @@ def test_a_member_that_sends_past_its_credit_or_opens_calls_without_end_is_dropp
     """A member (it holds a ticket) that floods a reducer: parts past a call's credit, to make the
     reducer hold them all unread, or more calls than a connection may have open. Either drops
     its connection, and the reducer never holds more than the window per call."""
-    monkeypatch.setattr(engine.bulk_server, "MAX_CALLS", 4)
+    monkeypatch.setattr(engine.bulk_link, "MAX_CALLS", 4)
 
     async def main() -> None:
         handler = Gated()  # reads a call's first part, then waits
@@ -660,6 +665,8 @@ def test_a_hostile_reducer_that_floods_or_answers_calls_never_made_breaks_only_i
             [(Kind.DATA, 9, part(b"x").SerializeToString())],  # a call never opened
             [(Kind.CLOSE, 1, b"")],  # a frame only a sender sends
             [(Kind.CREDIT, 1, bytes(4))],  # a credit of nothing
+            [(Kind.END, 2, b"")],  # a call of its own (even: the acceptor's) begun by its end
+            [(Kind.DATA, 3, part(b"x").SerializeToString())],  # an odd call: the dialler's, never made
         ]
         served: list[int] = []
 
@@ -693,7 +700,7 @@ def test_a_hostile_reducer_that_floods_or_answers_calls_never_made_breaks_only_i
                     for _ in range(WINDOW + 1):  # at most the credited parts, then the break
                         await asyncio.wait_for(anext(answers), 10)
                 await answers.aclose()
-                assert connection.broken is not None and not connection.usable()
+                assert connection.broken is not None and not connection.alive()
         finally:
             pool.close()
             fake.close()
