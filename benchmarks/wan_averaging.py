@@ -19,8 +19,8 @@ peers, same links, same rounds, no training:
   Each host's vector is a shared direction plus its own noise, as members' pseudo-gradients
   are (uncorrelated vectors would have robust averaging leave half of them out). Its parts go
   over libp2p streams (the shipped default); with ``--bulk on`` over the bulk channel
-  (``engine.bulk_channel``: one TLS connection per sender-reducer pair and fragment, kept
-  between rounds), with ``--bulk off on`` one run each. A bulk run whose parts went over libp2p
+  (``engine.bulk_channel``: one TLS connection per pair of hosts, carrying both hosts'
+  calls, every fragment's, kept between rounds), with ``--bulk off on`` one run each. A bulk run whose parts went over libp2p
   to any reducer fails rather than be counted. Each
   swarmtrain run begins with one round that is not timed, in which the connections are made
   (tcp's are made before its first round).

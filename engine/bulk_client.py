@@ -48,12 +48,6 @@ handshakes and the token's answer; generous, see above."""
 QUICK_S = 2.0
 """How long a call waits for a new connection before it takes libp2p: four round trips on a long
 link, with room for a loaded machine."""
-IDLE_S = 1200.0
-"""A link the dialler finds idle this long is closed rather than used: rounds are minutes apart,
-and keepalive (``engine.bulk_frames.keep_alive``) holds the path open meanwhile; the acceptor
-stops using one ``ACCEPTED_MARGIN_S`` sooner, so that neither end takes a link the other is
-closing, and either end's reader drops a link silent for ``engine.bulk_link.IDLE_S``."""
-ACCEPTED_MARGIN_S = 60.0
 RETIRED_S = 30.0
 """A pair's second link (both ends dialled at once) is closed once it has carried nothing for
 this long: both ends then use the same one."""
@@ -178,15 +172,18 @@ class BulkPool:
         self._retired.clear()
 
     def _kept(self, peer: PeerID) -> BulkLink | None:
+        """The pair's link while it lives. Neither end closes one for being idle: rounds are
+        minutes apart, keepalive holds its path open in NATs and firewalls and finds a dead one
+        (``engine.bulk_frames.keep_alive``), and an end that closed an idle link at a round's start
+        would break the calls the other end started on it at that moment; a link silent for
+        ``engine.bulk_link.IDLE_S`` is dropped by its reader."""
         link = self._links.get(peer)
         if link is None:
             return None
-        stale = IDLE_S if link.dialled else IDLE_S - ACCEPTED_MARGIN_S
-        if link.alive() and link.idle_for() < stale:
+        if link.alive():
             return link
-        if link.dialled or not link.alive():  # the dialler closes an idle link; the acceptor leaves it
-            del self._links[peer]
-            link.close()
+        del self._links[peer]
+        link.close()
         return None
 
     async def _wait_for_theirs(self, peer: PeerID) -> BulkLink | None:

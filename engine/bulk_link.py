@@ -52,9 +52,10 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[AsyncIterator[averaging_pb2.AveragingData], P2PContext], AsyncIterator[averaging_pb2.AveragingData]]
 
-IDLE_S = 1500.0
-"""How long a link may carry nothing before its reader drops it (the dialler's pool stops using
-an idle one sooner, ``engine.bulk_client.IDLE_S``); keepalive holds its path open meanwhile."""
+IDLE_S = 3600.0
+"""How long a link may carry no frame before its reader drops it: a member gone from the swarm
+without a word (its process alive, its averager out of rounds). Rounds are minutes apart;
+keepalive holds the path open meanwhile."""
 WRAP_UP_S = 2.0
 """How long closing a call waits for the rest of its request stream (which a sender ends once it
 holds every averaged part) before it cancels it and tells the other end to stop."""
