@@ -130,16 +130,35 @@ class CodecCompression(CompressionBase):
         buffer = self.codec.encode_unbiased(flat, dither)
         return runtime_pb2.Tensor(buffer=buffer, size=list(tensor.shape), dtype=self.dtype_tag)
 
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        return self.decode(serialized_tensor, expected_numel=None)
+    def compress_sent_average(
+        self, values: torch.Tensor, shape: Sequence[int], dither: torch.Tensor
+    ) -> runtime_pb2.Tensor:
+        """``compress_average`` of the part of ``shape`` whose sent values (``decode_sent``'s
+        layout) are ``values``: the same bytes."""
+        numel = math.prod(shape)
+        flat = values.detach().reshape(-1).to(torch.float32)
+        buffer = self.codec.encode_sent_unbiased(flat, numel, dither)
+        return runtime_pb2.Tensor(buffer=buffer, size=list(shape), dtype=self.dtype_tag)
 
-    def decode(self, serialized: runtime_pb2.Tensor, expected_numel: int | None) -> torch.Tensor:
-        """Decode and validate; raises ``MalformedTensorError`` naming what is wrong."""
+    def decode_sent(self, serialized: runtime_pb2.Tensor, expected_numel: int) -> torch.Tensor:
+        """The values a reducer averages of a part (``Codec.decode_sent``), validated as ``decode`` does."""
+        self._check_part(serialized, expected_numel)
+        return self.codec.decode_sent(serialized.buffer, expected_numel)
+
+    def _check_part(self, serialized: runtime_pb2.Tensor, expected_numel: int | None) -> int:
         if serialized.dtype != self.dtype_tag:
             raise MalformedTensorError(f"tensor part encoded as {serialized.dtype!r}, expected {self.dtype_tag!r}")
         numel = part_numel(serialized.size)
         if expected_numel is not None and numel != expected_numel:
             raise MalformedTensorError(f"tensor part has {numel} values, expected {expected_numel}")
+        return numel
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return self.decode(serialized_tensor, expected_numel=None)
+
+    def decode(self, serialized: runtime_pb2.Tensor, expected_numel: int | None) -> torch.Tensor:
+        """Decode and validate; raises ``MalformedTensorError`` naming what is wrong."""
+        numel = self._check_part(serialized, expected_numel)
         return self.codec.decode(serialized.buffer, numel)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
@@ -453,7 +472,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         future = self._encoded.get(part_index)
         if future is None:
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(None, self.codec.compress_average, averaged, self.dither())
+            numel = self.expected_numel(self.ordered_peer_ids.index(self.peer_id), part_index)
+            if averaged.numel() == numel:  # dense (every sender failed before it: zeros)
+                future = loop.run_in_executor(None, self.codec.compress_average, averaged, self.dither())
+            else:  # the sent values alone (``Codec.decode_sent``)
+                encode = self.codec.compress_sent_average
+                future = loop.run_in_executor(None, encode, averaged, [numel], self.dither())
             self._encoded[part_index] = future
         return await _shared_result(future, f"the encoding of part #{part_index}")
 
@@ -485,7 +509,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
             if self.sent is not None:
                 self.sent.keep(peer_index, part_index, sent, self.weight)
-            part = await loop.run_in_executor(None, self.codec.decode, sent, raw_part.numel())
+            part = await loop.run_in_executor(None, self.codec.decode_sent, sent, raw_part.numel())
             weight = 0.0 if self.peer_id in self.stale else self.weight
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
@@ -613,7 +637,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     numel = self.expected_numel(my_index, part_index)
                     self.bytes_received += len(msg.tensor_part.buffer)
-                    part = await loop.run_in_executor(None, self.codec.decode, msg.tensor_part, numel)
+                    part = await loop.run_in_executor(None, self.codec.decode_sent, msg.tensor_part, numel)
                     weight = _check_weight(msg.weight)
                     if sender in self.stale:
                         weight = 0.0

@@ -306,7 +306,7 @@ class AuditMixin:
             if sender != self.peer_id:
                 outcome.bytes_received += len(encoded.buffer)
             try:
-                part = await loop.run_in_executor(None, runner.codec.decode, encoded, numel)
+                part = await loop.run_in_executor(None, runner.codec.decode_sent, encoded, numel)
             except MalformedTensorError:
                 part = None  # the reducer refused it too
             if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
@@ -325,7 +325,8 @@ class AuditMixin:
             mean = reduce_like_a_reducer(parts, weights, self.robust, leave_out)
             if mean is None:
                 continue
-            encoded_mean = await loop.run_in_executor(None, runner.codec.compress_average, mean.reshape(shape), dither)
+            encode = runner.codec.compress_sent_average  # as the reducer encodes its mean
+            encoded_mean = await loop.run_in_executor(None, encode, mean, list(shape), dither)
             expected = await loop.run_in_executor(None, runner.codec.decode, encoded_mean, numel)
             found = judge(returned, expected)
             if not found:

@@ -292,6 +292,19 @@ class Codec(abc.ABC):
         as ``encode``; a codec without a systematic rounding loss returns ``encode(x)``."""
         return self.encode(x)
 
+    def decode_sent(self, data: bytes, numel: int) -> torch.Tensor:
+        """The values of a ``numel``-value vector's encoding that carry anything: what a
+        reducer averages. ``decode`` for a codec that sends every value; a codec that leaves
+        some out (``unsent``) returns only the sent ones, in its own order, so a reducer's mean
+        costs what the wire carries, not the dense vector's length."""
+        return self.decode(data, numel)
+
+    def encode_sent_unbiased(self, values: torch.Tensor, numel: int, dither: torch.Tensor) -> bytes:
+        """``encode_unbiased`` of the ``numel``-value vector whose sent values are ``values``
+        (``decode_sent``'s layout): the same bytes as encoding that vector with zeros at the
+        unsent positions."""
+        return self.encode_unbiased(values, dither)
+
     def at_round(self, round_: int) -> Codec:
         """This codec as round ``round_`` of a run uses it: a codec whose wire format depends on
         the round (``engine.sparse_codec``: the round's mask) returns a copy bound to it; the

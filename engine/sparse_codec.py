@@ -204,6 +204,20 @@ class SparseCodec(Codec):
         raw = self._check_length(data, numel)
         return self._scatter(self._values.decode(raw, self._kept_count(numel)), numel)
 
+    def decode_sent(self, data: bytes, numel: int) -> torch.Tensor:
+        """The kept values alone (``_gather``'s order): a reducer averages ``density`` of the
+        vector, not the zeros between."""
+        raw = self._check_length(data, numel)
+        return self._values.decode(raw, self._kept_count(numel))
+
+    def encode_sent_unbiased(self, values: torch.Tensor, numel: int, dither: torch.Tensor) -> bytes:
+        values = _check_input(values, self.name)
+        if values.numel() != self._kept_count(numel):
+            raise ValueError(
+                f"sparse codec: {values.numel()} sent values for {numel} values, expected {self._kept_count(numel)}"
+            )
+        return self._values.encode_unbiased(values, dither)
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         x = _check_input(x, self.name)
         return self._scatter(self._values.roundtrip(self._gather(x)), x.numel())

@@ -191,3 +191,25 @@ def test_the_sparse_error_written_in_place_is_the_generic_one_bit_for_bit() -> N
     assert not torch.equal(fast, before)
     with pytest.raises(ValueError, match="not on a block"):
         codec.write_error(sent, fast, 100)
+
+
+@pytest.mark.parametrize("name", ["sparse", "4bit", "int8", "fp16"])
+@pytest.mark.parametrize("n", [1, 255, 256, 4096 + 77, 50_000])
+def test_a_reducer_averaging_the_sent_values_alone_sends_the_same_bytes(name: str, n: int) -> None:
+    """``decode_sent``/``encode_sent_unbiased`` (what a reducer averages: the kept values of a
+    sparse part, all of a dense one) give the bytes the dense decode and ``encode_unbiased``
+    give, and a mean of sent values is the dense mean's sent values, bit for bit."""
+    codec = get_codec(name).at_round(5)
+    parts = [codec.encode(_vector(n, seed=seed)) for seed in range(3)]
+    dither = torch.rand(n + codec.block, generator=torch.Generator().manual_seed(9))
+    dense = [codec.decode(data, n) for data in parts]
+    sent = [codec.decode_sent(data, n) for data in parts]
+    positions = codec.kept(n) if isinstance(codec, SparseCodec) else torch.arange(n)
+    for whole, values in zip(dense, sent):
+        assert torch.equal(whole[positions], values)
+    dense_mean = (dense[0] * 0.5 + dense[1] * 0.25 + dense[2] * 0.25) / 1.0
+    sent_mean = (sent[0] * 0.5 + sent[1] * 0.25 + sent[2] * 0.25) / 1.0
+    assert codec.encode_sent_unbiased(sent_mean, n, dither) == codec.encode_unbiased(dense_mean, dither)
+    if isinstance(codec, SparseCodec):
+        with pytest.raises(ValueError, match="sent values"):  # a dense vector is not its sent values
+            codec.encode_sent_unbiased(torch.zeros(positions.numel() + 1), n, dither)
