@@ -52,6 +52,7 @@ ZEROS = "sha256:" + "0" * 64
 URL_MARK = "http://data.invalid/"
 """The spec's data URL until the test knows where its data server listens."""
 ROUNDS = 5
+VOCAB = 2048
 
 
 def swarmtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -76,7 +77,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     tmp = tmp_path_factory.mktemp("llama")
     files = stdlib_files()[:160]
     made = swarmtrain(
-        "data", "tokenizer", "--vocab-size", "2048", "--out", str(tmp / "tokenizer"), *map(str, files[:80])
+        "data", "tokenizer", "--vocab-size", str(VOCAB), "--out", str(tmp / "tokenizer"), *map(str, files[:80])
     )
     assert made.returncode == 0, made.stderr
     manifest, tokenizer = prepared(tmp, "data", files, tmp / "tokenizer", "--shard-sequences", "256")
@@ -202,8 +203,12 @@ def _train_and_check(run_dir: dict[str, Any], spec_file: Path, place: Place) -> 
         # (peer 2 evaluates in micro-batches of its own: the same mean up to float rounding)
         final = {r["val_loss"] for rs in rows.values() for r in rs if r["round"] == ROUNDS}
         assert final and max(final) - min(final) < 1e-4, final
-        first = max(r["val_loss"] for rs in rows.values() for r in rs)
-        assert min(final) < first - 0.3, (first, final)  # it fell
+        # it fell from the untrained model's ln(VOCAB) = 7.6 (its portable init predicts the
+        # vocabulary near uniformly: the first inner steps' loss is 7.3-7.6) to the plateau near
+        # 6.4, which θ_g reaches within a round or two; so no round's value is the anchor (in one
+        # CI run θ_g's went 6.54, 6.69 as the third peer joined, 6.52, 6.47, 6.44)
+        untrained = math.log(VOCAB)
+        assert max(final) < untrained - 1.0, (untrained, final)
 
         # the data: recomputed from (run, round, stream) it is what each peer read; disjoint
         manifest = load_manifest(spec.data.path or "")
