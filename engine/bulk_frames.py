@@ -29,11 +29,9 @@ A length over ``MAX_FRAME_BYTES``, an unknown kind or a frame out of place is a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import socket
 import struct
-import sys
 
 __all__ = [
     "MAX_CALL",
@@ -137,25 +135,11 @@ and firewalls on its path between rounds (minutes apart), and one whose path die
 (about 2 minutes) and dropped from the pool before a round sends parts into it."""
 
 
-SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47 if sys.platform == "linux" else None)
-PACING_CAP = 2**32 - 2
-"""Bytes per second: no cap worth the name (34 Gbit/s); any value but ~0 turns pacing on."""
-
-
 def keep_alive(writer: asyncio.StreamWriter) -> None:
-    """Turn on TCP keepalive for ``writer``'s socket (where the platform has the options), and
-    the kernel's pacing: TCP then spreads each window's segments over the round trip instead of
-    sending them back to back. A kept link restarts from its initial window after the idle
-    between rounds and doubles it each round trip; sent in bursts, those windows overflow a small
-    router buffer on a slow uplink (a home volunteer's), and every loss there waits a round trip
-    or a timeout. (Linux paces a socket itself once it asks for a maximum pacing rate, with any
-    queueing discipline; elsewhere this is a no-op.)"""
+    """Turn on TCP keepalive for ``writer``'s socket (where the platform has the options)."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
-    if SO_MAX_PACING_RATE is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", PACING_CAP))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
