@@ -18,9 +18,9 @@ peers, same links, same rounds, no training:
   (``engine.robust``: what bounding every member's contribution costs in averaging time).
   Each host's vector is a shared direction plus its own noise, as members' pseudo-gradients
   are (uncorrelated vectors would have robust averaging leave half of them out). Its parts go
-  over libp2p streams (the shipped default); with ``--bulk on`` over the bulk channel
-  (``engine.bulk_channel``: one TLS connection per pair of hosts, carrying both hosts'
-  calls, every fragment's, kept between rounds), with ``--bulk off on`` one run each. A bulk run whose parts went over libp2p
+  over the bulk channel (the shipped default; ``engine.bulk_channel``: one TLS connection per
+  pair of hosts, carrying both hosts' calls, every fragment's, kept between rounds); with
+  ``--bulk off`` over libp2p streams alone, with ``--bulk on off`` one run each. A bulk run whose parts went over libp2p
   to any reducer fails rather than be counted. Each
   swarmtrain run begins with one round that is not timed, in which the connections are made
   (tcp's are made before its first round).
@@ -453,8 +453,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--bulk",
         nargs="+",
         choices=("on", "off"),
-        default=["off"],
-        help="swarmtrain: parts over libp2p streams (off, the default) or the bulk channel (on); several values: one run each",
+        default=["on"],
+        help="swarmtrain: parts over the bulk channel (on, the shipped default) or libp2p streams alone (off); "
+        "several values: one run each",
     )
     parser.add_argument("--only", nargs="*", choices=TRANSPORTS, default=list(TRANSPORTS))
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per round")

@@ -68,14 +68,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
     parser.add_argument(
         "--bulk-port",
-        default="off",
+        default="0",
         metavar="PORT[:PUBLIC]|off",
-        help="receive the averaging parts over TLS connections of their own beside --port, on PORT (0: any "
-        "free port; PORT:PUBLIC where a mapping forwards PUBLIC to PORT; behind a firewall that forwards only "
-        "chosen ports, forward one more and give it here), and send them so to members that listen; parts "
-        "to and from a member without a direct path go over libp2p. Default off: libp2p only. Faster on a "
-        "LAN and at 50 Mbit/s (93-95%% of plain TCP against libp2p's 91-94%%), slower on a home link of a "
-        "few Mbit/s (88-89%% against 91-94%%) (docs/benchmarks.md)",
+        help="receive the averaging parts over TLS connections of their own beside --port, on PORT (default 0: "
+        "any free port; PORT:PUBLIC where a mapping forwards PUBLIC to PORT; behind a firewall that forwards "
+        "only chosen ports, forward one more and give it here), and trade them so with members that listen; "
+        "parts to and from a member without a direct path go over libp2p. off: libp2p only. 96-98%% of plain "
+        "TCP on 5 and 50 Mbit/s links where libp2p reaches 92-96%% (docs/benchmarks.md)",
     )
     parser.add_argument(
         "--announce",
