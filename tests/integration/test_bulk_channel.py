@@ -17,7 +17,7 @@ import pytest
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 
 import engine.bulk_link
 import engine.bulk_server
@@ -32,32 +32,11 @@ from engine.codecs import get_codec
 from engine.outcome import GroupOutcome
 from protocol.identity import Identity
 from protocol.membership import MemberGate
+from tests.integration.bulk_parts import Echo, part
 
 LOCAL = PeerID.from_base58("QmaSgkhVQWGjMrR7vN5Gnb5bxZsk6mBavwsbRG1hWsP7Pu")
 MEMBER = PeerID.from_base58("QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC")
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-
-
-class Echo:
-    """A handler that answers each part with its own bytes, and remembers what it was sent."""
-
-    def __init__(self) -> None:
-        self.calls: list[PeerID] = []
-        self.parts: list[bytes] = []
-
-    async def __call__(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        self.calls.append(context.remote_id)
-        async for message in stream:
-            self.parts.append(message.tensor_part.buffer)
-            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message.tensor_part)
-
-
-def part(payload: bytes) -> averaging_pb2.AveragingData:
-    return averaging_pb2.AveragingData(
-        code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", tensor_part=runtime_pb2.Tensor(buffer=payload)
-    )
 
 
 async def listening(handler: Echo) -> tuple[BulkServer, ServerCert, Tickets]:

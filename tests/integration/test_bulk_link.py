@@ -17,7 +17,7 @@ from engine.bulk_frames import Kind, read_frame, write_frame
 from engine.bulk_link import BulkLink
 from engine.bulk_server import BulkServer, Tickets
 from engine.bulk_tls import make_server_cert
-from tests.integration.test_bulk_channel import Echo, part
+from tests.integration.bulk_parts import Echo, part
 
 A, B = sorted(
     (
