@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import ssl
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -32,7 +32,8 @@ from engine.codecs import get_codec
 from engine.outcome import GroupOutcome
 from protocol.identity import Identity
 from protocol.membership import MemberGate
-from tests.integration.bulk_parts import Echo, part
+from tests.integration.bulk_parts import Echo, part, run
+from tests.integration.bulk_parts import call as call_over
 
 LOCAL = PeerID.from_base58("QmaSgkhVQWGjMrR7vN5Gnb5bxZsk6mBavwsbRG1hWsP7Pu")
 MEMBER = PeerID.from_base58("QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC")
@@ -65,31 +66,9 @@ async def _loopback(_reducer: PeerID) -> list[str]:
 
 
 async def call(pool: BulkPool, payloads: list[bytes]) -> list[bytes]:
-    connection = await pool.open(LOCAL)
-    assert connection is not None
-    sent = asyncio.Event()
-
-    async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
-        for payload in payloads:
-            yield part(payload)
-        await sent.wait()  # as a sender does: its request stream ends once it holds every answer
-
-    answers = connection.call(requests())
-    got = []
-    try:
-        async for message in answers:
-            got.append(message.tensor_part.buffer)
-            if len(got) == len(payloads):
-                sent.set()
-                break
-    finally:
-        sent.set()
-        await answers.aclose()
-    return got
-
-
-def run(main: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(main(), 60))
+    link = await pool.open(LOCAL)
+    assert link is not None
+    return await call_over(link, payloads)
 
 
 def test_a_member_with_a_ticket_averages_over_one_kept_connection() -> None:

@@ -7,17 +7,15 @@ of turn breaks only its own link."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
 
 from engine.bulk_client import BulkPool, Ticket
 from engine.bulk_frames import Kind, read_frame, write_frame
 from engine.bulk_link import BulkLink
 from engine.bulk_server import BulkServer, Tickets
 from engine.bulk_tls import make_server_cert
-from tests.integration.bulk_parts import Echo, part
+from tests.integration.bulk_parts import Echo, call, part, run
 
 A, B = sorted(
     (
@@ -60,31 +58,6 @@ async def members(quick_s: float = 2.0) -> dict[PeerID, Member]:
         found[peer] = Member(peer, found, quick_s)
         await found[peer].server.start("127.0.0.1", 0)
     return found
-
-
-async def call(link: BulkLink, payloads: list[bytes]) -> list[bytes]:
-    sent = asyncio.Event()
-
-    async def requests() -> AsyncIterator[averaging_pb2.AveragingData]:
-        for payload in payloads:
-            yield part(payload)
-        await sent.wait()
-
-    answers = link.call(requests())
-    got = []
-    try:
-        async for message in answers:
-            got.append(message.tensor_part.buffer)
-            if len(got) == len(payloads):
-                break
-    finally:
-        sent.set()
-        await answers.aclose()
-    return got
-
-
-def run(main: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def _same_connection(one: BulkLink, other: BulkLink) -> bool:
