@@ -32,7 +32,7 @@ from engine.compression import Codec
 from engine.fragments import fragment_bounds
 from engine.outcome import AllReduceStats
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
-from peer.round.swarm_port import RoundResult
+from peer.round.swarm_port import LentOutbox, RoundResult
 from peer.task.base import derive_seed, generator
 from protocol.gathered import Gathered
 from protocol.roster import RosterClaim
@@ -240,6 +240,10 @@ class LoopbackSwarm:
     @contextmanager
     def outbox(self) -> Iterator[torch.Tensor]:
         yield self.vector
+
+    def lend_outbox(self) -> LentOutbox | None:
+        """The vector, for the inner steps' gradients (``peer.round.grad_home``)."""
+        return LentOutbox(self.vector, lambda: None)
 
     def start_round(
         self,

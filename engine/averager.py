@@ -155,14 +155,9 @@ class ExactAverager(
         if own is not None:
             kwargs["allreduce_timeout"] = LINK_CAP * float(own)
         kwargs.setdefault("shutdown_timeout", SHUTDOWN_S)  # room for the senders' last parts
-        super().__init__(
-            [torch.zeros(numel, dtype=torch.float32)],
-            dht,
-            prefix=prefix,
-            compression=self.codec_compression,
-            part_size_bytes=PART_SIZE_BYTES,
-            **kwargs,
-        )
+        self.vector = torch.zeros(numel, dtype=torch.float32)  # shared by hivemind; use under its lock
+        kwargs.update(prefix=prefix, compression=self.codec_compression, part_size_bytes=PART_SIZE_BYTES)
+        super().__init__([self.vector], dht, **kwargs)
 
     async def _shutdown(self, timeout: float | None) -> None:
         await self._drain_serving()  # a leaving reducer's senders get their last parts first

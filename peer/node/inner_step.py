@@ -88,17 +88,20 @@ def inner_step(
     step: int,
     precision: Precision,
     data_round: int | None = None,
+    keep_grads: bool = False,
 ) -> float:
     """Train ``model`` on the batch of step ``step`` of round ``round_`` (of data round
     ``data_round``, default ``round_``: positional data) at the schedule's learning rate for
     that point; the batch's mean loss (this rank's). The batch runs in ``task.micro_batches`` micro-batches whose gradients add
     up to the whole batch's (each loss scaled by its share of the samples); with DDP only the
-    last one's backward synchronises the ranks."""
+    last one's backward synchronises the ranks. ``keep_grads``: the parameters' gradients are
+    zeroed in place, not dropped (they live in memory of the caller's: ``peer.round.grad_home``),
+    and backward accumulates into them."""
     inputs, targets = task.next_batch(round_ if data_round is None else data_round, step)
     n = inputs.shape[0]
     chunks = max(1, min(task.micro_batches, n))
     bounds = [n * i // chunks for i in range(chunks + 1)]
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not keep_grads)
     no_sync = getattr(model, "no_sync", None)
     total: torch.Tensor | None = None  # on the device: one host sync per step, not per micro-batch
     for i in range(chunks):

@@ -14,6 +14,7 @@ import torch
 
 from peer.node.inner_step import inner_optimizer, inner_step
 from peer.round import joining as joins
+from peer.round.grad_home import GradHome
 from peer.round.joining import Joining
 from peer.round.local import Crew, LocalState
 from peer.round.progress import InnerProgress
@@ -64,6 +65,14 @@ class InnerSteps:
 
     def __init__(self, crew: Crew, local: LocalState, joining: Joining) -> None:
         self.crew, self.local, self.joining = crew, local, joining
+        self.grads = GradHome(crew.swarm, enabled=not crew.overlap and crew.ranks.world_size == 1)
+        """Where the gradients live: the averager's idle vector when they may (``peer.round.grad_home``)."""
+
+    def release_gradients(self) -> None:
+        """The phase is over: its gradients dropped (they are dead until the next step), the
+        averager's vector given back if they lived there. Before a launch writes it."""
+        self.grads.release(self.local.model)
+        self.local.optimizer.zero_grad(set_to_none=True)
 
     def open(self, *, ahead: bool) -> InnerPhase:
         """The next inner phase: of the state's round, or of the next one while a round
@@ -120,6 +129,7 @@ class InnerSteps:
         crew, local = self.crew, self.local
         round_, step, data_round = inner.round, inner.done, inner.data_round
         crew.ranks.before_step(local.model, local.optimizer, round_=round_, step=step, data_round=data_round)
+        keep = self.grads.bind(local.model)
         loss = inner_step(
             crew.ranks.forward,
             local.optimizer,
@@ -129,6 +139,7 @@ class InnerSteps:
             step=step,
             data_round=data_round,
             precision=crew.precision,
+            keep_grads=keep,
         )
         local.inner_steps_done += 1
         return crew.ranks.mean(loss)

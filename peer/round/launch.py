@@ -129,7 +129,7 @@ class Launcher:
         crew, local = self.crew, self.local
         prep_started = time.monotonic()
         samples, loss, compute_s = inner.samples, inner.loss, prep_started - inner.started
-        local.optimizer.zero_grad(set_to_none=True)  # the gradients are dead until the next step
+        self.inner.release_gradients()  # dead until the next step; the vector they may live in is written now
         weight = float(samples)
         writing: Future[bool] | None = None
         off_thread = (

@@ -108,11 +108,28 @@ class PendingAverage(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LentOutbox:
+    """The outbox's vector, held for the borrower until ``release`` (``SwarmPort.lend_outbox``)."""
+
+    vector: torch.Tensor
+    release: Callable[[], None]
+    """Give it back (once; later calls do nothing). A round started meanwhile waits for it."""
+
+
 class SwarmPort(Protocol):
     def outbox(self) -> AbstractContextManager[torch.Tensor]:
         """The flat float32 vector the next round averages, to write this peer's (compensated)
         pseudo-gradient into in place; after a successful round it holds the group's average
         (``RoundResult.averaged`` is this vector, valid until the next write)."""
+        ...
+
+    def lend_outbox(self) -> LentOutbox | None:
+        """The outbox's vector for the caller's own use until it releases it (the inner steps'
+        gradients: ``peer.round.grad_home``): nothing averages it meanwhile, and what the
+        caller leaves in it is garbage to the next round (which writes its vector whole).
+        None, at once, while a round averages it. The caller must release it before it asks for
+        ``outbox`` or a round's result."""
         ...
 
     def start_round(

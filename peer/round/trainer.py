@@ -264,6 +264,7 @@ class Trainer:
                 self.crew.publisher.say_leaving()
             return history
         finally:  # the landing thread ends with the run, however it ends
+            self.inner.release_gradients()
             self.crew.lander.shutdown()
 
     def _rounds(self) -> list[RoundMetrics]:
@@ -311,6 +312,7 @@ class Trainer:
             elif step is Step.DISCARD:
                 assert inner is not None
                 logger.info("leaving out of sync: not launching round %d", self.local.state.round)
+                self.inner.release_gradients()
                 self.landing.record_landed(wait=True)
                 inner = None
             else:

@@ -42,7 +42,7 @@ from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
 from engine.update_store import UpdateStore
-from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, RoundResult, StateProvider
+from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, LentOutbox, RoundResult, StateProvider
 from peer.round.timeouts import matchmaking_window, matchmaking_windows
 from peer.swarm.meeting import PACE_LOOK_S, Meeting, meeting_candidates
 from peer.swarm.swarm_pace import LandingTimes, SwarmPace, landing_medians
@@ -175,6 +175,21 @@ class PendingRound:
             receipts=by_public_id(stats.receipts, gathered),
             led=outcome.led,
         )
+
+
+def lend(averager: ExactAverager) -> LentOutbox | None:
+    """``averager``'s shared vector under the lock ``get_tensors`` takes, held until released;
+    None if the averager holds it now (a round averages it)."""
+    lock = averager.lock_averaged_tensors
+    if not lock.acquire(block=False):
+        return None
+    released = threading.Lock()
+
+    def release() -> None:
+        if released.acquire(blocking=False):
+            lock.release()
+
+    return LentOutbox(averager.vector, release)  # (the same tensor for the averager's life)
 
 
 def offenders_by_id(offences: dict[str, str], gathered: dict[str, Gathered | None]) -> dict[str, str]:
@@ -374,6 +389,10 @@ class Swarm:
         """The averager's shared vector (``SwarmPort.outbox``), locked while the caller holds it."""
         with self.averager.get_tensors() as tensors:
             yield tensors[0]
+
+    def lend_outbox(self) -> LentOutbox | None:
+        """The averager's shared vector (``SwarmPort.lend_outbox``; ``lend``)."""
+        return lend(self.averager)
 
     def start_round(
         self,

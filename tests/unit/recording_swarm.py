@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from peer.round.swarm_port import RoundResult
+from peer.round.swarm_port import LentOutbox, RoundResult
 from protocol.gathered import Gathered
 from protocol.modelsize import count_params
 from protocol.roster import RosterClaim
@@ -69,6 +69,10 @@ class RecordingSwarm:
     @contextmanager
     def outbox(self) -> Iterator[torch.Tensor]:
         yield self.vector
+
+    def lend_outbox(self) -> LentOutbox | None:
+        """The vector, for the inner steps' gradients (``peer.round.grad_home``)."""
+        return LentOutbox(self.vector, lambda: None)
 
     def serve_state(self, provider: Any) -> None:
         self.provider = provider
