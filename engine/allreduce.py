@@ -34,7 +34,8 @@ import copy
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -338,7 +339,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         stale: frozenset[PeerID] = frozenset(),
         robust: RobustRule | None = None,
         keep_sent: bool = False,
-        keep_averaged: bool = False,
+        spill: Path | None = None,
+        keep_averaged: Callable[[int, runtime_pb2.Tensor], None] | None = None,
         receipts: ReceiptSigner | None = None,
         bulk: BulkPool | None = None,
         **kwargs: Any,
@@ -383,13 +385,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Reducers this peer got no complete, valid set of averaged parts from, with why: their
         ranges are left out of this round (``missing_ranges``)."""
         self.refused_senders: dict[PeerID, str] = {}
-        self.sent: SentParts | None = SentParts() if keep_sent else None
+        self.sent: SentParts | None = SentParts(spill) if keep_sent else None
         """With ``keep_sent``: every part this peer sent a reducer (its own included), as
         encoded, for the group's auditors (``engine.audit``)."""
-        self.averaged: list[tuple[int, runtime_pb2.Tensor]] | None = [] if keep_averaged else None
-        """With ``keep_averaged``: every averaged part this peer took (``(start, bytes)``, start in
-        this runner's vector), as the reducers encoded them: the round's update, which members
-        keep for newcomers (``engine.update_store``)."""
+        self.keep_averaged = keep_averaged
+        """Called (on a thread) with every averaged part this peer takes (its start in this runner's
+        vector, its bytes as the reducer encoded them): the round's update, which members keep for
+        newcomers (``engine.update_store``); None: nobody keeps it."""
         self.signer = receipts
         """Signs this reducer's receipt for each sender (``engine.receipts``); None: it sends none."""
         self.receipts: dict[PeerID, bytes] = {}
@@ -404,6 +406,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._part_numels = [
             part.numel() for peer_parts in self.tensor_part_container._input_parts_by_peer for part, _ in peer_parts
         ]
+
+    def served_all(self) -> None:
+        """Every sender took its averaged parts, or never will: their encodings are freed."""
+        self._encoded.clear()
 
     def holds_average_of(self, peer_id: PeerID) -> bool:
         """Whether this peer holds every averaged part of reducer ``peer_id``: False while they
@@ -508,13 +514,13 @@ class ExactAllReduceRunner(AllReduceRunner):
             info = CompressionInfo.from_tensor(raw_part)
             sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
             if self.sent is not None:
-                self.sent.keep(peer_index, part_index, sent, self.weight)
+                await loop.run_in_executor(None, self.sent.keep, peer_index, part_index, sent, self.weight)
             part = await loop.run_in_executor(None, self.codec.decode_sent, sent, raw_part.numel())
             weight = 0.0 if self.peer_id in self.stale else self.weight
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
             result = await loop.run_in_executor(None, self.codec.decode, encoded, raw_part.numel())
-            self._keep_averaged(peer_index, part_index, encoded)
+            await self._keep_averaged(peer_index, part_index, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
 
     async def _receive_from_reducer(self, peer_id: PeerID, peer_index: int) -> None:
@@ -580,21 +586,24 @@ class ExactAllReduceRunner(AllReduceRunner):
         numel = self.expected_numel(peer_index, part_index)
         self.bytes_received += len(serialized.buffer)
         part = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, serialized, numel)
-        self._keep_averaged(peer_index, part_index, serialized)
+        await self._keep_averaged(peer_index, part_index, serialized)
         self.tensor_part_container.register_processed_part(peer_index, part_index, part)
 
-    def _keep_averaged(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
-        if self.averaged is not None:
+    async def _keep_averaged(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
+        if self.keep_averaged is not None:
             container = self.tensor_part_container
             assert isinstance(container, InPlaceOutputs)
-            self.averaged.append((container.part_range(peer_index, part_index)[0], serialized))
+            start = container.part_range(peer_index, part_index)[0]
+            await asyncio.get_running_loop().run_in_executor(None, self.keep_averaged, start, serialized)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0
         async for message in super()._generate_input_for_peer(peer_index):
             self.bytes_sent += len(message.tensor_part.buffer)
             if self.sent is not None:
-                self.sent.keep(peer_index, part_index, message.tensor_part, message.weight)
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self.sent.keep, peer_index, part_index, message.tensor_part, message.weight
+                )
             part_index += 1
             yield message
         if not self.should_delay_results(self.peer_id):

@@ -38,7 +38,7 @@ those inputs can redo it (BTARD, arXiv 2106.11257, checks its aggregators this w
 
 What it costs per member and round: the auditor fetches one part from each other sender (at
 most ``PART_SIZE_BYTES`` each, ``(n - 1)`` parts), and re-computes one part; a sender keeps
-what it sent (the encoded vector less its own range) until its next round.
+what it sent (the encoded vector) until its next round, in a file beside its kept updates.
 """
 
 from __future__ import annotations
@@ -46,9 +46,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import secrets
+import tempfile
+import threading
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -157,18 +161,47 @@ def choose_target(reducer: int, parts_by_fragment: Sequence[int]) -> AuditTarget
     return AuditTarget(fragment, reducer, part)
 
 
-@dataclass
 class SentParts:
     """What this member sent each reducer in one fragment's all-reduce: encoded parts (the
-    message's bytes as sent) and the weight that went with them, by (reducer, part)."""
+    message's bytes as sent) and the weight that went with them, by (reducer, part).
 
-    parts: dict[tuple[int, int], tuple[object, float]] = field(default_factory=dict)
+    With ``spill`` (a directory) the parts go to a file there as they are kept (unnamed: the
+    kernel frees it with the last reference) and are read back when an auditor asks, one part a
+    round: the averager holds none of them, where it held the encoded vector (half a model's
+    size with fp16) from its parts' sending until its next group."""
+
+    def __init__(self, spill: Path | None = None) -> None:
+        self._parts: dict[tuple[int, int], tuple[object, float]] = {}
+        self._spilled: dict[tuple[int, int], tuple[int, int, float]] = {}  # offset, length, weight
+        self._file = tempfile.TemporaryFile(dir=spill) if spill is not None else None
+        self._lock = threading.Lock()
 
     def keep(self, reducer: int, part: int, encoded: object, weight: float) -> None:
-        self.parts[(reducer, part)] = (encoded, weight)
+        """(Writes to disk with ``spill``: call it off the event loop.)"""
+        if self._file is None:
+            self._parts[(reducer, part)] = (encoded, weight)
+            return
+        raw = encoded.SerializeToString()  # type: ignore[attr-defined]
+        with self._lock:
+            offset = self._file.seek(0, os.SEEK_END)
+            self._file.write(raw)
+            self._spilled[(reducer, part)] = (offset, len(raw), weight)
 
     def get(self, reducer: int, part: int) -> tuple[object, float] | None:
-        return self.parts.get((reducer, part))
+        if self._file is None:
+            return self._parts.get((reducer, part))
+        spilled = self._spilled.get((reducer, part))
+        if spilled is None:
+            return None
+        offset, length, weight = spilled
+        from hivemind.proto import runtime_pb2  # (only with spill: this module stays hivemind-free)
+
+        with self._lock:
+            self._file.seek(offset)
+            raw = self._file.read(length)
+        tensor = runtime_pb2.Tensor()
+        tensor.ParseFromString(raw)
+        return tensor, weight
 
 
 def reduce_like_a_reducer(

@@ -53,7 +53,7 @@ from engine.robust import RobustRule
 from engine.serving import SHUTDOWN_S, BackgroundServingMixin
 from engine.start_tree import FANOUT
 from engine.state_transfer import StateProvider, StateTransferMixin
-from engine.update_store import UpdateStore
+from engine.update_store import PendingUpdate, UpdateStore
 from engine.update_transfer import UpdateTransferMixin
 from protocol.gathered import Gathered
 from protocol.identity import Identity
@@ -200,8 +200,9 @@ class ExactAverager(
         room = self._open_audit_room(group_id, fragment_ids, group_info.peer_ids, stale) if self.audit else None
         signer = self._receipt_signer(group_info, round_)
         await self.open_paths(group_info.peer_ids, kwargs.get("peer_fractions"))
+        update = self._pending_update(round_)  # written as its parts arrive (None: keeps none)
         runners = [
-            self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs, signer)
+            self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs, signer, update, start)
             for fragment_id, (start, end) in zip(fragment_ids, self.fragments)
         ]
         if room is not None:
@@ -238,7 +239,7 @@ class ExactAverager(
                 100.0 * left_out / max(1, self.numel),
             )
         # kept with the ranges it left out, which the host states when the round lands
-        self._spool_update(round_, pooled.averaged_parts(runners, self.fragments))
+        self._spool_update(round_, update)
         audit = AuditOutcome()
         if room is not None and runners[0].modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
             try:
@@ -286,6 +287,8 @@ class ExactAverager(
         codec: CodecCompression,
         kwargs: dict[str, Any],
         signer: ReceiptSigner | None = None,
+        update: PendingUpdate | None = None,
+        start: int = 0,
     ) -> ExactAllReduceRunner:
         runner = self.runner_class(
             codec=codec,
@@ -294,7 +297,8 @@ class ExactAverager(
             stale=stale,
             robust=self.robust,
             keep_sent=self.audit,
-            keep_averaged=self.update_store is not None,
+            spill=self.update_store.directory if self.update_store is not None else None,
+            keep_averaged=update.at(start) if update is not None else None,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

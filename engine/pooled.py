@@ -1,16 +1,15 @@
 """What a round's fragment runners (``engine.allreduce.ExactAllReduceRunner``, one per fragment
 of the vector: ``engine.fragments``) found, pooled into one view of the round for this peer:
-each member's offences, the reducers that failed it, their receipts, the parts averaged."""
+each member's offences, the reducers that failed it, their receipts."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from engine.allreduce import ExactAllReduceRunner
 from engine.robust import Alignment, RobustRule, direction_offence
 
-__all__ = ["averaged_parts", "failed_reducers", "offences", "receipts"]
+__all__ = ["failed_reducers", "offences", "receipts"]
 
 
 def receipts(runners: Sequence[ExactAllReduceRunner]) -> dict[str, bytes]:
@@ -21,18 +20,6 @@ def receipts(runners: Sequence[ExactAllReduceRunner]) -> dict[str, bytes]:
         for peer, receipt in runner.receipts.items():
             pooled.setdefault(str(peer), receipt)
     return pooled
-
-
-def averaged_parts(
-    runners: Sequence[ExactAllReduceRunner], fragments: Sequence[tuple[int, int]]
-) -> list[tuple[int, Any]]:
-    """Every averaged part the runners took, with its start in the whole vector (``fragments``:
-    each runner's ``[start, end)``)."""
-    return [
-        (start + offset, part)
-        for runner, (start, _end) in zip(runners, fragments)
-        for offset, part in (runner.averaged or [])
-    ]
 
 
 def failed_reducers(runners: Sequence[ExactAllReduceRunner]) -> dict[str, str]:

@@ -39,6 +39,7 @@ class BackgroundServingMixin:
         async def serve() -> None:
             if not await runner.wait_until_served(timeout=timeout):
                 logger.info("all-reduce: some members had not taken their last averaged parts from this peer")
+            runner.served_all()  # its encoded averages go (the runner stays for the round's audits)
 
         task = asyncio.ensure_future(serve())
         serving: set[asyncio.Task[None]] = self.__dict__.setdefault("_background_serving", set())

@@ -32,7 +32,7 @@ from hivemind.utils.mpfuture import MPFuture
 from engine.allreduce import MAX_PART_VALUES, CodecCompression, part_numel
 from engine.state_transfer import SLOWEST_LINK_BYTES_S
 from engine.stream_close import until_reader_closes
-from engine.update_store import KeptUpdate, UpdateStore, read_frames
+from engine.update_store import KeptUpdate, PendingUpdate, UpdateStore, read_frames
 from engine.wire_fields import read_fields
 from protocol.errors import MalformedTensorError
 from protocol.updates import FetchedUpdate, left_out_between, parse_ranges
@@ -106,13 +106,18 @@ class UpdateTransferMixin:
 
     # --- keeping (the averager process, at the end of an all-reduce; the host, once it landed)
 
-    def _spool_update(self, round_: int, parts: Sequence[tuple[int, runtime_pb2.Tensor]]) -> None:
-        """Write the round's averaged parts to the store on a thread (the all-reduce's result is
-        not held up by the disk); ``keep_update`` waits for it."""
-        if self.update_store is None:
+    def _pending_update(self, round_: int) -> PendingUpdate | None:
+        """The round's update, written part by part as the parts arrive (``UpdateStore.pending``);
+        None if this peer keeps none."""
+        return None if self.update_store is None else self.update_store.pending(round_)
+
+    def _spool_update(self, round_: int, pending: PendingUpdate | None) -> None:
+        """Every averaged part is in: the round's file completed on a thread (the all-reduce's
+        result is not held up by the disk); ``keep_update`` waits for it."""
+        if pending is None:
             return
         spool = self._spool()
-        spool[round_] = asyncio.get_running_loop().run_in_executor(None, self.update_store.write_pending, round_, parts)
+        spool[round_] = asyncio.get_running_loop().run_in_executor(None, pending.finish)
         for old in [r for r in spool if r < round_ - 1]:
             spool.pop(old, None)
 
@@ -168,7 +173,7 @@ class UpdateTransferMixin:
             for index, update in enumerate(chain):
                 more = len(chain) - 1 - index
                 yield averaging_pb2.AveragingData(code=averaging_pb2.NO_CODE, peer_id=self._header(update, more))
-                frames = read_frames(update.path)
+                frames = read_frames(update.path, update.order)
                 while (frame := await loop.run_in_executor(None, next, frames, None)) is not None:
                     start, raw = frame
                     part = runtime_pb2.Tensor()

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,6 +117,21 @@ def test_a_shifted_average_is_wrong_and_a_few_flipped_roundings_are_not() -> Non
     assert "relative L2 distance" in judge(huge, honest)
     assert "non-finite" in judge(torch.full_like(honest, float("nan")), honest)
     assert "values" in judge(honest[:100], honest)
+
+
+def test_sent_parts_spilled_to_disk_come_back_as_sent(tmp_path: Path) -> None:
+    codec = CodecCompression(get_codec("fp16"))
+    parts = {(r, p): codec.compress(torch.randn(100 + r + p), info=None) for r in range(3) for p in range(2)}
+    spilled, held = SentParts(tmp_path), SentParts()
+    for (reducer, part), encoded in parts.items():
+        spilled.keep(reducer, part, encoded, 2.0 + reducer)
+        held.keep(reducer, part, encoded, 2.0 + reducer)
+    assert list(tmp_path.iterdir()) == []  # an unnamed file: nothing left behind, whatever happens
+    for (reducer, part), encoded in parts.items():
+        got = spilled.get(reducer, part)
+        assert got is not None and held.get(reducer, part) == (encoded, 2.0 + reducer)
+        assert got[0].SerializeToString() == encoded.SerializeToString() and got[1] == 2.0 + reducer
+    assert spilled.get(3, 0) is None and held.get(3, 0) is None
 
 
 @dataclass

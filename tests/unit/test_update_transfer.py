@@ -99,10 +99,41 @@ def test_a_member_keeps_the_rounds_that_landed_here_and_the_newest_few(tmp_path:
     assert sorted(p.name for p in (tmp_path / "updates").iterdir()) == ["round-5.bin", "round-6.bin"]
     assert [u.round for u in store.chain(5, "d5")] == [5, 6]
     assert store.chain(5, "d-other") == [] and store.chain(4, "d4") == []
-    frames = list(read_frames(store.chain(6, "d6")[0].path))
+    kept = store.chain(6, "d6")[0]
+    frames = list(read_frames(kept.path, kept.order))
     assert [start for start, _ in frames] == list(range(0, NUMEL, WIDTH))
     store.close()
     assert not (tmp_path / "updates").exists()
+
+
+def test_an_update_is_written_part_by_part_as_they_arrive_and_kept_only_whole(tmp_path: Path) -> None:
+    store = UpdateStore(tmp_path / "updates", keep=4)
+    parts = _parts(3)
+    first = store.pending(3)
+    first.add(*parts[2])
+    retry = store.pending(3)  # the same round again (the first try failed here): a file of its own
+    assert not first.path.exists() and retry.path.exists()
+    fragment = retry.at(parts[1][0])  # a fragment's parts, their starts within it
+    for start, part in reversed(parts):  # arrival order, not vector order
+        if start == parts[1][0]:
+            fragment(0, part)
+        else:
+            retry.add(start, part)
+    first.add(*parts[0])  # a dropped writer's late part goes nowhere
+    assert not store.keep(3, "d3", "d4", [])  # not finished: every part was not in
+    assert not retry.path.exists()
+    whole = store.pending(3)
+    for start, part in reversed(parts):
+        whole.add(start, part)
+    whole.finish()
+    assert store.keep(3, "d3", "d4", [])
+    unfinished = store.pending(4)
+    assert store.pending(6) and not unfinished.path.exists()  # a newer round's began: round 4's never landed
+    kept = store.chain(3, "d3")[0]
+    assert kept.parts == len(parts) and kept.size == sum(len(part.buffer) for _, part in parts)
+    in_order = [(start, raw) for start, raw in read_frames(kept.path, kept.order)]
+    assert in_order == [(start, part.SerializeToString()) for start, part in parts]
+    assert [start for start, _ in read_frames(kept.path)] == [start for start, _ in reversed(parts)]
 
 
 def test_a_member_keeps_its_updates_within_a_disk_budget_but_always_the_newest(tmp_path: Path) -> None:
