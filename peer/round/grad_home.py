@@ -67,10 +67,13 @@ class GradHome:
         if vector.dtype != torch.float32 or vector.device.type != "cpu" or not gradients_fit(model, vector.numel()):
             lent.release()
             self.enabled = False
-            logger.info("the gradients keep memory of their own (the model does not match the averager's vector)")
+            logger.debug(
+                "the gradients keep memory of their own (the model is not a CPU float32 one of the vector's size)"
+            )
             return False
         for (offset, values), param in zip(parameter_views(model), model.parameters()):
-            param.grad = vector[offset : offset + values.numel()].view_as(param)
+            if param.requires_grad:  # (a frozen one keeps no gradient: an optimizer would step it)
+                param.grad = vector[offset : offset + values.numel()].view_as(param)
         self._lent = lent
         return True
 

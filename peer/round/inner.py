@@ -65,7 +65,8 @@ class InnerSteps:
 
     def __init__(self, crew: Crew, local: LocalState, joining: Joining) -> None:
         self.crew, self.local, self.joining = crew, local, joining
-        self.grads = GradHome(crew.swarm, enabled=not crew.overlap and crew.ranks.world_size == 1)
+        on_cpu = all(p.device.type == "cpu" for p in local.model.parameters())
+        self.grads = GradHome(crew.swarm, enabled=not crew.overlap and crew.ranks.world_size == 1 and on_cpu)
         """Where the gradients live: the averager's idle vector when they may (``peer.round.grad_home``)."""
 
     def release_gradients(self) -> None:

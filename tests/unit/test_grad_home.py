@@ -118,3 +118,15 @@ def test_lending_holds_the_averagers_lock_until_released() -> None:
     again = lend(averager)  # type: ignore[arg-type]
     assert again is not None
     again.release()
+
+
+def test_a_frozen_parameter_gets_no_gradient_to_be_stepped_with() -> None:
+    own, lent = model(), model()
+    for m in (own, lent):
+        m[0].bias.requires_grad_(False)
+    home = GradHome(Port(numel(lent)), enabled=True)
+    steps(own, None)
+    steps(lent, home)
+    assert home.bound and lent[0].bias.grad is None
+    assert torch.equal(flatten(own), flatten(lent))  # AdamW (weight decay) left it where it was
+    assert torch.equal(lent[0].bias, model()[0].bias)
