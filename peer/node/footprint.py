@@ -11,7 +11,8 @@ estimate against what it allocated):
   the codec residual (lossy codecs with error feedback) and, with overlap, the launch point;
   with FSDP the leader also keeps a full copy of the model in host memory;
 - in shared memory (``/dev/shm``): the averager's vector, one fp32 value per parameter, which
-  hivemind's averaging process shares with the trainer;
+  hivemind's averaging process shares with the trainer; training on the CPU without overlap on
+  one rank, the gradients live in it (``peer.round.grad_home``) and take no memory of their own;
 - transient, host: serving the state to a newcomer copies θ_g and the momentum.
 
 Activations are estimated for one micro-batch, counted from what a transformers decoder layer
@@ -103,15 +104,16 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
     ranks = max(1, local_ranks)
     per_param = 4 * FP32 if spec.inner.optimizer == "adamw" else 2 * FP32  # params, grads (+ 2 moments)
     share = ranks if sharded else 1
+    in_vector = not accelerator and not spec.averaging.overlap and ranks == 1  # ``peer.round.grad_home``
     items = [
         Item("parameters", n * FP32 // share, "device"),
-        Item("gradients", n * FP32 // share, "device"),
+        Item("gradients", n * FP32 // share, "shm" if in_vector else "device"),
     ]
     if per_param > 2 * FP32:
         items.append(Item("AdamW moments", 2 * n * FP32 // share, "device"))
     # one micro-batch: the gradients (set to None between steps) are made as the backward frees
     # the activations, so the step needs the larger of the two, not their sum
-    overlapping = n * FP32 // share if _micro_batches(spec) == 1 else 0
+    overlapping = n * FP32 // share if _micro_batches(spec) == 1 and not in_vector else 0
     sharded_layer = (n // max(1, _layers(spec))) * FP32 if sharded else 0
     items += _activations(spec, accelerator, sharded_layer=sharded_layer, freed_for_gradients=overlapping)
     if accelerator:  # autocast's cache of 16-bit weights, kept for the step's backward
@@ -122,7 +124,7 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
         Item("outer momentum", n * FP32, "host"),
         Item("serving state to newcomers", 2 * n * FP32, "host"),
         Item("runtime", HOST_BASE_BYTES, "host"),
-        Item("averager vector", n * FP32, "shm"),
+        Item("averager vector", 0 if in_vector else n * FP32, "shm"),  # (the gradients' there then)
     ]
     if spec.averaging.error_feedback and spec.averaging.compression in LOSSY_CODECS:
         items.append(Item("codec residual", n * RESIDUAL_BYTES, "host"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -63,11 +64,14 @@ def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool
     swarm.vector = torch.full((n,), float("nan"))
     swarm.next_result = RoundResult(torch.full((n,), 1e-3), 2, [], AllReduceStats(10, 10), 0.0)
     grads: list[int] = []
-    trainer.optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: grads.append(
-            sum(p.grad.nbytes for g in opt.param_groups for p in g["params"] if p.grad is not None)
-        )
-    )
+    held: set[int] = set()  # the storages the gradients were in
+
+    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        grads.append(sum(p.grad.nbytes for p in params))
+        held.update(p.grad.untyped_storage().data_ptr() for p in params)
+
+    trainer.optimizer.register_step_pre_hook(before_step)
     trainer.run()
     assert trainer.history[-1].averaged
     # the fake swarm's tensors: the averager's vector (counted under shm), what it recorded
@@ -80,7 +84,11 @@ def test_the_estimate_matches_what_a_trainer_allocates(codec: str, overlap: bool
     expected = sum(i.bytes for i in footprint.items if i.where != "shm" and i.name not in AT_REST)
     assert abs(measured - expected) <= 0.03 * expected + SCRATCH, (measured / n, expected / n)
     assert max(grads) == next(i.bytes for i in footprint.items if i.name == "gradients") == 4 * n
-    assert footprint.total("shm") == 4 * n  # the averager's one fp32 vector
+    assert footprint.total("shm") == 4 * n  # the averager's one fp32 vector, the gradients in it
+    # they lived in the vector: views of it, no memory of their own (``peer.round.grad_home``)
+    assert all(p.grad is None for p in trainer.model.parameters())  # dropped at the launch
+    in_vector = swarm.vector.untyped_storage().data_ptr() in held
+    assert in_vector == (not overlap) == (next(i.where for i in footprint.items if i.name == "gradients") == "shm")
 
 
 def test_lossy_codecs_are_the_ones_with_a_residual() -> None:
