@@ -48,6 +48,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
 from engine.audit import SentParts
+from engine.averaged_encodings import AveragedEncodings
 from engine.bulk_client import BulkPool
 from engine.compression import Codec
 from engine.receipts import ReceiptSigner, attach, taken
@@ -140,6 +141,13 @@ class CodecCompression(CompressionBase):
         flat = values.detach().reshape(-1).to(torch.float32)
         buffer = self.codec.encode_sent_unbiased(flat, numel, dither)
         return runtime_pb2.Tensor(buffer=buffer, size=list(shape), dtype=self.dtype_tag)
+
+    def encode_averaged(self, averaged: torch.Tensor, numel: int, dither: torch.Tensor) -> runtime_pb2.Tensor:
+        """A reducer's averaged part of ``numel`` values: dense (``compress_average``; every
+        sender failed before it, zeros) or its sent values alone (``compress_sent_average``)."""
+        if averaged.numel() == numel:
+            return self.compress_average(averaged, dither)
+        return self.compress_sent_average(averaged, [numel], dither)
 
     def decode_sent(self, serialized: runtime_pb2.Tensor, expected_numel: int) -> torch.Tensor:
         """The values a reducer averages of a part (``Codec.decode_sent``), validated as ``decode`` does."""
@@ -374,7 +382,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.stale = stale
         """Members that started the round from another state than the group's majority: their
         parts count with weight 0 (they still get the average, see it differs, and re-sync)."""
-        self._encoded: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+        self._encoded = AveragedEncodings()
         self._served: set[PeerID] = set()
         """Senders whose stream to this reducer ended (served, refused or excluded)."""
         self._served_changed = asyncio.Event()
@@ -474,17 +482,14 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _encode_once(self, part_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
         """The one encoding of averaged part ``part_index`` that every sender gets. It runs in its
         own future, not in the task of whichever sender asked first: that sender's handler may be
-        cancelled (its peer died) while the others wait for the same bytes."""
-        future = self._encoded.get(part_index)
-        if future is None:
-            loop = asyncio.get_running_loop()
-            numel = self.expected_numel(self.ordered_peer_ids.index(self.peer_id), part_index)
-            if averaged.numel() == numel:  # dense (every sender failed before it: zeros)
-                future = loop.run_in_executor(None, self.codec.compress_average, averaged, self.dither())
-            else:  # the sent values alone (``Codec.decode_sent``)
-                encode = self.codec.compress_sent_average
-                future = loop.run_in_executor(None, encode, averaged, [numel], self.dither())
-            self._encoded[part_index] = future
+        cancelled (its peer died) while the others wait for the same bytes. It is let go once
+        every sender took it (``engine.averaged_encodings``)."""
+        loop = asyncio.get_running_loop()
+        numel = self.expected_numel(self.ordered_peer_ids.index(self.peer_id), part_index)
+        encode = self.codec.encode_averaged
+        future = self._encoded.future(
+            part_index, lambda: loop.run_in_executor(None, encode, averaged, numel, self.dither())
+        )
         return await _shared_result(future, f"the encoding of part #{part_index}")
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
@@ -519,6 +524,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             weight = 0.0 if self.peer_id in self.stale else self.weight
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
+            self._encoded.taken(part_index, self.tensor_part_reducer.sender_failed_after)
             result = await loop.run_in_executor(None, self.codec.decode, encoded, raw_part.numel())
             await self._keep_averaged(peer_index, part_index, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, result)
@@ -662,6 +668,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     ended = "it was excluded from this round"
                     break
                 encoded = await self._encode_once(part_index, averaged)
+                self._encoded.taken(part_index, self.tensor_part_reducer.sender_failed_after)
                 part_index += 1
                 self.bytes_sent += len(encoded.buffer)
                 reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
