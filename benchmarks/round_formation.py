@@ -137,7 +137,7 @@ class Member:
 
     def __post_init__(self) -> None:
         self.digest = state_digest(self.round, self.params, self.momentum)
-        self.swarm.serve_state(lambda: (self.round, self.params, self.momentum, self.digest))
+        self.swarm.serve_state(lambda take: take(self.round, self.params, self.momentum, self.digest))
 
     def launch(self, common: torch.Tensor, rng: torch.Generator) -> None:
         """Write this round's pseudo-gradient: the swarm's common direction plus this member's

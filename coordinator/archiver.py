@@ -200,11 +200,11 @@ class Archiver:
         self.serving = state
         self.averager.allow_state_sharing = True
 
-    def _provide(self) -> tuple[int, Any, Any, str]:
+    def _provide(self, take: Callable[[int, Any, Any, str], dict[str, Any]]) -> dict[str, Any]:
         state = self.serving
         if state is None:
             raise RuntimeError("the archive has no state yet")
-        return state.round, state.params, state.momentum, state.state_digest
+        return take(state.round, state.params, state.momentum, state.state_digest)
 
     def _publish_membership(self, *, wait: bool = False) -> None:
         """Admit our own averager like a peer: a token for its libp2p peer id, in the DHT."""

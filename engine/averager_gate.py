@@ -29,6 +29,8 @@ class AdmissionGateMixin:
     dht: Any
     peer_id: PeerID
     serializer: Any
+    _serve_state: typing.Callable[[], typing.AsyncIterator[averaging_pb2.DownloadData]]
+    """The state's stream (``engine.state_transfer.StateTransferMixin``)."""
 
     async def _admitted(self, peer: PeerID, *, stale_ok: bool = False) -> bool:
         """Whether the run's gate admits ``peer`` (``MemberGate.admitted``; ``stale_ok``: a
@@ -100,12 +102,9 @@ class AdmissionGateMixin:
             logger.warning("refused a state download by %s: not admitted to this run", context.remote_id)
             yield averaging_pb2.DownloadData(metadata=self.serializer.dumps({"error": "not admitted to this run"}))
             return
-        async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
-            if message.metadata and message.tensor_part.buffer:
-                # the metadata on its own first, so that a downloader that would refuse this state
-                # (another digest than it asks for) does so before any tensor bytes cross its link
-                yield averaging_pb2.DownloadData(metadata=message.metadata)
-                message = averaging_pb2.DownloadData(tensor_part=message.tensor_part)
+        # the metadata on its own first, so that a downloader that would refuse this state
+        # (another digest than it asks for) does so before any tensor bytes cross its link
+        async for message in self._serve_state():
             yield message
 
     @property

@@ -319,11 +319,26 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         AVERAGER,
+        "_get_current_state_from_host_process",
+        "called coroutine method",
+        f"{STATE} (StateTransferMixin._serve_state)",
+        "Asks the host process for the served state (our get_current_state: its round, digest "
+        "and file, engine.state_snapshot) through hivemind's background thread there, as "
+        "hivemind's rpc_download_state does; the averager then streams the file itself.",
+        params=(),
+        evidence=(
+            ("_get_current_state_from_host_process", 'self._inner_pipe.send(("_TRIGGER_GET_CURRENT_STATE", future))'),
+            ("__init__", "target=_background_thread_fetch_current_state"),
+        ),
+    ),
+    PrivateUse(
+        AVERAGER,
         "_load_state_from_peers",
         "stream format",
         f"{STATE} (StateTransferMixin._download_state_from)",
-        "Our digest-checked download parses rpc_download_state's stream as hivemind does: "
-        "metadata on the first message, a tensor part with a dtype starts the next tensor.",
+        "Our digest-checked download parses rpc_download_state's stream as hivemind does, and "
+        "our server (StateTransferMixin._serve_state) writes it so: metadata on the first "
+        "message, a tensor part with a dtype starts the next tensor.",
         evidence=(
             ("_load_state_from_peers", "if message.tensor_part.dtype and current_tensor_parts:"),
             ("rpc_download_state", "yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)"),

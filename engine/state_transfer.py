@@ -9,7 +9,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
+from engine.state_snapshot import StateSnapshots, chunks
 from protocol.errors import MalformedTensorError
 from protocol.statesync import state_digest
 
@@ -35,14 +37,20 @@ MAX_METADATA_BYTES = 4096
 """A served state's metadata (its round and digest: tens of bytes), sent once; more is refused
 before it is parsed."""
 
-StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
+StateTaker = Callable[[int, torch.Tensor, torch.Tensor, str], dict[str, Any]]
+StateProvider = Callable[[StateTaker], dict[str, Any]]
+"""Set in the host process: calls its argument with (round, params, momentum, digest) while that
+state holds still (under the lock its landings take; the tensors are read then, not kept) and
+returns what that returned (``engine.state_snapshot.StateSnapshots.write``)."""
 
 
 class StateTransferMixin:
     """``load_verified_state`` (host process) and the averager-process side of it."""
 
     state_provider: StateProvider | None
-    """Set in the host process: returns the (round, params, momentum, digest) to serve."""
+    """Set in the host process: the state to serve (``StateProvider``)."""
+    allow_state_sharing: bool
+    update_store: Any
     numel: int
     prefix: str
     dht: Any
@@ -58,12 +66,59 @@ class StateTransferMixin:
 
         def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any: ...
 
+        async def _get_current_state_from_host_process(self) -> tuple[bytes, Sequence[torch.Tensor], Any]: ...
+
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
-        """Runs in the host process when a peer downloads our state: (metadata, tensors, infos)."""
+        """Runs in the host process when a peer downloads our state: (metadata, no tensors, no
+        infos), the metadata naming the state's file (``engine.state_snapshot``), which the
+        averager process streams (``_serve_state``)."""
         if self.state_provider is None:
             return {}, [], None
-        round_, params, momentum, digest = self.state_provider()
-        return {"round": round_, "digest": digest}, [params, momentum], None
+        snapshots = self.__dict__.get("_snapshots")
+        if snapshots is None:
+            store = getattr(self, "update_store", None)
+            snapshots = self.__dict__["_snapshots"] = StateSnapshots(store.directory if store is not None else None)
+        return self.state_provider(snapshots.write), [], None
+
+    def served_state_file(self) -> Path | None:
+        """The served state's file (host process): None before anyone downloaded it."""
+        snapshots = self.__dict__.get("_snapshots")
+        return snapshots.path if snapshots is not None else None
+
+    def shutdown(self) -> None:
+        """hivemind's, then the served state's file goes (host process)."""
+        try:
+            super().shutdown()  # type: ignore[misc]
+        finally:
+            snapshots = self.__dict__.get("_snapshots")
+            if snapshots is not None:
+                snapshots.close()
+
+    async def _serve_state(self) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The state download's stream (averager process): the metadata alone, then both vectors
+        read from the state's file a chunk at a time. Nothing while this peer serves no state."""
+        if not self.allow_state_sharing:
+            return
+        loop = asyncio.get_running_loop()
+        source, metadata = None, None
+        for _ in range(2):  # once more if a newer round's file replaced it before it was opened
+            raw, _tensors, _infos = await self._get_current_state_from_host_process()
+            metadata = self.serializer.loads(raw)
+            if not isinstance(metadata, dict) or "snapshot" not in metadata:
+                return
+            try:
+                source = await loop.run_in_executor(None, open, metadata.pop("snapshot"), "rb")
+                break
+            except FileNotFoundError:
+                continue
+        if source is None or metadata is None:
+            raise OSError("the served state's file was replaced twice before it could be read")
+        with source:
+            numel = int(metadata.pop("numel"))
+            yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(metadata))
+            parts = chunks(source, numel)
+            while (part := await loop.run_in_executor(None, next, parts, None)) is not None:
+                yield averaging_pb2.DownloadData(tensor_part=part)
 
     def load_verified_state(
         self, accept: set[str] | None, timeout: float, newer_than: int | None = None

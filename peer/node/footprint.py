@@ -13,7 +13,9 @@ estimate against what it allocated):
 - in shared memory (``/dev/shm``): the averager's vector, one fp32 value per parameter, which
   hivemind's averaging process shares with the trainer; training on the CPU without overlap on
   one rank, the gradients live in it (``peer.round.grad_home``) and take no memory of their own;
-- transient, host: serving the state to a newcomer copies θ_g and the momentum.
+- serving the state to a newcomer takes no memory: θ_g and the momentum are written to a file
+  once per round a newcomer asks, and streamed from it (``engine.state_snapshot``; on disk,
+  ``swarmtrain.doctor.requirements``).
 
 Activations are estimated for one micro-batch, counted from what a transformers decoder layer
 keeps for its backward with fp32 master weights under bf16/fp16 autocast: the residual stream
@@ -122,7 +124,6 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
     items += [
         Item("global parameters", n * FP32, "host"),
         Item("outer momentum", n * FP32, "host"),
-        Item("serving state to newcomers", 2 * n * FP32, "host"),
         Item("runtime", HOST_BASE_BYTES, "host"),
         Item("averager vector", 0 if in_vector else n * FP32, "shm"),  # (the gradients' there then)
     ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -18,8 +18,11 @@ from protocol.identity import Identity, PublicKey
 from protocol.roster import RosterClaim
 from protocol.updates import FetchedUpdate
 
-StateProvider = Callable[[], tuple[int, torch.Tensor, torch.Tensor, str]]
-"""Returns the (round, params, momentum, digest) this peer serves to others."""
+StateTaker = Callable[[int, torch.Tensor, torch.Tensor, str], dict[str, Any]]
+StateProvider = Callable[[StateTaker], dict[str, Any]]
+"""Calls its argument with the (round, params, momentum, digest) this peer serves to others,
+while that state holds still (its tensors read then, not kept), and returns what that returned
+(``engine.state_transfer.StateProvider``)."""
 DownloadedState = tuple[int, torch.Tensor, torch.Tensor]
 """(round, params, momentum) of a state downloaded from a member, digest verified."""
 

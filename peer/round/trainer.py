@@ -37,6 +37,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ from peer.round.round_loop import LoopView, Step, next_step, opens_inner, starts
 from peer.round.round_metrics import RoundJournal, RoundMetrics
 from peer.round.saving import restore, save
 from peer.round.state import GlobalState
-from peer.round.swarm_port import SwarmPort
+from peer.round.swarm_port import StateTaker, SwarmPort
 from peer.round.timeouts import AdaptiveTimeouts, matchmaking_timeout
 from peer.round.verdict import RoundVerdict
 from peer.task import Task
@@ -358,12 +359,12 @@ class Trainer:
             or (run is not None and self.local.state.round + flying >= run)
         )
 
-    def _serve(self) -> tuple[int, torch.Tensor, torch.Tensor, str]:
-        """The state to hand a peer that downloads it: a copy taken between two in-place
-        changes (serving is rare; a torn state would only fail the downloader's digest check)."""
+    def _serve(self, take: StateTaker) -> dict[str, Any]:
+        """The state to hand a peer that downloads it, taken (written to its file,
+        ``engine.state_snapshot``) between two in-place changes."""
         with self.local.state_lock:
             state = self.local.state
-            return state.round, state.params.clone(), state.momentum.clone(), state.digest()
+            return take(state.round, state.params, state.momentum, state.digest())
 
     def wait_for_group(self) -> bool:
         """Wait (up to ``options.wait_for_group_s``) until ``min_group_size`` peers, this one

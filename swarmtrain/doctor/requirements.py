@@ -71,7 +71,7 @@ class Requirements:
             f"GPU memory    {gib(self.gpu_bytes)} per GPU (the spec's micro-batches and checkpointing)",
             f"host RAM      {gib(self.host_bytes)} with a GPU, {gib(self.cpu_host_bytes)} training on the CPU",
             f"/dev/shm      {gib(self.shm_bytes)} (docker: --shm-size)",
-            f"disk          {_size(self.disk_bytes)} (checkpoints, kept updates"
+            f"disk          {_size(self.disk_bytes)} (checkpoints, kept updates, the state served to newcomers"
             + (", a day of data)" if data and self.round_s else ")"),
             f"upload        {_size(self.up_per_round)} per round"
             + (f", {up / GB:,.1f} GB per day {pace}" if up is not None else f"; {pace}"),
@@ -112,7 +112,10 @@ def requirements(spec: RunSpec, *, round_s: float | None = None) -> Requirements
     data = _data_per_round(spec)
     pace = round_s if round_s is not None else spec.rounds.time_budget_s
     data_day = data * DAY_S / pace if pace else 0.0
-    disk = _checkpoint_bytes(spec, params) * CHECKPOINTS_KEPT + min(KEPT_ROUNDS * update, KEPT_BYTES) + data_day
+    served = 2 * FP32 * params  # the state a newcomer downloads, as a file (engine.state_snapshot)
+    disk = (
+        _checkpoint_bytes(spec, params) * CHECKPOINTS_KEPT + min(KEPT_ROUNDS * update, KEPT_BYTES) + served + data_day
+    )
     return Requirements(
         params=params,
         gpu_bytes=gpu.total("device"),

@@ -58,7 +58,7 @@ class Forger:
     def forge(self, honest_round: int) -> str:
         self.round = honest_round + AHEAD
         self.digest = state_digest(self.round, self.zeros, self.zeros)
-        self.swarm.serve_state(lambda: (self.round, self.zeros, self.zeros, self.digest))
+        self.swarm.serve_state(lambda take: take(self.round, self.zeros, self.zeros, self.digest))
         for _ in range(SYBILS):
             self.swarm.run_records.publish_digest(Identity.generate(), round_=self.round, digest=self.digest, wait=True)
         votes = [r for r in self.swarm.records() if r.digest == self.digest]

@@ -213,10 +213,13 @@ def _train_and_check(run_dir: dict[str, Any], spec_file: Path, place: Place) -> 
         # the data: recomputed from (run, round, stream) it is what each peer read; disjoint
         manifest = load_manifest(spec.data.path or "")
         assignment = run_assignment(spec, manifest)
-        slots = {rs[0]["data"]["slot"] for rs in rows.values()}
+        # a round joined with no steps (the late volunteer's first, above) read no data: no record
+        assert all(r["samples"] == 0 for rs in rows.values() for r in rs if r["data"] is None), rows
+        read = {name: [r for r in rs if r["data"] is not None] for name, rs in rows.items()}
+        slots = {rs[0]["data"]["slot"] for rs in read.values()}
         assert len(slots) == 3, slots  # the coordinator gave each peer its own stream
         trained: dict[int, dict[str, set[int]]] = {}
-        for name, rs in rows.items():
+        for name, rs in read.items():
             for r in rs:
                 data = r["data"]
                 ids = [

@@ -44,12 +44,12 @@ def test_newcomer_downloads_verified_state_and_refuses_tampered() -> None:
         swarms.append(liar)
         tampered = a.state.params.clone()
         tampered[0] += 1e-3
-        liar.averager.state_provider = lambda: (3, tampered, a.state.momentum, a.state.digest())
+        liar.averager.state_provider = lambda take: take(3, tampered, a.state.momentum, a.state.digest())
         # another sends far more bytes than the state can have (refused once over the size)
         hog = Swarm(spec, numel, codec, initial_peers=maddrs, host_maddrs=LOOPBACK)
         swarms.append(hog)
         huge = torch.zeros(numel * 8)
-        hog.averager.state_provider = lambda: (3, huge, huge, a.state.digest())
+        hog.averager.state_provider = lambda take: take(3, huge, huge, a.state.digest())
         for swarm in swarms[:2]:
             swarm.averager.allow_state_sharing = False
 

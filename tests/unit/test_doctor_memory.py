@@ -36,7 +36,7 @@ def test_one_small_gpu_fails_naming_the_need_and_the_fix() -> None:
 
 def test_host_memory_is_checked_on_gpu_machines_too() -> None:
     with pytest.raises(CheckFailed, match="of host memory"):
-        memory(LLAMA_1B, gpus(1, 79), host_bytes=16 * GIB)
+        memory(LLAMA_1B, gpus(1, 79), host_bytes=8 * GIB)
 
 
 def test_a_cpu_peer_needs_the_training_state_in_host_memory() -> None:

@@ -27,7 +27,7 @@ SPEC = bare_spec(
 )  # fmt: skip
 SCRATCH = 2 << 20
 """Chunk buffers of the host passes (``peer.round.state.CHUNK_VALUES``), not per parameter."""
-AT_REST = ("gradients", "activations", "logits", "runtime", "serving state to newcomers", "CUDA context")
+AT_REST = ("gradients", "activations", "logits", "runtime", "CUDA context")
 """Items that are not allocated between rounds (or not by the trainer's own tensors)."""
 
 
