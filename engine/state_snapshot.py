@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -45,6 +46,8 @@ class StateSnapshots:
 
     def __init__(self, directory: Path | None) -> None:
         self._directory = directory
+        self._made = False
+        """Whether ``_directory`` is a temporary one of ours (removed by ``close``)."""
         self._current: tuple[int, str, Path] | None = None
         self._lock = threading.Lock()
 
@@ -77,6 +80,9 @@ class StateSnapshots:
             if self._current is not None:
                 self._current[2].unlink(missing_ok=True)
                 self._current = None
+            if self._made and self._directory is not None:
+                shutil.rmtree(self._directory, ignore_errors=True)
+                self._directory, self._made = None, False
 
     def _write(self, round_: int, digest: str, vectors: tuple[torch.Tensor, ...]) -> Path:
         directory = self._where()
@@ -95,7 +101,7 @@ class StateSnapshots:
 
     def _where(self) -> Path:
         if self._directory is None:
-            self._directory = Path(tempfile.mkdtemp(prefix="swarmtrain-state-"))
+            self._directory, self._made = Path(tempfile.mkdtemp(prefix="swarmtrain-state-")), True
         elif self._current is None:  # the first snapshot: files a crashed run left are nobody's now
             self._directory.mkdir(parents=True, exist_ok=True)
             for stale in [*self._directory.glob(SNAPSHOT_GLOB), *self._directory.glob(".state-*.tmp")]:

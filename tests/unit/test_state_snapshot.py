@@ -104,3 +104,11 @@ def test_a_trainer_serves_its_state_from_its_own_tensors_into_the_file(tmp_path:
     assert served["digest"] == state.digest() and served["round"] == state.round
     got = parsed(Path(served["snapshot"]), state.params.numel())
     assert got[0].equal(state.params) and got[1].equal(state.momentum)
+
+
+def test_without_a_directory_it_makes_one_and_removes_it_on_close() -> None:
+    snapshots = StateSnapshots(None)
+    path = Path(snapshots.write(2, torch.ones(8), torch.ones(8), "d")["snapshot"])
+    assert path.exists() and snapshots.path == path
+    snapshots.close()
+    assert not path.parent.exists() and snapshots.path is None
