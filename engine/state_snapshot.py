@@ -6,10 +6,11 @@ the outer momentum (it serves them between two in-place landings), the clone cro
 averager process through shared memory, and hivemind serialized both vectors whole before
 cutting them into messages: 2 model-sized vectors each, and all of them held while the
 newcomer's link took the bytes (minutes, for a big model on a home link). Now the host
-writes the two vectors, under the same lock the landing takes, straight from their memory into
-a file beside the kept updates (``write``; page cache, not the process's memory), once per
-round whatever the number of downloaders, and the averager reads the file a chunk at a time
-as the stream goes (``chunks``). A download that outlives its round keeps reading the file it
+writes the two vectors straight from their memory into a file beside the kept updates
+(``write``; page cache, not the process's memory), once per round whatever the number of
+downloaders, and the averager reads the file a chunk at a time as the stream goes (``chunks``).
+The trainer writes without holding its state's lock, so that a slow disk never holds up a
+landing, and serves the file only if no landing went on meanwhile (``Trainer._serve``). A download that outlives its round keeps reading the file it
 opened: the next round's snapshot replaces the name, not the open file.
 
 The stream is the one hivemind's ``rpc_download_state`` sends (a float32 vector per tensor,
@@ -52,8 +53,8 @@ class StateSnapshots:
         self._lock = threading.Lock()
 
     def write(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, digest: str) -> dict[str, Any]:
-        """Called with the state held still (the provider's lock): its file, written unless this
-        round's is there already. What the averager process needs to stream it: the round, the
+        """The state's file, written unless this round's is there already (a provider that
+        finds the state changed while it was written serves nothing: ``StateProvider``). What the averager process needs to stream it: the round, the
         digest, the file, the values per vector."""
         if params.shape != momentum.shape or params.dim() != 1:
             raise ValueError(f"a served state is two flat vectors of one size, not {params.shape} and {momentum.shape}")

@@ -39,9 +39,10 @@ before it is parsed."""
 
 StateTaker = Callable[[int, torch.Tensor, torch.Tensor, str], dict[str, Any]]
 StateProvider = Callable[[StateTaker], dict[str, Any]]
-"""Set in the host process: calls its argument with (round, params, momentum, digest) while that
-state holds still (under the lock its landings take; the tensors are read then, not kept) and
-returns what that returned (``engine.state_snapshot.StateSnapshots.write``)."""
+"""Set in the host process: calls its argument with (round, params, momentum, digest) (the
+tensors are read then, not kept) and returns what that returned
+(``engine.state_snapshot.StateSnapshots.write``); raises if the state changed meanwhile (what was
+read may be torn: nothing is served)."""
 
 
 class StateTransferMixin:

@@ -20,9 +20,9 @@ from protocol.updates import FetchedUpdate
 
 StateTaker = Callable[[int, torch.Tensor, torch.Tensor, str], dict[str, Any]]
 StateProvider = Callable[[StateTaker], dict[str, Any]]
-"""Calls its argument with the (round, params, momentum, digest) this peer serves to others,
-while that state holds still (its tensors read then, not kept), and returns what that returned
-(``engine.state_transfer.StateProvider``)."""
+"""Calls its argument with the (round, params, momentum, digest) this peer serves to others (its
+tensors read then, not kept) and returns what that returned, or raises if the state changed
+meanwhile (``engine.state_transfer.StateProvider``)."""
 DownloadedState = tuple[int, torch.Tensor, torch.Tensor]
 """(round, params, momentum) of a state downloaded from a member, digest verified."""
 

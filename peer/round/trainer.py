@@ -361,10 +361,19 @@ class Trainer:
 
     def _serve(self, take: StateTaker) -> dict[str, Any]:
         """The state to hand a peer that downloads it, taken (written to its file,
-        ``engine.state_snapshot``) between two in-place changes."""
+        ``engine.state_snapshot``) without holding the state's lock: a write at the disk's pace
+        (a big model on a slow disk) never holds up a landing. A landing that went on meanwhile
+        tore what was written: then nothing is served (the downloader asks another member; had it
+        been served, its digest check would have refused it)."""
         with self.local.state_lock:
             state = self.local.state
-            return take(state.round, state.params, state.momentum, state.digest())
+            round_, digest = state.round, state.digest()
+        served = take(round_, state.params, state.momentum, digest)
+        with self.local.state_lock:
+            if self.local.state is state and state.round == round_ and state.digest_ready():
+                if state.digest() == digest:
+                    return served
+        raise RuntimeError(f"the state of round {round_} changed while it was written for a download")
 
     def wait_for_group(self) -> bool:
         """Wait (up to ``options.wait_for_group_s``) until ``min_group_size`` peers, this one

@@ -84,7 +84,7 @@ def test_a_state_of_two_shapes_is_refused(tmp_path: Path) -> None:
 
 def test_a_trainer_serves_its_state_from_its_own_tensors_into_the_file(tmp_path: Path) -> None:
     """No copy of θ_g or the momentum is made to serve them: the writer reads the trainer's own
-    tensors, under its state lock (a landing cannot change them half-way)."""
+    tensors, without holding its state lock (a slow disk must not hold up a landing)."""
     spec = parse_spec(SPEC)
     swarm = RecordingSwarm()
     trainer = Trainer(spec, build_task(spec, shard_seed=0), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
@@ -92,10 +92,10 @@ def test_a_trainer_serves_its_state_from_its_own_tensors_into_the_file(tmp_path:
     snapshots = StateSnapshots(tmp_path)
 
     def take(round_: int, params: torch.Tensor, momentum: torch.Tensor, digest: str) -> dict[str, object]:
-        held = not trainer.local.state_lock.acquire(blocking=False)
-        if not held:
+        free = trainer.local.state_lock.acquire(blocking=False)
+        if free:
             trainer.local.state_lock.release()
-        seen.append((params.data_ptr(), momentum.data_ptr(), held))
+        seen.append((params.data_ptr(), momentum.data_ptr(), free))
         return snapshots.write(round_, params, momentum, digest)
 
     served = swarm.provider(take)
@@ -104,6 +104,25 @@ def test_a_trainer_serves_its_state_from_its_own_tensors_into_the_file(tmp_path:
     assert served["digest"] == state.digest() and served["round"] == state.round
     got = parsed(Path(served["snapshot"]), state.params.numel())
     assert got[0].equal(state.params) and got[1].equal(state.momentum)
+
+
+def test_a_state_that_changes_while_it_is_written_is_not_served(tmp_path: Path) -> None:
+    spec = parse_spec(SPEC)
+    swarm = RecordingSwarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=0), swarm, TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    snapshots = StateSnapshots(tmp_path)
+
+    def landed_meanwhile(round_: int, params: torch.Tensor, momentum: torch.Tensor, digest: str) -> dict[str, object]:
+        served = snapshots.write(round_, params, momentum, digest)
+        with trainer.local.state_lock:  # a landing: in place, then the next round
+            trainer.state.params.add_(1.0)
+            trainer.state.round += 1
+        return served
+
+    with pytest.raises(RuntimeError, match="changed while it was written"):
+        swarm.provider(landed_meanwhile)
+    served = swarm.provider(lambda *state: snapshots.write(*state))  # the next ask writes the new state
+    assert served["round"] == trainer.state.round and served["digest"] == trainer.state.digest()
 
 
 def test_without_a_directory_it_makes_one_and_removes_it_on_close() -> None:
