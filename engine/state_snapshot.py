@@ -1,17 +1,16 @@
 """The state a member serves a newcomer, as a file: written once per round it is asked for,
 streamed from disk a chunk at a time.
 
-A state download used to copy the state three times over in memory: the host cloned θ_g and
-the outer momentum (it serves them between two in-place landings), the clone crossed to the
-averager process through shared memory, and hivemind serialized both vectors whole before
-cutting them into messages: 2 model-sized vectors each, and all of them held while the
-newcomer's link took the bytes (minutes, for a big model on a home link). Now the host
-writes the two vectors straight from their memory into a file beside the kept updates
-(``write``; page cache, not the process's memory), once per round whatever the number of
-downloaders, and the averager reads the file a chunk at a time as the stream goes (``chunks``).
-The trainer writes without holding its state's lock, so that a slow disk never holds up a
-landing, and serves the file only if no landing went on meanwhile (``Trainer._serve``). A download that outlives its round keeps reading the file it
-opened: the next round's snapshot replaces the name, not the open file.
+A state download used to hold the state (θ_g and the outer momentum) several times over in
+memory: the host's clone, the clone moved to the averager process through shared memory, and
+hivemind's whole serialization of it, all held while the newcomer's link took the bytes
+(minutes, for a big model on a home link), once per download. Now the host writes the two
+vectors straight from their memory into a file beside the kept updates (``write``; page cache,
+not the process's memory), once per round whatever the number of downloaders, and the averager
+reads the file a chunk at a time as the stream goes (``chunks``). The trainer writes without
+holding its state's lock, so that a slow disk never holds up a landing, and serves the file
+only if no landing went on meanwhile (``Trainer._serve``). A download that outlives its round
+keeps reading the file it opened: the next round's snapshot replaces the name, not the file.
 
 The stream is the one hivemind's ``rpc_download_state`` sends (a float32 vector per tensor,
 the first part with its dtype and size, then buffers alone), so the downloader
