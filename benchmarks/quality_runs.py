@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loopback_group import LoopbackGroup, LoopbackSwarm
+from benchmarks.overlap_reference import overlap_reference
 from peer.round.trainer import Trainer, TrainerOptions
 from peer.task import build_task
 from protocol.identity import Identity
@@ -42,6 +43,12 @@ class Setup:
     """In process: a codec the product does not ship, for the members' error feedback and the
     group's reduction in place of the spec's (``topk``: ``benchmarks.topk_reference``, with its
     decayed error feedback)."""
+    reference_start: str | None = None
+    """In process, with ``overlap_start = "eager"``: a start point the product does not ship for
+    the inner steps taken while a round averages (``benchmarks.overlap_reference.STARTS``)."""
+    reference_mix: float | None = None
+    """In process, with overlap: Streaming DiLoCo's landing with this α
+    (``benchmarks.overlap_reference.mixed_landing``)."""
 
 
 def spec_text(base: str, overrides: Overrides) -> dict[str, Any]:
@@ -180,14 +187,15 @@ def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s
 
     started = time.monotonic()
     threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in trainers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=max(1.0, deadline_s - (time.monotonic() - started)))
-        if thread.is_alive():  # a member stuck: show where, then give up on the run
-            faulthandler.dump_traceback(all_threads=True)
-            group.close()
-            raise RuntimeError(f"{setup.name} (seed {seed}): a member did not finish in {deadline_s:.0f} s")
+    with overlap_reference(setup.reference_start, setup.reference_mix):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=max(1.0, deadline_s - (time.monotonic() - started)))
+            if thread.is_alive():  # a member stuck: show where, then give up on the run
+                faulthandler.dump_traceback(all_threads=True)
+                group.close()
+                raise RuntimeError(f"{setup.name} (seed {seed}): a member did not finish in {deadline_s:.0f} s")
     if errors:
         raise RuntimeError(f"{setup.name} (seed {seed}) failed in process") from errors[0]
     losses = [m.val_loss for m in trainers[0].history if m.val_loss is not None]
@@ -215,6 +223,8 @@ def run_swarm(base: str, setup: Setup, *, seed: int, rounds: int, timeout_s: flo
     member evaluates the same state)."""
     from swarmtrain.localswarm import start_peers, wait_all  # the launcher: only for real swarms
 
+    if setup.reference_start is not None or setup.reference_mix is not None or setup.reference_codec is not None:
+        raise ValueError(f"{setup.name}: a reference the product does not ship runs in process only")
     spec = build_spec(base, setup, seed=seed, rounds=rounds)
     with tempfile.TemporaryDirectory(prefix="swarmtrain-quality-") as tmp:
         workdir = Path(tmp)

@@ -15,7 +15,9 @@ to sync DP is each member's own AdamW step rather than how rarely the members me
 ``batch`` (each member's batch 2 / 8 / 32, the references' with it), ``hk`` (H and k at fixed tokens), ``codec``, ``overlap`` (off, on with the next inner phase
 starting at this peer's own end point or eagerly, landing after a whole phase or a quarter of
 one), ``overlap-h`` (overlap's cost as H grows at fixed tokens: off, landing 2 steps late (with and
-without an eager start), landing H/4 steps late, at H = 10, 20 and 40), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
+without an eager start), landing H/4 steps late, at H = 10, 20 and 40), ``overlap-start`` (where
+the steps taken while a round averages start, at H = 20, landing 1 or 2 steps late: this peer's
+own end point, θ̂, and references the product does not ship, ``benchmarks.overlap_reference``), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
 the rounds, as a late joiner's first group or a peer split off a round leaves it out).
 
@@ -224,6 +226,19 @@ def suites() -> dict[str, list[Row]]:
                 ("overlap, lands after 2 steps", (OVERLAP_ON,), 2),
                 ("overlap, eager start, lands after 2 steps", (EAGER,), 2),
                 *(((f"overlap, lands after H/4 = {h // 4} steps", (OVERLAP_ON,), h // 4),) if h // 4 != 2 else ()),
+            )
+        ],
+        "overlap-start": [
+            Row(swarm(label, ROBUST_OFF, *layers, delay_steps=d, **ref))
+            for label, layers, d, ref in (
+                ("overlap off", (), None, {}),
+                ("lands after 1 step", (OVERLAP_ON,), 1, {}),
+                ("lands after 2 steps (starts at its own end point)", (OVERLAP_ON,), 2, {}),
+                ("lands after 2 steps, starts at θ̂ (eager)", (EAGER,), 2, {}),
+                ("lands after 2 steps, starts at θ_g", (EAGER,), 2, {"reference_start": "global"}),
+                ("lands after 2 steps, starts at θ_g's momentum step", (EAGER,), 2, {"reference_start": "momentum"}),
+                ("lands after 2 steps, starts halfway (own Δ, momentum)", (EAGER,), 2, {"reference_start": "half"}),
+                ("lands after 2 steps, Streaming DiLoCo's mix α = 0.5", (OVERLAP_ON,), 2, {"reference_mix": 0.5}),
             )
         ],
         "scale": [
