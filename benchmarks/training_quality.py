@@ -17,7 +17,8 @@ starting at this peer's own end point or eagerly, landing after a whole phase or
 one), ``overlap-h`` (overlap's cost as H grows at fixed tokens: off, landing 2 steps late (with and
 without an eager start), landing H/4 steps late, at H = 10, 20 and 40), ``overlap-start`` (where
 the steps taken while a round averages start, at H = 20, landing 1 or 2 steps late: this peer's
-own end point, θ̂, and references the product does not ship, ``benchmarks.overlap_reference``), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
+own end point, θ̂, and references the product does not ship, ``benchmarks.overlap_reference``), ``overlap-defaults`` (the shipped defaults, robust averaging and int8 included, at H = 30 as in
+the realistic WAN regime, without overlap and landing 1, 2 or 3 steps late), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
 the rounds, as a late joiner's first group or a peer split off a round leaves it out).
 
@@ -239,6 +240,15 @@ def suites() -> dict[str, list[Row]]:
                 ("lands after 2 steps, starts at θ_g's momentum step", (EAGER,), 2, {"reference_start": "momentum"}),
                 ("lands after 2 steps, starts halfway (own Δ, momentum)", (EAGER,), 2, {"reference_start": "half"}),
                 ("lands after 2 steps, Streaming DiLoCo's mix α = 0.5", (OVERLAP_ON,), 2, {"reference_mix": 0.5}),
+            )
+        ],
+        "overlap-defaults": [
+            Row(swarm(f"H=30, {label}", {"rounds": {"inner_steps": 30}}, *layers, delay_steps=d), H / 30, 4, 30)
+            for label, layers, d in (
+                ("overlap off (the shipped defaults)", (), None),
+                ("overlap, lands after 1 step", (OVERLAP_ON,), 1),
+                ("overlap, lands after 2 steps", (OVERLAP_ON,), 2),
+                ("overlap, lands after 3 steps", (OVERLAP_ON,), 3),
             )
         ],
         "scale": [
