@@ -142,6 +142,9 @@ class RunResult:
 def run_inprocess(base: str, setup: Setup, *, seed: int, rounds: int, deadline_s: float = 900.0) -> RunResult:
     """``setup`` as ``setup.members`` trainers in this process (``benchmarks.loopback_group``)."""
     spec = build_spec(base, setup, seed=seed, rounds=rounds)
+    eager = spec.averaging.overlap and spec.averaging.overlap_start == "eager"
+    if setup.reference_start is not None and not eager:  # else the product never calls it: a silent no-op
+        raise ValueError(f"{setup.name}: a reference start needs overlap with overlap_start = 'eager'")
     quiet = spec.model_copy(update={"eval": spec.eval.model_copy(update={"every_rounds": 0})})
     numel = count_params(spec.task.model) if spec.task.kind == "bytegpt" else None
     h = spec.rounds.inner_steps or 1

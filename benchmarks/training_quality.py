@@ -17,7 +17,7 @@ starting at this peer's own end point or eagerly, landing after a whole phase or
 one), ``overlap-h`` (overlap's cost as H grows at fixed tokens: off, landing 2 steps late (with and
 without an eager start), landing H/4 steps late, at H = 10, 20 and 40), ``overlap-start`` (where
 the steps taken while a round averages start, at H = 20, landing 1 or 2 steps late: this peer's
-own end point, θ̂, and references the product does not ship, ``benchmarks.overlap_reference``), ``overlap-defaults`` (the shipped defaults, robust averaging and int8 included, at H = 30 as in
+own end point, θ̂, and references the product does not ship, ``benchmarks.overlap_reference``), ``overlap-defaults`` (the demo's settings, robust averaging and int8 included, at H = 30 as in
 the realistic WAN regime, without overlap and landing 1, 2 or 3 steps late), ``robust`` (on and off in groups of 2, 4 and 8), ``scale`` (the model's width: 32, 64, 128),
 ``partial`` (groups that form with fewer members: each member's update left out of a share of
 the rounds, as a late joiner's first group or a peer split off a round leaves it out).
