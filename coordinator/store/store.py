@@ -359,12 +359,19 @@ class Store(ReportWrites, SwarmSeries):
 
     def credit_of(self, key: str) -> PeerCredit:
         """One peer's credit: granted so far, and claimed but not decided yet (its heartbeats
-        show it this; both sums use the (key, round) indexes)."""
-        granted = select(func.coalesce(func.sum(Credit.samples), 0), func.coalesce(func.sum(Credit.flops), 0.0))
+        show it this; both sums use the (key, round) indexes). One statement, so one snapshot:
+        read as two, a decision committed between them (a claim moving from pending to
+        granted) was counted in neither."""
+        granted = (
+            select(func.coalesce(func.sum(Credit.samples), 0), func.coalesce(func.sum(Credit.flops), 0.0))
+            .where(Credit.key == key)
+            .subquery()
+        )
         pending = select(func.coalesce(func.sum(Claim.samples), 0)).where(Claim.key == key, Claim.status == PENDING)
+        both = select(granted, pending.scalar_subquery())
         with self._read() as s:
-            samples, flops = s.execute(granted.where(Credit.key == key)).one()
-            return PeerCredit(samples=int(samples), flops=float(flops), pending_samples=int(s.scalar(pending) or 0))
+            samples, flops, pending_samples = s.execute(both).one()
+            return PeerCredit(samples=int(samples), flops=float(flops), pending_samples=int(pending_samples or 0))
 
     def leaderboard(self, limit: int = 20) -> list[LeaderRow]:
         """Accounts by flops (then samples) descending; a peer with no account counts as its own."""

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text, update
+from sqlalchemy import create_engine, event, text, update
 
 from coordinator.store import SCHEMA_VERSION, ClaimStatus, ClaimVerdict, RoundClaim, RoundTiming, Store, sqlite_url
 from coordinator.store.claims import GroupMemberView
@@ -574,3 +574,32 @@ def test_a_verdict_on_another_round_is_refused_and_nothing_is_written(store: Sto
             round=3, now=5.0, mean_loss=1.0, decisions=[_decision("p1", "granted", 10, 1.0, "ok", round=4)]
         )
     assert store.rounds() == [] and [c.status for c in store.claims()] == ["pending", "pending"]
+
+
+@pytest.mark.parametrize("before_statement", [0, 1, 2, 3])
+def test_credit_of_never_misses_a_claim_decided_while_it_reads(store: Store, before_statement: int) -> None:
+    """A heartbeat reads a peer's credit while the core decides its claim: whatever statement
+    boundary of the read the decision's commit falls on, the claim is counted once, as pending
+    or as granted (read as two statements, a grant committed between them counted in neither)."""
+    _claim(store, "p1", 1, samples=7)
+    statements, deciding = 0, False
+
+    def decide_there(*_args: object) -> None:
+        nonlocal statements, deciding
+        if deciding:  # the decision's own statements
+            return
+        if statements == before_statement:
+            deciding = True
+            _grant(store, "p1", 1, 7, 1e9)
+            deciding = False
+        statements += 1
+
+    event.listen(store.engine, "before_cursor_execute", decide_there)
+    try:
+        credit = store.credit_of("p1")
+    finally:
+        event.remove(store.engine, "before_cursor_execute", decide_there)
+    assert credit.samples + credit.pending_samples == 7, credit
+    if statements <= before_statement:  # the read had no such boundary: decided after it
+        _grant(store, "p1", 1, 7, 1e9)
+    assert plain(store.credit_of("p1")) == {"samples": 7, "flops": 1e9, "pending_samples": 0}
