@@ -166,7 +166,8 @@ def run(
     is waited for). ``steps``: inner steps per phase at most (the default: the phase is the time
     budget, as a real run's; a few steps leave the machine idle while rounds average). ``debug``:
     the newcomer logs at debug level (its log then times each read and download). ``resume_at``:
-    the round the members resume the run at (0: they start it)."""
+    the round the members resume the run at (0: they start it). ``deadline_s``: the members'
+    first ``start_after`` rounds, then the newcomer's join from its start, each within it."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
     shares = f"\ndensity = {density}" if codec == "sparse" else ""
@@ -199,9 +200,14 @@ def run(
         end = time.monotonic() + deadline_s
         while len([r for r in metrics_rows(workdir / "p0.jsonl") if r["averaged"]]) < start_after:
             if time.monotonic() > end or any(p.poll() is not None for p in members):
-                raise RuntimeError(f"the swarm did not land {start_after} rounds; see {workdir}")
+                raise RuntimeError(
+                    f"the swarm did not land {start_after} rounds in {deadline_s:g} s; what each peer said:\n"
+                    f"{timeline(workdir)}"
+                )
             time.sleep(0.3)
-        late = peer("late")
+        # the newcomer's own time from its start: niced members on a machine shared with other
+        # work can take most of a common deadline to start, and its join is what is measured
+        late, end = peer("late"), time.monotonic() + deadline_s
 
         def done() -> bool:
             if until_adopted:
@@ -247,7 +253,8 @@ def _figures(workdir: Path, keep_updates: int, density: float) -> JoinFigures:
     durations = [float(m.group(2)) for line in lines if (m := DOWNLOADED.search(line))]
     rolled = sum(int(m.group(1)) for line in lines if (m := ROLLED.search(line)))
     if not starts or not durations:
-        raise RuntimeError(f"the newcomer never downloaded a state; see {workdir / 'late.log'}")
+        what = "finished downloading" if starts else "started downloading"
+        raise RuntimeError(f"the newcomer never {what} a state; what each peer said:\n{timeline(workdir)}")
     started, download_s = starts[0], durations[0]
     member = [r["at"] for r in metrics_rows(workdir / "p0.jsonl") if r["averaged"]]
     before = [b - a for a, b in zip(member, member[1:]) if b <= started]
