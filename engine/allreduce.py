@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -59,6 +59,7 @@ from protocol.errors import MalformedTensorError
 from protocol.gathered import Gathered, votes
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DTYPE_PREFIX = "swarmtrain:"
 PART_SIZE_BYTES = 2**20
@@ -162,6 +163,12 @@ class CodecCompression(CompressionBase):
             raise MalformedTensorError(f"tensor part has {numel} values, expected {expected_numel}")
         return numel
 
+    def decode_into(self, serialized: runtime_pb2.Tensor, out: torch.Tensor) -> None:
+        """``decode`` of a part of ``out``'s length written into ``out`` (``Codec.decode_into``:
+        no fresh tensor and copy); on ``MalformedTensorError`` ``out`` holds garbage."""
+        self._check_part(serialized, out.numel())
+        self.codec.decode_into(serialized.buffer, out)
+
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         return self.decode(serialized_tensor, expected_numel=None)
 
@@ -209,12 +216,25 @@ class InPlaceOutputs(TensorPartContainer):
         self._all_registered = asyncio.Event()
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        self.output_of(peer_index, part_index).copy_(part.view(-1))
+        self.register_written_part(peer_index, part_index)
+
+    def output_of(self, peer_index: int, part_index: int) -> torch.Tensor:
+        """Where reducer ``peer_index``'s averaged part ``part_index`` goes: its range of the
+        vector, to decode into (``register_written_part`` once it holds the part); ``ValueError``
+        for a part that is not the next one of that reducer."""
         if part_index != self._outputs_registered_by_peer[peer_index]:
             raise ValueError(f"part #{part_index} of peer #{peer_index} out of order")
-        start = self._offsets[peer_index][part_index]
-        self.output[start : start + part.numel()].copy_(part.view(-1))
+        start, end = self._offsets[peer_index][part_index], self._offsets[peer_index][part_index + 1]
+        return self.output[start:end]
+
+    def register_written_part(self, peer_index: int, part_index: int) -> None:
+        """``output_of(peer_index, part_index)`` holds the averaged part now."""
+        start, end = self.part_range(peer_index, part_index)
+        if part_index != self._outputs_registered_by_peer[peer_index]:
+            raise ValueError(f"part #{part_index} of peer #{peer_index} out of order")
         self._outputs_registered_by_peer[peer_index] += 1
-        self._registered += part.numel()
+        self._registered += end - start
         if self._registered + self.failed_size >= self.total_size:
             self._all_registered.set()
 
@@ -525,9 +545,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
             self._encoded.taken(part_index, self.tensor_part_reducer.sender_failed_after)
-            result = await loop.run_in_executor(None, self.codec.decode, encoded, raw_part.numel())
-            await self._keep_averaged(peer_index, part_index, encoded)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, result)
+            await self._write_averaged_part(peer_index, part_index, encoded)
 
     async def _receive_from_reducer(self, peer_id: PeerID, peer_index: int) -> None:
         """Stream this peer's parts to one reducer and take the averaged parts back.
@@ -589,11 +607,24 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _take_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
         """Decode (validating) averaged part ``part_index`` from reducer ``peer_index`` and write it in place."""
-        numel = self.expected_numel(peer_index, part_index)
+        self.expected_numel(peer_index, part_index)
         self.bytes_received += len(serialized.buffer)
-        part = await asyncio.get_running_loop().run_in_executor(None, self.codec.decode, serialized, numel)
+        await self._write_averaged_part(peer_index, part_index, serialized)
+
+    async def _write_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
+        """Decode (validating) averaged part ``part_index`` of reducer ``peer_index`` straight into
+        its range of the vector (no part-sized tensor, no copy: the decode is the one pass over
+        it), keep it for the swarm's updates, and count it. A part that does not decode leaves
+        garbage in the range, which the reducer's failure then leaves out (``InPlaceOutputs``)."""
+        container = self.tensor_part_container
+        assert isinstance(container, InPlaceOutputs)
+        out = container.output_of(peer_index, part_index)
+        # a round cancelled mid-decode lets go of the vector only once nothing writes into it
+        await ended_before_cancel(
+            asyncio.get_running_loop().run_in_executor(None, self.codec.decode_into, serialized, out)
+        )
         await self._keep_averaged(peer_index, part_index, serialized)
-        self.tensor_part_container.register_processed_part(peer_index, part_index, part)
+        container.register_written_part(peer_index, part_index)
 
     async def _keep_averaged(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
         if self.keep_averaged is not None:
@@ -791,6 +822,17 @@ async def _shared_result(future: asyncio.Future[Any], what: str) -> Any:
         task = asyncio.current_task()
         if future.cancelled() and not (task is not None and task.cancelling()):
             raise AllreduceException(f"{what} was abandoned: the reducer finished before it was reduced") from None
+        raise
+
+
+async def ended_before_cancel(work: asyncio.Future[T]) -> T:
+    """``work``'s result; cancelled, it raises ``CancelledError`` only once ``work`` ended (an
+    executor's thread cannot be stopped: what it writes into, e.g. the averaged vector, stays
+    its own until then)."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})
         raise
 
 

@@ -214,6 +214,16 @@ def _run(kernels: ModuleType, n: int, fn: object) -> list[object]:
     return list(kernels.run_chunks(n, kernels.CHUNK_VALUES, fn))
 
 
+def _out_numel(out: torch.Tensor, codec: str) -> int:
+    """The values ``decode_into`` writes into ``out``; ``ValueError`` unless ``out`` is a
+    contiguous 1-D float32 CPU tensor."""
+    if out.dtype != torch.float32 or out.dim() != 1 or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(
+            f"{codec} codec: decodes into a contiguous 1-D float32 CPU tensor, not {out.dtype} {tuple(out.shape)}"
+        )
+    return out.numel()
+
+
 def _require_finite(t: torch.Tensor, codec: str) -> torch.Tensor:
     if not all_finite(t):
         raise MalformedTensorError(f"{codec} codec: payload decodes to NaN or Inf")
@@ -284,6 +294,13 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         """Decode into a new 1-D float32 tensor; ``MalformedTensorError`` for bad bytes."""
+
+    def decode_into(self, data: bytes, out: torch.Tensor) -> None:
+        """``decode(data, out.numel())`` written into ``out`` (a contiguous 1-D float32 CPU
+        tensor: where the values go, e.g. their range of the vector an all-reduce averages),
+        without a fresh tensor and a copy where the codec can. ``MalformedTensorError`` for bad
+        bytes, and ``out`` then holds garbage: the caller drops what it was to hold."""
+        out.copy_(self.decode(data, _out_numel(out, self.name)))
 
     def encode_unbiased(self, x: torch.Tensor, dither: torch.Tensor) -> bytes:
         """An encoding whose decoded value is ``x`` *in expectation* over ``dither`` (uniform
@@ -414,11 +431,22 @@ class Fp16Codec(Codec):
         if kernels is None:
             half = _require_finite(_read(raw, "<f2", 0, numel), self.name)
             return half.to(torch.float32)
-        halves, out = np.frombuffer(raw, np.uint16, count=numel), torch.empty(numel, dtype=torch.float32)
-        values = out.numpy()
+        out = torch.empty(numel, dtype=torch.float32)
+        self._decode_compiled(kernels, raw, out)
+        return out
+
+    def decode_into(self, data: bytes, out: torch.Tensor) -> None:
+        kernels = self._kernels()
+        if kernels is None:
+            super().decode_into(data, out)
+            return
+        self._decode_compiled(kernels, self._check_length(data, _out_numel(out, self.name)), out)
+
+    def _decode_compiled(self, kernels: ModuleType, raw: bytes, out: torch.Tensor) -> None:
+        numel = out.numel()
+        halves, values = np.frombuffer(raw, np.uint16, count=numel), out.numpy()
         if any(_run(kernels, numel, lambda s, e: kernels.fp16_decode(halves[s:e], values[s:e]))):
             raise MalformedTensorError(f"{self.name} codec: payload decodes to NaN or Inf")  # as the reference
-        return out
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         # the same saturating cast as ``encode``; half → float32 is exact, as in ``decode``
@@ -622,6 +650,15 @@ class _BlockAbsmaxCodec(Codec):
             first = i // self.block
             self._dequantize(q, scales[first : first + self._n_blocks(count)], out[i : i + count])
         return _require_finite(out, self.name)
+
+    def decode_into(self, data: bytes, out: torch.Tensor) -> None:
+        kernels = self._kernels()
+        if kernels is None:
+            super().decode_into(data, out)
+            return
+        raw = self._check_length(data, _out_numel(out, self.name))
+        scales = self._read_scales(raw, out.numel())
+        self._decode_compiled(kernels, raw, _SCALE_BYTES * scales.numel(), scales, out)
 
     def _decode_compiled(
         self, kernels: ModuleType, raw: bytes, codes_at: int, scales: torch.Tensor, out: torch.Tensor

@@ -85,6 +85,11 @@ def test_encode_decode_and_roundtrip_are_the_references_bits(codec: Codec) -> No
         assert encoded == ref.encode(x), (codec.name, name, "encode")
         assert codec.encode_unbiased(x, dither) == ref.encode_unbiased(x, dither), (codec.name, name, "unbiased")
         assert same_bits(codec.decode(encoded, x.numel()), ref.decode(encoded, x.numel())), (codec.name, name)
+        for path in (codec, ref):  # into a range of a longer vector, as the all-reduce writes its parts
+            vector = torch.full((x.numel() + 10,), float("nan"))
+            path.decode_into(encoded, vector[5 : 5 + x.numel()])
+            assert same_bits(vector[5 : 5 + x.numel()], ref.decode(encoded, x.numel())), (path, name, "into")
+            assert vector[:5].isnan().all() and vector[5 + x.numel() :].isnan().all(), (path, name, "outside")
         assert same_bits(codec.roundtrip(x), ref.roundtrip(x)), (codec.name, name, "roundtrip")
 
 
@@ -115,16 +120,34 @@ def test_a_peers_random_payload_decodes_alike_or_is_refused_by_both(codec: Codec
         scales[~np.isfinite(scales)] = 1.0
         raw[: 4 * blocks] = scales.astype("<f4").tobytes()
     payload = bytes(raw)
-    outcomes = []
+    outcomes: list[torch.Tensor | None] = []
     for path in (codec, codec.reference()):
         try:
             outcomes.append(path.decode(payload, numel))
         except MalformedTensorError:
             outcomes.append(None)
-    compiled, reference = outcomes
-    assert (compiled is None) == (reference is None), (compiled, reference)
-    if compiled is not None and reference is not None:
-        assert same_bits(compiled, reference)
+        out = torch.empty(numel)
+        try:
+            path.decode_into(payload, out)
+            outcomes.append(out)
+        except MalformedTensorError:
+            outcomes.append(None)
+    reference = outcomes[2]
+    assert all((outcome is None) == (reference is None) for outcome in outcomes), outcomes
+    if reference is not None:
+        assert all(outcome is not None and same_bits(outcome, reference) for outcome in outcomes)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=IDS)
+def test_decoding_into_a_range_checks_the_range_and_the_payload(codec: Codec) -> None:
+    x = torch.randn(256, generator=torch.Generator().manual_seed(5))
+    encoded = codec.encode(x)
+    for path in (codec, codec.reference()):
+        with pytest.raises(MalformedTensorError, match="bytes for"):
+            path.decode_into(encoded, torch.empty(100))  # a payload of another length than the range
+        for wrong in (torch.empty(512)[::2], torch.empty(256, dtype=torch.float64), torch.empty(16, 16)):
+            with pytest.raises(ValueError, match="decodes into a contiguous 1-D float32"):
+                path.decode_into(encoded, wrong)
 
 
 def test_threads_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,12 +8,14 @@ sender; cancelling the wait must cancel only that sender's wait.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import NoCompression
 
-from engine.allreduce import RobustPartReducer
+from engine.allreduce import InPlaceOutputs, RobustPartReducer, ended_before_cancel
 from engine.robust import RobustRule
 
 
@@ -54,3 +56,47 @@ def test_a_part_abandoned_by_the_reducer_is_a_clear_error() -> None:
 
     with pytest.raises(AllreduceException, match="abandoned"):
         asyncio.run(scenario())
+
+
+def test_a_round_cancelled_mid_decode_ends_only_once_the_decode_wrote_its_last_value() -> None:
+    """An averaged part is decoded by an executor's thread straight into the averaged vector;
+    a round cancelled meanwhile must not let go of the vector while that thread still writes."""
+    vector = torch.zeros(1 << 16)
+    release = threading.Event()
+
+    def decode_into() -> None:
+        release.wait(10)
+        vector.fill_(7.0)
+
+    async def scenario() -> bool:
+        loop = asyncio.get_running_loop()
+        round_ = asyncio.create_task(ended_before_cancel(loop.run_in_executor(None, decode_into)))
+        await asyncio.sleep(0.05)
+        round_.cancel()
+        await asyncio.sleep(0.05)
+        ended_early = round_.done()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await round_
+        return ended_early
+
+    assert not asyncio.run(scenario()), "the cancelled round ended while the decode still wrote into the vector"
+    assert bool((vector == 7.0).all())
+
+
+def test_an_averaged_part_is_written_into_its_range_only_in_its_turn() -> None:
+    async def scenario() -> None:
+        vector = torch.zeros(10)
+        outputs = InPlaceOutputs([vector], (0.5, 0.5), compression=NoCompression(), part_size_bytes=8)
+        (a, b), (c, d) = outputs.part_range(0, 0), outputs.part_range(0, 1)
+        assert (a, b, c, d) == (0, 2, 2, 4)  # parts of 2 values (8 bytes), reducer 0's first
+        with pytest.raises(ValueError, match="out of order"):
+            outputs.output_of(0, 1)
+        outputs.output_of(0, 0).fill_(1.0)
+        outputs.register_written_part(0, 0)
+        with pytest.raises(ValueError, match="out of order"):
+            outputs.register_written_part(0, 0)  # a part counted twice
+        outputs.output_of(0, 1).fill_(2.0)
+        assert vector.tolist() == [1.0, 1.0, 2.0, 2.0] + [0.0] * 6  # nothing outside the two parts
+
+    asyncio.run(scenario())
