@@ -35,6 +35,7 @@ import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -227,6 +228,15 @@ class InPlaceOutputs(TensorPartContainer):
             raise ValueError(f"part #{part_index} of peer #{peer_index} out of order")
         start, end = self._offsets[peer_index][part_index], self._offsets[peer_index][part_index + 1]
         return self.output[start:end]
+
+    async def decode_part(self, peer_index: int, part_index: int, decode_into: Callable[[torch.Tensor], None]) -> None:
+        """``decode_into(range)`` on an executor's thread, straight into reducer ``peer_index``'s
+        part ``part_index``'s range of the vector (no part-sized tensor, no copy: the decode is
+        the one pass over it). A part that does not decode leaves garbage there, which its
+        reducer's failure then leaves out; a round cancelled meanwhile lets go of the vector only
+        once the decode is done (``ended_before_cancel``)."""
+        out = self.output_of(peer_index, part_index)
+        await ended_before_cancel(asyncio.get_running_loop().run_in_executor(None, decode_into, out))
 
     def register_written_part(self, peer_index: int, part_index: int) -> None:
         """``output_of(peer_index, part_index)`` holds the averaged part now."""
@@ -612,26 +622,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         await self._write_averaged_part(peer_index, part_index, serialized)
 
     async def _write_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
-        """Decode (validating) averaged part ``part_index`` of reducer ``peer_index`` straight into
-        its range of the vector (no part-sized tensor, no copy: the decode is the one pass over
-        it), keep it for the swarm's updates, and count it. A part that does not decode leaves
-        garbage in the range, which the reducer's failure then leaves out (``InPlaceOutputs``)."""
+        """Decode a part into its range (``InPlaceOutputs.decode_part``), keep it for the updates, count it."""
         container = self.tensor_part_container
         assert isinstance(container, InPlaceOutputs)
-        out = container.output_of(peer_index, part_index)
-        # a round cancelled mid-decode lets go of the vector only once nothing writes into it
-        await ended_before_cancel(
-            asyncio.get_running_loop().run_in_executor(None, self.codec.decode_into, serialized, out)
-        )
-        await self._keep_averaged(peer_index, part_index, serialized)
-        container.register_written_part(peer_index, part_index)
-
-    async def _keep_averaged(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
+        await container.decode_part(peer_index, part_index, partial(self.codec.decode_into, serialized))
         if self.keep_averaged is not None:
-            container = self.tensor_part_container
-            assert isinstance(container, InPlaceOutputs)
             start = container.part_range(peer_index, part_index)[0]
             await asyncio.get_running_loop().run_in_executor(None, self.keep_averaged, start, serialized)
+        container.register_written_part(peer_index, part_index)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0

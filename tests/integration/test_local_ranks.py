@@ -142,7 +142,7 @@ def test_losing_a_local_rank_ends_its_node_and_the_swarm_carries_on(
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC.format(options="", group=3))
     env = _env(repo_root)
-    cap = ["--max-rounds", "60"]  # a bound should the test go wrong; it asks both to leave long before
+    cap = ["--max-rounds", "200"]  # a bound should the test go wrong; it asks both to leave long before
     peers: list[LocalPeer] = []
     try:
         first = _peer(spec, tmp_path, "first", 1, env, *cap)
@@ -153,7 +153,9 @@ def test_losing_a_local_rank_ends_its_node_and_the_swarm_carries_on(
         node = _peer(spec, tmp_path, "node", NODE_SEED, env, *ranks, *bootstrap)
         peers.append(node)
         pids = node.printed(r"^node: 2 local ranks, pids (\d+ \d+)$", 60).split()
-        wait_until(lambda: len(node.rounds()) >= 1, 240, "the node's first round")
+        # the node's first round it averaged in: one that started late on a loaded machine joins
+        # as a newcomer does, its first rows failed searches while it catches up (fresh-clone CI)
+        wait_until(lambda: any(row["averaged"] for row in node.rounds()), 240, "the node's first averaged round")
         os.kill(int(pids[1]), sig)  # local rank 1, while the node trains its next round
         assert node.wait(timeout=120) != 0
         output = "\n".join(node.lines)
