@@ -15,7 +15,7 @@ import torch
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import NoCompression
 
-from engine.allreduce import InPlaceOutputs, RobustPartReducer, ended_before_cancel
+from engine.allreduce import InPlaceOutputs, RobustPartReducer
 from engine.robust import RobustRule
 
 
@@ -64,13 +64,13 @@ def test_a_round_cancelled_mid_decode_ends_only_once_the_decode_wrote_its_last_v
     vector = torch.zeros(1 << 16)
     release = threading.Event()
 
-    def decode_into() -> None:
+    def decode_into(out: torch.Tensor) -> None:
         release.wait(10)
-        vector.fill_(7.0)
+        out.fill_(7.0)
 
     async def scenario() -> bool:
-        loop = asyncio.get_running_loop()
-        round_ = asyncio.create_task(ended_before_cancel(loop.run_in_executor(None, decode_into)))
+        outputs = InPlaceOutputs([vector], (1.0,), compression=NoCompression(), part_size_bytes=vector.numel() * 4)
+        round_ = asyncio.create_task(outputs.decode_part(0, 0, decode_into))
         await asyncio.sleep(0.05)
         round_.cancel()
         await asyncio.sleep(0.05)
