@@ -52,6 +52,7 @@ from engine.audit import SentParts
 from engine.averaged_encodings import AveragedEncodings
 from engine.bulk_client import BulkPool
 from engine.compression import Codec
+from engine.part_buffers import PartBuffers
 from engine.receipts import ReceiptSigner, attach, taken
 from engine.robust import Alignment, RobustRule, robust_mean
 from engine.stream_close import until_reader_closes
@@ -156,6 +157,18 @@ class CodecCompression(CompressionBase):
         self._check_part(serialized, expected_numel)
         return self.codec.decode_sent(serialized.buffer, expected_numel)
 
+    def decode_sent_into(self, serialized: runtime_pb2.Tensor, expected_numel: int, out: torch.Tensor) -> None:
+        """``decode_sent`` written into ``out`` (``Codec.decode_sent_into``), validated alike."""
+        self._check_part(serialized, expected_numel)
+        self.codec.decode_sent_into(serialized.buffer, expected_numel, out)
+
+    def decode_sent_reused(
+        self, buffers: PartBuffers, serialized: runtime_pb2.Tensor, expected_numel: int
+    ) -> torch.Tensor:
+        """``decode_sent`` into a buffer of ``buffers`` (``PartBuffers.decoded``), validated alike."""
+        numel = self.codec.sent_numel(expected_numel)
+        return buffers.decoded(numel, partial(self.decode_sent_into, serialized, expected_numel))
+
     def _check_part(self, serialized: runtime_pb2.Tensor, expected_numel: int | None) -> int:
         if serialized.dtype != self.dtype_tag:
             raise MalformedTensorError(f"tensor part encoded as {serialized.dtype!r}, expected {self.dtype_tag!r}")
@@ -215,6 +228,16 @@ class InPlaceOutputs(TensorPartContainer):
             self._ranges.append((first, offset))
         self._registered = 0
         self._all_registered = asyncio.Event()
+
+    @classmethod
+    def replacing(
+        cls, hivemind_container: TensorPartContainer, kwargs: dict[str, Any], codec: CodecCompression, part_bytes: int
+    ) -> InPlaceOutputs:
+        """The same split as hivemind's container (of an ``AllReduceRunner`` built with
+        ``kwargs``), which is finalized unused: its averaged parts go straight into the vector."""
+        hivemind_container.finalize()
+        tensors, fractions = list(kwargs["tensors"]), kwargs["peer_fractions"]
+        return cls(tensors, fractions, compression=codec, part_size_bytes=part_bytes, return_deltas=False)
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
         self.output_of(peer_index, part_index).copy_(part.view(-1))
@@ -295,8 +318,12 @@ class RobustPartReducer(TensorPartReducer):
 
     current_part_future: asyncio.Future[torch.Tensor]
 
-    def __init__(self, part_shapes: Any, num_senders: int, rule: RobustRule) -> None:
+    def __init__(
+        self, part_shapes: Any, num_senders: int, rule: RobustRule, buffers: PartBuffers | None = None
+    ) -> None:
         self.rule = rule
+        self.buffers = buffers
+        """Where the senders' decoded parts came from: they go back once their part is reduced."""
         self._parts: dict[int, tuple[torch.Tensor, float]] = {}
         self.offences: dict[int, str] = {}
         self.offence_counts: dict[int, int] = {}
@@ -313,6 +340,8 @@ class RobustPartReducer(TensorPartReducer):
     def reset_accumulators(self) -> None:
         if self.current_part_index >= self.num_parts - 1:
             self.finalize()
+            if self.buffers is not None:
+                self.buffers.clear()
             return
         self.current_part_index += 1
         self.current_part_accumulated_from = 0
@@ -361,6 +390,8 @@ class RobustPartReducer(TensorPartReducer):
             self.offence_counts[sender] = self.offence_counts.get(sender, 0) + 1
         for position, seen in reduced.alignment.items():
             self.alignment.setdefault(senders[position], Alignment()).add(seen)
+        if self.buffers is not None:
+            self.buffers.give(part for part, _weight in self._parts.values())
         self.current_part_future.set_result(reduced.mean)
         self.reset_accumulators()
 
@@ -386,16 +417,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         numel = sum(t.numel() for t in kwargs["tensors"])
         part_bytes = part_size_bytes(numel, codec.codec, len(kwargs["ordered_peer_ids"]))
         super().__init__(compression=codec, part_size_bytes=part_bytes, **kwargs)
-        # the same split as hivemind's container, but averaged parts go straight into the vector
-        hivemind_container: TensorPartContainer = self.tensor_part_container
-        hivemind_container.finalize()
-        container = InPlaceOutputs(
-            list(kwargs["tensors"]),
-            kwargs["peer_fractions"],
-            compression=codec,
-            part_size_bytes=part_bytes,
-            return_deltas=False,
-        )
+        container = InPlaceOutputs.replacing(self.tensor_part_container, kwargs, codec, part_bytes)
         self.tensor_part_container = container
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = container.get_raw_input_parts(my_index)
@@ -403,10 +425,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         # log "Reducer: received 0.0% of input tensors" once per fragment per round
         hivemind_reducer: TensorPartReducer = self.tensor_part_reducer
         hivemind_reducer.finished.set()
+        self._buffers = PartBuffers()
         self.tensor_part_reducer: TensorPartReducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             robust if robust is not None else RobustRule.off(),
+            self._buffers,
         )
         self.codec = codec
         self.stale = stale
@@ -550,7 +574,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
             if self.sent is not None:
                 await loop.run_in_executor(None, self.sent.keep, peer_index, part_index, sent, self.weight)
-            part = await loop.run_in_executor(None, self.codec.decode_sent, sent, raw_part.numel())
+            part = await loop.run_in_executor(
+                None, self.codec.decode_sent_reused, self._buffers, sent, raw_part.numel()
+            )
             weight = 0.0 if self.peer_id in self.stale else self.weight
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
@@ -681,7 +707,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     numel = self.expected_numel(my_index, part_index)
                     self.bytes_received += len(msg.tensor_part.buffer)
-                    part = await loop.run_in_executor(None, self.codec.decode_sent, msg.tensor_part, numel)
+                    part = await loop.run_in_executor(
+                        None, self.codec.decode_sent_reused, self._buffers, msg.tensor_part, numel
+                    )
                     weight = _check_weight(msg.weight)
                     if sender in self.stale:
                         weight = 0.0

@@ -316,6 +316,18 @@ class Codec(abc.ABC):
         costs what the wire carries, not the dense vector's length."""
         return self.decode(data, numel)
 
+    def sent_numel(self, numel: int) -> int:
+        """How many values ``decode_sent`` of a ``numel``-value vector's encoding returns."""
+        return numel
+
+    def decode_sent_into(self, data: bytes, numel: int, out: torch.Tensor) -> None:
+        """``decode_sent(data, numel)`` written into ``out`` (``sent_numel(numel)`` values, as
+        ``decode_into`` takes them): a reducer's decoded parts in buffers it reuses
+        (``engine.part_buffers``). ``ValueError`` for an ``out`` of another length."""
+        if _out_numel(out, self.name) != self.sent_numel(numel):
+            raise ValueError(f"{self.name} codec: {out.numel()} values to decode {numel} into")
+        self.decode_into(data, out)
+
     def encode_sent_unbiased(self, values: torch.Tensor, numel: int, dither: torch.Tensor) -> bytes:
         """``encode_unbiased`` of the ``numel``-value vector whose sent values are ``values``
         (``decode_sent``'s layout): the same bytes as encoding that vector with zeros at the

@@ -44,7 +44,15 @@ import functools
 
 import torch
 
-from engine.compression import Codec, FourBitCodec, TwoBitCodec, _BlockAbsmaxCodec, _check_input, _check_numel
+from engine.compression import (
+    Codec,
+    FourBitCodec,
+    TwoBitCodec,
+    _BlockAbsmaxCodec,
+    _check_input,
+    _check_numel,
+    _out_numel,
+)
 from protocol.spec import DEFAULT_DENSITY, SPARSE_DENSITIES
 
 DEFAULT_BITS = 2
@@ -209,6 +217,15 @@ class SparseCodec(Codec):
         vector, not the zeros between."""
         raw = self._check_length(data, numel)
         return self._values.decode(raw, self._kept_count(numel))
+
+    def sent_numel(self, numel: int) -> int:
+        return self._kept_count(numel)
+
+    def decode_sent_into(self, data: bytes, numel: int, out: torch.Tensor) -> None:
+        raw = self._check_length(data, numel)
+        if _out_numel(out, self.name) != self._kept_count(numel):
+            raise ValueError(f"{self.name} codec: {out.numel()} values to decode {numel} into")
+        self._values.decode_into(raw, out)
 
     def encode_sent_unbiased(self, values: torch.Tensor, numel: int, dither: torch.Tensor) -> bytes:
         values = _check_input(values, self.name)

@@ -90,6 +90,11 @@ def test_encode_decode_and_roundtrip_are_the_references_bits(codec: Codec) -> No
             path.decode_into(encoded, vector[5 : 5 + x.numel()])
             assert same_bits(vector[5 : 5 + x.numel()], ref.decode(encoded, x.numel())), (path, name, "into")
             assert vector[:5].isnan().all() and vector[5 + x.numel() :].isnan().all(), (path, name, "outside")
+        sent = ref.decode_sent(encoded, x.numel())
+        for path in (codec, ref):  # a reducer's decoded part, into a buffer it reuses
+            out = torch.full((path.sent_numel(x.numel()),), float("nan"))
+            path.decode_sent_into(encoded, x.numel(), out)
+            assert same_bits(out, sent), (path, name, "sent into")
         assert same_bits(codec.roundtrip(x), ref.roundtrip(x)), (codec.name, name, "roundtrip")
 
 
@@ -126,13 +131,14 @@ def test_a_peers_random_payload_decodes_alike_or_is_refused_by_both(codec: Codec
             outcomes.append(path.decode(payload, numel))
         except MalformedTensorError:
             outcomes.append(None)
-        out = torch.empty(numel)
-        try:
-            path.decode_into(payload, out)
-            outcomes.append(out)
-        except MalformedTensorError:
-            outcomes.append(None)
-    reference = outcomes[2]
+        for decode in (path.decode_into, lambda data, out, path=path: path.decode_sent_into(data, numel, out)):
+            out = torch.empty(numel)
+            try:
+                decode(payload, out)
+                outcomes.append(out)
+            except MalformedTensorError:
+                outcomes.append(None)
+    reference = outcomes[3]
     assert all((outcome is None) == (reference is None) for outcome in outcomes), outcomes
     if reference is not None:
         assert all(outcome is not None and same_bits(outcome, reference) for outcome in outcomes)
@@ -148,6 +154,10 @@ def test_decoding_into_a_range_checks_the_range_and_the_payload(codec: Codec) ->
         for wrong in (torch.empty(512)[::2], torch.empty(256, dtype=torch.float64), torch.empty(16, 16)):
             with pytest.raises(ValueError, match="decodes into a contiguous 1-D float32"):
                 path.decode_into(encoded, wrong)
+            with pytest.raises(ValueError, match="values to decode 256 into"):
+                path.decode_sent_into(encoded, 256, torch.empty(path.sent_numel(256) + 1))
+            with pytest.raises(MalformedTensorError, match="bytes for"):
+                path.decode_sent_into(encoded[:-1], 256, torch.empty(path.sent_numel(256)))
 
 
 def test_threads_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
