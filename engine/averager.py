@@ -47,6 +47,7 @@ from engine.link_timeouts import RoundTimeouts, stretched
 from engine.liveness import LivenessMixin
 from engine.matchmaking import KeptRosters, equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
+from engine.process_memory import release_free_memory
 from engine.process_signals import OwnSignals
 from engine.receipts import ReceiptSigner
 from engine.robust import RobustRule
@@ -213,8 +214,7 @@ class ExactAverager(
         offences = pooled.offences(runners, self.robust)
         for peer, reason in sorted(offences.items()):
             logger.warning("round's contribution from %s bounded by this reducer: %s", peer, reason)
-        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if errors:
+        if errors := [outcome for outcome in outcomes if isinstance(outcome, BaseException)]:
             if room is not None:  # the others need not wait for this peer's verdict
                 await self._tell_no_verdict(group_id, room)
             raise errors[0]
@@ -263,6 +263,8 @@ class ExactAverager(
             receipts=pooled.receipts(runners),
             over_bulk=sorted(str(peer) for peer in set.intersection(*(runner.over_bulk for runner in runners))),
         )
+        del runners, outcomes  # the round's parts, frames and buffers are garbage now: their pages go back
+        asyncio.get_running_loop().run_in_executor(None, release_free_memory)
 
     def _receipt_signer(self, group_info: GroupInfo, round_: int) -> ReceiptSigner | None:
         """Who signs this round's receipts: the node's identity, for the round the group lands

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from engine.process_memory import release_free_memory
 from peer.node.schedule import inner_lr
 from peer.round.device_mirror import DeviceMirror, room_for
 from peer.round.host_passes import (
@@ -145,6 +146,7 @@ class Launcher:
             writing = crew.lander.submit(self.write_delta, mirror)
         else:
             samples, loss, weight = self._write_now(samples, loss, weight)
+        release_free_memory()  # the inner steps' freed temporaries, held otherwise through the landing
         compensated = samples > 0 and crew.feedback is not None
         eager = crew.eager and samples > 0
         carried, carried_s = local.unlanded if samples > 0 else (0, 0.0)
