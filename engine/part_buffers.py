@@ -2,13 +2,17 @@
 
 A reducer decodes every sender's copy of each part it reduces (``RobustPartReducer`` averages
 them once all are in), then lets them go: at 200M parameters in a group of two that is hundreds
-of part-sized tensors a round per fragment, each fresh from the C heap. The executor's threads
-each allocate from their own glibc arena, so what was freed on one thread is not reused on
-another, and glibc keeps the freed chunks: measured at 200M with fp16, the averager process held
-0.07-0.17 GB free but kept from its first round on (``docs/design/gaps.md`` 1). Here a runner's
-decoded parts come from buffers of its own, given back once their part is reduced: a sender
-holds one decoded part at a time, so a runner holds about one buffer per sender and part size,
-and lets them all go with the round.
+of part-sized tensors a round per fragment, each fresh from the C heap. Here a runner's decoded
+parts come from buffers of its own, given back once their part is reduced: a sender holds one
+decoded part at a time, so a runner holds about one buffer per sender and part size, and lets
+them all go with the round.
+
+What it was meant to cut, the freed memory glibc keeps in the averager (0.07-0.17 GB at 200M),
+it did not measurably: 3.17 copies above the runtime floor against 3.10 without it, within the
+±0.1 between identical runs (``benchmarks/results/scale-part-buffers-fp16-2026-12-02.md``); the
+decoded parts are a minority of what a round allocates (the wire's frames and messages, the
+encodings, the means). What did cut it is ``engine.process_memory.release_free_memory`` once
+the all-reduce ended. What this still saves is an allocation per sender and part.
 """
 
 from __future__ import annotations

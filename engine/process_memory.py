@@ -19,7 +19,8 @@ after its inner steps (each step's gradient temporaries, freed into the heap), a
 while the round landed: the peer's peak. ``release_free_memory`` (glibc's ``malloc_trim``) gives
 the free pages of every arena back to the system; the peer calls it where a phase's garbage has
 just been freed (the trainer once a round is launched, the averager once an all-reduce ended),
-and the pages are faulted in again when the next phase needs them (a few ms a round).
+and the pages are faulted in again when the next phase needs them: two averagers on loopback,
+50M values, fp16, took 0.58 s a round with it against 0.575 without (alternating runs).
 
 ``limit_malloc_arenas`` caps the arenas of this process and of the processes it forks later
 (they inherit the setting), so the peer calls it before it starts any thread. It changes
