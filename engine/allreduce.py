@@ -85,13 +85,15 @@ def part_size_bytes(numel: int, codec: Codec, group_size: int) -> int:
     from its start and hands each part whole to the reducer whose share holds most of it, so
     the part is chosen to cut each reducer's equal share into a whole number of parts: the
     shares then stay equal. A part size that did not divide the share left some reducers a
-    part more than others (sparse at 41.6M values: 4, 4, 3 and 2 parts of 64 KiB; those two
-    sent 13% more bytes per round than the others and the round waited for them).
+    part more than others (sparse, a 10.4M-value fragment of 4 members: 2, 3, 2 and 3 parts of
+    64 KiB; the two with 3 sent 14% more bytes per round and the round waited for them).
 
     The size aimed at is what the vector's size asks for (``PARTS_PER_PEER`` parts per share,
     at least ``MIN_PART_SIZE_BYTES`` unless a share is smaller, at most ``PART_SIZE_BYTES`` and
-    ``MAX_PART_VALUES``); the part is that size moved to the nearest divisor of the share that
-    keeps both bounds."""
+    ``MAX_PART_VALUES``); the share is cut into as many parts as fit at that size or larger,
+    rounded up to whole blocks, and into one more only where a part would pass the largest.
+    Every member must compute the same size: it is part of the averaging wire (members of
+    versions that cut differently refuse each other's parts as mis-sized)."""
     per_value = codec.bytes_per_value()
     block = codec.block
     share = max(1, math.ceil(numel / max(1, group_size)))  # values each reducer averages
