@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from types import FrameType
 
 from peer.node.node_env import HEARTBEAT_ENV
+from protocol.ports import unassigned_port
 from swarmtrain.lifetime import PARENT_ENV
 
 logger = logging.getLogger(__name__)
@@ -41,12 +41,6 @@ GRACE_S = 30.0
 WORKERS_GRACE_S = 10.0
 """How long the other ranks get to exit once the leader has."""
 POLL_S = 0.2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def describe_exit(code: int) -> str:
@@ -75,7 +69,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 def launch(command: Sequence[str], nproc: int, *, rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> int:
     """Run ``command`` (a ``swarmtrain`` argv) as ``nproc`` local ranks; the node's exit status.
     A rank whose heartbeat (``peer.node.node_env.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
-    port = _free_port()
+    port = unassigned_port("127.0.0.1")  # rank 0's store binds it a moment later
     beats = Path(tempfile.mkdtemp(prefix="swarmtrain-node-"))
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nproc):

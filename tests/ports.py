@@ -14,32 +14,15 @@ from __future__ import annotations
 import fcntl
 import os
 import random
-import socket
 import tempfile
 from pathlib import Path
 
 from protocol.pids import pid_alive
+from protocol.ports import bindable, quiet_ports
 
 CLAIMS = Path(tempfile.gettempdir()) / f"swarmtrain-test-ports-{os.getuid()}"
 """One file per claimed port, holding the claiming process's pid (per user: the suite runs as one)."""
-LOWEST = 10_000
-"""No port below this is handed out (well-known and registered services live there)."""
 TRIES = 1_000
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32_768, 60_999
-
-
-def _candidates() -> range:
-    """The wider of the gaps below and above the ephemeral range."""
-    low, high = _ephemeral_range()
-    below, above = range(LOWEST, low), range(high + 1, 65_536)
-    return below if len(below) >= len(above) else above
 
 
 def _claim(port: int) -> bool:
@@ -60,23 +43,14 @@ def _claim(port: int) -> bool:
         return True
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports, free now, outside the ephemeral range, claimed for this process."""
-    candidates, ports = _candidates(), []
+    candidates, ports = quiet_ports(), []
     for _ in range(TRIES):
         if len(ports) == n:
             return ports
         port = random.choice(candidates)
-        if port not in ports and _bindable(port) and _claim(port):
+        if port not in ports and bindable(port, "127.0.0.1") and _claim(port):
             ports.append(port)
     if len(ports) == n:
         return ports

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from peer.net.announce import Announced, announced, parse_host_port
 from peer.net.dial_back import Greeter, ask_dial_back
 from peer.net.hole_punch import DirectPaths
 from peer.net.relay_client import RelayAddress, RelayError, RelayTunnel, open_several
+from protocol.ports import unassigned_port
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +113,6 @@ class Coordinated:
         return [*volunteers, RelayAddress(host, self.relay_port)]
 
 
-def free_port() -> int:
-    """A TCP port free on every interface now (the daemon binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
-
-
 def choose_path(
     *,
     client_mode: bool,
@@ -141,7 +134,7 @@ def choose_path(
         return NetworkPath("announced", f"from {mapped.source}{checked}", port, announced=(mapped,))
     if coordinated is None:
         return NetworkPath("direct", "no coordinator to ask for a dial-back", port)
-    port = port or free_port()
+    port = port or unassigned_port()  # the daemon binds it a moment later
     greeter = Greeter(port)
     try:
         seen = ask_dial_back(coordinated.stub, greeter, timeout_s=DIAL_BACK_TIMEOUT_S)

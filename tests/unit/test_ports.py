@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 
+from protocol.ports import ephemeral_range
 from tests import ports
 
 CLAIM_50 = "import random; random.seed(0); from tests.ports import free_ports; print(*free_ports(50))"
@@ -13,7 +14,7 @@ CLAIM_50 = "import random; random.seed(0); from tests.ports import free_ports; p
 
 
 def test_ports_lie_outside_the_ephemeral_range_and_are_distinct() -> None:
-    low, high = ports._ephemeral_range()
+    low, high = ephemeral_range()
     got = ports.free_ports(20)
     assert len(set(got)) == 20
     assert all(p < low or p > high for p in got)
