@@ -38,7 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 GROUP = 4
 SAMPLES = 64
 CHANNELS = 16
-"""Connections the load process spreads its peers over (per port)."""
+"""Connections the load process spreads its peers over (per port), and UDP sockets."""
+DATAGRAM_TIMEOUT_S = 1.0
+"""A heartbeat datagram unanswered this long goes over gRPC (``peer.link.datagram_beats``)."""
 SPEC = """
 [run]
 name = "load"
@@ -89,12 +91,31 @@ def start_postgres(workdir: Path) -> str | None:
     return out.stdout.strip().splitlines()[-1]
 
 
-def presigned(identity: Any, kind: str, body: Any, at: float, request_type: Any) -> bytes:
-    """A request signed now for sending at ``at`` (its timestamp), serialized."""
+def presigned(identity: Any, kind: str, body: Any, at: float, request_type: Any) -> tuple[bytes, bytes]:
+    """A request signed now for sending at ``at`` (its timestamp), serialized, and its nonce."""
     from protocol.messages import sign_message
 
-    envelope = sign_message(identity, kind, body.SerializeToString(), now=at).to_proto()
-    return request_type(signed=envelope).SerializeToString()
+    signed = sign_message(identity, kind, body.SerializeToString(), now=at)
+    return request_type(signed=signed.to_proto()).SerializeToString(), bytes(signed.nonce)
+
+
+class DatagramAnswers(asyncio.DatagramProtocol):
+    """Answers on one of the load process's UDP sockets, handed to the beat that waits for them."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[bytes, asyncio.Future[None]] = {}
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        from protocol.errors import MalformedMessageError
+        from protocol.heartbeat_datagram import parse_answer
+
+        try:
+            nonce, _ = parse_answer(data)
+        except MalformedMessageError:
+            return
+        future = self.waiting.pop(nonce, None)
+        if future is not None and not future.done():
+            future.set_result(None)
 
 
 async def run_load(address: str, digest: str, args: argparse.Namespace, peers: int, cpu: Any = dict) -> dict[str, Any]:
@@ -107,6 +128,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
 
     from protocol import coordinator_pb2 as pb
     from protocol import kinds
+    from protocol.heartbeat_datagram import REQUEST_TAG
     from protocol.identity import Identity
     from protocol.messages import sign_message
 
@@ -154,11 +176,36 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 reports_to = [beats_address]
 
+    # heartbeats as datagrams where asked and the heartbeat port answers one (a --ref from
+    # before them does not: its heartbeats go over gRPC)
+    loop = asyncio.get_running_loop()
+    datagrams: list[tuple[Any, DatagramAnswers]] = []
+    if args.heartbeats == "udp" and heartbeat_port:
+        datagrams = [
+            await loop.create_datagram_endpoint(DatagramAnswers, remote_addr=(host, heartbeat_port))
+            for _ in range(CHANNELS)
+        ]
+        probe, probe_nonce = presigned(
+            keys[0], kinds.HEARTBEAT, pb.HeartbeatBody(phase=pb.PEER_PHASE_TRAINING), time.time(), pb.HeartbeatRequest
+        )
+        waiting: asyncio.Future[None] = loop.create_future()
+        datagrams[0][1].waiting[probe_nonce] = waiting
+        datagrams[0][0].sendto(REQUEST_TAG + probe)
+        try:
+            await asyncio.wait_for(waiting, timeout=3)
+        except TimeoutError:
+            print("coordinator_load: the heartbeat port answers no datagram: heartbeats over gRPC", file=sys.stderr)
+            for sock, _ in datagrams:
+                sock.close()
+            datagrams = []
+
     # every request of the run, signed ahead at the time it will be sent
     warm_up = args.interval
     lead = 5.0 + peers * (args.duration + warm_up) / args.interval * 60e-6  # the signing itself
     wall_begin = time.time() + lead
-    sends: list[tuple[float, int, bool, bytes, int]] = []  # (offset, peer, is_report, request, round)
+    sends: list[
+        tuple[float, int, bool, tuple[bytes, bytes], int]
+    ] = []  # (offset, peer, is_report, (request, nonce), round)
     for index, identity in enumerate(keys):
         offset = args.interval * index / peers
         beat = 0
@@ -217,9 +264,22 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     begin = time.monotonic() - (time.time() - wall_begin)
     late: list[float] = []
 
-    async def heartbeat(index: int, request: bytes, when: float) -> None:
+    async def heartbeat(index: int, signed: tuple[bytes, bytes], when: float) -> None:
+        request, nonce = signed
         sent = time.monotonic()
         late.append(sent - begin - when)
+        if datagrams:  # as a peer sends it: a datagram, over gRPC when unanswered within a second
+            sock, answers = datagrams[index % CHANNELS]
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            answers.waiting[nonce] = future
+            sock.sendto(REQUEST_TAG + request)
+            try:
+                await asyncio.wait_for(future, timeout=DATAGRAM_TIMEOUT_S)
+                latencies.append((when, time.monotonic() - sent))
+                return
+            except TimeoutError:
+                answers.waiting.pop(nonce, None)
+                errors["datagram unanswered"] = errors.get("datagram unanswered", 0) + 1
         try:
             answer = await heartbeat_calls[index % CHANNELS](request, timeout=30)
             latencies.append((when, time.monotonic() - sent))
@@ -228,11 +288,11 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         except grpc.aio.AioRpcError as exc:
             errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
 
-    async def report(index: int, request: bytes, round_: int) -> None:
+    async def report(index: int, signed: tuple[bytes, bytes], round_: int) -> None:
         sent = time.monotonic()
         try:
             calls = main_report_calls if reports_to[0] == address else report_calls
-            await calls[index % CHANNELS](request, timeout=60)
+            await calls[index % CHANNELS](signed[0], timeout=60)
             report_latencies.append(time.monotonic() - sent)
             reported[round_] = reported.get(round_, 0) + 1
         except grpc.aio.AioRpcError as exc:
@@ -261,6 +321,8 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     cpu_end, window = cpu(), time.monotonic() - window_begin
     for channel in (*main, *beat_channels, *report_channels):
         await channel.close()
+    for sock, _ in datagrams:
+        sock.close()
     measured = [s for when, s in latencies if when >= warm_up]
     halves = (
         [s for when, s in latencies if warm_up <= when < warm_up + args.duration / 2],
@@ -272,6 +334,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "join_s": join_s,
         "signing_s": signing_s,
         "heartbeat_port": heartbeat_port,
+        "heartbeats_over": "datagrams" if datagrams else "gRPC",
         "reports_to": "heartbeat port" if reports_to[0] != address else "gRPC port",
         "heartbeats": len(measured),
         "heartbeats_per_s": len(measured) / args.duration,
@@ -398,7 +461,8 @@ def _code(r: dict[str, Any]) -> str:
     """A result's code and heartbeat processes, as its row names them."""
     code = r.get("code", "this tree")
     processes = r.get("heartbeat_processes")
-    return f"{code}, {processes} heartbeat process(es)" if processes else code
+    named = f"{code}, {processes} heartbeat process(es)" if processes else code
+    return f"{named}, heartbeats over {r['heartbeats_over']}" if "heartbeats_over" in r else named
 
 
 def markdown(results: list[dict[str, Any]], header: str) -> str:
@@ -449,6 +513,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=[1],
         help="the coordinator's --heartbeat-processes; one run each (default 1)",
+    )
+    parser.add_argument(
+        "--heartbeats",
+        choices=("udp", "grpc"),
+        default="udp",
+        help="how the simulated peers send heartbeats: as datagrams, over gRPC when unanswered within a "
+        "second, as a peer does (default; a --ref that answers none gets them over gRPC), or over gRPC only",
     )
     parser.add_argument(
         "--ref", default="", help="also load a coordinator of this git ref, in the same run (the baseline)"

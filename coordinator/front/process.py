@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
@@ -28,12 +29,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coordinator.admission import parse_body
+from coordinator.front.datagrams import WAKE_S, open_socket, serve
 from coordinator.front.wire import FAILED, NOT_ADMITTED, READY, SERVICE, STOP, Acked, Answer, Answers, Beat, Beats
 from coordinator.limits import check_heartbeat
 from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
 from protocol.errors import MalformedMessageError, VerificationError
+from protocol.heartbeat_datagram import answer, parse_request
 from protocol.messages import MessageVerifier, SignedMessage
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 FLUSH_S = 0.1
 """How often verified heartbeats go to the core: their figures reach status this much later."""
 THREADS = 16
+LISTEN_TRIES = 20
+"""Port 0: UDP numbers tried before one is also free on TCP."""
 MAX_HEARTBEAT_BYTES = 16 << 10
 """Largest request read: a heartbeat is a few hundred bytes."""
 
@@ -80,7 +85,7 @@ class Front:
             if not self.limiter.allow(source, time.monotonic()):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many requests from {source}: slow down")
         try:
-            return self._answer(raw, now)
+            return self._answer(raw, now)[0]
         except MalformedMessageError as exc:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except VerificationError as exc:
@@ -89,7 +94,23 @@ class Front:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         raise AssertionError("unreachable")
 
-    def _answer(self, raw: bytes, now: float) -> pb.HeartbeatResponse:
+    def datagram(self, data: bytes, source: str) -> bytes | None:
+        """The answer to a heartbeat datagram from host ``source`` (``protocol.heartbeat_datagram``),
+        or None: only a beat that passed every check from an admitted key is answered, and
+        whatever else arrives (a stranger, a replay, garbage, a source over its rate) is dropped
+        without a word, as a spoofed source must learn nothing."""
+        now = time.time()
+        if self.limiter is not None and not self.limiter.allow(source, time.monotonic()):
+            return None
+        try:
+            response, nonce = self._answer(parse_request(data), now)
+        except (MalformedMessageError, VerificationError, DecodeError, ValueError, RuntimeWarning) as exc:
+            logger.debug("dropped a heartbeat datagram from %s: %s", source, exc)
+            return None
+        return answer(nonce, response) if response.admitted else None
+
+    def _answer(self, raw: bytes, now: float) -> tuple[pb.HeartbeatResponse, bytes]:
+        """The answer to a serialized ``HeartbeatRequest`` and the nonce it was signed with."""
         try:
             request = pb.HeartbeatRequest.FromString(raw)
         except (DecodeError, RuntimeWarning, ValueError) as exc:
@@ -99,19 +120,20 @@ class Front:
         body = parse_body(pb.HeartbeatBody, message.body, kinds.HEARTBEAT)
         key = message.signer.id
         interval = self.config.heartbeat_interval_s
-        answer = self.table.get(key)
-        if answer is None:  # a stranger, or dropped: nothing of it is recorded
-            return pb.HeartbeatResponse(
+        known = self.table.get(key)
+        if known is None:  # a stranger, or dropped: nothing of it is recorded
+            refused = pb.HeartbeatResponse(
                 server_time=now, heartbeat_interval_s=interval, admitted=False, message=NOT_ADMITTED
             )
+            return refused, message.nonce
         self.verifier.record(message, now=now)
         check_heartbeat(body)
         beat = Beat(key, message.signer.raw, message.nonce, message.timestamp, message.body, now)
         with self._lock:
             self._beats.append(beat)
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
-        answer.fill(response)
-        return response
+        known.fill(response)
+        return response, message.nonce
 
     def apply(self, update: Answers) -> None:
         """The core's changes to the table."""
@@ -153,16 +175,16 @@ def run(conn: Connection, config: FrontConfig) -> None:
         front.heartbeat, request_deserializer=None, response_serializer=pb.HeartbeatResponse.SerializeToString
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Heartbeat": handler}),))
-    try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError:
-        port = 0
-    if port == 0:
+    listening = _listen(server, config)
+    if listening is None:
         send((FAILED, f"cannot listen on {config.host}:{config.port}: choose another --heartbeat-port"))
         return
+    port, datagram_socket = listening
     server.start()
     send((READY, port))
     stopped = threading.Event()
+    datagram_reader = threading.Thread(target=serve, args=(datagram_socket, front.datagram, stopped), daemon=True)
+    datagram_reader.start()
 
     def flush_forever() -> None:
         while not stopped.wait(FLUSH_S):
@@ -185,11 +207,33 @@ def run(conn: Connection, config: FrontConfig) -> None:
         pass
     finally:
         stopped.set()
+        datagram_reader.join(timeout=2 * WAKE_S)
+        datagram_socket.close()
         server.stop(grace=1).wait()
         try:
             front.flush()
         except (OSError, ValueError):
             pass
+
+
+def _listen(server: grpc.Server, config: FrontConfig) -> tuple[int, socket.socket] | None:
+    """Bind the heartbeat port: gRPC on TCP and the datagrams on UDP, one number; None where
+    it cannot. Port 0: a number free for both (UDP's picked first, a few tries)."""
+    for _ in range(LISTEN_TRIES if config.port == 0 else 1):
+        try:
+            sock = open_socket(config.host, config.port, reuse_port=config.reuse_port)
+        except OSError as exc:
+            logger.warning("cannot take UDP port %s: %s", config.port, exc)
+            return None
+        port = int(sock.getsockname()[1])
+        try:
+            bound = server.add_insecure_port(f"{config.host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if bound == port:
+            return port, sock
+        sock.close()
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from peer.link.coordinator_pin import verified_answer
+from peer.link.datagram_beats import DatagramBeats
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
 from protocol import kinds
@@ -132,11 +133,14 @@ class CoordinatorClient:
         endorsement: SignedMessage | None = None,
         local_ranks: int = 1,
         coordinator_key: PublicKey | None = None,
+        datagram_heartbeats: bool = True,
     ) -> None:
         """``identity`` signs every request; ``endorsement`` (the account's signature over its
         public key, see ``peer.node.node_identity``) names the account it earns for;
         ``coordinator_key``: the key its join answers must be signed with
-        (``peer.link.coordinator_pin``; None: the first answer's signer, kept for later joins)."""
+        (``peer.link.coordinator_pin``; None: the first answer's signer, kept for later joins);
+        ``datagram_heartbeats``: heartbeats go to the heartbeat port as UDP datagrams first
+        (``peer.link.datagram_beats``), over gRPC where none is answered."""
         if ":" not in address:
             raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
         self.address, self.identity, self.software_version = address, identity, software_version
@@ -148,6 +152,9 @@ class CoordinatorClient:
         self._beats: tuple[str, grpc.Channel, pb_grpc.CoordinatorStub] | None = None
         """The heartbeat port's address, channel and stub (None: heartbeats go to ``address``)."""
         self._beats_failed_at = -float("inf")
+        self.datagram_heartbeats = datagram_heartbeats
+        self.datagrams: DatagramBeats | None = None
+        """Heartbeats as datagrams to the heartbeat port (None: none named, or turned off)."""
 
     def join_as(self, who: JoinAs) -> JoinInfo:
         """``join`` saying ``who``."""
@@ -212,9 +219,17 @@ class CoordinatorClient:
         if self._beats is not None:
             self._beats[1].close()
             self._beats = None
+        if self.datagrams is not None:
+            self.datagrams.close()
+            self.datagrams = None
         if address:
             channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._beats = (address, channel, pb_grpc.CoordinatorStub(channel))
+            if self.datagram_heartbeats:
+                try:
+                    self.datagrams = DatagramBeats(host.strip("[]"), port)
+                except OSError as exc:  # the host does not resolve for UDP: gRPC only
+                    logger.info("no heartbeat datagrams to %s: %s", address, exc)
 
     def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
         """To the heartbeat port the join answer named, else (none named, or it failed within
@@ -222,8 +237,15 @@ class CoordinatorClient:
         A leaving peer's heartbeat goes to the gRPC address: its answer is the peer's last
         account of its work, which must count the reports it has just sent (the heartbeat
         processes answer from tables that follow the coordinator by up to a tick)."""
+        leaving = body.phase == pb.PEER_PHASE_LEAVING
         request = pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body))
-        beats = None if body.phase == pb.PEER_PHASE_LEAVING else self._beats
+        if self.datagrams is not None and not leaving and not self.datagrams.resting:
+            answer = self.datagrams.send(request)
+            if answer is not None:
+                return answer
+            # unanswered: it may have arrived all the same, and the same beat again is a replay
+            request = pb.HeartbeatRequest(signed=self._sign(kinds.HEARTBEAT, body))
+        beats = None if leaving else self._beats
         if beats is not None and time.monotonic() - self._beats_failed_at >= HEARTBEAT_PORT_BACKOFF_S:
             try:
                 return beats[2].Heartbeat(request, timeout=HEARTBEAT_PORT_TIMEOUT_S)
@@ -269,6 +291,8 @@ class CoordinatorClient:
         self.channel.close()
         if self._beats is not None:
             self._beats[1].close()
+        if self.datagrams is not None:
+            self.datagrams.close()
 
 
 def plain_rpc_error(exc: grpc.RpcError) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from peer.link.coordinator_client import CoordinatorClient
 from protocol import coordinator_pb2 as pb
 from protocol import coordinator_pb2_grpc as pb_grpc
-from protocol import kinds
+from protocol import heartbeat_datagram, kinds
 from protocol.identity import Identity, PublicKey
 from protocol.messages import sign_message
 from protocol.pids import pid_alive
@@ -77,8 +78,9 @@ def test_heartbeats_take_their_port_and_the_gRPC_port_when_it_dies(
         assert f"127.0.0.1:{info.heartbeat_port}" == beats != address
         key = peer.public_key
 
-        # the first heartbeat right after the join finds the peer admitted there
+        # the first heartbeat right after the join finds the peer admitted there, as a datagram
         assert client.heartbeat(pb.HeartbeatBody(round=1, punched_peers=3)).admitted
+        assert client.datagrams is not None and (client.datagrams.answered, client.datagrams.missed) == (1, 0)
         wait_until(lambda: punched(address, key) == 3, 30, "the heartbeat process's beat in status")
 
         # what an attacker sends to the heartbeat port
@@ -125,6 +127,54 @@ def test_heartbeats_take_their_port_and_the_gRPC_port_when_it_dies(
         wait_until(lambda: punched(address, key) == 7, 30, "the new process's beat in status")
         assert stranger.admitted is False and punched(address, Identity.generate().public_key) is None
     finally:
+        client.close()
+
+
+def test_the_datagram_port_answers_only_an_admitted_peers_fresh_beats(
+    coordinator: LocalCoordinator, tmp_path: Path
+) -> None:
+    """What an attacker sends to the heartbeat port's UDP side of a real heartbeat process: a
+    stranger's beat, a peer's beat replayed from another socket, a forged one, garbage and a
+    flood of it get no answer and change nothing; the peer's own beats are still answered."""
+    address, beats = coordinator.address(), coordinator.heartbeats()
+    digest = parse_spec((tmp_path / "spec.toml").read_text()).digest()
+    peer = Identity.generate()
+    client = CoordinatorClient(address, peer, software_version="test")
+    host, port = beats.rsplit(":", 1)
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    attacker.settimeout(1.0)
+
+    def answered(data: bytes) -> bool:
+        attacker.sendto(data, (host, int(port)))
+        try:
+            attacker.recv(2048)
+        except TimeoutError:
+            return False
+        return True
+
+    try:
+        client.join(libp2p_peer_id="12D3KooWtest", spec_digest=digest)
+        key = peer.public_key
+        assert client.heartbeat(pb.HeartbeatBody(punched_peers=3)).admitted
+        wait_until(lambda: punched(address, key) == 3, 30, "the datagram beat in status")
+        stranger = Identity.generate()
+        assert not answered(heartbeat_datagram.request(signed(stranger, pb.HeartbeatBody(punched_peers=50))))
+        captured = heartbeat_datagram.request(signed(peer, pb.HeartbeatBody(punched_peers=4)))
+        assert answered(captured)  # a beat the peer signed, sent by whoever holds it: once
+        assert not answered(captured)
+        forged = signed(peer, pb.HeartbeatBody(punched_peers=5))
+        forged.signed.body = pb.HeartbeatBody(punched_peers=66).SerializeToString()
+        assert not answered(heartbeat_datagram.request(forged))
+        for junk in (b"", b"stH1" + os.urandom(300), os.urandom(1500)):
+            assert not answered(junk)
+        for _ in range(2000):  # a flood of garbage
+            attacker.sendto(b"stH1" + os.urandom(200), (host, int(port)))
+        fresh = lambda: answered(heartbeat_datagram.request(signed(peer, pb.HeartbeatBody(punched_peers=7))))  # noqa: E731
+        wait_until(fresh, 30, "the port to answer the peer's fresh beats after the flood")
+        wait_until(lambda: punched(address, key) == 7, 30, "the peer's next beat in status")
+        assert punched(address, stranger.public_key) is None
+    finally:
+        attacker.close()
         client.close()
 
 
