@@ -6,7 +6,9 @@ Each heartbeat is checked here as the core would (size, parse, signature, age, r
 admitted), answered from the table, and sent to the core in batches every ``FLUSH_S``, where
 it is applied (``Heartbeats.apply_beats``: admitted still, and checked once more against
 replays, since a beat replayed to a second heartbeat process passes that one's guard). A key
-the table does not hold is told to join again, and nothing of it is recorded. The process
+the table does not hold is told to join again, and nothing of it is recorded. The same
+heartbeats arrive as UDP datagrams on the port's number (``coordinator.front.datagrams``,
+``Front.datagram``): checked the same way, and answered only when admitted. The process
 imports neither the store nor the core: it holds no state a crash could lose.
 """
 

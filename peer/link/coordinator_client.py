@@ -232,8 +232,10 @@ class CoordinatorClient:
                     logger.info("no heartbeat datagrams to %s: %s", address, exc)
 
     def heartbeat(self, body: pb.HeartbeatBody) -> pb.HeartbeatResponse:
-        """To the heartbeat port the join answer named, else (none named, or it failed within
-        ``HEARTBEAT_PORT_BACKOFF_S``: a firewall, a process restarting) to the gRPC address.
+        """To the heartbeat port the join answer named, as a datagram first
+        (``peer.link.datagram_beats``; unanswered: signed afresh, over gRPC), else (none named,
+        or it failed within ``HEARTBEAT_PORT_BACKOFF_S``: a firewall, a process restarting) to the
+        gRPC address.
         A leaving peer's heartbeat goes to the gRPC address: its answer is the peer's last
         account of its work, which must count the reports it has just sent (the heartbeat
         processes answer from tables that follow the coordinator by up to a tick)."""
