@@ -20,7 +20,7 @@ from peer.link.datagram_beats import DatagramBeats
 from protocol import coordinator_pb2 as pb
 from protocol.heartbeat_datagram import MAX_DATAGRAM_BYTES, REQUEST_TAG, answer, parse_answer
 from protocol.identity import Identity
-from tests.unit.test_heartbeat_front import Wire, joined, request
+from tests.unit.front_wire import Wire, joined, request
 
 
 def datagram(raw: bytes) -> bytes:
