@@ -260,6 +260,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
     latencies: list[tuple[float, float]] = []  # (when, seconds)
     report_latencies: list[float] = []
     errors: dict[str, int] = {}
+    details: set[str] = set()  # what the first failures said
     reported: dict[int, int] = {}  # round -> reports sent
     begin = time.monotonic() - (time.time() - wall_begin)
     late: list[float] = []
@@ -287,6 +288,8 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
                 errors["not admitted"] = errors.get("not admitted", 0) + 1
         except grpc.aio.AioRpcError as exc:
             errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+            if len(details) < 5:
+                details.add(f"heartbeat {exc.code().name}: {str(exc.details())[:160]}")
 
     async def report(index: int, signed: tuple[bytes, bytes], round_: int) -> None:
         sent = time.monotonic()
@@ -297,6 +300,8 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
             reported[round_] = reported.get(round_, 0) + 1
         except grpc.aio.AioRpcError as exc:
             errors["report " + exc.code().name] = errors.get("report " + exc.code().name, 0) + 1
+            if len(details) < 5:
+                details.add(f"report {exc.code().name}: {str(exc.details())[:160]}")
 
     load_cpu = time.process_time()
     cpu_begin, window_begin = cpu(), time.monotonic()
@@ -347,6 +352,7 @@ async def run_load(address: str, digest: str, args: argparse.Namespace, peers: i
         "report_p50_ms": 1000 * percentile(report_latencies, 0.5),
         "report_p99_ms": 1000 * percentile(report_latencies, 0.99),
         "errors": errors,
+        "error_details": sorted(details),
         "reported": reported,
         "peers_online": online,
         "load_cpu_share": load_cpu / window,
@@ -489,7 +495,12 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     for r in results:
         rows = ", ".join(f"{t} {v:,.0f}" for t, v in r["rows_per_hour"].items())
         lines.append(f"- {_code(r)}, {r['peers']} peers: {rows}")
-    errors = [f"- {_code(r)}, {r['peers']} peers: {r['errors']}" for r in results if r["errors"]]
+    errors = [
+        f"- {_code(r)}, {r['peers']} peers: {r['errors']}"
+        + "".join(f"\n  - {detail}" for detail in r.get("error_details", []))
+        for r in results
+        if r["errors"]
+    ]
     if errors:
         lines += ["", "Errors:", "", *errors]
     return "\n".join(lines) + "\n"
