@@ -38,19 +38,32 @@ or None for a key the run never admitted, has revoked, or that already has a cla
 @dataclass
 class _Round:
     claims: dict[str, RoundClaim] = field(default_factory=dict)
+    naming: dict[str, list[RoundClaim]] = field(default_factory=dict)
+    """Member key -> the round's claims whose group lists it, in arrival order: a claim's
+    views, looked up instead of scanned (every claim of the round against every other was
+    O(N²) per round: 10,000 reporters kept the core's lock for minutes)."""
     decided: set[str] = field(default_factory=set)
     first_received: float = math.inf
     absent: dict[str, RoundClaim] = field(default_factory=dict)
     """Members credited in absentia: what their witnesses claim for them. Never a witness
     themselves, and a later report of theirs is a second claim."""
 
+    def add(self, claim: RoundClaim) -> None:
+        self.claims[claim.key] = claim
+        for member in claim.group:  # each key once (``_check_claim``)
+            self.naming.setdefault(member.key, []).append(claim)
+        self.first_received = min(self.first_received, claim.received_at)
+
+    def views(self, key: str) -> list[RoundClaim]:
+        """The round's claims whose group lists ``key``, in arrival order."""
+        return self.naming.get(key, [])
+
     def pending(self) -> list[str]:
         return sorted(k for k in self.claims if k not in self.decided)
 
     def unreported(self) -> list[str]:
         """Members some claim names that neither reported nor were credited in absentia."""
-        named = {m.key for c in self.claims.values() for m in c.group}
-        return sorted(named - self.claims.keys() - self.absent.keys())
+        return sorted(self.naming.keys() - self.claims.keys() - self.absent.keys())
 
     def complete(self) -> bool:
         return not self.unreported()
@@ -147,9 +160,7 @@ class RoundLedger:
         """Queue a claim; ``ValueError`` naming what is wrong if it is malformed, repeats a
         (key, round) already claimed, or is for a round already forgotten."""
         self.check(claim)
-        entry = self._rounds.setdefault(claim.round, _Round())
-        entry.claims[claim.key] = claim
-        entry.first_received = min(entry.first_received, claim.received_at)
+        self._rounds.setdefault(claim.round, _Round()).add(claim)
 
     def pending(self) -> int:
         """How many claims are waiting for a decision."""
@@ -176,6 +187,7 @@ class RoundLedger:
                         self.max_samples_per_second,
                         min_attester_age_s=self.min_attester_age_s,
                         member_of=member_of,
+                        views=entry.views(key),
                     )
                 )
                 entry.decided.add(key)
@@ -201,6 +213,7 @@ class RoundLedger:
                 account=owner[0],
                 now=now,
                 min_attester_age_s=self.min_attester_age_s,
+                views=entry.views(key),
             )
             if verdict is not None and verdict.in_absentia is not None:
                 entry.absent[key] = verdict.in_absentia
@@ -234,11 +247,15 @@ def decide(
     *,
     min_attester_age_s: float = 0.0,
     member_of: MemberOf | None = None,
+    views: list[RoundClaim] | None = None,
 ) -> ClaimVerdict:
-    """Decide ``claim`` against all claims of its round (keyed by reporter); see ``RoundLedger``."""
+    """Decide ``claim`` against all claims of its round (keyed by reporter); see ``RoundLedger``.
+    ``views``: the round's claims whose group lists ``claim``'s key, in arrival order, where the
+    caller keeps them (``_Round.views``); else found by a scan of ``claims``."""
     if len(claim.group) == 1:
         return _denied(claim, "averaged with nobody: its group lists only itself")
-    views = [c for c in claims.values() if c.weight_for(claim.key) is not None]
+    if views is None:
+        views = [c for c in claims.values() if c.weight_for(claim.key) is not None]
     # the group's reports vote on the round's state (protocol.agreement): a tie grants nobody
     agreed = agreed_state(Vote(c.key, claim.round, c.state_digest) for c in views)
     if agreed is None:
@@ -314,10 +331,13 @@ def decide_absent(
     account: str,
     now: float,
     min_attester_age_s: float = 0.0,
+    views: list[RoundClaim] | None = None,
 ) -> ClaimVerdict | None:
     """Credit ``key``, which its round's ``claims`` name but which never reported, in absentia
-    (see ``RoundLedger``); None when its witnesses do not suffice (nothing is recorded then)."""
-    views = [c for c in claims.values() if c.weight_for(key) is not None]
+    (see ``RoundLedger``); None when its witnesses do not suffice (nothing is recorded then).
+    ``views`` as ``decide``'s."""
+    if views is None:
+        views = [c for c in claims.values() if c.weight_for(key) is not None]
     agreed = agreed_state(Vote(c.key, round_, c.state_digest) for c in views)
     if agreed is None:
         return None
