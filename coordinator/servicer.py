@@ -36,10 +36,22 @@ T = TypeVar("T")
 
 MAX_REQUEST_BYTES = 1 << 20
 """Largest request the server reads: a round report of the largest group is ~300 KB."""
-SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_REQUEST_BYTES), ("grpc.so_reuseport", 0)]
+MAX_PENDING_CALLS = 16_384
+"""Calls the server holds while every worker thread is busy (gRPC's own default: up to 1,000,
+then some refused at random, all beyond 3,000, CANCELLED). A round's end brings one report per
+peer within seconds, each holding a worker until its batch is committed: at 10,000 peers gRPC
+cancelled 15% of a round's reports (``benchmarks/coordinator_load.py``). Each waits with at most
+its stream's flow-control window (64 KiB) read."""
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+]
 """Options for ``grpc.server``: a larger request is refused with RESOURCE_EXHAUSTED; the port is
 bound without SO_REUSEPORT (gRPC's default would let a second coordinator share it, the kernel
-splitting the peers between the two)."""
+splitting the peers between the two); a round's burst of reports waits rather than being
+cancelled (``MAX_PENDING_CALLS``)."""
 
 
 def add_to_server(servicer: CoordinatorServicer, server: grpc.Server, *, limiter: SourceLimiter | None = None) -> None:
