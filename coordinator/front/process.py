@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 FLUSH_S = 0.1
 """How often verified heartbeats go to the core: their figures reach status this much later."""
 THREADS = 16
+FAILED_CHECKS_PER_S = 200.0
+FAILED_CHECKS_BURST = 1000.0
+"""Datagrams from admitted keys whose checks fail (forged signatures, replays, stale), a second
+and in a burst, before datagrams are shed: honest peers fail none (a resent beat is signed afresh)."""
+SHED_S = 5.0
+"""How long every datagram is dropped unchecked once failures pass that rate."""
 LISTEN_TRIES = 20
 """Port 0: UDP numbers tried before one is also free on TCP."""
 MAX_HEARTBEAT_BYTES = 16 << 10
@@ -79,6 +85,8 @@ class Front:
         self.limiter = SourceLimiter(rate) if rate > 0 else None
         self._beats: list[Beat] = []
         self._lock = threading.Lock()
+        self._failed_checks = SourceLimiter(FAILED_CHECKS_PER_S, FAILED_CHECKS_BURST)
+        self._shed_until = -float("inf")
 
     def heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         now = time.time()
@@ -100,34 +108,58 @@ class Front:
         """The answer to a heartbeat datagram from host ``source`` (``protocol.heartbeat_datagram``),
         or None: only a beat that passed every check from an admitted key is answered, and
         whatever else arrives (a stranger, a replay, garbage, a source over its rate) is dropped
-        without a word, as a spoofed source must learn nothing."""
+        without a word, as a spoofed source must learn nothing.
+
+        A datagram's source can be forged, so the per-source limit does not bound what a flood
+        costs: a key the table does not hold is dropped before its signature is checked, and
+        when more than ``FAILED_CHECKS_PER_S`` signatures a second fail (bursts of
+        ``FAILED_CHECKS_BURST``), every datagram is dropped unchecked for ``SHED_S``: peers then
+        beat over gRPC, whose sources cannot be forged and are limited each."""
         now = time.time()
         if self.limiter is not None and not self.limiter.allow(source, time.monotonic()):
             return None
+        if time.monotonic() < self._shed_until:
+            return None
         try:
-            response, nonce = self._answer(parse_request(data), now)
-        except (MalformedMessageError, VerificationError, DecodeError, ValueError, RuntimeWarning) as exc:
+            message = self._parse(parse_request(data))
+            if message.signer.id not in self.table:
+                return None
+            response = self._check(message, now)
+        except VerificationError as exc:
+            logger.debug("dropped a heartbeat datagram from %s: %s", source, exc)
+            if not isinstance(exc, MalformedMessageError) and not self._failed_checks.allow("", time.monotonic()):
+                self._shed_until = time.monotonic() + SHED_S
+                logger.warning("heartbeat datagrams failing their checks in a flood: dropped for %.0f s", SHED_S)
+            return None
+        except (DecodeError, ValueError, RuntimeWarning) as exc:
             logger.debug("dropped a heartbeat datagram from %s: %s", source, exc)
             return None
-        return answer(nonce, response) if response.admitted else None
+        return answer(message.nonce, response) if response.admitted else None
 
     def _answer(self, raw: bytes, now: float) -> tuple[pb.HeartbeatResponse, bytes]:
         """The answer to a serialized ``HeartbeatRequest`` and the nonce it was signed with."""
+        message = self._parse(raw)
+        return self._check(message, now), message.nonce
+
+    @staticmethod
+    def _parse(raw: bytes) -> SignedMessage:
         try:
             request = pb.HeartbeatRequest.FromString(raw)
         except (DecodeError, RuntimeWarning, ValueError) as exc:
             raise MalformedMessageError(f"malformed HeartbeatRequest: {exc}") from exc
-        message = SignedMessage.from_proto(request.signed)
+        return SignedMessage.from_proto(request.signed)
+
+    def _check(self, message: SignedMessage, now: float) -> pb.HeartbeatResponse:
+        """Check ``message`` as the core would; its answer (a stranger's: join again)."""
         self.verifier.verify(message, now=now, kind=kinds.HEARTBEAT, record=False)
         body = parse_body(pb.HeartbeatBody, message.body, kinds.HEARTBEAT)
         key = message.signer.id
         interval = self.config.heartbeat_interval_s
         known = self.table.get(key)
         if known is None:  # a stranger, or dropped: nothing of it is recorded
-            refused = pb.HeartbeatResponse(
+            return pb.HeartbeatResponse(
                 server_time=now, heartbeat_interval_s=interval, admitted=False, message=NOT_ADMITTED
             )
-            return refused, message.nonce
         self.verifier.record(message, now=now)
         check_heartbeat(body)
         beat = Beat(key, message.signer.raw, message.nonce, message.timestamp, message.body, now)
@@ -135,7 +167,7 @@ class Front:
             self._beats.append(beat)
         response = pb.HeartbeatResponse(server_time=now, heartbeat_interval_s=interval, admitted=True)
         known.fill(response)
-        return response, message.nonce
+        return response
 
     def apply(self, update: Answers) -> None:
         """The core's changes to the table."""

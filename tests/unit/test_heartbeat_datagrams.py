@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from coordinator.core import Coordinator
+from coordinator.front import process
 from coordinator.front.datagrams import open_socket, serve
 from coordinator.ratelimit import SourceLimiter
 from peer.link import datagram_beats
@@ -195,3 +196,38 @@ def test_unanswered_beats_rest_after_three(server_of: Callable[..., Server]) -> 
         assert time.monotonic() - started < 2.0  # resting: nothing waited for
     finally:
         beats.close()
+
+
+def test_a_flood_from_forged_sources_costs_no_signature_check_for_strangers_and_bounded_checks_for_forgeries(
+    core: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A datagram's source can be forged, so a flood from thousands of addresses passes every
+    per-source limit: strangers' keys are dropped before their signature is checked, forged
+    signatures of an admitted key are checked up to a burst and then every datagram is shed for
+    a while (peers beat over gRPC meanwhile), and datagrams are answered again afterwards."""
+    wire = Wire(core)
+    peer = joined(core)
+    wire.sync()
+    checks = [0]
+    verify = wire.front.verifier.verify
+
+    def counted(*args: object, **kwargs: object) -> object:
+        checks[0] += 1
+        return verify(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wire.front.verifier, "verify", counted)
+    strangers = [datagram(request(Identity.generate())) for _ in range(50)]
+    for index, junk in enumerate(strangers * 20):
+        assert wire.front.datagram(junk, f"198.51.{index // 250}.{index % 250}") is None
+    assert checks[0] == 0
+
+    forged = pb.HeartbeatRequest.FromString(request(peer))
+    forged.signed.signature = bytes(64)
+    flood = datagram(forged.SerializeToString())
+    for index in range(3000):
+        assert wire.front.datagram(flood, f"203.0.{index // 250}.{index % 250}") is None
+    assert checks[0] <= process.FAILED_CHECKS_BURST + 50, checks[0]  # the burst, then shed
+    assert wire.front.datagram(datagram(request(peer)), "10.0.0.9") is None  # shed: over gRPC meanwhile
+    wire.front._shed_until = time.monotonic()  # the shedding's end
+    assert wire.front.datagram(datagram(request(peer)), "10.0.0.9") is not None
+    assert wire.deliver() == 1
