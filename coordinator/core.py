@@ -229,7 +229,8 @@ class Coordinator:
             return pb.HeartbeatResponse(
                 server_time=now, heartbeat_interval_s=interval, admitted=False, message=NOT_ADMITTED
             )
-        self.beats.apply(peer.id, body, now)
+        if self.beats.newer(peer.id, envelope.timestamp):
+            self.beats.apply(peer.id, body, now)
         return self.beats.response(peer.id, now, interval)
 
     def report_round(self, envelope: pb.SignedEnvelope, *, now: float) -> pb.RoundReportResponse:

@@ -59,7 +59,19 @@ class Heartbeats:
         self.max_samples_per_second = max_samples_per_second
         self._joined: set[str] = set()
         self._dropped: set[str] = set()
+        self._signed_at: dict[str, float] = {}
+        """Key -> the signing time of its latest heartbeat applied."""
         self._lock = threading.Lock()
+
+    def newer(self, key: str, signed_at: float) -> bool:
+        """Whether a heartbeat ``key`` signed at ``signed_at`` is not older than the last one
+        applied (then it counts as the last): a beat that waited in a heartbeat process's queue
+        while its peer sent a fresh one over gRPC must not set the peer's figures back."""
+        with self._lock:
+            if signed_at < self._signed_at.get(key, -math.inf):
+                return False
+            self._signed_at[key] = signed_at
+            return True
 
     def apply(self, key: str, body: pb.HeartbeatBody, now: float) -> None:
         """Apply an admitted peer's verified, in-bounds heartbeat ``body`` received at ``now``;
@@ -85,8 +97,9 @@ class Heartbeats:
 
     def apply_beats(self, beats: tuple[Beat, ...], *, now: float) -> int:
         """Apply a heartbeat process's batch: each beat of a key still admitted, recorded once
-        against replays (a beat replayed to a second process is applied once), at the time
-        it was received (never later than ``now``). The number applied."""
+        against replays (a beat replayed to a second process is applied once), signed no earlier
+        than the last one applied (``newer``), at the time it was received (never later than
+        ``now``). The number applied."""
         applied = 0
         for beat in beats:
             try:
@@ -95,6 +108,9 @@ class Heartbeats:
                     continue
                 self.verifier.record_nonce(beat.signer, beat.nonce, beat.timestamp, now=now, what=kinds.HEARTBEAT)
                 body = pb.HeartbeatBody.FromString(beat.body)
+                if not self.newer(beat.key, beat.timestamp):
+                    logger.debug("a heartbeat of %s signed before one already applied: not applied", beat.key)
+                    continue
                 self.apply(beat.key, body, min(beat.received_at, now))
             except (VerificationError, ValueError, RuntimeWarning) as exc:  # not taken: the rest are
                 logger.info("a heartbeat process's beat of %s not applied: %s", beat.key, exc)
@@ -127,12 +143,14 @@ class Heartbeats:
         with self._lock:
             self._joined.add(key)
             self._dropped.discard(key)
+            self._signed_at.pop(key, None)  # a peer restarted with its clock set back starts afresh
 
     def dropped(self, key: str) -> None:
         """``key`` is no longer admitted (banned, taken off the allowlist)."""
         with self._lock:
             self._dropped.add(key)
             self._joined.discard(key)
+            self._signed_at.pop(key, None)
 
     def drain(self) -> tuple[dict[str, Answer], tuple[str, ...]]:
         """The answers that changed since the last call (keys that joined, whose credit or data

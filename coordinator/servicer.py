@@ -40,8 +40,10 @@ MAX_PENDING_CALLS = 16_384
 """Calls the server holds while every worker thread is busy (gRPC's own default: up to 1,000,
 then some refused at random, all beyond 3,000, CANCELLED). A round's end brings one report per
 peer within seconds, each holding a worker until its batch is committed: at 10,000 peers gRPC
-cancelled 15% of a round's reports (``benchmarks/coordinator_load.py``). Each waits with at most
-its stream's flow-control window (64 KiB) read."""
+cancelled 15% of a round's reports (``benchmarks/coordinator_load.py``). A waiting call holds
+what its stream's flow-control window let in (64 KiB at first; gRPC's bandwidth probing can
+widen it), and the per-source limit runs only once a call is taken, so one client can fill the
+queue: the bound on that memory is this number times the window."""
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.so_reuseport", 0),

@@ -234,6 +234,22 @@ class MessageVerifier:
                 if seen:
                     raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
 
+    def screen(self, message: SignedMessage, *, now: float, kind: str) -> None:
+        """Raise the ``VerificationError`` ``verify`` would for what needs no signature check
+        (kind, age, a replay already seen), for a caller that must not spend one on a message
+        that would fail anyway (a datagram whose source can be forged)."""
+        if message.kind != kind:
+            raise WrongKindError(f"expected a {kind!r} message, got {message.kind!r}")
+        age = now - message.timestamp
+        if age > self.max_age_s or -age > self.max_future_s:
+            raise StaleMessageError(
+                f"{kind}: message is {age:.0f} s old (limits {self.max_age_s:.0f} s, {self.max_future_s:.0f} s ahead)"
+            )
+        with self._replay_lock:
+            seen = self.replay_guard.seen(message.signer.raw, message.nonce, now=now)
+        if seen:
+            raise ReplayedMessageError(f"{kind}: message from {message.signer.id} was already received")
+
     def record(self, message: SignedMessage, *, now: float, source: str = "") -> None:
         """Record a verified ``message`` as received (from host ``source``, counted against its
         share; "" counts against none); ``ReplayedMessageError`` if it already was, even by

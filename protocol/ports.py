@@ -41,11 +41,11 @@ def quiet_ports(path: Path = RANGE_FILE) -> range:
 
 def bindable(port: int, host: str = "") -> bool:
     """Whether a listener could bind ``port`` on ``host`` ("": every interface) now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, port))
-        except OSError:
-            return False
+    except OSError:  # taken, or no IPv4 here
+        return False
     return True
 
 

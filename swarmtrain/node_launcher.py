@@ -69,7 +69,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 def launch(command: Sequence[str], nproc: int, *, rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> int:
     """Run ``command`` (a ``swarmtrain`` argv) as ``nproc`` local ranks; the node's exit status.
     A rank whose heartbeat (``peer.node.node_env.HEARTBEAT_ENV``) stops for ``rank_timeout_s`` is hung."""
-    port = unassigned_port("127.0.0.1")  # rank 0's store binds it a moment later
+    port = unassigned_port()  # rank 0's store binds it a moment later
     beats = Path(tempfile.mkdtemp(prefix="swarmtrain-node-"))
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nproc):

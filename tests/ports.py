@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from protocol.pids import pid_alive
-from protocol.ports import bindable, quiet_ports
+from protocol.ports import LOWEST, bindable, quiet_ports
 
 CLAIMS = Path(tempfile.gettempdir()) / f"swarmtrain-test-ports-{os.getuid()}"
 """One file per claimed port, holding the claiming process's pid (per user: the suite runs as one)."""
@@ -45,7 +45,7 @@ def _claim(port: int) -> bool:
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports, free now, outside the ephemeral range, claimed for this process."""
-    candidates, ports = quiet_ports(), []
+    candidates, ports = quiet_ports() or range(LOWEST, 65_536), []  # all ephemeral: claims only
     for _ in range(TRIES):
         if len(ports) == n:
             return ports

@@ -21,9 +21,11 @@ __all__ = ["open_socket", "serve"]
 
 WAKE_S = 0.5
 """How often the reader looks whether it should stop."""
-RECEIVE_BUFFER = 4 << 20
-"""Datagrams the kernel holds while the thread is busy: ~10,000 heartbeats, two seconds of a
-run of 10,000 peers arriving at once."""
+RECEIVE_BUFFER = 1 << 20
+"""Asked of the kernel for the datagrams waiting while the thread is busy; it grants at most
+``net.core.rmem_max`` (Linux's default 208 KiB: a few hundred heartbeats, a fraction of a
+second at 10,000 peers). More would only hold beats their peers have given up on: a beat
+unanswered within a second is signed afresh and sent over gRPC."""
 
 
 def open_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -60,7 +62,11 @@ def serve(sock: socket.socket, answer: Callable[[bytes, str], bytes | None], sto
             if not stopped.is_set():
                 logger.warning("heartbeat datagrams stopped: %s", exc)
             return
-        reply = answer(data, str(source[0]))
+        try:
+            reply = answer(data, str(source[0]))
+        except Exception:  # one datagram's trouble must not end the reader (the process looks alive)
+            logger.exception("answering a heartbeat datagram from %s failed", source[0])
+            continue
         if reply is not None:
             try:
                 sock.sendto(reply, source)

@@ -32,12 +32,13 @@ from google.protobuf.message import DecodeError
 
 from coordinator.admission import parse_body
 from coordinator.front.datagrams import WAKE_S, open_socket, serve
+from coordinator.front.flood_guard import FloodGuard
 from coordinator.front.wire import FAILED, NOT_ADMITTED, READY, SERVICE, STOP, Acked, Answer, Answers, Beat, Beats
 from coordinator.limits import check_heartbeat
 from coordinator.ratelimit import SourceLimiter, source_host
 from protocol import coordinator_pb2 as pb
 from protocol import kinds
-from protocol.errors import MalformedMessageError, VerificationError
+from protocol.errors import BadSignatureError, MalformedMessageError, ReplayedMessageError, VerificationError
 from protocol.heartbeat_datagram import answer, parse_request
 from protocol.messages import MessageVerifier, SignedMessage
 
@@ -46,12 +47,6 @@ logger = logging.getLogger(__name__)
 FLUSH_S = 0.1
 """How often verified heartbeats go to the core: their figures reach status this much later."""
 THREADS = 16
-FAILED_CHECKS_PER_S = 200.0
-FAILED_CHECKS_BURST = 1000.0
-"""Datagrams from admitted keys whose checks fail (forged signatures, replays, stale), a second
-and in a burst, before datagrams are shed: honest peers fail none (a resent beat is signed afresh)."""
-SHED_S = 5.0
-"""How long every datagram is dropped unchecked once failures pass that rate."""
 LISTEN_TRIES = 20
 """Port 0: UDP numbers tried before one is also free on TCP."""
 MAX_HEARTBEAT_BYTES = 16 << 10
@@ -85,8 +80,10 @@ class Front:
         self.limiter = SourceLimiter(rate) if rate > 0 else None
         self._beats: list[Beat] = []
         self._lock = threading.Lock()
-        self._failed_checks = SourceLimiter(FAILED_CHECKS_PER_S, FAILED_CHECKS_BURST)
-        self._shed_until = -float("inf")
+        self.datagram_limiter = SourceLimiter(rate) if rate > 0 else None
+        """Datagrams' own buckets: a flood forged from a host's address must not use up that
+        host's gRPC heartbeats."""
+        self.flood = FloodGuard()
 
     def heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         now = time.time()
@@ -108,33 +105,34 @@ class Front:
         """The answer to a heartbeat datagram from host ``source`` (``protocol.heartbeat_datagram``),
         or None: only a beat that passed every check from an admitted key is answered, and
         whatever else arrives (a stranger, a replay, garbage, a source over its rate) is dropped
-        without a word, as a spoofed source must learn nothing.
-
-        A datagram's source can be forged, so the per-source limit does not bound what a flood
-        costs: a key the table does not hold is dropped before its signature is checked, and
-        when more than ``FAILED_CHECKS_PER_S`` signatures a second fail (bursts of
-        ``FAILED_CHECKS_BURST``), every datagram is dropped unchecked for ``SHED_S``: peers then
-        beat over gRPC, whose sources cannot be forged and are limited each."""
-        now = time.time()
-        if self.limiter is not None and not self.limiter.allow(source, time.monotonic()):
-            return None
-        if time.monotonic() < self._shed_until:
+        without a word, as a spoofed source must learn nothing. What costs no signature check
+        (a key the table does not hold, the kind, the age, a replay already seen) is judged
+        first; what a flood of forged signatures may cost is bounded by ``FloodGuard``."""
+        now, clock = time.time(), time.monotonic()
+        if self.datagram_limiter is not None and not self.datagram_limiter.allow(source, clock):
             return None
         try:
             message = self._parse(parse_request(data))
-            if message.signer.id not in self.table:
+            key = message.signer.id
+            if key not in self.table:
                 return None
+            self.verifier.screen(message, now=now, kind=kinds.HEARTBEAT)
+        except (VerificationError, DecodeError, ValueError, RuntimeWarning) as exc:
+            logger.debug("dropped a heartbeat datagram from %s: %s", source, exc)
+            return None
+        if not self.flood.admits(key, source, clock):
+            return None
+        try:
             response = self._check(message, now)
-        except VerificationError as exc:
+        except (VerificationError, ValueError, RuntimeWarning) as exc:
             logger.debug("dropped a heartbeat datagram from %s: %s", source, exc)
-            if not isinstance(exc, MalformedMessageError) and not self._failed_checks.allow("", time.monotonic()):
-                self._shed_until = time.monotonic() + SHED_S
-                logger.warning("heartbeat datagrams failing their checks in a flood: dropped for %.0f s", SHED_S)
+            if isinstance(exc, (BadSignatureError, ReplayedMessageError)):
+                self.flood.failed(clock)
             return None
-        except (DecodeError, ValueError, RuntimeWarning) as exc:
-            logger.debug("dropped a heartbeat datagram from %s: %s", source, exc)
+        if not response.admitted:
             return None
-        return answer(message.nonce, response) if response.admitted else None
+        self.flood.proved(key, source, clock)
+        return answer(message.nonce, response)
 
     def _answer(self, raw: bytes, now: float) -> tuple[pb.HeartbeatResponse, bytes]:
         """The answer to a serialized ``HeartbeatRequest`` and the nonce it was signed with."""
@@ -174,6 +172,7 @@ class Front:
         self.table.update(update.answers)  # one step each: handlers read whole entries
         for key in update.dropped:
             self.table.pop(key, None)
+            self.flood.forget(key)
 
     def flush(self) -> None:
         """Send the heartbeats verified since the last flush to the core."""
@@ -218,7 +217,8 @@ def run(conn: Connection, config: FrontConfig) -> None:
     send((READY, port))
     stopped = threading.Event()
     datagram_reader = threading.Thread(target=serve, args=(datagram_socket, front.datagram, stopped), daemon=True)
-    datagram_reader.start()
+    if datagram_socket is not None:
+        datagram_reader.start()
 
     def flush_forever() -> None:
         while not stopped.wait(FLUSH_S):
@@ -241,8 +241,9 @@ def run(conn: Connection, config: FrontConfig) -> None:
         pass
     finally:
         stopped.set()
-        datagram_reader.join(timeout=2 * WAKE_S)
-        datagram_socket.close()
+        if datagram_socket is not None:
+            datagram_reader.join(timeout=2 * WAKE_S)
+            datagram_socket.close()
         server.stop(grace=1).wait()
         try:
             front.flush()
@@ -250,23 +251,25 @@ def run(conn: Connection, config: FrontConfig) -> None:
             pass
 
 
-def _listen(server: grpc.Server, config: FrontConfig) -> tuple[int, socket.socket] | None:
+def _listen(server: grpc.Server, config: FrontConfig) -> tuple[int, socket.socket | None] | None:
     """Bind the heartbeat port: gRPC on TCP and the datagrams on UDP, one number; None where
-    it cannot. Port 0: a number free for both (UDP's picked first, a few tries)."""
+    TCP cannot be bound. Port 0: a number free for both (UDP's picked first, a few tries). A
+    UDP number taken by something else costs only the datagrams (peers beat over gRPC)."""
     for _ in range(LISTEN_TRIES if config.port == 0 else 1):
         try:
-            sock = open_socket(config.host, config.port, reuse_port=config.reuse_port)
+            sock: socket.socket | None = open_socket(config.host, config.port, reuse_port=config.reuse_port)
         except OSError as exc:
-            logger.warning("cannot take UDP port %s: %s", config.port, exc)
-            return None
-        port = int(sock.getsockname()[1])
+            logger.warning("no heartbeat datagrams: cannot take UDP port %s: %s", config.port, exc)
+            sock = None
+        port = int(sock.getsockname()[1]) if sock is not None else config.port
         try:
             bound = server.add_insecure_port(f"{config.host}:{port}")
         except RuntimeError:
             bound = 0
-        if bound == port:
-            return port, sock
-        sock.close()
+        if bound and (port == 0 or bound == port):
+            return bound, sock
+        if sock is not None:
+            sock.close()
     return None
 
 

@@ -40,7 +40,11 @@ class DatagramBeats:
         self.address = f"{host}:{port}"
         self.timeout_s = timeout_s
         self.sock = socket.socket(family, kind, proto)
-        self.sock.connect(address)
+        try:
+            self.sock.connect(address)
+        except OSError:
+            self.sock.close()
+            raise
         self.answered = 0
         self.missed = 0
         self._misses_in_a_row = 0

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from coordinator.core import Coordinator
-from coordinator.front import process
+from coordinator.front import flood_guard, process
 from coordinator.front.datagrams import open_socket, serve
 from coordinator.ratelimit import SourceLimiter
 from peer.link import datagram_beats
@@ -99,7 +99,7 @@ def test_an_out_of_bounds_beat_gets_no_answer(core: Coordinator) -> None:
 
 def test_a_flooding_source_is_cut_off_and_others_are_still_answered(core: Coordinator) -> None:
     wire = Wire(core)
-    wire.front.limiter = SourceLimiter(5.0, burst=10)
+    wire.front.datagram_limiter = SourceLimiter(5.0, burst=10)
     peers = [joined(core) for _ in range(2)]
     wire.sync()
     flood = [wire.front.datagram(datagram(request(peers[0])), "10.0.0.66") for _ in range(40)]
@@ -198,16 +198,18 @@ def test_unanswered_beats_rest_after_three(server_of: Callable[..., Server]) -> 
         beats.close()
 
 
-def test_a_flood_from_forged_sources_costs_no_signature_check_for_strangers_and_bounded_checks_for_forgeries(
+def test_a_flood_from_forged_sources_is_bounded_and_honest_peers_keep_their_datagrams(
     core: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A datagram's source can be forged, so a flood from thousands of addresses passes every
-    per-source limit: strangers' keys are dropped before their signature is checked, forged
-    signatures of an admitted key are checked up to a burst and then every datagram is shed for
-    a while (peers beat over gRPC meanwhile), and datagrams are answered again afterwards."""
+    per-source limit: strangers' keys and replays cost no signature check; forged signatures of
+    an admitted key are checked up to a burst, then only keys whose last good beat came from the
+    same address are checked (once per ``PER_KEY_S`` each): a peer beating before the flood keeps
+    its datagrams, one that had none goes over gRPC until the flood ends."""
     wire = Wire(core)
-    peer = joined(core)
+    steady, newcomer = joined(core), joined(core)
     wire.sync()
+    assert wire.front.datagram(datagram(request(steady)), "10.0.0.9") is not None  # before the flood
     checks = [0]
     verify = wire.front.verifier.verify
 
@@ -217,17 +219,46 @@ def test_a_flood_from_forged_sources_costs_no_signature_check_for_strangers_and_
 
     monkeypatch.setattr(wire.front.verifier, "verify", counted)
     strangers = [datagram(request(Identity.generate())) for _ in range(50)]
-    for index, junk in enumerate(strangers * 20):
+    captured = datagram(request(steady))
+    assert wire.front.datagram(captured, "10.0.0.9") is not None
+    checks[0] = 0
+    for index, junk in enumerate([*strangers, captured] * 20):
         assert wire.front.datagram(junk, f"198.51.{index // 250}.{index % 250}") is None
     assert checks[0] == 0
 
-    forged = pb.HeartbeatRequest.FromString(request(peer))
+    forged = pb.HeartbeatRequest.FromString(request(steady))
     forged.signed.signature = bytes(64)
     flood = datagram(forged.SerializeToString())
     for index in range(3000):
         assert wire.front.datagram(flood, f"203.0.{index // 250}.{index % 250}") is None
-    assert checks[0] <= process.FAILED_CHECKS_BURST + 50, checks[0]  # the burst, then shed
-    assert wire.front.datagram(datagram(request(peer)), "10.0.0.9") is None  # shed: over gRPC meanwhile
-    wire.front._shed_until = time.monotonic()  # the shedding's end
-    assert wire.front.datagram(datagram(request(peer)), "10.0.0.9") is not None
-    assert wire.deliver() == 1
+    assert checks[0] <= flood_guard.FAILED_BURST + 50, checks[0]  # the burst, then shed
+    assert wire.front.datagram(datagram(request(steady)), "10.0.0.9") is not None  # proven: still answered
+    assert wire.front.datagram(datagram(request(steady)), "10.0.0.9") is None  # once per PER_KEY_S
+    assert wire.front.datagram(datagram(request(newcomer)), "10.0.0.10") is None  # over gRPC meanwhile
+    clock = time.monotonic() + flood_guard.SHED_S + 1
+    monkeypatch.setattr(process.time, "monotonic", lambda: clock)  # the flood is over
+    assert wire.front.datagram(datagram(request(newcomer)), "10.0.0.10") is not None
+    assert wire.deliver() == 4
+
+
+def test_a_taken_udp_number_costs_only_the_datagrams() -> None:
+    """A fixed ``--heartbeat-port`` whose UDP number something else holds: the heartbeat process
+    still serves gRPC there (peers beat over it), rather than failing the coordinator's start."""
+    from concurrent import futures
+
+    import grpc
+
+    from coordinator.front.process import FrontConfig, _listen
+    from protocol.ports import bindable
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = int(taken.getsockname()[1])
+        if not bindable(port, "127.0.0.1"):
+            pytest.skip("that number is taken on TCP too")
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        config = FrontConfig("127.0.0.1", port, False, 0.0, 5.0, 300.0, 30.0)
+        try:
+            assert _listen(server, config) == (port, None)
+        finally:
+            server.stop(0)

@@ -138,3 +138,24 @@ def test_credit_and_data_changes_reach_the_table(core: Coordinator) -> None:
     assert (answer.credited_samples, answer.credited_flops) == (32, 6.4e9)
     answers, dropped = core.beats.drain()
     assert not answers and not dropped  # nothing changed since
+
+
+def test_a_beat_signed_before_one_already_applied_does_not_set_the_peer_back(core: Coordinator) -> None:
+    """A datagram that waited in a heartbeat process's queue while its peer, hearing nothing,
+    sent a fresh beat over gRPC: the older one arrives second and changes nothing (its round
+    going backwards, its failed-round count read as a restart and counted twice)."""
+    wire = Wire(core)
+    peer = joined(core)
+    wire.sync()
+    at = time.time()
+    late = request(peer, pb.HeartbeatBody(round=5, rounds_failed=2), at=at - 2)
+    fresh = pb.HeartbeatRequest.FromString(request(peer, pb.HeartbeatBody(round=6, rounds_failed=3), at=at - 1))
+    assert core.heartbeat(fresh.signed, now=at).admitted  # over the main port
+    wire.beat(late)
+    assert wire.deliver() == 0
+    health = core.health.get(peer.public_key.id)
+    assert health is not None and (health.round, health.rounds_failed) == (6, 3)
+    wire.beat(request(peer, pb.HeartbeatBody(round=7, rounds_failed=3), at=at))
+    assert wire.deliver() == 1
+    health = core.health.get(peer.public_key.id)
+    assert health is not None and health.round == 7
