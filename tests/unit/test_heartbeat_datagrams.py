@@ -229,9 +229,12 @@ def test_a_flood_from_forged_sources_is_bounded_and_honest_peers_keep_their_data
     forged = pb.HeartbeatRequest.FromString(request(steady))
     forged.signed.signature = bytes(64)
     flood = datagram(forged.SerializeToString())
+    started = time.monotonic()
     for index in range(3000):
         assert wire.front.datagram(flood, f"203.0.{index // 250}.{index % 250}") is None
-    assert checks[0] <= flood_guard.FAILED_BURST + 50, checks[0]  # the burst, then shed
+    refilled = flood_guard.FAILED_PER_S * (time.monotonic() - started)  # the budget's refill meanwhile
+    assert checks[0] <= flood_guard.FAILED_BURST + refilled + 1, (checks[0], refilled)  # the burst, then shed
+    assert checks[0] < 3000 - 1000  # most of the flood was dropped unchecked
     assert wire.front.datagram(datagram(request(steady)), "10.0.0.9") is not None  # proven: still answered
     assert wire.front.datagram(datagram(request(steady)), "10.0.0.9") is None  # once per PER_KEY_S
     assert wire.front.datagram(datagram(request(newcomer)), "10.0.0.10") is None  # over gRPC meanwhile
