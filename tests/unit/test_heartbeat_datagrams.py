@@ -147,12 +147,13 @@ def test_a_peer_takes_its_own_beats_answer_over_a_real_socket(
     peer = joined(core)
     wire.sync()
     server = server_of(wire.front.datagram)
-    beats = DatagramBeats("127.0.0.1", server.port)
+    beats = DatagramBeats("127.0.0.1", server.port, timeout_s=10.0)  # a loaded machine's reader may lag
     try:
         for _ in range(3):
             response = beats.send(beat(peer))
             assert response is not None and response.admitted
         assert (beats.answered, beats.missed) == (3, 0)
+        beats.timeout_s = 0.5
         assert beats.send(beat(Identity.generate())) is None  # a stranger: silence, then gRPC
         assert wire.deliver() == 3
     finally:
@@ -174,7 +175,7 @@ def test_answers_to_other_beats_and_forged_answers_are_ignored(server_of: Callab
         return answer(nonce, pb.HeartbeatResponse(admitted=True, server_time=1.0))
 
     server = server_of(reply)
-    beats = DatagramBeats("127.0.0.1", server.port)
+    beats = DatagramBeats("127.0.0.1", server.port, timeout_s=10.0)
     client.append(beats.sock.getsockname())
     try:
         response = beats.send(beat(peer))
@@ -188,12 +189,11 @@ def test_unanswered_beats_rest_after_three(server_of: Callable[..., Server]) -> 
     server = server_of(lambda data, source: None)
     beats = DatagramBeats("127.0.0.1", server.port, timeout_s=0.2)
     try:
-        started = time.monotonic()
         for _ in range(datagram_beats.MISSES_TO_REST):
             assert beats.send(beat(Identity.generate())) is None
         assert beats.resting and beats.missed == datagram_beats.MISSES_TO_REST
+        # resting: nothing sent nor waited for (a wait would count a fourth miss)
         assert beats.send(beat(Identity.generate())) is None and beats.missed == datagram_beats.MISSES_TO_REST
-        assert time.monotonic() - started < 2.0  # resting: nothing waited for
     finally:
         beats.close()
 
