@@ -55,27 +55,11 @@ def signed_beats(keys: list[Any], count: int, start: float, rate: float) -> list
     return beats
 
 
-class Answers(asyncio.DatagramProtocol):
-    def __init__(self) -> None:
-        self.waiting: dict[bytes, tuple[float, asyncio.Future[float]]] = {}
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        from protocol.errors import MalformedMessageError
-        from protocol.heartbeat_datagram import parse_answer
-
-        try:
-            nonce, _ = parse_answer(data)
-        except MalformedMessageError:
-            return
-        entry = self.waiting.pop(nonce, None)
-        if entry is not None and not entry[1].done():
-            entry[1].set_result(time.monotonic() - entry[0])
-
-
 async def send_all(transport: str, port: int, beats: list[tuple[float, bytes, bytes]], begin: float) -> dict[str, Any]:
     """Send ``beats`` at their offsets from ``begin`` (monotonic); latencies and failures."""
     import grpc
 
+    from benchmarks.coordinator_load import DatagramAnswers
     from protocol import coordinator_pb2 as pb
     from protocol.heartbeat_datagram import REQUEST_TAG
 
@@ -91,7 +75,9 @@ async def send_all(transport: str, port: int, beats: list[tuple[float, bytes, by
         )
         for c in channels
     ]
-    endpoints = [await loop.create_datagram_endpoint(Answers, remote_addr=("127.0.0.1", port)) for _ in range(CHANNELS)]
+    endpoints = [
+        await loop.create_datagram_endpoint(DatagramAnswers, remote_addr=("127.0.0.1", port)) for _ in range(CHANNELS)
+    ]
 
     async def one(index: int, raw: bytes, nonce: bytes) -> None:
         nonlocal failures
@@ -107,11 +93,12 @@ async def send_all(transport: str, port: int, beats: list[tuple[float, bytes, by
             failures += 1
             return
         sock, protocol = endpoints[index % CHANNELS]
-        future: asyncio.Future[float] = loop.create_future()
-        protocol.waiting[nonce] = (sent, future)
+        future: asyncio.Future[None] = loop.create_future()
+        protocol.waiting[nonce] = future
         sock.sendto(REQUEST_TAG + raw)
         try:
-            latencies.append(await asyncio.wait_for(future, timeout=5))
+            await asyncio.wait_for(future, timeout=5)
+            latencies.append(time.monotonic() - sent)
         except TimeoutError:
             protocol.waiting.pop(nonce, None)
             failures += 1

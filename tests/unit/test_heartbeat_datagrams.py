@@ -252,13 +252,16 @@ def test_a_taken_udp_number_costs_only_the_datagrams() -> None:
     import grpc
 
     from coordinator.front.process import FrontConfig, _listen
-    from protocol.ports import bindable
+    from protocol.ports import unassigned_port
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
-        taken.bind(("127.0.0.1", 0))
-        port = int(taken.getsockname()[1])
-        if not bindable(port, "127.0.0.1"):
-            pytest.skip("that number is taken on TCP too")
+        while True:  # a number free on TCP, held on UDP here
+            port = unassigned_port("127.0.0.1")
+            try:
+                taken.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
         config = FrontConfig("127.0.0.1", port, False, 0.0, 5.0, 300.0, 30.0)
         try:
