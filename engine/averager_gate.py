@@ -15,6 +15,7 @@ from hivemind.proto import averaging_pb2
 
 from engine.matchmaking import round_matchmaking
 from engine.start_tree import FANOUT
+from engine.state_wanted import Wanted
 from engine.stream_close import until_reader_closes
 from protocol.membership import Lookup, MemberGate
 
@@ -29,8 +30,12 @@ class AdmissionGateMixin:
     dht: Any
     peer_id: PeerID
     serializer: Any
-    _serve_state: typing.Callable[[], typing.AsyncIterator[averaging_pb2.DownloadData]]
-    """The state's stream (``engine.state_transfer.StateTransferMixin``)."""
+
+    if typing.TYPE_CHECKING:
+
+        def _serve_state(self, wanted: Wanted | None = None) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+            """The state's stream (``engine.state_transfer.StateTransferMixin``)."""
+            ...
 
     async def _admitted(self, peer: PeerID, *, stale_ok: bool = False) -> bool:
         """Whether the run's gate admits ``peer`` (``MemberGate.admitted``; ``stale_ok``: a
@@ -91,12 +96,27 @@ class AdmissionGateMixin:
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """hivemind's, for admitted peers only; the stream ends once the downloader, which
         closes it as soon as it holds both vectors, has read the last chunk
-        (``engine.stream_close``)."""
-        async for message in until_reader_closes(self._download_state(request, context)):
+        (``engine.stream_close``). Served for downloaders that do not say what they want (ours
+        use ``rpc_download_wanted_state``)."""
+        async for message in until_reader_closes(self._download_state(context, None)):
+            yield message
+
+    async def rpc_download_wanted_state(
+        self, request: averaging_pb2.AveragingData, context: Any
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """The state download whose request names the states it takes (``engine.state_wanted``,
+        in hivemind's spare ``AveragingData.peer_id``): any other state is answered with its
+        metadata alone. Admitted peers only; a malformed request gets an error and nothing else."""
+        wanted = Wanted.parse(self.serializer, bytes(request.peer_id))
+        if wanted is None:
+            logger.warning("refused a state download by %s: a malformed request", context.remote_id)
+            yield averaging_pb2.DownloadData(metadata=self.serializer.dumps({"error": "malformed request"}))
+            return
+        async for message in until_reader_closes(self._download_state(context, wanted)):
             yield message
 
     async def _download_state(
-        self, request: averaging_pb2.DownloadRequest, context: Any
+        self, context: Any, wanted: Wanted | None
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         if not await self._admitted(context.remote_id):
             logger.warning("refused a state download by %s: not admitted to this run", context.remote_id)
@@ -104,7 +124,7 @@ class AdmissionGateMixin:
             return
         # the metadata on its own first, so that a downloader that would refuse this state
         # (another digest than it asks for) does so before any tensor bytes cross its link
-        async for message in self._serve_state():
+        async for message in self._serve_state(wanted):
             yield message
 
     @property

@@ -22,6 +22,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
 from engine.state_snapshot import StateSnapshots, chunks
+from engine.state_wanted import Wanted
 from protocol.errors import MalformedTensorError
 from protocol.statesync import state_digest
 
@@ -95,9 +96,10 @@ class StateTransferMixin:
             if snapshots is not None:
                 snapshots.close()
 
-    async def _serve_state(self) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def _serve_state(self, wanted: Wanted | None = None) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The state download's stream (averager process): the metadata alone, then both vectors
-        read from the state's file a chunk at a time. Nothing while this peer serves no state."""
+        read from the state's file a chunk at a time; the metadata alone if the state is not one
+        ``wanted`` (``engine.state_wanted``). Nothing while this peer serves no state."""
         if not self.allow_state_sharing:
             return
         loop = asyncio.get_running_loop()
@@ -106,6 +108,10 @@ class StateTransferMixin:
             raw, _tensors, _infos = await self._get_current_state_from_host_process()
             metadata = self.serializer.loads(raw)
             if not isinstance(metadata, dict) or "snapshot" not in metadata:
+                return
+            if wanted is not None and not wanted.takes(metadata.get("round"), metadata.get("digest")):
+                told = {"round": metadata.get("round"), "digest": metadata.get("digest")}
+                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(told))
                 return
             try:
                 source = await loop.run_in_executor(None, open, metadata.pop("snapshot"), "rb")
@@ -180,7 +186,9 @@ class StateTransferMixin:
         self, peer: PeerID, accept: set[str] | None, timeout: float, newer_than: int | None = None
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+        asked = Wanted(None if accept is None else frozenset(accept), newer_than)
+        request = averaging_pb2.AveragingData(peer_id=asked.dumps(self.serializer))
+        stream = await asyncio.wait_for(stub.rpc_download_wanted_state(request), timeout)
         metadata: Any = None
         told = False
         tensors: list[torch.Tensor] = []
@@ -204,8 +212,7 @@ class StateTransferMixin:
                     # the claim comes first: refuse a state we would not accept before its tensors
                     claimed = metadata.get("digest") if isinstance(metadata, dict) else None
                     claimed_round = metadata.get("round") if isinstance(metadata, dict) else None
-                    newer = newer_than is not None and type(claimed_round) is int and claimed_round > newer_than
-                    if not isinstance(claimed, str) or (accept is not None and claimed not in accept and not newer):
+                    if not asked.takes(claimed_round, claimed):
                         raise MalformedTensorError(f"serves state {str(claimed)[:19]}..., not the one asked for")
                 received += len(message.tensor_part.buffer)
                 if received > limit:

@@ -83,6 +83,7 @@ BESIDE_SWARMS = {
     "test_netsim_leftovers.py",
     "test_record_bounds.py",
     "test_reducer_close.py",
+    "test_state_refusal_bytes.py",
     "test_state_sync.py",
     "test_store_crash.py",
 }

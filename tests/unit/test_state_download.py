@@ -17,6 +17,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from engine.state_transfer import StateTransferMixin
+from engine.state_wanted import Wanted
 from protocol.errors import MalformedTensorError
 from protocol.statesync import state_digest
 
@@ -24,14 +25,17 @@ NUMEL = 40_000  # 160 KB a vector: several 64 KiB chunks each
 
 
 class _HeldServer:
-    """Serves (round, params, momentum) as hivemind's ``rpc_download_state`` does, then waits
-    until its reader closes the stream (or a minute)."""
+    """Serves (round, params, momentum) as hivemind's ``rpc_download_state`` does whatever the
+    request asks for (as a server that ignores it would), then waits until its reader closes
+    the stream (or a minute)."""
 
     def __init__(self, round_: int, params: torch.Tensor, momentum: torch.Tensor, digest: str) -> None:
         self.round, self.tensors, self.digest = round_, [params, momentum], digest
         self.closed_by_reader = False
+        self.requests: list[bytes] = []
 
-    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest) -> AsyncIterator[Any]:
+    async def rpc_download_wanted_state(self, request: averaging_pb2.AveragingData) -> AsyncIterator[Any]:
+        self.requests.append(bytes(request.peer_id))
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -86,6 +90,8 @@ def test_a_state_other_than_the_one_asked_for_is_refused_and_the_stream_closed()
     with pytest.raises(MalformedTensorError, match="not the one asked for"):
         asyncio.run(download())
     assert server.closed_by_reader
+    # the request said what it takes: a server of ours answers another state with its metadata alone
+    assert Wanted.parse(MSGPackSerializer, server.requests[0]) == Wanted(frozenset({"blake3:other"}))
 
 
 class _MetadataFlood(_HeldServer):
