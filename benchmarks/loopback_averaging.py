@@ -5,11 +5,15 @@ least 2 with 4-bit").
 Each trial is a fresh process holding two ``ExactAverager``s with their own hivemind DHT nodes
 and p2p daemons (4 fragments, robust averaging, parts over libp2p or with ``--bulk on`` the bulk
 channel), averaging a vector of ``--values`` values ``--rounds`` times after one untimed round;
-the torch reference is the same code with ``SWARMTRAIN_CODEC_KERNELS=off``. Trials alternate
+the torch reference is the same code with ``SWARMTRAIN_CODEC_KERNELS=off``; with
+``--baseline-ref REF``, REF's code (in a temporary worktree, kernels on) instead. Trials alternate
 between the two (``--trials`` each), so a machine's drift lands on both. Throughput per peer is
-what ``benchmarks.allreduce_parts`` reports: the bytes a peer sent × 8 ÷ its all-reduce seconds.
+what ``benchmarks.allreduce_parts`` reports: the bytes a peer sent × 8 ÷ its all-reduce seconds;
+and per CPU second, the bytes sent × 8 ÷ the averager process's CPU seconds in the round (on 2
+cores shared by 2 averagers the first is bound by the second).
 
     python -m benchmarks.loopback_averaging --codecs fp16 4bit --values 20000000 --rounds 8 --trials 2
+    python -m benchmarks.loopback_averaging --codecs fp16 --bulk on --baseline-ref REF
 
 writes ``benchmarks/results/loopback-averaging[-LABEL].{md,json}``.
 """
@@ -17,18 +21,21 @@ writes ``benchmarks/results/loopback-averaging[-LABEL].{md,json}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scale import baseline_tree
+
 REPO = Path(__file__).resolve().parents[1]
-PATHS = {"kernels": "on", "reference": "off"}
 
 
 def child(values: int, codec_name: str, rounds: int, bulk: bool) -> list[dict[str, float]]:
@@ -70,14 +77,17 @@ def child(values: int, codec_name: str, rounds: int, bulk: bool) -> list[dict[st
                 tensors[0].normal_(generator=torch.Generator().manual_seed(seed))
         rows = []
         for round_ in range(rounds + 1):
+            before = [cpu_seconds(a.pid) for a in averagers]
             controls = [a.step(wait=False, gather={}, timeout=120) for a in averagers]
             outcomes = [c.result() for c in controls]
+            spent = [cpu_seconds(a.pid) - b for a, b in zip(averagers, before, strict=True)]
             if round_ == 0:
                 continue  # connections, allocations, compiled code loaded
-            for outcome in outcomes:
+            for outcome, cpu_s in zip(outcomes, spent, strict=True):
                 if outcome.failed or outcome.stats.missing:
                     raise RuntimeError(f"a round failed: {outcome.failed or outcome.stats.missing}")
-                rows.append({"allreduce_s": outcome.stats.allreduce_s, "bytes_sent": outcome.stats.bytes_sent})
+                stats = outcome.stats
+                rows.append({"allreduce_s": stats.allreduce_s, "bytes_sent": stats.bytes_sent, "cpu_s": cpu_s})
         return rows
     finally:
         for averager in averagers:
@@ -86,11 +96,23 @@ def child(values: int, codec_name: str, rounds: int, bulk: bool) -> list[dict[st
         second.shutdown()
 
 
-def run_trial(path: str, codec: str, args: argparse.Namespace) -> list[dict[str, float]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "SWARMTRAIN_CODEC_KERNELS": PATHS[path]}
-    argv = [sys.executable, "-m", "benchmarks.loopback_averaging", "--child", codec, "--values", str(args.values)]
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user and system, every thread) process ``pid`` has used: an averager's
+    matchmaking, codecs, reducer and transport (the bulk channel's TLS is in it; libp2p's parts
+    would be in its p2pd, not counted)."""
+    if pid is None:
+        return float("nan")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_trial(path: Path, kernels: str, codec: str, args: argparse.Namespace) -> list[dict[str, float]]:
+    """One trial in a fresh process, the product code from ``path`` (this checkout or a baseline
+    worktree) driven by this file's ``child``, the codec kernels ``on`` or ``off``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(path), "SWARMTRAIN_CODEC_KERNELS": kernels}
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", codec, "--values", str(args.values)]
     argv += ["--rounds", str(args.rounds), "--bulk", args.bulk]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    done = subprocess.run(argv, cwd=path, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{path} {codec}: exit {done.returncode}\n{done.stderr[-3000:]}")
     rows: list[dict[str, float]] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -99,8 +121,13 @@ def run_trial(path: str, codec: str, args: argparse.Namespace) -> list[dict[str,
 
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     gbps = [r["bytes_sent"] * 8 / r["allreduce_s"] / 1e9 for r in rows]
+    cpu = [r["cpu_s"] for r in rows if "cpu_s" in r]
     return {
         "gbit_s_per_peer": statistics.median(gbps),
+        # what one core of this machine would carry per peer if the averager's work were all
+        # there was: bytes sent x 8 / its CPU seconds (the machine's 2 cores hold 2 averagers)
+        "gbit_per_cpu_s": statistics.median(r["bytes_sent"] * 8 / r["cpu_s"] / 1e9 for r in rows) if cpu else 0.0,
+        "cpu_s_per_round": statistics.median(cpu) if cpu else 0.0,
         "allreduce_s": statistics.median(r["allreduce_s"] for r in rows),
         "mb_sent_per_peer": statistics.median(r["bytes_sent"] for r in rows) / 1e6,
         "samples": len(rows),
@@ -116,44 +143,60 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk", choices=("on", "off"), default="off", help="parts over the bulk channel")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--label", default="")
+    parser.add_argument(
+        "--baseline-ref",
+        default=None,
+        help="compare this code with a git ref's (kernels on both) instead of the torch reference",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.values, args.child, args.rounds, args.bulk == "on")))
         return 0
     command = "python -m benchmarks.loopback_averaging " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = []
-    for codec in args.codecs:
-        rows: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
-        for trial in range(args.trials):
-            for path in PATHS if trial % 2 == 0 else reversed(PATHS):
-                print(f"loopback averaging: {codec}, {path}, trial {trial + 1}", flush=True)
-                rows[path] += run_trial(path, codec, args)
-        figures = {path: summary(r) for path, r in rows.items()}
-        ratio = figures["kernels"]["gbit_s_per_peer"] / figures["reference"]["gbit_s_per_peer"]
-        results.append({"codec": codec, **{p: f for p, f in figures.items()}, "ratio": ratio})
-        print(
-            f"  {codec}: kernels {figures['kernels']['gbit_s_per_peer']:.2f} Gbit/s per peer, reference "
-            f"{figures['reference']['gbit_s_per_peer']:.2f} ({ratio:.2f}x)",
-            flush=True,
-        )
+    with contextlib.ExitStack() as stack:
+        if args.baseline_ref:
+            tree = stack.enter_context(baseline_tree(args.baseline_ref, Path(tempfile.mkdtemp(prefix="loopback-"))))
+            paths = {"this code": (REPO, "on"), args.baseline_ref: (tree, "on")}
+        else:
+            paths = {"kernels": (REPO, "on"), "reference": (REPO, "off")}
+        results = []
+        for codec in args.codecs:
+            rows: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+            for trial in range(args.trials):
+                for name in list(paths) if trial % 2 == 0 else reversed(paths):
+                    print(f"loopback averaging: {codec}, {name}, trial {trial + 1}", flush=True)
+                    rows[name] += run_trial(*paths[name], codec, args)
+            figures = {name: summary(r) for name, r in rows.items()}
+            new, old = (figures[name] for name in paths)
+            ratio = new["gbit_s_per_peer"] / old["gbit_s_per_peer"]
+            results.append({"codec": codec, **figures, "ratio": ratio})
+            print(
+                f"  {codec}: "
+                + ", ".join(f"{n} {f['gbit_s_per_peer']:.2f} Gbit/s per peer" for n, f in figures.items())
+            )
+    first, second = paths
+    what = f"this code against {second}" if args.baseline_ref else "compiled codec kernels against the torch reference"
     lines = [
-        f"# Loopback averaging: compiled codec kernels against the torch reference ({time.strftime('%Y-%m-%d')})",
+        f"# Loopback averaging: {what} ({time.strftime('%Y-%m-%d')})",
         "",
         f"`{command.strip()}` on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): 2 averagers on "
         f"loopback, {args.values:,} values, shipped defaults (4 fragments, robust averaging, parts over "
         f"{'the bulk channel' if args.bulk == 'on' else 'libp2p'}), {args.trials} alternating trials of "
-        f"{args.rounds} timed rounds per path. Per peer: bytes sent × 8 ÷ all-reduce seconds (median).",
+        f"{args.rounds} timed rounds per path. Per peer: bytes sent × 8 ÷ all-reduce seconds (median); per CPU "
+        "second: bytes sent × 8 ÷ the averager process's CPU seconds in the round (what one of this machine's "
+        "cores carries per peer when it does nothing else; 2 averagers share its 2 cores here).",
         "",
-        "| codec | kernels Gbit/s per peer | reference Gbit/s per peer | kernels ÷ reference "
-        "| all-reduce s, kernels / reference | MB sent per peer |",
-        "|---|---|---|---|---|---|",
+        f"| codec | {first} Gbit/s per peer | {second} Gbit/s per peer | ratio | all-reduce s, {first} / {second} "
+        f"| Gbit per CPU s, {first} / {second} | averager CPU s per round, {first} / {second} | MB sent per peer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        k, ref = r["kernels"], r["reference"]
+        a, b = r[first], r[second]
         lines.append(
-            f"| {r['codec']} | {k['gbit_s_per_peer']:.2f} | {ref['gbit_s_per_peer']:.2f} | {r['ratio']:.2f}x "
-            f"| {k['allreduce_s']:.3f} / {ref['allreduce_s']:.3f} | {k['mb_sent_per_peer']:.1f} |"
+            f"| {r['codec']} | {a['gbit_s_per_peer']:.2f} | {b['gbit_s_per_peer']:.2f} | {r['ratio']:.2f}x "
+            f"| {a['allreduce_s']:.3f} / {b['allreduce_s']:.3f} | {a['gbit_per_cpu_s']:.2f} / {b['gbit_per_cpu_s']:.2f} "
+            f"| {a['cpu_s_per_round']:.3f} / {b['cpu_s_per_round']:.3f} | {a['mb_sent_per_peer']:.1f} |"
         )
     stem = "loopback-averaging" + (f"-{args.label}" if args.label else "")
     args.out.mkdir(parents=True, exist_ok=True)
