@@ -34,6 +34,9 @@ SLOWEST_LINK_BYTES_S = 125_000
 """The slowest download a host waits for (1 Mbit/s): a state download has no deadline of its own,
 only a server that stays silent for ``timeout`` fails (a slow link takes as long as it takes),
 so the host's wait is bounded by the state's size at this rate instead."""
+UNSUPPORTED = ("protocol not supported", "protocols not supported")
+"""What the remote's libp2p daemon says, at once, for a handler it does not serve (a member of an
+earlier version; ``engine.liveness`` reads it the same way)."""
 MAX_METADATA_BYTES = 4096
 """A served state's metadata (its round and digest: tens of bytes), sent once; more is refused
 before it is parsed."""
@@ -188,7 +191,13 @@ class StateTransferMixin:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         asked = Wanted(None if accept is None else frozenset(accept), newer_than)
         request = averaging_pb2.AveragingData(peer_id=asked.dumps(self.serializer))
-        stream = await asyncio.wait_for(stub.rpc_download_wanted_state(request), timeout)
+        try:
+            stream = await asyncio.wait_for(stub.rpc_download_wanted_state(request), timeout)
+        except Exception as exc:
+            if not any(text in str(exc) for text in UNSUPPORTED):
+                raise
+            # a member of an earlier version: hivemind's download, whose refusals cost tensor bytes
+            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
         metadata: Any = None
         told = False
         tensors: list[torch.Tensor] = []

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hivemind.compression import NoCompression
 from hivemind.compression.base import CompressionInfo
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
@@ -119,4 +120,43 @@ def test_metadata_sent_again_or_too_large_is_refused(pad: int) -> None:
         return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}, 10.0), 10)  # type: ignore[arg-type]
 
     with pytest.raises(MalformedTensorError, match="metadata sent twice or larger than"):
+        asyncio.run(download())
+
+
+class _EarlierServer(_HeldServer):
+    """A member of an earlier version: p2pd refuses the handler it does not serve at once, and
+    it serves hivemind's download alone."""
+
+    async def rpc_download_wanted_state(self, request: averaging_pb2.AveragingData) -> AsyncIterator[Any]:
+        raise ControlFailure("Connect failed. msg=failed to negotiate protocol: protocols not supported: [x]")
+
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest) -> AsyncIterator[Any]:
+        return self._stream()
+
+
+def test_a_member_of_an_earlier_version_still_serves_its_state_through_hiveminds_download() -> None:
+    round_, params, momentum, digest = _state()
+    server = _EarlierServer(round_, params, momentum, digest)
+
+    async def download() -> tuple[int, torch.Tensor, torch.Tensor]:
+        return await asyncio.wait_for(_Downloader(server)._download_state_from(None, {digest}, 10.0), 10)  # type: ignore[arg-type]
+
+    got_round, got_params, _ = asyncio.run(download())
+    assert got_round == round_ and torch.equal(got_params, params)
+
+
+class _Refusing(_HeldServer):
+    async def rpc_download_wanted_state(self, request: averaging_pb2.AveragingData) -> AsyncIterator[Any]:
+        raise ControlFailure("Connect failed. msg=dial backoff")
+
+
+def test_any_other_refusal_to_open_is_that_servers_failure() -> None:
+    round_, params, momentum, digest = _state()
+
+    async def download() -> Any:
+        return await asyncio.wait_for(
+            _Downloader(_Refusing(round_, params, momentum, digest))._download_state_from(None, {digest}, 10.0), 10
+        )  # type: ignore[arg-type]
+
+    with pytest.raises(ControlFailure, match="dial backoff"):
         asyncio.run(download())
