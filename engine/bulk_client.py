@@ -36,6 +36,7 @@ from hivemind.p2p import PeerID
 
 from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
 from engine.bulk_link import BulkLink, Handler
+from engine.bulk_reader import FrameReader, open_frames
 from engine.bulk_tls import client_context, fingerprint
 
 __all__ = ["BulkPool", "Ticket", "direct_hosts"]
@@ -146,7 +147,7 @@ class BulkPool:
         except TimeoutError:  # too slow for this call: the dial goes on, and the next call takes it
             return None
 
-    def adopt(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> BulkLink:
+    def adopt(self, peer: PeerID, reader: FrameReader, writer: asyncio.StreamWriter) -> BulkLink:
         """A link ``peer`` dialled to this member's listener (past its token): this end's calls
         to ``peer`` may go over it from now on."""
         link = BulkLink(
@@ -272,9 +273,7 @@ class BulkPool:
         for host in hosts:
             try:
                 async with asyncio.timeout(CONNECT_S):
-                    reader, writer = await asyncio.open_connection(
-                        host, ticket.port, ssl=self._context, server_hostname=""
-                    )
+                    reader, writer = await open_frames(host, ticket.port, ssl=self._context, server_hostname="")
             except (OSError, TimeoutError) as exc:
                 last = exc
                 continue

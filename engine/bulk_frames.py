@@ -32,6 +32,7 @@ import asyncio
 import enum
 import socket
 import struct
+from typing import Protocol
 
 __all__ = [
     "MAX_CALL",
@@ -39,6 +40,7 @@ __all__ = [
     "WINDOW",
     "Credit",
     "FrameError",
+    "Frames",
     "Kind",
     "keep_alive",
     "read_frame",
@@ -72,9 +74,20 @@ class FrameError(Exception):
     """The peer sent something that is not a frame of this protocol."""
 
 
-async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES) -> tuple[Kind, int, bytes]:
+class Frames(Protocol):
+    """What frames are read from: ``engine.bulk_reader.FrameReader`` on a bulk connection."""
+
+    async def read(self, limit: int = MAX_FRAME_BYTES) -> tuple[Kind, int, bytes | bytearray]: ...
+
+
+async def read_frame(
+    reader: asyncio.StreamReader | Frames, limit: int = MAX_FRAME_BYTES
+) -> tuple[Kind, int, bytes | bytearray]:
     """The next frame: its kind, call and payload; ``asyncio.IncompleteReadError`` at the end of
-    the stream, ``FrameError`` for a frame this protocol does not have."""
+    the stream, ``FrameError`` for a frame this protocol does not have. From a ``StreamReader``
+    (a test's raw connection) or a bulk connection's ``Frames``."""
+    if not isinstance(reader, asyncio.StreamReader):
+        return await reader.read(limit)
     header = await reader.readexactly(_HEADER.size)
     kind, call, length = _HEADER.unpack(header)
     if length > limit:
@@ -102,7 +115,7 @@ def write_credit(writer: asyncio.StreamWriter, call: int, count: int = 1) -> Non
     write_frame(writer, Kind.CREDIT, _COUNT.pack(count), call)
 
 
-def read_count(payload: bytes) -> int:
+def read_count(payload: bytes | bytearray) -> int:
     """A ``CREDIT`` frame's count; ``FrameError`` for anything but a positive 4-byte count."""
     if len(payload) != _COUNT.size or (count := _COUNT.unpack(payload)[0]) == 0:
         raise FrameError("a CREDIT frame without a positive count")

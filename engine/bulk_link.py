@@ -45,6 +45,7 @@ from engine.bulk_frames import (
     write_credit,
     write_frame,
 )
+from engine.bulk_reader import FrameReader
 
 __all__ = ["MAX_CALLS", "BulkCall", "BulkLink", "Handler"]
 
@@ -72,7 +73,7 @@ class BulkLink:
     def __init__(
         self,
         peer: PeerID,
-        reader: asyncio.StreamReader,
+        reader: FrameReader,
         writer: asyncio.StreamWriter,
         *,
         dialled: bool,
@@ -164,7 +165,7 @@ class BulkLink:
         if self.on_close is not None:
             self.on_close(self)
 
-    def _answer_frame(self, kind: Kind, number: int, payload: bytes) -> None:
+    def _answer_frame(self, kind: Kind, number: int, payload: bytes | bytearray) -> None:
         """A frame of one of this end's calls: an answer, its end, or credit for more parts."""
         if kind == Kind.CLOSE or number >= self.next:
             raise FrameError(f"the other end sent a {kind.name} frame for call {number}, which this end never made")
@@ -180,7 +181,7 @@ class BulkLink:
         else:
             call.credit.grant(read_count(payload))
 
-    def _call_frame(self, kind: Kind, number: int, payload: bytes) -> None:
+    def _call_frame(self, kind: Kind, number: int, payload: bytes | bytearray) -> None:
         """A frame of one of the other end's calls: its first part opens it."""
         if number > self.last_in:
             if kind != Kind.DATA:
@@ -214,7 +215,7 @@ class BulkCall:
         self.link = link
         self.number = 0
         """Given with the first part (``BulkLink.number``); 0 before."""
-        self.queue: asyncio.Queue[bytes | None | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[bytes | bytearray | None | BaseException] = asyncio.Queue()
         self.unread = WINDOW
         """Averaged parts the other end may still send before this end credits more."""
         self.credit = Credit()
@@ -245,7 +246,7 @@ class BulkCall:
         except Exception as exc:  # noqa: BLE001 - the reader learns it; aclose tells the other end
             self.queue.put_nowait(ConnectionError(f"bulk call failed sending: {type(exc).__name__}: {exc}"))
 
-    def receive(self, payload: bytes) -> None:
+    def receive(self, payload: bytes | bytearray) -> None:
         """An averaged part from the link's reader; ``FrameError`` (the link breaks) for one past
         this call's credit or after its ``END``."""
         if self._end_read or self.unread <= 0:
@@ -306,7 +307,7 @@ class ServedCall:
 
     def __init__(self, link: BulkLink, number: int, handler: Handler) -> None:
         self.link, self.number, self.handler = link, number, handler
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[bytes | bytearray | None] = asyncio.Queue()
         self.unread = WINDOW
         """Parts the other end may still send before this end credits more."""
         self.ended = False
@@ -314,7 +315,7 @@ class ServedCall:
         """Averaged parts this end may still send back."""
         self.task = asyncio.create_task(self._answer())
 
-    def receive(self, payload: bytes) -> None:
+    def receive(self, payload: bytes | bytearray) -> None:
         if self.ended:
             raise FrameError(f"a DATA frame after the END of call {self.number}")
         if self.unread <= 0:

@@ -31,6 +31,7 @@ from hivemind.p2p import PeerID
 
 from engine.bulk_frames import FrameError, Kind, keep_alive, read_frame, write_frame
 from engine.bulk_link import BulkLink
+from engine.bulk_reader import FrameProtocol, FrameReader
 
 __all__ = ["Adopter", "BulkServer", "Tickets"]
 
@@ -68,7 +69,7 @@ class Adopter(Protocol):
     """Where an accepted link goes (``engine.bulk_client.BulkPool``): it answers the member's
     calls on it and makes this member's calls to that member over it."""
 
-    def adopt(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> BulkLink: ...
+    def adopt(self, peer: PeerID, reader: FrameReader, writer: asyncio.StreamWriter) -> BulkLink: ...
 
 
 class Tickets:
@@ -202,17 +203,17 @@ class BulkServer:
 
     async def _hello(
         self, conn: socket.socket, host: str
-    ) -> tuple[PeerID | None, asyncio.StreamReader, asyncio.StreamWriter | None]:
+    ) -> tuple[PeerID | None, FrameReader, asyncio.StreamWriter | None]:
         """The TLS handshake and the sender's token, ``HELLO_TIMEOUT_S`` in all: the peer its
         ticket names (None: refused), and the connection's two ends."""
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader()
+        protocol = FrameProtocol(first=TOKEN_BYTES)  # nothing larger than a token before it is in
+        reader = protocol.reader
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                protocol = asyncio.StreamReaderProtocol(reader)
                 transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn, ssl=self.context)
-                writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+                writer = asyncio.StreamWriter(transport, protocol, None, loop)
                 keep_alive(writer)
                 kind, _call, token = await read_frame(reader, limit=TOKEN_BYTES)
         except (asyncio.IncompleteReadError, ConnectionError, FrameError, TimeoutError, ssl.SSLError) as exc:
@@ -223,13 +224,13 @@ class BulkServer:
             self._pending[host] -= 1
             if self._pending[host] <= 0:
                 del self._pending[host]
-        peer = self.tickets.redeem(token) if kind == Kind.HELLO else None
+        peer = self.tickets.redeem(bytes(token)) if kind == Kind.HELLO else None
         if peer is None:
             self.refused += 1
             logger.info("bulk connection refused: its token is not one this peer issued, or was used or expired")
         return peer, reader, writer
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: PeerID) -> None:
+    async def _serve(self, reader: FrameReader, writer: asyncio.StreamWriter, peer: PeerID) -> None:
         mine = self._by_peer.setdefault(peer, collections.deque())
         mine.append(writer)
         while len(mine) > PER_PEER:  # this member's oldest connection makes room
