@@ -13,7 +13,10 @@ and per CPU second, the bytes sent × 8 ÷ the averager process's CPU seconds in
 cores shared by 2 averagers the first is bound by the second).
 
     python -m benchmarks.loopback_averaging --codecs fp16 4bit --values 20000000 --rounds 8 --trials 2
-    python -m benchmarks.loopback_averaging --codecs fp16 --bulk on --baseline-ref REF
+    python -m benchmarks.loopback_averaging --codecs fp16 --bulk on --baseline-ref REF --transport
+
+``--transport`` adds the bulk channel's transport alone (``benchmarks.bulk_transport``): what one
+CPU second carries with no averaging at all, the bound of the all-reduce's figure per CPU second.
 
 writes ``benchmarks/results/loopback-averaging[-LABEL].{md,json}``.
 """
@@ -148,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compare this code with a git ref's (kernels on both) instead of the torch reference",
     )
+    parser.add_argument(
+        "--transport",
+        action="store_true",
+        help="also measure the bulk channel's transport alone (benchmarks.bulk_transport), this code's",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -175,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {codec}: "
                 + ", ".join(f"{n} {f['gbit_s_per_peer']:.2f} Gbit/s per peer" for n, f in figures.items())
             )
+    transport = None
+    if args.transport:  # (imported here: a baseline's child runs this file with another tree's modules)
+        from benchmarks.bulk_transport import transport_gbit_per_cpu_s
+
+        transport = transport_gbit_per_cpu_s()
     first, second = paths
     what = f"this code against {second}" if args.baseline_ref else "compiled codec kernels against the torch reference"
     lines = [
@@ -198,10 +211,26 @@ def main(argv: list[str] | None = None) -> int:
             f"| {a['allreduce_s']:.3f} / {b['allreduce_s']:.3f} | {a['gbit_per_cpu_s']:.2f} / {b['gbit_per_cpu_s']:.2f} "
             f"| {a['cpu_s_per_round']:.3f} / {b['cpu_s_per_round']:.3f} | {a['mb_sent_per_peer']:.1f} |"
         )
+    if transport is not None:
+        shares = ", ".join(
+            f"{r['codec']} {r[first]['gbit_per_cpu_s'] / transport['gbit_per_cpu_s']:.0%}" for r in results
+        )
+        lines += [
+            "",
+            f"The transport alone (`python -m benchmarks.bulk_transport`: the bulk channel's TLS connection and "
+            f"frames of {transport['frame_bytes'] / 1024:.0f} KiB, both ends in one thread, nothing done with the "
+            f"bytes; median of {len(transport['spread'])} runs, {transport['spread']}): "
+            f"**{transport['gbit_per_cpu_s']:.2f} Gbit per CPU second**, sending and receiving each byte once, as "
+            f"an averager does each byte it counts as sent. The all-reduce reaches, per CPU second, this share of "
+            f"it ({first}): {shares}; the rest of its CPU is the averaging around the transport. One core per "
+            f"peer carries at most the transport's figure per peer, however cheap the averaging gets.",
+        ]
     stem = "loopback-averaging" + (f"-{args.label}" if args.label else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps({"command": command, "results": results}, indent=1))
+    (args.out / f"{stem}.json").write_text(
+        json.dumps({"command": command, "results": results, "transport": transport}, indent=1)
+    )
     print(f"wrote {args.out / stem}.md", flush=True)
     return 0
 
