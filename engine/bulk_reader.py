@@ -69,13 +69,15 @@ class FrameReader:
             raise FrameError(f"a frame of {len(payload)} bytes (at most {limit})")
         return kind, call, payload
 
-    def _put(self, frame: tuple[Kind, int, bytes | bytearray]) -> int:
+    def put(self, frame: tuple[Kind, int, bytes | bytearray]) -> int:
+        """(The protocol's.) One more frame; the payload bytes now waiting."""
         self._frames.append(frame)
         self._buffered += len(frame[2])
         self._wake()
         return self._buffered
 
-    def _stop(self, why: BaseException) -> None:
+    def stop(self, why: BaseException) -> None:
+        """(The protocol's.) No frames after those waiting: ``why`` is raised once they are read."""
         if self._end is None:
             self._end = why
         self._wake()
@@ -144,8 +146,12 @@ class FrameProtocol(FlowControlMixin, asyncio.Protocol):
         self._view, self._have = memoryview(self._header), 0
 
     def _deliver(self, frame: tuple[Kind, int, bytes | bytearray]) -> None:
-        if self.reader._put(frame) > BUFFERED_BYTES and not self._reading_paused and self.transport is not None:
+        if self.reader.put(frame) > BUFFERED_BYTES and not self._reading_paused:
             self._reading_paused = True
+            self._pause()
+
+    def _pause(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
 
     def taken(self, buffered: int) -> None:
@@ -159,17 +165,16 @@ class FrameProtocol(FlowControlMixin, asyncio.Protocol):
         """A frame this protocol does not have: nothing more is read; the reader raises
         ``error`` after the frames before it, and its consumer drops the connection."""
         self._failed = True
-        self.reader._stop(error)
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.reader.stop(error)
+        self._pause()
 
     def eof_received(self) -> bool:
-        self.reader._stop(self._incomplete())
+        self.reader.stop(self._incomplete())
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)  # wakes a writer waiting in drain
-        self.reader._stop(exc if exc is not None else self._incomplete())
+        self.reader.stop(exc if exc is not None else self._incomplete())
         if not self._closed.done():
             self._closed.set_result(None)
 

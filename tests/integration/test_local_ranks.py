@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,19 @@ def _pair(tmp: Path, repo_root: Path, *, options: str, node_args: list[str]) -> 
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     repo_root = Path(__file__).resolve().parents[2]
     base = tmp_path_factory.mktemp("local-ranks")
-    two = _pair(base / "two-ranks", repo_root, options="", node_args=["--nproc-per-node", "2"])
-    one = _pair(base / "one-rank", repo_root, options=f"pair_seed = {NODE_SEED}", node_args=[])
-    fsdp = _pair(base / "fsdp", repo_root, options="", node_args=["--nproc-per-node", "2", "--fsdp", "on"])
-    return {"two ranks": two, "one rank, both batches": one, "two ranks, fsdp": fsdp}
+    pairs = {
+        "two ranks": (base / "two-ranks", "", ["--nproc-per-node", "2"]),
+        "one rank, both batches": (base / "one-rank", f"pair_seed = {NODE_SEED}", []),
+        "two ranks, fsdp": (base / "fsdp", "", ["--nproc-per-node", "2", "--fsdp", "on"]),
+    }
+    # the three pairs at once: each is its own swarm (its node dials its own partner), and each
+    # spends most of its time starting processes and waiting on its partner, not computing
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        runs = {
+            name: pool.submit(_pair, tmp, repo_root, options=options, node_args=node_args)
+            for name, (tmp, options, node_args) in pairs.items()
+        }
+        return {name: run.result() for name, run in runs.items()}
 
 
 def _check_swarm(run: dict[str, Any], world_size: int) -> None:
