@@ -585,18 +585,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Reduce the parts this peer is the reducer of, its own contribution included."""
         sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_running_loop()
-        codec, kept, buffers = self.codec, self.sent, self._buffers
-
-        def through_the_codec(part_index: int, raw_part: torch.Tensor) -> torch.Tensor:
-            """Encoded as sent to any reducer, kept for audits, decoded: one executor call."""
-            sent = codec.compress(raw_part, CompressionInfo.from_tensor(raw_part))
-            if kept is not None:
-                kept.keep(peer_index, part_index, sent, self.weight)
-            return codec.decode_sent_reused(buffers, sent, raw_part.numel())
-
         for part_index, raw_part in enumerate(self.parts_for_local_averaging):
             # our own contribution goes through the codec too, as everyone else's does
-            part = await loop.run_in_executor(None, through_the_codec, part_index, raw_part)
+            info = CompressionInfo.from_tensor(raw_part)
+            sent = await loop.run_in_executor(None, self.codec.compress, raw_part, info)
+            if self.sent is not None:
+                await loop.run_in_executor(None, self.sent.keep, peer_index, part_index, sent, self.weight)
+            part = await loop.run_in_executor(
+                None, self.codec.decode_sent_reused, self._buffers, sent, raw_part.numel()
+            )
             weight = 0.0 if self.peer_id in self.stale else self.weight
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
             encoded = await self._encode_once(part_index, averaged)
@@ -668,19 +665,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         await self._write_averaged_part(peer_index, part_index, serialized)
 
     async def _write_averaged_part(self, peer_index: int, part_index: int, serialized: runtime_pb2.Tensor) -> None:
-        """Decode a part into its range (``InPlaceOutputs.decode_part``), keep it for the updates
-        (on the same executor call: one hand-off to a thread per part, not two), count it."""
+        """Decode a part into its range (``InPlaceOutputs.decode_part``), keep it for the updates, count it."""
         container = self.tensor_part_container
         assert isinstance(container, InPlaceOutputs)
-        decode, keep = self.codec.decode_into, self.keep_averaged
-        start = container.part_range(peer_index, part_index)[0]
-
-        def decode_and_keep(out: torch.Tensor) -> None:
-            decode(serialized, out)  # a part that does not decode is not kept
-            if keep is not None:
-                keep(start, serialized)
-
-        await container.decode_part(peer_index, part_index, decode_and_keep)
+        await container.decode_part(peer_index, part_index, partial(self.codec.decode_into, serialized))
+        if self.keep_averaged is not None:
+            start = container.part_range(peer_index, part_index)[0]
+            await asyncio.get_running_loop().run_in_executor(None, self.keep_averaged, start, serialized)
         container.register_written_part(peer_index, part_index)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
