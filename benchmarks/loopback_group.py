@@ -30,7 +30,7 @@ from engine.allreduce import part_size_bytes
 from engine.codecs import get_codec
 from engine.compression import Codec
 from engine.fragments import fragment_bounds
-from engine.outcome import AllReduceStats
+from engine.outcome import AllReduceStats, FragmentDone
 from engine.robust import Alignment, RobustRule, direction_offence, robust_mean
 from peer.round.swarm_port import LentOutbox, RoundResult
 from peer.task.base import derive_seed, generator
@@ -130,6 +130,10 @@ class LoopbackGroup:
     _launched: dict[int, dict[int, tuple[torch.Tensor, float, Gathered]]] = field(default_factory=dict)
     _results: dict[int, list[Gathered]] = field(default_factory=dict)
     _closed: bool = False
+    _begun: dict[int, dict[int, tuple[float, Gathered]]] = field(default_factory=dict)
+    """Fragments in turn: each round's members' weights and statements, as they launched it."""
+    _opened: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)
+    _reduced: set[tuple[int, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.codec = get_codec(self.averaging.compression, self.averaging.density, self.averaging.bits)
@@ -158,6 +162,48 @@ class LoopbackGroup:
             self._results[round_] = [launched[i][2] for i in order]
             del self._launched[round_]
             self._lock.notify_all()
+
+    def begin(self, index: int, round_: int, weight: float, gather: Gathered) -> None:
+        """Fragments in turn: member ``index`` launched ``round_`` (its fragments come one by one)."""
+        with self._lock:
+            begun = self._begun.setdefault(round_, {})
+            if index in begun:
+                raise RuntimeError(f"member {index} launched round {round_} twice")
+            begun[index] = (weight, gather)
+
+    def open_fragment(self, index: int, round_: int, fragment: int, values: torch.Tensor) -> None:
+        """Member ``index`` wrote fragment ``fragment`` of ``round_`` into ``values``: once every
+        member has, the group's average of it replaces each member's values (as one all-reduce
+        of that fragment does, its dither the round's and the fragment's)."""
+        with self._lock:
+            opened = self._opened.setdefault((round_, fragment), {})
+            opened[index] = values
+            if len(opened) < self.members or len(self._begun.get(round_, {})) < self.members:
+                return
+            order = sorted(opened)
+            begun = self._begun[round_]
+            averaged = reduce_group(
+                [opened[i] for i in order],
+                self._weights(round_, [begun[i][0] for i in order]),
+                codec=self.codec.at_round(round_),
+                rule=self.rule,
+                streams=self.averaging.streams,
+                seed=derive_seed(self.seed, "loopback-dither", round_, fragment),
+                tally=self.tally,
+            )
+            for i in order:
+                opened[i].copy_(averaged)
+            del self._opened[(round_, fragment)]
+            self._reduced.add((round_, fragment))
+            self._results[round_] = [begun[i][1] for i in order]
+            self._lock.notify_all()
+
+    def wait_fragment(self, round_: int, fragment: int) -> bool:
+        """Whether fragment ``fragment`` of ``round_`` was reduced (waiting for it; False if the group closed first)."""
+        with self._lock:
+            while (round_, fragment) not in self._reduced and not self._closed:
+                self._lock.wait(timeout=1.0)
+            return (round_, fragment) in self._reduced
 
     def _weights(self, round_: int, weights: list[float]) -> list[float]:
         """The members' weights in ``round_`` with the dropped ones at 0 (``drop``)."""
@@ -189,6 +235,33 @@ class LoopbackGroup:
 
 
 @dataclass
+class _FragmentAnswer:
+    """Fragment ``fragment`` of a round averaged in turn: done once ``delay_steps`` inner steps
+    passed since it was written and the group reduced it (``done`` then waits for that)."""
+
+    swarm: LoopbackSwarm
+    round_: int
+    fragment: int
+    opened_at_step: int
+
+    def done(self) -> bool:
+        if self.swarm.steps() - self.opened_at_step < self.swarm.group.delay_steps:
+            return False
+        self.swarm.group.wait_fragment(self.round_, self.fragment)
+        return True
+
+    def result(self, timeout: float | None = None) -> FragmentDone:
+        start, end = self.swarm.bounds[self.fragment]
+        if not self.swarm.group.wait_fragment(self.round_, self.fragment):
+            return FragmentDone(self.fragment, start, end, failed="the loopback group closed")
+        members = None
+        if self.fragment == 0:
+            gathered = self.swarm.group.wait(self.round_) or []
+            members = {f"member{i}": data for i, data in enumerate(gathered)}
+        return FragmentDone(self.fragment, start, end, members=members)
+
+
+@dataclass
 class _Pending:
     """A round launched by one member: done once ``delay_steps`` inner steps passed since the
     launch and the whole group launched (``done`` then waits for the reduction, so where a
@@ -209,10 +282,18 @@ class _Pending:
         return False  # every member of the loopback group is in its round
 
     def done(self) -> bool:
+        if self.swarm.in_turn:  # asked once every fragment is answered
+            return True
         if self.swarm.steps() - self.launched_at_step < self.swarm.group.delay_steps:
             return False
         self.result()
         return True
+
+    def open_fragment(self, index: int) -> _FragmentAnswer:
+        start, end = self.swarm.bounds[index]
+        answer = _FragmentAnswer(self.swarm, self.round_, index, self.swarm.steps())
+        self.swarm.group.open_fragment(self.swarm.index, self.round_, index, self.swarm.vector[: end - start])
+        return answer
 
     def result(self) -> RoundResult | None:
         members = self.swarm.group.wait(self.round_)
@@ -236,6 +317,10 @@ class LoopbackSwarm:
         self.steps: Callable[[], int] = lambda: 0
         """The member trainer's inner steps so far (set once the trainer exists)."""
         self.ids: set[str] = set()
+        averaging = group.averaging
+        self.in_turn = averaging.overlap and averaging.sync_fragments > 1
+        """Fragments in turn: rounds start with ``LoopbackGroup.begin``, fragments open one by one."""
+        self.bounds = fragment_bounds(numel, averaging.sync_fragments if self.in_turn else 1)
 
     @contextmanager
     def outbox(self) -> Iterator[torch.Tensor]:
@@ -256,8 +341,17 @@ class LoopbackSwarm:
     ) -> _Pending:
         assert gather.round is not None, "a trainer states the round it launches"
         pending = _Pending(self, gather.round, self.steps())
-        self.group.launch(self.index, gather.round, self.vector, weight, gather)
+        if self.in_turn:
+            self.group.begin(self.index, gather.round, weight, gather)
+        else:
+            self.group.launch(self.index, gather.round, self.vector, weight, gather)
         return pending
+
+    def fragment_buffer(self) -> torch.Tensor:
+        return self.vector
+
+    def set_sync_span(self, span_s: float) -> None:
+        pass
 
     def set_allreduce_timeout(self, timeout_s: float) -> None:
         pass

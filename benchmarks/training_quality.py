@@ -93,6 +93,9 @@ def one_peer(h: int = H, shared: Overrides | None = None, per_member: int = BATC
 
 OVERLAP_ON: Overrides = {"averaging": {"overlap": True}}
 EAGER: Overrides = {"averaging": {"overlap": True, "overlap_start": "eager"}}
+IN_TURN: Overrides = {"averaging": {"overlap": True, "sync_fragments": 2}}
+"""Overlap with the pseudo-gradient's 2 fragments averaged in turn (``peer.round.in_turn``; the
+demo's model of 137K values has room for 2 fragments of at least 64K)."""
 ROBUST_OFF: Overrides = {"averaging": {"robust": False}}
 SPARSE: Overrides = {"averaging": {"compression": "sparse"}}
 """The sparse codec at its defaults (1/4 of the values a round, 2-bit)."""
@@ -249,6 +252,8 @@ def suites() -> dict[str, list[Row]]:
                 ("overlap, lands after 1 step", (OVERLAP_ON,), 1),
                 ("overlap, lands after 2 steps", (OVERLAP_ON,), 2),
                 ("overlap, lands after 3 steps", (OVERLAP_ON,), 3),
+                ("fragments in turn (2), each lands after 1 step", (IN_TURN,), 1),
+                ("fragments in turn (2), each lands after 2 steps", (IN_TURN,), 2),
             )
         ],
         "scale": [

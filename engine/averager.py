@@ -14,47 +14,41 @@ import dataclasses
 import logging
 import math
 import os
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.mpfuture import MPFuture
 
-from engine import pooled
 from engine.allreduce import (
     PART_SIZE_BYTES,
     CodecCompression,
     ExactAllReduceRunner,
     RoundFailedError,
-    group_round,
     part_size_bytes,
-    stale_members,
 )
-from engine.auditing import AuditMixin, AuditOutcome
+from engine.auditing import AuditMixin
 from engine.averager_gate import AdmissionGateMixin
 from engine.bulk_channel import BulkChannelMixin
 from engine.bulk_settings import BulkSettings
 from engine.compression import Codec
-from engine.fragments import fragment_bounds, fragment_group_id
+from engine.fragment_rounds import FragmentRoundsMixin, sync_layout
+from engine.fragments import fragment_group_id
 from engine.link_timeouts import CAP as LINK_CAP
 from engine.link_timeouts import RoundTimeouts, stretched
 from engine.liveness import LivenessMixin
 from engine.matchmaking import KeptRosters, equal_shares, gathered_metadata, round_group_bits
 from engine.outcome import AllReduceStats, GroupOutcome
-from engine.process_memory import release_free_memory
 from engine.process_signals import OwnSignals
-from engine.receipts import ReceiptSigner
 from engine.robust import RobustRule
 from engine.serving import SHUTDOWN_S, BackgroundServingMixin
 from engine.start_tree import FANOUT
 from engine.state_transfer import StateProvider, StateTransferMixin
-from engine.update_store import PendingUpdate, UpdateStore
+from engine.update_store import UpdateStore
 from engine.update_transfer import UpdateTransferMixin
 from protocol.gathered import Gathered
 from protocol.identity import Identity
@@ -86,6 +80,7 @@ class ExactAverager(
     UpdateTransferMixin,
     LivenessMixin,
     BackgroundServingMixin,
+    FragmentRoundsMixin,
     DecentralizedAverager,
 ):
     """A DecentralizedAverager over one flat float32 vector with bit-identical results.
@@ -122,6 +117,7 @@ class ExactAverager(
         prefix: str,
         gate: MemberGate | None = None,
         streams: int = 1,
+        sync_fragments: int = 1,
         robust: RobustRule | None = None,
         audit: bool = False,
         updates: UpdateStore | None = None,
@@ -139,8 +135,11 @@ class ExactAverager(
         self.update_store = None if kwargs.get("client_mode") else updates
         self.codec_compression = CodecCompression(codec)
         self.numel = numel
-        self.fragments = fragment_bounds(numel, streams)
-        """``[start, end)`` of each fragment averaged at once (one for ``streams`` = 1)."""
+        self.syncs, self.sync_parts = sync_layout(numel, sync_fragments, streams)
+        """``[start, end)`` of each fragment averaged in turn (one for ``sync_fragments`` = 1), and
+        of each one's fragments averaged at once (``engine.fragment_rounds``)."""
+        self.fragments = [bounds for parts in self.sync_parts for bounds in parts]
+        """Every fragment averaged at once, in order, in the whole vector's coordinates."""
         self.robust = robust if robust is not None else RobustRule.off()
         """How this peer's reducer bounds each member's contribution (``engine.robust``; the
         run's spec gives the rule, a bare averager takes the plain weighted mean)."""
@@ -156,7 +155,9 @@ class ExactAverager(
         if own is not None:
             kwargs["allreduce_timeout"] = LINK_CAP * float(own)
         kwargs.setdefault("shutdown_timeout", SHUTDOWN_S)  # room for the senders' last parts
-        self.vector = torch.zeros(numel, dtype=torch.float32)  # shared by hivemind; use under its lock
+        buffer = max(end - start for start, end in self.syncs)
+        # shared by hivemind; use under its lock, or (fragments in turn) between a gate's answer and its next open
+        self.vector = torch.zeros(buffer, dtype=torch.float32)
         kwargs.update(prefix=prefix, compression=self.codec_compression, part_size_bytes=PART_SIZE_BYTES)
         super().__init__([self.vector], dht, **kwargs)
 
@@ -183,149 +184,7 @@ class ExactAverager(
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
-        started = time.monotonic()
-        group_id = group_info.group_id if group_id is None else group_id
-        kwargs.pop("compression", None)
-        kwargs.pop("part_size_bytes", None)
-        stale = stale_members(group_info, self.serializer)
-        round_ = group_round(group_info, self.serializer)
-        codec = self.codec_compression.at_round(round_)
-        if stale:
-            logger.warning(
-                "round with %s: they started from another state than the group; their parts count 0",
-                sorted(map(str, stale)),
-            )
-        (vector,) = tensors
-        flat = vector.view(-1)
-        fragment_ids = [fragment_group_id(group_id, index) for index in range(len(self.fragments))]
-        room = self._open_audit_room(group_id, fragment_ids, group_info.peer_ids, stale) if self.audit else None
-        signer = self._receipt_signer(group_info, round_)
-        await self.open_paths(group_info.peer_ids, kwargs.get("peer_fractions"))
-        update = self._pending_update(round_)  # written as its parts arrive (None: keeps none)
-        runners = [
-            self._fragment_runner(flat[start:end], group_info, fragment_id, stale, codec, kwargs, signer, update, start)
-            for fragment_id, (start, end) in zip(fragment_ids, self.fragments)
-        ]
-        if room is not None:
-            room.runners.extend(runners)
-        outcomes = await asyncio.gather(
-            *(self._run_fragment(runner, group_info) for runner in runners), return_exceptions=True
-        )
-        offences = pooled.offences(runners, self.robust)
-        for peer, reason in sorted(offences.items()):
-            logger.warning("round's contribution from %s bounded by this reducer: %s", peer, reason)
-        if errors := [outcome for outcome in outcomes if isinstance(outcome, BaseException)]:
-            if room is not None:  # the others need not wait for this peer's verdict
-                await self._tell_no_verdict(group_id, room)
-            raise errors[0]
-        missing = [
-            (start + lo, start + hi)
-            for runner, (start, _end) in zip(runners, self.fragments)
-            for lo, hi in runner.missing_ranges()
-        ]
-        left_out = sum(hi - lo for lo, hi in missing)
-        failed = pooled.failed_reducers(runners)
-        if left_out >= self.numel:
-            if room is not None:
-                await self._tell_no_verdict(group_id, room)
-            raise RoundFailedError(f"no averaged part arrived: {failed}")
-        for peer, reason in failed.items():
-            if peer != str(self.peer_id):
-                offences.setdefault(peer, f"reducer failed: {reason}")
-        if missing:
-            logger.warning(
-                "round completed without the ranges of reducers %s (%.1f%% of the vector left out of this round)",
-                sorted(failed),
-                100.0 * left_out / max(1, self.numel),
-            )
-        # kept with the ranges it left out, which the host states when the round lands
-        self._spool_update(round_, update)
-        audit = AuditOutcome()
-        if room is not None and runners[0].modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            try:
-                audit = await self._audit_round(group_id, room, [start for start, _ in self.fragments])
-            except Exception:  # an audit that breaks here never fails the round
-                logger.exception("audit of this round failed here; nobody is judged")
-            for peer, reason in audit.caught.items():
-                offences[peer] = f"audit: its average is wrong: {reason}"
-        self._stats[group_id] = AllReduceStats(
-            bytes_sent=sum(runner.bytes_sent for runner in runners),
-            bytes_received=sum(runner.bytes_received for runner in runners),
-            refused_senders={str(k): v for runner in runners for k, v in runner.refused_senders.items()},
-            offences=offences,
-            allreduce_s=time.monotonic() - started,
-            peer_ids=[str(p) for p in group_info.peer_ids],
-            streams=len(runners),
-            missing=missing,
-            left_out=sorted(audit.left_out),
-            audit_s=audit.seconds,
-            audit_bytes=audit.bytes_received,
-            receipts=pooled.receipts(runners),
-            over_bulk=sorted(str(peer) for peer in set.intersection(*(runner.over_bulk for runner in runners))),
-        )
-        del runners, outcomes  # the round's parts, frames and buffers are garbage now: their pages go back
-        asyncio.get_running_loop().run_in_executor(None, release_free_memory)
-
-    def _receipt_signer(self, group_info: GroupInfo, round_: int) -> ReceiptSigner | None:
-        """Who signs this round's receipts: the node's identity, for the round the group lands
-        (its agreed state's round + 1, the round its members report)."""
-        if self._receipt_key is None:
-            return None
-        if self._receipt_identity is None:  # loaded in the averager's process, once
-            self._receipt_identity = Identity.from_pem(self._receipt_key, source="the node's key")
-        ids = {}
-        for peer, raw in zip(group_info.peer_ids, group_info.gathered):
-            data = gathered_metadata(raw)
-            if data is not None and data.id:
-                ids[str(peer)] = data.id
-        return ReceiptSigner(self._receipt_identity, run=self.prefix, round_=round_ + 1, ids=ids)
-
-    def _fragment_runner(
-        self,
-        fragment: torch.Tensor,
-        group_info: GroupInfo,
-        group_id: bytes,
-        stale: frozenset[Any],
-        codec: CodecCompression,
-        kwargs: dict[str, Any],
-        signer: ReceiptSigner | None = None,
-        update: PendingUpdate | None = None,
-        start: int = 0,
-    ) -> ExactAllReduceRunner:
-        runner = self.runner_class(
-            codec=codec,
-            receipts=signer,
-            bulk=self.bulk_pool(),
-            stale=stale,
-            robust=self.robust,
-            keep_sent=self.audit,
-            spill=self.update_store.directory if self.update_store is not None else None,
-            keep_averaged=update.at(start) if update is not None else None,
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=[fragment],
-            group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids,
-            **kwargs,
-        )
-        future = self._running_groups.get(group_id)
-        assert future is not None, "group must be registered before all-reduce"
-        future.set_result(runner)
-        return runner
-
-    async def _run_fragment(self, runner: ExactAllReduceRunner, group_info: GroupInfo) -> None:
-        """One fragment's all-reduce; its averaged parts land in the fragment (``InPlaceOutputs``)."""
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
-            return
-        async for _ in runner:
-            pass
-        await self._serve_in_background(runner)  # the senders' last parts: beside the next work
-        if self.peer_id in runner.failed_reducers:
-            # this peer's own parts failed here (a local fault): the others may hold its range
-            raise RoundFailedError(f"this peer could not average its own parts: {runner.failed_reducers[self.peer_id]}")
+        await self._average_in_fragments(tensors, group_info, group_id, **kwargs)
 
     async def _step(self, *, step: Any, future_for_init: Any) -> None:
         """Look for the group under the key of the round this step averages (its gathered
@@ -336,7 +195,13 @@ class ExactAverager(
         round_ = (metadata.meet if metadata.meet is not None else metadata.round) if metadata is not None else None
         if round_ is not None:
             self._matchmaking.group_key_manager.group_bits = round_group_bits(round_)
-        await super()._step(step=step, future_for_init=future_for_init)
+        if metadata is not None and metadata.round is not None and self.in_turn:
+            self._sync_gates().begin(metadata.round)
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        finally:  # a round that found no group, or whose all-reduce is over: its gates are answered
+            if metadata is not None and metadata.round is not None:
+                self._close_gates(metadata.round, "the round found no group here")
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> GroupOutcome:
         """Returns the group's ``GroupOutcome`` to ``step()``'s caller.
@@ -357,7 +222,7 @@ class ExactAverager(
         timeouts = self._round_timeouts(group_info)
         kwargs.update(sender_timeout=timeouts.sender_s, reducer_timeout=timeouts.reducer_s)
         try:
-            deadline = None if math.isinf(timeouts.allreduce_s) else timeouts.allreduce_s
+            deadline = None if math.isinf(timeouts.allreduce_s) else timeouts.allreduce_s + self.sync_span_s
             gathered = await asyncio.wait_for(
                 super()._aggregate_with_group(group_info, min_vector_size, **kwargs), deadline
             )

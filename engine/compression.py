@@ -827,11 +827,18 @@ class ErrorFeedback:
     this peer's own (never averaged, never digested), so replicas stay bit-identical.
     """
 
-    def __init__(self, codec: Codec, numel: int) -> None:
+    def __init__(self, codec: Codec, numel: int, *, residual: torch.Tensor | None = None) -> None:
+        """``residual``: a bfloat16 tensor of ``numel`` values to keep the residual in (a view
+        of another feedback's: ``window``); zeros of its own when not given."""
         _check_numel(numel, codec.name)
         self.codec = codec
         self.numel = numel
-        self._residual = torch.zeros(numel if codec.lossy else 0, dtype=RESIDUAL_DTYPE)
+        if residual is not None and codec.lossy:
+            if residual.dtype != RESIDUAL_DTYPE or tuple(residual.shape) != (numel,):
+                raise ValueError(f"error feedback: a residual of {numel} {RESIDUAL_DTYPE} values, got {residual.shape}")
+            self._residual = residual
+        else:
+            self._residual = torch.zeros(numel if codec.lossy else 0, dtype=RESIDUAL_DTYPE)
 
     def _check(self, t: torch.Tensor, what: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
@@ -930,6 +937,17 @@ class ErrorFeedback:
     def state(self) -> torch.Tensor:
         """The residual itself (not a copy, bfloat16): for saving it; do not modify."""
         return self._residual
+
+    def window(self, start: int, end: int) -> ErrorFeedback:
+        """This feedback on the values ``[start, end)`` alone, as a vector of its own whose
+        residual *is* this one's there (a view: what it keeps, this keeps). ``start`` must be
+        on a block of the codec, as the wire's windows are (``engine.fragments``: fragments
+        start on every codec's block), so every window of the view is one of the whole's."""
+        if not 0 <= start <= end <= self.numel:
+            raise ValueError(f"error feedback: window [{start}, {end}) outside its {self.numel} values")
+        if start % self.codec.block:
+            raise ValueError(f"error feedback: a window starts at {start}, not on a block of {self.codec.block}")
+        return ErrorFeedback(self.codec, end - start, residual=self._residual[start:end] if self.codec.lossy else None)
 
     def update(self, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep ``sent - decoded`` as the residual (nothing for a non-lossy codec)."""

@@ -175,7 +175,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_run_allreduce_inplace_",
         "overridden coroutine method",
-        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_)",
+        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_, which runs engine/fragment_rounds.py)",
         "Builds our ExactAllReduceRunners (codec, stale members; one per fragment of the vector, "
         "run at once) instead of AllReduceRunner, records round stats.",
         params=("tensors", "group_info", "group_id", "kwargs"),
@@ -226,7 +226,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_running_groups",
         "instance attribute (read and written)",
-        f"{AVERAGING} (ExactAverager._register_allreduce_group; ExactAverager._fragment_runner)",
+        f"{AVERAGING} (ExactAverager._register_allreduce_group), engine/fragment_rounds.py (FragmentRoundsMixin._fragment_runner)",
         "Registers each fragment's runner under its group id (a future set to the runner) so that "
         "incoming rpc_aggregate_part calls reach it, as hivemind's own _run_allreduce_inplace_ does.",
         evidence=(
@@ -238,7 +238,7 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         AVERAGER,
         "_p2p",
         "instance attribute (read)",
-        f"{AVERAGING} (ExactAverager._run_allreduce_inplace_), {STATE} (_download_state_from), "
+        f"engine/fragment_rounds.py (FragmentRoundsMixin._fragment_runner), {STATE} (_download_state_from), "
         "engine/bulk_channel.py (BulkChannelMixin._bulk_ticket, _direct_hosts)",
         "The averager process's P2P: given to our runner, used for the rpc_download_state and "
         "rpc_bulk_ticket stubs and to read the address of a reducer's libp2p connection.",

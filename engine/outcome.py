@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from protocol.gathered import Gathered
 
-__all__ = ["AllReduceStats", "GroupOutcome"]
+__all__ = ["AllReduceStats", "FragmentDone", "GroupOutcome"]
 
 
 @dataclass
@@ -59,3 +59,29 @@ class GroupOutcome:
     """Why this peer's all-reduce failed once begun ("" if it completed): nothing of the vector
     is averaged here (``stats.missing`` is all of it); the others may land the round without
     this peer."""
+
+
+@dataclass
+class FragmentDone:
+    """What the host learns when fragment ``index`` of a round is averaged (or is not)."""
+
+    index: int
+    start: int
+    """Where the fragment starts in the whole vector; its values are the buffer's first ``end - start``."""
+    end: int
+    missing: list[tuple[int, int]] = field(default_factory=list)
+    """``[start, end)`` ranges of the whole vector, inside this fragment, that hold no average:
+    reducers that failed, or whose average an audit caught (the same in every member that saw it)."""
+    failed: str = ""
+    """Why the fragment was not averaged here ("" if it was): the buffer holds nothing of use."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    allreduce_s: float = 0.0
+    """From the gate's open to its answer, as the averager saw it."""
+    members: dict[str, Gathered | None] | None = None
+    """The first fragment's answer: what each member of the group stated (libp2p id → its
+    statement; None: unreadable), so that the host judges the round before it lands anything."""
+
+    @property
+    def averaged(self) -> bool:
+        return not self.failed

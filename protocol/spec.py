@@ -300,6 +300,13 @@ class AveragingSection(_Section):
     """Fragments of the pseudo-gradient averaged at once, each over its own libp2p streams
     (vectors under 64K values per fragment are cut into fewer): one stream per pair of peers
     caps at what its flow-control window carries."""
+    sync_fragments: Annotated[int, Field(ge=1, le=64)] = 1
+    """With overlap: fragments of the pseudo-gradient averaged one after another while the
+    next inner phase trains (Streaming DiLoCo's cut): fragment s is written s/S of the way into
+    the phase, averaged by the round's one group, and lands on its range of the model as soon
+    as it is in. The averager holds one fragment, not the vector, and one fragment's launch
+    point is kept, not the model's (docs/design/round.md, "Fragments in turn"). 1: the whole
+    vector at once (vectors under 64K values per fragment are cut into fewer)."""
     robust: bool = True
     """Robust averaging (``engine.robust``, the keys below); false: the plain weighted mean."""
     audit: bool = True
@@ -332,6 +339,13 @@ class AveragingSection(_Section):
             value = getattr(self, name)
             if 0 < value < 1:
                 raise ValueError(f"{name} = {value} would bound honest members below the median; use 0 (off) or >= 1")
+        if self.sync_fragments > 1 and not self.overlap:
+            raise ValueError(
+                f"sync_fragments = {self.sync_fragments} averages fragments while the next inner phase trains: "
+                "set overlap = true, or sync_fragments = 1"
+            )
+        if self.sync_fragments > 1 and self.overlap_start == "eager":
+            raise ValueError('sync_fragments > 1 lands each fragment on its own range: use overlap_start = "local"')
         return self
 
     def wire_bytes_per_value(self) -> float:

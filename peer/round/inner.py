@@ -52,6 +52,13 @@ class InnerPhase:
             return True
         return self.done >= self.least and time.monotonic() >= self.deadline
 
+    def share_done(self) -> float:
+        """How much of the phase is done, 0 to 1: its steps' share, or its time budget's."""
+        shares = [self.done / self.steps] if self.steps < 1 << 60 else []
+        if math.isfinite(self.deadline) and self.deadline > self.started:
+            shares.append((time.monotonic() - self.started) / (self.deadline - self.started))
+        return min(1.0, max(shares, default=1.0))
+
     @property
     def loss(self) -> float:
         """Mean loss of the phase's steps; NaN when it took none (a joiner's empty phase), never

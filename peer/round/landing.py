@@ -91,6 +91,14 @@ class Landing:
         that a round that averaged begins to land."""
         local = self.local
         started = time.monotonic()
+        if flight.turn is not None:  # judged on its first fragment's answer (``peer.round.in_turn``)
+            final = flight.pending.result()
+            result = flight.result = final if flight.turn.landed else None
+            if result is None and not flight.failure:
+                flight.failure = flight.turn.failure() if flight.turn.judged is not None else "no group formed"
+            flight.judged_at = time.monotonic()
+            flight.wait_s += flight.judged_at - started
+            return
         result = flight.result = self._the_rounds_state(flight.pending.result(), flight)
         flight.judged_at = time.monotonic()
         flight.wait_s += flight.judged_at - started
@@ -134,7 +142,8 @@ class Landing:
         result, state = flight.result, self.local.state
         metrics = self.round_metrics(flight, state.round)
         checkpoint = result is not None and state.round % self.crew.options.checkpoint_every == 0
-        kept = (state.round - 1, flight.pre_digest, list(result.stats.left_out)) if result and flight.counted else None
+        left_out = flight.turn.left_out if flight.turn is not None else result.stats.left_out if result else []
+        kept = (state.round - 1, flight.pre_digest, list(left_out)) if result and flight.counted else None
         at = time.time() if kept is not None else None
         self.unrecorded = _Recorded(metrics, checkpoint, flight.prep_s + flight.host_s, kept, at)
         if digest_known:
@@ -217,15 +226,16 @@ class Landing:
         local.history.append(metrics)
         crew.on_round(metrics)
 
-    def _adapt_timeouts(self, result: RoundResult | None) -> None:
+    def _adapt_timeouts(self, result: RoundResult | None, allreduce_s: float | None = None) -> None:
+        """Learn from the round (``allreduce_s``: its all-reduce's own seconds where the
+        averager's span more, fragments in turn)."""
         timeouts = self.crew.timeouts
         before = timeouts.allreduce_s
         if result is None:
             timeouts.failed()
         else:
-            timeouts.observe(
-                matchmaking_s=result.round_s - result.stats.allreduce_s, allreduce_s=result.stats.allreduce_s
-            )
+            own = result.stats.allreduce_s if allreduce_s is None else allreduce_s
+            timeouts.observe(matchmaking_s=result.round_s - result.stats.allreduce_s, allreduce_s=own)
         if abs(timeouts.allreduce_s - before) > 0.1 * before:
             self.crew.swarm.set_allreduce_timeout(timeouts.allreduce_s)
 
@@ -236,6 +246,8 @@ class Landing:
         hashed in the background (``record_landed`` publishes it). With overlap, a successful
         round's host half goes to the landing thread: its future (``_rebase`` ends the landing)."""
         crew, local = self.crew, self.local
+        if flight.turn is not None:
+            return self._finish_in_turn(flight, result)
         self._adapt_timeouts(result)
         local.uncounted = None
         counted = result is not None and result.started_in_sync(local.state.round, flight.pre_digest)
@@ -279,6 +291,39 @@ class Landing:
             self._carried_back(flight)
         if crew.overlap and not keep_progress:
             self.inner.drop_local_work(f"its model went non-finite while round {local.state.round - 1} averaged")
+        return self._landed_state()
+
+    def _finish_in_turn(self, flight: InFlight, result: RoundResult | None) -> bool:
+        """A round whose fragments landed in turn (``peer.round.in_turn``): its state's round
+        advances once the last has landed. One that landed no fragment failed (its work folds
+        into the next); one that landed some and not all left a state nobody holds: the peer
+        re-syncs. As ``apply``'s return."""
+        crew, local, turn = self.crew, self.local, flight.turn
+        assert turn is not None
+        self._adapt_timeouts(flight.pending.result() if result is None else result, turn.allreduce_s)
+        local.uncounted = None
+        flight.counted = turn.counted and turn.landed == len(turn.bounds)
+        if not flight.counted:  # its work stays in the model (or goes with it onto the state it adopts next)
+            samples, seconds = local.unlanded
+            local.unlanded = (samples + flight.samples + flight.carried, seconds + flight.compute_s + flight.carried_s)
+        flight.host_s += turn.host_s
+        if result is None:
+            self._undo(flight)
+            return True
+        crew.roster.landed(result.members)
+        crew.swarm.saw_group(result.members)
+        with local.state_lock:
+            local.state.round += 1
+            local.between_rounds = False
+        if turn.landed < len(turn.bounds):
+            local.in_sync = False
+            logger.warning(
+                "round %d landed %d of its %d fragments here: re-syncing", local.state.round - 1, turn.landed,
+                len(turn.bounds),
+            )  # fmt: skip
+        if not model_is_finite(local.model):
+            self.inner.drop_local_work(f"its model went non-finite while round {local.state.round - 1} averaged")
+        self._carried_back(flight)
         return self._landed_state()
 
     def _undo(self, flight: InFlight) -> None:

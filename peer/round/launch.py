@@ -29,6 +29,7 @@ from peer.round.local import Crew, LocalState
 from peer.round.resync import outer_at
 from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, PendingAverage, RoundResult
 from peer.round.timeouts import matchmaking_timeout, matchmaking_window
+from peer.round.turn import InTurn, TurnWriter
 from peer.task.data_assignment import DataRead
 from protocol.gathered import Gathered
 
@@ -111,9 +112,14 @@ class InFlight:
     (they are in its weight: ``LocalState.unlanded``)."""
     carried_s: float = 0.0
     """Their inner steps' seconds."""
+    turn: InTurn | None = None
+    """Its fragments in turn (``averaging.sync_fragments`` > 1: ``peer.round.in_turn``)."""
 
     def due(self) -> bool:
-        """Whether its result, and its landing's host half if one runs, are ready."""
+        """Whether its result, and its landing's host half if one runs (or every fragment in
+        turn), are ready."""
+        if self.turn is not None and not self.turn.complete():
+            return False
         return self.pending.done() and (self.landing is None or self.landing.done())
 
 
@@ -123,6 +129,10 @@ class Launcher:
 
     def __init__(self, crew: Crew, local: LocalState, inner: InnerSteps, joining: Joining) -> None:
         self.crew, self.local, self.inner, self.joining = crew, local, inner, joining
+        self.in_turn: TurnWriter | None = None
+        """Writes rounds' fragments in turn (set by the trainer when the run averages in turn)."""
+        self._span_s = 0.0
+        """The span of fragments' gates the averager was last told (``SwarmPort.set_sync_span``)."""
 
     def launch(self, inner: InnerPhase) -> InFlight:
         """Launch the round of the inner phase just ended (its averaging starts now, or once its
@@ -136,7 +146,11 @@ class Launcher:
         off_thread = (
             crew.options.host_thread and local.launch_point is not None and not crew.ranks.sharded and not crew.eager
         )
-        if samples > 0 and off_thread and model_is_finite(local.model):
+        turn: InTurn | None = None
+        if self.in_turn is not None and self.in_turn.fragments > 1:
+            samples, loss, weight = self._check_finite(samples, loss, weight)
+            turn = self.in_turn.begin(zeros=samples == 0)
+        elif samples > 0 and off_thread and model_is_finite(local.model):
             assert local.launch_point is not None
             mirror = self.mirrored()
             if mirror is not None:
@@ -183,9 +197,28 @@ class Launcher:
         flight.start = Launch(weight, gather, timeout, window, joining=inner.joining or not inner.steps)
         flight.carried, flight.carried_s = carried, carried_s
         flight.writing = writing
+        flight.turn = turn
+        if turn is not None:
+            self._tell_span(compute_s)
+            flight.prep_s += turn.host_s
         if writing is None:
             self.start_round(flight)
         return flight
+
+    def _check_finite(self, samples: int, loss: float, weight: float) -> tuple[int, float, float]:
+        """Fragments in turn: a model that is not finite sends zeros, claiming nothing (its local
+        work dropped, as ``_write_now`` does); the samples, loss and weight the round claims."""
+        if samples and not model_is_finite(self.local.model):
+            self.inner.drop_local_work(f"its model went non-finite in round {self.local.state.round}")
+            samples, loss = 0, float("nan")
+        return samples, loss, (weight if samples else NEGLIGIBLE_WEIGHT)
+
+    def _tell_span(self, compute_s: float) -> None:
+        """How far apart the group's members may write a fragment: about an inner phase."""
+        span = max(self.local.phase_s or 0.0, compute_s)
+        if span and abs(span - self._span_s) > 0.1 * max(self._span_s, 1e-9):
+            self.crew.swarm.set_sync_span(span)
+            self._span_s = span
 
     def _write_now(self, samples: int, loss: float, weight: float) -> tuple[int, float, float]:
         """The pseudo-gradient written on the training thread: zeros (taking part to receive the
@@ -294,5 +327,8 @@ class Launcher:
         flight.pending = crew.swarm.start_round(
             weight=start.weight, gather=start.gather, timeout=start.timeout, window=start.window, joining=start.joining
         )
+        if flight.turn is not None:
+            assert self.in_turn is not None
+            self.in_turn.opened(flight)
         flight.launched_at = time.monotonic()
         flight.prep_s += flight.launched_at - started

@@ -136,6 +136,9 @@ class LocalState:
     """Samples (and their inner steps' seconds) of rounds that did not land here, whose work is
     still in the model (or carried onto an adopted state): the next round that sends it weighs
     and claims them too, since its pseudo-gradient holds them."""
+    between_rounds: bool = False
+    """Fragments in turn: some of the round in flight has landed on the state and some not; it
+    is nobody's state until the last lands (``peer.round.in_turn``), and is served to nobody."""
     inner_steps_done: int = 0
     data_round: int = -1
     """The last data round an inner phase read (``InnerPhase.data_round``); checkpointed."""

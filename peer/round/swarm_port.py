@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.outcome import AllReduceStats
+from engine.outcome import AllReduceStats, FragmentDone
 from protocol.agreement import Agreement, agreed_state
 from protocol.gathered import Gathered, votes
 from protocol.identity import Identity, PublicKey
@@ -88,11 +88,27 @@ class RoundResult:
         return agreed is not None and (agreed.round, agreed.digest) == (round_, digest)
 
 
+class FragmentAnswer(Protocol):
+    """The answer to a fragment of a round averaged in turn (``PendingAverage.open_fragment``)."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> FragmentDone:
+        """Block (up to ``timeout`` s: ``TimeoutError`` past it) for the fragment's outcome."""
+        ...
+
+
 class PendingAverage(Protocol):
     """An averaging round started in the background."""
 
     meets: int
     """The round whose group it looks for (its own, or a later one an open-run newcomer meets)."""
+
+    def open_fragment(self, index: int) -> FragmentAnswer:
+        """Fragments in turn (``averaging.sync_fragments`` > 1): fragment ``index`` of this round
+        is in the buffer (``SwarmPort.fragment_buffer``); average it with the group. The buffer
+        is the averager's until the answer is done."""
+        ...
 
     def done(self) -> bool: ...
 
@@ -133,6 +149,16 @@ class SwarmPort(Protocol):
         caller leaves in it is garbage to the next round (which writes its vector whole).
         None, at once, while a round averages it. The caller must release it before it asks for
         ``outbox`` or a round's result."""
+        ...
+
+    def fragment_buffer(self) -> torch.Tensor:
+        """Fragments in turn: the buffer a round's fragments are written to and averaged in, one
+        at a time (as long as the longest fragment), the caller's from a fragment's answer to
+        the next ``open_fragment``."""
+        ...
+
+    def set_sync_span(self, span_s: float) -> None:
+        """Fragments in turn: how far apart members may open a fragment (about an inner phase)."""
         ...
 
     def start_round(

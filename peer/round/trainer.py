@@ -48,6 +48,7 @@ from peer.node.inner_step import Precision, inner_optimizer
 from peer.node.local_ranks import local_ranks
 from peer.round.adoption import Adoption
 from peer.round.host_passes import Staging
+from peer.round.in_turn import FragmentsInTurn
 from peer.round.inner import InnerPhase, InnerSteps
 from peer.round.joining import Joining
 from peer.round.landing import Landed, Landing
@@ -129,7 +130,13 @@ class Trainer:
         ranks = local_ranks(options.node, model, shard=options.shard)
         self.local = local = LocalState(model, state, inner_optimizer(spec, ranks.forward), None)
         overlap = spec.averaging.overlap if options.overlap is None else options.overlap
-        if overlap:
+        in_turn = overlap and spec.averaging.sync_fragments > 1
+        if in_turn and ranks.sharded:
+            raise ValueError(
+                "averaging.sync_fragments > 1 is not supported on a node that shards its model over "
+                "local ranks yet: run it with --no-shard, or a spec with sync_fragments = 1"
+            )
+        if overlap and not in_turn:  # (in turn: a fragment's launch point at a time, ``peer.round.in_turn``)
             local.launch_point = local.host_vector()
         checkpointer = (
             Checkpointer(options.checkpoint_dir, spec_digest=spec.digest(), spec=spec)
@@ -155,6 +162,9 @@ class Trainer:
         self.inner = InnerSteps(self.crew, local, self.joining)
         self.launcher = Launcher(self.crew, local, self.inner, self.joining)
         self.landing = Landing(self.crew, local, self.inner, self.adoption)
+        self.in_turn = FragmentsInTurn(self.crew, local, self.landing)
+        if in_turn:
+            self.launcher.in_turn = self.in_turn
         self.phase = Phase.RESYNCING
         swarm.serve_state(self._serve)
 
@@ -286,6 +296,8 @@ class Trainer:
                 self.launcher.start_round(flight)
             if flight is not None and training and flight.writing is None:
                 self.landing.abandon_if_landed(flight)
+            if flight is not None and flight.turn is not None and training:
+                self.in_turn.advance(flight, inner, wait=False)
             step = next_step(
                 LoopView(
                     inner=inner is not None,
@@ -329,6 +341,9 @@ class Trainer:
         overlap, unless ``wait``, False while its host half runs (the inner steps go on)."""
         if flight.writing is not None:
             self.launcher.start_round(flight)
+        if flight.turn is not None and not flight.turn.complete():
+            self.phase = Phase.AVERAGING
+            self.in_turn.advance(flight, None, wait=True)
         if flight.landing is None:
             if self.landing.waits(flight):
                 since = time.monotonic()
@@ -366,11 +381,18 @@ class Trainer:
         tore what was written: then nothing is served (the downloader asks another member; had it
         been served, its digest check would have refused it)."""
         with self.local.state_lock:
+            if self.local.between_rounds:
+                raise RuntimeError("a round is landing fragment by fragment: the state is between two rounds")
             state = self.local.state
             round_, digest = state.round, state.digest()
         served = take(round_, state.params, state.momentum, digest)
         with self.local.state_lock:
-            if self.local.state is state and state.round == round_ and state.digest_ready():
+            if (
+                self.local.state is state
+                and state.round == round_
+                and state.digest_ready()
+                and not self.local.between_rounds
+            ):
                 if state.digest() == digest:
                     return served
         raise RuntimeError(f"the state of round {round_} changed while it was written for a download")

@@ -5,14 +5,17 @@ so that its first group (where it is stale, weight 0) is the evidence it re-sync
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
 from peer.swarm.swarm_pace import SwarmPace
 from protocol.statesync import DigestRecord
+
+logger = logging.getLogger(__name__)
 
 DECLARATION_DELAY_S = 1.0
 """About how long a round's declaration takes to reach the peers that look it up in the DHT."""
@@ -51,3 +54,33 @@ def meeting_candidates(records: Iterable[DigestRecord], round_: int, window: flo
         Meeting(later, later + pace.rounds_ahead(later, lead, now, dht_now), pace.seconds_per_round(later))
         for later in ranked
     ]
+
+
+class Meetings:
+    """An open-run newcomer's choice of the round it meets at, try after try
+    (``Swarm._meeting_round``): anyone may sign records for any round, so it tries each round
+    the records show in turn, those with the most signers first."""
+
+    def __init__(self, pace: SwarmPace) -> None:
+        self.pace = pace
+        self.tries = 0
+
+    def choose(self, round_: int, candidates: Callable[[], list[Meeting]]) -> int:
+        """The round to meet at: ``round_`` itself when ``candidates`` (read now) are none. One
+        look shows each member's current round, not how fast they move: a first look is taken
+        again ``PACE_LOOK_S`` later."""
+        found = candidates()
+        if found and not self.pace.known(found[self.tries % len(found)].shown):
+            time.sleep(PACE_LOOK_S)
+            found = candidates()
+        if not found:
+            return round_
+        meeting = found[self.tries % len(found)]
+        self.tries += 1
+        logger.info(
+            "a newcomer to an open run: meeting the swarm at round %d (records show round %d, %s)",
+            meeting.meet,
+            meeting.shown,
+            f"{meeting.pace:.2f} s a round" if meeting.pace is not None else "pace unknown",
+        )
+        return meeting.meet

@@ -42,9 +42,16 @@ from engine.record_bounds import RunRecordBounds
 from engine.records import RunRecords
 from engine.robust import RobustRule
 from engine.update_store import UpdateStore
-from peer.round.swarm_port import NEGLIGIBLE_WEIGHT, DownloadedState, LentOutbox, RoundResult, StateProvider
+from peer.round.swarm_port import (
+    NEGLIGIBLE_WEIGHT,
+    DownloadedState,
+    FragmentAnswer,
+    LentOutbox,
+    RoundResult,
+    StateProvider,
+)
 from peer.round.timeouts import matchmaking_window, matchmaking_windows
-from peer.swarm.meeting import PACE_LOOK_S, Meeting, meeting_candidates
+from peer.swarm.meeting import Meeting, Meetings, meeting_candidates
 from peer.swarm.swarm_pace import LandingTimes, SwarmPace, landing_medians
 from protocol.agreement import Agreement, agreed_state, agreed_states
 from protocol.gathered import Gathered
@@ -126,9 +133,15 @@ class PendingRound:
     averager: ExactAverager
     started: float
     meets: int
+    round_: int = -1
+    """The round this peer stated (its fragments' gates are keyed by it)."""
 
     def done(self) -> bool:
         return self.control.done()
+
+    def open_fragment(self, index: int) -> FragmentAnswer:
+        """Fragment ``index`` is in the averager's buffer (``ExactAverager.open_fragment``)."""
+        return self.averager.open_fragment(self.round_, index)
 
     def wait(self, timeout: float) -> bool:
         try:
@@ -265,9 +278,9 @@ class Swarm:
         """Where this peer's averager takes parts over the bulk channel (``engine.bulk_channel``)."""
         self.electorate: set[str] = set()
         """Open runs: public ids of the peers this one averaged with (see ``eligible``)."""
-        self._meetings = 0
         """Open-run newcomer: how many rounds it launched to meet a later round (``_meeting_round``)."""
         self._pace = SwarmPace()
+        self._meetings = Meetings(self._pace)
         self._landed = LandingTimes()
         self._records: tuple[float, list[DigestRecord]] = (-math.inf, [])
         self._reading: _Reading | None = None
@@ -331,6 +344,7 @@ class Swarm:
             client_mode=self.client_mode,
             gate=self.gate,
             streams=averaging.streams,
+            sync_fragments=averaging.sync_fragments,
             robust=RobustRule.for_spec(averaging, spec.credits),
             audit=averaging.audit,
             updates=self.updates,
@@ -394,6 +408,14 @@ class Swarm:
         """The averager's shared vector (``SwarmPort.lend_outbox``; ``lend``)."""
         return lend(self.averager)
 
+    def fragment_buffer(self) -> torch.Tensor:
+        """The averager's buffer of fragments in turn (``SwarmPort.fragment_buffer``): its shared
+        vector, whose use the gates order (``engine.sync_gates``), not its lock."""
+        return self.averager.vector
+
+    def set_sync_span(self, span_s: float) -> None:
+        self.averager.set_sync_span(span_s)
+
     def start_round(
         self,
         *,
@@ -426,7 +448,13 @@ class Swarm:
             wait=False,
         )
         meets = meet if meet is not None else -1  # (a gather without a round meets none)
-        pending = PendingRound(control=control, averager=self.averager, started=time.monotonic(), meets=meets)
+        pending = PendingRound(
+            control=control,
+            averager=self.averager,
+            started=time.monotonic(),
+            meets=meets,
+            round_=gather.round if gather.round is not None else -1,
+        )
         self._in_flight = pending
         return pending
 
@@ -441,27 +469,11 @@ class Swarm:
         is stale, weight 0) is the evidence it re-syncs from (docs/design/records.md, "Open runs").
         It meets the round *after* one the records show (the swarm launches that one within
         about a phase, and the newcomer, declared first, leads it; the round shown may already
-        be launched). Anyone may sign records for any round, so it tries each such round in
-        turn, those with the most signers first. ``window``: how long this peer, leading the
-        round it meets, waits for the swarm to arrive (``_meeting_candidates`` aims at its middle)."""
+        be launched), trying each in turn (``peer.swarm.meeting.Meetings``). ``window``: how long
+        this peer, leading the round it meets, waits for the swarm to arrive."""
         if round_ is None:
             return None
-        candidates = self._meeting_candidates(round_, window)
-        if candidates and not self._pace.known(candidates[self._meetings % len(candidates)].shown):
-            # one look shows each member's current round, not how fast they move: look again
-            time.sleep(PACE_LOOK_S)
-            candidates = self._meeting_candidates(round_, window)
-        if not candidates:
-            return round_
-        meeting = candidates[self._meetings % len(candidates)]
-        self._meetings += 1
-        logger.info(
-            "a newcomer to an open run: meeting the swarm at round %d (records show round %d, %s)",
-            meeting.meet,
-            meeting.shown,
-            f"{meeting.pace:.2f} s a round" if meeting.pace is not None else "pace unknown",
-        )
-        return meeting.meet
+        return self._meetings.choose(round_, lambda: self._meeting_candidates(round_, window))
 
     def _meeting_candidates(self, round_: int, window: float = 0.0) -> list[Meeting]:
         """An open-run newcomer's rounds to meet at (later than ``round_``; none otherwise)."""
