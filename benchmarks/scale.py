@@ -1,7 +1,8 @@
 """The peer's host cost as the model grows (issue #12): ``make bench-scale``.
 
 For each model size, two real ``swarmtrain peer`` processes on loopback (one torch thread each,
-overlap off so that every host step is on the critical path, fp16 averaging unless ``--codec``) run a few
+overlap off so that every host step is on the critical path unless ``--overlaps`` says otherwise, fp16
+averaging unless ``--codec``) run a few
 rounds; the same runs with the code of a baseline git ref (checked out into a temporary
 worktree) give the ratios. Reported per size and code version:
 
@@ -17,7 +18,7 @@ worktree) give the ratios. Reported per size and code version:
 
 Writes ``benchmarks/results/NAME.{md,json,png}`` (``--name``, default ``scale``). Usage:
 ``python -m benchmarks.scale [--sizes 10M,50M,200M] [--baseline-ref b276a6b] [--baseline-sizes 10M,50M]
-[--codec sparse] [--name scale-sparse]``.
+[--codec sparse] [--overlaps off,whole,4] [--name scale-sparse]``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ batch_size = 1
 inner_steps = 2
 [averaging]
 compression = "{codec}"
-overlap = false
+overlap = {overlap}{in_turn}
 min_group_size = 2
 matchmaking_timeout_s = 10.0
 allreduce_timeout_s = 300.0
@@ -131,15 +132,23 @@ def _peer(tree: Path, args: list[str], log: Path, cpu: int | None = None) -> sub
         )
 
 
+def spec_text(name: str, codec: str = "fp16", overlap: str = "off") -> str:
+    """The runs' spec for size ``name``; ``overlap``: ``off``, ``whole`` (overlap, the vector at
+    once) or a count of fragments averaged in turn (overlap, ``averaging.sync_fragments``)."""
+    d_model, n_layers = SIZES[name]
+    in_turn = f"\nsync_fragments = {int(overlap)}" if overlap not in ("off", "whole") else ""
+    on = "false" if overlap == "off" else "true"
+    return SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec=codec, overlap=on, in_turn=in_turn)
+
+
 def run_pair(
-    tree: Path, name: str, workdir: Path, rounds: int, codec: str = "fp16", pinned: bool = False
+    tree: Path, name: str, workdir: Path, rounds: int, codec: str = "fp16", pinned: bool = False, overlap: str = "off"
 ) -> dict[str, Any]:
     """Two peers of size ``name`` with the code in ``tree``: peak PSS and metrics rows of each."""
-    d_model, n_layers = SIZES[name]
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "spec.toml"
-    spec.write_text(SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec=codec))
-    return run_peers(tree, spec, workdir, rounds, ["--no-overlap"], pinned)
+    spec.write_text(spec_text(name, codec, overlap))
+    return run_peers(tree, spec, workdir, rounds, ["--no-overlap"] if overlap == "off" else [], pinned)
 
 
 def run_peers(
@@ -190,9 +199,7 @@ def summarize(name: str, run: dict[str, Any], code: str, floor_bytes: int | None
     from protocol.modelsize import count_params
     from protocol.spec import parse_spec
 
-    d_model, n_layers = SIZES[name]
-    spec = SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec="fp16")
-    params = count_params(parse_spec(spec).task.model)
+    params = count_params(parse_spec(spec_text(name)).task.model)
     model_bytes = params * 4
     rows = [r for peer in run["rows"] for r in peer if r.get("averaged")]
     host = [r["host_s"] for r in rows if "host_s" in r] or [r["wall_s"] - r["compute_s"] - r["wait_s"] for r in rows]
@@ -241,10 +248,11 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = (
         f"swarmtrain scale benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} CPUs), "
-        f"2 peers on loopback, {args.codec}, overlap off, one torch thread each"
+        f"2 peers on loopback, {args.codec}, overlap {args.overlaps} (baseline: off), one torch thread each"
         f"{', each pinned to a core of its own' if args.pinned else ''}; baseline {args.baseline_ref}; "
         f"`python -m benchmarks.scale --sizes {args.sizes} --baseline-sizes {args.baseline_sizes} "
-        f"--codec {args.codec} --rounds {args.rounds} --name {args.name}{' --pinned' if args.pinned else ''}`"
+        f"--codec {args.codec} --rounds {args.rounds} --overlaps {args.overlaps} --name {args.name}"
+        f"{' --pinned' if args.pinned else ''}`"
     )
     lines = [
         header,
@@ -302,6 +310,12 @@ def main() -> int:
     parser.add_argument("--codec", default="fp16", help="the runs' averaging.compression")
     parser.add_argument("--name", default="scale", help="results file name (benchmarks/results/NAME.{md,json,png})")
     parser.add_argument(
+        "--overlaps",
+        default="off",
+        help="the current code's runs, comma-separated: off (the default), whole (overlap, the vector "
+        "at once), or N (overlap, N fragments averaged in turn: averaging.sync_fragments)",
+    )
+    parser.add_argument(
         "--pinned",
         action="store_true",
         help="each peer (and its processes) on a core of its own, as on machines of their own",
@@ -309,18 +323,20 @@ def main() -> int:
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="swarmtrain-scale-") as tmp, contextlib.ExitStack() as stack:
-        plan = [(REPO, "current", s) for s in args.sizes.split(",") if s]
+        modes = [mode.strip() for mode in args.overlaps.split(",") if mode.strip()]
+        plan = [(REPO, "current", s, mode) for mode in modes for s in args.sizes.split(",") if s]
         if args.baseline_sizes:
             base = stack.enter_context(baseline_tree(args.baseline_ref, Path(tmp)))
-            plan += [(base, args.baseline_ref, s) for s in args.baseline_sizes.split(",")]
+            plan += [(base, args.baseline_ref, s, "off") for s in args.baseline_sizes.split(",")]
         floors: dict[str, int] = {}
-        for tree, code, size in plan:
+        for tree, code, size, mode in plan:
             if code not in floors:
                 print(f"scale: runtime floor ({FLOOR_SIZE}) with {code} code", flush=True)
                 floors[code] = max(run_pair(tree, FLOOR_SIZE, Path(tmp) / f"{code}-floor", 2)["peak_pss"])
-            print(f"scale: {size} with {code} code", flush=True)
-            run = run_pair(tree, size, Path(tmp) / f"{code}-{size}", args.rounds, args.codec, args.pinned)
-            results.append(summarize(size, run, code, floors[code]))
+            label = code if mode == "off" else f"{code}, overlap {mode if mode == 'whole' else f'in turn ({mode})'}"
+            print(f"scale: {size} with {label}", flush=True)
+            run = run_pair(tree, size, Path(tmp) / f"{code}-{mode}-{size}", args.rounds, args.codec, args.pinned, mode)
+            results.append(summarize(size, run, label, floors[code]))
             print(json.dumps(results[-1]), flush=True)
             write(results, args)
     return 0

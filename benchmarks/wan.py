@@ -58,7 +58,7 @@ batch_size = 8
 {rounds}
 [averaging]
 compression = "{codec}"
-overlap = {overlap}
+overlap = {overlap}{in_turn}
 min_group_size = {peers}
 matchmaking_timeout_s = 15.0
 allreduce_timeout_s = 120.0
@@ -73,8 +73,11 @@ CONFIGS = [  # name, kind, codec, overlap
     ("sparse", "swarmtrain", "sparse", True),
     ("fp32 no-overlap", "swarmtrain", "none", False),
     ("int8 no-overlap", "swarmtrain", "int8", False),
+    ("int8 in turn", "swarmtrain", "int8", True),
     ("fp32 node of 2 ranks", "swarmtrain", "none", True),
 ]
+IN_TURN = {"int8 in turn": 4}
+"""Configurations whose overlap averages the vector's fragments in turn (``averaging.sync_fragments``)."""
 NODE_RANKS = {"fp32 node of 2 ranks": 2}
 """Configurations whose first peer is a node of several local ranks (``--nproc-per-node``; the
 others keep one): its WAN averaging against fp32's, same state size (issue #13)."""
@@ -132,6 +135,7 @@ def _write_spec(workdir: Path, name: str, codec: str, overlap: bool, args: argpa
             ),
             codec=codec,
             overlap=str(overlap).lower(),
+            in_turn=f"\nsync_fragments = {IN_TURN[name]}" if name in IN_TURN else "",
             peers=args.peers,
             # sparse's measured best outer lr (protocol.spec: AveragingSection.bits); the others keep 0.7
             outer="[outer]\nlr = 1.0\n" if codec == "sparse" else "",

@@ -58,8 +58,10 @@ class FragmentsInTurn:
 
     @property
     def fragments(self) -> int:
-        """Fragments in turn (1: the whole vector at once, as without them)."""
-        return self.crew.spec.averaging.sync_fragments if self.crew.overlap else 1
+        """Fragments in turn (1: the whole vector at once, as without them). The spec's, whether
+        or not this peer overlaps (``--no-overlap``): every member of a group must cut its vector
+        alike; without overlap the fragments go one after another at the phase's end."""
+        return self.crew.spec.averaging.sync_fragments
 
     def bounds(self) -> list[tuple[int, int]]:
         return fragment_bounds(self.local.state.params.numel(), self.fragments)

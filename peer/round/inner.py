@@ -73,7 +73,10 @@ class InnerSteps:
     def __init__(self, crew: Crew, local: LocalState, joining: Joining) -> None:
         self.crew, self.local, self.joining = crew, local, joining
         on_cpu = all(p.device.type == "cpu" for p in local.model.parameters())
-        self.grads = GradHome(crew.swarm, enabled=not crew.overlap and crew.ranks.world_size == 1 and on_cpu)
+        in_turn = crew.spec.averaging.sync_fragments > 1  # (the averager's vector is one fragment long)
+        self.grads = GradHome(
+            crew.swarm, enabled=not crew.overlap and not in_turn and crew.ranks.world_size == 1 and on_cpu
+        )
         """Where the gradients live: the averager's idle vector when they may (``peer.round.grad_home``)."""
 
     def release_gradients(self) -> None:

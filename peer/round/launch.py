@@ -200,7 +200,7 @@ class Launcher:
         flight.turn = turn
         if turn is not None:
             self._tell_span(compute_s)
-            flight.prep_s += turn.host_s
+            turn.host_s = 0.0  # its first fragment's write is in ``prep_s`` already
         if writing is None:
             self.start_round(flight)
         return flight

@@ -67,6 +67,7 @@ from peer.round.swarm_port import StateTaker, SwarmPort
 from peer.round.timeouts import AdaptiveTimeouts, matchmaking_timeout
 from peer.round.verdict import RoundVerdict
 from peer.task import Task
+from protocol.errors import ConfigError
 from protocol.identity import Identity
 from protocol.spec import RunSpec
 
@@ -130,11 +131,11 @@ class Trainer:
         ranks = local_ranks(options.node, model, shard=options.shard)
         self.local = local = LocalState(model, state, inner_optimizer(spec, ranks.forward), None)
         overlap = spec.averaging.overlap if options.overlap is None else options.overlap
-        in_turn = overlap and spec.averaging.sync_fragments > 1
+        in_turn = spec.averaging.sync_fragments > 1
         if in_turn and ranks.sharded:
-            raise ValueError(
+            raise ConfigError(
                 "averaging.sync_fragments > 1 is not supported on a node that shards its model over "
-                "local ranks yet: run it with --no-shard, or a spec with sync_fragments = 1"
+                "local ranks yet: run it with --fsdp off, or a spec with sync_fragments = 1"
             )
         if overlap and not in_turn:  # (in turn: a fragment's launch point at a time, ``peer.round.in_turn``)
             local.launch_point = local.host_vector()

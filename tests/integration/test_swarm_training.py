@@ -1,7 +1,8 @@
 """3 real `swarmtrain peer` processes on loopback, each codec: loss falls, digests agree,
 and lossy codecs send a fraction of the fp32 bytes (``sparse``: under 2%). The overlap and
 sparse cases' model is large enough to be averaged in several fragments at once
-(``averaging.streams``, ``engine.fragments``)."""
+(``averaging.streams``, ``engine.fragments``); the overlap case averages its 2 fragments in
+turn while the next inner phase trains (``averaging.sync_fragments``, ``peer.round.in_turn``)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ SPEC = tiny_spec(
     min_group_size=3,
     matchmaking_timeout_s=10.0,
     allreduce_timeout_s=60.0,
+    sections={"averaging": {"sync_fragments": "{in_turn}"}},
 )
 # The all-reduce deadline adapts down to a quarter of the spec's, and a member silent for
 # 2/3 of it is dropped as a reducer (its range stays unaveraged; it re-syncs). With 30 s, a
@@ -43,7 +45,9 @@ def run_swarm(
 ) -> tuple[list[list[dict]], list[str]]:
     """Each peer's metrics rows, and the warnings the peers logged (for failure messages)."""
     spec = tmp_path / "spec.toml"
-    spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower(), d_model=d_model))
+    # with overlap the fragments are averaged in turn, two of them (``peer.round.in_turn``)
+    in_turn = 2 if overlap else 1
+    spec.write_text(SPEC.format(codec=codec, overlap=str(overlap).lower(), d_model=d_model, in_turn=in_turn))
     # peer 0 runs the compiled kernels (engine.kernels), the others the torch reference (their
     # choice for a vector this small): one state per round all the same
     kernels = {0: {KERNELS_ENV: "on"}}
@@ -69,13 +73,15 @@ def _summary(histories: list[list[dict]]) -> str:
 @pytest.mark.parametrize(
     ("codec", "overlap", "d_model"),
     [("fp16", False, 64), ("int8", False, 64), ("4bit", False, 64), ("int8", True, 96), ("sparse", False, 96)],
-    ids=["fp16", "int8", "4bit", "int8-overlap-fragments", "sparse-fragments"],
+    ids=["fp16", "int8", "4bit", "int8-overlap-in-turn", "sparse-fragments"],
 )
 def test_three_peers_train_with_identical_digests(tmp_path: Path, codec: str, overlap: bool, d_model: int) -> None:
     histories, warnings = run_swarm(tmp_path, codec, overlap, d_model)
     assert all(len(h) == ROUNDS for h in histories)
     if d_model == 96:  # averaged in several fragments (the spec's default of 4 streams)
         assert len(fragment_bounds(histories[0][0]["params"], 4)) > 1
+    if overlap:  # ... and in turn: 2 fragments, each of 2 streams' fragments
+        assert len(fragment_bounds(histories[0][0]["params"], 2)) == 2
     # compare by global round number: a peer whose first matchmaking timed out (the others
     # were still starting) folds that round into the next, so its rows shift by one
     by_round: dict[int, list[dict]] = {}

@@ -73,10 +73,15 @@ class _FragmentRound:
     meets: int = 0
     finished: bool = False
 
+    auto: torch.Tensor | None = None
+    """Answer every fragment with this average as soon as it is opened."""
+
     def open_fragment(self, index: int) -> _Answer:
         start, end = self.bounds[index]
         self.sent[index] = self.buffer[: end - start].clone()
         self.answers[index] = _Answer()
+        if self.auto is not None:
+            self.answer(index, self.auto)
         return self.answers[index]
 
     def answer(self, index: int, average: torch.Tensor) -> None:
@@ -120,8 +125,10 @@ class InTurnSwarm(RecordingSwarm):
         self.spans.append(span_s)
 
     def start_round(self, **kwargs: Any) -> _FragmentRound:  # type: ignore[override]
-        self.round = _FragmentRound(self.buffer, self.bounds)
+        self.round = _FragmentRound(self.buffer, self.bounds, auto=self.auto)
         return self.round
+
+    auto: torch.Tensor | None = None
 
 
 @contextmanager
@@ -242,3 +249,19 @@ def test_the_spec_refuses_fragments_in_turn_without_overlap_or_with_an_eager_sta
         parse_spec(
             bare_spec("x", overlap=True, sections={"averaging": {"sync_fragments": 2, "overlap_start": '"eager"'}})
         )
+
+
+def test_a_peer_that_does_not_overlap_sends_every_fragment_in_turn_at_its_phases_end() -> None:
+    """``--no-overlap`` against a spec of fragments in turn: every member must cut its vector as
+    the spec says, so the fragments still go one by one, all at the phase's end; the gradients
+    never live in the averager's vector (one fragment long)."""
+    spec = in_turn_spec("int8")
+    swarm = InTurnSwarm()
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), swarm, TrainerOptions(max_rounds=1, overlap=False))  # type: ignore[arg-type]
+    numel = trainer.state.params.numel()
+    swarm.use(numel, IN_TURN)
+    swarm.auto = torch.full((numel,), 1e-3)
+    assert not trainer.inner.grads.enabled and trainer.local.launch_point is None
+    history = trainer.run()
+    assert swarm.round is not None and sorted(swarm.round.sent) == list(range(IN_TURN))
+    assert trainer.state.round == 1 and history[-1].averaged and trainer.in_sync
