@@ -318,9 +318,9 @@ class LoopbackSwarm:
         """The member trainer's inner steps so far (set once the trainer exists)."""
         self.ids: set[str] = set()
         averaging = group.averaging
-        self.in_turn = averaging.overlap and averaging.sync_fragments > 1
+        self.bounds = fragment_bounds(numel, averaging.fragments_in_turn)
+        self.in_turn = len(self.bounds) > 1
         """Fragments in turn: rounds start with ``LoopbackGroup.begin``, fragments open one by one."""
-        self.bounds = fragment_bounds(numel, averaging.sync_fragments if self.in_turn else 1)
 
     @contextmanager
     def outbox(self) -> Iterator[torch.Tensor]:

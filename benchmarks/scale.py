@@ -136,7 +136,7 @@ def spec_text(name: str, codec: str = "fp16", overlap: str = "off") -> str:
     """The runs' spec for size ``name``; ``overlap``: ``off``, ``whole`` (overlap, the vector at
     once) or a count of fragments averaged in turn (overlap, ``averaging.sync_fragments``)."""
     d_model, n_layers = SIZES[name]
-    in_turn = f"\nsync_fragments = {int(overlap)}" if overlap not in ("off", "whole") else ""
+    in_turn = "" if overlap == "off" else f"\nsync_fragments = {1 if overlap == 'whole' else int(overlap)}"
     on = "false" if overlap == "off" else "true"
     return SPEC.format(name=name.lower(), d_model=d_model, n_layers=n_layers, codec=codec, overlap=on, in_turn=in_turn)
 

@@ -73,11 +73,11 @@ CONFIGS = [  # name, kind, codec, overlap
     ("sparse", "swarmtrain", "sparse", True),
     ("fp32 no-overlap", "swarmtrain", "none", False),
     ("int8 no-overlap", "swarmtrain", "int8", False),
-    ("int8 in turn", "swarmtrain", "int8", True),
+    ("int8 whole-vector overlap", "swarmtrain", "int8", True),
     ("fp32 node of 2 ranks", "swarmtrain", "none", True),
 ]
-IN_TURN = {"int8 in turn": 4}
-"""Configurations whose overlap averages the vector's fragments in turn (``averaging.sync_fragments``)."""
+IN_TURN = {"int8 whole-vector overlap": 1}
+"""Configurations that set ``averaging.sync_fragments`` (with overlap, unset is 4 fragments in turn)."""
 NODE_RANKS = {"fp32 node of 2 ranks": 2}
 """Configurations whose first peer is a node of several local ranks (``--nproc-per-node``; the
 others keep one): its WAN averaging against fp32's, same state size (issue #13)."""

@@ -258,6 +258,8 @@ class OuterSection(_Section):
 SPARSE_DENSITIES = (1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)
 """What ``compression = "sparse"`` may send (``engine.sparse_codec.DENSITIES``, the same list)."""
 DEFAULT_DENSITY = 1 / 4
+DEFAULT_SYNC_FRAGMENTS = 4
+"""Fragments averaged in turn with overlap when the spec does not say (``AveragingSection.sync_fragments``)."""
 
 
 class AveragingSection(_Section):
@@ -283,12 +285,18 @@ class AveragingSection(_Section):
     allreduce_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
     """Initial time for one all-reduce, in seconds (adapted to measured transfers)."""
     overlap: bool = False
-    """Average round r in the background while round r+1 computes: no wait for the group, but
-    round r+1's inner steps run from a state that has not seen round r's average (a delay of
-    up to one round). Off by default: in a clean swarm of 4 it cost 2.0% of validation loss
-    when the average landed a quarter into the next phase and 8.9% when it landed at its end
-    (``benchmarks/results/training-quality-overlap.md``); on where waiting for the
-    all-reduce costs more than that (a long all-reduce against the inner phase)."""
+    """Average round r in the background while round r+1 computes, the pseudo-gradient's
+    fragments in turn (``sync_fragments``: each lands on its range of the model a fragment's
+    all-reduce after it was written), so no peer waits for its group or its all-reduce.
+    Measured in the realistic WAN regime (4 CPU peers on 2 cores, 50 Mbit/s, int8, H = 30, 15
+    rounds, one run each): utilization 97.5% against 84.5% without, but 34.7 samples/s against
+    35.7 (the averaging spread over the phase takes CPU from the inner steps there) and a final
+    loss 1.3% higher; in process, 2 fragments landing 1 / 2 steps late cost +0.08 / +0.11% of
+    validation loss at that H (3 seeds); host memory 3.5 model copies beyond the training state
+    against 2.9 without, at 200M (``benchmarks/results/``: ``wan-2026-12-03-realistic-15-in-turn``,
+    ``training-quality-overlap-defaults``, ``scale-in-turn-fp16-2026-12-03``). Off by default:
+    each round's steps start from the state the last round landed, the peer waits for every
+    round, and its gradients live in the averager's vector (the least host memory)."""
     overlap_start: Literal["eager", "local"] = "local"
     """With overlap, where round r+1's inner phase starts while round r averages: 'eager', the
     outer step applied to this peer's own pseudo-gradient, an estimate of the state round r
@@ -300,13 +308,14 @@ class AveragingSection(_Section):
     """Fragments of the pseudo-gradient averaged at once, each over its own libp2p streams
     (vectors under 64K values per fragment are cut into fewer): one stream per pair of peers
     caps at what its flow-control window carries."""
-    sync_fragments: Annotated[int, Field(ge=1, le=64)] = 1
+    sync_fragments: Annotated[int, Field(ge=1, le=64)] | None = None
     """With overlap: fragments of the pseudo-gradient averaged one after another while the
     next inner phase trains (Streaming DiLoCo's cut): fragment s is written s/S of the way into
     the phase, averaged by the round's one group, and lands on its range of the model as soon
     as it is in. The averager holds one fragment, not the vector, and one fragment's launch
     point is kept, not the model's (docs/design/round.md, "Fragments in turn"). 1: the whole
-    vector at once (vectors under 64K values per fragment are cut into fewer)."""
+    vector at once; unset: ``DEFAULT_SYNC_FRAGMENTS`` with overlap and a local start, else 1
+    (``fragments_in_turn``). Vectors under 64K values per fragment are cut into fewer."""
     robust: bool = True
     """Robust averaging (``engine.robust``, the keys below); false: the plain weighted mean."""
     audit: bool = True
@@ -339,14 +348,21 @@ class AveragingSection(_Section):
             value = getattr(self, name)
             if 0 < value < 1:
                 raise ValueError(f"{name} = {value} would bound honest members below the median; use 0 (off) or >= 1")
-        if self.sync_fragments > 1 and not self.overlap:
+        if self.sync_fragments is not None and self.sync_fragments > 1 and not self.overlap:
             raise ValueError(
                 f"sync_fragments = {self.sync_fragments} averages fragments while the next inner phase trains: "
                 "set overlap = true, or sync_fragments = 1"
             )
-        if self.sync_fragments > 1 and self.overlap_start == "eager":
+        if self.sync_fragments is not None and self.sync_fragments > 1 and self.overlap_start == "eager":
             raise ValueError('sync_fragments > 1 lands each fragment on its own range: use overlap_start = "local"')
         return self
+
+    @property
+    def fragments_in_turn(self) -> int:
+        """The fragments averaged in turn (``sync_fragments``, or its default for this overlap)."""
+        if self.sync_fragments is not None:
+            return self.sync_fragments
+        return DEFAULT_SYNC_FRAGMENTS if self.overlap and self.overlap_start == "local" else 1
 
     def wire_bytes_per_value(self) -> float:
         """Bytes per value of the pseudo-gradient the codec puts on the wire, its scales

@@ -8,9 +8,11 @@ estimate against what it allocated):
   optimizer's state (AdamW: two moments; SGD: none); sharded over the node's ranks with FSDP2
   these are divided by the ranks, plus one layer gathered whole;
 - in host memory, in the leader's process: the global parameters θ_g and the outer momentum,
-  the codec residual (lossy codecs with error feedback) and, with overlap, the launch point;
+  the codec residual (lossy codecs with error feedback) and, with overlap, the launch point (one
+  fragment's when the fragments are averaged in turn, ``averaging.sync_fragments``);
   with FSDP the leader also keeps a full copy of the model in host memory;
-- in shared memory (``/dev/shm``): the averager's vector, one fp32 value per parameter, which
+- in shared memory (``/dev/shm``): the averager's vector, one fp32 value per parameter (per
+  parameter of the longest fragment when they are averaged in turn), which
   hivemind's averaging process shares with the trainer; training on the CPU without overlap on
   one rank, the gradients live in it (``peer.round.grad_home``) and take no memory of their own;
 - serving the state to a newcomer takes no memory: θ_g and the momentum are written to a file
@@ -42,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from engine.fragments import fragment_bounds
 from protocol.modelsize import VOCAB_SIZE, loss_chunk_rows, task_params
 
 if TYPE_CHECKING:
@@ -106,7 +109,12 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
     ranks = max(1, local_ranks)
     per_param = 4 * FP32 if spec.inner.optimizer == "adamw" else 2 * FP32  # params, grads (+ 2 moments)
     share = ranks if sharded else 1
-    in_vector = not accelerator and not spec.averaging.overlap and ranks == 1  # ``peer.round.grad_home``
+    # averaged in turn, the averager's vector and the launch point are one fragment long
+    fragment = max(end - start for start, end in fragment_bounds(n, spec.averaging.fragments_in_turn))
+    in_turn = fragment < n
+    in_vector = (
+        not accelerator and not spec.averaging.overlap and not in_turn and ranks == 1
+    )  # ``peer.round.grad_home``
     items = [
         Item("parameters", n * FP32 // share, "device"),
         Item("gradients", n * FP32 // share, "shm" if in_vector else "device"),
@@ -125,12 +133,12 @@ def estimate(spec: RunSpec, *, accelerator: bool, local_ranks: int = 1, sharded:
         Item("global parameters", n * FP32, "host"),
         Item("outer momentum", n * FP32, "host"),
         Item("runtime", HOST_BASE_BYTES, "host"),
-        Item("averager vector", 0 if in_vector else n * FP32, "shm"),  # (the gradients' there then)
+        Item("averager vector", 0 if in_vector else fragment * FP32, "shm"),  # (the gradients' there then)
     ]
     if spec.averaging.error_feedback and spec.averaging.compression in LOSSY_CODECS:
         items.append(Item("codec residual", n * RESIDUAL_BYTES, "host"))
     if spec.averaging.overlap:
-        items.append(Item("launch point", n * FP32, "host"))
+        items.append(Item("launch point", fragment * FP32, "host"))
     if sharded and ranks > 1:
         items.append(Item("leader's full model copy", n * FP32, "host"))
     return Footprint(params=n, items=[i for i in items if i.bytes > 0], accelerator=accelerator)

@@ -40,10 +40,20 @@ from peer.round.resync import outer_at
 from peer.round.state import GlobalState, model_window, parameter_views, read_model_window
 from peer.round.swarm_port import FragmentAnswer, RoundResult
 from peer.round.turn import InTurn
+from protocol.spec import RunSpec
 
-__all__ = ["FragmentsInTurn"]
+__all__ = ["FragmentsInTurn", "in_turn_bounds"]
 
 logger = logging.getLogger(__name__)
+
+
+def in_turn_bounds(spec: RunSpec, numel: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the fragments a vector of ``numel`` values is averaged in, in turn:
+    the spec's, whether or not this peer overlaps (``--no-overlap``: every member of a group must
+    cut its vector alike, as the averager does; without overlap the fragments go one after
+    another at the phase's end), and one where the vector is too short for more
+    (``engine.fragments.MIN_FRAGMENT_VALUES`` each)."""
+    return fragment_bounds(numel, spec.averaging.fragments_in_turn)
 
 
 class FragmentsInTurn:
@@ -58,13 +68,11 @@ class FragmentsInTurn:
 
     @property
     def fragments(self) -> int:
-        """Fragments in turn (1: the whole vector at once, as without them). The spec's, whether
-        or not this peer overlaps (``--no-overlap``): every member of a group must cut its vector
-        alike; without overlap the fragments go one after another at the phase's end."""
-        return self.crew.spec.averaging.sync_fragments
+        """Fragments in turn (1: the whole vector at once, as without them; ``in_turn_bounds``)."""
+        return len(self.bounds())
 
     def bounds(self) -> list[tuple[int, int]]:
-        return fragment_bounds(self.local.state.params.numel(), self.fragments)
+        return in_turn_bounds(self.crew.spec, self.local.state.params.numel())
 
     def begin(self, *, zeros: bool) -> InTurn:
         """A launched round's fragments: fragment 0 written into the buffer (its gate opens once

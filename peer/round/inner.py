@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.fragments import fragment_bounds
 from peer.node.inner_step import inner_optimizer, inner_step
 from peer.round import joining as joins
 from peer.round.grad_home import GradHome
@@ -73,7 +74,8 @@ class InnerSteps:
     def __init__(self, crew: Crew, local: LocalState, joining: Joining) -> None:
         self.crew, self.local, self.joining = crew, local, joining
         on_cpu = all(p.device.type == "cpu" for p in local.model.parameters())
-        in_turn = crew.spec.averaging.sync_fragments > 1  # (the averager's vector is one fragment long)
+        # (averaged in turn, the averager's vector is one fragment long)
+        in_turn = len(fragment_bounds(local.state.params.numel(), crew.spec.averaging.fragments_in_turn)) > 1
         self.grads = GradHome(
             crew.swarm, enabled=not crew.overlap and not in_turn and crew.ranks.world_size == 1 and on_cpu
         )

@@ -184,7 +184,10 @@ class Landing:
             audit_s=round(result.stats.audit_s, 4) if result else 0.0,
             audit_bytes=result.stats.audit_bytes if result else 0,
             params=local.state.params.numel(),
-            allreduce_s=round(result.stats.allreduce_s, 4) if result else 0.0,
+            # (fragments in turn: their all-reduces' own seconds, not the round's span across the phase)
+            allreduce_s=round(flight.turn.allreduce_s if flight.turn else result.stats.allreduce_s, 4)
+            if result
+            else 0.0,
             matchmaking_s=round(result.matchmaking_s, 4) if result else 0.0,
             matchmaking_timeout_s=round(crew.timeouts.matchmaking_s, 2),
             allreduce_timeout_s=round(crew.timeouts.allreduce_s, 2),

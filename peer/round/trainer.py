@@ -48,7 +48,7 @@ from peer.node.inner_step import Precision, inner_optimizer
 from peer.node.local_ranks import local_ranks
 from peer.round.adoption import Adoption
 from peer.round.host_passes import Staging
-from peer.round.in_turn import FragmentsInTurn
+from peer.round.in_turn import FragmentsInTurn, in_turn_bounds
 from peer.round.inner import InnerPhase, InnerSteps
 from peer.round.joining import Joining
 from peer.round.landing import Landed, Landing
@@ -131,7 +131,7 @@ class Trainer:
         ranks = local_ranks(options.node, model, shard=options.shard)
         self.local = local = LocalState(model, state, inner_optimizer(spec, ranks.forward), None)
         overlap = spec.averaging.overlap if options.overlap is None else options.overlap
-        in_turn = spec.averaging.sync_fragments > 1
+        in_turn = len(in_turn_bounds(spec, state.params.numel())) > 1
         if in_turn and ranks.sharded:
             raise ConfigError(
                 "averaging.sync_fragments > 1 is not supported on a node that shards its model over "

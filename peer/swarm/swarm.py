@@ -344,7 +344,7 @@ class Swarm:
             client_mode=self.client_mode,
             gate=self.gate,
             streams=averaging.streams,
-            sync_fragments=averaging.sync_fragments,
+            sync_fragments=averaging.fragments_in_turn,
             robust=RobustRule.for_spec(averaging, spec.credits),
             audit=averaging.audit,
             updates=self.updates,

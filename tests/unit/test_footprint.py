@@ -23,8 +23,10 @@ from tests.unit.recording_swarm import RecordingSwarm
 
 SPEC = bare_spec(
     "footprint", d_model=256, n_layers=2, n_heads=4, context=16, batch_size=2, inner_steps=2,
-    compression="{codec}", overlap="{overlap}",
+    compression="{codec}", overlap="{overlap}", sections={"averaging": {"sync_fragments": 1}},
 )  # fmt: skip
+"""(The whole vector at once: the fragments in turn keep their one-fragment buffers only while a
+round is in flight; ``benchmarks.scale --overlaps 4`` measures them.)"""
 SCRATCH = 2 << 20
 """Chunk buffers of the host passes (``peer.round.state.CHUNK_VALUES``), not per parameter."""
 AT_REST = ("gradients", "activations", "logits", "runtime", "CUDA context")

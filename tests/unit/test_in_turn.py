@@ -265,3 +265,19 @@ def test_a_peer_that_does_not_overlap_sends_every_fragment_in_turn_at_its_phases
     history = trainer.run()
     assert swarm.round is not None and sorted(swarm.round.sent) == list(range(IN_TURN))
     assert trainer.state.round == 1 and history[-1].averaged and trainer.in_sync
+
+
+def test_a_vector_too_short_for_two_fragments_is_averaged_whole_as_the_averager_cuts_it() -> None:
+    """The trainer and its averager cut alike (``engine.fragments``): a model under two
+    fragments' worth of values is one fragment, so no gate is waited for and the round is plain
+    overlap (the averager would never answer a gate it does not have)."""
+    from engine.fragment_rounds import sync_layout
+
+    spec = parse_spec(
+        bare_spec("small", overlap=True, compression="int8", sections={"averaging": {"sync_fragments": 4}})
+    )
+    trainer = Trainer(spec, build_task(spec, shard_seed=1), RecordingSwarm(), TrainerOptions(max_rounds=1))  # type: ignore[arg-type]
+    numel = trainer.state.params.numel()
+    syncs, _ = sync_layout(numel, 4, spec.averaging.streams)
+    assert len(syncs) == 1 and trainer.in_turn.fragments == 1
+    assert trainer.launcher.in_turn is None and trainer.local.launch_point is not None
