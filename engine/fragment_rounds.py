@@ -221,7 +221,10 @@ class FragmentRoundsMixin:
                     for lo, hi in runner.missing_ranges()
                 ]
                 if sync == last and room is not None and self._audits_here(runners, group_info):
-                    audit = await self._audit_of(group_id, room, [start for start, _ in parts], totals)
+                    if sum(hi - lo for lo, hi in totals.missing + missing) >= self.numel:
+                        await self._tell_no_verdict(group_id, room)  # type: ignore[attr-defined]  # nothing to audit
+                    else:
+                        audit = await self._audit_of(group_id, room, [start for start, _ in parts], totals)
                 totals.missing.extend(missing)
                 if self.in_turn:
                     self._sync_gates().answer(

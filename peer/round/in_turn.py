@@ -197,6 +197,7 @@ class FragmentsInTurn:
         logger.info(
             "round %d averages in a group of %d: landing it fragment by fragment", local.state.round, len(members)
         )
+        flight.result = result  # (the round as its group shows it, until its last fragment: ``Landing.judge``)
         if crew.journal is not None:
             crew.journal.landing(self.landing.round_metrics(flight, local.state.round + 1), flight.pre_digest)  # type: ignore[attr-defined]
         local.state.wait_for_digest()  # the state changes in place from here on

@@ -189,6 +189,8 @@ def test_fragments_landed_in_turn_are_the_bits_of_one_landing_of_the_whole_vecto
                 assert sorted(swarm.round.sent) == list(range(index + 2))
                 launch[slice(*bounds[index + 1])] = snapshot[slice(*bounds[index + 1])]
                 assert trainer.state.round == 0 and trainer.local.between_rounds
+                with pytest.raises(RuntimeError, match="between two rounds"):  # served to nobody meanwhile
+                    trainer._serve(lambda *args: {})
             else:
                 assert trainer._land(flight, wait=True)
             after_landing[slice(*bounds[index])] = flatten(trainer.model)[slice(*bounds[index])]
