@@ -214,6 +214,8 @@ class FragmentRoundsMixin:
                 if errors := [outcome for outcome in outcomes if isinstance(outcome, BaseException)]:
                     raise errors[0]
                 offences = pooled.offences(runners, self.robust)  # type: ignore[attr-defined]
+                for peer, reason in sorted(offences.items()):
+                    logger.warning("round's contribution from %s bounded by this reducer: %s", peer, reason)
                 totals.add(runners, offences)
                 missing = [
                     (start + lo, start + hi)
@@ -238,10 +240,13 @@ class FragmentRoundsMixin:
                         ),
                     )  # fmt: skip
                 del runners, outcomes  # a fragment's parts and buffers go before the next one's
-        except BaseException as exc:
+        except Exception as exc:
             if room is not None:  # the others need not wait for this peer's verdict
                 await self._tell_no_verdict(group_id, room)  # type: ignore[attr-defined]
             self._close_gates(gates, f"this peer's all-reduce failed: {type(exc).__name__}: {exc}")
+            raise
+        except BaseException:  # cancelled (the round's deadline): its gates are answered, nothing awaited
+            self._close_gates(gates, "this peer's all-reduce was cancelled")
             raise
         self._close_gates(gates, "the round's all-reduce is over")
         self._finish_round(group_id, group_info, started, round_, update, totals, audit)
